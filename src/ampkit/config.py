@@ -1,0 +1,153 @@
+"""MixedPrecisionConfig: every knob of the engine and the loss scaler, typed, validated, documented.
+
+One source of truth for defaults and help text: the CLI builds its flags from :func:`fields_help`.
+The loss-scaling defaults are ``torch.amp.GradScaler``'s, so a default config scales exactly
+like it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Optional, Union
+
+import torch
+
+from .precision import parse_precision
+
+__all__ = ["ConfigError", "MixedPrecisionConfig"]
+
+
+class ConfigError(ValueError):
+    """An invalid config value: the message names the field, the value and the allowed range."""
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class MixedPrecisionConfig:
+    """All settings of :class:`ampkit.MixedPrecision`. Validated on construction.
+
+    Loss-scaling fields only matter for precisions that need a scaler (``fp16``, ``fp16-pure``);
+    ``skip_nonfinite`` applies to every precision.
+    """
+
+    precision: str = _f("auto", "precision name or alias (auto, fp32, tf32, bf16, fp16, bf16-pure, fp16-pure, fp8)")
+    init_scale: float = _f(2.0**16, "initial loss scale (torch.amp.GradScaler default 65536)")
+    growth_factor: float = _f(2.0, "multiply the scale by this after growth_interval finite steps (> 1)")
+    backoff_factor: float = _f(0.5, "multiply the scale by this when backing off after overflow (0 < x < 1)")
+    growth_interval: int = _f(2000, "consecutive finite steps before the scale grows (>= 1)")
+    hysteresis: int = _f(1, "overflows tolerated before backing off (DeepSpeed 'hysteresis'; 1 = torch behaviour)")
+    consecutive_hysteresis: bool = _f(False, "refill the hysteresis budget on every finite step (DeepSpeed semantics)")
+    min_scale: Optional[float] = _f(None, "lower bound of the loss scale (None: unbounded, like torch)")
+    max_scale: Optional[float] = _f(None, "upper bound of the loss scale (None: unbounded, like torch)")
+    dynamic_scaling: bool = _f(True, "False keeps the scale constant at init_scale (non-finite steps are still skipped)")
+    skip_nonfinite: bool = _f(True, "skip optimizer steps whose gradients hold inf/NaN, in every precision")
+    autocast_cache: bool = _f(True, "let autocast cache casted weights within a forward (torch.autocast cache_enabled)")
+    accumulation_steps: int = _f(1, "micro-steps per optimizer step (the loss is divided by this)")
+    clip_grad_norm: Optional[float] = _f(None, "clip the (unscaled) total gradient norm to this (None: no clipping)")
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        # Canonicalise the precision spelling once, at the edge.
+        object.__setattr__(self, "precision", _canonical_precision(self.precision))
+        _require(self.init_scale > 0 and math.isfinite(self.init_scale), "init_scale", self.init_scale,
+                 "a finite number > 0")
+        _require(self.growth_factor > 1.0 and math.isfinite(self.growth_factor), "growth_factor",
+                 self.growth_factor, "a finite number > 1.0 (use dynamic_scaling=False for a constant scale)")
+        _require(0.0 < self.backoff_factor < 1.0, "backoff_factor", self.backoff_factor,
+                 "a number with 0 < backoff_factor < 1")
+        _require(self.growth_interval >= 1, "growth_interval", self.growth_interval, "an integer >= 1")
+        _require(self.hysteresis >= 1, "hysteresis", self.hysteresis, "an integer >= 1 (1 = back off on every overflow)")
+        _require(self.accumulation_steps >= 1, "accumulation_steps", self.accumulation_steps, "an integer >= 1")
+        for name in ("min_scale", "max_scale", "clip_grad_norm"):
+            v = getattr(self, name)
+            _require(v is None or (v > 0 and math.isfinite(v)), name, v, "None or a finite number > 0")
+        lo = self.min_scale if self.min_scale is not None else 0.0
+        hi = self.max_scale if self.max_scale is not None else math.inf
+        _require(lo <= hi, "max_scale", self.max_scale, f"None or >= min_scale ({self.min_scale})")
+        _require(lo <= self.init_scale <= hi, "init_scale", self.init_scale,
+                 f"a value within [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
+
+    def _check_types(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            expected = _expected_type(f.type)
+            if v is None and "Optional" in str(f.type):
+                continue
+            if expected is float and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
+                continue
+            if expected is str and f.name == "precision" and isinstance(v, torch.dtype):
+                continue
+            if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
+                raise ConfigError(f"{f.name}={v!r} has type {type(v).__name__}; expected "
+                                  f"{expected.__name__}{' or None' if 'Optional' in str(f.type) else ''}")
+
+    def replace(self, **changes: Any) -> MixedPrecisionConfig:
+        """A validated copy with ``changes`` applied (unknown names raise :class:`ConfigError`)."""
+        return MixedPrecisionConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON/TOML-serialisable dict; ``from_dict(to_dict())`` round-trips."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MixedPrecisionConfig:
+        """Build from a dict; unknown keys raise :class:`ConfigError` listing the valid ones."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"expected a dict of config values, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in data if k not in names]
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(names)}")
+        return cls(**data)
+
+    @classmethod
+    def from_toml(cls, path: str) -> MixedPrecisionConfig:
+        """Read a TOML file: top-level keys, or an ``[amp]`` table."""
+        data = _read_toml(path)
+        return cls.from_dict(data.get("amp", data) if isinstance(data.get("amp"), dict) else data)
+
+
+def fields_help() -> list[tuple[str, Any, str, Any]]:
+    """(name, type, help, default) for every field: the CLI builds its flags from this."""
+    out = []
+    for f in fields(MixedPrecisionConfig):
+        default = f.default if f.default is not MISSING else None
+        out.append((f.name, _expected_type(f.type), f.metadata.get("help", ""), default))
+    return out
+
+
+def _expected_type(annotation: Union[str, type]) -> type:
+    text = str(annotation)
+    for t in (bool, int, float, str):
+        if t.__name__ in text:
+            return t
+    return object
+
+
+def _canonical_precision(value: Any) -> str:
+    name = parse_precision(value)  # raises PrecisionError (a ValueError) with the valid names
+    return "O2" if name == "o2" else name
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid {name}={value!r}: must be {allowed}")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - older Pythons
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None

@@ -1,0 +1,430 @@
+"""LossScaler: ``torch.amp.GradScaler`` semantics, plus DeepSpeed-style hysteresis, bounds and a constant mode.
+
+Semantics, written down before the code (per iteration, after all backward passes):
+
+1. ``unscale_(opt)`` multiplies every gradient by ``1/scale`` (the reciprocal taken in fp64, as
+   torch does) and sets ``found_inf`` if any gradient holds inf/NaN. No host sync.
+2. ``step(opt)`` skips ``opt.step()`` when ``found_inf``. With an optimizer that does its own
+   AMP bookkeeping (fused Adam/AdamW/SGD: ``_step_supports_amp_scaling``) the decision is made on
+   the device (no sync); otherwise reading ``found_inf`` is one device->host sync, as in torch.
+3. ``update()``: if found_inf, the step was skipped; then back off, subject to hysteresis:
+
+   * ``hysteresis == 1`` (torch): every overflow multiplies the scale by ``backoff_factor``.
+   * ``hysteresis == N > 1`` (DeepSpeed ``DynamicLossScaler``): each overflow spends one unit of
+     a budget of N; while more than one unit is left the overflow only spends it, once the
+     budget is down to its last unit every overflow backs off. The budget refills to N when the
+     scale grows, or on every finite step with ``consecutive_hysteresis=True``.
+   * Every overflow resets the growth counter; ``growth_interval`` consecutive finite steps
+     multiply the scale by ``growth_factor`` (only if the result is finite, as torch).
+   * ``min_scale`` / ``max_scale`` clamp the result. ``dynamic=False`` never changes the scale
+     (non-finite steps are still skipped).
+
+With ``hysteresis=1`` and no bounds, ``update`` *is* ``torch._amp_update_scale_``, the kernel
+GradScaler uses, so the scale sequence is identical to ``torch.amp.GradScaler``'s. The scale,
+growth counter, hysteresis budget and overflow count are device tensors, created lazily on the
+device of the first ``scale()``d tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from enum import Enum
+from typing import Any, Optional, Union
+
+import torch
+
+from .config import MixedPrecisionConfig
+
+__all__ = ["LossScaler"]
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf_per_device": {}}
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 training (and finite-checking for every precision).
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
+        hysteresis: overflows tolerated before backing off (DeepSpeed semantics, see module doc).
+        consecutive_hysteresis: refill the hysteresis budget on every finite step.
+        min_scale, max_scale: clamp the scale (None: unbounded, like torch).
+        dynamic: False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.
+        enabled: False makes every method a pass-through (like ``GradScaler(enabled=False)``).
+        device: where the scale lives; default: the device of the first tensor given to ``scale``
+            or of the first gradient seen by ``unscale_``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+        dynamic: bool = True,
+        enabled: bool = True,
+        device: Union[str, torch.device, None] = None,
+    ) -> None:
+        # Validation lives in the config; building one checks every value and range.
+        MixedPrecisionConfig(precision="fp16", init_scale=init_scale, growth_factor=growth_factor,
+                             backoff_factor=backoff_factor, growth_interval=growth_interval,
+                             hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale)
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._hysteresis = int(hysteresis)
+        self._consecutive_hysteresis = bool(consecutive_hysteresis)
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._dynamic = bool(dynamic)
+        self._enabled = bool(enabled)
+        self._device = torch.device(device) if device is not None else None
+        # Device state, created lazily (cheap, device-agnostic construction).
+        self._scale: Optional[torch.Tensor] = None
+        self._growth_tracker: Optional[torch.Tensor] = None
+        self._hysteresis_left: Optional[torch.Tensor] = None
+        self._overflows: Optional[torch.Tensor] = None
+        self._init_growth_tracker = 0
+        self._init_hysteresis_left = self._hysteresis
+        self._init_overflows = 0
+        self._updates = 0
+        self._last_found_inf: Optional[torch.Tensor] = None
+        self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh)
+
+    @classmethod
+    def from_config(cls, config: MixedPrecisionConfig, *, enabled: bool = True,
+                    device: Union[str, torch.device, None] = None) -> LossScaler:
+        """A scaler configured by the loss-scaling fields of ``config``."""
+        return cls(config.init_scale, config.growth_factor, config.backoff_factor,
+                   config.growth_interval, hysteresis=config.hysteresis,
+                   consecutive_hysteresis=config.consecutive_hysteresis,
+                   min_scale=config.min_scale, max_scale=config.max_scale,
+                   dynamic=config.dynamic_scaling, enabled=enabled, device=device)
+
+    @classmethod
+    def unit(cls, device: Union[str, torch.device, None] = None) -> LossScaler:
+        """A constant scale of 1: no scaling arithmetic at all, but non-finite steps are skipped."""
+        return cls(1.0, dynamic=False, device=device)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_unit(self) -> bool:
+        """True for a constant scale of 1.0: ``scale()`` is the identity and ``unscale_`` only checks."""
+        return not self._dynamic and self._init_scale == 1.0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def scale_tensor(self) -> Optional[torch.Tensor]:
+        """The live scale (a 0-d fp32 device tensor; None before first use). No sync."""
+        return self._scale
+
+    @property
+    def found_inf(self) -> Optional[torch.Tensor]:
+        """0-d fp32 tensor: > 0 when the last ``update()``'d iteration overflowed. No sync."""
+        return self._last_found_inf
+
+    @property
+    def overflow_count(self) -> Optional[torch.Tensor]:
+        """0-d int64 device tensor: total overflowing (skipped) iterations. No sync."""
+        return self._overflows
+
+    @property
+    def updates(self) -> int:
+        """Number of ``update()`` calls (optimizer iterations), a host int."""
+        return self._updates
+
+    # ------------------------------------------------------------------ lazy state
+    def _lazy_init(self, device: torch.device) -> None:
+        dev = self._device or device
+        self._device = dev
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
+        self._overflows = torch.full((), self._init_overflows, dtype=torch.int64, device=dev)
+        self._one = torch.ones((), dtype=torch.float32, device=dev)
+
+    def _ensure(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:
+            self._lazy_init(device)
+        assert self._scale is not None
+        return self._scale
+
+    # ------------------------------------------------------------------ the verbs
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor (or an iterable of tensors) by the scale. No sync.
+
+        Call on the loss before ``backward()``. Returns ``outputs`` unchanged when disabled or
+        when the scale is the constant 1.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            scale = self._ensure(outputs.device)
+            if self.is_unit:
+                return outputs
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+        return type(outputs)(self.scale(o) for o in outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Divide ``optimizer``'s gradients by the scale in place and check them for inf/NaN.
+
+        Call once per optimizer per iteration, after all backward passes and before ``step``
+        (e.g. to clip). Returns this optimizer's ``found_inf`` (0-d fp32 tensor on the scale's
+        device; > 0 means overflow). No sync. A second call before ``update()`` raises.
+        """
+        if not self._enabled:
+            raise RuntimeError("unscale_() called on a disabled LossScaler")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(); "
+                               "call it once per iteration, after backward() and before step()")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step(); call unscale_() before step(), "
+                               "or call update() to start the next iteration")
+        scale = self._ensure(_first_grad_device(optimizer))
+        if self.is_unit:
+            inv = self._one
+        elif scale.device.type == "mps":
+            inv = scale.reciprocal()
+        else:
+            # fp32 division can be imprecise under some compile options, so torch takes the
+            # reciprocal in fp64 (torch/amp/grad_scaler.py); we do the same to stay bit-identical.
+            inv = scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._check_and_unscale(optimizer, inv, allow_fp16=False)
+        state["stage"] = _Stage.UNSCALED
+        return self._combined(state)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``unscale_`` (if not done yet), then ``optimizer.step()`` unless gradients were non-finite.
+
+        Fused optimizers (``_step_supports_amp_scaling``) receive ``grad_scale``/``found_inf``
+        and skip on the device: no sync. Other optimizers need one device->host sync to decide.
+        Returns what ``optimizer.step`` returned (None when skipped). Closures are not supported.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("closure use is not supported with loss scaling")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update(); call update() first")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            scale = self._ensure(_first_grad_device(optimizer))
+            if state["stage"] is _Stage.READY:
+                # Only check here; the fused kernel unscales (torch's own protocol).
+                state["found_inf_per_device"] = self._check_and_unscale(optimizer, self._one, allow_fp16=True)
+                grad_scale = None if self.is_unit else scale
+            else:
+                grad_scale = None  # already unscaled
+            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+            optimizer.found_inf = self._combined(state)  # type: ignore[attr-defined]
+            try:
+                ret = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            state["stage"] = _Stage.STEPPED
+            return ret
+        if state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        ret = None
+        # The one sync non-fused optimizers need: the host must decide whether to call step().
+        if not sum(v.item() for v in state["found_inf_per_device"].values()):
+            ret = optimizer.step(*args, **kwargs)
+        state["stage"] = _Stage.STEPPED
+        return ret
+
+    def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
+        """End the iteration: fold every optimizer's ``found_inf`` into the scale (module doc). No sync.
+
+        Call once per iteration, after ``step`` for every optimizer. ``new_scale`` sets the
+        scale directly instead (bounds still apply).
+        """
+        if not self._enabled:
+            return
+        if self._scale is None:
+            raise RuntimeError("update() called before any scale()/unscale_()/step(); nothing to update")
+        if new_scale is not None:
+            self._scale.fill_(new_scale) if isinstance(new_scale, (int, float)) else self._scale.copy_(new_scale)
+            self._clamp()
+            self._per_optimizer = defaultdict(_fresh)
+            return
+        found = [f.to(self._scale.device, non_blocking=True)
+                 for st in self._per_optimizer.values() for f in st["found_inf_per_device"].values()]
+        if not found:
+            raise RuntimeError("update() called but no optimizer was unscaled or stepped this iteration; "
+                               "call step(optimizer) (or unscale_) before update()")
+        found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
+        assert self._growth_tracker is not None and self._hysteresis_left is not None and self._overflows is not None
+        if self._dynamic:
+            if self._hysteresis == 1:
+                torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf,
+                                         self._growth_factor, self._backoff_factor, self._growth_interval)
+                self._clamp()
+            else:
+                self._update_with_hysteresis(found_inf)
+        self._overflows.add_((found_inf > 0).to(torch.int64))
+        self._last_found_inf = found_inf
+        self._updates += 1
+        self._per_optimizer = defaultdict(_fresh)
+
+    # ------------------------------------------------------------------ internals
+    def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
+        scale, tracker, left = self._scale, self._growth_tracker, self._hysteresis_left
+        assert scale is not None and tracker is not None and left is not None
+        overflow = found_inf > 0
+        backoff = overflow & (left <= 1)
+        successful = tracker + 1
+        grow = (~overflow) & (successful >= self._growth_interval)
+        grown = scale * self._growth_factor
+        new = torch.where(backoff, scale * self._backoff_factor, scale)
+        new = torch.where(grow & torch.isfinite(grown), grown, new)
+        refill = grow | (~overflow) if self._consecutive_hysteresis else grow
+        new_left = torch.where(overflow & (left > 1), left - 1, left)
+        new_left = torch.where(refill, torch.full_like(left, self._hysteresis), new_left)
+        tracker.copy_(torch.where(overflow | grow, torch.zeros_like(tracker), successful))
+        left.copy_(new_left)
+        scale.copy_(new)
+        self._clamp()
+
+    def _clamp(self) -> None:
+        if self._scale is not None and (self._min_scale is not None or self._max_scale is not None):
+            self._scale.clamp_(min=self._min_scale, max=self._max_scale)
+
+    def _combined(self, state: dict[str, Any]) -> torch.Tensor:
+        assert self._scale is not None
+        vals = [v.to(self._scale.device, non_blocking=True) for v in state["found_inf_per_device"].values()]
+        if not vals:
+            return torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        return vals[0] if len(vals) == 1 else torch.stack(vals).sum()
+
+    @staticmethod
+    def _check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                           allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    if not allow_fp16 and g.dtype == torch.float16:
+                        raise ValueError("attempting to unscale fp16 gradients: fp16 parameters need fp32 "
+                                         "master weights (use precision 'fp16-pure'), or keep parameters in fp32")
+                    if g.is_sparse:
+                        if g.dtype is torch.float16:
+                            p.grad = g = g.coalesce()
+                        g = g._values()
+                    by_device[g.device][g.dtype].append(g)
+            found: dict[torch.device, torch.Tensor] = {}
+            for dev, per_dtype in by_device.items():
+                found[dev] = torch.zeros((), dtype=torch.float32, device=dev)
+                inv = inv_scale.to(dev, non_blocking=True)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found[dev], inv)
+        return found
+
+    # ------------------------------------------------------------------ reading (syncs)
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). **Syncs** with the device."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume; a superset of ``torch.amp.GradScaler.state_dict()``. **Syncs**.
+
+        Call between iterations (after ``update()``).
+        """
+        if not self._enabled:
+            return {}
+
+        def read(t: Optional[torch.Tensor], default: int) -> int:
+            return default if t is None else int(t.item())
+
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": read(self._growth_tracker, self._init_growth_tracker),
+            "hysteresis": self._hysteresis,
+            "consecutive_hysteresis": self._consecutive_hysteresis,
+            "_hysteresis_left": read(self._hysteresis_left, self._init_hysteresis_left),
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "dynamic": self._dynamic,
+            "overflows": read(self._overflows, self._init_overflows),
+            "updates": self._updates,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from our own ``state_dict()`` or from a ``torch.amp.GradScaler.state_dict()``.
+
+        Keys a GradScaler does not have (hysteresis, bounds, counters) keep this scaler's settings.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError("the scaler state dict is empty: it was probably saved from a disabled "
+                               "GradScaler/LossScaler (e.g. a bf16 or fp32 run)")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                   if k not in state_dict]
+        if missing:
+            raise KeyError(f"scaler state dict lacks {missing}; expected a LossScaler or torch.amp.GradScaler state dict")
+        scale = float(state_dict["scale"])
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"scaler state dict holds an invalid scale {scale!r}")
+        self._init_scale = scale
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
+        self._init_hysteresis_left = int(state_dict.get("_hysteresis_left", self._hysteresis))
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._max_scale = state_dict.get("max_scale", self._max_scale)
+        self._dynamic = bool(state_dict.get("dynamic", self._dynamic))
+        self._init_overflows = int(state_dict.get("overflows", 0))
+        self._updates = int(state_dict.get("updates", 0))
+        if self._scale is not None:
+            self._scale.fill_(scale)
+            assert self._growth_tracker is not None and self._hysteresis_left is not None and self._overflows is not None
+            self._growth_tracker.fill_(self._init_growth_tracker)
+            self._hysteresis_left.fill_(self._init_hysteresis_left)
+            self._overflows.fill_(self._init_overflows)
+        self._per_optimizer = defaultdict(_fresh)
+
+    def __repr__(self) -> str:
+        mode = "unit" if self.is_unit else ("dynamic" if self._dynamic else "constant")
+        return (f"LossScaler({mode}, init_scale={self._init_scale}, growth_factor={self._growth_factor}, "
+                f"backoff_factor={self._backoff_factor}, growth_interval={self._growth_interval}, "
+                f"hysteresis={self._hysteresis}, min_scale={self._min_scale}, max_scale={self._max_scale})")
+
+
+def _first_grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return p.grad.device
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
