@@ -77,7 +77,8 @@ def test_o2_is_pure_form_of_auto():
 def test_precision_fields(name, param, compute, scaler):
     p = resolve_precision(name, cuda((9, 0)))
     assert (p.name, p.param_dtype, p.compute_dtype, p.needs_scaler) == (name, param, compute, scaler)
-    with pytest.raises(Exception):
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.name = "x"  # frozen
 
 

@@ -22,8 +22,9 @@ The engine knows nothing about logging, plots or the CLI: observers subscribe to
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -286,7 +287,14 @@ class MixedPrecision:
         found_inf = None
         if scaler.is_enabled():
             scale = scaler.scale_tensor if scaler.is_unit else _clone(scaler.scale_tensor)
-            if clip is not None:
+            if clip is not None and scaler.is_unit:
+                # Nothing to unscale: the clipped total norm is non-finite exactly when some
+                # gradient is, so it doubles as the finite check (saves a pass over the grads).
+                grad_norm = torch.nn.utils.clip_grad_norm_(_params(opts), clip)
+                found = torch.logical_not(torch.isfinite(grad_norm)).float()
+                for opt in opts:
+                    scaler.set_found_inf(opt, found)
+            elif clip is not None:
                 for opt in opts:
                     scaler.unscale_(opt)
                 grad_norm = torch.nn.utils.clip_grad_norm_(_params(opts), clip)

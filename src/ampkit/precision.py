@@ -194,6 +194,18 @@ def _unsupported(name: str, info: DeviceInfo) -> Optional[str]:
     return None
 
 
+def cpu_emulation_note(name: str, info: DeviceInfo) -> str:
+    """'' or why ``name`` runs emulated (slower than fp32) on this CPU."""
+    if info.type != "cpu" or info.cpu is None or name not in _TABLE:
+        return ""
+    dtype = _TABLE[name][1]
+    if dtype == torch.bfloat16 and not info.cpu.native_bf16:
+        return "emulated on this CPU: no AMX-BF16/AVX512-BF16, expect it slower than fp32"
+    if dtype == torch.float16 and not info.cpu.native_fp16:
+        return "emulated on this CPU: no AVX512-FP16/AMX-FP16, expect it slower than fp32"
+    return ""
+
+
 def resolve_precision(
     spec: Union[str, torch.dtype, Precision] = "auto",
     device: Union[str, torch.device, DeviceInfo, None] = None,
@@ -223,10 +235,9 @@ def resolve_precision(
                                  f"Choose one this device supports, or 'auto'.")
         reason = _DESCRIPTIONS[name]
         if info.type == "cpu" and info.cpu is not None:
-            if _TABLE[name][1] == torch.bfloat16 and not info.cpu.native_bf16:
-                reason += " (emulated on this CPU: no AMX-BF16/AVX512-BF16, expect it slower than fp32)"
-            if _TABLE[name][1] == torch.float16 and not info.cpu.native_fp16:
-                reason += " (emulated on this CPU: no AVX512-FP16/AMX-FP16, expect it slower than fp32)"
+            note = cpu_emulation_note(name, info)
+            if note:
+                reason += f" ({note})"
     param, compute, scaler, _ = _TABLE[name]
     return Precision(name=name, param_dtype=param, compute_dtype=compute, needs_scaler=scaler,
                      device_type=info.type, reason=reason, requested=requested)

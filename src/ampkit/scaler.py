@@ -210,6 +210,21 @@ class LossScaler:
         state["stage"] = _Stage.UNSCALED
         return self._combined(state)
 
+    def set_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """Record a finite check made elsewhere (e.g. from a clipped total norm) for ``optimizer``.
+
+        Only for a unit scaler, whose gradients need no unscaling: it stands in for
+        ``unscale_`` and saves a pass over the gradients. ``found_inf`` is a 0-d float tensor.
+        """
+        if not self.is_unit:
+            raise RuntimeError("set_found_inf() is only valid for a constant unit scale; call unscale_() instead")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is not _Stage.READY:
+            raise RuntimeError("set_found_inf() must come before step() and instead of unscale_()")
+        self._ensure(found_inf.device)
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = _Stage.UNSCALED
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``unscale_`` (if not done yet), then ``optimizer.step()`` unless gradients were non-finite.
 

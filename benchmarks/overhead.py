@@ -1,0 +1,148 @@
+"""ampkit vs the hand-written torch.amp loop: per-step overhead, alternating in one process.
+
+For each model and precision, two identical (model, optimizer) pairs are trained side by side:
+one by the nanoGPT-style loop (torch.autocast + torch.amp.GradScaler, unscale, clip, step,
+update), one by ampkit (autocast / backward / step). Blocks of steps alternate between the two
+(order flipped every block) so machine drift hits both alike; the table shows the median
+per-step time of each and their ratio. A last table gives the bf16-vs-fp32 speed-up of the GPT.
+
+    python benchmarks/overhead.py                      # CPU defaults
+    python benchmarks/overhead.py --device cuda --gpt-size medium --mlp-size medium
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from ampkit import MixedPrecision
+from ampkit.data import ClassificationBatches, TextBatches
+from ampkit.hardware import device_info
+from ampkit.models import build
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def raw_stepper(model, opt, precision, device, clip):
+    dtype = DTYPES[precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def step(batch):
+        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = model(*batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def ampkit_stepper(model, opt, precision, device, clip):
+    amp = MixedPrecision(precision, device=device, clip_grad_norm=clip)
+    model, opt = amp.setup(model, opt)
+
+    def step(batch):
+        with amp.autocast():
+            loss = model(*batch)
+        amp.backward(loss)
+        amp.step(opt)
+
+    return step
+
+
+def time_block(step, batches, start, n, device):
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(n):
+        step(batches[(start + i) % len(batches)])
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def measure(model_name, size, precision, device, args):
+    torch.manual_seed(0)
+    base = build(model_name, size).to(device)
+    if model_name == "gpt":
+        data = TextBatches(batch_size=args.batch_size, block_size=base.config.block_size, device=device)
+    else:
+        data = ClassificationBatches(batch_size=args.batch_size * 8, in_features=base.config.in_features, device=device)
+    batches = [data(i) for i in range(16)]
+    fused = device.type in ("cpu", "cuda")
+    steppers = {}
+    for kind, make in (("raw", raw_stepper), ("ampkit", ampkit_stepper)):
+        m = copy.deepcopy(base)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)
+        steppers[kind] = make(m, o, precision, device, 1.0)
+    for s in steppers.values():  # warm-up
+        time_block(s, batches, 0, args.warmup, device)
+    times = {"raw": [], "ampkit": []}
+    order = ["raw", "ampkit"]
+    for b in range(args.blocks):
+        for kind in (order if b % 2 == 0 else order[::-1]):
+            times[kind].append(time_block(steppers[kind], batches, b * args.steps, args.steps, device))
+    raw, amp = statistics.median(times["raw"]), statistics.median(times["ampkit"])
+    # per-block ratios show the spread
+    ratios = sorted(a / r for a, r in zip(times["ampkit"], times["raw"]))
+    return {"model": f"{model_name}/{size}", "precision": precision, "raw_ms": raw * 1e3, "ampkit_ms": amp * 1e3,
+            "ratio": amp / raw, "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[(9 * len(ratios)) // 10]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precisions", default="fp32,bf16,fp16")
+    ap.add_argument("--mlp-size", default="small")
+    ap.add_argument("--gpt-size", default="tiny")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--blocks", type=int, default=10, help="timed blocks per side")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave)")
+    ap.add_argument("--json", default=None, help="also write results to this file")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    info = device_info(device)
+    print(f"# {info.name} ({device}) · torch {torch.__version__} · python {platform.python_version()} · "
+          f"threads {torch.get_num_threads()}")
+    rows = []
+    for model_name, size in (("mlp", args.mlp_size), ("gpt", args.gpt_size)):
+        for precision in args.precisions.split(","):
+            rows.append(measure(model_name, size, precision, device, args))
+            r = rows[-1]
+            print(f"  measured {r['model']:<12} {r['precision']:<5} ratio {r['ratio']:.3f}", flush=True)
+    print()
+    print("| model | precision | raw ms/step | ampkit ms/step | ampkit/raw (median) | p10–p90 of block ratios |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for r in rows:
+        print(f"| {r['model']} | {r['precision']} | {r['raw_ms']:.2f} | {r['ampkit_ms']:.2f} | "
+              f"{r['ratio']:.3f} | {r['ratio_p10']:.3f}–{r['ratio_p90']:.3f} |")
+    gpt = {r["precision"]: r for r in rows if r["model"].startswith("gpt")}
+    if "fp32" in gpt:
+        print()
+        print("| GPT speed-up vs fp32 | raw loop | ampkit |")
+        print("| --- | ---: | ---: |")
+        for p, r in gpt.items():
+            print(f"| {p} | {gpt['fp32']['raw_ms'] / r['raw_ms']:.2f}x | {gpt['fp32']['ampkit_ms'] / r['ampkit_ms']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": info.to_dict(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

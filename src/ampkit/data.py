@@ -1,0 +1,121 @@
+"""Local data, nothing downloaded: the Python standard library's own source as a byte corpus.
+
+Batches are a pure function of ``(seed, index)``: batch ``i`` is the same in every process,
+so a resumed run sees exactly the batches an uninterrupted run would (the data position is
+just the next index).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["ClassificationBatches", "TextBatches", "stdlib_corpus"]
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
+    """Up to ``max_bytes`` of the stdlib's ``.py`` sources (sorted, so identical everywhere) as uint8."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
+        if total >= max_bytes:
+            break
+    if total < 10_000:
+        raise RuntimeError(f"found only {total} bytes of Python source under {root!r}; cannot build the corpus")
+    blob = b"".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+
+
+@dataclass
+class TextBatches:
+    """Random windows of the stdlib corpus: ``batches(i)`` -> ``(x, y)`` int64 ``[batch, block]``.
+
+    The last ``val_fraction`` of the corpus is held out; ``split="val"`` samples from it.
+    """
+
+    batch_size: int = 16
+    block_size: int = 128
+    seed: int = 0
+    split: str = "train"
+    val_fraction: float = 0.1
+    device: Optional[torch.device] = None
+    max_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.block_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} and block_size={self.block_size} must be >= 1")
+        if self.split not in ("train", "val"):
+            raise ValueError(f"split={self.split!r}; choose 'train' or 'val'")
+        corpus = stdlib_corpus(self.max_bytes)
+        cut = int(len(corpus) * (1 - self.val_fraction))
+        self._data = corpus[:cut] if self.split == "train" else corpus[cut:]
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.block_size
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.batch_size
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + (7 if self.split == "val" else 0))
+        starts = torch.randint(len(self._data) - self.block_size - 1, (self.batch_size,), generator=g)
+        offsets = torch.arange(self.block_size + 1)
+        windows = self._data[starts[:, None] + offsets].long()
+        x, y = windows[:, :-1], windows[:, 1:]
+        if self.device is not None and self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y
+
+
+@dataclass
+class ClassificationBatches:
+    """Gaussian features labelled by a fixed random teacher network: learnable, and local."""
+
+    batch_size: int = 64
+    in_features: int = 256
+    n_classes: int = 10
+    seed: int = 0
+    device: Optional[torch.device] = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        g = torch.Generator().manual_seed(10_007 + self.seed)
+        self._teacher = torch.randn(self.in_features, self.n_classes, generator=g) / self.in_features**0.5
+
+    @property
+    def tokens_per_batch(self) -> Optional[int]:
+        return None
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.batch_size
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        x = torch.randn(self.batch_size, self.in_features, generator=g)
+        y = (x @ self._teacher).argmax(dim=1)
+        if self.device is not None and self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y

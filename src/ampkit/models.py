@@ -1,0 +1,168 @@
+"""Built-in models, built from configs (no downloads): a byte-level tiny GPT and an MLP.
+
+Each model returns its loss from ``forward`` when given targets, so a training loop needs no
+model-specific loss code. ``build(name, size)`` is what the CLI uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "SIZES", "build"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2 style decoder. ``vocab_size=256``: bytes, so any text is its own tokenization."""
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = _Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Tiny GPT: ``forward(idx, targets=None)`` returns logits, or the mean cross-entropy loss."""
+
+    def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        # cross_entropy autocasts to fp32: the loss is computed in full precision.
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    in_features: int = 256
+    hidden: int = 1024
+    n_layer: int = 3
+    n_classes: int = 10
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if v < 1:
+                raise ValueError(f"MLPConfig.{name}={v} must be >= 1")
+
+
+class MLP(nn.Module):
+    """A plain MLP classifier: ``forward(x, targets=None)`` returns logits or the loss."""
+
+    def __init__(self, cfg: MLPConfig = MLPConfig()) -> None:
+        super().__init__()
+        self.config = cfg
+        layers: list[nn.Module] = []
+        width = cfg.in_features
+        for _ in range(cfg.n_layer):
+            layers += [nn.Linear(width, cfg.hidden), nn.GELU()]
+            width = cfg.hidden
+        layers.append(nn.Linear(width, cfg.n_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.net(x)
+        return logits if targets is None else F.cross_entropy(logits, targets)
+
+
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt": {
+        "tiny": dict(block_size=64, n_layer=2, n_head=2, n_embd=64),
+        "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
+        "medium": dict(block_size=256, n_layer=6, n_head=6, n_embd=384),
+        "large": dict(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    },
+    "mlp": {
+        "tiny": dict(in_features=64, hidden=128, n_layer=2),
+        "small": dict(in_features=256, hidden=1024, n_layer=3),
+        "medium": dict(in_features=1024, hidden=4096, n_layer=4),
+        "large": dict(in_features=4096, hidden=8192, n_layer=6),
+    },
+}
+MODELS = tuple(SIZES)
+
+
+def build(name: str, size: str = "small") -> nn.Module:
+    """Build a built-in model by name (``gpt``, ``mlp``) and size (``tiny``/``small``/``medium``/``large``)."""
+    if name not in SIZES:
+        raise ValueError(f"unknown built-in model {name!r}; choose one of: {', '.join(MODELS)} "
+                         "(or give your own as module:factory)")
+    if size not in SIZES[name]:
+        raise ValueError(f"unknown size {size!r} for model {name!r}; choose one of: {', '.join(SIZES[name])}")
+    kwargs = SIZES[name][size]
+    return GPT(GPTConfig(**kwargs)) if name == "gpt" else MLP(MLPConfig(**kwargs))

@@ -1,0 +1,85 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ampkit.cli import build_parser, main
+
+
+def test_info_json(capsys):
+    assert main(["info", "--json", "--no-measure"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = [p["name"] for p in report["precisions"]]
+    assert names == ["fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"]
+    assert report["auto"]["precision"] in ("fp32", "bf16", "fp16")
+    assert report["auto"]["reason"]
+    assert isinstance(report["cpu"]["flags"], list)
+    fp8 = next(p for p in report["precisions"] if p["name"] == "fp8")
+    if report["device"] == "cpu":
+        assert fp8["runs"] is False and "fp8" in fp8["reason"]
+
+
+def test_info_measures_matmul(capsys):
+    assert main(["info", "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["matmul_tflops"]["fp32"] > 0
+
+
+def test_info_table(capsys):
+    assert main(["info", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "auto →" in out and "fp16" in out
+
+
+@pytest.mark.parametrize("spelling", ["--batch_size", "--batch-size"])
+def test_hyphen_and_underscore_flags(spelling):
+    args = build_parser().parse_args(["train", spelling, "3", "--mixed-precision", "bf16", "--grad_accum_steps", "2"])
+    assert args.batch_size == 3 and args.precision == "bf16" and args.accumulation_steps == 2
+
+
+def test_train_json_summary(capsys):
+    rc = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "6", "--batch-size", "4",
+               "--precision", "fp32", "--no-progress", "--json", "--device", "cpu", "--log_every", "3"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["precision"] == "fp32" and s["optimizer_steps"] == 6
+    assert s["final_loss"] < s["first_loss"]  # it learns
+    assert s["tokens_per_s"] > 0 and s["ms_per_step"] > 0 and s["skipped_steps"] == 0
+
+
+def test_train_fp16_table(capsys):
+    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "5", "--precision", "16-mixed",
+               "--no-progress", "--device", "cpu"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "fp16" in out and "skipped steps" in out and "ms/step" in out
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["train", "--precision", "fp61"], "unknown precision 'fp61'"),
+    (["train", "--precision", "fp8", "--device", "cpu"], "fp8 needs an NVIDIA GPU"),
+    (["train", "--precision", "bf16-pure", "--device", "cpu", "--steps", "1"], "not supported by MixedPrecision.setup"),
+])
+def test_train_bad_input_is_a_clear_error(argv, fragment, capsys):
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "0"], ["train", "--batch-size", "-1"], ["train", "--lr", "x"]])
+def test_argparse_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be" in err or "not a number" in err
+
+
+def test_console_script_installed():
+    """The `ampkit` entry point runs as a real subprocess."""
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run([sys.executable, "-m", "ampkit.cli", "info", "--json", "--no-measure"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ampkit"]
