@@ -196,25 +196,28 @@ class MixedPrecision:
         return (model, *optimizers) if optimizers else model
 
     # ------------------------------------------------------------------ forward
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Context for the forward pass (and loss): autocast to the compute dtype.
 
         Also applies the fp32 matmul policy (tf32 on / strictly off for fp32) and, under DDP,
         ``no_sync()`` on micro-steps that do not end an accumulation window. No sync.
         """
         p = self.precision
-        with contextlib.ExitStack() as stack:
-            if p.autocast_enabled:
-                stack.enter_context(torch.autocast(self.device.type, dtype=p.compute_dtype,
-                                                   cache_enabled=self.config.autocast_cache))
-            if self._matmul is not None:
-                stack.enter_context(self._matmul)
-            model = self._model
-            if (self.config.accumulation_steps > 1 and model is not None and hasattr(model, "no_sync")
-                    and self._micro + 1 < self.config.accumulation_steps):
-                stack.enter_context(model.no_sync())  # type: ignore[operator]
-            yield
+        model = self._model
+        no_sync = (self.config.accumulation_steps > 1 and model is not None and hasattr(model, "no_sync")
+                   and self._micro + 1 < self.config.accumulation_steps)
+        if p.autocast_enabled and self._matmul is None and not no_sync:
+            # The common case costs exactly what a hand-written loop pays: one torch.autocast.
+            return torch.autocast(self.device.type, dtype=p.compute_dtype, cache_enabled=self.config.autocast_cache)
+        stack = contextlib.ExitStack()
+        if p.autocast_enabled:
+            stack.enter_context(torch.autocast(self.device.type, dtype=p.compute_dtype,
+                                               cache_enabled=self.config.autocast_cache))
+        if self._matmul is not None:
+            stack.enter_context(self._matmul)
+        if no_sync:
+            stack.enter_context(model.no_sync())  # type: ignore[union-attr,operator]
+        return stack
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -291,7 +294,9 @@ class MixedPrecision:
                 # Nothing to unscale: the clipped total norm is non-finite exactly when some
                 # gradient is, so it doubles as the finite check (saves a pass over the grads).
                 grad_norm = torch.nn.utils.clip_grad_norm_(_params(opts), clip)
-                found = torch.logical_not(torch.isfinite(grad_norm)).float()
+                found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
+                # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
+                torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
                 for opt in opts:
                     scaler.set_found_inf(opt, found)
             elif clip is not None:

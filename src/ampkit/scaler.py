@@ -126,6 +126,11 @@ class LossScaler:
         """True for a constant scale of 1.0: ``scale()`` is the identity and ``unscale_`` only checks."""
         return not self._dynamic and self._init_scale == 1.0
 
+    @property
+    def one(self) -> torch.Tensor:
+        """A cached 0-d fp32 ``1.0`` on the scaler's device (after first use)."""
+        return self._one
+
     def is_enabled(self) -> bool:
         return self._enabled
 
@@ -141,7 +146,7 @@ class LossScaler:
 
     @property
     def overflow_count(self) -> Optional[torch.Tensor]:
-        """0-d int64 device tensor: total overflowing (skipped) iterations. No sync."""
+        """0-d fp32 device tensor: total overflowing (skipped) iterations. No sync."""
         return self._overflows
 
     @property
@@ -156,7 +161,8 @@ class LossScaler:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
         self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
-        self._overflows = torch.full((), self._init_overflows, dtype=torch.int64, device=dev)
+        # fp32 counts exactly up to 2**24 overflows, and lets update() add found_inf in one op.
+        self._overflows = torch.full((), self._init_overflows, dtype=torch.float32, device=dev)
         self._one = torch.ones((), dtype=torch.float32, device=dev)
 
     def _ensure(self, device: torch.device) -> torch.Tensor:
@@ -280,12 +286,14 @@ class LossScaler:
             self._clamp()
             self._per_optimizer = defaultdict(_fresh)
             return
-        found = [f.to(self._scale.device, non_blocking=True)
+        dev = self._scale.device
+        found = [f if f.device == dev else f.to(dev, non_blocking=True)
                  for st in self._per_optimizer.values() for f in st["found_inf_per_device"].values()]
         if not found:
             raise RuntimeError("update() called but no optimizer was unscaled or stepped this iteration; "
                                "call step(optimizer) (or unscale_) before update()")
-        found_inf = found[0] if len(found) == 1 else torch.stack(found).sum()
+        # found_inf is exactly 0.0 or 1.0 per optimizer and device; combined, clamp to 1.0.
+        found_inf = found[0] if len(found) == 1 else torch.stack(found).sum().clamp_(max=1.0)
         assert self._growth_tracker is not None and self._hysteresis_left is not None and self._overflows is not None
         if self._dynamic:
             if self._hysteresis == 1:
@@ -294,7 +302,7 @@ class LossScaler:
                 self._clamp()
             else:
                 self._update_with_hysteresis(found_inf)
-        self._overflows.add_((found_inf > 0).to(torch.int64))
+        self._overflows.add_(found_inf)
         self._last_found_inf = found_inf
         self._updates += 1
         self._per_optimizer = defaultdict(_fresh)
@@ -324,10 +332,11 @@ class LossScaler:
 
     def _combined(self, state: dict[str, Any]) -> torch.Tensor:
         assert self._scale is not None
-        vals = [v.to(self._scale.device, non_blocking=True) for v in state["found_inf_per_device"].values()]
+        dev = self._scale.device
+        vals = [v if v.device == dev else v.to(dev, non_blocking=True) for v in state["found_inf_per_device"].values()]
         if not vals:
-            return torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        return vals[0] if len(vals) == 1 else torch.stack(vals).sum()
+            return torch.zeros((), dtype=torch.float32, device=dev)
+        return vals[0] if len(vals) == 1 else torch.stack(vals).sum().clamp_(max=1.0)
 
     @staticmethod
     def _check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
