@@ -142,6 +142,7 @@ class MixedPrecision:
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
+        self._window_loss: Optional[torch.Tensor] = None
         self._build_contexts()
 
     # ------------------------------------------------------------------ construction helpers
@@ -247,6 +248,9 @@ class MixedPrecision:
         accum = self.config.accumulation_steps
         if accum > 1:
             loss = loss / accum
+        if self._subscribers:  # observers get the window's mean loss; no cost without them
+            d = loss.detach()
+            self._window_loss = d if self._micro == 0 or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
         if self._matmul is not None:
             with self._matmul:
@@ -318,7 +322,11 @@ class MixedPrecision:
                 opt.zero_grad(set_to_none=True)
         self._micro = 0
         self._steps += 1
-        return StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
+        result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
+        if self._subscribers:
+            loss, self._window_loss = self._window_loss, None
+            self._emit("step", {"loss": loss, "result": result}, record=False)
+        return result
 
     # ------------------------------------------------------------------ switching
     def switch(self, precision: Union[str, torch.dtype, Precision], *, reason: str = "requested") -> Precision:
@@ -347,18 +355,45 @@ class MixedPrecision:
         return new
 
     # ------------------------------------------------------------------ events
-    def subscribe(self, callback: Callable[[Event], None]) -> None:
-        """Call ``callback(event)`` for every future event (precision switches, ...)."""
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every future event; returns a function that unsubscribes.
+
+        Kinds: ``step`` (every optimizer step; ``data`` holds the window's mean ``loss`` and the
+        :class:`StepResult`, as device tensors: reading them syncs, so observers batch their
+        reads), ``precision_switch``, and whatever :meth:`record_event` is given. Callbacks run
+        synchronously inside ``step()``: keep them cheap.
+        """
         self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def record_event(self, kind: str, **data: Any) -> Event:
+        """Record a notable event (kept in ``state_dict``) and pass it to subscribers."""
+        return self._emit(kind, data)
 
     @property
     def events(self) -> list[Event]:
+        """Notable events so far (switches, fallbacks, ...); per-step events are not kept."""
         return list(self._events)
 
-    def _emit(self, kind: str, data: dict[str, Any]) -> Event:
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers given to :meth:`setup`."""
+        return list(self._optimizers)
+
+    @property
+    def model(self) -> Optional[torch.nn.Module]:
+        return self._model
+
+    def _emit(self, kind: str, data: dict[str, Any], record: bool = True) -> Event:
         event = Event(kind=kind, step=self._steps, data=data)
-        self._events.append(event)
-        for cb in self._subscribers:
+        if record:
+            self._events.append(event)
+        for cb in list(self._subscribers):
             cb(event)
         return event
 

@@ -1,0 +1,223 @@
+"""Exact memory accounting: bytes by category and dtype, activations saved for backward, peak memory.
+
+Everything counts *storages*, each once: a tensor that views another's storage (tied weights, a
+saved tensor that is a view of a parameter) adds nothing. Byte counts are ``storage.nbytes()``,
+i.e. exactly what the allocator was asked for, not an estimate from shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .monitor.core import peak_memory_bytes
+from .precision import Precision, PrecisionError, resolve_precision
+
+__all__ = ["ActivationReport", "MemoryBreakdown", "activations", "breakdown", "peak"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "scaler")
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes by category and dtype. ``cells[(category, dtype)]`` is exact; the rest are sums."""
+
+    cells: dict[tuple[str, str], int]
+
+    @property
+    def by_category(self) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for (cat, _), n in self.cells.items():
+            out[cat] += n
+        return out
+
+    @property
+    def by_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (_, dt), n in self.cells.items():
+            out[dt] += n
+        return dict(out)
+
+    @property
+    def total(self) -> int:
+        return sum(self.cells.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "by_category": self.by_category, "by_dtype": self.by_dtype,
+                "cells": [{"category": c, "dtype": d, "bytes": n} for (c, d), n in sorted(self.cells.items())]}
+
+    def table(self, title: str = "memory by category and dtype") -> Any:
+        from rich.table import Table
+
+        dtypes = sorted(self.by_dtype)
+        t = Table(title=title)
+        t.add_column("category")
+        for d in dtypes:
+            t.add_column(d, justify="right")
+        t.add_column("total", justify="right")
+        for cat in CATEGORIES:
+            row = [_mib(self.cells.get((cat, d), 0)) for d in dtypes]
+            t.add_row(cat, *row, _mib(self.by_category[cat]))
+        t.add_row("total", *[_mib(self.by_dtype[d]) for d in dtypes], _mib(self.total), style="bold")
+        return t
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.3f} MiB" if n else "—"
+
+
+def breakdown(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+              amp: Any = None) -> MemoryBreakdown:
+    """Bytes of parameters, gradients, optimizer state, master weights and scaler state, by dtype.
+
+    Each storage is counted once, in the first category that holds it (in the order above).
+    ``amp`` (a :class:`ampkit.MixedPrecision`) contributes its scaler tensors and, for the pure
+    precisions, its fp32 master weights. No device sync.
+    """
+    seen: set[tuple[str, int]] = set()
+    cells: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(category: str, t: Optional[torch.Tensor]) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        k = _key(t)
+        if k in seen:
+            return
+        seen.add(k)
+        cells[(category, _dtype_name(t.dtype))] += t.untyped_storage().nbytes()
+
+    params = list(model.parameters())
+    for p in params:
+        add("parameters", p)
+    for p in params:
+        add("gradients", p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                add("optimizer_state", v)
+    if amp is not None:
+        for t in getattr(amp, "master_params", lambda: [])():
+            add("master_weights", t)
+        scaler = getattr(amp, "scaler", None)
+        if scaler is not None:
+            for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_overflows", "_one"):
+                add("scaler", getattr(scaler, name, None))
+    return MemoryBreakdown(cells=dict(cells))
+
+
+@dataclass(frozen=True)
+class ActivationReport:
+    """Bytes saved for backward during one forward (+ loss) under one precision."""
+
+    precision: str
+    total: int
+    by_dtype: dict[str, int]
+    by_module: dict[str, int]
+    tensors: int
+    excluded_parameter_bytes: int = 0
+    details: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "total": self.total, "by_dtype": self.by_dtype,
+                "by_module": self.by_module, "tensors": self.tensors,
+                "excluded_parameter_bytes": self.excluded_parameter_bytes}
+
+
+def activations(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    precision: Union[str, Precision, torch.dtype] = "fp32",
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+) -> ActivationReport:
+    """Measure the tensors autograd saves for backward in one forward under ``precision``.
+
+    Uses ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor is seen as it is packed,
+    each storage counted once, attributed to the top-level child module running at the time
+    (``"(top)"`` outside them, e.g. the loss). Parameters and buffers saved as-is are excluded
+    (they are not activations; their bytes are reported separately); weight *casts* made by
+    autocast are included, since they live until backward. ``example_inputs`` is a tensor, a
+    tuple of positional inputs, or a dict of keyword inputs. The model is not modified (pure
+    precisions run on a cast copy). ``loss_fn(output)`` is included if given. No backward runs.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    p = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
+    if p.name == "fp8":
+        raise PrecisionError("activations() does not measure fp8 yet; choose fp32, tf32, bf16, fp16 or a pure form")
+    run_model = copy.deepcopy(model).to(p.param_dtype) if p.is_pure else model
+    own = {_key(t) for t in list(run_model.parameters()) + list(run_model.buffers())}
+    seen: set[tuple[str, int]] = set()
+    by_dtype: dict[str, int] = defaultdict(int)
+    by_module: dict[str, int] = defaultdict(int)
+    details: list[dict[str, Any]] = []
+    excluded = 0
+    current = ["(top)"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal excluded
+        k = _key(t)
+        if k in seen:
+            return t
+        seen.add(k)
+        n = t.untyped_storage().nbytes()
+        if k in own:
+            excluded += n
+            return t
+        by_dtype[_dtype_name(t.dtype)] += n
+        by_module[current[-1]] += n
+        details.append({"module": current[-1], "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "bytes": n})
+        return t
+
+    handles = []
+    for name, child in _units(run_model):
+        handles.append(child.register_forward_pre_hook(lambda m, a, _n=name: current.append(_n)))
+        handles.append(child.register_forward_hook(lambda m, a, o: current.pop() and None))
+    args, kwargs = (example_inputs, {}) if not isinstance(example_inputs, dict) else ((), example_inputs)
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    if p.is_pure:
+        args = tuple(a.to(p.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    try:
+        with torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_model(*args, **kwargs)
+            if loss_fn is not None:
+                current[:] = ["(loss)"]
+                out = loss_fn(out)
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    return ActivationReport(precision=p.name, total=sum(by_dtype.values()), by_dtype=dict(by_dtype),
+                            by_module=dict(by_module), tensors=len(details), excluded_parameter_bytes=excluded,
+                            details=details)
+
+
+def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Top-level children; containers that are never called (ModuleList/Dict) are opened up."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            out += [(f"{name}.{n}", c) for n, c in child.named_children()]
+        else:
+            out.append((name, child))
+    return out
+
+
+def peak(device: Union[str, torch.device, None] = None) -> int:
+    """Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, peak RSS of this process on CPU."""
+    from .hardware import normalize_device
+
+    return peak_memory_bytes(normalize_device(device))

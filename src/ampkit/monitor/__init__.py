@@ -1,0 +1,8 @@
+"""Observability: per-step records read in batches, summaries, and sinks (JSONL, TensorBoard, console)."""
+
+from .core import SCHEMA_VERSION, Monitor, peak_memory_bytes
+from .sinks import ConsoleSink, JSONLSink, TensorBoardSink, read_jsonl
+from .summary import summarize, summary_table
+
+__all__ = ["SCHEMA_VERSION", "ConsoleSink", "JSONLSink", "Monitor", "TensorBoardSink", "peak_memory_bytes",
+           "read_jsonl", "summarize", "summary_table"]

@@ -1,0 +1,227 @@
+"""Monitor: one record per optimizer step, read from the device in batches.
+
+The monitor subscribes to the engine's ``step`` events. Each event carries device tensors
+(loss, scale, found_inf, grad norm); the monitor only *holds* them, and every ``log_every``
+steps stacks them and reads them to the host with a single ``tolist()`` — one sync per
+interval, none per step. Step times come from host clocks on CPU and from CUDA events on GPU
+(recorded without syncing, read at the interval).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..engine import Event, MixedPrecision
+from .summary import summarize
+
+__all__ = ["SCHEMA_VERSION", "Monitor", "peak_memory_bytes"]
+
+SCHEMA_VERSION = 1
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: allocated bytes on CUDA (``max_memory_allocated``), peak RSS on CPU. No sync."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+class Monitor:
+    """Per-step metrics for a :class:`MixedPrecision` engine, written to sinks in batches.
+
+    Args:
+        amp: the engine to observe (subscribes to its events at once).
+        sinks: objects with ``write(records)`` and ``close()`` (JSONL, TensorBoard, console).
+        log_every: steps per host read / sink write (the only syncs the monitor makes).
+        samples_per_step, tokens_per_step: for throughput (per optimizer step, i.e. including
+            accumulation); None leaves those fields out.
+        optimizer: whose learning rate to record (default: the engine's first optimizer).
+
+    Record schema (``type == "step"``): ``schema_version, type, step, time, loss, precision,
+    scale, skipped, grad_norm, lr, step_time_ms, samples_per_s, tokens_per_s, peak_mem_bytes``.
+    Events (``type == "event"``): ``schema_version, type, kind, step, time`` plus details;
+    kinds: ``overflow`` (``scale_before``, ``scale_after``), ``fallback``,
+    ``precision_switch``, ``checkpoint``, ``eval``, ``summary``.
+    """
+
+    def __init__(
+        self,
+        amp: MixedPrecision,
+        sinks: Sequence[Any] = (),
+        *,
+        log_every: int = 10,
+        samples_per_step: Optional[int] = None,
+        tokens_per_step: Optional[int] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+    ) -> None:
+        if not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
+        for s in sinks:
+            if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
+                raise TypeError(f"sink {s!r} must have write(records) and close() methods")
+        self.amp = amp
+        self.sinks = list(sinks)
+        self.log_every = log_every
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
+        self._optimizer = optimizer
+        self.records: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], Any]] = []
+        self._pending_events: list[dict[str, Any]] = []
+        self._cuda = amp.device.type == "cuda"
+        self._last_time = time.perf_counter()
+        self._last_cuda_event = self._cuda_event() if self._cuda else None
+        self._closed = False
+        self._unsubscribe = amp.subscribe(self._on_event)
+
+    # ------------------------------------------------------------------ observing
+    def _cuda_event(self) -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind != "step":
+            self._pending_events.append(self._event_record(event.kind, event.step, event.data))
+            return
+        now = time.perf_counter()
+        result = event.data["result"]
+        lr = self._lr()
+        timer: Any = self._cuda_event() if self._cuda else now - self._last_time
+        self._last_time = now
+        self._pending.append((event.step, time.time(), event.data["loss"], result.scale, result.found_inf,
+                              result.grad_norm, lr, timer))
+        if len(self._pending) >= self.log_every:
+            self.flush()
+
+    def _lr(self) -> Optional[float]:
+        opt = self._optimizer or (self.amp.optimizers[0] if self.amp.optimizers else None)
+        if opt is None:
+            return None
+        lr = opt.param_groups[0].get("lr")
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    def log_event(self, kind: str, **data: Any) -> None:
+        """Record an event (``checkpoint``, ``eval``, ...) at the current step; written at the next flush."""
+        self._pending_events.append(self._event_record(kind, self.amp.optimizer_steps, data))
+
+    def _event_record(self, kind: str, step: int, data: dict[str, Any]) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "type": "event", "kind": kind, "step": step,
+                "time": time.time(), **_plain(data)}
+
+    # ------------------------------------------------------------------ reading (the one sync)
+    def flush(self) -> list[dict[str, Any]]:
+        """Read pending steps to the host (one sync) and write them and pending events to the sinks."""
+        pending, self._pending = self._pending, []
+        out: list[dict[str, Any]] = []
+        if pending:
+            out = self._materialize(pending)
+            self.records.extend(r for r in out if r["type"] == "step")
+        events, self._pending_events = self._pending_events, []
+        batch = sorted(out + events, key=lambda r: (r["step"], r["type"] != "step"))
+        self.events.extend(r for r in batch if r["type"] == "event")
+        for sink in self.sinks:
+            if batch:
+                sink.write(batch)
+        return batch
+
+    def _materialize(self, pending: list[Any]) -> list[dict[str, Any]]:
+        dev = self.amp.device
+        nan = torch.full((), math.nan, device=dev)
+        scaled = self.amp.precision.needs_scaler
+        live_scale = self.amp.scaler.scale_tensor if scaled else None
+        flat: list[torch.Tensor] = []
+        for _, _, loss, scale, found, norm, _, _ in pending:
+            flat += [loss if loss is not None else nan, scale if (scaled and scale is not None) else nan,
+                     found if found is not None else nan, norm if norm is not None else nan]
+        flat.append(live_scale if live_scale is not None else nan)
+        flat = [t if (t.dtype is torch.float32 and t.dim() == 0) else t.detach().float().reshape(()) for t in flat]
+        values = torch.stack(flat).tolist()  # the one device->host sync per interval
+        step_ms = self._step_times(pending)
+        peak = peak_memory_bytes(dev)
+        precision = self.amp.precision.name
+        out: list[dict[str, Any]] = []
+        for i, (step, wall, *_rest) in enumerate(pending):
+            loss, scale, found, norm = values[4 * i: 4 * i + 4]
+            lr = pending[i][6]
+            ms = step_ms[i]
+            rec: dict[str, Any] = {
+                "schema_version": SCHEMA_VERSION, "type": "step", "step": step, "time": wall,
+                "loss": _num(loss), "precision": precision, "scale": _num(scale),
+                "skipped": bool(found > 0) if not math.isnan(found) else False,
+                "grad_norm": _num(norm), "lr": lr, "step_time_ms": ms, "peak_mem_bytes": peak,
+            }
+            if self.samples_per_step and ms:
+                rec["samples_per_s"] = self.samples_per_step / (ms / 1e3)
+            if self.tokens_per_step and ms:
+                rec["tokens_per_s"] = self.tokens_per_step / (ms / 1e3)
+            out.append(rec)
+            if rec["skipped"]:
+                after = values[4 * (i + 1) + 1] if i + 1 < len(pending) else values[-1]
+                out.append({"schema_version": SCHEMA_VERSION, "type": "event", "kind": "overflow", "step": step,
+                            "time": wall, "scale_before": _num(scale), "scale_after": _num(after)})
+        return out
+
+    def _step_times(self, pending: list[Any]) -> list[Optional[float]]:
+        if not self._cuda:
+            return [t * 1e3 for *_, t in pending]
+        times: list[Optional[float]] = []
+        prev = self._last_cuda_event
+        for *_, ev in pending:
+            ev.synchronize()  # already complete: the tolist() above waited for the device
+            times.append(prev.elapsed_time(ev) if prev is not None else None)
+            prev = ev
+        self._last_cuda_event = prev
+        return times
+
+    # ------------------------------------------------------------------ ending
+    def summary(self) -> dict[str, Any]:
+        """Summary of everything recorded so far (flushes first): see :func:`ampkit.monitor.summarize`."""
+        self.flush()
+        return summarize(self.records, self.events)
+
+    def close(self) -> dict[str, Any]:
+        """Flush, write a ``summary`` event, close the sinks and unsubscribe. Returns the summary."""
+        if self._closed:
+            return summarize(self.records, self.events)
+        summary = self.summary()
+        record = self._event_record("summary", self.amp.optimizer_steps, summary)
+        self.events.append(record)
+        for sink in self.sinks:
+            sink.write([record])
+            sink.close()
+        self._unsubscribe()
+        self._closed = True
+        return summary
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _num(x: float) -> Optional[float]:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def _plain(data: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe copy of event details (tensors become numbers, objects their repr)."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else v.tolist()
+        elif isinstance(v, dict):
+            v = _plain(v)
+        elif not isinstance(v, (str, int, float, bool, list, tuple, type(None))):
+            v = repr(v)
+        out[k] = v
+    return out

@@ -1,0 +1,170 @@
+"""Where records go: JSONL files, TensorBoard event files, the console.
+
+A sink is anything with ``write(records)`` and ``close()``. Records arrive in batches (one per
+``log_every`` steps), so sinks do their I/O once per batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Any, Optional
+
+__all__ = ["ConsoleSink", "JSONLSink", "TensorBoardSink", "read_jsonl"]
+
+
+class JSONLSink:
+    """Append one JSON object per line to ``path``; flushed (and fsynced) per batch.
+
+    Appending makes it safe across resumed runs: a resumed run continues the same file. A line
+    cut short by a crash is skipped (with a warning) by :func:`read_jsonl`.
+    """
+
+    def __init__(self, path: str, *, fsync: bool = True) -> None:
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        self.path = path
+        self._fsync = fsync
+        self._fh = open(path, "a", encoding="utf-8")
+        # A crash mid-line leaves a partial last line; start ours on a fresh line.
+        if self._fh.tell() > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._fh.write("\n")
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        self._fh.write("".join(json.dumps(_finite(r), allow_nan=False) + "\n" for r in records))
+        self._fh.flush()
+        if self._fsync:
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+def _finite(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf/NaN: write them as null (a NaN loss is the event, and is logged as such)."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = None
+            out.setdefault("nonfinite", []).append(k)
+        elif isinstance(v, dict):
+            out[k] = _finite(v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Read a JSONL log. A truncated last line (a crash mid-write) is skipped with a warning;
+    a malformed line elsewhere raises ``ValueError`` naming the file and line."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"log file {path!r} does not exist")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    records = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == last:
+                warnings.warn(f"{path}: skipping a truncated last line {i + 1} (the run was probably "
+                              f"interrupted mid-write); {len(records)} records before it are kept", stacklevel=2)
+                break
+            # A partial line followed by a resumed run's records: skip it too, but say so.
+            if i + 1 < len(lines) and not line.rstrip().endswith("}"):
+                warnings.warn(f"{path}: skipping a truncated line {i + 1}", stacklevel=2)
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON: {e}") from None
+    return records
+
+
+_TB_SCALARS = ("loss", "scale", "grad_norm", "lr", "step_time_ms", "samples_per_s", "tokens_per_s", "peak_mem_bytes")
+
+
+class TensorBoardSink:
+    """Write scalars through ``torch.utils.tensorboard.SummaryWriter`` (needs ``ampkit[tensorboard]``).
+
+    Step records become scalars under ``train/``; ``skipped`` becomes ``train/skipped`` (0/1);
+    events become text under ``events/<kind>``.
+    """
+
+    def __init__(self, log_dir: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is an optional extra
+            raise ImportError('TensorBoard logging needs the tensorboard package: pip install "ampkit[tensorboard]"') from e
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        w = self._writer
+        for r in records:
+            step = r["step"]
+            if r["type"] == "step":
+                for key in _TB_SCALARS:
+                    v = r.get(key)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                        w.add_scalar(f"train/{key}", v, step)
+                w.add_scalar("train/skipped", float(bool(r.get("skipped"))), step)
+            else:
+                details = {k: v for k, v in r.items() if k not in ("schema_version", "type", "kind", "step", "time")}
+                w.add_text(f"events/{r['kind']}", json.dumps(details, default=str)[:4000], step)
+        w.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ConsoleSink:
+    """A rich progress bar with live loss / scale / throughput; prints the summary table at the end."""
+
+    def __init__(self, total_steps: Optional[int] = None, *, console: Any = None, title: str = "train") -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = console or Console()
+        self._progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                                  console=self.console, transient=False)
+        self._task = self._progress.add_task(title, total=total_steps, info="")
+        self._started = False
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        from .summary import summary_table
+
+        if not self._started:
+            self._progress.start()
+            self._started = True
+        steps = [r for r in records if r["type"] == "step"]
+        if steps:
+            r = steps[-1]
+            info = f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss nan"
+            if r.get("scale") is not None:
+                info += f"  scale {r['scale']:g}"
+            if r.get("tokens_per_s"):
+                info += f"  {r['tokens_per_s']:,.0f} tok/s"
+            elif r.get("samples_per_s"):
+                info += f"  {r['samples_per_s']:,.0f} samples/s"
+            self._progress.update(self._task, completed=r["step"], info=info)
+        for e in records:
+            if e["type"] == "event" and e["kind"] in ("fallback", "precision_switch"):
+                self._progress.console.print(f"[yellow]{e['kind']}[/] at step {e['step']}: "
+                                             f"{e.get('from', '')} → {e.get('to', '')} ({e.get('reason', '')})")
+            if e["type"] == "event" and e["kind"] == "summary":
+                self.close()
+                summary = {k: v for k, v in e.items() if k not in ("schema_version", "type", "kind", "step", "time")}
+                self.console.print(summary_table(summary))
+
+    def close(self) -> None:
+        if self._started:
+            self._progress.stop()
+            self._started = False

@@ -1,0 +1,94 @@
+"""Summaries of a run's step records: a dict for machines, a rich table for people."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional
+
+__all__ = ["summarize", "summary_table"]
+
+
+def _pct(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(records: list[dict[str, Any]], events: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """Step time median/p90, throughput, overflow rate, skipped steps, scale statistics, peak memory.
+
+    ``records`` are step records (``type == "step"``), e.g. ``Monitor.records`` or a JSONL log.
+    The first step's time is left out of the timing figures (it includes warm-up).
+    """
+    steps = [r for r in records if r.get("type", "step") == "step"]
+    events = events or []
+    times = [r["step_time_ms"] for r in steps[1:] if r.get("step_time_ms") is not None]
+    if not times:
+        times = [r["step_time_ms"] for r in steps if r.get("step_time_ms") is not None]
+    scales = [r["scale"] for r in steps if r.get("scale") is not None]
+    losses = [r["loss"] for r in steps if r.get("loss") is not None]
+    skipped = sum(1 for r in steps if r.get("skipped"))
+    changes = sum(1 for a, b in zip(scales, scales[1:]) if a != b)
+    median = statistics.median(times) if times else None
+
+    def rate(key: str) -> Optional[float]:
+        vals = [r[key] for r in steps[1:] if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "steps": len(steps),
+        "first_step": steps[0]["step"] if steps else None,
+        "last_step": steps[-1]["step"] if steps else None,
+        "precision": steps[-1]["precision"] if steps else None,
+        "final_loss": losses[-1] if losses else None,
+        "min_loss": min(losses) if losses else None,
+        "step_time_ms_median": median,
+        "step_time_ms_p90": _pct(times, 0.9),
+        "samples_per_s": rate("samples_per_s"),
+        "tokens_per_s": rate("tokens_per_s"),
+        "skipped_steps": skipped,
+        "overflow_rate": skipped / len(steps) if steps else 0.0,
+        "scale_min": min(scales) if scales else None,
+        "scale_max": max(scales) if scales else None,
+        "scale_last": scales[-1] if scales else None,
+        "scale_changes": changes,
+        "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0 for r in steps), default=None),
+        "events": {k: sum(1 for e in events if e.get("kind") == k)
+                   for k in sorted({e.get("kind") for e in events if e.get("kind") != "summary"})},
+    }
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.4g}{unit}"
+    return f"{value}{unit}"
+
+
+def summary_table(summary: dict[str, Any], title: str = "run summary") -> Any:
+    """A rich Table of :func:`summarize`'s output."""
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False)
+    mem = summary.get("peak_mem_bytes")
+    rows = [
+        ("precision", summary.get("precision")),
+        ("optimizer steps", summary.get("steps")),
+        ("final loss", _fmt(summary.get("final_loss"))),
+        ("step time median / p90", f"{_fmt(summary.get('step_time_ms_median'), ' ms')} / {_fmt(summary.get('step_time_ms_p90'), ' ms')}"),
+        ("samples/s", _fmt(summary.get("samples_per_s"))),
+        ("tokens/s", _fmt(summary.get("tokens_per_s"))),
+        ("skipped steps (overflow rate)", f"{summary.get('skipped_steps')} ({summary.get('overflow_rate', 0):.2%})"),
+        ("loss scale min / max / last", f"{_fmt(summary.get('scale_min'))} / {_fmt(summary.get('scale_max'))} / {_fmt(summary.get('scale_last'))}"),
+        ("scale changes", summary.get("scale_changes")),
+        ("peak memory", f"{mem / 2**20:,.1f} MiB" if mem else "—"),
+    ]
+    if summary.get("events"):
+        rows.append(("events", ", ".join(f"{k}: {v}" for k, v in summary["events"].items())))
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t

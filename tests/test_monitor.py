@@ -1,0 +1,251 @@
+import io
+import json
+import math
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ampkit import MixedPrecision
+from ampkit.monitor import (SCHEMA_VERSION, ConsoleSink, JSONLSink, Monitor, TensorBoardSink, read_jsonl,
+                            summarize)
+
+
+def setup(precision="fp16", fused=True, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    amp = MixedPrecision(precision, device="cpu", **kw)
+    model, opt = amp.setup(model, opt)
+    return model, opt, amp
+
+
+def train(model, opt, amp, n, bad=(), accum=1):
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(n * accum):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        with amp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        if i // accum in bad:
+            loss = loss * math.inf
+        losses.append(loss.detach().clone())
+        amp.backward(loss)
+        amp.step(opt)
+    return losses
+
+
+def test_one_record_per_step_with_fields():
+    model, opt, amp = setup("fp16", accumulation_steps=2)
+    mon = Monitor(amp, log_every=4, samples_per_step=16, tokens_per_step=None)
+    losses = train(model, opt, amp, 10, accum=2)
+    mon.flush()
+    assert [r["step"] for r in mon.records] == list(range(1, 11))
+    r = mon.records[3]
+    for key in ("schema_version", "type", "step", "time", "loss", "precision", "scale", "skipped", "grad_norm",
+                "lr", "step_time_ms", "peak_mem_bytes", "samples_per_s"):
+        assert key in r
+    assert r["schema_version"] == SCHEMA_VERSION and r["precision"] == "fp16" and r["lr"] == 1e-3
+    # the recorded loss is the window's mean loss
+    for i, rec in enumerate(mon.records):
+        expected = (losses[2 * i] + losses[2 * i + 1]).item() / 2
+        assert rec["loss"] == pytest.approx(expected, rel=1e-6)
+    assert r["scale"] == 65536.0 or r["skipped"] or r["scale"] < 65536.0
+    assert r["samples_per_s"] == pytest.approx(16 / (r["step_time_ms"] / 1e3))
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_no_per_step_sync_reads_in_batches(precision):
+    model, opt, amp = setup(precision, clip_grad_norm=1.0)
+    mon = Monitor(amp, log_every=5)
+    g = torch.Generator().manual_seed(0)
+    counts, materialized = [], []
+    for _ in range(20):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        with SyncCounter() as c:
+            with amp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            amp.backward(loss)
+            amp.step(opt)
+        counts.append(c.count)
+        materialized.append(len(mon.records))
+    assert counts == [0] * 20  # no .item() anywhere; the batch read is one tolist()
+    assert materialized == [0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10, 10, 10, 10, 15, 15, 15, 15, 15, 20]
+
+
+@pytest.mark.cuda
+def test_no_per_step_sync_cuda():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    amp = MixedPrecision("fp16", device="cuda", clip_grad_norm=1.0)
+    model, opt = amp.setup(model, opt)
+    mon = Monitor(amp, log_every=4, samples_per_step=8)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
+    for i in range(12):
+        if i >= 4 and (i + 1) % 4:
+            torch.cuda.set_sync_debug_mode("error")  # any sync on a non-flush step raises
+        try:
+            with amp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            amp.backward(loss)
+            amp.step(opt)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    mon.flush()
+    assert len(mon.records) == 12
+    assert all(r["step_time_ms"] and r["step_time_ms"] > 0 for r in mon.records[1:])
+
+
+def test_overflow_events_with_scale_before_after():
+    model, opt, amp = setup("fp16", init_scale=1024.0)
+    mon = Monitor(amp, log_every=3)
+    train(model, opt, amp, 9, bad={2, 5})
+    mon.flush()
+    ov = [e for e in mon.events if e["kind"] == "overflow"]
+    assert [e["step"] for e in ov] == [3, 6]
+    assert ov[0]["scale_before"] == 1024.0 and ov[0]["scale_after"] == 512.0
+    assert ov[1]["scale_before"] == 512.0 and ov[1]["scale_after"] == 256.0
+    assert [r["skipped"] for r in mon.records] == [False, False, True, False, False, True, False, False, False]
+    s = mon.summary()
+    assert s["skipped_steps"] == 2 and s["overflow_rate"] == pytest.approx(2 / 9)
+    assert (s["scale_min"], s["scale_max"], s["scale_last"]) == (256.0, 1024.0, 256.0)
+    assert s["scale_changes"] == 2 and s["events"]["overflow"] == 2
+
+
+def test_switch_and_user_events_pass_through():
+    model, opt, amp = setup("fp16")
+    mon = Monitor(amp, log_every=2)
+    train(model, opt, amp, 2)
+    amp.switch("bf16", reason="test")
+    mon.log_event("eval", loss=1.25)
+    mon.log_event("checkpoint", path="x.pt")
+    train(model, opt, amp, 2)
+    mon.flush()
+    kinds = [e["kind"] for e in mon.events]
+    assert kinds == ["precision_switch", "eval", "checkpoint"]
+    assert mon.records[-1]["precision"] == "bf16" and mon.records[-1]["scale"] is None
+
+
+def test_summary_percentiles():
+    recs = [{"type": "step", "step": i + 1, "precision": "fp32", "loss": 1.0, "step_time_ms": float(t),
+             "skipped": False} for i, t in enumerate([100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]
+    s = summarize(recs)
+    assert s["step_time_ms_median"] == 5.5  # the first (warm-up) step is left out
+    assert s["step_time_ms_p90"] == pytest.approx(9.1)
+
+
+def test_jsonl_schema_append_and_pandas(tmp_path):
+    path = tmp_path / "run" / "log.jsonl"
+    for _ in range(2):  # a run, then a "resumed" run appending to the same file
+        model, opt, amp = setup("fp16")
+        mon = Monitor(amp, [JSONLSink(str(path))], log_every=3)
+        train(model, opt, amp, 5)
+        mon.close()
+    recs = read_jsonl(str(path))
+    steps = [r for r in recs if r["type"] == "step"]
+    assert len(steps) == 10 and all(r["schema_version"] == SCHEMA_VERSION for r in recs)
+    assert sum(1 for r in recs if r.get("kind") == "summary") == 2
+    pd = pytest.importorskip("pandas")
+    df = pd.read_json(str(path), lines=True)
+    assert len(df) == len(recs) and "loss" in df.columns
+
+
+def test_jsonl_truncated_last_line_is_skipped_with_warning(tmp_path):
+    path = tmp_path / "log.jsonl"
+    model, opt, amp = setup("fp32")
+    mon = Monitor(amp, [JSONLSink(str(path))], log_every=2)
+    train(model, opt, amp, 4)
+    mon.flush()
+    with open(path, "a") as f:
+        f.write('{"schema_version": 1, "type": "step", "st')  # crash mid-write
+    with pytest.warns(UserWarning, match="truncated last line"):
+        recs = read_jsonl(str(path))
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    # a resumed run appends on a fresh line; the partial line in the middle is skipped
+    mon2 = Monitor(amp, [JSONLSink(str(path))], log_every=1)
+    train(model, opt, amp, 1)
+    mon2.flush()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        recs = read_jsonl(str(path))
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5] and w
+
+
+def test_jsonl_nonfinite_values_become_null(tmp_path):
+    sink = JSONLSink(str(tmp_path / "l.jsonl"))
+    sink.write([{"type": "step", "step": 1, "loss": math.nan}])
+    sink.close()
+    rec = json.loads((tmp_path / "l.jsonl").read_text())
+    assert rec["loss"] is None and rec["nonfinite"] == ["loss"]
+
+
+def test_tensorboard_roundtrip(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, opt, amp = setup("fp16", init_scale=256.0, clip_grad_norm=1.0)
+    mon = Monitor(amp, [TensorBoardSink(str(tmp_path))], log_every=4)
+    train(model, opt, amp, 8, bad={3})
+    mon.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss", "train/scale", "train/grad_norm", "train/step_time_ms", "train/skipped"):
+        assert tag in tags
+    losses = acc.Scalars("train/loss")
+    # step 4's loss is inf: non-finite values are left out of TensorBoard (they wreck its plots)
+    assert [e.step for e in losses] == [1, 2, 3, 5, 6, 7, 8]
+    for e, r in zip(losses, [r for r in mon.records if r["step"] != 4]):
+        assert e.value == pytest.approx(r["loss"], rel=1e-6)
+    assert [e.value for e in acc.Scalars("train/skipped")] == [0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_tensorboard_missing_names_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"ampkit\[tensorboard\]"):
+        TensorBoardSink("/tmp/x")
+
+
+def test_console_sink_shows_progress_and_summary():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, force_terminal=False)
+    model, opt, amp = setup("fp16")
+    mon = Monitor(amp, [ConsoleSink(total_steps=6, console=console)], log_every=3, samples_per_step=8)
+    train(model, opt, amp, 6)
+    mon.close()
+    out = buf.getvalue()
+    assert "loss" in out and "run summary" in out and "skipped steps" in out
+
+
+def test_bad_arguments():
+    _, _, amp = setup("fp32")
+    with pytest.raises(ValueError, match="log_every"):
+        Monitor(amp, log_every=0)
+    with pytest.raises(TypeError, match="write"):
+        Monitor(amp, [object()])
+
+
+def test_close_unsubscribes():
+    model, opt, amp = setup("fp32")
+    mon = Monitor(amp, log_every=1)
+    train(model, opt, amp, 2)
+    mon.close()
+    train(model, opt, amp, 2)
+    assert len(mon.records) == 2
