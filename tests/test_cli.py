@@ -39,28 +39,36 @@ def test_hyphen_and_underscore_flags(spelling):
     assert args.batch_size == 3 and args.precision == "bf16" and args.accumulation_steps == 2
 
 
-def test_train_json_summary(capsys):
+def test_train_json_summary(capsys, tmp_path):
     rc = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "6", "--batch-size", "4",
-               "--precision", "fp32", "--no-progress", "--json", "--device", "cpu", "--log_every", "3"])
+               "--precision", "fp32", "--no-progress", "--json", "--device", "cpu", "--log_every", "3",
+               "--log_dir", str(tmp_path / "run")])
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "fp32" and s["optimizer_steps"] == 6
     assert s["final_loss"] < s["first_loss"]  # it learns
     assert s["tokens_per_s"] > 0 and s["ms_per_step"] > 0 and s["skipped_steps"] == 0
+    assert (tmp_path / "run" / "log.jsonl").exists() and (tmp_path / "run" / "summary.json").exists()
 
 
-def test_train_fp16_table(capsys):
-    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "5", "--precision", "16-mixed",
-               "--no-progress", "--device", "cpu"])
+def test_train_fp16_progress_summary_and_report(capsys, tmp_path):
+    run = tmp_path / "fp16run"
+    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "12", "--precision", "16-mixed",
+               "--device", "cpu", "--log-dir", str(run), "--log_every", "4"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "fp16" in out and "skipped steps" in out and "ms/step" in out
+    assert "fp16" in out and "run summary" in out and "skipped steps" in out and "ampkit report" in out
+    assert any((run / "tb").iterdir())  # TensorBoard events written
+    assert main(["report", str(run), "--metrics", "loss,scale"]) == 0
+    assert (run / "report" / "loss.png").exists() and (run / "report" / "scale.png").exists()
+    assert not (run / "report" / "memory.png").exists()
 
 
 @pytest.mark.parametrize("argv,fragment", [
     (["train", "--precision", "fp61"], "unknown precision 'fp61'"),
     (["train", "--precision", "fp8", "--device", "cpu"], "fp8 needs an NVIDIA GPU"),
     (["train", "--precision", "bf16-pure", "--device", "cpu", "--steps", "1"], "not supported by MixedPrecision.setup"),
+    (["report", "/nonexistent/run"], "does not exist"),
 ])
 def test_train_bad_input_is_a_clear_error(argv, fragment, capsys):
     assert main(argv) == 2

@@ -10,8 +10,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampkit import MixedPrecision
-from ampkit.monitor import (SCHEMA_VERSION, ConsoleSink, JSONLSink, Monitor, TensorBoardSink, read_jsonl,
-                            summarize)
+from ampkit.monitor import (
+    SCHEMA_VERSION,
+    ConsoleSink,
+    JSONLSink,
+    Monitor,
+    TensorBoardSink,
+    read_jsonl,
+    summarize,
+)
 
 
 def setup(precision="fp16", fused=True, **kw):

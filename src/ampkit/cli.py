@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -181,27 +182,38 @@ def _cmd_train(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]ampkit train[/]: {args.model}/{args.size} ({n_params / 1e6:.2f}M params) on {device} "
                   f"in [bold]{amp.precision.name}[/] — {amp.precision.reason}")
+    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
     trainer = Trainer(model, optimizer, amp, batches, log_every=args.log_every,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress and not args.json, log_dir=log_dir, console=console)
     summary = trainer.fit(args.steps)
+    for note in trainer.notes:
+        console.print(f"[yellow]note:[/] {note}")
     if args.json:
         print(json.dumps({k: v for k, v in summary.to_dict().items() if k != "losses"}, indent=2))
         return 0
-    from rich.table import Table
+    console.print(f"ms/step {summary.ms_per_step:.1f}"
+                  + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
+                  + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
+    console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
+    return 0
 
-    table = Table(title="summary", show_header=False)
-    table.add_row("precision", summary.precision)
-    table.add_row("device", summary.device)
-    table.add_row("optimizer steps", str(summary.optimizer_steps))
-    table.add_row("loss (first → final)", f"{summary.first_loss:.4f} → {summary.final_loss:.4f}")
-    table.add_row("ms/step", f"{summary.ms_per_step:.1f}")
-    if summary.tokens_per_s:
-        table.add_row("tokens/s", f"{summary.tokens_per_s:,.0f}")
-    table.add_row("samples/s", f"{summary.samples_per_s:,.0f}")
-    table.add_row("skipped steps", str(summary.skipped_steps))
-    if summary.final_scale is not None:
-        table.add_row("final loss scale", f"{summary.final_scale:g}")
-    console.print(table)
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import make_report
+
+    metrics = args.metrics.split(",") if args.metrics else None
+    out = make_report(args.run_dir, compare=args.compare or (), out_dir=args.out, metrics=metrics)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    from rich.console import Console
+
+    from .monitor import summary_table
+
+    console = Console()
+    for label, s in out["summaries"].items():
+        console.print(summary_table(s, title=label))
+    console.print(f"wrote {len(out['pngs'])} plots and {out['markdown']}")
     return 0
 
 
@@ -234,8 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "device", default=None, help="cpu, cuda, cuda:1, mps (default: best available)")
     _flag(p, "log_every", type=_positive_int, default=10, help="read metrics to the host every N steps")
     _flag(p, "no_progress", action="store_true", help="no progress bar")
+    _flag(p, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
     _flag(p, "json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("report", help="plots and a Markdown summary from a run's logs")
+    p.add_argument("run_dir", help="a run directory written by `ampkit train` (or its log.jsonl)")
+    _flag(p, "compare", nargs="+", default=None, metavar="RUN_DIR", help="overlay these runs (e.g. fp32 vs bf16)")
+    _flag(p, "out", default=None, help="where to write (default: RUN_DIR/report)")
+    _flag(p, "metrics", default=None, help="comma-separated subset of: loss, scale, speed, memory")
+    _flag(p, "json", action="store_true", help="print paths and summaries as JSON")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 
@@ -247,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (PrecisionError, ConfigError, ValueError) as e:
+    except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"ampkit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,20 +1,22 @@
 """A small training loop composed from the engine: what ``ampkit train`` runs.
 
 Reads top to bottom: take batch ``i``, forward under ``amp.autocast()``, ``amp.backward``,
-``amp.step``. Losses stay on the device and are read to the host only every ``log_every``
-optimizer steps, so the loop adds no per-step host sync of its own.
+``amp.step``; a :class:`~ampkit.monitor.Monitor` records every optimizer step and reads the
+device only every ``log_every`` steps, so the loop adds no per-step host sync of its own.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import json
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from .engine import MixedPrecision
+from .monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 
 __all__ = ["TrainSummary", "Trainer"]
 
@@ -36,6 +38,8 @@ class TrainSummary:
     tokens_per_s: Optional[float]
     final_scale: Optional[float]
     losses: list[float] = field(default_factory=list)
+    log_dir: Optional[str] = None
+    peak_mem_bytes: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,8 +59,10 @@ class Trainer:
         batches: ``batches(i)`` returns micro-batch ``i``; may expose ``samples_per_batch`` and
             ``tokens_per_batch`` for throughput figures.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``; default ``model(x, y)``.
-        log_every: read losses to the host every this many optimizer steps (the only syncs).
-        progress: show a rich progress bar with live loss, scale and throughput.
+        log_every: read metrics to the host every this many optimizer steps (the only syncs).
+        progress: show a rich progress bar with live loss, scale and throughput, then a summary table.
+        log_dir: write the run there: ``log.jsonl``, TensorBoard events under ``tb/`` (when
+            tensorboard is installed), ``summary.json``.
     """
 
     def __init__(
@@ -69,30 +75,46 @@ class Trainer:
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = _default_loss,
         log_every: int = 10,
         progress: bool = True,
-        warmup_steps: int = 3,
+        log_dir: Optional[str] = None,
+        tensorboard: bool = True,
+        console: Any = None,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every={log_every} must be >= 1")
         self.model, self.optimizer, self.amp = model, optimizer, amp
         self.batches, self.loss_fn = batches, loss_fn
-        self.log_every, self.progress, self.warmup_steps = log_every, progress, warmup_steps
+        self.log_every, self.progress = log_every, progress
+        self.log_dir, self.tensorboard, self.console = log_dir, tensorboard, console
         self.micro_index = 0  # the data position: index of the next micro-batch
+        self.notes: list[str] = []
+
+    def _sinks(self, steps: int) -> list[Any]:
+        sinks: list[Any] = []
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            sinks.append(JSONLSink(os.path.join(self.log_dir, "log.jsonl")))
+            if self.tensorboard:
+                try:
+                    sinks.append(TensorBoardSink(os.path.join(self.log_dir, "tb")))
+                except ImportError as e:
+                    self.notes.append(str(e))
+        if self.progress:
+            sinks.append(ConsoleSink(total_steps=self.amp.optimizer_steps + steps, console=self.console))
+        return sinks
 
     def fit(self, steps: int) -> TrainSummary:
         """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches)."""
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         amp, accum = self.amp, self.amp.config.accumulation_steps
-        pending: list[torch.Tensor] = []
-        losses: list[float] = []
-        step_times: list[float] = []
-        bar = _Progress(steps, self.progress)
+        samples = getattr(self.batches, "samples_per_batch", None)
+        tokens = getattr(self.batches, "tokens_per_batch", None)
+        monitor = Monitor(amp, self._sinks(steps), log_every=self.log_every,
+                          samples_per_step=samples * accum if samples else None,
+                          tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
         self.model.train()
-        t_start = t_last = time.perf_counter()
-        t_measured = None
-        with bar:
-            for step in range(steps):
-                step_loss = None
+        try:
+            for _ in range(steps):
                 for _ in range(accum):
                     batch = self.batches(self.micro_index)
                     self.micro_index += 1
@@ -100,82 +122,22 @@ class Trainer:
                         loss = self.loss_fn(self.model, batch)
                     amp.backward(loss)
                     amp.step(self.optimizer)
-                    step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-                assert step_loss is not None
-                pending.append(step_loss / accum)
-                now = time.perf_counter()
-                step_times.append(now - t_last)
-                t_last = now
-                if step + 1 == self.warmup_steps:
-                    _sync(amp.device)
-                    t_measured = (time.perf_counter(), step + 1)
-                if (step + 1) % self.log_every == 0 or step + 1 == steps:
-                    losses.extend(torch.stack(pending).float().tolist())  # the one sync per log interval
-                    pending.clear()
-                    bar.update(step + 1, losses[-1], amp, self._throughput(step_times))
-        _sync(amp.device)
-        t_end = time.perf_counter()
-        if t_measured is not None and steps > t_measured[1]:
-            ms = (t_end - t_measured[0]) / (steps - t_measured[1]) * 1e3
-        else:
-            ms = (t_end - t_start) / steps * 1e3
+        finally:
+            summary = monitor.close()
+        if self.log_dir:
+            with open(os.path.join(self.log_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
         stats = amp.stats()
-        samples = getattr(self.batches, "samples_per_batch", None)
-        tokens = getattr(self.batches, "tokens_per_batch", None)
+        losses = [r["loss"] for r in monitor.records]
+        ms = summary["step_time_ms_median"] or 0.0
         return TrainSummary(
             precision=stats["precision"], device=stats["device"], optimizer_steps=stats["optimizer_steps"],
-            skipped_steps=stats["skipped_steps"], final_loss=losses[-1], first_loss=losses[0],
-            ms_per_step=ms,
-            samples_per_s=(samples * accum / (ms / 1e3)) if samples else 0.0,
-            tokens_per_s=(tokens * accum / (ms / 1e3)) if tokens else None,
-            final_scale=stats["scale"], losses=losses,
+            skipped_steps=stats["skipped_steps"], final_loss=_f(losses[-1]), first_loss=_f(losses[0]),
+            ms_per_step=ms, samples_per_s=summary["samples_per_s"] or 0.0, tokens_per_s=summary["tokens_per_s"],
+            final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
+            peak_mem_bytes=summary["peak_mem_bytes"],
         )
 
-    def _throughput(self, step_times: list[float]) -> Optional[float]:
-        tokens = getattr(self.batches, "tokens_per_batch", None)
-        recent = step_times[-self.log_every:]
-        if not tokens or not recent:
-            return None
-        return tokens * self.amp.config.accumulation_steps / statistics.median(recent)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Progress:
-    """A rich progress bar with live loss / scale / throughput, or nothing when disabled."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.enabled, self.total = enabled, total
-        if enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-            self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                               TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-            self._task = self._p.add_task("train", total=total, info="")
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            self._p.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._p.__exit__(*exc)
-
-    def update(self, step: int, loss: float, amp: MixedPrecision, tokens_per_s: Optional[float]) -> None:
-        if not self.enabled:
-            return
-        info = f"loss {loss:.4f}"
-        if amp.precision.needs_scaler and amp.scaler.scale_tensor is not None:
-            info += f"  scale {amp.scaler.scale_tensor.item():.0f}"
-        if tokens_per_s:
-            info += f"  {tokens_per_s:,.0f} tok/s"
-        self._p.update(self._task, completed=step, info=info)
+def _f(v: Optional[float]) -> float:
+    return math.nan if v is None else float(v)

@@ -27,7 +27,7 @@ class JSONLSink:
         os.makedirs(parent, exist_ok=True)
         self.path = path
         self._fsync = fsync
-        self._fh = open(path, "a", encoding="utf-8")
+        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the sink
         # A crash mid-line leaves a partial last line; start ours on a fresh line.
         if self._fh.tell() > 0:
             with open(path, "rb") as f:
@@ -129,7 +129,13 @@ class ConsoleSink:
 
     def __init__(self, total_steps: Optional[int] = None, *, console: Any = None, title: str = "train") -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self.console = console or Console()
         self._progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
