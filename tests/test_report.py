@@ -1,4 +1,6 @@
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +46,7 @@ def test_report_writes_nonblank_pngs_and_markdown(tmp_path):
         shape, std = png_stats(p)
         assert shape[:2] == (450, 800)
         assert std > 0.02  # not a blank canvas
-    md = open(out["markdown"]).read()
+    md = Path(out["markdown"]).read_text()
     assert "| run |" in md and "fp16" in md and "loss.png" in md
     s = out["summaries"][next(iter(out["summaries"]))]
     assert s["skipped_steps"] == 2 and s["steps"] == 30
@@ -55,12 +57,11 @@ def test_compare_overlays_runs(tmp_path):
     b = write_run(tmp_path / "fp16", "fp16", bad=())
     out = make_report(str(a), compare=[str(b)], out_dir=str(tmp_path / "cmp"))
     assert len(out["summaries"]) == 2
-    md = open(out["markdown"]).read()
+    md = Path(out["markdown"]).read_text()
     assert "fp32" in md and "fp16" in md
     # overlay of two runs differs from the single-run plot
     single = make_report(str(a), out_dir=str(tmp_path / "single"), metrics=["loss"])
-    import hashlib
-    h = [hashlib.md5(open(p, "rb").read()).hexdigest() for p in (single["pngs"][0], out["pngs"][0])]
+    h = [hashlib.md5(Path(p).read_bytes()).hexdigest() for p in (single["pngs"][0], out["pngs"][0])]
     assert h[0] != h[1]
 
 
