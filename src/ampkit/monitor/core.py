@@ -2,9 +2,10 @@
 
 The monitor subscribes to the engine's ``step`` events. Each event carries device tensors
 (loss, scale, found_inf, grad norm); the monitor only *holds* them, and every ``log_every``
-steps stacks them and reads them to the host with a single ``tolist()`` — one sync per
-interval, none per step. Step times come from host clocks on CPU and from CUDA events on GPU
-(recorded without syncing, read at the interval).
+steps stacks them into one tensor. On CPU that tensor is read at once; on CUDA it is copied to
+pinned host memory without blocking and read at the *next* interval, when the copy has long
+finished — so the monitor never stalls the GPU in steady state. Step times come from host
+clocks on CPU and from CUDA events on GPU (recorded without syncing, read with the batch).
 """
 
 from __future__ import annotations
@@ -79,13 +80,15 @@ class Monitor:
         self._pending_events: list[dict[str, Any]] = []
         self._cuda = amp.device.type == "cuda"
         self._last_time = time.perf_counter()
+        self._event_pool: list[Any] = []
+        self._inflight: list[Any] = []
         self._last_cuda_event = self._cuda_event() if self._cuda else None
         self._closed = False
         self._unsubscribe = amp.subscribe(self._on_event)
 
     # ------------------------------------------------------------------ observing
     def _cuda_event(self) -> Any:
-        e = torch.cuda.Event(enable_timing=True)
+        e = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
         e.record()
         return e
 
@@ -95,16 +98,18 @@ class Monitor:
             return
         now = time.perf_counter()
         result = event.data["result"]
-        lr = self._lr()
         timer: Any = self._cuda_event() if self._cuda else now - self._last_time
         self._last_time = now
         self._pending.append((event.step, time.time(), event.data["loss"], result.scale, result.found_inf,
-                              result.grad_norm, lr, timer))
+                              result.grad_norm, self._lr(), timer))
         if len(self._pending) >= self.log_every:
-            self.flush()
+            self.flush(wait=False)
 
     def _lr(self) -> Optional[float]:
-        opt = self._optimizer or (self.amp.optimizers[0] if self.amp.optimizers else None)
+        opt = self._optimizer
+        if opt is None:
+            opts = self.amp.optimizers
+            opt = self._optimizer = opts[0] if opts else None
         if opt is None:
             return None
         lr = opt.param_groups[0].get("lr")
@@ -118,23 +123,38 @@ class Monitor:
         return {"schema_version": SCHEMA_VERSION, "type": "event", "kind": kind, "step": step,
                 "time": time.time(), **_plain(data)}
 
-    # ------------------------------------------------------------------ reading (the one sync)
-    def flush(self) -> list[dict[str, Any]]:
-        """Read pending steps to the host (one sync) and write them and pending events to the sinks."""
-        pending, self._pending = self._pending, []
+    # ------------------------------------------------------------------ reading
+    def flush(self, wait: bool = True) -> list[dict[str, Any]]:
+        """Read pending steps to the host and write them and pending events to the sinks.
+
+        On CPU the batch is read at once. On CUDA the values are copied to pinned host memory
+        without blocking and *processed at the next flush* (by then the copy is long done), so
+        the monitor never stalls the device in steady state; ``wait=True`` (the default, used by
+        :meth:`summary` and :meth:`close`) waits for and processes everything now.
+        """
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._inflight.append(self._launch(pending))
         out: list[dict[str, Any]] = []
-        if pending:
-            out = self._materialize(pending)
-            self.records.extend(r for r in out if r["type"] == "step")
-        events, self._pending_events = self._pending_events, []
+        while self._inflight and (wait or not self._cuda or len(self._inflight) > 1):
+            out += self._process(self._inflight.pop(0))
+        self.records.extend(r for r in out if r["type"] == "step")
+        if self._inflight and not wait:
+            # keep events ordered after the steps they follow
+            upto = self._inflight[0][0][0][0]
+            events = [e for e in self._pending_events if e["step"] < upto]
+            self._pending_events = [e for e in self._pending_events if e["step"] >= upto]
+        else:
+            events, self._pending_events = self._pending_events, []
         batch = sorted(out + events, key=lambda r: (r["step"], r["type"] != "step"))
         self.events.extend(r for r in batch if r["type"] == "event")
-        for sink in self.sinks:
-            if batch:
+        if batch:
+            for sink in self.sinks:
                 sink.write(batch)
         return batch
 
-    def _materialize(self, pending: list[Any]) -> list[dict[str, Any]]:
+    def _launch(self, pending: list[Any]) -> tuple[list[Any], torch.Tensor, Any, Optional[float]]:
+        """Stack the batch's device scalars and start their copy to the host (no wait on CUDA)."""
         dev = self.amp.device
         nan = torch.full((), math.nan, device=dev)
         scaled = self.amp.precision.needs_scaler
@@ -145,20 +165,31 @@ class Monitor:
                      found if found is not None else nan, norm if norm is not None else nan]
         flat.append(live_scale if live_scale is not None else nan)
         flat = [t if (t.dtype is torch.float32 and t.dim() == 0) else t.detach().float().reshape(()) for t in flat]
-        values = torch.stack(flat).tolist()  # the one device->host sync per interval
+        stacked = torch.stack(flat)
+        done = None
+        if self._cuda:
+            stacked = stacked.to("cpu", non_blocking=True)  # lands in pinned memory, asynchronously
+            done = torch.cuda.Event()
+            done.record()
+        return pending, stacked, done, float(peak_memory_bytes(dev))
+
+    def _process(self, launched: tuple[list[Any], torch.Tensor, Any, Optional[float]]) -> list[dict[str, Any]]:
+        pending, stacked, done, peak = launched
+        if done is not None and not done.query():
+            done.synchronize()  # recorded an interval ago, so this rarely waits
+        values = stacked.tolist()  # on CPU: the one read of this interval
         step_ms = self._step_times(pending)
-        peak = peak_memory_bytes(dev)
         precision = self.amp.precision.name
         out: list[dict[str, Any]] = []
         for i, (step, wall, *_rest) in enumerate(pending):
             loss, scale, found, norm = values[4 * i: 4 * i + 4]
-            lr = pending[i][6]
             ms = step_ms[i]
             rec: dict[str, Any] = {
                 "schema_version": SCHEMA_VERSION, "type": "step", "step": step, "time": wall,
                 "loss": _num(loss), "precision": precision, "scale": _num(scale),
                 "skipped": bool(found > 0) if not math.isnan(found) else False,
-                "grad_norm": _num(norm), "lr": lr, "step_time_ms": ms, "peak_mem_bytes": peak,
+                "grad_norm": _num(norm), "lr": pending[i][6], "step_time_ms": ms,
+                "peak_mem_bytes": int(peak) if peak is not None else None,
             }
             if self.samples_per_step and ms:
                 rec["samples_per_s"] = self.samples_per_step / (ms / 1e3)
@@ -177,8 +208,9 @@ class Monitor:
         times: list[Optional[float]] = []
         prev = self._last_cuda_event
         for *_, ev in pending:
-            ev.synchronize()  # already complete: the tolist() above waited for the device
             times.append(prev.elapsed_time(ev) if prev is not None else None)
+            if prev is not None:
+                self._event_pool.append(prev)
             prev = ev
         self._last_cuda_event = prev
         return times
