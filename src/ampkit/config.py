@@ -48,6 +48,10 @@ class MixedPrecisionConfig:
     autocast_cache: bool = _f(True, "let autocast cache casted weights within a forward (torch.autocast cache_enabled)")
     accumulation_steps: int = _f(1, "micro-steps per optimizer step (the loss is divided by this)")
     clip_grad_norm: Optional[float] = _f(None, "clip the (unscaled) total gradient norm to this (None: no clipping)")
+    keep_fp32: tuple = _f((), "modules to keep in fp32: qualified-name globs ('lm_head', '*.norm*') or types")
+    fallback: Union[bool, str] = _f(False, "fall back on numerical trouble: True (fp16 -> bf16 -> fp32) or a chain 'fp16,bf16,fp32'")
+    fallback_patience: int = _f(8, "consecutive skipped steps that trigger a fallback")
+    fallback_check_every: int = _f(10, "optimizer steps between fallback checks (reads are asynchronous)")
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -62,6 +66,8 @@ class MixedPrecisionConfig:
         _require(self.growth_interval >= 1, "growth_interval", self.growth_interval, "an integer >= 1")
         _require(self.hysteresis >= 1, "hysteresis", self.hysteresis, "an integer >= 1 (1 = back off on every overflow)")
         _require(self.accumulation_steps >= 1, "accumulation_steps", self.accumulation_steps, "an integer >= 1")
+        _require(self.fallback_patience >= 1, "fallback_patience", self.fallback_patience, "an integer >= 1")
+        _require(self.fallback_check_every >= 1, "fallback_check_every", self.fallback_check_every, "an integer >= 1")
         for name in ("min_scale", "max_scale", "clip_grad_norm"):
             v = getattr(self, name)
             _require(v is None or (v > 0 and math.isfinite(v)), name, v, "None or a finite number > 0")
@@ -72,7 +78,27 @@ class MixedPrecisionConfig:
                  f"a value within [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
 
     def _check_types(self) -> None:
+        from .overrides import normalize_patterns
+
+        keep = self.keep_fp32
+        if isinstance(keep, (str, type)):
+            keep = (keep,)
+        if not isinstance(keep, (list, tuple)):
+            raise ConfigError(f"keep_fp32={keep!r} must be a list of module-name globs or module types")
+        try:
+            object.__setattr__(self, "keep_fp32", normalize_patterns(keep))
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+        if not isinstance(self.fallback, (bool, str)):
+            raise ConfigError(f"fallback={self.fallback!r} must be True/False or a chain like 'fp16,bf16,fp32'")
+        if isinstance(self.fallback, str):
+            chain = tuple(_canonical_precision(x) for x in self.fallback.split(",") if x.strip())
+            if not chain or any(c in ("auto", "O2") for c in chain):
+                raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
+            object.__setattr__(self, "fallback", ",".join(chain))
         for f in fields(self):
+            if f.name in ("keep_fp32", "fallback"):
+                continue
             v = getattr(self, f.name)
             expected = _expected_type(f.type)
             if v is None and "Optional" in str(f.type):
@@ -92,7 +118,9 @@ class MixedPrecisionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON/TOML-serialisable dict; ``from_dict(to_dict())`` round-trips."""
-        return asdict(self)
+        d = asdict(self)
+        d["keep_fp32"] = list(self.keep_fp32)
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MixedPrecisionConfig:

@@ -28,12 +28,14 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .config import MixedPrecisionConfig
+from .config import ConfigError, MixedPrecisionConfig
+from .fallback import FallbackPolicy, NumericsError, Trigger, resolve_chain
 from .hardware import DeviceInfo, device_info, normalize_device
+from .overrides import Fp32Overrides, apply_fp32_overrides, match_modules
 from .precision import Precision, PrecisionError, resolve_precision
 from .scaler import LossScaler
 
-__all__ = ["Event", "MixedPrecision", "StepResult"]
+__all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
 
 _SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16")
 
@@ -143,6 +145,10 @@ class MixedPrecision:
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
         self._window_loss: Optional[torch.Tensor] = None
+        self._overrides: Optional[Fp32Overrides] = None
+        self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
+        self._last_diagnosis: Optional[Any] = None
+        self._fallback = self._make_fallback()
         self._build_contexts()
 
     # ------------------------------------------------------------------ construction helpers
@@ -151,6 +157,15 @@ class MixedPrecision:
             return LossScaler.from_config(self.config, device=self.device)
         # No scaling arithmetic at all; still finite-checks when skip_nonfinite is on.
         return LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
+
+    def _make_fallback(self) -> Optional[FallbackPolicy]:
+        cfg = self.config
+        if cfg.fallback is False:
+            return None
+        if not cfg.skip_nonfinite:
+            raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
+        chain = resolve_chain(cfg.fallback, self.precision.name, self.device_info)
+        return FallbackPolicy(chain, cfg.fallback_patience, cfg.fallback_check_every, cfg.min_scale)
 
     def _build_contexts(self) -> None:
         p = self.precision
@@ -183,6 +198,8 @@ class MixedPrecision:
                 f"choose one of: {', '.join(_SUPPORTED_BY_ENGINE)}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"setup() expects a torch.nn.Module first, got {type(model).__name__}")
+        if self.config.keep_fp32:
+            match_modules(model, self.config.keep_fp32)  # raises before anything is changed
         params = {id(p) for p in model.parameters()}
         for i, opt in enumerate(optimizers):
             if not isinstance(opt, torch.optim.Optimizer):
@@ -192,6 +209,10 @@ class MixedPrecision:
                 raise ValueError(f"optimizer {i} ({type(opt).__name__}) holds {foreign} parameter(s) that are "
                                  "not in the model; build the optimizer from model.parameters()")
         model.to(self.device)
+        if self._overrides is not None:
+            self._overrides.remove()
+        if self.config.keep_fp32:
+            self._overrides = apply_fp32_overrides(model, self.config.keep_fp32, self.device.type)
         self._model = model
         self._optimizers = list(optimizers)
         return (model, *optimizers) if optimizers else model
@@ -322,6 +343,13 @@ class MixedPrecision:
                 opt.zero_grad(set_to_none=True)
         self._micro = 0
         self._steps += 1
+        if self._fallback is not None:
+            self._fallback.observe(found_inf)
+            if self._steps % self.config.fallback_check_every == 0:
+                trigger = self._fallback.check(scaler.scale_tensor if self.precision.needs_scaler else None,
+                                               self.precision.needs_scaler)
+                if trigger is not None:
+                    self._fall_back(trigger)
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._subscribers:
             loss, self._window_loss = self._window_loss, None
@@ -337,6 +365,9 @@ class MixedPrecision:
         ``precision_switch`` event. Raises inside an accumulation window (gradients from the
         old precision would mix with the new one) and for precisions the device cannot run.
         """
+        return self._switch(precision, "precision_switch", {"reason": reason})
+
+    def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
         new = resolve_precision(precision, self.device_info)
         if new.name not in _SUPPORTED_BY_ENGINE:
             raise PrecisionError(f"cannot switch to {new.name!r}: the engine supports {', '.join(_SUPPORTED_BY_ENGINE)} so far")
@@ -349,10 +380,57 @@ class MixedPrecision:
         self.precision = new
         self.config = self.config.replace(precision=new.name)
         if new.needs_scaler != old.needs_scaler:
+            self._retire_scaler()
             self._scaler = self._make_scaler(new)
+        if self._fallback is not None:
+            self._fallback.reset()
         self._build_contexts()
-        self._emit("precision_switch", {"from": old.name, "to": new.name, "reason": reason})
+        self._emit(kind, {"from": old.name, "to": new.name, **data})
         return new
+
+    def _retire_scaler(self) -> None:
+        """Keep the skipped-step count of a scaler that is being replaced (a device add, no sync)."""
+        count = self._scaler.overflow_count
+        if count is not None:
+            self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
+
+    def _fall_back(self, trigger: Trigger) -> None:
+        assert self._fallback is not None
+        nxt = self._fallback.next_precision(self.precision.name)
+        data: dict[str, Any] = {"trigger": trigger.reason, "detail": trigger.detail,
+                                "consecutive_skips": trigger.consecutive_skips, "scale": trigger.scale}
+        if self._last_diagnosis is not None:
+            data["diagnosis"] = self._last_diagnosis.to_dict()
+        if nxt is None:
+            self._emit("fallback_exhausted", {"precision": self.precision.name, **data})
+            raise NumericsError(f"training stays non-finite in {self.precision.name}, the last precision of the "
+                                f"fallback chain {','.join(self._fallback.chain)}: {trigger.detail}"
+                                + (f"; diagnosis: {self._last_diagnosis}" if self._last_diagnosis else ""))
+        self._switch(nxt, "fallback", {"reason": f"{trigger.reason}: {trigger.detail}", **data})
+        self._last_diagnosis = None
+
+    # ------------------------------------------------------------------ diagnosis
+    def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None) -> Any:
+        """Name the first module that produces inf/NaN on ``closure``'s batch (see
+        :func:`ampkit.numerics.localize_nonfinite`); records a ``diagnosis`` event and attaches the
+        report to the next ``fallback`` event. ``scale`` defaults to the current loss scale
+        (fp16). Runs an extra forward and backward and **syncs**; gradients are left untouched.
+        """
+        from .numerics import localize_nonfinite
+
+        self._require_setup("diagnose")
+        if scale is None and self.precision.needs_scaler:
+            scale = self._scaler.get_scale()
+        assert self._model is not None
+        report = localize_nonfinite(self._model, closure, scale=scale)
+        self._last_diagnosis = report
+        self._emit("diagnosis", report.to_dict())
+        return report
+
+    @property
+    def overridden_modules(self) -> list[str]:
+        """Qualified names of the modules kept in fp32 (``keep_fp32``)."""
+        return list(self._overrides.names) if self._overrides is not None else []
 
     # ------------------------------------------------------------------ events
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
@@ -407,6 +485,8 @@ class MixedPrecision:
         """Precision, scale, steps, skipped steps, overflow rate, events. **Syncs** (reads device counters)."""
         overflows = self._scaler.overflow_count
         skipped = int(overflows.item()) if overflows is not None and self._scaler.is_enabled() else 0
+        if self._skipped_before is not None:
+            skipped += int(self._skipped_before.item())
         return {
             "precision": self.precision.name,
             "device": str(self.device),
@@ -430,6 +510,7 @@ class MixedPrecision:
             "scaler": self._scaler.state_dict(),
             "optimizer_steps": self._steps,
             "micro_steps": self._micro,
+            "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
             "events": [e.to_dict() for e in self._events],
         }
 
@@ -445,10 +526,13 @@ class MixedPrecision:
         if state.get("scaler"):
             self._scaler.load_state_dict(state["scaler"])
         self._steps = int(state.get("optimizer_steps", 0))
+        before = int(state.get("skipped_before", 0))
+        self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._micro = int(state.get("micro_steps", 0))
         self._events = [Event(kind=e["kind"], step=e["step"],
                               data={k: v for k, v in e.items() if k not in ("kind", "step")})
                         for e in state.get("events", [])]
+        self._fallback = self._make_fallback()
         self._build_contexts()
 
     # ------------------------------------------------------------------ internals

@@ -1,0 +1,477 @@
+"""Numerical diagnosis: which module produced the first inf/NaN, and a per-module precision audit.
+
+Both are one-off diagnostics that run extra forward/backward passes and read values to the host
+(they synchronize); they are meant for the first skipped step of a run or for choosing settings
+before training, never for the hot path.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .precision import Precision, resolve_precision
+
+__all__ = ["AuditReport", "ModuleAudit", "NonFiniteReport", "SENSITIVE", "audit", "localize_nonfinite"]
+
+FP16_MAX = torch.finfo(torch.float16).max
+FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes flush to zero
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _float_tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(obj) if t.is_floating_point()]
+
+
+def _nonfinite(obj: Any) -> bool:
+    return any(not bool(torch.isfinite(t).all()) for t in _float_tensors(obj))
+
+
+def _max_finite(obj: Any) -> Optional[float]:
+    best = None
+    for t in _float_tensors(obj):
+        t = t.detach()
+        finite = t[torch.isfinite(t)]
+        if finite.numel():
+            v = float(finite.abs().max())
+            best = v if best is None else max(best, v)
+    return best
+
+
+def _dtype(obj: Any) -> Optional[str]:
+    ts = _float_tensors(obj)
+    return str(ts[0].dtype).replace("torch.", "") if ts else None
+
+
+def _fp32(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().float() if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_fp32(o) for o in obj)
+    if isinstance(obj, list):
+        return [_fp32(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _fp32(v) for k, v in obj.items()}
+    return obj
+
+
+# ---------------------------------------------------------------------------- localization
+
+@dataclass(frozen=True)
+class NonFiniteReport:
+    """The first module whose output (forward) or input gradient (backward) was non-finite.
+
+    ``found`` is False when every output and gradient stayed finite (the problem is elsewhere,
+    e.g. the loss computation or the data). ``fp32_finite`` says whether the same module on the
+    same inputs (and, for backward, the same output gradient) in fp32 stays finite: True means
+    precision is the cause, and keeping that module in fp32 (``keep_fp32``) or a lower loss scale
+    will fix it.
+    """
+
+    found: bool
+    module: Optional[str] = None
+    module_type: Optional[str] = None
+    phase: Optional[str] = None  # "forward", "backward" (its input gradient), "backward-output" (arrived non-finite)
+    dtype: Optional[str] = None
+    input_max: Optional[float] = None
+    output_max: Optional[float] = None
+    fp32_finite: Optional[bool] = None
+    loss_finite: Optional[bool] = None
+    scale: Optional[float] = None
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def localize_nonfinite(
+    model: torch.nn.Module,
+    closure: Callable[[], torch.Tensor],
+    *,
+    scale: Optional[float] = None,
+) -> NonFiniteReport:
+    """Re-run one forward + backward with hooks on every module; name the first non-finite one.
+
+    ``closure()`` must run the forward on the failing batch and return the scalar loss (run it
+    under the autocast you train with, e.g. ``with amp.autocast(): return model(x, y)``).
+    ``scale`` multiplies the loss before backward, as the loss scaler does (an fp16 gradient
+    overflow only reproduces at the scale that caused it). The model's existing ``.grad``s are
+    restored afterwards, and every hook is removed, also when the closure raises. Synchronizes.
+    """
+    saved_grads = {p: p.grad for p in model.parameters()}
+    for p in saved_grads:
+        p.grad = None
+    names = {m: n or "(root)" for n, m in model.named_modules()}
+    inputs: dict[torch.nn.Module, Any] = {}
+    fwd: list[tuple[torch.nn.Module, Any, Any]] = []
+    bwd: list[tuple[torch.nn.Module, Any, Any]] = []
+    handles = []
+
+    def pre(m: torch.nn.Module, args: tuple) -> None:
+        inputs.setdefault(m, args)
+
+    def post(m: torch.nn.Module, args: tuple, out: Any) -> None:
+        if not fwd and _nonfinite(out):
+            fwd.append((m, args, out))
+
+    def back(m: torch.nn.Module, grad_in: Any, grad_out: Any) -> None:
+        if not bwd and (_nonfinite(grad_in) or _nonfinite(grad_out)):
+            bwd.append((m, grad_in, grad_out))
+
+    try:
+        for m in names:
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post))
+            if m is not model:
+                handles.append(m.register_full_backward_hook(back))
+        loss = closure()
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.numel() != 1:
+            raise ValueError(f"the closure must return a scalar floating-point loss tensor, got "
+                             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise ValueError("the closure's loss does not require grad: compute it from the model's outputs, "
+                             "outside torch.no_grad()")
+        loss_finite = bool(torch.isfinite(loss))
+        if not fwd:
+            with warnings.catch_warnings():
+                # Modules fed integer inputs (embeddings) get output-only backward hooks; that is fine here.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                (loss * scale if scale is not None else loss).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in saved_grads.items():
+            p.grad = g
+
+    if fwd:
+        m, args, out = fwd[0]
+        with torch.no_grad(), torch.autocast(_device_type(model), enabled=False):
+            ref = m(*_fp32(args)) if not isinstance(m, torch.nn.ModuleList) else None
+        fp32_ok = ref is not None and not _nonfinite(ref)
+        rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="forward", dtype=_dtype(out),
+                   input_max=_max_finite(args), output_max=_max_finite(out), fp32_finite=fp32_ok,
+                   loss_finite=loss_finite, scale=scale)
+    elif bwd:
+        m, grad_in, grad_out = bwd[0]
+        if _nonfinite(grad_out):
+            # The gradient was already non-finite on arrival: it overflowed between this module's
+            # output and the loss, typically when an fp32 gradient was cast to the module's half
+            # output dtype. In fp32 that cast does not exist.
+            rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="backward-output",
+                       dtype=_dtype(grad_out), input_max=None, output_max=_max_finite(grad_in),
+                       fp32_finite=_dtype(grad_out) in ("float16", "bfloat16") or None,
+                       loss_finite=loss_finite, scale=scale)
+        else:
+            fp32_ok = _backward_fp32_finite(m, inputs.get(m), grad_out)
+            rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="backward",
+                       dtype=_dtype(grad_in), input_max=_max_finite(grad_out), output_max=_max_finite(grad_in),
+                       fp32_finite=fp32_ok, loss_finite=loss_finite, scale=scale)
+    else:
+        rep = dict(found=False, loss_finite=loss_finite, scale=scale)
+    return NonFiniteReport(**rep, message=_message(rep))
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def _backward_fp32_finite(m: torch.nn.Module, args: Any, grad_out: Any) -> Optional[bool]:
+    """Re-run the module's forward and backward in fp32 with the same output gradient."""
+    if args is None:
+        return None
+    try:
+        xs = [a.detach().float().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+              for a in args]
+        with torch.enable_grad(), torch.autocast(_device_type(m) if list(m.parameters()) else "cpu", enabled=False):
+            ref = copy.deepcopy(m).float()
+            out = ref(*xs)
+            outs = _float_tensors(out)
+            gouts = [g.detach().float() for g in _float_tensors(grad_out)]
+            if len(outs) != len(gouts):
+                return None
+            targets = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + list(ref.parameters())
+            grads = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+        return not _nonfinite([g for g in grads if g is not None])
+    except Exception:  # a module whose backward cannot be replayed alone: say we don't know
+        return None
+
+
+def _message(r: dict[str, Any]) -> str:
+    if not r["found"]:
+        return ("no module produced a non-finite output or gradient"
+                + ("" if r["loss_finite"] else "; the loss itself is non-finite (check the loss function and the data)"))
+    where = f"{r['module']} ({r['module_type']})"
+    if r["phase"] == "forward":
+        msg = (f"first non-finite value in the forward output of {where}, dtype {r['dtype']}; "
+               f"largest finite input magnitude {r['input_max']:.3g}" if r["input_max"] is not None else
+               f"first non-finite value in the forward output of {where}, dtype {r['dtype']}")
+    elif r["phase"] == "backward-output":
+        msg = (f"the gradient reaching the output of {where} is already non-finite ({r['dtype']}): it overflowed "
+               f"between that output and the loss, typically in the cast of an fp32 gradient to {r['dtype']}")
+        if r.get("scale"):
+            msg += f" at loss scale {r['scale']:g}"
+    else:
+        msg = (f"first non-finite gradient flows out of {where} in backward (dtype {r['dtype']}); "
+               f"largest finite incoming gradient {r['input_max']:.3g}" if r["input_max"] is not None else
+               f"first non-finite gradient flows out of {where} in backward (dtype {r['dtype']})")
+        if r.get("scale"):
+            msg += f" at loss scale {r['scale']:g}"
+    if r["fp32_finite"]:
+        msg += f"; in fp32 the same module stays finite: keep it in fp32 (keep_fp32=['{r['module']}'])"
+        if r["phase"] != "forward":
+            msg += " or lower the loss scale"
+    elif r["fp32_finite"] is False:
+        msg += "; it is non-finite in fp32 too: the problem is not precision (check inputs, learning rate, init)"
+    return msg
+
+
+# ---------------------------------------------------------------------------- audit
+
+SENSITIVE: dict[type, str] = {
+    torch.nn.modules.batchnorm._BatchNorm: "BatchNorm running statistics lose precision in half-precision weights; "
+                                           "keep BatchNorm in fp32 (autocast already computes it in fp32)",
+    torch.nn.Softmax: "softmax is a large reduction: autocast runs it in fp32, but in pure half weights or outside "
+                      "autocast it runs in half; keep it in fp32",
+    torch.nn.LogSoftmax: "log-softmax is a large reduction: run it in fp32 (autocast does; pure half weights do not)",
+    torch.nn.LayerNorm: "LayerNorm's mean/variance reductions need fp32: autocast keeps them fp32, pure half weights do not",
+    torch.nn.GroupNorm: "GroupNorm's reductions need fp32: autocast keeps them fp32, pure half weights do not",
+    torch.nn.modules.loss._Loss: "a loss computed on half logits loses precision: compute it on logits.float() "
+                                 "(autocast does this for cross_entropy and friends)",
+}
+
+
+@dataclass(frozen=True)
+class ModuleAudit:
+    """One module's numerics under the audited precision, against a high-precision reference."""
+
+    name: str
+    type: str
+    output_dtype: Optional[str]
+    rel_error: Optional[float]
+    max_abs: Optional[float]
+    headroom_bits: Optional[float]  # log2(dtype max / largest output magnitude); < 0 means overflow
+    nonfinite: bool
+    grad_underflow_scale1: Optional[float]  # share of non-zero fp32 grads that flush to zero in fp16 at scale 1
+    grad_underflow_recommended: Optional[float]  # the same at the recommended init_scale
+    keep_fp32: bool
+    reasons: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """Per-module audit, ranked (worst first), with recommendations."""
+
+    precision: str
+    reference_dtype: str
+    modules: list[ModuleAudit]
+    recommended_keep_fp32: list[str]
+    recommended_init_scale: Optional[float]
+    max_grad: Optional[float]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["modules"] = [asdict(m) for m in self.modules]
+        return d
+
+    def table(self, limit: int = 30) -> Any:
+        from rich.table import Table
+
+        t = Table(title=f"numerics audit: {self.precision} vs {self.reference_dtype} reference")
+        for col in ("module", "type", "rel. error", "headroom (bits)", "grad underflow @1", "@rec. scale", "keep fp32", "why"):
+            t.add_column(col)
+        for m in self.modules[:limit]:
+            t.add_row(m.name, m.type, _g(m.rel_error), _g(m.headroom_bits), _pct(m.grad_underflow_scale1),
+                      _pct(m.grad_underflow_recommended), "[bold red]yes[/]" if m.keep_fp32 else "",
+                      "; ".join(m.reasons) or m.note)
+        return t
+
+
+def _g(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.3g}"
+
+
+def _pct(v: Optional[float]) -> str:
+    return "—" if v is None else f"{100 * v:.1f}%"
+
+
+def _first_outputs(model: torch.nn.Module, call: Callable[[], Any]) -> tuple[dict[str, Any], Any, dict[str, bool]]:
+    """First-call outputs of every named module, and whether each module's inputs were finite."""
+    outs: dict[str, Any] = {}
+    finite_in: dict[str, bool] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if not name:
+            continue
+
+        def pre(mod: torch.nn.Module, args: Any, _n: str = name) -> None:
+            if _n not in finite_in:
+                finite_in[_n] = not _nonfinite(args)
+
+        def hook(mod: torch.nn.Module, args: Any, out: Any, _n: str = name) -> None:
+            if _n not in outs:
+                outs[_n] = tuple(t.detach() for t in _float_tensors(out))
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(hook))
+    try:
+        result = call()
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, result, finite_in
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    ts = _float_tensors(out)
+    if len(ts) == 1 and ts[0].numel() == 1:
+        return ts[0]
+    # a proxy objective with well-scaled gradients everywhere
+    return sum(t.float().pow(2).mean() for t in ts)  # type: ignore[return-value]
+
+
+def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_cast_inputs(i, dtype) for i in inputs)
+    if isinstance(inputs, dict):
+        return {k: _cast_inputs(v, dtype) for k, v in inputs.items()}
+    return inputs
+
+
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def audit(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    precision: Union[str, Precision] = "fp16",
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    *,
+    reference: str = "auto",
+    max_fp64_params: int = 50_000_000,
+) -> AuditReport:
+    """Compare every module's output under ``precision`` with an fp64 (or fp32) reference.
+
+    For each module: relative error of its (first) output, largest magnitude and headroom to the
+    compute dtype's max, whether it went non-finite, and — from the reference gradients — the
+    share of its parameters' non-zero gradient elements that would flush to zero in fp16 at scale 1
+    and at the recommended ``init_scale``. Recommends modules to keep in fp32 (non-finite, < 1 bit
+    of headroom, or relative error above 16 ulps of the dtype) and an ``init_scale`` (the largest
+    power of two that keeps the largest reference gradient 8x below fp16's max). Flags module types
+    known to need care (:data:`SENSITIVE`). ``loss_fn(output)`` gives the loss (default: the
+    output if it is a scalar, else the mean of squares). The model is not modified. Synchronizes.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    p = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
+    n_params = sum(q.numel() for q in model.parameters())
+    ref_dtype = torch.float64 if (reference == "fp64" or (reference == "auto" and n_params <= max_fp64_params
+                                                             and device.type == "cpu")) else torch.float32
+    loss_fn = loss_fn or _default_loss
+    was_training = model.training
+    ref_model = copy.deepcopy(model).to(ref_dtype)
+    ref_model.train(was_training)
+    ref_inputs = _cast_inputs(example_inputs, ref_dtype)
+    with torch.autocast(device.type, enabled=False):
+        ref_outs, ref_result, _ = _first_outputs(ref_model, lambda: _call(ref_model, ref_inputs))
+        loss_fn(ref_result).backward()
+    ref_grads = {n: [q.grad.detach() for q in m.parameters(recurse=False) if q.grad is not None]
+                 for n, m in ref_model.named_modules() if n}
+    all_grads = [g for gs in ref_grads.values() for g in gs]
+    max_grad = max((float(g.abs().max()) for g in all_grads), default=None)
+    if max_grad and max_grad > 0:
+        rec_scale = float(2 ** math.floor(math.log2(FP16_MAX / (8 * max_grad))))
+        rec_scale = min(max(rec_scale, 1.0), 2.0**24)
+    else:
+        rec_scale = None
+
+    test_model = copy.deepcopy(model)
+    if p.is_pure:
+        test_model = test_model.to(p.param_dtype)
+    test_inputs = _cast_inputs(example_inputs, p.param_dtype) if p.is_pure else example_inputs
+    with torch.no_grad(), torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled):
+        test_outs, _, test_finite_in = _first_outputs(test_model, lambda: _call(test_model, test_inputs))
+
+    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
+    threshold = 16 * ulp.get(p.compute_dtype, 2.0**-23)
+    rows = []
+    for name, m in model.named_modules():
+        if not name:
+            continue
+        t_out, r_out = test_outs.get(name), ref_outs.get(name)
+        rel = maxabs = headroom = None
+        nonfinite = False
+        dtype = None
+        if t_out and r_out:
+            t, r = t_out[0], r_out[0]
+            dtype = str(t.dtype).replace("torch.", "")
+            nonfinite = not bool(torch.isfinite(t).all())
+            finite = t[torch.isfinite(t)]
+            maxabs = float(finite.abs().max()) if finite.numel() else None
+            dmax = torch.finfo(t.dtype).max if t.is_floating_point() else None
+            if maxabs and dmax:
+                headroom = math.log2(dmax / maxabs)
+            if not nonfinite and t.shape == r.shape:
+                denom = float(r.double().norm())
+                rel = float((t.double() - r.double()).norm()) / denom if denom > 0 else 0.0
+        u1 = urec = None
+        gs = ref_grads.get(name) or []
+        if gs:
+            flat = torch.cat([g.flatten().abs() for g in gs])
+            nz = flat[flat > 0]
+            if nz.numel():
+                u1 = float((nz < FP16_TINY).float().mean())
+                if rec_scale:
+                    urec = float((nz * rec_scale < FP16_TINY).float().mean())
+        reasons = []
+        if nonfinite and not test_finite_in.get(name, True):
+            note_nf = "non-finite because its input already is"
+        else:
+            note_nf = ""
+        if nonfinite and not note_nf:
+            reasons.append("non-finite output")
+        elif headroom is not None and headroom < 1:
+            reasons.append(f"only {headroom:.2f} bits of headroom to {dtype} max")
+        if rel is not None and rel > threshold and p.compute_dtype != torch.float32:
+            reasons.append(f"relative error {rel:.2g} > {threshold:.2g} (16 ulps of {str(p.compute_dtype)[6:]})")
+        note = note_nf or next((why for cls, why in SENSITIVE.items() if isinstance(m, cls)), "")
+        rows.append(ModuleAudit(name=name, type=type(m).__name__, output_dtype=dtype, rel_error=rel, max_abs=maxabs,
+                                headroom_bits=headroom, nonfinite=nonfinite, grad_underflow_scale1=u1,
+                                grad_underflow_recommended=urec, keep_fp32=bool(reasons),
+                                reasons=tuple(reasons), note=note))
+    rows.sort(key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
+    keep = [r.name for r in rows if r.keep_fp32]
+    # A container is flagged when a child inside it is: recommend the innermost modules only.
+    keep = [k for k in keep if not any(o != k and o.startswith(k + ".") for o in keep)]
+    notes = []
+    if not p.needs_scaler:
+        notes.append(f"{p.name} needs no loss scaling; the underflow columns show what fp16 would do")
+    return AuditReport(precision=p.name, reference_dtype=str(ref_dtype).replace("torch.", ""), modules=rows,
+                       recommended_keep_fp32=keep, recommended_init_scale=rec_scale,
+                       max_grad=max_grad, notes=notes)

@@ -1,0 +1,176 @@
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ampkit import MixedPrecision, PrecisionError
+from ampkit.fallback import NumericsError, resolve_chain
+from ampkit.hardware import CpuFeatures, DeviceInfo
+
+from .unstable_model import Unstable, data
+
+
+def run(steps=40, precision="fp16", model=None, amp=None, **kw):
+    torch.manual_seed(0)
+    model = model or Unstable()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    amp = amp or MixedPrecision(precision, device="cpu", **kw)
+    model, opt = amp.setup(model, opt)
+    losses = []
+    for x, y in data(steps):
+        with amp.autocast():
+            loss = model(x, y)
+        losses.append(loss.detach())
+        amp.backward(loss)
+        amp.step(opt)
+    return amp, model, opt, torch.stack(losses)
+
+
+def test_engineered_model_falls_back_to_bf16_and_trains():
+    amp, _, _, losses = run(60, fallback=True, fallback_patience=4, fallback_check_every=2)
+    assert amp.precision.name == "bf16"
+    assert torch.isfinite(losses[-10:]).all()
+    assert losses[-5:].mean() < losses[torch.isfinite(losses)][:5].mean()
+    events = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert len(events) == 1
+    e = events[0]
+    assert (e["from"], e["to"], e["trigger"]) == ("fp16", "bf16", "consecutive_skips")
+    assert e["consecutive_skips"] >= 4 and "consecutive skipped steps" in e["reason"]
+    # every step before the fallback was skipped, none after: nothing non-finite was trained on
+    stats = amp.stats()
+    assert stats["skipped_steps"] == e["step"]
+
+
+def test_default_patience_and_interval():
+    amp, *_ = run(40, fallback=True)
+    ev = [e for e in amp.stats()["events"] if e["kind"] == "fallback"][0]
+    # 8 consecutive skips are seen at the check at step 10 and acted on at the next one (step 20)
+    assert ev["step"] == 20 and amp.precision.name == "bf16"
+
+
+def test_fallback_event_carries_diagnosis():
+    torch.manual_seed(0)
+    model = Unstable()
+    amp = MixedPrecision("fp16", device="cpu", fallback=True, fallback_patience=2, fallback_check_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.setup(model, opt)
+    batches = data(10)
+    x, y = batches[0]
+
+    def closure():
+        with amp.autocast():
+            return model(x, y)
+
+    report = amp.diagnose(closure)
+    assert report.found and report.module == "big" and report.phase == "forward" and report.fp32_finite
+    for x, y in batches:
+        with amp.autocast():
+            loss = model(x, y)
+        amp.backward(loss)
+        amp.step(opt)
+    fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"][0]
+    assert fb["diagnosis"]["module"] == "big"
+    assert [e["kind"] for e in amp.stats()["events"]][:2] == ["diagnosis", "fallback"]
+
+
+def test_precision_after_fallback_survives_state_dict():
+    amp, model, opt, _ = run(30, fallback=True, fallback_patience=4, fallback_check_every=2)
+    state = copy.deepcopy(amp.state_dict())
+    fresh = MixedPrecision("fp16", device="cpu", fallback=True)
+    fresh.load_state_dict(state)
+    assert fresh.precision.name == "bf16"
+    assert fresh.stats()["skipped_steps"] == amp.stats()["skipped_steps"] > 0
+    assert fresh.config.fallback_patience == 4
+
+
+def test_exhausted_chain_raises_with_the_story():
+    class AlwaysNaN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return (self.lin(x).sum() * float("nan")).abs()
+
+    with pytest.raises(NumericsError, match="last precision of the fallback chain"):
+        run(40, model=AlwaysNaN(), fallback="fp16,fp32", fallback_patience=2, fallback_check_every=2)
+
+
+def test_nonfinite_loss_in_unscaled_precision_triggers():
+    class NaNOnce(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+            self.calls = 0
+
+        def forward(self, x, y):
+            self.calls += 1
+            loss = torch.nn.functional.cross_entropy(self.lin(x), y)
+            return loss * float("inf") if self.calls == 3 else loss
+
+    amp, *_ = run(12, precision="bf16", model=NaNOnce(), fallback="bf16,fp32", fallback_check_every=2)
+    fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert fb and fb[0]["trigger"] == "nonfinite_unscaled" and amp.precision.name == "fp32"
+
+
+def test_min_scale_trigger():
+    class Overflow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y) * 1e30  # gradients overflow in fp32 too
+
+    amp, *_ = run(30, model=Overflow(), fallback="fp16,bf16", init_scale=8.0, min_scale=1.0,
+                  fallback_patience=100, fallback_check_every=2)
+    fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert fb and fb[0]["trigger"] == "min_scale"
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_checking_triggers_adds_no_sync():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    amp = MixedPrecision("fp16", device="cpu", fallback=True, fallback_check_every=3, clip_grad_norm=1.0)
+    model, opt = amp.setup(model, opt)
+    with SyncCounter() as c:
+        for x, y in data(20):
+            with amp.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            amp.backward(loss)
+            amp.step(opt)
+    assert c.count == 0
+
+
+def cpu_info():
+    return DeviceInfo(type="cpu", name="cpu", bf16=True, cpu=CpuFeatures("t", ("avx2",), "AVX2"))
+
+
+def test_chain_resolution_and_errors():
+    assert resolve_chain(True, "fp16", cpu_info()) == ("fp16", "bf16", "fp32")
+    v100 = DeviceInfo(type="cuda", name="V100", capability=(7, 0), bf16=False, fp16=True)
+    assert resolve_chain(True, "fp16", v100) == ("fp16", "fp32")  # no bf16 there
+    assert resolve_chain("16-mixed, bf16,fp32", "fp16", cpu_info()) == ("fp16", "bf16", "fp32")
+    with pytest.raises(PrecisionError, match="V100"):
+        resolve_chain("fp16,bf16,fp32", "fp16", v100)
+    with pytest.raises(PrecisionError, match="does not contain the training precision"):
+        resolve_chain("bf16,fp32", "fp16", cpu_info())
+    with pytest.raises(PrecisionError, match="fp61"):
+        MixedPrecision("fp16", device="cpu", fallback="fp16,fp61")
+    with pytest.raises(ValueError, match="skip_nonfinite"):
+        MixedPrecision("fp16", device="cpu", fallback=True, skip_nonfinite=False)
+    with pytest.raises(ValueError, match="concrete precisions"):
+        MixedPrecision("fp16", device="cpu", fallback="fp16,auto")
