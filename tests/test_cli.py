@@ -91,3 +91,41 @@ def test_console_script_installed():
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ampkit"]
+
+
+def test_audit_cli_json_and_user_factory(capsys, monkeypatch):
+    import pathlib
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])  # examples/ importable from the repo root
+    assert main(["audit", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--json", "--device", "cpu"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["recommended_keep_fp32"] == ["blocks.0.mlp.0", "blocks.0.mlp.2"]
+    assert main(["audit", "--model", "mlp", "--precision", "bf16", "--device", "cpu"]) == 0
+    assert "numerics audit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ("no_such_module_xyz:factory", "cannot import"),
+    ("ampkit.models:nothing_here", "no callable"),
+    ("ampkit.hardware:cpu_features", "must return (model, batch_fn)"),
+    ("ampkit.models:build", "calling factory"),
+    ("justaname", "neither a built-in"),
+])
+def test_bad_user_model(spec, fragment, capsys):
+    assert main(["audit", "--model", spec, "--device", "cpu"]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_train_falls_back_and_diagnoses(capsys, tmp_path, monkeypatch):
+    import pathlib
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    rc = main(["train", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--precision", "fp16",
+               "--steps", "24", "--batch-size", "2", "--device", "cpu", "--log_dir", str(tmp_path / "r"),
+               "--no-progress", "--json"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["precision"] == "bf16" and s["skipped_steps"] == 20
+    from ampkit.monitor import read_jsonl
+    kinds = [r["kind"] for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r["type"] == "event"]
+    assert "diagnosis" in kinds and "fallback" in kinds
+    diag = next(r for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r.get("kind") == "diagnosis")
+    assert diag["module"] == "blocks.0.mlp.0" and diag["phase"] == "forward"

@@ -182,3 +182,23 @@ def test_audit_on_gpt_json_roundtrip():
     d = json.loads(json.dumps(rep.to_dict()))
     assert d["precision"] == "bf16" and len(d["modules"]) > 10
     assert all(m["rel_error"] is None or math.isfinite(m["rel_error"]) for m in d["modules"])
+
+
+def test_audit_finds_overflows_hidden_behind_the_first():
+    class TwoBig(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 16)
+            self.b = nn.Linear(16, 16)  # would overflow too, but its input is already inf in fp16
+            self.norm = nn.LayerNorm(16)
+            with torch.no_grad():
+                self.a.weight.mul_(1e6)
+                self.b.weight.mul_(10.0)
+
+        def forward(self, x):
+            return self.norm(self.b(self.a(x))).sum()
+
+    torch.manual_seed(0)
+    rep = audit(TwoBig(), torch.randn(4, 8), "fp16")
+    assert rep.recommended_keep_fp32 == ["a", "b"]
+    assert any("overflowed next" in n for n in rep.notes)

@@ -20,6 +20,7 @@ import torch
 from . import __version__
 from .config import ConfigError
 from .engine import MixedPrecision
+from .fallback import NumericsError
 from .hardware import cpu_features, device_info, normalize_device
 from .precision import (
     _DESCRIPTIONS,
@@ -156,45 +157,95 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- train
 
+def _model_and_data(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """A built-in model with its local data, or a user's ``module:factory``."""
+    from .data import ClassificationBatches, TextBatches
+    from .models import MODELS, build, user_model
+
+    if args.model not in MODELS:
+        model, batch_fn = user_model(args.model, batch_size=args.batch_size, seed=args.seed, size=args.size,
+                                     device=device)
+        return model, batch_fn
+    model = build(args.model, args.size)
+    if args.model == "gpt":
+        return model, TextBatches(batch_size=args.batch_size, block_size=model.config.block_size,
+                                  seed=args.seed, device=device)
+    return model, ClassificationBatches(batch_size=args.batch_size, in_features=model.config.in_features,
+                                        n_classes=model.config.n_classes, seed=args.seed, device=device)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .data import ClassificationBatches, TextBatches
-    from .models import build
     from .trainer import Trainer
 
     console = Console(stderr=args.json)  # keep stdout pure JSON with --json
     torch.manual_seed(args.seed)
     device = normalize_device(args.device)
-    amp = MixedPrecision(args.precision, device=device, accumulation_steps=args.accumulation_steps,
-                         clip_grad_norm=args.clip_grad_norm)
-    model = build(args.model, args.size)
-    if args.model == "gpt":
-        batches: Any = TextBatches(batch_size=args.batch_size, block_size=model.config.block_size,
-                                   seed=args.seed, device=device)
-    else:
-        batches = ClassificationBatches(batch_size=args.batch_size, in_features=model.config.in_features,
-                                        n_classes=model.config.n_classes, seed=args.seed, device=device)
+    overrides: dict[str, Any] = {"accumulation_steps": args.accumulation_steps, "clip_grad_norm": args.clip_grad_norm}
+    if args.init_scale is not None:
+        overrides["init_scale"] = args.init_scale
+    if args.keep_fp32:
+        overrides["keep_fp32"] = tuple(p for p in args.keep_fp32.split(",") if p.strip())
+    if args.fallback_chain:
+        overrides["fallback"] = args.fallback_chain
+    elif not args.no_fallback:
+        overrides["fallback"] = True
+    amp = MixedPrecision(args.precision, device=device, **overrides)
+    model, batches = _model_and_data(args, device)
     model.to(device)
-    fused = device.type in ("cuda", "cpu")
+    fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]ampkit train[/]: {args.model}/{args.size} ({n_params / 1e6:.2f}M params) on {device} "
                   f"in [bold]{amp.precision.name}[/] — {amp.precision.reason}")
+    if amp.overridden_modules:
+        console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
     log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
     trainer = Trainer(model, optimizer, amp, batches, log_every=args.log_every,
-                      progress=not args.no_progress and not args.json, log_dir=log_dir, console=console)
+                      progress=not args.no_progress and not args.json, log_dir=log_dir, console=console,
+                      diagnose=not args.no_diagnose)
     summary = trainer.fit(args.steps)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
     if args.json:
         print(json.dumps({k: v for k, v in summary.to_dict().items() if k != "losses"}, indent=2))
         return 0
+    for e in amp.events:
+        if e.kind == "fallback":
+            console.print(f"[yellow]fell back[/] {e.data['from']} → {e.data['to']} at step {e.step}: {e.data['reason']}")
     console.print(f"ms/step {summary.ms_per_step:.1f}"
                   + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
                   + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
     console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from .numerics import audit
+
+    torch.manual_seed(args.seed)
+    device = normalize_device(args.device)
+    model, batches = _model_and_data(args, device)
+    model.to(device)
+    batch = batches(0)
+    inputs = batch if isinstance(batch, (tuple, list, dict)) else (batch,)
+    report = audit(model, inputs, args.precision)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.table(limit=args.top))
+    keep = ", ".join(report.recommended_keep_fp32) or "none"
+    console.print(f"[bold]keep in fp32:[/] {keep}")
+    if report.recommended_init_scale:
+        console.print(f"[bold]recommended init_scale:[/] {report.recommended_init_scale:g} "
+                      f"(largest reference gradient {report.max_grad:.3g})")
+    for note in report.notes:
+        console.print(f"note: {note}")
     return 0
 
 
@@ -233,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train the built-in tiny GPT (or MLP) on local data")
     _flag(p, "precision", "mixed_precision", default="auto",
           help=f"precision or alias: {', '.join(CANONICAL)} (default: auto)")
-    _flag(p, "model", default="gpt", choices=["gpt", "mlp"], help="built-in model (default: gpt)")
+    _flag(p, "model", default="gpt", help="built-in model (gpt, mlp) or package.module:factory (default: gpt)")
     _flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
     _flag(p, "steps", type=_positive_int, default=100, help="optimizer steps (default: 100)")
     _flag(p, "batch_size", type=_positive_int, default=16, help="micro-batch size (default: 16)")
@@ -246,9 +297,26 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "device", default=None, help="cpu, cuda, cuda:1, mps (default: best available)")
     _flag(p, "log_every", type=_positive_int, default=10, help="read metrics to the host every N steps")
     _flag(p, "no_progress", action="store_true", help="no progress bar")
+    _flag(p, "init_scale", "grad_scaler_init", type=_positive_float, default=None,
+          help="initial loss scale for fp16 (default: 65536, as torch.amp.GradScaler)")
+    _flag(p, "keep_fp32", default=None, help="comma-separated module globs/types to keep in fp32, e.g. 'lm_head,*.ln_*'")
+    _flag(p, "no_fallback", action="store_true", help="do not fall back (fp16 -> bf16 -> fp32) on numerical trouble")
+    _flag(p, "fallback_chain", default=None, help="explicit fallback chain, e.g. 'fp16,bf16,fp32'")
+    _flag(p, "no_diagnose", action="store_true", help="do not localize the first skipped step")
     _flag(p, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
     _flag(p, "json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("audit", help="per-layer numerics: what breaks in fp16/bf16 and why")
+    _flag(p, "model", default="gpt", help="built-in model (gpt, mlp) or package.module:factory (default: gpt)")
+    _flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset")
+    _flag(p, "precision", default="fp16", help="precision to audit against the fp64/fp32 reference (default: fp16)")
+    _flag(p, "batch_size", type=_positive_int, default=4, help="example batch size (default: 4)")
+    _flag(p, "seed", type=int, default=0, help="random seed")
+    _flag(p, "device", default=None, help="cpu, cuda, ... (default: best available)")
+    _flag(p, "top", type=_positive_int, default=25, help="rows to show (default: 25)")
+    _flag(p, "json", action="store_true", help="print the full report as JSON")
+    p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser("report", help="plots and a Markdown summary from a run's logs")
     p.add_argument("run_dir", help="a run directory written by `ampkit train` (or its log.jsonl)")
@@ -268,6 +336,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except NumericsError as e:
+        print(f"ampkit {args.command}: training failed numerically: {e}", file=sys.stderr)
+        return 3
     except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"ampkit {args.command}: error: {e}", file=sys.stderr)
         return 2

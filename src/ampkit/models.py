@@ -166,3 +166,50 @@ def build(name: str, size: str = "small") -> nn.Module:
         raise ValueError(f"unknown size {size!r} for model {name!r}; choose one of: {', '.join(SIZES[name])}")
     kwargs = SIZES[name][size]
     return GPT(GPTConfig(**kwargs)) if name == "gpt" else MLP(MLPConfig(**kwargs))
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``package.module:factory`` and return the callable. Clear errors when it does not resolve."""
+    import importlib
+    import os
+    import sys
+
+    if ":" not in spec:
+        raise ValueError(f"model {spec!r} is neither a built-in ({', '.join(MODELS)}) nor 'module:factory'")
+    mod_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # let users name a module in the current directory
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {mod_name!r} from --model {spec!r}: {e}") from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"{mod_name!r} has no callable {attr!r} (from --model {spec!r})")
+    return factory
+
+
+def user_model(spec: str, **kwargs: Any) -> tuple[nn.Module, Any]:
+    """Call a ``module:factory`` and check what it returned.
+
+    The factory returns ``(model, batch_fn)``: ``model`` an ``nn.Module`` whose
+    ``model(*batch)`` returns the scalar loss, and ``batch_fn(i)`` the i-th batch (a tuple of
+    inputs). Keyword arguments the factory accepts (``batch_size``, ``seed``, ``size``,
+    ``device``) are passed to it.
+    """
+    import inspect
+
+    factory = load_factory(spec)
+    params = inspect.signature(factory).parameters
+    accepted = {k: v for k, v in kwargs.items() if k in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())}
+    try:
+        out = factory(**accepted)
+    except TypeError as e:
+        raise ValueError(f"calling factory {spec!r} failed: {e}; a factory takes no arguments or some of "
+                         "batch_size, seed, size, device, and returns (model, batch_fn)") from None
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module) and callable(out[1])):
+        raise ValueError(f"factory {spec!r} must return (model, batch_fn): an nn.Module whose model(*batch) "
+                         f"returns the scalar loss, and a function batch_fn(i) -> batch tuple; got "
+                         f"{type(out).__name__}{'' if not isinstance(out, tuple) else ' of ' + str(len(out))}")
+    return out

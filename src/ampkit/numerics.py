@@ -8,6 +8,7 @@ before training, never for the hot path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -15,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .overrides import apply_fp32_overrides
 from .precision import Precision, resolve_precision
 
 __all__ = ["AuditReport", "ModuleAudit", "NonFiniteReport", "SENSITIVE", "audit", "localize_nonfinite"]
@@ -299,8 +301,10 @@ class AuditReport:
         from rich.table import Table
 
         t = Table(title=f"numerics audit: {self.precision} vs {self.reference_dtype} reference")
-        for col in ("module", "type", "rel. error", "headroom (bits)", "grad underflow @1", "@rec. scale", "keep fp32", "why"):
-            t.add_column(col)
+        t.add_column("module", no_wrap=True)
+        t.add_column("type", no_wrap=True)
+        for col in ("rel err", "headroom bits", "underflow @1", "@rec", "fp32?", "why / note"):
+            t.add_column(col, overflow="fold")
         for m in self.modules[:limit]:
             t.add_row(m.name, m.type, _g(m.rel_error), _g(m.headroom_bits), _pct(m.grad_underflow_scale1),
                       _pct(m.grad_underflow_recommended), "[bold red]yes[/]" if m.keep_fp32 else "",
@@ -454,11 +458,13 @@ def audit(
             note_nf = "non-finite because its input already is"
         else:
             note_nf = ""
-        if nonfinite and not note_nf:
+        if note_nf:
+            pass  # a consequence of an earlier module, which carries the recommendation
+        elif nonfinite:
             reasons.append("non-finite output")
         elif headroom is not None and headroom < 1:
             reasons.append(f"only {headroom:.2f} bits of headroom to {dtype} max")
-        if rel is not None and rel > threshold and p.compute_dtype != torch.float32:
+        if not note_nf and rel is not None and rel > threshold and p.compute_dtype != torch.float32:
             reasons.append(f"relative error {rel:.2g} > {threshold:.2g} (16 ulps of {str(p.compute_dtype)[6:]})")
         note = note_nf or next((why for cls, why in SENSITIVE.items() if isinstance(m, cls)), "")
         rows.append(ModuleAudit(name=name, type=type(m).__name__, output_dtype=dtype, rel_error=rel, max_abs=maxabs,
@@ -470,6 +476,27 @@ def audit(
     # A container is flagged when a child inside it is: recommend the innermost modules only.
     keep = [k for k in keep if not any(o != k and o.startswith(k + ".") for o in keep)]
     notes = []
+    # An overflow hides the ones after it (their inputs are already inf). Re-run with the
+    # recommendations applied until no new module overflows.
+    by_name = {r.name: r for r in rows}
+    for _ in range(8):
+        if not any(by_name[k].nonfinite for k in keep):
+            break
+        trial = copy.deepcopy(test_model)
+        apply_fp32_overrides(trial, keep, device.type)
+        with torch.no_grad(), torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled):
+            outs, _, fin = _first_outputs(trial, lambda: _call(trial, test_inputs))
+        new = [n for n, o in outs.items() if o and fin.get(n, True) and not bool(torch.isfinite(o[0]).all())
+               and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)]
+        new = [n for n in new if not any(o != n and o.startswith(n + ".") for o in new)]
+        if not new:
+            break
+        for n in new:
+            by_name[n] = dataclasses.replace(by_name[n], keep_fp32=True, note="",
+                                             reasons=(f"non-finite output once {', '.join(keep)} run in fp32",))
+        keep += new
+        notes.append(f"after keeping {', '.join(keep[:-len(new)])} in fp32, {', '.join(new)} overflowed next")
+    rows = sorted(by_name.values(), key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
     if not p.needs_scaler:
         notes.append(f"{p.name} needs no loss scaling; the underflow columns show what fp16 would do")
     return AuditReport(precision=p.name, reference_dtype=str(ref_dtype).replace("torch.", ""), modules=rows,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from typing import Any, Iterable, Union
+from collections.abc import Iterable
+from typing import Any, Union
 
 import torch
 

@@ -46,9 +46,27 @@ class TrainSummary:
 
 
 def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """Built-in models return their loss when given ``(inputs, targets)``."""
-    x, y = batch
-    return model(x, y)
+    """``model(*batch)``: built-in models (and factories' models) return their loss from the batch."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+
+
+class _SkipWatch:
+    """A monitor sink that remembers the first skipped step (and its scale) it is shown."""
+
+    def __init__(self) -> None:
+        self.first: Optional[tuple[int, Optional[float]]] = None
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if self.first is None:
+            for r in records:
+                if r["type"] == "step" and r.get("skipped"):
+                    self.first = (r["step"], r.get("scale"))
+                    return
+
+    def close(self) -> None:
+        pass
 
 
 class Trainer:
@@ -63,6 +81,9 @@ class Trainer:
         progress: show a rich progress bar with live loss, scale and throughput, then a summary table.
         log_dir: write the run there: ``log.jsonl``, TensorBoard events under ``tb/`` (when
             tensorboard is installed), ``summary.json``.
+        diagnose: on the first skipped step of the run, re-run that step's batch with
+            :meth:`MixedPrecision.diagnose` and record which module produced the inf/NaN (the
+            skip is learnt from the monitor's batched reads, so this adds no per-step sync).
     """
 
     def __init__(
@@ -78,6 +99,7 @@ class Trainer:
         log_dir: Optional[str] = None,
         tensorboard: bool = True,
         console: Any = None,
+        diagnose: bool = True,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every={log_every} must be >= 1")
@@ -87,6 +109,9 @@ class Trainer:
         self.log_dir, self.tensorboard, self.console = log_dir, tensorboard, console
         self.micro_index = 0  # the data position: index of the next micro-batch
         self.notes: list[str] = []
+        self.diagnose = diagnose
+        self.diagnosis: Any = None
+        self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
 
     def _sinks(self, steps: int) -> list[Any]:
         sinks: list[Any] = []
@@ -109,19 +134,27 @@ class Trainer:
         amp, accum = self.amp, self.amp.config.accumulation_steps
         samples = getattr(self.batches, "samples_per_batch", None)
         tokens = getattr(self.batches, "tokens_per_batch", None)
-        monitor = Monitor(amp, self._sinks(steps), log_every=self.log_every,
+        watch = _SkipWatch()
+        sinks = self._sinks(steps) + ([watch] if self.diagnose else [])
+        monitor = Monitor(amp, sinks, log_every=self.log_every,
                           samples_per_step=samples * accum if samples else None,
                           tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
         self.model.train()
         try:
             for _ in range(steps):
-                for _ in range(accum):
+                step = amp.optimizer_steps + 1
+                for k in range(accum):
                     batch = self.batches(self.micro_index)
                     self.micro_index += 1
+                    if k == 0 and self.diagnose and self.diagnosis is None:
+                        self._recent[step] = batch
+                        self._recent.pop(step - 2 * self.log_every - 2, None)
                     with amp.autocast():
                         loss = self.loss_fn(self.model, batch)
                     amp.backward(loss)
                     amp.step(self.optimizer)
+                if watch.first is not None and self.diagnosis is None:
+                    self._diagnose(*watch.first)
         finally:
             summary = monitor.close()
         if self.log_dir:
@@ -137,6 +170,22 @@ class Trainer:
             final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
             peak_mem_bytes=summary["peak_mem_bytes"],
         )
+
+
+    def _diagnose(self, step: int, scale: Optional[float]) -> None:
+        batch = self._recent.get(step)
+        self._recent.clear()
+        if batch is None:
+            self.diagnosis = False
+            return
+
+        def closure() -> torch.Tensor:
+            with self.amp.autocast():
+                return self.loss_fn(self.model, batch)
+
+        was_training = self.model.training
+        self.diagnosis = self.amp.diagnose(closure, scale=scale)
+        self.model.train(was_training)
 
 
 def _f(v: Optional[float]) -> float:

@@ -164,6 +164,8 @@ class ConsoleSink:
                 info += f"  {r['samples_per_s']:,.0f} samples/s"
             self._progress.update(self._task, completed=r["step"], info=info)
         for e in records:
+            if e["type"] == "event" and e["kind"] == "diagnosis":
+                self._progress.console.print(f"[yellow]diagnosis[/] (first skipped step): {e.get('message', '')}")
             if e["type"] == "event" and e["kind"] in ("fallback", "precision_switch"):
                 self._progress.console.print(f"[yellow]{e['kind']}[/] at step {e['step']}: "
                                              f"{e.get('from', '')} → {e.get('to', '')} ({e.get('reason', '')})")
