@@ -485,7 +485,7 @@ def audit(
         trial = copy.deepcopy(test_model)
         apply_fp32_overrides(trial, keep, device.type)
         with torch.no_grad(), torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled):
-            outs, _, fin = _first_outputs(trial, lambda: _call(trial, test_inputs))
+            outs, _, fin = _first_outputs(trial, lambda t=trial: _call(t, test_inputs))
         new = [n for n, o in outs.items() if o and fin.get(n, True) and not bool(torch.isfinite(o[0]).all())
                and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)]
         new = [n for n in new if not any(o != n and o.startswith(n + ".") for o in new)]
