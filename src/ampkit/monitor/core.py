@@ -3,16 +3,18 @@
 The monitor subscribes to the engine's ``step`` events. Each event carries device tensors
 (loss, scale, found_inf, grad norm); the monitor only *holds* them, and every ``log_every``
 steps stacks them into one tensor. On CPU that tensor is read at once; on CUDA it is copied to
-pinned host memory without blocking and read at the *next* interval, when the copy has long
-finished — so the monitor never stalls the GPU in steady state. Step times come from host
+pinned host memory without blocking and a writer thread waits for the copy, builds the records
+and writes the sinks — so the monitor never stalls the GPU or the training thread. Step times come from host
 clocks on CPU and from CUDA events on GPU (recorded without syncing, read with the batch).
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import resource
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -45,6 +47,8 @@ class Monitor:
         samples_per_step, tokens_per_step: for throughput (per optimizer step, i.e. including
             accumulation); None leaves those fields out.
         optimizer: whose learning rate to record (default: the engine's first optimizer).
+        threaded: build records and write sinks on a background thread (default: on CUDA,
+            where the training thread only launches kernels and should never wait).
 
     Record schema (``type == "step"``): ``schema_version, type, step, time, loss, precision,
     scale, skipped, grad_norm, lr, step_time_ms, samples_per_s, tokens_per_s, peak_mem_bytes``.
@@ -62,6 +66,7 @@ class Monitor:
         samples_per_step: Optional[int] = None,
         tokens_per_step: Optional[int] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
+        threaded: Optional[bool] = None,
     ) -> None:
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
@@ -81,7 +86,12 @@ class Monitor:
         self._cuda = amp.device.type == "cuda"
         self._last_time = time.perf_counter()
         self._event_pool: list[Any] = []
-        self._inflight: list[Any] = []
+        self._worker: Optional[threading.Thread] = None
+        self._worker_error: Optional[BaseException] = None
+        if threaded if threaded is not None else self._cuda:
+            self._queue: queue.SimpleQueue = queue.SimpleQueue()
+            self._worker = threading.Thread(target=self._work, name="ampkit-monitor", daemon=True)
+            self._worker.start()
         self._last_cuda_event = self._cuda_event() if self._cuda else None
         self._closed = False
         self._unsubscribe = amp.subscribe(self._on_event)
@@ -127,31 +137,57 @@ class Monitor:
     def flush(self, wait: bool = True) -> list[dict[str, Any]]:
         """Read pending steps to the host and write them and pending events to the sinks.
 
-        On CPU the batch is read at once. On CUDA the values are copied to pinned host memory
-        without blocking and *processed at the next flush* (by then the copy is long done), so
-        the monitor never stalls the device in steady state; ``wait=True`` (the default, used by
-        :meth:`summary` and :meth:`close`) waits for and processes everything now.
+        On CPU the batch is read and written at once. On CUDA the values are copied to pinned
+        host memory without blocking and handed to a writer thread, which waits for the copy,
+        builds the records and writes the sinks while training goes on — the training thread
+        never waits for the device or pays for serialization. ``wait=True`` (the default, used
+        by :meth:`summary` and :meth:`close`) returns once everything pending is written.
+        Returns the records written by this call (always empty when a writer thread is used).
         """
+        launched = None
         if self._pending:
             pending, self._pending = self._pending, []
-            self._inflight.append(self._launch(pending))
-        out: list[dict[str, Any]] = []
-        while self._inflight and (wait or not self._cuda or len(self._inflight) > 1):
-            out += self._process(self._inflight.pop(0))
+            launched = self._launch(pending)
+        events, self._pending_events = self._pending_events, []
+        if self._worker is not None:
+            self._raise_worker_error()
+            if launched is not None or events:
+                self._queue.put((launched, events))
+            if wait:
+                done = threading.Event()
+                self._queue.put(done)
+                done.wait()
+                self._raise_worker_error()
+            return []
+        return self._write(self._process(launched) if launched is not None else [], events)
+
+    def _write(self, out: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         self.records.extend(r for r in out if r["type"] == "step")
-        if self._inflight and not wait:
-            # keep events ordered after the steps they follow
-            upto = self._inflight[0][0][0][0]
-            events = [e for e in self._pending_events if e["step"] < upto]
-            self._pending_events = [e for e in self._pending_events if e["step"] >= upto]
-        else:
-            events, self._pending_events = self._pending_events, []
         batch = sorted(out + events, key=lambda r: (r["step"], r["type"] != "step"))
         self.events.extend(r for r in batch if r["type"] == "event")
         if batch:
             for sink in self.sinks:
                 sink.write(batch)
         return batch
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                launched, events = item
+                self._write(self._process(launched) if launched is not None else [], events)
+            except BaseException as e:  # surfaced on the training thread at the next flush
+                self._worker_error = e
+
+    def _raise_worker_error(self) -> None:
+        if self._worker_error is not None:
+            err, self._worker_error = self._worker_error, None
+            raise RuntimeError(f"the monitor's writer thread failed: {err!r}") from err
 
     def _launch(self, pending: list[Any]) -> tuple[list[Any], torch.Tensor, Any, Optional[float]]:
         """Stack the batch's device scalars and start their copy to the host (no wait on CUDA)."""
@@ -226,6 +262,10 @@ class Monitor:
         if self._closed:
             return summarize(self.records, self.events)
         summary = self.summary()
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
         record = self._event_record("summary", self.amp.optimizer_steps, summary)
         self.events.append(record)
         for sink in self.sinks:
