@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from . import __version__
-from .config import ConfigError
+from .config import ConfigError, MixedPrecisionConfig
 from .engine import MixedPrecision
 from .fallback import NumericsError
 from .hardware import cpu_features, device_info, normalize_device
@@ -159,19 +159,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _model_and_data(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """A built-in model with its local data, or a user's ``module:factory``."""
-    from .data import ClassificationBatches, TextBatches
-    from .models import MODELS, build, user_model
+    from .models import MODELS, builtin, user_model
 
     if args.model not in MODELS:
-        model, batch_fn = user_model(args.model, batch_size=args.batch_size, seed=args.seed, size=args.size,
-                                     device=device)
-        return model, batch_fn
-    model = build(args.model, args.size)
-    if args.model == "gpt":
-        return model, TextBatches(batch_size=args.batch_size, block_size=model.config.block_size,
-                                  seed=args.seed, device=device)
-    return model, ClassificationBatches(batch_size=args.batch_size, in_features=model.config.in_features,
-                                        n_classes=model.config.n_classes, seed=args.seed, device=device)
+        return user_model(args.model, batch_size=args.batch_size, seed=args.seed, size=args.size, device=device)
+    return builtin(args.model, args.size, batch_size=args.batch_size, seed=args.seed, device=device)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -182,16 +174,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json)  # keep stdout pure JSON with --json
     torch.manual_seed(args.seed)
     device = normalize_device(args.device)
-    overrides: dict[str, Any] = {"accumulation_steps": args.accumulation_steps, "clip_grad_norm": args.clip_grad_norm}
+    explicit: set[str] = getattr(args, "_explicit", set())
+    file_amp: dict[str, Any] = getattr(args, "_file_amp", {})
+    overrides: dict[str, Any] = {}
+
+    def put(key: str, dest: str, value: Any) -> None:
+        # a flag given on the command line wins; otherwise the file; otherwise the flag's default
+        if dest in explicit or key not in file_amp:
+            overrides[key] = value
+
+    put("precision", "precision", args.precision)
+    put("accumulation_steps", "accumulation_steps", args.accumulation_steps)
+    put("clip_grad_norm", "clip_grad_norm", args.clip_grad_norm)
     if args.init_scale is not None:
-        overrides["init_scale"] = args.init_scale
+        put("init_scale", "init_scale", args.init_scale)
     if args.keep_fp32:
-        overrides["keep_fp32"] = tuple(p for p in args.keep_fp32.split(",") if p.strip())
+        put("keep_fp32", "keep_fp32", tuple(p for p in args.keep_fp32.split(",") if p.strip()))
     if args.fallback_chain:
-        overrides["fallback"] = args.fallback_chain
-    elif not args.no_fallback:
+        put("fallback", "fallback_chain", args.fallback_chain)
+    elif args.no_fallback:
+        put("fallback", "no_fallback", False)
+    elif "fallback" not in file_amp:
         overrides["fallback"] = True
-    amp = MixedPrecision(args.precision, device=device, **overrides)
+    base = MixedPrecisionConfig.from_dict(file_amp) if file_amp else None
+    amp = MixedPrecision(device=device, config=base, **overrides)
     model, batches = _model_and_data(args, device)
     model.to(device)
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
@@ -235,9 +241,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
-    from rich.console import Console
-
-    console = Console()
+    console = _wide_console()
     console.print(report.table(limit=args.top))
     keep = ", ".join(report.recommended_keep_fp32) or "none"
     console.print(f"[bold]keep in fp32:[/] {keep}")
@@ -246,6 +250,67 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                       f"(largest reference gradient {report.max_grad:.3g})")
     for note in report.notes:
         console.print(f"note: {note}")
+    return 0
+
+
+def _bench_report(args: argparse.Namespace) -> Any:
+    from .bench import compare
+
+    device = normalize_device(args.device)
+    precisions = [x.strip() for x in args.precisions.split(",") if x.strip()] if args.precisions else None
+
+    def factory() -> torch.nn.Module:
+        return _model_and_data(args, device)[0]
+
+    _, batches = _model_and_data(args, device)
+    return compare(factory, batches, precisions, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                   device=device, lr=args.lr, accumulation_steps=args.accumulation_steps, seed=args.seed,
+                   model_name=f"{args.model}/{args.size}")
+
+
+def _wide_console() -> Any:
+    """Wide tables stay readable when stdout is not a terminal (rich would fall back to 80 columns)."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    report = _bench_report(args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    if args.plot:
+        report.plot(args.plot)
+    console = _wide_console()
+    console.print(report.table())
+    for r in report.results:
+        if r.status != "ok":
+            console.print(f"[yellow]skipped {r.precision}[/]: {r.reason}")
+    if args.json or args.plot:
+        console.print("wrote " + " and ".join(x for x in (args.json, args.plot) if x))
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .bench import tune
+
+    report = _bench_report(args)
+    rec = tune(report, tolerance=args.tolerance)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(rec.to_toml())
+    if args.json:
+        print(json.dumps({"recommendation": rec.to_dict(), "bench": report.to_dict(losses=False)}, indent=2))
+        return 0
+    console = _wide_console()
+    console.print(report.table())
+    console.print(f"[bold green]recommended: {rec.precision}[/] — {rec.speedup_vs_fp32:.2f}x fp32's speed, "
+                  f"final-loss gap {100 * rec.loss_gap:+.2f}% (tolerance {100 * rec.tolerance:g}%), "
+                  f"batch size {rec.batch_size}, accumulation {rec.accumulation_steps}")
+    for name, why in rec.why_not.items():
+        console.print(f"  {name}: {why}")
+    console.print(f"wrote {args.out}: use it with [bold]ampkit train --config {args.out}[/]")
     return 0
 
 
@@ -284,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train the built-in tiny GPT (or MLP) on local data")
     _flag(p, "precision", "mixed_precision", default="auto",
           help=f"precision or alias: {', '.join(CANONICAL)} (default: auto)")
-    _flag(p, "model", default="gpt", help="built-in model (gpt, mlp) or package.module:factory (default: gpt)")
+    _flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory (default: gpt)")
     _flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
     _flag(p, "steps", type=_positive_int, default=100, help="optimizer steps (default: 100)")
     _flag(p, "batch_size", type=_positive_int, default=16, help="micro-batch size (default: 16)")
@@ -303,12 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "no_fallback", action="store_true", help="do not fall back (fp16 -> bf16 -> fp32) on numerical trouble")
     _flag(p, "fallback_chain", default=None, help="explicit fallback chain, e.g. 'fp16,bf16,fp32'")
     _flag(p, "no_diagnose", action="store_true", help="do not localize the first skipped step")
+    _flag(p, "config", default=None, metavar="FILE.toml",
+          help="read settings from TOML: an [amp] table (MixedPrecisionConfig fields) and a [train] table "
+               "(these flags' names); flags given on the command line override the file")
     _flag(p, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
     _flag(p, "json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("audit", help="per-layer numerics: what breaks in fp16/bf16 and why")
-    _flag(p, "model", default="gpt", help="built-in model (gpt, mlp) or package.module:factory (default: gpt)")
+    _flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory (default: gpt)")
     _flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset")
     _flag(p, "precision", default="fp16", help="precision to audit against the fp64/fp32 reference (default: fp16)")
     _flag(p, "batch_size", type=_positive_int, default=4, help="example batch size (default: 4)")
@@ -317,6 +385,31 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "top", type=_positive_int, default=25, help="rows to show (default: 25)")
     _flag(p, "json", action="store_true", help="print the full report as JSON")
     p.set_defaults(func=_cmd_audit)
+
+    for cmd, helptext in (("bench", "every precision side by side: speed, memory, fidelity"),
+                          ("tune", "measure, then recommend a precision within a fidelity tolerance")):
+        p = sub.add_parser(cmd, help=helptext)
+        _flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory")
+        _flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset (default: tiny)")
+        _flag(p, "precisions", default=None, help="comma-separated precisions (default: fp32,tf32,bf16,fp16)")
+        _flag(p, "steps", type=_positive_int, default=30, help="timed optimizer steps per precision (default: 30)")
+        _flag(p, "warmup", type=int, default=5, help="untimed steps first (default: 5)")
+        _flag(p, "repeats", type=_positive_int, default=5, help="interleaved timing blocks (default: 5)")
+        _flag(p, "batch_size", type=_positive_int, default=16, help="micro-batch size (default: 16)")
+        _flag(p, "accumulation_steps", "grad_accum_steps", type=_positive_int, default=1, help="micro-batches per step")
+        _flag(p, "lr", type=_positive_float, default=1e-3, help="AdamW learning rate")
+        _flag(p, "seed", type=int, default=0, help="random seed")
+        _flag(p, "device", default=None, help="cpu, cuda, ... (default: best available)")
+        if cmd == "bench":
+            _flag(p, "json", default=None, metavar="FILE", help="also write the results as JSON")
+            _flag(p, "plot", default=None, metavar="FILE.png", help="speed-up and memory bars, loss curves")
+            p.set_defaults(func=_cmd_bench)
+        else:
+            _flag(p, "tolerance", type=float, default=0.01,
+                  help="allowed final-loss gap to fp32, as a fraction of the fp32 loss (default: 0.01)")
+            _flag(p, "out", default="ampkit-tune.toml", help="where to write the recommended config")
+            _flag(p, "json", action="store_true", help="print the recommendation and measurements as JSON")
+            p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("report", help="plots and a Markdown summary from a run's logs")
     p.add_argument("run_dir", help="a run directory written by `ampkit train` (or its log.jsonl)")
@@ -328,6 +421,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """Merge ``--config FILE.toml`` into ``args``: ``[train]`` keys fill flags not given on the
+    command line; ``[amp]`` goes to MixedPrecisionConfig. Unknown keys and wrong types are errors."""
+    from .config import _read_toml
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    by_option = {o: a for a in sub._actions for o in a.option_strings}
+    explicit = {by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option}
+    data = _read_toml(args.config)
+    unknown = [k for k in data if k not in ("amp", "train")]
+    if unknown:
+        raise ConfigError(f"config file {args.config!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
+                          "expected [amp] and/or [train]")
+    amp = data.get("amp", {})
+    MixedPrecisionConfig.from_dict(amp)  # validate now: unknown keys and wrong types name the key
+    dests = {a.dest: a for a in sub._actions if a.option_strings and a.dest not in ("help", "config", "json")}
+    for key, value in data.get("train", {}).items():
+        action = dests.get(key)
+        if action is None:
+            raise ConfigError(f"config file {args.config!r}: unknown [train] key {key!r}; valid keys: "
+                              f"{', '.join(sorted(dests))}")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r} must be true or false")
+        elif action.type is not None:
+            try:
+                if isinstance(value, bool):
+                    raise ValueError
+                value = action.type(str(value))
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r} is not a valid "
+                                  f"{getattr(action.type, '__name__', 'value').strip('_')}") from None
+        elif not isinstance(value, str):
+            raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r} must be a string")
+        if action.choices is not None and value not in action.choices:
+            raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r}; choose one of {list(action.choices)}")
+        if action.dest not in explicit:
+            setattr(args, action.dest, value)
+    args._explicit = explicit
+    args._file_amp = amp
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -335,6 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "config", None):
+            _apply_config_file(parser, args, list(sys.argv[1:] if argv is None else argv))
         return int(args.func(args) or 0)
     except NumericsError as e:
         print(f"ampkit {args.command}: training failed numerically: {e}", file=sys.stderr)

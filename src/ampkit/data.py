@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ClassificationBatches", "TextBatches", "stdlib_corpus"]
+__all__ = ["ClassificationBatches", "ImageBatches", "TextBatches", "stdlib_corpus"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -116,6 +116,41 @@ class ClassificationBatches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         x = torch.randn(self.batch_size, self.in_features, generator=g)
         y = (x @ self._teacher).argmax(dim=1)
+        if self.device is not None and self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y
+
+
+@dataclass
+class ImageBatches:
+    """Generated image-like data: class ``k`` adds a fixed smooth random pattern to noise."""
+
+    batch_size: int = 32
+    image_size: int = 32
+    n_classes: int = 10
+    seed: int = 0
+    device: Optional[torch.device] = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.image_size < 4:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1 and image_size={self.image_size} >= 4")
+        g = torch.Generator().manual_seed(20_011 + self.seed)
+        coarse = torch.randn(self.n_classes, 3, 4, 4, generator=g)
+        self._patterns = torch.nn.functional.interpolate(coarse, size=self.image_size, mode="bilinear",
+                                                         align_corners=False)
+
+    @property
+    def tokens_per_batch(self) -> Optional[int]:
+        return None
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.batch_size
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        y = torch.randint(self.n_classes, (self.batch_size,), generator=g)
+        x = torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=g) + self._patterns[y]
         if self.device is not None and self.device.type != "cpu":
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x, y

@@ -1,4 +1,4 @@
-"""Built-in models, built from configs (no downloads): a byte-level tiny GPT and an MLP.
+"""Built-in models, built from configs (no downloads): a byte-level tiny GPT, an MLP and a CNN.
 
 Each model returns its loss from ``forward`` when given targets, so a training loop needs no
 model-specific loss code. ``build(name, size)`` is what the CLI uses.
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "SIZES", "build"]
+__all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "SIZES", "build", "builtin",
+           "load_factory", "user_model"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,38 @@ class MLP(nn.Module):
         return logits if targets is None else F.cross_entropy(logits, targets)
 
 
+@dataclass(frozen=True)
+class CNNConfig:
+    channels: int = 32
+    n_blocks: int = 2
+    image_size: int = 32
+    n_classes: int = 10
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if v < 1:
+                raise ValueError(f"CNNConfig.{name}={v} must be >= 1")
+
+
+class CNN(nn.Module):
+    """A small conv net with BatchNorm (the layer mixed precision must treat with care)."""
+
+    def __init__(self, cfg: CNNConfig = CNNConfig()) -> None:
+        super().__init__()
+        self.config = cfg
+        layers: list[nn.Module] = []
+        c_in, c = 3, cfg.channels
+        for _ in range(cfg.n_blocks):
+            layers += [nn.Conv2d(c_in, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2)]
+            c_in, c = c, c * 2
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c_in, cfg.n_classes)
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.head(self.features(x).mean(dim=(2, 3)))
+        return logits if targets is None else F.cross_entropy(logits, targets)
+
+
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt": {
         "tiny": dict(block_size=64, n_layer=2, n_head=2, n_embd=64),
@@ -153,6 +186,12 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "medium": dict(in_features=1024, hidden=4096, n_layer=4),
         "large": dict(in_features=4096, hidden=8192, n_layer=6),
     },
+    "cnn": {
+        "tiny": dict(channels=8, n_blocks=2, image_size=16),
+        "small": dict(channels=32, n_blocks=2, image_size=32),
+        "medium": dict(channels=64, n_blocks=3, image_size=64),
+        "large": dict(channels=128, n_blocks=4, image_size=128),
+    },
 }
 MODELS = tuple(SIZES)
 
@@ -165,7 +204,11 @@ def build(name: str, size: str = "small") -> nn.Module:
     if size not in SIZES[name]:
         raise ValueError(f"unknown size {size!r} for model {name!r}; choose one of: {', '.join(SIZES[name])}")
     kwargs = SIZES[name][size]
-    return GPT(GPTConfig(**kwargs)) if name == "gpt" else MLP(MLPConfig(**kwargs))
+    if name == "gpt":
+        return GPT(GPTConfig(**kwargs))
+    if name == "cnn":
+        return CNN(CNNConfig(**kwargs))
+    return MLP(MLPConfig(**kwargs))
 
 
 def load_factory(spec: str) -> Any:
@@ -213,3 +256,21 @@ def user_model(spec: str, **kwargs: Any) -> tuple[nn.Module, Any]:
                          f"returns the scalar loss, and a function batch_fn(i) -> batch tuple; got "
                          f"{type(out).__name__}{'' if not isinstance(out, tuple) else ' of ' + str(len(out))}")
     return out
+
+
+def builtin(name: str, size: str = "small", *, batch_size: int = 16, seed: int = 0,
+            device: Optional[torch.device] = None) -> tuple[nn.Module, Any]:
+    """A built-in model and its local data: ``(model, batch_fn)``, like a user factory."""
+    from .data import ClassificationBatches, ImageBatches, TextBatches
+
+    model = build(name, size)
+    cfg = model.config
+    if name == "gpt":
+        data: Any = TextBatches(batch_size=batch_size, block_size=cfg.block_size, seed=seed, device=device)
+    elif name == "cnn":
+        data = ImageBatches(batch_size=batch_size, image_size=cfg.image_size, n_classes=cfg.n_classes,
+                            seed=seed, device=device)
+    else:
+        data = ClassificationBatches(batch_size=batch_size, in_features=cfg.in_features, n_classes=cfg.n_classes,
+                                     seed=seed, device=device)
+    return model, data

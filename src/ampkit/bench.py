@@ -1,0 +1,323 @@
+"""Choose by measurement: train every candidate precision side by side, then recommend one.
+
+``compare`` trains one copy of the model per precision from the same seed on the same batches,
+in lockstep: blocks of steps rotate through the precisions (the order shifts every round), so
+drift of the machine hits all alike. fp32 is always included: it is the reference for speed-up
+and fidelity. ``tune`` picks the fastest precision whose final loss stays within a tolerance of
+fp32's and that needed no fallback, and says why every other candidate lost.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .engine import MixedPrecision
+from .hardware import device_info, normalize_device
+from .memory import activations, breakdown
+from .precision import PrecisionError, resolve_precision
+
+__all__ = ["BenchReport", "BenchResult", "Recommendation", "compare", "tune"]
+
+DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass
+class BenchResult:
+    """One precision's measurements (``status == "skipped"`` with a ``reason`` when it could not run)."""
+
+    precision: str
+    status: str = "ok"
+    reason: str = ""
+    step_ms: Optional[float] = None  # median over timed blocks
+    step_ms_p10: Optional[float] = None
+    step_ms_p90: Optional[float] = None
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    speedup_vs_fp32: Optional[float] = None
+    activation_bytes: Optional[int] = None
+    static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler)
+    peak_mem_bytes: Optional[int] = None  # CUDA only: per-precision peak of one step
+    final_loss: Optional[float] = None  # mean of the last few steps' losses
+    loss_gap: Optional[float] = None  # (final_loss - fp32 final_loss) / fp32 final_loss
+    skipped_steps: int = 0
+    fallbacks: int = 0
+    final_precision: Optional[str] = None
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchReport:
+    """All results plus the setting they were measured in."""
+
+    results: list[BenchResult]
+    device: str
+    device_name: str
+    model: str
+    steps: int
+    batch_size: Optional[int]
+    accumulation_steps: int
+    torch_version: str = torch.__version__
+
+    def result(self, precision: str) -> Optional[BenchResult]:
+        return next((r for r in self.results if r.precision == precision), None)
+
+    def to_dict(self, losses: bool = True) -> dict[str, Any]:
+        d = asdict(self)
+        if not losses:
+            for r in d["results"]:
+                r.pop("losses", None)
+        return d
+
+    def table(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps")
+        cols = ("precision", "ms/step", "p10–p90", "speed-up", "samples/s", "tokens/s", "activations",
+                "params+grads+opt", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
+        for c in cols:
+            t.add_column(c, justify="left" if c == "precision" else "right")
+        for r in self.results:
+            if r.status != "ok":
+                t.add_row(r.precision, "[yellow]skipped[/]", *[""] * (len(cols) - 2))
+                continue
+            t.add_row(r.precision, _f(r.step_ms, "{:.2f}"), f"{_f(r.step_ms_p10, '{:.2f}')}–{_f(r.step_ms_p90, '{:.2f}')}",
+                      _f(r.speedup_vs_fp32, "{:.2f}x"), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
+                      _mib(r.activation_bytes), _mib(r.static_bytes), _mib(r.peak_mem_bytes),
+                      _f(r.final_loss, "{:.4f}"), _f(None if r.loss_gap is None else 100 * r.loss_gap, "{:+.2f}%"),
+                      str(r.skipped_steps), str(r.fallbacks))
+        return t
+
+    def plot(self, path: str) -> str:
+        """Speed-up and memory bars, loss curves overlaid: one PNG (needs ``ampkit[plot]``)."""
+        from .report import _pyplot
+
+        plt = _pyplot()
+        ok = [r for r in self.results if r.status == "ok"]
+        fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
+        names = [r.precision for r in ok]
+        a1.bar(names, [r.speedup_vs_fp32 or 0 for r in ok], color="tab:blue")
+        a1.axhline(1.0, color="grey", linewidth=0.8)
+        a1.set(title="speed-up vs fp32", ylabel="x")
+        act = [(r.activation_bytes or 0) / 2**20 for r in ok]
+        static = [(r.static_bytes or 0) / 2**20 for r in ok]
+        a2.bar(names, static, label="params+grads+optimizer", color="tab:gray")
+        a2.bar(names, act, bottom=static, label="activations", color="tab:orange")
+        a2.set(title="memory (MiB)")
+        a2.legend(fontsize=8)
+        for r in ok:
+            a3.plot(range(1, len(r.losses) + 1), r.losses, label=r.precision, linewidth=1)
+        a3.set(title="loss", xlabel="optimizer step")
+        a3.legend(fontsize=8)
+        for a in (a1, a2, a3):
+            a.grid(alpha=0.3)
+        fig.suptitle(f"{self.model} on {self.device_name}")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+def _f(v: Optional[float], fmt: str) -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def _mib(n: Optional[int]) -> str:
+    return "—" if not n else f"{n / 2**20:,.1f} MiB"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+
+
+def compare(
+    model_factory: Callable[[], torch.nn.Module],
+    batch_factory: Callable[[int], Any],
+    precisions: Optional[Sequence[str]] = None,
+    *,
+    steps: int = 30,
+    warmup: int = 5,
+    repeats: int = 5,
+    device: Union[str, torch.device, None] = None,
+    lr: float = 1e-3,
+    accumulation_steps: int = 1,
+    seed: int = 0,
+    fallback: bool = False,
+    model_name: str = "model",
+    loss_window: int = 5,
+    **amp_overrides: Any,
+) -> BenchReport:
+    """Train ``model_factory()`` once per precision on ``batch_factory(i)`` and measure each.
+
+    ``model(*batch)`` must return the scalar loss. Every precision starts from the same weights
+    (``torch.manual_seed(seed)`` before each ``model_factory()`` call) and sees the same batches.
+    After ``warmup`` steps, ``steps`` optimizer steps run in ``repeats`` blocks per precision,
+    interleaved. A precision the device cannot run is listed as skipped with the reason. The
+    batch factory may expose ``samples_per_batch`` / ``tokens_per_batch`` for throughput.
+    """
+    if steps < 1 or warmup < 0 or repeats < 1 or accumulation_steps < 1:
+        raise ValueError(f"steps={steps} and repeats={repeats} must be >= 1, warmup={warmup} >= 0, "
+                         f"accumulation_steps={accumulation_steps} >= 1")
+    dev = normalize_device(device)
+    info = device_info(dev)
+    wanted = list(dict.fromkeys(["fp32", *(precisions or DEFAULT_PRECISIONS)]))
+    repeats = min(repeats, steps)
+    runs: dict[str, dict[str, Any]] = {}
+    results: dict[str, BenchResult] = {}
+    for name in wanted:
+        try:
+            p = resolve_precision(name, info)
+        except PrecisionError as e:
+            results[name] = BenchResult(precision=name, status="skipped",
+                                        reason=str(e).split(": ", 1)[-1].split(". Choose")[0])
+            continue
+        name = p.name
+        if name in results:  # e.g. "auto" resolved to one already listed
+            continue
+        torch.manual_seed(seed)
+        model = model_factory().to(dev)
+        fused = dev.type in ("cpu", "cuda") and all(q.is_floating_point() for q in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+        try:
+            amp = MixedPrecision(p.name, device=dev, accumulation_steps=accumulation_steps, fallback=fallback,
+                                 **amp_overrides)
+            model, opt = amp.setup(model, opt)
+        except (PrecisionError, ValueError) as e:
+            results[name] = BenchResult(precision=name, status="skipped", reason=str(e))
+            continue
+        act = activations(model, batch_factory(0), p).total
+        runs[name] = {"model": model, "opt": opt, "amp": amp, "losses": [], "times": [], "index": 0}
+        results[name] = BenchResult(precision=name, activation_bytes=act)
+
+    def train(run: dict[str, Any], n: int) -> None:
+        model, opt, amp = run["model"], run["opt"], run["amp"]
+        for _ in range(n):
+            total = None
+            for _ in range(accumulation_steps):
+                batch = batch_factory(run["index"])
+                run["index"] += 1
+                with amp.autocast():
+                    loss = _loss(model, batch)
+                amp.backward(loss)
+                amp.step(opt)
+                total = loss.detach().float() if total is None else total + loss.detach().float()
+            run["losses"].append(total / accumulation_steps)
+
+    for run in runs.values():
+        train(run, warmup)
+    block = max(1, steps // repeats)
+    names = list(runs)
+    done = 0
+    for r in range(repeats):
+        n = block if r < repeats - 1 else steps - done
+        done += n
+        order = names[r % len(names):] + names[: r % len(names)] if names else []
+        for name in order:
+            run = runs[name]
+            _sync(dev)
+            t0 = time.perf_counter()
+            train(run, n)
+            _sync(dev)
+            run["times"].append((time.perf_counter() - t0) / n * 1e3)
+
+    samples = getattr(batch_factory, "samples_per_batch", None)
+    tokens = getattr(batch_factory, "tokens_per_batch", None)
+    for name, run in runs.items():
+        res = results[name]
+        amp, times = run["amp"], sorted(run["times"])
+        res.losses = [float(v) for v in torch.stack(run["losses"]).tolist()]
+        res.step_ms = statistics.median(times)
+        res.step_ms_p10, res.step_ms_p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
+        per_s = 1e3 / res.step_ms
+        res.samples_per_s = samples * accumulation_steps * per_s if samples else None
+        res.tokens_per_s = tokens * accumulation_steps * per_s if tokens else None
+        tail = [v for v in res.losses[-loss_window:] if math.isfinite(v)]
+        res.final_loss = statistics.mean(tail) if tail else math.nan
+        stats = amp.stats()
+        res.skipped_steps = stats["skipped_steps"]
+        res.fallbacks = sum(1 for e in stats["events"] if e["kind"] == "fallback")
+        res.final_precision = stats["precision"]
+        res.static_bytes = breakdown(run["model"], run["opt"], amp).total
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            train(run, 1)
+            _sync(dev)
+            res.peak_mem_bytes = int(torch.cuda.max_memory_allocated(dev))
+    ref = results.get("fp32")
+    for res in results.values():
+        if res.status != "ok" or ref is None or ref.status != "ok":
+            continue
+        res.speedup_vs_fp32 = ref.step_ms / res.step_ms if res.step_ms else None
+        if ref.final_loss and math.isfinite(ref.final_loss) and res.final_loss is not None:
+            res.loss_gap = (res.final_loss - ref.final_loss) / abs(ref.final_loss)
+    return BenchReport(results=[results[n] for n in results], device=str(dev), device_name=info.name,
+                       model=model_name, steps=steps, batch_size=getattr(batch_factory, "batch_size", None),
+                       accumulation_steps=accumulation_steps)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What ``tune`` picked, with every other candidate's reason for losing."""
+
+    precision: str
+    step_ms: float
+    speedup_vs_fp32: float
+    loss_gap: float
+    tolerance: float
+    batch_size: Optional[int]
+    accumulation_steps: int
+    why_not: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        """A config ``ampkit train --config`` and ``MixedPrecisionConfig.from_toml`` accept."""
+        lines = ["# written by `ampkit tune`", f"# fastest precision within {100 * self.tolerance:g}% of the fp32 loss: "
+                 f"{self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%", "",
+                 "[amp]", f'precision = "{self.precision}"', f"accumulation_steps = {self.accumulation_steps}"]
+        if self.batch_size:
+            lines += ["", "[train]", f"batch_size = {self.batch_size}"]
+        return "\n".join(lines) + "\n"
+
+
+def tune(report: BenchReport, tolerance: float = 0.01) -> Recommendation:
+    """The fastest precision whose final-loss gap to fp32 is within ``tolerance`` (a fraction of the
+    fp32 loss) and that had no fallback. fp32 always qualifies (its gap is 0 by definition)."""
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction of the fp32 loss, e.g. 0.01)")
+    why: dict[str, str] = {}
+    ok = []
+    for r in report.results:
+        if r.status != "ok":
+            why[r.precision] = f"could not run here: {r.reason}"
+        elif r.fallbacks:
+            why[r.precision] = f"fell back to {r.final_precision} during the measurement"
+        elif r.loss_gap is None or not math.isfinite(r.loss_gap) or abs(r.loss_gap) > tolerance:
+            gap = "non-finite" if r.loss_gap is None or not math.isfinite(r.loss_gap) else f"{100 * abs(r.loss_gap):.2f}%"
+            why[r.precision] = f"final-loss gap to fp32 {gap} exceeds the tolerance {100 * tolerance:g}%"
+        else:
+            ok.append(r)
+    if not ok:
+        raise ValueError("no precision qualified, not even fp32; was fp32 measured?")
+    best = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
+    for r in ok:
+        if r is not best:
+            why[r.precision] = (f"slower: {r.step_ms:.2f} ms/step vs {best.step_ms:.2f} ms/step for {best.precision}"
+                                if r.step_ms > best.step_ms else f"as fast as {best.precision}; ties go to the earlier candidate")
+    return Recommendation(precision=best.precision, step_ms=best.step_ms, speedup_vs_fp32=best.speedup_vs_fp32 or 1.0,
+                          loss_gap=best.loss_gap or 0.0, tolerance=tolerance, batch_size=report.batch_size,
+                          accumulation_steps=report.accumulation_steps, why_not=why)
