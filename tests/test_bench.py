@@ -51,8 +51,8 @@ def test_tune_picks_fastest_within_tolerance(report):
     rec = tune(report, tolerance=0.5)
     ok = [r for r in report.results if r.status == "ok"]
     assert rec.step_ms == min(r.step_ms for r in ok)
-    for name, why in rec.why_not.items():
-        assert why
+    assert set(rec.why_not) == {r.precision for r in report.results} - {rec.precision}
+    assert all(rec.why_not.values())
 
 
 def test_tune_writes_config_train_and_config_accept(tmp_path, report):
