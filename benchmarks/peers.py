@@ -30,7 +30,10 @@ warnings.filterwarnings("ignore")
 
 def accelerate_stepper(model, opt, precision, device, clip):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    # Accelerate keeps one process-wide state; a new mixed_precision needs it reset first.
+    AcceleratorState._reset_state(True)
     mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
     acc = Accelerator(mixed_precision=mp, cpu=device.type == "cpu")
     model, opt = acc.prepare(model, opt)
