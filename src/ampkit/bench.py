@@ -42,8 +42,8 @@ class BenchResult:
     tokens_per_s: Optional[float] = None
     speedup_vs_fp32: Optional[float] = None
     activation_bytes: Optional[int] = None
-    static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler)
-    peak_mem_bytes: Optional[int] = None  # CUDA only: per-precision peak of one step
+    static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler), exact
+    peak_mem_bytes: Optional[int] = None  # CUDA only: this run's resident state + one step's peak on top
     final_loss: Optional[float] = None  # mean of the last few steps' losses
     loss_gap: Optional[float] = None  # (final_loss - fp32 final_loss) / fp32 final_loss
     skipped_steps: int = 0
@@ -250,12 +250,19 @@ def compare(
         res.skipped_steps = stats["skipped_steps"]
         res.fallbacks = sum(1 for e in stats["events"] if e["kind"] == "fallback")
         res.final_precision = stats["precision"]
-        res.static_bytes = breakdown(run["model"], run["opt"], amp).total
+        # step() leaves gradients at None; during a step they take exactly the parameters' shape and dtype
+        resident = breakdown(run["model"], run["opt"], amp).total
+        grads = sum(q.numel() * q.element_size() for q in run["model"].parameters() if q.requires_grad)
+        res.static_bytes = resident + grads
         if dev.type == "cuda":
+            # The other precisions' models stay alive in this process: count only this run's
+            # resident state plus what one of its steps allocates on top.
+            _sync(dev)
+            base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             train(run, 1)
             _sync(dev)
-            res.peak_mem_bytes = int(torch.cuda.max_memory_allocated(dev))
+            res.peak_mem_bytes = int(torch.cuda.max_memory_allocated(dev) - base + resident)
     ref = results.get("fp32")
     for res in results.values():
         if res.status != "ok" or ref is None or ref.status != "ok":
