@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from . import __version__
+from .checkpoint import CheckpointError
 from .config import ConfigError, MixedPrecisionConfig
 from .engine import MixedPrecision
 from .fallback import NumericsError
@@ -211,8 +212,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
     trainer = Trainer(model, optimizer, amp, batches, log_every=args.log_every,
                       progress=not args.no_progress and not args.json, log_dir=log_dir, console=console,
-                      diagnose=not args.no_diagnose)
-    summary = trainer.fit(args.steps)
+                      diagnose=not args.no_diagnose, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, keep_last=args.keep_last)
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
+        path = trainer.resume()
+        if path is None:
+            if not args.allow_fresh:
+                raise ValueError(f"--resume: no checkpoint in {args.checkpoint_dir!r}; pass --allow_fresh to start "
+                                 "from scratch instead")
+            console.print(f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)")
+        else:
+            console.print(f"resumed from {path} at step {amp.optimizer_steps} in {amp.precision.name}")
+    remaining = args.steps - amp.optimizer_steps
+    if remaining < 1:
+        raise ValueError(f"nothing to do: already at step {amp.optimizer_steps} of --steps {args.steps}")
+    summary = trainer.fit(remaining)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
     if args.json:
@@ -368,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "no_fallback", action="store_true", help="do not fall back (fp16 -> bf16 -> fp32) on numerical trouble")
     _flag(p, "fallback_chain", default=None, help="explicit fallback chain, e.g. 'fp16,bf16,fp32'")
     _flag(p, "no_diagnose", action="store_true", help="do not localize the first skipped step")
+    _flag(p, "checkpoint_dir", default=None, help="write checkpoints here (atomically)")
+    _flag(p, "checkpoint_every", type=_positive_int, default=None, help="checkpoint every N optimizer steps")
+    _flag(p, "keep_last", type=_positive_int, default=3, help="checkpoints to keep (default: 3)")
+    _flag(p, "resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint_dir "
+                                                  "(--steps is the total to reach)")
+    _flag(p, "allow_fresh", action="store_true", help="with --resume: start fresh when there is no checkpoint")
     _flag(p, "config", default=None, metavar="FILE.toml",
           help="read settings from TOML: an [amp] table (MixedPrecisionConfig fields) and a [train] table "
                "(these flags' names); flags given on the command line override the file")
@@ -476,7 +498,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except NumericsError as e:
         print(f"ampkit {args.command}: training failed numerically: {e}", file=sys.stderr)
         return 3
-    except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError) as e:
+    except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
         print(f"ampkit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

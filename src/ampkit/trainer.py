@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
+from .checkpoint import CheckpointError, CheckpointManager, capture_rng, restore_rng
 from .engine import MixedPrecision
 from .monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 
@@ -100,6 +102,10 @@ class Trainer:
         tensorboard: bool = True,
         console: Any = None,
         diagnose: bool = True,
+        scheduler: Any = None,
+        checkpoint_dir: Optional[str] = None,
+        checkpoint_every: Optional[int] = None,
+        keep_last: Optional[int] = 3,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every={log_every} must be >= 1")
@@ -111,6 +117,13 @@ class Trainer:
         self.notes: list[str] = []
         self.diagnose = diagnose
         self.diagnosis: Any = None
+        self.scheduler = scheduler
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1")
+        if checkpoint_every and not checkpoint_dir:
+            raise ValueError("checkpoint_every needs a checkpoint_dir")
+        self.checkpoints = CheckpointManager(checkpoint_dir, keep_last=keep_last) if checkpoint_dir else None
+        self.checkpoint_every = checkpoint_every
         self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
 
     def _sinks(self, steps: int) -> list[Any]:
@@ -152,9 +165,15 @@ class Trainer:
                     with amp.autocast():
                         loss = self.loss_fn(self.model, batch)
                     amp.backward(loss)
-                    amp.step(self.optimizer)
+                    result = amp.step(self.optimizer)
+                if self.scheduler is not None and result.boundary:
+                    self.scheduler.step()  # after real optimizer steps only (skipped ones count: they are steps)
                 if watch.first is not None and self.diagnosis is None:
                     self._diagnose(*watch.first)
+                if self.checkpoint_every and amp.optimizer_steps % self.checkpoint_every == 0:
+                    t0 = time.perf_counter()
+                    path = self.save_checkpoint()
+                    monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0)
         finally:
             summary = monitor.close()
         if self.log_dir:
@@ -171,6 +190,57 @@ class Trainer:
             peak_mem_bytes=summary["peak_mem_bytes"],
         )
 
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state: model, optimizer, scheduler, engine (precision after fallbacks,
+        scaler, counters, events), RNG states and the data position. **Syncs**."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "amp": self.amp.state_dict(),
+            "rng": capture_rng(),
+            "data": {"micro_index": self.micro_index},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
+        """Restore :meth:`state_dict`. The model's keys and shapes are checked first: on a mismatch
+        nothing is loaded and :class:`~ampkit.checkpoint.CheckpointError` lists the keys."""
+        own = self.model.state_dict()
+        theirs = state.get("model", {})
+        missing = sorted(set(own) - set(theirs))
+        unexpected = sorted(set(theirs) - set(own))
+        shapes = sorted(k for k in set(own) & set(theirs) if tuple(own[k].shape) != tuple(theirs[k].shape))
+        if missing or unexpected or shapes:
+            parts = []
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+                if keys:
+                    parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+            raise CheckpointError(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded")
+        self.model.load_state_dict(theirs)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.amp.load_state_dict(state["amp"])
+        restore_rng(state.get("rng", {}))
+        self.micro_index = int(state.get("data", {}).get("micro_index", 0))
+
+    def save_checkpoint(self) -> str:
+        if self.checkpoints is None:
+            raise RuntimeError("no checkpoint_dir was given to the Trainer")
+        return self.checkpoints.save(self.amp.optimizer_steps, self.state_dict())
+
+    def resume(self) -> Optional[str]:
+        """Load the newest good checkpoint of ``checkpoint_dir``; returns its path, or None if there is none."""
+        if self.checkpoints is None:
+            raise RuntimeError("no checkpoint_dir was given to the Trainer")
+        found = self.checkpoints.load_latest()
+        if found is None:
+            return None
+        path, state = found
+        self.load_state_dict(state, source=f"checkpoint {path!r}")
+        return path
 
     def _diagnose(self, step: int, scale: Optional[float]) -> None:
         batch = self._recent.get(step)

@@ -1,0 +1,165 @@
+"""Crash-safe checkpoints of the whole training state, and exact resume.
+
+Writing is atomic: the state goes to a temporary file in the same directory, is flushed and
+fsynced, then renamed over the final name (``os.replace`` is atomic on POSIX), and the directory
+is fsynced. A reader therefore sees either the previous checkpoint or the new one, never half of
+one — also when the process is killed mid-write. Loading uses ``torch.load(weights_only=True)``;
+a truncated or corrupt file raises :class:`CheckpointError` naming the file, and
+:meth:`CheckpointManager.load_latest` falls back to the previous good checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import tempfile
+import warnings
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["CheckpointError", "CheckpointManager", "capture_rng", "load_checkpoint", "restore_rng",
+           "save_checkpoint"]
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not fit; the message names the file."""
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported on this platform
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict[str, Any], path: str) -> str:
+    """Write ``state`` to ``path`` atomically (temp file + fsync + rename). Returns ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``; :class:`CheckpointError` names the file on failure."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt and was not loaded "
+                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
+    if not isinstance(state, dict) or "ampkit_checkpoint" not in state:
+        raise CheckpointError(f"{path!r} is not an ampkit checkpoint (no 'ampkit_checkpoint' marker)")
+    return state
+
+
+def capture_rng() -> dict[str, Any]:
+    """RNG states of torch (CPU and CUDA), numpy (when installed) and Python, in weights_only-safe types."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        out["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except ImportError:
+        pass
+    version, internal, gauss = random.getstate()
+    out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore what :func:`capture_rng` captured (missing parts are left alone)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            n = state["numpy"]
+            np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+        except ImportError:
+            pass
+    if "python" in state:
+        p = state["python"]
+        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{8})\.pt$")
+
+
+class CheckpointManager:
+    """Numbered checkpoints in one directory: ``save`` (atomic, keep the last ``keep_last``),
+    ``load_latest`` (newest readable one; corrupt ones are reported and skipped)."""
+
+    def __init__(self, directory: str, *, keep_last: Optional[int] = 3, prefix: str = "ckpt") -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every checkpoint)")
+        self.directory, self.keep_last, self.prefix = directory, keep_last, prefix
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{self.prefix}-{step:08d}.pt")
+
+    def list(self) -> list[tuple[int, str]]:
+        """(step, path) of every complete checkpoint file, oldest first (temp files are ignored)."""
+        if not os.path.isdir(self.directory):
+            return []
+        out = []
+        for name in os.listdir(self.directory):
+            m = _NAME.match(name)
+            if m and m.group("prefix") == self.prefix:
+                out.append((int(m.group("step")), os.path.join(self.directory, name)))
+        return sorted(out)
+
+    def save(self, step: int, state: dict[str, Any]) -> str:
+        path = save_checkpoint({**state, "step": step}, self.path(step))
+        if self.keep_last is not None:
+            for _, old in self.list()[: -self.keep_last]:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
+        self._clean_temp()
+        return path
+
+    def _clean_temp(self) -> None:
+        # Leftovers of a process killed mid-write: never valid, safe to remove.
+        for name in os.listdir(self.directory):
+            if name.startswith(".tmp-") and name.endswith(".pt"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
+
+    def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
+        """The newest checkpoint that loads; corrupt ones are warned about and skipped. None if none."""
+        for _, path in reversed(self.list()):
+            try:
+                return path, load_checkpoint(path, map_location)
+            except CheckpointError as e:
+                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+        return None
