@@ -184,7 +184,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if dest in explicit or key not in file_amp:
             overrides[key] = value
 
-    put("precision", "precision", args.precision)
+    precision = args.precision
+    if args.amp_opt_level:
+        level = {"O0": "fp32", "O1": "auto", "O2": "O2"}[args.amp_opt_level]
+        if "precision" in explicit and str(args.precision).strip().lower() not in (level.lower(), args.amp_opt_level.lower()):
+            raise ValueError(f"conflicting flags: --amp_opt_level {args.amp_opt_level} means precision {level!r} but "
+                             f"--precision {args.precision} was given; pass one of them")
+        precision = level
+        explicit = explicit | {"precision"}
+    put("precision", "precision", precision)
+    if args.grad_scaler_growth_interval is not None:
+        put("growth_interval", "grad_scaler_growth_interval", args.grad_scaler_growth_interval)
+    if args.grad_scaler_backoff is not None:
+        put("backoff_factor", "grad_scaler_backoff", args.grad_scaler_backoff)
     put("accumulation_steps", "accumulation_steps", args.accumulation_steps)
     put("clip_grad_norm", "clip_grad_norm", args.clip_grad_norm)
     if args.init_scale is not None:
@@ -201,6 +213,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     amp = MixedPrecision(device=device, config=base, **overrides)
     model, batches = _model_and_data(args, device)
     model.to(device)
+    ckpt_targets = [t for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
+    if args.grad_ckpt and not ckpt_targets:
+        if args.model != "gpt":
+            raise ValueError("--grad_ckpt needs --grad_ckpt_modules for this model (module types or name globs, "
+                             "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks")
+        ckpt_targets = ["blocks.*"]
+    if ckpt_targets:
+        from .activation_checkpointing import apply_activation_checkpointing
+
+        checkpointed = apply_activation_checkpointing(model, ckpt_targets)
+        console.print(f"activation checkpointing: {len(checkpointed)} module(s) ({', '.join(checkpointed[:4])}"
+                      f"{', ...' if len(checkpointed) > 4 else ''})")
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
@@ -210,10 +234,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if amp.overridden_modules:
         console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
     log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
+    eval_batches = None
+    if args.eval_every:
+        from .models import MODELS
+
+        if args.model in MODELS and hasattr(batches, "split"):
+            import dataclasses
+
+            eval_batches = dataclasses.replace(batches, split="val")
+        else:
+            eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
+    if args.epochs is not None:
+        per_epoch = getattr(batches, "batches_per_epoch", None)
+        if per_epoch is None:
+            raise ValueError("--epochs needs data with a batches_per_epoch attribute; use --steps for this model")
+        args.steps = max(1, args.epochs * per_epoch // args.accumulation_steps)
     trainer = Trainer(model, optimizer, amp, batches, log_every=args.log_every,
                       progress=not args.no_progress and not args.json, log_dir=log_dir, console=console,
                       diagnose=not args.no_diagnose, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, keep_last=args.keep_last)
+                      checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
+                      eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision)
     if args.resume:
         if not args.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
@@ -378,8 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "device", default=None, help="cpu, cuda, cuda:1, mps (default: best available)")
     _flag(p, "log_every", type=_positive_int, default=10, help="read metrics to the host every N steps")
     _flag(p, "no_progress", action="store_true", help="no progress bar")
+    _flag(p, "amp_opt_level", default=None, choices=["O0", "O1", "O2"],
+          help="apex-style level: O0 = fp32, O1 = auto mixed, O2 = pure half weights (conflicts with --precision)")
     _flag(p, "init_scale", "grad_scaler_init", type=_positive_float, default=None,
           help="initial loss scale for fp16 (default: 65536, as torch.amp.GradScaler)")
+    _flag(p, "grad_scaler_growth_interval", type=_positive_int, default=None,
+          help="finite steps before the loss scale grows (default: 2000)")
+    _flag(p, "grad_scaler_backoff", type=float, default=None, help="loss-scale backoff factor (default: 0.5)")
+    _flag(p, "grad_ckpt", action="store_true", help="activation checkpointing (the built-in GPT's blocks)")
+    _flag(p, "grad_ckpt_modules", default=None,
+          help="activation-checkpoint these module types / name globs (comma-separated); implies --grad_ckpt")
+    _flag(p, "epochs", type=_positive_int, default=None, help="train this many epochs instead of --steps")
+    _flag(p, "eval_every", type=_positive_int, default=None, help="evaluate on held-out batches every N steps")
+    _flag(p, "eval_precision", default="train", choices=["train", "fp32"],
+          help="evaluate in the training precision or strict fp32 (default: train)")
     _flag(p, "keep_fp32", default=None, help="comma-separated module globs/types to keep in fp32, e.g. 'lm_head,*.ln_*'")
     _flag(p, "no_fallback", action="store_true", help="do not fall back (fp16 -> bf16 -> fp32) on numerical trouble")
     _flag(p, "fallback_chain", default=None, help="explicit fallback chain, e.g. 'fp16,bf16,fp32'")
@@ -443,14 +495,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _explicit_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> set[str]:
+    """Destinations of the options actually typed on the command line (to let them win over a file)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    by_option = {o: a for a in sub._actions for o in a.option_strings}
+    return {by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option}
+
+
 def _apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
     """Merge ``--config FILE.toml`` into ``args``: ``[train]`` keys fill flags not given on the
     command line; ``[amp]`` goes to MixedPrecisionConfig. Unknown keys and wrong types are errors."""
     from .config import _read_toml
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
-    by_option = {o: a for a in sub._actions for o in a.option_strings}
-    explicit = {by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option}
+    explicit = args._explicit
     data = _read_toml(args.config)
     unknown = [k for k in data if k not in ("amp", "train")]
     if unknown:
@@ -481,7 +539,6 @@ def _apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace
             raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r}; choose one of {list(action.choices)}")
         if action.dest not in explicit:
             setattr(args, action.dest, value)
-    args._explicit = explicit
     args._file_amp = amp
 
 
@@ -492,8 +549,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args._explicit = _explicit_flags(parser, args, raw)
         if getattr(args, "config", None):
-            _apply_config_file(parser, args, list(sys.argv[1:] if argv is None else argv))
+            _apply_config_file(parser, args, raw)
         return int(args.func(args) or 0)
     except NumericsError as e:
         print(f"ampkit {args.command}: training failed numerically: {e}", file=sys.stderr)

@@ -74,6 +74,12 @@ class TextBatches:
         return self.batch_size * self.block_size
 
     @property
+    def batches_per_epoch(self) -> int:
+        """Batches that together hold as many tokens as the split (windows are random, so an
+        epoch is a token count, not a permutation)."""
+        return max(1, len(self._data) // self.tokens_per_batch)
+
+    @property
     def samples_per_batch(self) -> int:
         return self.batch_size
 
@@ -104,9 +110,15 @@ class ClassificationBatches:
         g = torch.Generator().manual_seed(10_007 + self.seed)
         self._teacher = torch.randn(self.in_features, self.n_classes, generator=g) / self.in_features**0.5
 
+    epoch_samples: int = 10_000  # generated data has no natural epoch; this many samples make one
+
     @property
     def tokens_per_batch(self) -> Optional[int]:
         return None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(1, self.epoch_samples // self.batch_size)
 
     @property
     def samples_per_batch(self) -> int:
@@ -139,9 +151,15 @@ class ImageBatches:
         self._patterns = torch.nn.functional.interpolate(coarse, size=self.image_size, mode="bilinear",
                                                          align_corners=False)
 
+    epoch_samples: int = 10_000  # generated data has no natural epoch; this many samples make one
+
     @property
     def tokens_per_batch(self) -> Optional[int]:
         return None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(1, self.epoch_samples // self.batch_size)
 
     @property
     def samples_per_batch(self) -> int:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -83,6 +84,12 @@ class Trainer:
         progress: show a rich progress bar with live loss, scale and throughput, then a summary table.
         log_dir: write the run there: ``log.jsonl``, TensorBoard events under ``tb/`` (when
             tensorboard is installed), ``summary.json``.
+        scheduler: a learning-rate scheduler, stepped after every optimizer step that was not skipped.
+        checkpoint_dir, checkpoint_every, keep_last: crash-safe checkpoints (see ``ampkit.checkpoint``).
+        eval_batches, eval_every, eval_steps, eval_precision: periodic evaluation on held-out
+            batches, in the training precision (``"train"``) or strict ``"fp32"``.
+        callbacks: objects with any of ``on_step_end(trainer, step, result)``,
+            ``on_eval(trainer, loss)``, ``on_checkpoint(trainer, path)``, ``on_train_end(trainer, summary)``.
         diagnose: on the first skipped step of the run, re-run that step's batch with
             :meth:`MixedPrecision.diagnose` and record which module produced the inf/NaN (the
             skip is learnt from the monitor's batched reads, so this adds no per-step sync).
@@ -106,6 +113,11 @@ class Trainer:
         checkpoint_dir: Optional[str] = None,
         checkpoint_every: Optional[int] = None,
         keep_last: Optional[int] = 3,
+        eval_batches: Optional[BatchFn] = None,
+        eval_every: Optional[int] = None,
+        eval_steps: int = 4,
+        eval_precision: str = "train",
+        callbacks: Sequence[Any] = (),
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every={log_every} must be >= 1")
@@ -124,6 +136,14 @@ class Trainer:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         self.checkpoints = CheckpointManager(checkpoint_dir, keep_last=keep_last) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
+        if eval_precision not in ("train", "fp32"):
+            raise ValueError(f"eval_precision={eval_precision!r}; choose 'train' (the training precision) or 'fp32'")
+        if eval_every is not None and (eval_every < 1 or eval_batches is None):
+            raise ValueError("eval_every must be >= 1 and needs eval_batches")
+        self.eval_batches, self.eval_every, self.eval_steps = eval_batches, eval_every, eval_steps
+        self.eval_precision = eval_precision
+        self.callbacks = list(callbacks)
+        self._monitor: Optional[Monitor] = None
         self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
 
     def _sinks(self, steps: int) -> list[Any]:
@@ -153,6 +173,7 @@ class Trainer:
                           samples_per_step=samples * accum if samples else None,
                           tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
         self.model.train()
+        self._monitor = monitor
         try:
             for _ in range(steps):
                 step = amp.optimizer_steps + 1
@@ -166,30 +187,66 @@ class Trainer:
                         loss = self.loss_fn(self.model, batch)
                     amp.backward(loss)
                     result = amp.step(self.optimizer)
-                if self.scheduler is not None and result.boundary:
-                    self.scheduler.step()  # after real optimizer steps only (skipped ones count: they are steps)
+                if self.scheduler is not None and not result.skipped:
+                    # Only after optimizer steps that really happened (reading `skipped` syncs once
+                    # per step; only when a scheduler is given), as Accelerate does.
+                    self.scheduler.step()
                 if watch.first is not None and self.diagnosis is None:
                     self._diagnose(*watch.first)
+                self._call("on_step_end", amp.optimizer_steps, result)
+                if self.eval_every and amp.optimizer_steps % self.eval_every == 0:
+                    self.evaluate()
                 if self.checkpoint_every and amp.optimizer_steps % self.checkpoint_every == 0:
                     t0 = time.perf_counter()
                     path = self.save_checkpoint()
                     monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0)
+                    self._call("on_checkpoint", path)
         finally:
             summary = monitor.close()
+            self._monitor = None
         if self.log_dir:
             with open(os.path.join(self.log_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
         stats = amp.stats()
         losses = [r["loss"] for r in monitor.records]
         ms = summary["step_time_ms_median"] or 0.0
-        return TrainSummary(
+        result = TrainSummary(
             precision=stats["precision"], device=stats["device"], optimizer_steps=stats["optimizer_steps"],
             skipped_steps=stats["skipped_steps"], final_loss=_f(losses[-1]), first_loss=_f(losses[0]),
             ms_per_step=ms, samples_per_s=summary["samples_per_s"] or 0.0, tokens_per_s=summary["tokens_per_s"],
             final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
             peak_mem_bytes=summary["peak_mem_bytes"],
         )
+        self._call("on_train_end", result)
+        return result
 
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_steps`` held-out batches, in the training precision or fp32
+        (``eval_precision``), without gradients; logged as an ``eval`` event. **Syncs** once."""
+        if self.eval_batches is None:
+            raise RuntimeError("no eval_batches were given to the Trainer")
+        was_training = self.model.training
+        self.model.eval()
+        losses = []
+        ctx = self.amp.autocast if self.eval_precision == "train" else self.amp.disabled
+        with torch.no_grad():
+            for i in range(self.eval_steps):
+                with ctx():
+                    losses.append(self.loss_fn(self.model, self.eval_batches(i)).detach().float())
+        self.model.train(was_training)
+        value = float(torch.stack(losses).mean())
+        if self._monitor is not None:
+            self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
+                                    if self.eval_precision == "train" else "fp32", batches=self.eval_steps)
+        self._call("on_eval", value)
+        return value
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
