@@ -130,3 +130,14 @@ def test_train_cli_opt_level_scaler_flags_epochs_grad_ckpt_eval(tmp_path, capsys
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert s["final_scale"] == 64.0  # 8 doubled on each of 3 finite steps: growth_interval=1 applied
+
+
+def test_fit_epochs():
+    model, data = builtin("mlp", "tiny", batch_size=2500)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = MixedPrecision("fp32", device="cpu", accumulation_steps=2)
+    model, opt = amp.setup(model, opt)
+    t = Trainer(model, opt, amp, data, progress=False)
+    assert t.fit(epochs=1).optimizer_steps == 2  # 10,000 samples / 2,500 per batch / 2 micro-batches
+    with pytest.raises(ValueError, match="exactly one"):
+        t.fit(3, epochs=1)

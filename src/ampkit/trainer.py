@@ -160,8 +160,17 @@ class Trainer:
             sinks.append(ConsoleSink(total_steps=self.amp.optimizer_steps + steps, console=self.console))
         return sinks
 
-    def fit(self, steps: int) -> TrainSummary:
-        """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches)."""
+    def fit(self, steps: Optional[int] = None, *, epochs: Optional[int] = None) -> TrainSummary:
+        """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches), or ``epochs``
+        passes over the data (needs ``batches.batches_per_epoch``)."""
+        if (steps is None) == (epochs is None):
+            raise ValueError("give exactly one of steps= and epochs=")
+        if epochs is not None:
+            per_epoch = getattr(self.batches, "batches_per_epoch", None)
+            if per_epoch is None or epochs < 1:
+                raise ValueError(f"epochs={epochs} needs epochs >= 1 and data with a batches_per_epoch attribute")
+            steps = max(1, epochs * per_epoch // self.amp.config.accumulation_steps)
+        assert steps is not None
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         amp, accum = self.amp, self.amp.config.accumulation_steps
