@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit import MixedPrecision, PrecisionError
+
+from .helpers import SyncCounter
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM, STEPS = 4, 50
@@ -142,17 +143,6 @@ def test_step_result_skipped_and_scale_backoff():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(p.grad is None for p in model.parameters())
-
-
-class SyncCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _train_counting(precision, fused, steps=6, warmup=3, clip=1.0, opt_factory=None):

@@ -2,12 +2,12 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampkit import MixedPrecision, PrecisionError
 from ampkit.fallback import NumericsError, resolve_chain
 from ampkit.hardware import CpuFeatures, DeviceInfo
 
+from .helpers import SyncCounter
 from .unstable_model import Unstable, data
 
 
@@ -127,17 +127,6 @@ def test_min_scale_trigger():
                   fallback_patience=100, fallback_check_every=2)
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
     assert fb and fb[0]["trigger"] == "min_scale"
-
-
-class SyncCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_checking_triggers_adds_no_sync():

@@ -7,7 +7,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampkit import MixedPrecision
 from ampkit.monitor import (
@@ -19,6 +18,8 @@ from ampkit.monitor import (
     read_jsonl,
     summarize,
 )
+
+from .helpers import SyncCounter
 
 
 def setup(precision="fp16", fused=True, **kw):
@@ -62,17 +63,6 @@ def test_one_record_per_step_with_fields():
         assert rec["loss"] == pytest.approx(expected, rel=1e-6)
     assert r["scale"] == 65536.0 or r["skipped"] or r["scale"] < 65536.0
     assert r["samples_per_s"] == pytest.approx(16 / (r["step_time_ms"] / 1e3))
-
-
-class SyncCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -94,8 +94,27 @@ class TextBatches:
         return x, y
 
 
+class _Generated:
+    """What the generated datasets share: no tokens, and a fixed number of samples per epoch."""
+
+    batch_size: int
+    epoch_samples: int
+
+    @property
+    def tokens_per_batch(self) -> Optional[int]:
+        return None
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.batch_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(1, self.epoch_samples // self.batch_size)
+
+
 @dataclass
-class ClassificationBatches:
+class ClassificationBatches(_Generated):
     """Gaussian features labelled by a fixed random teacher network: learnable, and local."""
 
     batch_size: int = 64
@@ -112,18 +131,6 @@ class ClassificationBatches:
 
     epoch_samples: int = 10_000  # generated data has no natural epoch; this many samples make one
 
-    @property
-    def tokens_per_batch(self) -> Optional[int]:
-        return None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return max(1, self.epoch_samples // self.batch_size)
-
-    @property
-    def samples_per_batch(self) -> int:
-        return self.batch_size
-
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         x = torch.randn(self.batch_size, self.in_features, generator=g)
@@ -134,7 +141,7 @@ class ClassificationBatches:
 
 
 @dataclass
-class ImageBatches:
+class ImageBatches(_Generated):
     """Generated image-like data: class ``k`` adds a fixed smooth random pattern to noise."""
 
     batch_size: int = 32
@@ -152,18 +159,6 @@ class ImageBatches:
                                                          align_corners=False)
 
     epoch_samples: int = 10_000  # generated data has no natural epoch; this many samples make one
-
-    @property
-    def tokens_per_batch(self) -> Optional[int]:
-        return None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return max(1, self.epoch_samples // self.batch_size)
-
-    @property
-    def samples_per_batch(self) -> int:
-        return self.batch_size
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
