@@ -8,10 +8,9 @@ from ampkit.models import builtin
 
 def main(steps: int = 20) -> float:
     torch.manual_seed(0)
-    model, batches = builtin("gpt", "tiny", batch_size=4)
+    amp = ampkit.MixedPrecision("auto")  # picks the device too: CUDA if present, else CPU
+    model, batches = builtin("gpt", "tiny", batch_size=4, device=amp.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-
-    amp = ampkit.MixedPrecision("auto")
     model, optimizer = amp.setup(model, optimizer)
     for i in range(steps):
         x, y = batches(i)
