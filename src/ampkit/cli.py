@@ -402,12 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "no_measure", action="store_true", help="skip the quick matmul speed measurement")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("train", help="train the built-in tiny GPT (or MLP) on local data")
+    p = sub.add_parser("train", help="train a built-in model on local data, or yours (module:factory)")
     _flag(p, "precision", "mixed_precision", default="auto",
           help=f"precision or alias: {', '.join(CANONICAL)} (default: auto)")
     _flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory (default: gpt)")
     _flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
-    _flag(p, "steps", type=_positive_int, default=100, help="optimizer steps (default: 100)")
+    _flag(p, "steps", type=_positive_int, default=100, help="optimizer steps; with --resume, the total to reach (default: 100)")
     _flag(p, "batch_size", type=_positive_int, default=16, help="micro-batch size (default: 16)")
     _flag(p, "accumulation_steps", "grad_accum_steps", type=_positive_int, default=1,
           help="micro-batches per optimizer step (default: 1)")
