@@ -129,3 +129,14 @@ def test_train_falls_back_and_diagnoses(capsys, tmp_path, monkeypatch):
     assert "diagnosis" in kinds and "fallback" in kinds
     diag = next(r for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r.get("kind") == "diagnosis")
     assert diag["module"] == "blocks.0.mlp.0" and diag["phase"] == "forward"
+
+
+def test_no_fallback_flag_is_respected(tmp_path, capsys, monkeypatch):
+    import pathlib
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    rc = main(["train", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--precision", "fp16",
+               "--steps", "22", "--batch-size", "2", "--device", "cpu", "--log_dir", str(tmp_path / "r"),
+               "--no-progress", "--json", "--no_fallback"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["precision"] == "fp16" and s["skipped_steps"] == 22

@@ -1,5 +1,6 @@
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -141,3 +142,23 @@ def test_fit_epochs():
     assert t.fit(epochs=1).optimizer_steps == 2  # 10,000 samples / 2,500 per batch / 2 micro-batches
     with pytest.raises(ValueError, match="exactly one"):
         t.fit(3, epochs=1)
+
+
+def test_trainer_turns_fallback_on_by_default():
+    from tests.unstable_model import Unstable, data
+
+    torch.manual_seed(0)
+    model = Unstable()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    amp = MixedPrecision("fp16", device="cpu", fallback_patience=2, fallback_check_every=2)
+    assert amp.config.fallback is False
+    model, opt = amp.setup(model, opt)
+    batches = data(30)
+    t = Trainer(model, opt, amp, lambda i: batches[i], progress=False, log_every=2)
+    assert amp.config.fallback is True
+    summary = t.fit(20)
+    assert summary.precision == "bf16" and math.isfinite(summary.final_loss)
+    assert t.diagnosis is not None and t.diagnosis.module == "big"
+    amp2 = MixedPrecision("fp16", device="cpu")
+    Trainer(model, opt, amp2, lambda i: batches[i], progress=False, fallback=False)
+    assert amp2.config.fallback is False

@@ -253,7 +253,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       progress=not args.no_progress and not args.json, log_dir=log_dir, console=console,
                       diagnose=not args.no_diagnose, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
-                      eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision)
+                      eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision,
+                      fallback=False)  # the engine above is already configured from the flags
     if args.resume:
         if not args.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")

@@ -394,6 +394,18 @@ class MixedPrecision:
         if count is not None:
             self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
 
+    def set_fallback(self, fallback: Union[bool, str]) -> None:
+        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps.
+
+        Validates the chain against the device first (``PrecisionError`` / ``ConfigError``)."""
+        cfg = self.config.replace(fallback=fallback)
+        old, self.config = self.config, cfg
+        try:
+            self._fallback = self._make_fallback()
+        except Exception:
+            self.config = old
+            raise
+
     def _fall_back(self, trigger: Trigger) -> None:
         assert self._fallback is not None
         nxt = self._fallback.next_precision(self.precision.name)

@@ -90,6 +90,8 @@ class Trainer:
             batches, in the training precision (``"train"``) or strict ``"fp32"``.
         callbacks: objects with any of ``on_step_end(trainer, step, result)``,
             ``on_eval(trainer, loss)``, ``on_checkpoint(trainer, path)``, ``on_train_end(trainer, summary)``.
+        fallback: turn on the engine's default fallback chain if it is off (``False`` leaves the
+            engine as configured).
         diagnose: on the first skipped step of the run, re-run that step's batch with
             :meth:`MixedPrecision.diagnose` and record which module produced the inf/NaN (the
             skip is learnt from the monitor's batched reads, so this adds no per-step sync).
@@ -118,6 +120,7 @@ class Trainer:
         eval_steps: int = 4,
         eval_precision: str = "train",
         callbacks: Sequence[Any] = (),
+        fallback: bool = True,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every={log_every} must be >= 1")
@@ -144,6 +147,11 @@ class Trainer:
         self.eval_precision = eval_precision
         self.callbacks = list(callbacks)
         self._monitor: Optional[Monitor] = None
+        if fallback and amp.config.fallback is False:
+            if amp.config.skip_nonfinite:
+                amp.set_fallback(True)  # on by default in the trainer (DESIGN §4); opt-in on the engine
+            else:
+                self.notes.append("fallback left off: it needs skip_nonfinite=True")
         self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
 
     def _sinks(self, steps: int) -> list[Any]:
