@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .overrides import apply_fp32_overrides
+from .overrides import _to_fp32, apply_fp32_overrides
 from .precision import Precision, resolve_precision
 
 __all__ = ["AuditReport", "ModuleAudit", "NonFiniteReport", "SENSITIVE", "audit", "localize_nonfinite"]
@@ -59,18 +59,6 @@ def _max_finite(obj: Any) -> Optional[float]:
 def _dtype(obj: Any) -> Optional[str]:
     ts = _float_tensors(obj)
     return str(ts[0].dtype).replace("torch.", "") if ts else None
-
-
-def _fp32(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().float() if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_fp32(o) for o in obj)
-    if isinstance(obj, list):
-        return [_fp32(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _fp32(v) for k, v in obj.items()}
-    return obj
 
 
 # ---------------------------------------------------------------------------- localization
@@ -167,7 +155,7 @@ def localize_nonfinite(
     if fwd:
         m, args, out = fwd[0]
         with torch.no_grad(), torch.autocast(_device_type(model), enabled=False):
-            ref = m(*_fp32(args)) if not isinstance(m, torch.nn.ModuleList) else None
+            ref = m(*_to_fp32(args)) if not isinstance(m, torch.nn.ModuleList) else None
         fp32_ok = ref is not None and not _nonfinite(ref)
         rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="forward", dtype=_dtype(out),
                    input_max=_max_finite(args), output_max=_max_finite(out), fp32_finite=fp32_ok,
