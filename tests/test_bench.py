@@ -4,9 +4,9 @@ import math
 import pytest
 
 from ampkit import MixedPrecisionConfig
-from ampkit.bench import compare, tune
+from ampkit.loop.bench import compare, tune
 from ampkit.cli import main
-from ampkit.models import builtin
+from ampkit.loop.models import builtin
 
 
 def tiny(name="mlp", batch_size=8):

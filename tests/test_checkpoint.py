@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.checkpoint import (
+from ampkit.loop.checkpoint import (
     CheckpointError,
     CheckpointManager,
     capture_rng,
@@ -18,8 +18,8 @@ from ampkit.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from ampkit.models import builtin
-from ampkit.trainer import Trainer
+from ampkit.loop.models import builtin
+from ampkit.loop.trainer import Trainer
 
 
 def make_trainer(precision, tmp_path, accum=2, every=None, seed=0):
@@ -115,7 +115,7 @@ def test_checkpoint_from_different_model_loads_nothing(tmp_path):
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ampkit.cli", "train", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ampkit", "train", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -165,7 +165,7 @@ def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path
     kills = 0
     for _ in range(5):
         before = newest()
-        args = [sys.executable, "-m", "ampkit.cli", "train", *COMMON, "--precision", "fp32", "--steps", "100000",
+        args = [sys.executable, "-m", "ampkit", "train", *COMMON, "--precision", "fp32", "--steps", "100000",
                 "--checkpoint_dir", str(ckpt), "--checkpoint_every", "1", "--keep_last", "2",
                 "--log_dir", str(tmp_path / "log"), "--log_every", "1", "--resume", "--allow_fresh"]
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -87,7 +87,7 @@ def test_argparse_rejects(argv, capsys):
 def test_console_script_installed():
     """The `ampkit` entry point runs as a real subprocess."""
     env = {**os.environ, "COLUMNS": "120"}
-    out = subprocess.run([sys.executable, "-m", "ampkit.cli", "info", "--json", "--no-measure"],
+    out = subprocess.run([sys.executable, "-m", "ampkit", "info", "--json", "--no-measure"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ampkit"]
@@ -105,9 +105,9 @@ def test_audit_cli_json_and_user_factory(capsys, monkeypatch):
 
 @pytest.mark.parametrize("spec,fragment", [
     ("no_such_module_xyz:factory", "cannot import"),
-    ("ampkit.models:nothing_here", "no callable"),
-    ("ampkit.hardware:cpu_features", "must return (model, batch_fn)"),
-    ("ampkit.models:build", "calling factory"),
+    ("ampkit.loop.models:nothing_here", "no callable"),
+    ("ampkit.step.hardware:cpu_features", "must return (model, batch_fn)"),
+    ("ampkit.loop.models:build", "calling factory"),
     ("justaname", "neither a built-in"),
 ])
 def test_bad_user_model(spec, fragment, capsys):
@@ -124,7 +124,7 @@ def test_train_falls_back_and_diagnoses(capsys, tmp_path, monkeypatch):
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "bf16" and s["skipped_steps"] == 20
-    from ampkit.monitor import read_jsonl
+    from ampkit.observe.monitor import read_jsonl
     kinds = [r["kind"] for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r["type"] == "event"]
     assert "diagnosis" in kinds and "fallback" in kinds
     diag = next(r for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r.get("kind") == "diagnosis")

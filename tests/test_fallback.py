@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision, PrecisionError
-from ampkit.fallback import NumericsError, resolve_chain
-from ampkit.hardware import CpuFeatures, DeviceInfo
+from ampkit.step.fallback import NumericsError, resolve_chain
+from ampkit.step.hardware import CpuFeatures, DeviceInfo
 
 from .helpers import SyncCounter
 from .unstable_model import Unstable, data

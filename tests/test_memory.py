@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.data import TextBatches
-from ampkit.memory import activations, breakdown, peak
-from ampkit.models import build
+from ampkit.loop.data import TextBatches
+from ampkit.observe.memory import activations, breakdown, peak
+from ampkit.loop.models import build
 
 
 def linear_stack(a=32, b=64, c=8):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.monitor import (
+from ampkit.observe.monitor import (
     SCHEMA_VERSION,
     ConsoleSink,
     JSONLSink,

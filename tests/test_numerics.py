@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampkit import MixedPrecision
-from ampkit.numerics import audit, localize_nonfinite
+from ampkit.observe.numerics import audit, localize_nonfinite
 
 from .unstable_model import Unstable, data
 
@@ -173,8 +173,8 @@ def test_audit_flags_sensitive_types():
 def test_audit_on_gpt_json_roundtrip():
     import json
 
-    from ampkit.data import TextBatches
-    from ampkit.models import build
+    from ampkit.loop.data import TextBatches
+    from ampkit.loop.models import build
 
     model = build("gpt", "tiny")
     x, y = TextBatches(batch_size=2, block_size=64)(0)

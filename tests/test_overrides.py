@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.overrides import apply_fp32_overrides, match_modules
+from ampkit.step.overrides import apply_fp32_overrides, match_modules
 
 from .unstable_model import Unstable, data
 
@@ -81,7 +81,7 @@ def test_pattern_matching(patterns, expected):
 
 
 def test_nested_globs_on_gpt():
-    from ampkit.models import build
+    from ampkit.loop.models import build
 
     model = build("gpt", "tiny")
     got = match_modules(model, ["*.ln_*", "lm_head"])

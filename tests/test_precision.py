@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from ampkit import PrecisionError, resolve_precision
-from ampkit.hardware import CpuFeatures, DeviceInfo, cpu_features, device_info
-from ampkit.precision import CANONICAL, parse_precision
+from ampkit.step.hardware import CpuFeatures, DeviceInfo, cpu_features, device_info
+from ampkit.step.precision import CANONICAL, parse_precision
 
 
 def cuda(cap, name="GPU"):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.monitor import JSONLSink, Monitor
+from ampkit.observe.monitor import JSONLSink, Monitor
 from ampkit.report import METRICS, load_run, make_report
 
 pytest.importorskip("matplotlib")

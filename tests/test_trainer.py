@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.activation_checkpointing import (
+from ampkit.loop.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
 from ampkit.cli import main
-from ampkit.data import TextBatches
-from ampkit.memory import activations
-from ampkit.models import builtin
-from ampkit.trainer import Trainer
+from ampkit.loop.data import TextBatches
+from ampkit.observe.memory import activations
+from ampkit.loop.models import builtin
+from ampkit.loop.trainer import Trainer
 
 
 def test_activation_checkpointing_same_gradients_less_memory():
@@ -41,7 +41,7 @@ def test_activation_checkpointing_same_gradients_less_memory():
 
 def test_activation_checkpointing_by_type_and_bad_target():
     model, _ = builtin("gpt", "tiny")
-    from ampkit.models import _Block
+    from ampkit.loop.models import _Block
 
     assert apply_activation_checkpointing(model, [_Block]) == ["blocks.0", "blocks.1"]
     with pytest.raises(ValueError, match="matches no module"):

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .monitor.sinks import read_jsonl
-from .monitor.summary import summarize
+from .observe.monitor.sinks import read_jsonl
+from .observe.monitor.summary import summarize
+from .observe.plots import pyplot
 
 __all__ = ["METRICS", "Run", "load_run", "make_report"]
 
@@ -58,17 +59,6 @@ def _parse_metrics(metrics: Optional[Sequence[str]]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown metric(s) {', '.join(map(repr, unknown))}; known metrics: {', '.join(METRICS)}")
     return chosen
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError('plots need matplotlib: pip install "ampkit[plot]"') from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _series(run: Run, key: str) -> tuple[list[int], list[float]]:
@@ -196,7 +186,7 @@ def make_report(run_dir: str, compare: Sequence[str] = (), out_dir: Optional[str
     for i, r in enumerate(runs):  # disambiguate identical labels
         if labels.count(r.label) > 1:
             r.label = f"{r.label} #{i + 1}"
-    plt = _pyplot()
+    plt = pyplot()
     base = run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir) or "."
     out = out_dir or os.path.join(base, "report")
     os.makedirs(out, exist_ok=True)

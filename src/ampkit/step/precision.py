@@ -47,7 +47,7 @@ _ALIASES: dict[str, str] = {
 }
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-_DESCRIPTIONS = {
+DESCRIPTIONS = {
     "fp32": "full fp32 weights and compute; reduced-precision matmul internals off",
     "tf32": "fp32 weights; fp32 matmuls with reduced-precision internals (TF32 on CUDA, bf16 on AMX CPUs)",
     "bf16": "fp32 weights; autocast to bfloat16; no loss scaling needed",
@@ -233,7 +233,7 @@ def resolve_precision(
         if why_not:
             raise PrecisionError(f"precision {name!r} cannot run here: {why_not}. "
                                  f"Choose one this device supports, or 'auto'.")
-        reason = _DESCRIPTIONS[name]
+        reason = DESCRIPTIONS[name]
         if info.type == "cpu" and info.cpu is not None:
             note = cpu_emulation_note(name, info)
             if note:

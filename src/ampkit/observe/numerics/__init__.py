@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .overrides import _to_fp32, apply_fp32_overrides
-from .precision import Precision, resolve_precision
+from ...step.overrides import apply_fp32_overrides, to_fp32
+from ...step.precision import Precision, resolve_precision
 
 __all__ = ["AuditReport", "ModuleAudit", "NonFiniteReport", "SENSITIVE", "audit", "localize_nonfinite"]
 
@@ -155,7 +155,7 @@ def localize_nonfinite(
     if fwd:
         m, args, out = fwd[0]
         with torch.no_grad(), torch.autocast(_device_type(model), enabled=False):
-            ref = m(*_to_fp32(args)) if not isinstance(m, torch.nn.ModuleList) else None
+            ref = m(*to_fp32(args)) if not isinstance(m, torch.nn.ModuleList) else None
         fp32_ok = ref is not None and not _nonfinite(ref)
         rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="forward", dtype=_dtype(out),
                    input_max=_max_finite(args), output_max=_max_finite(out), fp32_finite=fp32_ok,

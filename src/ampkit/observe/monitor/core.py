@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine import Event, MixedPrecision
+from ...step.engine import Event, MixedPrecision
 from .summary import summarize
 
 __all__ = ["SCHEMA_VERSION", "Monitor", "peak_memory_bytes"]

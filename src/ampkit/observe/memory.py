@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..step.precision import Precision, PrecisionError, resolve_precision
 from .monitor.core import peak_memory_bytes
-from .precision import Precision, PrecisionError, resolve_precision
 
 __all__ = ["ActivationReport", "MemoryBreakdown", "activations", "breakdown", "peak"]
 
@@ -218,6 +218,6 @@ def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def peak(device: Union[str, torch.device, None] = None) -> int:
     """Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, peak RSS of this process on CPU."""
-    from .hardware import normalize_device
+    from ..step.hardware import normalize_device
 
     return peak_memory_bytes(normalize_device(device))

@@ -17,15 +17,15 @@ from typing import Any, Optional
 
 import torch
 
-from . import __version__
-from .checkpoint import CheckpointError
-from .config import ConfigError, MixedPrecisionConfig
-from .engine import MixedPrecision
-from .fallback import NumericsError
-from .hardware import cpu_features, device_info, normalize_device
-from .precision import (
-    _DESCRIPTIONS,
+from .. import __version__
+from ..loop.checkpoint import CheckpointError
+from ..step.config import ConfigError, MixedPrecisionConfig
+from ..step.engine import MixedPrecision
+from ..step.fallback import NumericsError
+from ..step.hardware import cpu_features, device_info, normalize_device
+from ..step.precision import (
     CANONICAL,
+    DESCRIPTIONS,
     PrecisionError,
     cpu_emulation_note,
     resolve_precision,
@@ -100,11 +100,11 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
     for name in CANONICAL[1:]:
         try:
             p = resolve_precision(name, info)
-            row = {"name": name, "runs": True, "reason": p.reason, "what": _DESCRIPTIONS[name],
+            row = {"name": name, "runs": True, "reason": p.reason, "what": DESCRIPTIONS[name],
                    "note": cpu_emulation_note(name, info)}
         except PrecisionError as e:
             why = str(e).split(": ", 1)[-1].split(". Choose")[0]
-            row = {"name": name, "runs": False, "reason": why, "what": _DESCRIPTIONS[name], "note": why}
+            row = {"name": name, "runs": False, "reason": why, "what": DESCRIPTIONS[name], "note": why}
         key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp16-pure": "fp16"}.get(name)
         if key in speeds and "fp32" in speeds and speeds["fp32"] > 0:
             row["matmul_speedup_vs_fp32"] = round(speeds[key] / speeds["fp32"], 2)
@@ -160,7 +160,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _model_and_data(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """A built-in model with its local data, or a user's ``module:factory``."""
-    from .models import MODELS, builtin, user_model
+    from ..loop.models import MODELS, builtin, user_model
 
     if args.model not in MODELS:
         return user_model(args.model, batch_size=args.batch_size, seed=args.seed, size=args.size, device=device)
@@ -170,7 +170,7 @@ def _model_and_data(args: argparse.Namespace, device: torch.device) -> tuple[tor
 def _cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .trainer import Trainer
+    from ..loop.trainer import Trainer
 
     console = Console(stderr=args.json)  # keep stdout pure JSON with --json
     torch.manual_seed(args.seed)
@@ -220,7 +220,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks")
         ckpt_targets = ["blocks.*"]
     if ckpt_targets:
-        from .activation_checkpointing import apply_activation_checkpointing
+        from ..loop.activation_checkpointing import apply_activation_checkpointing
 
         checkpointed = apply_activation_checkpointing(model, ckpt_targets)
         console.print(f"activation checkpointing: {len(checkpointed)} module(s) ({', '.join(checkpointed[:4])}"
@@ -236,7 +236,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
     eval_batches = None
     if args.eval_every:
-        from .models import MODELS
+        from ..loop.models import MODELS
 
         if args.model in MODELS and hasattr(batches, "split"):
             import dataclasses
@@ -286,7 +286,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from .numerics import audit
+    from ..observe.numerics import audit
 
     torch.manual_seed(args.seed)
     device = normalize_device(args.device)
@@ -311,7 +311,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _bench_report(args: argparse.Namespace) -> Any:
-    from .bench import compare
+    from ..loop.bench import compare
 
     device = normalize_device(args.device)
     precisions = [x.strip() for x in args.precisions.split(",") if x.strip()] if args.precisions else None
@@ -351,7 +351,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .bench import tune
+    from ..loop.bench import tune
 
     report = _bench_report(args)
     rec = tune(report, tolerance=args.tolerance)
@@ -372,7 +372,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import make_report
+    from ..report import make_report
 
     metrics = args.metrics.split(",") if args.metrics else None
     out = make_report(args.run_dir, compare=args.compare or (), out_dir=args.out, metrics=metrics)
@@ -381,7 +381,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from .monitor import summary_table
+    from ..observe.monitor import summary_table
 
     console = Console()
     for label, s in out["summaries"].items():
@@ -506,11 +506,11 @@ def _explicit_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, a
 def _apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
     """Merge ``--config FILE.toml`` into ``args``: ``[train]`` keys fill flags not given on the
     command line; ``[amp]`` goes to MixedPrecisionConfig. Unknown keys and wrong types are errors."""
-    from .config import _read_toml
+    from ..step.config import read_toml
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     explicit = args._explicit
-    data = _read_toml(args.config)
+    data = read_toml(args.config)
     unknown = [k for k in data if k not in ("amp", "train")]
     if unknown:
         raise ConfigError(f"config file {args.config!r}: unknown table(s) {', '.join(map(repr, unknown))}; "

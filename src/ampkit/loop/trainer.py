@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
+from ..step.engine import MixedPrecision
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng, restore_rng
-from .engine import MixedPrecision
-from .monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 
 __all__ = ["TrainSummary", "Trainer"]
 

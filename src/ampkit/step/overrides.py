@@ -14,29 +14,13 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any
 
 import torch
 
+from .config import Pattern, normalize_patterns
+
 __all__ = ["Fp32Overrides", "apply_fp32_overrides", "match_modules", "normalize_patterns", "remove_fp32_overrides"]
-
-Pattern = Union[str, type]
-
-
-def normalize_patterns(patterns: Iterable[Pattern]) -> tuple[str, ...]:
-    """Turn module types into dotted-path strings (config-friendly); validate the rest."""
-    out = []
-    for p in patterns:
-        if isinstance(p, type):
-            if not issubclass(p, torch.nn.Module):
-                raise TypeError(f"keep_fp32 type {p!r} is not a torch.nn.Module subclass")
-            out.append(f"{p.__module__}.{p.__qualname__}")
-        elif isinstance(p, str) and p.strip():
-            out.append(p.strip())
-        else:
-            raise TypeError(f"keep_fp32 entries must be module-name globs or module types, got {p!r}")
-    return tuple(out)
-
 
 def _type_names(module: torch.nn.Module) -> set[str]:
     names = set()
@@ -92,7 +76,7 @@ class Fp32Overrides:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             stack.append(torch.is_autocast_enabled(dev))
             torch.set_autocast_enabled(dev, False)
-            return _to_fp32(args), _to_fp32(kwargs)
+            return to_fp32(args), to_fp32(kwargs)
 
         return hook
 
@@ -102,7 +86,7 @@ class Fp32Overrides:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
             if stack:
                 torch.set_autocast_enabled(dev, stack.pop())
-            return _to_fp32(output)
+            return to_fp32(output)
 
         return hook
 
@@ -112,15 +96,15 @@ class Fp32Overrides:
         self._handles.clear()
 
 
-def _to_fp32(obj: Any) -> Any:
+def to_fp32(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.float() if obj.is_floating_point() and obj.dtype != torch.float32 else obj
     if isinstance(obj, tuple):
-        return tuple(_to_fp32(o) for o in obj)
+        return tuple(to_fp32(o) for o in obj)
     if isinstance(obj, list):
-        return [_to_fp32(o) for o in obj]
+        return [to_fp32(o) for o in obj]
     if isinstance(obj, dict):
-        return {k: _to_fp32(v) for k, v in obj.items()}
+        return {k: to_fp32(v) for k, v in obj.items()}
     return obj
 
 

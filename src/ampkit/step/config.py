@@ -8,6 +8,7 @@ like it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional, Union
 
@@ -15,7 +16,9 @@ import torch
 
 from .precision import parse_precision
 
-__all__ = ["ConfigError", "MixedPrecisionConfig"]
+__all__ = ["ConfigError", "MixedPrecisionConfig", "normalize_patterns", "read_toml"]
+
+Pattern = Union[str, type]
 
 
 class ConfigError(ValueError):
@@ -78,8 +81,6 @@ class MixedPrecisionConfig:
                  f"a value within [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
 
     def _check_types(self) -> None:
-        from .overrides import normalize_patterns
-
         keep = self.keep_fp32
         if isinstance(keep, (str, type)):
             keep = (keep,)
@@ -136,7 +137,7 @@ class MixedPrecisionConfig:
     @classmethod
     def from_toml(cls, path: str) -> MixedPrecisionConfig:
         """Read a TOML file: top-level keys, or an ``[amp]`` table."""
-        data = _read_toml(path)
+        data = read_toml(path)
         return cls.from_dict(data.get("amp", data) if isinstance(data.get("amp"), dict) else data)
 
 
@@ -167,7 +168,7 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"invalid {name}={value!r}: must be {allowed}")
 
 
-def _read_toml(path: str) -> dict[str, Any]:
+def read_toml(path: str) -> dict[str, Any]:
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # pragma: no cover - older Pythons
@@ -179,3 +180,18 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+
+
+def normalize_patterns(patterns: Iterable[Pattern]) -> tuple[str, ...]:
+    """Turn module types into dotted-path strings (config-friendly); validate the rest."""
+    out = []
+    for p in patterns:
+        if isinstance(p, type):
+            if not issubclass(p, torch.nn.Module):
+                raise TypeError(f"keep_fp32 type {p!r} is not a torch.nn.Module subclass")
+            out.append(f"{p.__module__}.{p.__qualname__}")
+        elif isinstance(p, str) and p.strip():
+            out.append(p.strip())
+        else:
+            raise TypeError(f"keep_fp32 entries must be module-name globs or module types, got {p!r}")
+    return tuple(out)

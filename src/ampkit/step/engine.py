@@ -422,19 +422,25 @@ class MixedPrecision:
         self._last_diagnosis = None
 
     # ------------------------------------------------------------------ diagnosis
-    def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None) -> Any:
+    #: ``localizer(model, closure, scale=...)`` used by :meth:`diagnose`; the package root sets it
+    #: to :func:`ampkit.numerics.localize_nonfinite` (the engine does not import observers).
+    default_localizer: Optional[Callable[..., Any]] = None
+
+    def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None,
+                 localizer: Optional[Callable[..., Any]] = None) -> Any:
         """Name the first module that produces inf/NaN on ``closure``'s batch (see
         :func:`ampkit.numerics.localize_nonfinite`); records a ``diagnosis`` event and attaches the
         report to the next ``fallback`` event. ``scale`` defaults to the current loss scale
         (fp16). Runs an extra forward and backward and **syncs**; gradients are left untouched.
         """
-        from .numerics import localize_nonfinite
-
         self._require_setup("diagnose")
+        localize = localizer or type(self).default_localizer
+        if localize is None:
+            raise RuntimeError("diagnose() has no localizer: pass localizer=ampkit.numerics.localize_nonfinite")
         if scale is None and self.precision.needs_scaler:
             scale = self._scaler.get_scale()
         assert self._model is not None
-        report = localize_nonfinite(self._model, closure, scale=scale)
+        report = localize(self._model, closure, scale=scale)
         self._last_diagnosis = report
         self._emit("diagnosis", report.to_dict())
         return report

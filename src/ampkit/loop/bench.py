@@ -18,10 +18,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .engine import MixedPrecision
-from .hardware import device_info, normalize_device
-from .memory import activations, breakdown
-from .precision import PrecisionError, resolve_precision
+from ..observe.memory import activations, breakdown
+from ..step.engine import MixedPrecision
+from ..step.hardware import device_info, normalize_device
+from ..step.precision import PrecisionError, resolve_precision
 
 __all__ = ["BenchReport", "BenchResult", "Recommendation", "compare", "tune"]
 
@@ -96,9 +96,9 @@ class BenchReport:
 
     def plot(self, path: str) -> str:
         """Speed-up and memory bars, loss curves overlaid: one PNG (needs ``ampkit[plot]``)."""
-        from .report import _pyplot
+        from ..observe.plots import pyplot
 
-        plt = _pyplot()
+        plt = pyplot()
         ok = [r for r in self.results if r.status == "ok"]
         fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
         names = [r.precision for r in ok]

@@ -1,0 +1,7 @@
+"""``python -m ampkit ...`` (and ``torchrun -m ampkit train ...``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

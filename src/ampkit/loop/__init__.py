@@ -1,0 +1,1 @@
+"""Running many steps: the Trainer, checkpoints, built-in models and data, bench and tune."""
