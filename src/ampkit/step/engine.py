@@ -12,8 +12,10 @@ The happy path is four calls::
 Order of operations at an optimizer step (the accumulation boundary), identical to the
 hand-written ``torch.autocast`` + ``torch.amp.GradScaler`` loop::
 
-    unscale_ (only if clipping) -> clip_grad_norm_ -> scaler.step (skip if non-finite)
-    -> scaler.update -> zero_grad(set_to_none=True)
+    unscale_ (only if clipping) -> clip_grad_norm_ (model order) -> scaler.step (skip if
+    non-finite) -> scaler.update -> zero_grad(set_to_none=True)
+
+(see :mod:`ampkit.step.boundary`; window bookkeeping in :mod:`ampkit.step.accumulate`).
 
 The engine knows nothing about logging, plots or the CLI: observers subscribe to its events
 (:meth:`MixedPrecision.subscribe`).
@@ -23,88 +25,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .config import ConfigError, MixedPrecisionConfig
-from .fallback import FallbackPolicy, NumericsError, Trigger, resolve_chain
+from .accumulate import Window
+from .boundary import ClipOrder, optimizer_step
+from .config import MixedPrecisionConfig
+from .contexts import MatmulPrecision
+from .events import Event, StepResult
+from .fallback import NumericsError
 from .hardware import DeviceInfo, device_info, normalize_device
 from .overrides import Fp32Overrides, apply_fp32_overrides, match_modules
 from .precision import Precision, PrecisionError, resolve_precision
 from .scaler import LossScaler
+from .switching import SUPPORTED_BY_ENGINE, SwitchingMixin
 
 __all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
 
-_SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What :meth:`MixedPrecision.step` did. Reading the tensors does not sync; ``skipped`` does.
-
-    Attributes:
-        boundary: True when this call ended an accumulation window (an optimizer step was attempted).
-        grad_norm: total norm of the unscaled gradients before clipping (0-d tensor), or None
-            when not clipping or not a boundary.
-        scale: the loss scale that this step's gradients were multiplied by (0-d tensor), or
-            None when not a boundary.
-        found_inf: 0-d tensor, > 0 when the gradients were non-finite and the step was skipped
-            (None when not a boundary, or when non-finite checking is off).
-    """
-
-    boundary: bool
-    grad_norm: Optional[torch.Tensor] = None
-    scale: Optional[torch.Tensor] = None
-    found_inf: Optional[torch.Tensor] = None
-
-    @property
-    def skipped(self) -> bool:
-        """True when the optimizer step was skipped for non-finite gradients. **Syncs** with the device."""
-        return bool(self.found_inf is not None and self.found_inf.item() > 0)
-
-
-@dataclass(frozen=True)
-class Event:
-    """A notable moment: ``kind`` (e.g. ``precision_switch``), the optimizer step, and details."""
-
-    kind: str
-    step: int
-    data: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "step": self.step, **self.data}
-
-
-class _MatmulPrecision:
-    """Set fp32 matmul internals for the duration of a block (tf32 on; fp32 strictly off).
-
-    ``torch.set_float32_matmul_precision`` is process-global, so it is set on entry and restored
-    on exit rather than left changed behind the user's back.
-    """
-
-    __slots__ = ("level", "cudnn_tf32", "_prev", "_prev_cudnn")
-
-    def __init__(self, level: str, cudnn_tf32: bool) -> None:
-        self.level, self.cudnn_tf32 = level, cudnn_tf32
-
-    def __enter__(self) -> None:
-        self._prev = torch.get_float32_matmul_precision()
-        self._prev_cudnn = torch.backends.cudnn.allow_tf32
-        if self._prev != self.level:
-            torch.set_float32_matmul_precision(self.level)
-        if self._prev_cudnn != self.cudnn_tf32:
-            torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
-
-    def __exit__(self, *exc: object) -> None:
-        if self._prev != self.level:
-            torch.set_float32_matmul_precision(self._prev)
-        if self._prev_cudnn != self.cudnn_tf32:
-            torch.backends.cudnn.allow_tf32 = self._prev_cudnn
-
-
-class MixedPrecision:
+class MixedPrecision(SwitchingMixin):
     """Mixed-precision training: autocast, loss scaling, accumulation, clipping, skipping, switching.
 
     Args:
@@ -140,7 +79,8 @@ class MixedPrecision:
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._micro = 0  # micro-steps (backward calls) in the current accumulation window
+        self._window = Window(cfg.accumulation_steps)
+        self._clip_order: Optional[ClipOrder] = None
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
@@ -158,23 +98,14 @@ class MixedPrecision:
         # No scaling arithmetic at all; still finite-checks when skip_nonfinite is on.
         return LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
 
-    def _make_fallback(self) -> Optional[FallbackPolicy]:
-        cfg = self.config
-        if cfg.fallback is False:
-            return None
-        if not cfg.skip_nonfinite:
-            raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
-        chain = resolve_chain(cfg.fallback, self.precision.name, self.device_info)
-        return FallbackPolicy(chain, cfg.fallback_patience, cfg.fallback_check_every, cfg.min_scale)
-
     def _build_contexts(self) -> None:
         p = self.precision
         if p.name == "tf32":
             # On CUDA "high" means TF32; on CPUs with AMX, oneDNN may use bf16 internals.
             level = "high" if self.device.type == "cuda" else "medium"
-            self._matmul: Optional[_MatmulPrecision] = _MatmulPrecision(level, True)
+            self._matmul: Optional[MatmulPrecision] = MatmulPrecision(level, True)
         elif p.name == "fp32":
-            self._matmul = _MatmulPrecision("highest", False)
+            self._matmul = MatmulPrecision("highest", False)
         else:
             self._matmul = None
 
@@ -191,11 +122,11 @@ class MixedPrecision:
         before :meth:`backward`/:meth:`step`. Raises :class:`PrecisionError` for precisions the
         engine cannot apply yet (the pure forms and fp8), before anything is changed.
         """
-        if self.precision.name not in _SUPPORTED_BY_ENGINE:
+        if self.precision.name not in SUPPORTED_BY_ENGINE:
             raise PrecisionError(
                 f"precision {self.precision.name!r} is not supported by MixedPrecision.setup() yet: "
                 f"pure half-precision weights with fp32 master weights and fp8 are planned; "
-                f"choose one of: {', '.join(_SUPPORTED_BY_ENGINE)}")
+                f"choose one of: {', '.join(SUPPORTED_BY_ENGINE)}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"setup() expects a torch.nn.Module first, got {type(model).__name__}")
         if self.config.keep_fp32:
@@ -215,6 +146,7 @@ class MixedPrecision:
             self._overrides = apply_fp32_overrides(model, self.config.keep_fp32, self.device.type)
         self._model = model
         self._optimizers = list(optimizers)
+        self._clip_order = ClipOrder(model)
         return (model, *optimizers) if optimizers else model
 
     # ------------------------------------------------------------------ forward
@@ -226,8 +158,9 @@ class MixedPrecision:
         """
         p = self.precision
         model = self._model
-        no_sync = (self.config.accumulation_steps > 1 and model is not None and hasattr(model, "no_sync")
-                   and self._micro + 1 < self.config.accumulation_steps)
+        w = self._window
+        no_sync = (w.current_size > 1 and model is not None and hasattr(model, "no_sync")
+                   and w.micro + 1 < w.current_size)
         if p.autocast_enabled and self._matmul is None and not no_sync:
             # The common case costs exactly what a hand-written loop pays: one torch.autocast.
             return torch.autocast(self.device.type, dtype=p.compute_dtype, cache_enabled=self.config.autocast_cache)
@@ -244,15 +177,18 @@ class MixedPrecision:
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
         """Run the block in full fp32: autocast off, reduced-precision matmul internals off (e.g. evaluation)."""
-        with torch.autocast(self.device.type, enabled=False), _MatmulPrecision("highest", False):
+        with torch.autocast(self.device.type, enabled=False), MatmulPrecision("highest", False):
             yield
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backpropagate ``loss``: divided by ``accumulation_steps``, multiplied by the loss scale.
 
-        Gradients accumulate into ``.grad`` (scaled for fp16 until :meth:`step` unscales them).
-        ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``). No sync.
+        **The division is ampkit's**: pass the plain per-micro-batch loss, not ``loss / accum``
+        (README "Porting an existing loop"). Gradients accumulate into ``.grad`` (scaled for fp16
+        until :meth:`step` unscales them). ``kwargs`` go to ``Tensor.backward`` (e.g.
+        ``retain_graph``). Raises when the window already holds ``accumulation_steps``
+        micro-steps without a :meth:`step` in between. No sync.
         """
         self._require_setup("backward")
         if not isinstance(loss, torch.Tensor):
@@ -266,19 +202,34 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("backward() got a loss that does not require grad: it was computed under "
                              "torch.no_grad() or detached, or the model has no trainable parameters")
-        accum = self.config.accumulation_steps
-        if accum > 1:
-            loss = loss / accum
+        window = self._window
+        window.add_micro()  # raises before any gradient is touched when the window is full
+        if window.divisor > 1:
+            loss = loss / window.divisor
         if self._subscribers:  # observers get the window's mean loss; no cost without them
             d = loss.detach()
-            self._window_loss = d if self._micro == 0 or self._window_loss is None else self._window_loss + d
+            self._window_loss = d if window.micro == 1 or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
-        if self._matmul is not None:
-            with self._matmul:
+        try:
+            if self._matmul is not None:
+                with self._matmul:
+                    scaled.backward(**kwargs)
+            else:
                 scaled.backward(**kwargs)
-        else:
-            scaled.backward(**kwargs)
-        self._micro += 1
+        except BaseException:
+            window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
+            raise
+
+    def set_window(self, micro_steps: int) -> None:
+        """Make the next accumulation window ``micro_steps`` long (1..``accumulation_steps``).
+
+        For the last, short window of an epoch when its length is known in advance (timm's
+        ``last_accum_steps``): each loss of that window is divided by ``micro_steps`` and
+        :meth:`step` steps after ``micro_steps`` backward calls -- bitwise what a hand-written
+        loop computes. Afterwards windows are ``accumulation_steps`` long again. Call it before
+        the window's first :meth:`backward`; raises otherwise.
+        """
+        self._window.set_size(micro_steps)
 
     # ------------------------------------------------------------------ step
     def step(
@@ -286,14 +237,22 @@ class MixedPrecision:
         *optimizers: torch.optim.Optimizer,
         clip_grad_norm: Optional[float] = None,
         zero_grad: bool = True,
+        flush: bool = False,
     ) -> StepResult:
-        """Call after every :meth:`backward`; steps the optimizer(s) at the accumulation boundary.
+        """Call after every :meth:`backward` (or once after a window's backward calls); steps the
+        optimizer(s) at the accumulation boundary.
 
         At the boundary: unscale the gradients (fp16), clip their total norm to
-        ``clip_grad_norm`` (default ``config.clip_grad_norm``) so clipping always sees unscaled
-        gradients, step each optimizer unless the gradients are non-finite (then the step is
-        skipped and, for fp16, the scale backs off), update the scale, and set the gradients to
-        None (``zero_grad=False`` keeps them). Off the boundary it returns at once.
+        ``clip_grad_norm`` (default ``config.clip_grad_norm``) over the model's parameters in
+        model order, so clipping always sees unscaled gradients, step each optimizer unless the
+        gradients are non-finite (then the step is skipped and, for fp16, the scale backs off),
+        update the scale, and set the gradients to None (``zero_grad=False`` keeps them). Off
+        the boundary it returns at once.
+
+        ``flush=True`` steps now even if the window is short (the end of an epoch): the
+        gradients, summed over ``k`` micro-steps each divided by ``accumulation_steps``, are
+        first multiplied by ``accumulation_steps / k`` -- the mean over the ``k`` micro-batches.
+        With an empty window it does nothing and returns a non-boundary result.
 
         ``optimizers`` default to all optimizers given to :meth:`setup`. No host sync with fused
         optimizers (``fused=True``); other optimizers need one sync per step to decide whether to
@@ -302,50 +261,30 @@ class MixedPrecision:
         """
         self._require_setup("step")
         opts = self._check_optimizers(optimizers)
-        if self._micro == 0:
+        window = self._window
+        if window.micro == 0:
+            if flush:
+                return StepResult(boundary=False)
             raise RuntimeError("step() called before backward(); call amp.backward(loss) after each "
                                "forward, then amp.step(optimizer)")
-        if self._micro < self.config.accumulation_steps:
+        if not window.complete and not flush:
             return StepResult(boundary=False)
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
-        scaler = self._scaler
-        grad_norm = None
-        found_inf = None
-        if scaler.is_enabled():
-            scale = scaler.scale_tensor if scaler.is_unit else _clone(scaler.scale_tensor)
-            if clip is not None and scaler.is_unit:
-                # Nothing to unscale: the clipped total norm is non-finite exactly when some
-                # gradient is, so it doubles as the finite check (saves a pass over the grads).
-                grad_norm = torch.nn.utils.clip_grad_norm_(_params(opts), clip)
-                found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
-                # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
-                torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
-                for opt in opts:
-                    scaler.set_found_inf(opt, found)
-            elif clip is not None:
-                for opt in opts:
-                    scaler.unscale_(opt)
-                grad_norm = torch.nn.utils.clip_grad_norm_(_params(opts), clip)
-            for opt in opts:
-                scaler.step(opt)
-            scaler.update()
-            found_inf = scaler.found_inf
-        else:
-            scale = None
-            if clip is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(_params(opts), clip)
-            for opt in opts:
-                opt.step()
+        assert self._clip_order is not None
+        params = self._clip_order.params(opts)
+        grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
         if zero_grad:
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
-        self._micro = 0
+        micro = window.micro
+        window.reset()
         self._steps += 1
         if self._fallback is not None:
             self._fallback.observe(found_inf)
             if self._steps % self.config.fallback_check_every == 0:
+                scaler = self._scaler
                 trigger = self._fallback.check(scaler.scale_tensor if self.precision.needs_scaler else None,
                                                self.precision.needs_scaler)
                 if trigger is not None:
@@ -353,73 +292,10 @@ class MixedPrecision:
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._subscribers:
             loss, self._window_loss = self._window_loss, None
+            if loss is not None and micro != window.size and flush:
+                loss = loss * (window.size / micro)  # the mean over the short window, like the gradients
             self._emit("step", {"loss": loss, "result": result}, record=False)
         return result
-
-    # ------------------------------------------------------------------ switching
-    def switch(self, precision: Union[str, torch.dtype, Precision], *, reason: str = "requested") -> Precision:
-        """Change the precision between optimizer steps (e.g. fp16 -> bf16 after overflows).
-
-        The model's fp32 weights and the optimizer state carry over unchanged; the loss scaler
-        is rebuilt from the config when the new precision needs one. Records a
-        ``precision_switch`` event. Raises inside an accumulation window (gradients from the
-        old precision would mix with the new one) and for precisions the device cannot run.
-        """
-        return self._switch(precision, "precision_switch", {"reason": reason})
-
-    def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
-        new = resolve_precision(precision, self.device_info)
-        if new.name not in _SUPPORTED_BY_ENGINE:
-            raise PrecisionError(f"cannot switch to {new.name!r}: the engine supports {', '.join(_SUPPORTED_BY_ENGINE)} so far")
-        if self._micro != 0:
-            raise RuntimeError(f"switch() called inside an accumulation window ({self._micro} of "
-                               f"{self.config.accumulation_steps} micro-steps done); switch after step()")
-        old = self.precision
-        if new.name == old.name:
-            return old
-        self.precision = new
-        self.config = self.config.replace(precision=new.name)
-        if new.needs_scaler != old.needs_scaler:
-            self._retire_scaler()
-            self._scaler = self._make_scaler(new)
-        if self._fallback is not None:
-            self._fallback.reset()
-        self._build_contexts()
-        self._emit(kind, {"from": old.name, "to": new.name, **data})
-        return new
-
-    def _retire_scaler(self) -> None:
-        """Keep the skipped-step count of a scaler that is being replaced (a device add, no sync)."""
-        count = self._scaler.overflow_count
-        if count is not None:
-            self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
-
-    def set_fallback(self, fallback: Union[bool, str]) -> None:
-        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps.
-
-        Validates the chain against the device first (``PrecisionError`` / ``ConfigError``)."""
-        cfg = self.config.replace(fallback=fallback)
-        old, self.config = self.config, cfg
-        try:
-            self._fallback = self._make_fallback()
-        except Exception:
-            self.config = old
-            raise
-
-    def _fall_back(self, trigger: Trigger) -> None:
-        assert self._fallback is not None
-        nxt = self._fallback.next_precision(self.precision.name)
-        data: dict[str, Any] = {"trigger": trigger.reason, "detail": trigger.detail,
-                                "consecutive_skips": trigger.consecutive_skips, "scale": trigger.scale}
-        if self._last_diagnosis is not None:
-            data["diagnosis"] = self._last_diagnosis.to_dict()
-        if nxt is None:
-            self._emit("fallback_exhausted", {"precision": self.precision.name, **data})
-            raise NumericsError(f"training stays non-finite in {self.precision.name}, the last precision of the "
-                                f"fallback chain {','.join(self._fallback.chain)}: {trigger.detail}"
-                                + (f"; diagnosis: {self._last_diagnosis}" if self._last_diagnosis else ""))
-        self._switch(nxt, "fallback", {"reason": f"{trigger.reason}: {trigger.detail}", **data})
-        self._last_diagnosis = None
 
     # ------------------------------------------------------------------ diagnosis
     #: ``localizer(model, closure, scale=...)`` used by :meth:`diagnose`; the package root sets it
@@ -513,7 +389,7 @@ class MixedPrecision:
             "skipped_steps": skipped,
             "overflow_rate": skipped / self._steps if self._steps else 0.0,
             "accumulation_steps": self.config.accumulation_steps,
-            "pending_micro_steps": self._micro,
+            "pending_micro_steps": self._window.micro,
             "events": [e.to_dict() for e in self._events],
         }
 
@@ -527,7 +403,7 @@ class MixedPrecision:
             "config": self.config.to_dict(),
             "scaler": self._scaler.state_dict(),
             "optimizer_steps": self._steps,
-            "micro_steps": self._micro,
+            "micro_steps": self._window.micro,
             "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
             "events": [e.to_dict() for e in self._events],
         }
@@ -538,15 +414,20 @@ class MixedPrecision:
             raise ValueError("not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ...")
         cfg = MixedPrecisionConfig.from_dict(state["config"])
         new = resolve_precision(state["precision"], self.device_info)
-        self.config = cfg
-        self.precision = new
-        self._scaler = self._make_scaler(new)
-        if state.get("scaler"):
-            self._scaler.load_state_dict(state["scaler"])
+        old_config, self.config = self.config, cfg
+        try:
+            scaler = self._make_scaler(new)
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+        except Exception:
+            self.config = old_config
+            raise
+        self.precision, self._scaler = new, scaler
         self._steps = int(state.get("optimizer_steps", 0))
         before = int(state.get("skipped_before", 0))
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
-        self._micro = int(state.get("micro_steps", 0))
+        self._window = Window(cfg.accumulation_steps)
+        self._window.micro = int(state.get("micro_steps", 0))
         self._events = [Event(kind=e["kind"], step=e["step"],
                               data={k: v for k, v in e.items() if k not in ("kind", "step")})
                         for e in state.get("events", [])]
@@ -574,9 +455,3 @@ class MixedPrecision:
                 f"accumulation_steps={self.config.accumulation_steps})")
 
 
-def _params(opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    return [p for opt in opts for g in opt.param_groups for p in g["params"] if p.grad is not None]
-
-
-def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.clone()

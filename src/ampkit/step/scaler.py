@@ -35,6 +35,8 @@ from typing import Any, Optional, Union
 import torch
 
 from .config import MixedPrecisionConfig
+from .gradcheck import check_and_unscale
+from .scale_rules import hysteresis_update
 
 __all__ = ["LossScaler"]
 
@@ -212,7 +214,7 @@ class LossScaler:
             # fp32 division can be imprecise under some compile options, so torch takes the
             # reciprocal in fp64 (torch/amp/grad_scaler.py); we do the same to stay bit-identical.
             inv = scale.double().reciprocal().float()
-        state["found_inf_per_device"] = self._check_and_unscale(optimizer, inv, allow_fp16=False)
+        state["found_inf_per_device"] = check_and_unscale(optimizer, inv, allow_fp16=False, unit=self.is_unit)
         state["stage"] = _Stage.UNSCALED
         return self._combined(state)
 
@@ -248,8 +250,8 @@ class LossScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             scale = self._ensure(_first_grad_device(optimizer))
             if state["stage"] is _Stage.READY:
-                # Only check here; the fused kernel unscales (torch's own protocol).
-                state["found_inf_per_device"] = self._check_and_unscale(optimizer, self._one, allow_fp16=True)
+                # Only check here (read-only on CPU); the fused kernel unscales (torch's own protocol).
+                state["found_inf_per_device"] = check_and_unscale(optimizer, self._one, allow_fp16=True, unit=True)
                 grad_scale = None if self.is_unit else scale
             else:
                 grad_scale = None  # already unscaled
@@ -301,31 +303,18 @@ class LossScaler:
                                          self._growth_factor, self._backoff_factor, self._growth_interval)
                 self._clamp()
             else:
-                self._update_with_hysteresis(found_inf)
+                assert self._hysteresis_left is not None
+                hysteresis_update(self._scale, self._growth_tracker, self._hysteresis_left, found_inf,
+                                  growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
+                                  growth_interval=self._growth_interval, hysteresis=self._hysteresis,
+                                  consecutive=self._consecutive_hysteresis)
+                self._clamp()
         self._overflows.add_(found_inf)
         self._last_found_inf = found_inf
         self._updates += 1
         self._per_optimizer = defaultdict(_fresh)
 
     # ------------------------------------------------------------------ internals
-    def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
-        scale, tracker, left = self._scale, self._growth_tracker, self._hysteresis_left
-        assert scale is not None and tracker is not None and left is not None
-        overflow = found_inf > 0
-        backoff = overflow & (left <= 1)
-        successful = tracker + 1
-        grow = (~overflow) & (successful >= self._growth_interval)
-        grown = scale * self._growth_factor
-        new = torch.where(backoff, scale * self._backoff_factor, scale)
-        new = torch.where(grow & torch.isfinite(grown), grown, new)
-        refill = grow | (~overflow) if self._consecutive_hysteresis else grow
-        new_left = torch.where(overflow & (left > 1), left - 1, left)
-        new_left = torch.where(refill, torch.full_like(left, self._hysteresis), new_left)
-        tracker.copy_(torch.where(overflow | grow, torch.zeros_like(tracker), successful))
-        left.copy_(new_left)
-        scale.copy_(new)
-        self._clamp()
-
     def _clamp(self) -> None:
         if self._scale is not None and (self._min_scale is not None or self._max_scale is not None):
             self._scale.clamp_(min=self._min_scale, max=self._max_scale)
@@ -337,32 +326,6 @@ class LossScaler:
         if not vals:
             return torch.zeros((), dtype=torch.float32, device=dev)
         return vals[0] if len(vals) == 1 else torch.stack(vals).sum().clamp_(max=1.0)
-
-    @staticmethod
-    def _check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                           allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    g = p.grad
-                    if g is None:
-                        continue
-                    if not allow_fp16 and g.dtype == torch.float16:
-                        raise ValueError("attempting to unscale fp16 gradients: fp16 parameters need fp32 "
-                                         "master weights (use precision 'fp16-pure'), or keep parameters in fp32")
-                    if g.is_sparse:
-                        if g.dtype is torch.float16:
-                            p.grad = g = g.coalesce()
-                        g = g._values()
-                    by_device[g.device][g.dtype].append(g)
-            found: dict[torch.device, torch.Tensor] = {}
-            for dev, per_dtype in by_device.items():
-                found[dev] = torch.zeros((), dtype=torch.float32, device=dev)
-                inv = inv_scale.to(dev, non_blocking=True)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found[dev], inv)
-        return found
 
     # ------------------------------------------------------------------ reading (syncs)
     def get_scale(self) -> float:

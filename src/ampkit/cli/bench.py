@@ -1,0 +1,92 @@
+"""``ampkit bench`` and ``ampkit tune``: every precision side by side, then a recommendation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+from ..step.hardware import normalize_device
+from .common import flag, model_and_data, positive_float, positive_int, wide_console
+
+
+def _bench_report(args: argparse.Namespace) -> Any:
+    from ..loop.bench import compare
+
+    device = normalize_device(args.device)
+    precisions = [x.strip() for x in args.precisions.split(",") if x.strip()] if args.precisions else None
+
+    def factory() -> torch.nn.Module:
+        return model_and_data(args, device)[0]
+
+    _, batches = model_and_data(args, device)
+    return compare(factory, batches, precisions, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                   device=device, lr=args.lr, accumulation_steps=args.accumulation_steps, seed=args.seed,
+                   model_name=f"{args.model}/{args.size}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    report = _bench_report(args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    if args.plot:
+        report.plot(args.plot)
+    console = wide_console()
+    console.print(report.table())
+    for r in report.results:
+        if r.status != "ok":
+            console.print(f"[yellow]skipped {r.precision}[/]: {r.reason}")
+    if args.json or args.plot:
+        console.print("wrote " + " and ".join(x for x in (args.json, args.plot) if x))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ..loop.bench import tune
+
+    report = _bench_report(args)
+    rec = tune(report, tolerance=args.tolerance)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(rec.to_toml())
+    if args.json:
+        print(json.dumps({"recommendation": rec.to_dict(), "bench": report.to_dict(losses=False)}, indent=2))
+        return 0
+    console = wide_console()
+    console.print(report.table())
+    console.print(f"[bold green]recommended: {rec.precision}[/] — {rec.speedup_vs_fp32:.2f}x fp32's speed, "
+                  f"final-loss gap {100 * rec.loss_gap:+.2f}% (tolerance {100 * rec.tolerance:g}%), "
+                  f"batch size {rec.batch_size}, accumulation {rec.accumulation_steps}")
+    for name, why in rec.why_not.items():
+        console.print(f"  {name}: {why}")
+    console.print(f"wrote {args.out}: use it with [bold]ampkit train --config {args.out}[/]")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    for cmd, helptext in (("bench", "every precision side by side: speed, memory, fidelity"),
+                          ("tune", "measure, then recommend a precision within a fidelity tolerance")):
+        p = sub.add_parser(cmd, help=helptext)
+        flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory")
+        flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset (default: tiny)")
+        flag(p, "precisions", default=None, help="comma-separated precisions (default: fp32,tf32,bf16,fp16)")
+        flag(p, "steps", type=positive_int, default=30, help="timed optimizer steps per precision (default: 30)")
+        flag(p, "warmup", type=int, default=5, help="untimed steps first (default: 5)")
+        flag(p, "repeats", type=positive_int, default=5, help="interleaved timing blocks (default: 5)")
+        flag(p, "batch_size", type=positive_int, default=16, help="micro-batch size (default: 16)")
+        flag(p, "accumulation_steps", "grad_accum_steps", type=positive_int, default=1, help="micro-batches per step")
+        flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+        flag(p, "seed", type=int, default=0, help="random seed")
+        flag(p, "device", default=None, help="cpu, cuda, ... (default: best available)")
+        if cmd == "bench":
+            flag(p, "json", default=None, metavar="FILE", help="also write the results as JSON")
+            flag(p, "plot", default=None, metavar="FILE.png", help="speed-up and memory bars, loss curves")
+            p.set_defaults(func=cmd_bench)
+        else:
+            flag(p, "tolerance", type=float, default=0.01,
+                  help="allowed final-loss gap to fp32, as a fraction of the fp32 loss (default: 0.01)")
+            flag(p, "out", default="ampkit-tune.toml", help="where to write the recommended config")
+            flag(p, "json", action="store_true", help="print the recommendation and measurements as JSON")
+            p.set_defaults(func=cmd_tune)

@@ -1,0 +1,82 @@
+"""What happens at an accumulation boundary, in the order a hand-written torch.amp loop does it::
+
+    (flush: x size/k) -> unscale_ (only if clipping) -> clip_grad_norm_ over the model's
+    parameters in model order -> step, skipped on device if non-finite -> update the scale
+
+Clipping runs over the set-up model's parameters in ``model.parameters()`` order (then any
+optimizer parameter the model does not hold), as nanoGPT and timm clip ``model.parameters()``:
+the total norm is a floating-point sum, so another order (e.g. the optimizer's decay/no-decay
+groups) differs in the last bits and runs drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .scaler import LossScaler
+
+__all__ = ["ClipOrder", "optimizer_step"]
+
+
+class ClipOrder:
+    """Parameters to clip for a set of optimizers, in model order; cached until the groups change."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def params(self, opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+        key = tuple(id(o) for o in opts) + tuple(sum(len(g["params"]) for g in o.param_groups) for o in opts)
+        cached = self._cache.get(key)
+        if cached is None:
+            stepped = {id(p): p for o in opts for g in o.param_groups for p in g["params"]}
+            cached = [p for p in self._model.parameters() if id(p) in stepped]
+            seen = {id(p) for p in cached}
+            cached += [p for i, p in stepped.items() if i not in seen]
+            self._cache[key] = cached
+        return cached
+
+
+def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params: list[torch.Tensor],
+                   clip: Optional[float], flush_factor: Optional[float]
+                   ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Unscale, clip, check, step (or skip) and update; returns ``(grad_norm, scale, found_inf)``.
+
+    ``scale`` is the scale this step's gradients carried (None without a scaler), ``found_inf``
+    None when non-finite checking is off. No host sync with fused optimizers.
+    """
+    if flush_factor is not None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, flush_factor)
+    grad_norm = None
+    if not scaler.is_enabled():
+        if clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        for opt in opts:
+            opt.step()
+        return grad_norm, None, None
+    scale = scaler.scale_tensor if scaler.is_unit else _clone(scaler.scale_tensor)
+    if clip is not None and scaler.is_unit:
+        # Nothing to unscale: the clipped total norm is non-finite exactly when some gradient
+        # is, so it doubles as the finite check (saves a pass over the gradients).
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
+        # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
+        torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
+        for opt in opts:
+            scaler.set_found_inf(opt, found)
+    elif clip is not None:
+        for opt in opts:
+            scaler.unscale_(opt)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    return grad_norm, scale, scaler.found_inf
+
+
+def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.clone()

@@ -1,0 +1,47 @@
+"""What the engine tells the world: the result of a step and notable events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Event", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`MixedPrecision.step` did. Reading the tensors does not sync; ``skipped`` does.
+
+    Attributes:
+        boundary: True when this call ended an accumulation window (an optimizer step was attempted).
+        grad_norm: total norm of the unscaled gradients before clipping (0-d tensor), or None
+            when not clipping or not a boundary.
+        scale: the loss scale that this step's gradients were multiplied by (0-d tensor), or
+            None when not a boundary.
+        found_inf: 0-d tensor, > 0 when the gradients were non-finite and the step was skipped
+            (None when not a boundary, or when non-finite checking is off).
+    """
+
+    boundary: bool
+    grad_norm: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    found_inf: Optional[torch.Tensor] = None
+
+    @property
+    def skipped(self) -> bool:
+        """True when the optimizer step was skipped for non-finite gradients. **Syncs** with the device."""
+        return bool(self.found_inf is not None and self.found_inf.item() > 0)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A notable moment: ``kind`` (e.g. ``precision_switch``), the optimizer step, and details."""
+
+    kind: str
+    step: int
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "step": self.step, **self.data}
