@@ -27,6 +27,8 @@ class Run:
     label: str
     steps: list[dict[str, Any]]
     events: list[dict[str, Any]]
+    run_id: Optional[str] = None
+    notes: tuple[str, ...] = ()
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -42,13 +44,22 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
         raise FileNotFoundError(f"{path!r} holds no {LOG_NAME}; pass a run directory written by "
                                 "`ampkit train --log_dir DIR` (or a .jsonl log file)")
     records = read_jsonl(log)
+    notes: tuple[str, ...] = ()
+    run_ids = list(dict.fromkeys(r.get("run_id") for r in records if r.get("run_id")))
+    run_id = run_ids[-1] if run_ids else None
+    if len(run_ids) > 1:
+        # Several runs appended to one log (a reused --log_dir): never merge them.
+        records = [r for r in records if r.get("run_id") == run_id]
+        notes = (f"{log} holds {len(run_ids)} runs ({', '.join(run_ids)}); showing the last one, {run_id}. "
+                 "Give each run its own --log_dir.",)
     steps = [r for r in records if r.get("type") == "step"]
     if not steps:
         raise ValueError(f"{log!r} holds no step records; was the run stopped before its first log interval?")
     events = [r for r in records if r.get("type") == "event"]
     name = label or os.path.basename(os.path.normpath(path if os.path.isdir(path) else os.path.dirname(path) or path))
     precisions = sorted({r.get("precision") for r in steps if r.get("precision")})
-    return Run(path=path, label=f"{name} ({', '.join(precisions)})", steps=steps, events=events)
+    return Run(path=path, label=f"{name} ({', '.join(precisions)})", steps=steps, events=events, run_id=run_id,
+               notes=notes)
 
 
 def _parse_metrics(metrics: Optional[Sequence[str]]) -> list[str]:
@@ -78,12 +89,19 @@ def _plot_loss(plt: Any, runs: list[Run], path: str) -> None:
         skipped = [(r["step"], r["loss"]) for r in run.steps if r.get("skipped") and r.get("loss") is not None]
         if skipped:
             ax.scatter(*zip(*skipped), marker="x", color="red", zorder=3, s=20)
-    ax.set(xlabel="optimizer step", ylabel="loss", title="training loss")
+        evals = _evals(run)
+        if evals:
+            ax.plot(*zip(*evals), marker="o", linestyle="--", label=f"{run.label} eval", zorder=3)
+    ax.set(xlabel="optimizer step", ylabel="loss", title="training loss (dashed: held-out eval)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _evals(run: Run) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in run.events if e.get("kind") == "eval" and e.get("loss") is not None]
 
 
 def _plot_scale(plt: Any, runs: list[Run], path: str) -> None:
@@ -164,7 +182,14 @@ def _markdown(runs: list[Run], pngs: list[str]) -> str:
                 v = s.get(key)
                 cells.append("—" if v is None else fmt.format(v))
         lines.append(f"| {run.label} | " + " | ".join(cells) + " |")
-    events = [(run.label, e) for run in runs for e in run.events if e.get("kind") not in ("summary", "overflow")]
+    evals = [(run.label, _evals(run)) for run in runs if _evals(run)]
+    if evals:
+        lines += ["", "## Held-out evaluation", "", "| run | step | eval loss |", "| --- | ---: | ---: |"]
+        lines += [f"| {label} | {step} | {loss:.4f} |" for label, pts in evals for step, loss in pts]
+    notes = [n for run in runs for n in run.notes]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    events = [(run.label, e) for run in runs for e in run.events if e.get("kind") not in ("summary", "overflow", "eval")]
     if events:
         lines += ["", "## Events", ""]
         for label, e in events:
@@ -198,4 +223,5 @@ def make_report(run_dir: str, compare: Sequence[str] = (), out_dir: Optional[str
     md_path = os.path.join(out, "report.md")
     with open(md_path, "w", encoding="utf-8") as f:
         f.write(_markdown(runs, pngs))
-    return {"out_dir": out, "pngs": pngs, "markdown": md_path, "summaries": {r.label: r.summary for r in runs}}
+    return {"out_dir": out, "pngs": pngs, "markdown": md_path, "summaries": {r.label: r.summary for r in runs},
+            "evals": {r.label: _evals(r) for r in runs}, "notes": [n for r in runs for n in r.notes]}

@@ -24,6 +24,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     console = Console()
     for label, s in out["summaries"].items():
         console.print(summary_table(s, title=label))
+        if out["evals"].get(label):
+            console.print("eval loss: " + ", ".join(f"step {st}: {v:.4f}" for st, v in out["evals"][label]))
+    for note in out["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
     console.print(f"wrote {len(out['pngs'])} plots and {out['markdown']}")
     return 0
 

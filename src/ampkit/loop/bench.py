@@ -287,6 +287,8 @@ class Recommendation:
     batch_size: Optional[int]
     accumulation_steps: int
     why_not: dict[str, str]
+    model: Optional[str] = None  # what was measured: the advice holds for this model, size and batch
+    size: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -296,8 +298,11 @@ class Recommendation:
         lines = ["# written by `ampkit tune`", f"# fastest precision within {100 * self.tolerance:g}% of the fp32 loss: "
                  f"{self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%", "",
                  "[amp]", f'precision = "{self.precision}"', f"accumulation_steps = {self.accumulation_steps}"]
-        if self.batch_size:
-            lines += ["", "[train]", f"batch_size = {self.batch_size}"]
+        train = [f'model = "{self.model}"'] if self.model else []
+        train += [f'size = "{self.size}"'] if self.size else []
+        train += [f"batch_size = {self.batch_size}"] if self.batch_size else []
+        if train:
+            lines += ["", "# measured on this model, size and batch: the advice is for them", "[train]", *train]
         return "\n".join(lines) + "\n"
 
 
@@ -325,6 +330,8 @@ def tune(report: BenchReport, tolerance: float = 0.01) -> Recommendation:
         if r is not best:
             why[r.precision] = (f"slower: {r.step_ms:.2f} ms/step vs {best.step_ms:.2f} ms/step for {best.precision}"
                                 if r.step_ms > best.step_ms else f"as fast as {best.precision}; ties go to the earlier candidate")
-    return Recommendation(precision=best.precision, step_ms=best.step_ms, speedup_vs_fp32=best.speedup_vs_fp32 or 1.0,
+    # "name/size" as the CLI labels it; a bare label from the Python API names no train model.
+    model, _, size = (report.model or "").rpartition("/")
+    return Recommendation(model=model or None, size=size or None, precision=best.precision, step_ms=best.step_ms, speedup_vs_fp32=best.speedup_vs_fp32 or 1.0,
                           loss_gap=best.loss_gap or 0.0, tolerance=tolerance, batch_size=report.batch_size,
                           accumulation_steps=report.accumulation_steps, why_not=why)

@@ -11,7 +11,9 @@ a truncated or corrupt file raises :class:`CheckpointError` naming the file, and
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pickle
 import random
 import re
 import tempfile
@@ -20,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointManager", "capture_rng", "load_checkpoint", "restore_rng",
-           "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointManager", "DirLock", "capture_rng", "load_checkpoint", "restore_rng",
+           "save_checkpoint", "torch_reason"]
 
 FORMAT_VERSION = 1
 
@@ -55,6 +57,11 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(directory)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise CheckpointError(f"could not write checkpoint {path!r}: {e.strerror or e} (the previous checkpoint, "
+                              "if any, is intact)") from e
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -69,11 +76,24 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
+        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+            raise CheckpointError(f"checkpoint {path!r} holds objects that weights_only loading refuses, so it "
+                                  f"was not loaded: {torch_reason(e)}") from None
         raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt and was not loaded "
-                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
+                              f"({type(e).__name__}: {torch_reason(e)})") from None
     if not isinstance(state, dict) or "ampkit_checkpoint" not in state:
         raise CheckpointError(f"{path!r} is not an ampkit checkpoint (no 'ampkit_checkpoint' marker)")
     return state
+
+
+def torch_reason(e: BaseException) -> str:
+    """The informative line of a ``torch.load`` error (for weights_only refusals, torch's own
+    ``WeightsUnpickler error: ...`` sentence, which names the refused global)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if "WeightsUnpickler error" in ln or "Unsupported global" in ln:
+            return ln.split("WeightsUnpickler error:", 1)[-1].strip()[:400]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -156,10 +176,58 @@ class CheckpointManager:
                     os.unlink(os.path.join(self.directory, name))
 
     def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
-        """The newest checkpoint that loads; corrupt ones are warned about and skipped. None if none."""
+        """The newest checkpoint that loads; corrupt ones are warned about and skipped. None when
+        the directory holds no checkpoint file; :class:`CheckpointError` when it holds only
+        unreadable ones (each named with its reason)."""
+        problems = []
         for _, path in reversed(self.list()):
             try:
                 return path, load_checkpoint(path, map_location)
             except CheckpointError as e:
+                problems.append(str(e))
                 warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+        if problems:
+            raise CheckpointError(f"every checkpoint in {self.directory!r} is unreadable ({len(problems)} file(s)): "
+                                  + "; ".join(problems))
         return None
+
+
+class DirLock:
+    """An exclusive lock on a run's directory (``.ampkit.lock``, ``fcntl.flock``): a second run
+    using the same directory gets a clear error instead of interleaving files. The kernel drops
+    the lock when the process dies, so a killed run never leaves a stale lock behind."""
+
+    NAME = ".ampkit.lock"
+
+    def __init__(self, directory: str, what: str = "directory") -> None:
+        self.directory, self.what = directory, what
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> DirLock:
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, self.NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise CheckpointError(f"{self.what} {self.directory!r} is in use by another ampkit run (pid {holder}); "
+                                  "give this run its own directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -43,6 +44,8 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     log_dir: Optional[str] = None
     peak_mem_bytes: Optional[int] = None
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
+    run_id: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +132,7 @@ class Trainer:
         self.log_every, self.progress = log_every, progress
         self.log_dir, self.tensorboard, self.console = log_dir, tensorboard, console
         self.micro_index = 0  # the data position: index of the next micro-batch
+        self.run_id = uuid.uuid4().hex[:12]  # kept across resumes (it is in the checkpoint)
         self.notes: list[str] = []
         self.diagnose = diagnose
         self.diagnosis: Any = None
@@ -186,7 +190,7 @@ class Trainer:
         tokens = getattr(self.batches, "tokens_per_batch", None)
         watch = _SkipWatch()
         sinks = self._sinks(steps) + ([watch] if self.diagnose else [])
-        monitor = Monitor(amp, sinks, log_every=self.log_every,
+        monitor = Monitor(amp, sinks, log_every=self.log_every, run_id=self.run_id,
                           samples_per_step=samples * accum if samples else None,
                           tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
         self.model.train()
@@ -232,7 +236,8 @@ class Trainer:
             skipped_steps=stats["skipped_steps"], final_loss=_f(losses[-1]), first_loss=_f(losses[0]),
             ms_per_step=ms, samples_per_s=summary["samples_per_s"] or 0.0, tokens_per_s=summary["tokens_per_s"],
             final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
-            peak_mem_bytes=summary["peak_mem_bytes"],
+            peak_mem_bytes=summary["peak_mem_bytes"], run_id=self.run_id,
+            eval_losses=[(e["step"], e["loss"]) for e in monitor.events if e.get("kind") == "eval"],
         )
         self._call("on_train_end", result)
         return result
@@ -276,29 +281,47 @@ class Trainer:
             "amp": self.amp.state_dict(),
             "rng": capture_rng(),
             "data": {"micro_index": self.micro_index},
+            "run": {"id": self.run_id},
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
-        """Restore :meth:`state_dict`. The model's keys and shapes are checked first: on a mismatch
-        nothing is loaded and :class:`~ampkit.checkpoint.CheckpointError` lists the keys."""
-        own = self.model.state_dict()
-        theirs = state.get("model", {})
-        missing = sorted(set(own) - set(theirs))
-        unexpected = sorted(set(theirs) - set(own))
-        shapes = sorted(k for k in set(own) & set(theirs) if tuple(own[k].shape) != tuple(theirs[k].shape))
-        if missing or unexpected or shapes:
-            parts = []
-            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-                if keys:
-                    parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
-            raise CheckpointError(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded")
-        self.model.load_state_dict(theirs)
+        """Restore :meth:`state_dict`. Everything is checked before anything is loaded: the keys,
+        the model's keys and shapes, the optimizer's parameter groups and the engine state; on a
+        mismatch nothing changes and :class:`~ampkit.checkpoint.CheckpointError` says what."""
+        self._check_state(state, source)
+        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.amp.load_state_dict(state["amp"])
         restore_rng(state.get("rng", {}))
         self.micro_index = int(state.get("data", {}).get("micro_index", 0))
+        self.run_id = str(state.get("run", {}).get("id", self.run_id))
+
+    def _check_state(self, state: dict[str, Any], source: str) -> None:
+        missing_keys = [k for k in ("model", "optimizer", "amp") if not isinstance(state.get(k), dict)]
+        if missing_keys:
+            raise CheckpointError(f"{source} lacks {', '.join(missing_keys)} (a partial or foreign training state); "
+                                  "nothing was loaded")
+        own, theirs = self.model.state_dict(), state["model"]
+        missing = sorted(set(own) - set(theirs))
+        unexpected = sorted(set(theirs) - set(own))
+        shapes = sorted(k for k in set(own) & set(theirs)
+                        if not isinstance(theirs[k], torch.Tensor) or tuple(own[k].shape) != tuple(theirs[k].shape))
+        if missing or unexpected or shapes:
+            parts = []
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+                if keys:
+                    parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+            raise CheckpointError(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded")
+        groups = state["optimizer"].get("param_groups")
+        ours = [len(g["params"]) for g in self.optimizer.param_groups]
+        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != ours \
+                or not isinstance(state["optimizer"].get("state"), dict):
+            raise CheckpointError(f"{source}: the optimizer state does not fit this optimizer (parameter groups of "
+                                  f"sizes {ours} expected); nothing was loaded")
+        if not {"precision", "config"} <= set(state["amp"]):
+            raise CheckpointError(f"{source}: the engine state lacks 'precision'/'config'; nothing was loaded")
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:

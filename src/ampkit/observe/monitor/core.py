@@ -51,7 +51,8 @@ class Monitor:
             where the training thread only launches kernels and should never wait).
 
     Record schema (``type == "step"``): ``schema_version, type, step, time, loss, precision,
-    scale, skipped, grad_norm, lr, step_time_ms, samples_per_s, tokens_per_s, peak_mem_bytes``.
+    scale, skipped, grad_norm, lr, step_time_ms, samples_per_s, tokens_per_s, peak_mem_bytes`` and
+    ``run_id`` when one is given (the Trainer gives one, kept across resumes).
     Events (``type == "event"``): ``schema_version, type, kind, step, time`` plus details;
     kinds: ``overflow`` (``scale_before``, ``scale_after``), ``fallback``,
     ``precision_switch``, ``checkpoint``, ``eval``, ``summary``.
@@ -67,6 +68,7 @@ class Monitor:
         tokens_per_step: Optional[int] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
         threaded: Optional[bool] = None,
+        run_id: Optional[str] = None,
     ) -> None:
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
@@ -79,6 +81,7 @@ class Monitor:
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
         self._optimizer = optimizer
+        self.run_id = run_id  # stamped on every record, so a reused log file keeps runs apart
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], Any]] = []
@@ -130,8 +133,11 @@ class Monitor:
         self._pending_events.append(self._event_record(kind, self.amp.optimizer_steps, data))
 
     def _event_record(self, kind: str, step: int, data: dict[str, Any]) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "type": "event", "kind": kind, "step": step,
-                "time": time.time(), **_plain(data)}
+        rec = {"schema_version": SCHEMA_VERSION, "type": "event", "kind": kind, "step": step,
+               "time": time.time(), **_plain(data)}
+        if self.run_id is not None:
+            rec["run_id"] = self.run_id
+        return rec
 
     # ------------------------------------------------------------------ reading
     def flush(self, wait: bool = True) -> list[dict[str, Any]]:
@@ -227,6 +233,8 @@ class Monitor:
                 "grad_norm": _num(norm), "lr": pending[i][6], "step_time_ms": ms,
                 "peak_mem_bytes": int(peak) if peak is not None else None,
             }
+            if self.run_id is not None:
+                rec["run_id"] = self.run_id
             if self.samples_per_step and ms:
                 rec["samples_per_s"] = self.samples_per_step / (ms / 1e3)
             if self.tokens_per_step and ms:
@@ -234,8 +242,8 @@ class Monitor:
             out.append(rec)
             if rec["skipped"]:
                 after = values[4 * (i + 1) + 1] if i + 1 < len(pending) else values[-1]
-                out.append({"schema_version": SCHEMA_VERSION, "type": "event", "kind": "overflow", "step": step,
-                            "time": wall, "scale_before": _num(scale), "scale_after": _num(after)})
+                out.append(self._event_record("overflow", step, {"scale_before": _num(scale), "scale_after": _num(after)})
+                           | {"time": wall})
         return out
 
     def _step_times(self, pending: list[Any]) -> list[Optional[float]]:

@@ -198,6 +198,8 @@ class ConsoleSink:
         for e in records:
             if e["type"] == "event" and e["kind"] == "diagnosis":
                 self._progress.console.print(f"[yellow]diagnosis[/] (first skipped step): {e.get('message', '')}")
+            if e["type"] == "event" and e["kind"] == "eval" and e.get("loss") is not None:
+                self._progress.console.print(f"eval at step {e['step']}: loss {e['loss']:.4f} ({e.get('precision', '')})")
             if e["type"] == "event" and e["kind"] in ("fallback", "precision_switch"):
                 self._progress.console.print(f"[yellow]{e['kind']}[/] at step {e['step']}: "
                                              f"{e.get('from', '')} → {e.get('to', '')} ({e.get('reason', '')})")
