@@ -59,6 +59,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
         print(f"ampkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a filesystem fault during the run (full disk, vanished directory, ...)
+        where = f": {e.filename!r}" if getattr(e, "filename", None) else ""
+        print(f"ampkit {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -52,3 +52,4 @@ def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if action.dest not in explicit:
             setattr(args, action.dest, value)
     args._file_amp = amp
+    args._file_train = set(data.get("train", {}))

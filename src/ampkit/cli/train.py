@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -15,34 +17,19 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.precision import CANONICAL
 from .common import flag, model_and_data, positive_float, positive_int
+from .rundirs import claim_checkpoint_dir, prepare_dir
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from ..loop.trainer import Trainer
-
-    console = Console(stderr=args.json)  # keep stdout pure JSON with --json
-    torch.manual_seed(args.seed)
-    device = normalize_device(args.device)
-    explicit: set[str] = getattr(args, "_explicit", set())
-    file_amp: dict[str, Any] = getattr(args, "_file_amp", {})
+def _amp_overrides(args: argparse.Namespace, explicit: set[str], file_amp: dict[str, Any]) -> dict[str, Any]:
+    """MixedPrecisionConfig fields from the flags: a flag typed on the command line wins over the
+    config file, the file wins over a flag's default."""
     overrides: dict[str, Any] = {}
 
     def put(key: str, dest: str, value: Any) -> None:
-        # a flag given on the command line wins; otherwise the file; otherwise the flag's default
         if dest in explicit or key not in file_amp:
             overrides[key] = value
 
-    precision = args.precision
-    if args.amp_opt_level:
-        level = {"O0": "fp32", "O1": "auto", "O2": "O2"}[args.amp_opt_level]
-        if "precision" in explicit and str(args.precision).strip().lower() not in (level.lower(), args.amp_opt_level.lower()):
-            raise ValueError(f"conflicting flags: --amp_opt_level {args.amp_opt_level} means precision {level!r} but "
-                             f"--precision {args.precision} was given; pass one of them")
-        precision = level
-        explicit = explicit | {"precision"}
-    put("precision", "precision", precision)
+    put("precision", "precision", requested_precision(args, explicit))
     if args.grad_scaler_growth_interval is not None:
         put("growth_interval", "grad_scaler_growth_interval", args.grad_scaler_growth_interval)
     if args.grad_scaler_backoff is not None:
@@ -59,31 +46,75 @@ def cmd_train(args: argparse.Namespace) -> int:
         put("fallback", "no_fallback", False)
     elif "fallback" not in file_amp:
         overrides["fallback"] = True
+    return overrides
+
+
+def requested_precision(args: argparse.Namespace, explicit: set[str]) -> str:
+    if not args.amp_opt_level:
+        return str(args.precision)
+    level = {"O0": "fp32", "O1": "auto", "O2": "O2"}[args.amp_opt_level]
+    if "precision" in explicit and str(args.precision).strip().lower() not in (level.lower(), args.amp_opt_level.lower()):
+        raise ValueError(f"conflicting flags: --amp_opt_level {args.amp_opt_level} means precision {level!r} but "
+                         f"--precision {args.precision} was given; pass one of them")
+    return level
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=args.json)  # keep stdout pure JSON with --json
+    torch.manual_seed(args.seed)
+    device = normalize_device(args.device)
+    explicit: set[str] = getattr(args, "_explicit", set())
+    file_amp: dict[str, Any] = getattr(args, "_file_amp", {})
+    # What the user chose (command line or config file), as opposed to defaults: on --resume these
+    # are compared with the checkpoint's values.
+    given = explicit | set(getattr(args, "_file_train", ())) | set(file_amp)
+    if args.amp_opt_level:
+        given.add("precision")
     base = MixedPrecisionConfig.from_dict(file_amp) if file_amp else None
-    amp = MixedPrecision(device=device, config=base, **overrides)
+    amp = MixedPrecision(device=device, config=base, **_amp_overrides(args, explicit, file_amp))
+    if args.resume and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
+    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
+    locks = []  # the run's directories, checked and locked before anything is built
+    try:
+        if args.checkpoint_dir:
+            locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
+            claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+        if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
+            locks.append(prepare_dir(log_dir, "--log_dir"))
+        return _train(args, console, device, amp, log_dir, given)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: MixedPrecision, log_dir: str,
+           given: set[str]) -> int:
+    from ..loop.trainer import Trainer
+
     model, batches = model_and_data(args, device)
     model.to(device)
-    ckpt_targets = [t for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
-    if args.grad_ckpt and not ckpt_targets:
-        if args.model != "gpt":
-            raise ValueError("--grad_ckpt needs --grad_ckpt_modules for this model (module types or name globs, "
-                             "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks")
-        ckpt_targets = ["blocks.*"]
-    if ckpt_targets:
-        from ..loop.activation_checkpointing import apply_activation_checkpointing
+    why = amp.precision.reason
+    if amp.config.precision == "auto" and device.type == "cpu" and amp.precision.name != "fp32" and not args.resume:
+        from ..loop.autoselect import measured_choice
 
-        checkpointed = apply_activation_checkpointing(model, ckpt_targets)
-        console.print(f"activation checkpointing: {len(checkpointed)} module(s) ({', '.join(checkpointed[:4])}"
-                      f"{', ...' if len(checkpointed) > 4 else ''})")
+        console.print(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
+        choice = measured_choice(model, batches, amp.precision.name, device, label=f"{args.model}/{args.size}",
+                                 batch_size=args.batch_size)
+        why = choice.reason
+        if choice.precision != amp.precision.name:
+            amp = MixedPrecision(device=device, config=amp.config.replace(precision=choice.precision))
+    _activation_checkpointing(args, model, console)
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
     n_params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]ampkit train[/]: {args.model}/{args.size} ({n_params / 1e6:.2f}M params) on {device} "
-                  f"in [bold]{amp.precision.name}[/] — {amp.precision.reason}")
+                  f"in [bold]{amp.precision.name}[/] — {why}")
     if amp.overridden_modules:
         console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
-    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
     eval_batches = None
     if args.eval_every:
         from ..loop.models import MODELS
@@ -106,8 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision,
                       fallback=False)  # the engine above is already configured from the flags
     if args.resume:
-        if not args.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
+        requested = amp.config  # before the checkpoint's config replaces it
         path = trainer.resume()
         if path is None:
             if not args.allow_fresh:
@@ -115,24 +145,112 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  "from scratch instead")
             console.print(f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)")
         else:
-            console.print(f"resumed from {path} at step {amp.optimizer_steps} in {amp.precision.name}")
+            notes = apply_resume_flags(requested, given, args.lr, amp, optimizer, path)
+            console.print(f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]")
+            for note in notes:
+                console.print(f"[yellow]note:[/] {note}")
     remaining = args.steps - amp.optimizer_steps
     if remaining < 1:
         raise ValueError(f"nothing to do: already at step {amp.optimizer_steps} of --steps {args.steps}")
+    start_skipped = amp.stats()["skipped_steps"]
     summary = trainer.fit(remaining)
+    failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
     if args.json:
-        print(json.dumps({k: v for k, v in summary.to_dict().items() if k != "losses"}, indent=2))
-        return 0
-    for e in amp.events:
-        if e.kind == "fallback":
-            console.print(f"[yellow]fell back[/] {e.data['from']} → {e.data['to']} at step {e.step}: {e.data['reason']}")
-    console.print(f"ms/step {summary.ms_per_step:.1f}"
-                  + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
-                  + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
-    console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
+        out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
+        out.update(model=args.model, size=args.size, batch_size=args.batch_size,
+                   accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure)
+        print(json.dumps(json_safe(out), indent=2, allow_nan=False))
+    else:
+        for e in amp.events:
+            if e.kind == "fallback":
+                console.print(f"[yellow]fell back[/] {e.data['from']} → {e.data['to']} at step {e.step}: {e.data['reason']}")
+        console.print(f"ms/step {summary.ms_per_step:.1f}"
+                      + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
+                      + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
+        if summary.eval_losses:
+            console.print("eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses))
+        console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
+    if failure:
+        print(f"ampkit train: training failed numerically: {failure}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, console: Any) -> None:
+    targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
+    if args.grad_ckpt and not targets:
+        if args.model != "gpt":
+            raise ValueError("--grad_ckpt needs --grad_ckpt_modules for this model (module types or name globs, "
+                             "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks")
+        targets = ["blocks.*"]
+    if not targets:
+        return
+    from ..loop.activation_checkpointing import apply_activation_checkpointing
+
+    try:
+        done = apply_activation_checkpointing(model, targets)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--grad_ckpt_modules {args.grad_ckpt_modules or ','.join(targets)!r}: {e}") from None
+    console.print(f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
+                  f"{', ...' if len(done) > 4 else ''})")
+
+
+def apply_resume_flags(requested: MixedPrecisionConfig, given: set[str], lr: float, amp: MixedPrecision,
+                       optimizer: torch.optim.Optimizer, path: str) -> list[str]:
+    """Settings chosen for a resumed run (``given``; values in ``requested``) against the checkpoint's:
+    precision (via ``switch``), lr and clipping are honoured; accumulation and keep_fp32 refused."""
+    cfg, notes = amp.config, []
+    where = os.path.basename(path)
+    if "accumulation_steps" in given and requested.accumulation_steps != cfg.accumulation_steps:
+        raise ValueError(f"--accumulation_steps {requested.accumulation_steps} differs from the checkpoint's "
+                         f"{cfg.accumulation_steps} ({where}): changing it mid-run changes the effective batch; resume "
+                         f"with --accumulation_steps {cfg.accumulation_steps} or start a new run")
+    if "keep_fp32" in given and tuple(requested.keep_fp32) != tuple(cfg.keep_fp32):
+        raise ValueError(f"--keep_fp32 {','.join(requested.keep_fp32) or '(none)'!r} differs from the checkpoint's "
+                         f"{','.join(cfg.keep_fp32) or '(none)'!r} ({where}); resume without it or start a new run")
+    if "clip_grad_norm" in given and requested.clip_grad_norm != cfg.clip_grad_norm:
+        amp.config = cfg.replace(clip_grad_norm=requested.clip_grad_norm)
+        notes.append(f"--clip_grad_norm {requested.clip_grad_norm} replaces the checkpoint's {cfg.clip_grad_norm}")
+    old_lr = optimizer.param_groups[0]["lr"]
+    if "lr" in given and old_lr != lr:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        notes.append(f"--lr {lr:g} replaces the checkpoint's {old_lr:g}")
+    if "precision" in given and requested.precision != "auto":
+        before = amp.precision.name
+        after = amp.switch(requested.precision, reason="--precision given on resume").name
+        if after != before:
+            notes.append(f"--precision {requested.precision} switches the checkpoint's {before} to {after}")
+    elif "precision" in given:
+        notes.append(f"--precision auto keeps the checkpoint's {amp.precision.name}")
+    return notes
+
+
+def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -> Optional[str]:
+    """Why this run cannot count as a success (every step skipped, or a non-finite final loss)."""
+    problem = None
+    if steps and skipped >= steps:
+        problem = f"all {steps} optimizer steps of this run were skipped (non-finite gradients)"
+    elif not math.isfinite(summary.final_loss):
+        problem = f"the final loss is {summary.final_loss} after {summary.optimizer_steps} steps"
+    if problem and diagnosis:
+        problem += f"; diagnosis: {diagnosis}"
+    elif problem:
+        problem += "; run with the diagnosis on (no --no_diagnose) or `ampkit audit` to find the layer"
+    return problem
+
+
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN/inf: they become null (``json.dumps(allow_nan=False)`` then guards it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def add_parser(sub: Any) -> None:
@@ -176,6 +294,8 @@ def add_parser(sub: Any) -> None:
     flag(p, "resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint_dir "
                                                   "(--steps is the total to reach)")
     flag(p, "allow_fresh", action="store_true", help="with --resume: start fresh when there is no checkpoint")
+    flag(p, "overwrite", action="store_true", help="start a new run in a --checkpoint_dir that holds another run's "
+                                                    "checkpoints, deleting them")
     flag(p, "config", default=None, metavar="FILE.toml",
           help="read settings from TOML: an [amp] table (MixedPrecisionConfig fields) and a [train] table "
                "(these flags' names); flags given on the command line override the file")

@@ -7,6 +7,7 @@ device only every ``log_every`` steps, so the loop adds no per-step host sync of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -222,9 +223,14 @@ class Trainer:
                     path = self.save_checkpoint()
                     monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0)
                     self._call("on_checkpoint", path)
-        finally:
-            summary = monitor.close()
+        except BaseException:
+            # Keep the original error (e.g. a full disk) rather than one from closing the logs.
+            with contextlib.suppress(Exception):
+                monitor.close()
             self._monitor = None
+            raise
+        summary = monitor.close()
+        self._monitor = None
         if self.log_dir:
             with open(os.path.join(self.log_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)

@@ -1,0 +1,55 @@
+"""A run's directories, checked before training starts: one clear line instead of a traceback.
+
+``--log_dir`` and ``--checkpoint_dir`` must be directories this process can create and write;
+each is locked for the run (a second run on the same directory is refused); a checkpoint
+directory that already holds another run's checkpoints is refused unless ``--resume`` continues
+that run or ``--overwrite`` replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+from ..loop.checkpoint import CheckpointManager, DirLock
+
+__all__ = ["RunDirError", "claim_checkpoint_dir", "prepare_dir"]
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used; the message names the flag and the reason."""
+
+
+def prepare_dir(path: str, flag: str) -> DirLock:
+    """Create ``path`` if needed, prove it writable (a synced probe file) and lock it for this run."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunDirError(f"{flag} {path!r} is a file, not a directory; choose a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"{flag} {path!r} cannot be created: {e.strerror or e}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".ampkit-probe-") as f:
+            f.write(b"ampkit")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise RunDirError(f"{flag} {path!r} is not writable: {e.strerror or e}") from None
+    return DirLock(path, what=flag).acquire()
+
+
+def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a new run over another run's checkpoints (or remove them with ``overwrite``)."""
+    manager = CheckpointManager(path)
+    existing = manager.list()
+    if not existing or resume:
+        return
+    if not overwrite:
+        names = ", ".join(os.path.basename(p) for _, p in existing[-3:])
+        raise RunDirError(f"--checkpoint_dir {path!r} already holds {len(existing)} checkpoint(s) of another run "
+                          f"({names}); pass --resume to continue that run, --overwrite to replace it, or choose "
+                          "another directory")
+    for _, p in existing:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
