@@ -45,22 +45,47 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _Recording:
+    """A write-only file wrapper that remembers the first OSError its writes raised."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def save_checkpoint(state: dict[str, Any], path: str) -> str:
     """Write ``state`` to ``path`` atomically (temp file + fsync + rename). Returns ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    sink = None
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, f)
+            sink = _Recording(f)
+            torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, sink)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(directory)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise CheckpointError(f"could not write checkpoint {path!r}: {e.strerror or e} (the previous checkpoint, "
+        # torch's zip writer reports a failed write as a RuntimeError about file positions; the
+        # OSError underneath (disk full, file too large) is the reason worth showing.
+        cause = sink.error if sink is not None and sink.error is not None else e
+        if not isinstance(cause, OSError) and not isinstance(e, OSError):
+            raise
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        raise CheckpointError(f"could not write checkpoint {path!r}: {reason} (the previous checkpoint, "
                               "if any, is intact)") from e
     except BaseException:
         with contextlib.suppress(OSError):
