@@ -2,7 +2,10 @@
 
 For each model and precision, two identical (model, optimizer) pairs are trained side by side:
 one by the nanoGPT-style loop (torch.autocast + torch.amp.GradScaler, unscale, clip, step,
-update), one by ampkit (autocast / backward / step). Blocks of steps alternate between the two
+update), one by ampkit (autocast / backward / step). ``--mode default`` compares ampkit with
+its *default* settings (no clipping, non-finite steps skipped in every precision) against the
+plain loop users write without clipping: autocast, backward, ``opt.step()`` (a GradScaler only
+for fp16) -- the loop does no finite check at all, so the ratio is the check's whole cost. Blocks of steps alternate between the two
 (order flipped every block) so machine drift hits both alike; the table shows the median
 per-step time of each and their ratio. A last table gives the bf16-vs-fp32 speed-up of the GPT.
 
@@ -24,7 +27,7 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.data import ClassificationBatches, TextBatches
 from ampkit.hardware import device_info
-from ampkit.models import build
+from ampkit.models import MLP, MLPConfig, build
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,8 +45,9 @@ def raw_stepper(model, opt, precision, device, clip):
         with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = model(*batch)
         scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -75,18 +79,21 @@ def time_block(step, batches, start, n, device):
 
 def measure(model_name, size, precision, device, args):
     torch.manual_seed(0)
-    base = build(model_name, size).to(device)
+    if model_name == "mlp" and args.mlp_width:
+        base = MLP(MLPConfig(in_features=args.mlp_width, hidden=args.mlp_width, n_layer=3)).to(device)
+    else:
+        base = build(model_name, size).to(device)
     if model_name == "gpt":
         data = TextBatches(batch_size=args.batch_size, block_size=base.config.block_size, device=device)
     else:
-        data = ClassificationBatches(batch_size=args.batch_size * 8, in_features=base.config.in_features, device=device)
+        data = ClassificationBatches(batch_size=args.mlp_batch, in_features=base.config.in_features, device=device)
     batches = [data(i) for i in range(16)]
     fused = device.type in ("cpu", "cuda")
     steppers = {}
     for kind, make in (("raw", raw_stepper), ("ampkit", ampkit_stepper)):
         m = copy.deepcopy(base)
         o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)
-        steppers[kind] = make(m, o, precision, device, 1.0)
+        steppers[kind] = make(m, o, precision, device, 1.0 if args.mode == "clip" else None)
     for s in steppers.values():  # warm-up
         time_block(s, batches, 0, args.warmup, device)
     times = {"raw": [], "ampkit": []}
@@ -97,7 +104,8 @@ def measure(model_name, size, precision, device, args):
     raw, amp = statistics.median(times["raw"]), statistics.median(times["ampkit"])
     # Adjacent blocks form pairs; the median of the paired ratios is robust to slow drift.
     ratios = sorted(a / r for a, r in zip(times["ampkit"], times["raw"]))
-    return {"model": f"{model_name}/{size}", "precision": precision, "raw_ms": raw * 1e3, "ampkit_ms": amp * 1e3,
+    label = f"mlp/w{args.mlp_width}" if model_name == "mlp" and args.mlp_width else f"{model_name}/{size}"
+    return {"model": label, "precision": precision, "raw_ms": raw * 1e3, "ampkit_ms": amp * 1e3,
             "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
             "ratio_p90": ratios[(9 * len(ratios)) // 10]}
 
@@ -108,7 +116,12 @@ def main():
     ap.add_argument("--precisions", default="fp32,bf16,fp16")
     ap.add_argument("--mlp-size", default="small")
     ap.add_argument("--gpt-size", default="tiny")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=16, help="GPT batch size")
+    ap.add_argument("--mlp-batch", type=int, default=128, help="MLP batch size")
+    ap.add_argument("--mlp-width", type=int, default=0, help="MLP in/hidden width instead of --mlp-size (e.g. 512)")
+    ap.add_argument("--mode", choices=["clip", "default"], default="default",
+                    help="clip: both loops clip to 1.0; default: ampkit's defaults vs the plain loop (no clipping)")
+    ap.add_argument("--models", default="mlp,gpt", help="which of mlp,gpt to measure")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=10, help="timed blocks per side")
     ap.add_argument("--warmup", type=int, default=5)
@@ -120,9 +133,11 @@ def main():
     device = torch.device(args.device)
     info = device_info(device)
     print(f"# {info.name} ({device}) · torch {torch.__version__} · python {platform.python_version()} · "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()} · mode {args.mode}")
     rows = []
     for model_name, size in (("mlp", args.mlp_size), ("gpt", args.gpt_size)):
+        if model_name not in args.models.split(","):
+            continue
         for precision in args.precisions.split(","):
             rows.append(measure(model_name, size, precision, device, args))
             r = rows[-1]

@@ -164,6 +164,8 @@ class MixedPrecision(SwitchingMixin):
         if p.autocast_enabled and self._matmul is None and not no_sync:
             # The common case costs exactly what a hand-written loop pays: one torch.autocast.
             return torch.autocast(self.device.type, dtype=p.compute_dtype, cache_enabled=self.config.autocast_cache)
+        if not p.autocast_enabled and not no_sync and self._matmul is not None:
+            return self._matmul  # fp32 / tf32: only the matmul policy
         stack = contextlib.ExitStack()
         if p.autocast_enabled:
             stack.enter_context(torch.autocast(self.device.type, dtype=p.compute_dtype,

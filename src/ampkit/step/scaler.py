@@ -250,7 +250,7 @@ class LossScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             scale = self._ensure(_first_grad_device(optimizer))
             if state["stage"] is _Stage.READY:
-                # Only check here (read-only on CPU); the fused kernel unscales (torch's own protocol).
+                # Only check here; the fused kernel unscales (torch's own protocol).
                 state["found_inf_per_device"] = check_and_unscale(optimizer, self._one, allow_fp16=True, unit=True)
                 grad_scale = None if self.is_unit else scale
             else:
