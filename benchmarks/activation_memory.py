@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from ampkit.data import TextBatches
 from ampkit.memory import activations, breakdown
 from ampkit.models import build

@@ -18,12 +18,12 @@ import tempfile
 import time
 
 import torch
-
-from ampkit import MixedPrecision
 from ampkit.data import ClassificationBatches
 from ampkit.hardware import device_info
 from ampkit.models import build
 from ampkit.monitor import JSONLSink, Monitor
+
+from ampkit import MixedPrecision
 
 
 def main() -> None:

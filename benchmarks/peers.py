@@ -20,10 +20,9 @@ import time
 import warnings
 
 import torch
-from overhead import ampkit_stepper, raw_stepper
-
 from ampkit.hardware import device_info
 from ampkit.models import builtin
+from overhead import ampkit_stepper, raw_stepper
 
 warnings.filterwarnings("ignore")
 

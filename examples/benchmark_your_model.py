@@ -5,9 +5,8 @@ The same works from the shell: `ampkit bench --model examples.benchmark_your_mod
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from ampkit.bench import compare, tune
+from torch import nn
 
 
 class MyModel(nn.Module):

@@ -4,10 +4,10 @@ import sys
 import tempfile
 
 import torch
-
-import ampkit
 from ampkit.models import builtin
 from ampkit.trainer import Trainer
+
+import ampkit
 
 
 def make(checkpoint_dir: str, seed: int = 0) -> Trainer:

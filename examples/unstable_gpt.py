@@ -6,7 +6,6 @@
 """
 
 import torch
-
 from ampkit.data import TextBatches
 from ampkit.models import build
 

@@ -4,8 +4,8 @@ import math
 import pytest
 
 from ampkit import MixedPrecisionConfig
-from ampkit.loop.bench import compare, tune
 from ampkit.cli import main
+from ampkit.loop.bench import compare, tune
 from ampkit.loop.models import builtin
 
 

@@ -3,8 +3,8 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.loop.data import TextBatches
-from ampkit.observe.memory import activations, breakdown, peak
 from ampkit.loop.models import build
+from ampkit.observe.memory import activations, breakdown, peak
 
 
 def linear_stack(a=32, b=64, c=8):

@@ -14,7 +14,13 @@ import torch
 
 from ampkit.cli import main
 from ampkit.loop.autoselect import measured_choice
-from ampkit.loop.checkpoint import CheckpointError, CheckpointManager, DirLock, load_checkpoint, save_checkpoint
+from ampkit.loop.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    DirLock,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 from ampkit.step.engine import MixedPrecision

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
+from ampkit.cli import main
 from ampkit.loop.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from ampkit.cli import main
 from ampkit.loop.data import TextBatches
-from ampkit.observe.memory import activations
 from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
+from ampkit.observe.memory import activations
 
 
 def test_activation_checkpointing_same_gradients_less_memory():

@@ -33,13 +33,14 @@ from .accumulate import Window
 from .boundary import ClipOrder, optimizer_step
 from .config import MixedPrecisionConfig
 from .contexts import MatmulPrecision
-from .events import Event, StepResult
+from .events import Event, EventStream, StepResult
 from .fallback import NumericsError
 from .hardware import DeviceInfo, device_info, normalize_device
-from .overrides import Fp32Overrides, apply_fp32_overrides, match_modules
-from .precision import Precision, PrecisionError, resolve_precision
+from .overrides import Fp32Overrides, apply_fp32_overrides
+from .precision import Precision, resolve_precision
 from .scaler import LossScaler
-from .switching import SUPPORTED_BY_ENGINE, SwitchingMixin
+from .switching import SwitchingMixin
+from .validation import check_setup, stepped_optimizers
 
 __all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
 
@@ -82,8 +83,7 @@ class MixedPrecision(SwitchingMixin):
         self._window = Window(cfg.accumulation_steps)
         self._clip_order: Optional[ClipOrder] = None
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
-        self._events: list[Event] = []
-        self._subscribers: list[Callable[[Event], None]] = []
+        self._stream = EventStream()
         self._window_loss: Optional[torch.Tensor] = None
         self._overrides: Optional[Fp32Overrides] = None
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
@@ -122,23 +122,7 @@ class MixedPrecision(SwitchingMixin):
         before :meth:`backward`/:meth:`step`. Raises :class:`PrecisionError` for precisions the
         engine cannot apply yet (the pure forms and fp8), before anything is changed.
         """
-        if self.precision.name not in SUPPORTED_BY_ENGINE:
-            raise PrecisionError(
-                f"precision {self.precision.name!r} is not supported by MixedPrecision.setup() yet: "
-                f"pure half-precision weights with fp32 master weights and fp8 are planned; "
-                f"choose one of: {', '.join(SUPPORTED_BY_ENGINE)}")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"setup() expects a torch.nn.Module first, got {type(model).__name__}")
-        if self.config.keep_fp32:
-            match_modules(model, self.config.keep_fp32)  # raises before anything is changed
-        params = {id(p) for p in model.parameters()}
-        for i, opt in enumerate(optimizers):
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"setup() argument {i + 2} must be a torch.optim.Optimizer, got {type(opt).__name__}")
-            foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in params)
-            if foreign:
-                raise ValueError(f"optimizer {i} ({type(opt).__name__}) holds {foreign} parameter(s) that are "
-                                 "not in the model; build the optimizer from model.parameters()")
+        check_setup(self.precision.name, model, optimizers, self.config.keep_fp32)  # before anything changes
         model.to(self.device)
         if self._overrides is not None:
             self._overrides.remove()
@@ -208,7 +192,7 @@ class MixedPrecision(SwitchingMixin):
         window.add_micro()  # raises before any gradient is touched when the window is full
         if window.divisor > 1:
             loss = loss / window.divisor
-        if self._subscribers:  # observers get the window's mean loss; no cost without them
+        if self._stream.subscribers:  # observers get the window's mean loss; no cost without them
             d = loss.detach()
             self._window_loss = d if window.micro == 1 or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
@@ -292,7 +276,7 @@ class MixedPrecision(SwitchingMixin):
                 if trigger is not None:
                     self._fall_back(trigger)
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
-        if self._subscribers:
+        if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None
             if loss is not None and micro != window.size and flush:
                 loss = loss * (window.size / micro)  # the mean over the short window, like the gradients
@@ -337,13 +321,7 @@ class MixedPrecision(SwitchingMixin):
         reads), ``precision_switch``, and whatever :meth:`record_event` is given. Callbacks run
         synchronously inside ``step()``: keep them cheap.
         """
-        self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-
-        return unsubscribe
+        return self._stream.subscribe(callback)
 
     def record_event(self, kind: str, **data: Any) -> Event:
         """Record a notable event (kept in ``state_dict``) and pass it to subscribers."""
@@ -352,7 +330,7 @@ class MixedPrecision(SwitchingMixin):
     @property
     def events(self) -> list[Event]:
         """Notable events so far (switches, fallbacks, ...); per-step events are not kept."""
-        return list(self._events)
+        return list(self._stream.kept)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -364,12 +342,7 @@ class MixedPrecision(SwitchingMixin):
         return self._model
 
     def _emit(self, kind: str, data: dict[str, Any], record: bool = True) -> Event:
-        event = Event(kind=kind, step=self._steps, data=data)
-        if record:
-            self._events.append(event)
-        for cb in list(self._subscribers):
-            cb(event)
-        return event
+        return self._stream.emit(Event(kind=kind, step=self._steps, data=data), record)
 
     # ------------------------------------------------------------------ reading (syncs)
     @property
@@ -392,7 +365,7 @@ class MixedPrecision(SwitchingMixin):
             "overflow_rate": skipped / self._steps if self._steps else 0.0,
             "accumulation_steps": self.config.accumulation_steps,
             "pending_micro_steps": self._window.micro,
-            "events": [e.to_dict() for e in self._events],
+            "events": [e.to_dict() for e in self._stream.kept],
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -407,7 +380,7 @@ class MixedPrecision(SwitchingMixin):
             "optimizer_steps": self._steps,
             "micro_steps": self._window.micro,
             "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
-            "events": [e.to_dict() for e in self._events],
+            "events": [e.to_dict() for e in self._stream.kept],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -430,7 +403,7 @@ class MixedPrecision(SwitchingMixin):
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._window = Window(cfg.accumulation_steps)
         self._window.micro = int(state.get("micro_steps", 0))
-        self._events = [Event(kind=e["kind"], step=e["step"],
+        self._stream.kept = [Event(kind=e["kind"], step=e["step"],
                               data={k: v for k, v in e.items() if k not in ("kind", "step")})
                         for e in state.get("events", [])]
         self._fallback = self._make_fallback()
@@ -442,15 +415,7 @@ class MixedPrecision(SwitchingMixin):
             raise RuntimeError(f"{verb}() called before setup(); call model, optimizer = amp.setup(model, optimizer) first")
 
     def _check_optimizers(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.optim.Optimizer]:
-        if not optimizers:
-            if not self._optimizers:
-                raise RuntimeError("step() has no optimizer: pass it to setup(model, optimizer) or to step(optimizer)")
-            return self._optimizers
-        for opt in optimizers:
-            if not any(opt is o for o in self._optimizers):
-                raise ValueError(f"step() got an optimizer ({type(opt).__name__}) that was not set up; "
-                                 "pass it to amp.setup(model, optimizer) first")
-        return list(optimizers)
+        return stepped_optimizers(optimizers, self._optimizers)
 
     def __repr__(self) -> str:
         return (f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "

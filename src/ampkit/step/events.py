@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Event", "StepResult"]
+__all__ = ["Event", "EventStream", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +45,27 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "step": self.step, **self.data}
+
+
+class EventStream:
+    """Subscribers and the kept (notable) events. Per-step events reach subscribers only."""
+
+    def __init__(self) -> None:
+        self.kept: list[Event] = []
+        self.subscribers: list[Callable[[Event], None]] = []
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        self.subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self.subscribers:
+                self.subscribers.remove(callback)
+
+        return unsubscribe
+
+    def emit(self, event: Event, record: bool = True) -> Event:
+        if record:
+            self.kept.append(event)
+        for cb in list(self.subscribers):
+            cb(event)
+        return event

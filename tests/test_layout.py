@@ -1,0 +1,56 @@
+"""The package layout is part of the design: layers import downwards only, modules stay small,
+nothing imports another module's private names, and the documented short paths keep working."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "ampkit"
+ORDER = ["step", "observe", "loop", "cli"]  # a layer may import its own and earlier layers only
+
+
+def imports(path):
+    tree = ast.parse(path.read_text())
+    pkg = path.relative_to(SRC).parent.parts
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(pkg[: len(pkg) - (node.level - 1)]) if node.level > 1 else list(pkg)
+            target = base + (node.module.split(".") if node.module else [])
+            yield target, [a.name for a in node.names]
+
+
+@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_layers_import_downwards_and_no_private_names(path):
+    layer = path.relative_to(SRC).parts[0]
+    for target, names in imports(path):
+        if layer in ORDER and target and target[0] in ORDER:
+            assert ORDER.index(target[0]) <= ORDER.index(layer), f"{path.name} imports {'.'.join(target)}"
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{path.relative_to(SRC)} imports private {private} from {'.'.join(target)}"
+
+
+@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_modules_stay_small(path):
+    assert len(path.read_text().splitlines()) <= 430, f"{path.relative_to(SRC)} is asking to be split"
+
+
+def test_short_paths_are_the_same_modules():
+    import ampkit.trainer
+    from ampkit.memory import breakdown
+
+    import ampkit
+    import ampkit.loop.trainer
+    import ampkit.observe.memory
+
+    assert ampkit.trainer is ampkit.loop.trainer
+    assert breakdown is ampkit.observe.memory.breakdown
+    assert ampkit.numerics.localize_nonfinite is ampkit.observe.numerics.localize_nonfinite
+    assert ampkit.observe.memory.__spec__.name == "ampkit.observe.memory"
+
+
+def test_python_dash_m_ampkit():
+    r = subprocess.run([sys.executable, "-m", "ampkit", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("ampkit ")
