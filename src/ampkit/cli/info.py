@@ -19,6 +19,7 @@ from ..step.precision import (
     cpu_emulation_note,
     resolve_precision,
 )
+from ..step.switching import SUPPORTED_BY_ENGINE
 from .common import flag
 
 
@@ -64,7 +65,7 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
         key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp16-pure": "fp16"}.get(name)
         if key in speeds and "fp32" in speeds and speeds["fp32"] > 0:
             row["matmul_speedup_vs_fp32"] = round(speeds[key] / speeds["fp32"], 2)
-        row["engine_ready"] = name in ("fp32", "tf32", "bf16", "fp16")
+        row["engine_ready"] = name in SUPPORTED_BY_ENGINE
         precisions.append(row)
     devices = [info.to_dict()]
     if dev.type != "cpu":

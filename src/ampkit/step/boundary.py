@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .master import MasterWeights
 from .scaler import LossScaler
 
 __all__ = ["ClipOrder", "optimizer_step"]
@@ -23,8 +24,9 @@ __all__ = ["ClipOrder", "optimizer_step"]
 class ClipOrder:
     """Parameters to clip for a set of optimizers, in model order; cached until the groups change."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, masters: Optional[MasterWeights] = None) -> None:
         self._model = model
+        self._masters = masters  # pure precisions: the optimizer steps (and clips) the fp32 masters
         self._cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def params(self, opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -32,7 +34,9 @@ class ClipOrder:
         cached = self._cache.get(key)
         if cached is None:
             stepped = {id(p): p for o in opts for g in o.param_groups for p in g["params"]}
-            cached = [p for p in self._model.parameters() if id(p) in stepped]
+            ordered = self._model.parameters() if self._masters is None else (
+                self._masters.stepped(p) for p in self._model.parameters())
+            cached = [p for p in ordered if id(p) in stepped]
             seen = {id(p) for p in cached}
             cached += [p for i, p in stepped.items() if i not in seen]
             self._cache[key] = cached

@@ -36,7 +36,8 @@ from .contexts import MatmulPrecision
 from .events import Event, EventStream, StepResult
 from .fallback import NumericsError
 from .hardware import DeviceInfo, device_info, normalize_device
-from .overrides import Fp32Overrides, apply_fp32_overrides
+from .master import MasterWeights
+from .overrides import Fp32Overrides, apply_fp32_overrides, match_modules
 from .precision import Precision, resolve_precision
 from .scaler import LossScaler
 from .switching import SwitchingMixin
@@ -84,6 +85,7 @@ class MixedPrecision(SwitchingMixin):
         self._clip_order: Optional[ClipOrder] = None
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._stream = EventStream()
+        self._masters: Optional[MasterWeights] = None
         self._window_loss: Optional[torch.Tensor] = None
         self._overrides: Optional[Fp32Overrides] = None
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
@@ -130,8 +132,29 @@ class MixedPrecision(SwitchingMixin):
             self._overrides = apply_fp32_overrides(model, self.config.keep_fp32, self.device.type)
         self._model = model
         self._optimizers = list(optimizers)
-        self._clip_order = ClipOrder(model)
+        self._masters = None
+        if self.precision.is_pure:
+            self._masters = MasterWeights(model, self._optimizers, self.precision.param_dtype, self._kept_names())
+        self._clip_order = ClipOrder(model, self._masters)
         return (model, *optimizers) if optimizers else model
+
+    def _kept_names(self) -> list[str]:
+        if self._model is None or not self.config.keep_fp32:
+            return []
+        return sorted({n for names in match_modules(self._model, self.config.keep_fp32).values() for n in names})
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master weights (pure precisions; empty otherwise). They live in the optimizer."""
+        return list(self._masters.masters) if self._masters is not None else []
+
+    def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in fp32: for pure precisions the masters' values (what to export
+        or evaluate); otherwise the model's own state dict (already fp32)."""
+        self._require_setup("full_precision_state_dict")
+        assert self._model is not None
+        if self._masters is None:
+            return dict(self._model.state_dict())
+        return self._masters.full_precision_state_dict()
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -145,13 +168,14 @@ class MixedPrecision(SwitchingMixin):
         w = self._window
         no_sync = (w.current_size > 1 and model is not None and hasattr(model, "no_sync")
                    and w.micro + 1 < w.current_size)
-        if p.autocast_enabled and self._matmul is None and not no_sync:
+        autocast = p.autocast_enabled or p.is_pure  # pure: inputs and non-mastered ops follow the half dtype
+        if autocast and self._matmul is None and not no_sync:
             # The common case costs exactly what a hand-written loop pays: one torch.autocast.
             return torch.autocast(self.device.type, dtype=p.compute_dtype, cache_enabled=self.config.autocast_cache)
-        if not p.autocast_enabled and not no_sync and self._matmul is not None:
+        if not autocast and not no_sync and self._matmul is not None:
             return self._matmul  # fp32 / tf32: only the matmul policy
         stack = contextlib.ExitStack()
-        if p.autocast_enabled:
+        if autocast:
             stack.enter_context(torch.autocast(self.device.type, dtype=p.compute_dtype,
                                                cache_enabled=self.config.autocast_cache))
         if self._matmul is not None:
@@ -205,6 +229,8 @@ class MixedPrecision(SwitchingMixin):
         except BaseException:
             window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
             raise
+        if self._masters is not None:
+            self._masters.absorb_grads()  # half gradients summed into the fp32 masters' gradients
 
     def set_window(self, micro_steps: int) -> None:
         """Make the next accumulation window ``micro_steps`` long (1..``accumulation_steps``).
@@ -261,6 +287,8 @@ class MixedPrecision(SwitchingMixin):
         assert self._clip_order is not None
         params = self._clip_order.params(opts)
         grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
+        if self._masters is not None:
+            self._masters.copy_to_model()  # unconditional: after a skipped step the masters did not move
         if zero_grad:
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
@@ -381,6 +409,7 @@ class MixedPrecision(SwitchingMixin):
             "micro_steps": self._window.micro,
             "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
             "events": [e.to_dict() for e in self._stream.kept],
+            "masters": self._masters.state_dict() if self._masters is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -408,6 +437,10 @@ class MixedPrecision(SwitchingMixin):
                         for e in state.get("events", [])]
         self._fallback = self._make_fallback()
         self._build_contexts()
+        if self._model is not None:
+            self._retarget_weights()
+            if self._masters is not None and state.get("masters"):
+                self._masters.load_state_dict(state["masters"])
 
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:

@@ -27,7 +27,8 @@ from .precision import PrecisionError, parse_precision, resolve_precision
 __all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "resolve_chain"]
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
-_ENGINE = ("fp32", "tf32", "bf16", "fp16")
+PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
+_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure")
 
 
 class NumericsError(RuntimeError):
@@ -46,7 +47,9 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple
     """The precisions to try after ``start``. ``True``: the default chain, keeping only what the
     device runs. A string: validated now (unknown or unsupported names raise ``PrecisionError``)."""
     if spec is True:
-        names = [n for n in DEFAULT_CHAIN if _runs(n, info)]
+        # Pure precisions fall back within the pure forms first (the masters carry over), then fp32.
+        default = PURE_CHAIN if start.endswith("-pure") else DEFAULT_CHAIN
+        names = [n for n in default if _runs(n, info)]
         if start not in names:
             names = [start] + [n for n in names if n == "fp32"]
     else:

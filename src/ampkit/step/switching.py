@@ -16,13 +16,16 @@ from .precision import Precision, PrecisionError, resolve_precision
 
 __all__ = ["SUPPORTED_BY_ENGINE", "SwitchingMixin"]
 
-SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16")
+SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure")
 
 
 class SwitchingMixin:
     """``switch``, ``set_fallback`` and the fallback chain's trigger handling."""
 
     _fallback: Optional[FallbackPolicy]
+    _masters: Any
+    _model: Optional[torch.nn.Module]
+    _optimizers: list[torch.optim.Optimizer]
     _last_diagnosis: Any
     _skipped_before: Optional[torch.Tensor]
 
@@ -63,8 +66,32 @@ class SwitchingMixin:
         if self._fallback is not None:
             self._fallback.reset()
         self._build_contexts()
+        self._retarget_weights()
         self._emit(kind, {"from": old.name, "to": new.name, **data})
         return new
+
+    def _retarget_weights(self) -> None:
+        """Make the model's weights match ``self.precision``: add, recast or drop fp32 masters.
+
+        bf16-pure <-> fp16-pure recasts the model from the masters; pure -> mixed/fp32 puts the
+        masters' values back into fp32 parameters (and into the optimizers); mixed -> pure makes
+        masters. Optimizer state follows its parameter. Between steps only (no gradients held).
+        """
+        from .boundary import ClipOrder
+        from .master import MasterWeights
+
+        model, p = self._model, self.precision
+        if model is None:
+            return
+        masters = self._masters
+        if masters is not None and p.is_pure and masters.dtype != p.param_dtype:
+            masters.recast(p.param_dtype)
+        elif masters is not None and not p.is_pure:
+            masters.release()
+            self._masters = None
+        elif masters is None and p.is_pure:
+            self._masters = MasterWeights(model, self._optimizers, p.param_dtype, self._kept_names())
+        self._clip_order = ClipOrder(model, self._masters)
 
     def _retire_scaler(self) -> None:
         """Keep the skipped-step count of a scaler that is being replaced (a device add, no sync)."""

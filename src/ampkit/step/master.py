@@ -1,0 +1,177 @@
+"""fp32 master weights for half-precision parameters ("O2": ``bf16-pure``, ``fp16-pure``).
+
+The model's parameters live in the half dtype (half the memory, no per-forward weight casts);
+an fp32 copy of each -- its *master* -- lives in the user's own optimizer, which is never told:
+its parameter groups simply hold the masters instead of the model's parameters, so any torch
+optimizer works (SGD with momentum, Adam, AdamW foreach/fused, RMSprop, Adagrad, ...).
+
+Per micro-step, after ``backward`` the half gradients are added into the masters' fp32
+gradients (one fused ``_foreach_add_``; the sum over an accumulation window is exact fp32
+arithmetic on the upcast values) and the half gradients are dropped. At the boundary the engine
+unscales, clips and finite-checks the **fp32 master gradients**, steps the optimizer (or skips),
+then copies the masters back into the model (one fused ``_foreach_copy_``, rounding to the half
+dtype). After a skipped step the masters are unchanged, so the copy leaves the model unchanged:
+``model == masters.to(half)`` holds after every step, with no host sync.
+
+Why masters at all: an update smaller than half the spacing of the weight's bf16 value rounds
+away. At 1.0 bf16's spacing is 2**-7, so AdamW with lr 1e-3 never moves a bf16 weight of 1.0
+(norm layers' weights freeze); in fp32 the same updates accumulate.
+
+Modules kept in fp32 (``keep_fp32``, e.g. norms) keep their fp32 parameters and buffers; they
+need no master and the optimizer updates them directly. Under FSDP2 the sharded fp32 parameters
+are the masters already (``MixedPrecisionPolicy(param_dtype=...)``): this class is not used there,
+so no second copy exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["MasterWeights"]
+
+
+class MasterWeights:
+    """Swap a model's floating parameters to ``dtype`` with fp32 masters in ``optimizers``.
+
+    Args:
+        model: the model (its parameters are cast in place, ``p.data = p.data.to(dtype)``).
+        optimizers: the user's optimizers; their groups get the masters in place of the params.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        keep: qualified names of modules whose parameters and buffers stay fp32 (no master).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
+                 keep: Iterable[str] = ()) -> None:
+        if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+            raise ValueError("this model's parameters are sharded (DTensor, e.g. FSDP2 fully_shard): pure "
+                             "precisions keep no extra masters there -- the fp32 shards are the masters; use "
+                             "fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) and precision 'bf16'")
+        self.dtype = dtype
+        self.model = model
+        kept = _kept_tensors(model, keep)
+        self.names: list[str] = []
+        self.halves: list[torch.nn.Parameter] = []
+        self.masters: list[torch.nn.Parameter] = []
+        for name, p in model.named_parameters():  # named_parameters() yields a shared parameter once
+            if id(p) in kept or not p.is_floating_point():
+                continue
+            master = torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+            self.names.append(name)
+            self.halves.append(p)
+            self.masters.append(master)
+        self._by_half = {id(h): m for h, m in zip(self.halves, self.masters)}
+        self._swap(optimizers, self._by_half)
+        self.optimizers = list(optimizers)
+        with torch.no_grad():
+            for p in self.halves:
+                p.data = p.data.to(dtype)
+            for module in model.modules():
+                for bname, buf in list(module._buffers.items()):
+                    if buf is not None and buf.is_floating_point() and id(buf) not in kept:
+                        module._buffers[bname] = buf.to(dtype)
+
+    # ------------------------------------------------------------------ the per-step work
+    def absorb_grads(self) -> None:
+        """Add the half gradients into the masters' fp32 gradients and drop them. No sync."""
+        acc_m, acc_h = [], []
+        for h, m in zip(self.halves, self.masters):
+            g = h.grad
+            if g is None:
+                continue
+            if m.grad is None:
+                m.grad = g.float()  # exact upcast; a fresh fp32 tensor
+            else:
+                acc_m.append(m.grad)
+                acc_h.append(g)
+            h.grad = None
+        if acc_m:
+            torch._foreach_add_(acc_m, acc_h)  # fp32 += upcast(half), in one fused call
+
+    def copy_to_model(self) -> None:
+        """Round the masters into the model's half parameters (after every optimizer step). No sync."""
+        if self.halves:
+            with torch.no_grad():
+                torch._foreach_copy_(self.halves, self.masters)
+
+    def stepped(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps for a model parameter (its master, or itself)."""
+        return self._by_half.get(id(param), param)
+
+    def recast(self, dtype: torch.dtype) -> None:
+        """Move the model to another half dtype (fp16-pure <-> bf16-pure), from the masters."""
+        self.dtype = dtype
+        with torch.no_grad():
+            for h, m in zip(self.halves, self.masters):
+                h.grad = None
+                h.data = m.detach().to(dtype)
+            for module in self.model.modules():
+                for bname, buf in list(module._buffers.items()):
+                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                        module._buffers[bname] = buf.to(dtype)
+
+    def release(self) -> None:
+        """Undo: fp32 parameters (the masters' values) back in the model and in the optimizers."""
+        with torch.no_grad():
+            for h, m in zip(self.halves, self.masters):
+                h.grad = None
+                h.data = m.detach().clone()
+            for module in self.model.modules():
+                for bname, buf in list(module._buffers.items()):
+                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                        module._buffers[bname] = buf.float()
+        self._swap(self.optimizers, {id(m): h for h, m in zip(self.halves, self.masters)})
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The masters by parameter name (fp32). Reading them does not sync."""
+        return {n: m.detach() for n, m in zip(self.names, self.masters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the masters (checked first: the same names and shapes) and copy them into the model."""
+        missing = [n for n in self.names if n not in state]
+        shapes = [n for n, m in zip(self.names, self.masters)
+                  if n in state and tuple(state[n].shape) != tuple(m.shape)]
+        if missing or shapes:
+            raise ValueError(f"master weights do not fit this model (missing: {missing[:5]}, shape mismatch: "
+                             f"{shapes[:5]}); nothing was loaded")
+        with torch.no_grad():
+            for n, m in zip(self.names, self.masters):
+                m.copy_(state[n])
+        self.copy_to_model()
+
+    def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with every mastered parameter in fp32 (its master's value)."""
+        out = dict(self.model.state_dict())
+        for n, m in zip(self.names, self.masters):
+            out[n] = m.detach().clone()
+        return {k: (v.float() if v.is_floating_point() and v.dtype != torch.float32 else v) for k, v in out.items()}
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _swap(optimizers: Sequence[torch.optim.Optimizer], mapping: dict[int, torch.Tensor]) -> None:
+        """Replace parameters in the optimizers' groups (and move their state) by ``mapping``."""
+        for opt in optimizers:
+            for group in opt.param_groups:
+                new = []
+                for p in group["params"]:
+                    q = mapping.get(id(p), p)
+                    if q is not p and p in opt.state:
+                        opt.state[q] = opt.state.pop(p)
+                    new.append(q)
+                group["params"] = new
+
+
+def _kept_tensors(model: torch.nn.Module, keep: Iterable[str]) -> set[int]:
+    """ids of the parameters and buffers of the modules named in ``keep`` (and their children)."""
+    out: set[int] = set()
+    modules = dict(model.named_modules())
+    for name in keep:
+        mod = modules.get(name)
+        if mod is None:
+            continue
+        out.update(id(t) for t in mod.parameters())
+        out.update(id(t) for t in mod.buffers())
+    return out
