@@ -20,6 +20,8 @@ __all__ = ["ConfigError", "MixedPrecisionConfig", "normalize_patterns", "read_to
 
 Pattern = Union[str, type]
 
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+
 
 class ConfigError(ValueError):
     """An invalid config value: the message names the field, the value and the allowed range."""
@@ -55,6 +57,8 @@ class MixedPrecisionConfig:
     fallback: Union[bool, str] = _f(False, "fall back on numerical trouble: True (fp16 -> bf16 -> fp32) or a chain 'fp16,bf16,fp32'")
     fallback_patience: int = _f(8, "consecutive skipped steps that trigger a fallback")
     fallback_check_every: int = _f(10, "optimizer steps between fallback checks (reads are asynchronous)")
+    fp8_recipe: str = _f("tensorwise", "torchao float8 recipe for precision fp8: tensorwise, rowwise, rowwise_with_gw_hp")
+    fp8_emulate: bool = _f(False, "let fp8 run without fp8 tensor cores (CPU, older GPUs): torchao emulation, for tests")
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -70,6 +74,7 @@ class MixedPrecisionConfig:
         _require(self.hysteresis >= 1, "hysteresis", self.hysteresis, "an integer >= 1 (1 = back off on every overflow)")
         _require(self.accumulation_steps >= 1, "accumulation_steps", self.accumulation_steps, "an integer >= 1")
         _require(self.fallback_patience >= 1, "fallback_patience", self.fallback_patience, "an integer >= 1")
+        _require(self.fp8_recipe in FP8_RECIPES, "fp8_recipe", self.fp8_recipe, f"one of: {', '.join(FP8_RECIPES)}")
         _require(self.fallback_check_every >= 1, "fallback_check_every", self.fallback_check_every, "an integer >= 1")
         for name in ("min_scale", "max_scale", "clip_grad_norm"):
             v = getattr(self, name)

@@ -77,7 +77,7 @@ class MixedPrecision(SwitchingMixin):
         self.config: MixedPrecisionConfig = cfg
         self.device: torch.device = normalize_device(device)
         self.device_info: DeviceInfo = device_info(self.device)
-        self.precision: Precision = resolve_precision(cfg.precision, self.device_info)
+        self.precision: Precision = resolve_precision(cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate)
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -86,6 +86,7 @@ class MixedPrecision(SwitchingMixin):
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._stream = EventStream()
         self._masters: Optional[MasterWeights] = None
+        self._fp8_report: Optional[list[Any]] = None
         self._window_loss: Optional[torch.Tensor] = None
         self._overrides: Optional[Fp32Overrides] = None
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
@@ -126,6 +127,10 @@ class MixedPrecision(SwitchingMixin):
         """
         check_setup(self.precision.name, model, optimizers, self.config.keep_fp32)  # before anything changes
         model.to(self.device)
+        self._model = model
+        self._fp8_report = None
+        if self.precision.name == "fp8":  # before the overrides: conversion swaps modules
+            self._convert_fp8()
         if self._overrides is not None:
             self._overrides.remove()
         if self.config.keep_fp32:
@@ -142,6 +147,17 @@ class MixedPrecision(SwitchingMixin):
         if self._model is None or not self.config.keep_fp32:
             return []
         return sorted({n for names in match_modules(self._model, self.config.keep_fp32).values() for n in names})
+
+    def _convert_fp8(self) -> None:
+        from .fp8 import convert
+
+        assert self._model is not None
+        emulate = self.config.fp8_emulate and not self.device_info.fp8
+        self._fp8_report = convert(self._model, self.config.fp8_recipe, emulate=emulate, keep=self._kept_names())
+
+    def fp8_report(self) -> list[dict[str, Any]]:
+        """Each Linear of the model: converted to fp8 or skipped, with the reason (precision fp8)."""
+        return [d.to_dict() for d in self._fp8_report] if self._fp8_report else []
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master weights (pure precisions; empty otherwise). They live in the optimizer."""
@@ -417,7 +433,7 @@ class MixedPrecision(SwitchingMixin):
         if not isinstance(state, dict) or "precision" not in state or "config" not in state:
             raise ValueError("not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ...")
         cfg = MixedPrecisionConfig.from_dict(state["config"])
-        new = resolve_precision(state["precision"], self.device_info)
+        new = resolve_precision(state["precision"], self.device_info, emulate_fp8=cfg.fp8_emulate)
         old_config, self.config = self.config, cfg
         try:
             scaler = self._make_scaler(new)

@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "resol
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
-_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure")
+_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
 
 
 class NumericsError(RuntimeError):
@@ -50,7 +50,9 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple
         # Pure precisions fall back within the pure forms first (the masters carry over), then fp32.
         default = PURE_CHAIN if start.endswith("-pure") else DEFAULT_CHAIN
         names = [n for n in default if _runs(n, info)]
-        if start not in names:
+        if start == "fp8":  # fp8 -> bf16 (same autocast, plain Linears) -> fp32
+            names = ["fp8"] + [n for n in names if n in ("bf16", "fp32")]
+        elif start not in names:
             names = [start] + [n for n in names if n == "fp32"]
     else:
         names = [parse_precision(n) for n in str(spec).split(",") if n.strip()]

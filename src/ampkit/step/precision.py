@@ -209,8 +209,13 @@ def cpu_emulation_note(name: str, info: DeviceInfo) -> str:
 def resolve_precision(
     spec: Union[str, torch.dtype, Precision] = "auto",
     device: Union[str, torch.device, DeviceInfo, None] = None,
+    *,
+    emulate_fp8: bool = False,
 ) -> Precision:
     """Resolve ``spec`` against ``device`` (default: the best available device).
+
+    ``emulate_fp8=True`` lets ``fp8`` run where there are no fp8 tensor cores (a CPU, an older
+    GPU): torchao emulates the fp8 casts and matmuls -- fp8 numerics, no fp8 speed (for tests).
 
     Returns a frozen :class:`Precision` whose ``reason`` says why (for ``auto``) or what it does.
     Raises :class:`PrecisionError` for unknown names, and for a precision the device cannot
@@ -228,11 +233,15 @@ def resolve_precision(
             else:
                 picked, reason = picked + "-pure", reason + "; O2 keeps the weights in that dtype with fp32 master copies"
         name = picked
+    elif name == "fp8" and emulate_fp8 and _unsupported(name, info):
+        reason = (f"{DESCRIPTIONS[name]} (emulated by torchao: fp8 numerics without fp8 tensor cores; "
+                  f"{_unsupported(name, info)})")
     else:
         why_not = _unsupported(name, info)
         if why_not:
+            hint = " (or fp8_emulate=True to emulate it, for tests)" if name == "fp8" else ""
             raise PrecisionError(f"precision {name!r} cannot run here: {why_not}. "
-                                 f"Choose one this device supports, or 'auto'.")
+                                 f"Choose one this device supports, or 'auto'{hint}.")
         reason = DESCRIPTIONS[name]
         if info.type == "cpu" and info.cpu is not None:
             note = cpu_emulation_note(name, info)

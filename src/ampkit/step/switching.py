@@ -16,7 +16,7 @@ from .precision import Precision, PrecisionError, resolve_precision
 
 __all__ = ["SUPPORTED_BY_ENGINE", "SwitchingMixin"]
 
-SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure")
+SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
 
 
 class SwitchingMixin:
@@ -24,6 +24,7 @@ class SwitchingMixin:
 
     _fallback: Optional[FallbackPolicy]
     _masters: Any
+    _fp8_report: Any
     _model: Optional[torch.nn.Module]
     _optimizers: list[torch.optim.Optimizer]
     _last_diagnosis: Any
@@ -49,7 +50,7 @@ class SwitchingMixin:
         return self._switch(precision, "precision_switch", {"reason": reason})
 
     def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
-        new = resolve_precision(precision, self.device_info)
+        new = resolve_precision(precision, self.device_info, emulate_fp8=self.config.fp8_emulate)
         if new.name not in SUPPORTED_BY_ENGINE:
             raise PrecisionError(f"cannot switch to {new.name!r}: the engine supports {', '.join(SUPPORTED_BY_ENGINE)} so far")
         if self._window.micro != 0:
@@ -91,6 +92,13 @@ class SwitchingMixin:
             self._masters = None
         elif masters is None and p.is_pure:
             self._masters = MasterWeights(model, self._optimizers, p.param_dtype, self._kept_names())
+        if self._fp8_report and p.name != "fp8":
+            from .fp8 import revert
+
+            revert(model)  # fp8 -> bf16: plain Linears on the same parameters
+            self._fp8_report = None
+        elif p.name == "fp8" and not self._fp8_report:
+            self._convert_fp8()
         self._clip_order = ClipOrder(model, self._masters)
 
     def _retire_scaler(self) -> None:
