@@ -95,3 +95,33 @@ def test_fallback_fp8_to_bf16_reverts_the_modules():
     amp.switch("bf16")
     assert not any(type(m).__name__ == "Float8Linear" for m in model.modules()) and amp.fp8_report() == []
     assert all(torch.equal(a, b) for a, b in zip(weights.values(), model.state_dict().values()))
+
+
+def test_cli_fp8_emulated_and_compile(tmp_path, capsys):
+    import json
+
+    from ampkit.cli import main
+
+    assert main(["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--batch-size", "2", "--steps", "2",
+                 "--precision", "fp8", "--fp8_emulate", "--fp8_recipe", "rowwise", "--json", "--no-progress",
+                 "--log_dir", str(tmp_path / "r")]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "fp8"
+    assert main(["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--precision", "fp8",
+                 "--steps", "1", "--log_dir", str(tmp_path / "r2")]) == 2
+    assert "fp8_emulate" in capsys.readouterr().err
+
+
+def test_compile_keeps_state_dict_keys_and_trains():
+    model, batches = gpt()
+    keys = list(model.state_dict())
+    amp = MixedPrecision("fp32", device="cpu", compile=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = amp.setup(model, opt)
+    losses = []
+    for i in range(3):
+        with amp.autocast():
+            loss = model(*batches(i))
+        amp.backward(loss)
+        amp.step(opt)
+        losses.append(loss.item())
+    assert list(model.state_dict()) == keys and losses[-1] < losses[0]

@@ -277,3 +277,30 @@ def test_resume_is_bitwise_and_needs_the_masters(tmp_path):
     control.load_state_dict(state)
     control.fit(3)
     assert not all(torch.equal(a, b) for a, b in zip(full.amp.master_params(), control.amp.master_params()))
+
+
+def test_cli_o2_and_bf16_pure_train_bench_tune_and_resume(tmp_path, capsys):
+    import json
+
+    from ampkit.cli import main
+
+    common = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch-size", "8"]
+    ck = str(tmp_path / "ck")
+    assert main(["train", *common, "--precision", "bf16-pure", "--steps", "4", "--checkpoint_dir", ck,
+                 "--checkpoint_every", "2", "--json", "--no-progress", "--log_dir", str(tmp_path / "l1")]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "bf16-pure"
+    assert main(["train", *common, "--precision", "bf16-pure", "--steps", "6", "--checkpoint_dir", ck, "--resume",
+                 "--json", "--no-progress", "--log_dir", str(tmp_path / "l2")]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["precision"] == "bf16-pure" and s["optimizer_steps"] == 6
+    # O2 = the pure form of auto's dtype (fp32 where auto picks fp32, e.g. a CPU without bf16 support)
+    assert main(["train", *common, "--amp_opt_level", "O2", "--steps", "2", "--json", "--no-progress",
+                 "--log_dir", str(tmp_path / "l3")]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] in ("fp32", "bf16-pure", "fp16-pure")
+    out = tmp_path / "b.json"
+    assert main(["bench", *common, "--precisions", "fp32,bf16-pure,fp16-pure", "--steps", "2", "--warmup", "1",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    results = {r["precision"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["bf16-pure"]["status"] == "ok" and results["fp16-pure"]["status"] == "ok"
+    assert main(["tune", *common, "--precisions", "bf16-pure", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                 "--out", str(tmp_path / "t.toml"), "--tolerance", "1.0"]) == 0

@@ -24,7 +24,8 @@ def _bench_report(args: argparse.Namespace) -> Any:
     _, batches = model_and_data(args, device)
     return compare(factory, batches, precisions, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                    device=device, lr=args.lr, accumulation_steps=args.accumulation_steps, seed=args.seed,
-                   model_name=f"{args.model}/{args.size}")
+                   model_name=f"{args.model}/{args.size}",
+                   **{k: True for k in ("compile", "fp8_emulate") if getattr(args, k, False)})
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -80,6 +81,8 @@ def add_parser(sub: Any) -> None:
         flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate")
         flag(p, "seed", type=int, default=0, help="random seed")
         flag(p, "device", default=None, help="cpu, cuda, ... (default: best available)")
+        flag(p, "compile", action="store_true", help="torch.compile each model after setup (measured as such)")
+        flag(p, "fp8_emulate", action="store_true", help="let fp8 run without fp8 tensor cores (torchao emulation)")
         if cmd == "bench":
             flag(p, "json", default=None, metavar="FILE", help="also write the results as JSON")
             flag(p, "plot", default=None, metavar="FILE.png", help="speed-up and memory bars, loss curves")

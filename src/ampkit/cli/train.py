@@ -40,6 +40,9 @@ def _amp_overrides(args: argparse.Namespace, explicit: set[str], file_amp: dict[
         put("init_scale", "init_scale", args.init_scale)
     if args.keep_fp32:
         put("keep_fp32", "keep_fp32", tuple(p for p in args.keep_fp32.split(",") if p.strip()))
+    for key in ("fp8_recipe", "fp8_emulate", "compile"):
+        if getattr(args, key):
+            put(key, key, getattr(args, key))
     if args.fallback_chain:
         put("fallback", "fallback_chain", args.fallback_chain)
     elif args.no_fallback:
@@ -285,6 +288,10 @@ def add_parser(sub: Any) -> None:
     flag(p, "eval_precision", default="train", choices=["train", "fp32"],
           help="evaluate in the training precision or strict fp32 (default: train)")
     flag(p, "keep_fp32", default=None, help="comma-separated module globs/types to keep in fp32, e.g. 'lm_head,*.ln_*'")
+    flag(p, "fp8_recipe", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+         help="torchao float8 recipe for --precision fp8 (default: tensorwise)")
+    flag(p, "fp8_emulate", action="store_true", help="run fp8 without fp8 tensor cores (torchao emulation; for tests)")
+    flag(p, "compile", action="store_true", help="torch.compile the model after setup")
     flag(p, "no_fallback", action="store_true", help="do not fall back (fp16 -> bf16 -> fp32) on numerical trouble")
     flag(p, "fallback_chain", default=None, help="explicit fallback chain, e.g. 'fp16,bf16,fp32'")
     flag(p, "no_diagnose", action="store_true", help="do not localize the first skipped step")

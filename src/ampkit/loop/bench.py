@@ -179,7 +179,7 @@ def compare(
     results: dict[str, BenchResult] = {}
     for name in wanted:
         try:
-            p = resolve_precision(name, info)
+            p = resolve_precision(name, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
         except PrecisionError as e:
             results[name] = BenchResult(precision=name, status="skipped",
                                         reason=str(e).split(": ", 1)[-1].split(". Choose")[0])

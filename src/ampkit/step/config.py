@@ -57,6 +57,7 @@ class MixedPrecisionConfig:
     fallback: Union[bool, str] = _f(False, "fall back on numerical trouble: True (fp16 -> bf16 -> fp32) or a chain 'fp16,bf16,fp32'")
     fallback_patience: int = _f(8, "consecutive skipped steps that trigger a fallback")
     fallback_check_every: int = _f(10, "optimizer steps between fallback checks (reads are asynchronous)")
+    compile: bool = _f(False, "torch.compile the model at the end of setup (in place: state_dict keys unchanged)")
     fp8_recipe: str = _f("tensorwise", "torchao float8 recipe for precision fp8: tensorwise, rowwise, rowwise_with_gw_hp")
     fp8_emulate: bool = _f(False, "let fp8 run without fp8 tensor cores (CPU, older GPUs): torchao emulation, for tests")
 

@@ -141,6 +141,8 @@ class MixedPrecision(SwitchingMixin):
         if self.precision.is_pure:
             self._masters = MasterWeights(model, self._optimizers, self.precision.param_dtype, self._kept_names())
         self._clip_order = ClipOrder(model, self._masters)
+        if self.config.compile:
+            model.compile()  # nn.Module.compile: in place, so parameters and state_dict keys stay the same
         return (model, *optimizers) if optimizers else model
 
     def _kept_names(self) -> list[str]:
