@@ -67,7 +67,8 @@ def test_train_fp16_progress_summary_and_report(capsys, tmp_path):
 @pytest.mark.parametrize("argv,fragment", [
     (["train", "--precision", "fp61"], "unknown precision 'fp61'"),
     (["train", "--precision", "fp8", "--device", "cpu"], "fp8 needs an NVIDIA GPU"),
-    (["train", "--precision", "bf16-pure", "--device", "cpu", "--steps", "1"], "not supported by MixedPrecision.setup"),
+    (["train", "--precision", "bf16-pure", "--device", "cpu", "--steps", "1", "--keep_fp32", "nosuch"],
+     "matches no module"),
     (["report", "/nonexistent/run"], "does not exist"),
 ])
 def test_train_bad_input_is_a_clear_error(argv, fragment, capsys):

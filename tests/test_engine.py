@@ -274,16 +274,6 @@ def test_state_dict_resume_fp16_bitwise():
 
 # ---------------------------------------------------------------- bad input
 
-def test_pure_and_fp8_rejected_by_setup_for_now():
-    for name in ("bf16-pure", "fp16-pure"):
-        amp = MixedPrecision(name, device="cpu")
-        model = make_model()
-        before = copy.deepcopy(model.state_dict())
-        with pytest.raises(PrecisionError, match="not supported by MixedPrecision.setup"):
-            amp.setup(model)
-        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-
-
 def test_fp8_on_cpu_is_a_precision_error():
     with pytest.raises(PrecisionError, match="fp8 needs an NVIDIA GPU"):
         MixedPrecision("fp8", device="cpu")

@@ -37,15 +37,16 @@ from .events import Event, EventStream, StepResult
 from .fallback import NumericsError
 from .hardware import DeviceInfo, device_info, normalize_device
 from .master import MasterWeights
-from .overrides import Fp32Overrides, apply_fp32_overrides, match_modules
+from .overrides import Fp32Overrides, apply_fp32_overrides
 from .precision import Precision, resolve_precision
 from .scaler import LossScaler
+from .state import StateMixin
 from .switching import SwitchingMixin
 from .validation import check_setup, stepped_optimizers
 
 __all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
 
-class MixedPrecision(SwitchingMixin):
+class MixedPrecision(SwitchingMixin, StateMixin):
     """Mixed-precision training: autocast, loss scaling, accumulation, clipping, skipping, switching.
 
     Args:
@@ -144,35 +145,6 @@ class MixedPrecision(SwitchingMixin):
         if self.config.compile:
             model.compile()  # nn.Module.compile: in place, so parameters and state_dict keys stay the same
         return (model, *optimizers) if optimizers else model
-
-    def _kept_names(self) -> list[str]:
-        if self._model is None or not self.config.keep_fp32:
-            return []
-        return sorted({n for names in match_modules(self._model, self.config.keep_fp32).values() for n in names})
-
-    def _convert_fp8(self) -> None:
-        from .fp8 import convert
-
-        assert self._model is not None
-        emulate = self.config.fp8_emulate and not self.device_info.fp8
-        self._fp8_report = convert(self._model, self.config.fp8_recipe, emulate=emulate, keep=self._kept_names())
-
-    def fp8_report(self) -> list[dict[str, Any]]:
-        """Each Linear of the model: converted to fp8 or skipped, with the reason (precision fp8)."""
-        return [d.to_dict() for d in self._fp8_report] if self._fp8_report else []
-
-    def master_params(self) -> list[torch.Tensor]:
-        """The fp32 master weights (pure precisions; empty otherwise). They live in the optimizer."""
-        return list(self._masters.masters) if self._masters is not None else []
-
-    def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict in fp32: for pure precisions the masters' values (what to export
-        or evaluate); otherwise the model's own state dict (already fp32)."""
-        self._require_setup("full_precision_state_dict")
-        assert self._model is not None
-        if self._masters is None:
-            return dict(self._model.state_dict())
-        return self._masters.full_precision_state_dict()
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -395,70 +367,6 @@ class MixedPrecision(SwitchingMixin):
     def optimizer_steps(self) -> int:
         """Accumulation boundaries reached (optimizer steps attempted, skipped ones included)."""
         return self._steps
-
-    def stats(self) -> dict[str, Any]:
-        """Precision, scale, steps, skipped steps, overflow rate, events. **Syncs** (reads device counters)."""
-        overflows = self._scaler.overflow_count
-        skipped = int(overflows.item()) if overflows is not None and self._scaler.is_enabled() else 0
-        if self._skipped_before is not None:
-            skipped += int(self._skipped_before.item())
-        return {
-            "precision": self.precision.name,
-            "device": str(self.device),
-            "scale": self._scaler.get_scale() if self.precision.needs_scaler else None,
-            "optimizer_steps": self._steps,
-            "skipped_steps": skipped,
-            "overflow_rate": skipped / self._steps if self._steps else 0.0,
-            "accumulation_steps": self.config.accumulation_steps,
-            "pending_micro_steps": self._window.micro,
-            "events": [e.to_dict() for e in self._stream.kept],
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: precision (after switches), config, scaler, counters, events. **Syncs**.
-
-        Call between optimizer steps (not inside an accumulation window).
-        """
-        return {
-            "precision": self.precision.name,
-            "config": self.config.to_dict(),
-            "scaler": self._scaler.state_dict(),
-            "optimizer_steps": self._steps,
-            "micro_steps": self._window.micro,
-            "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
-            "events": [e.to_dict() for e in self._stream.kept],
-            "masters": self._masters.state_dict() if self._masters is not None else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. Validates everything before changing anything."""
-        if not isinstance(state, dict) or "precision" not in state or "config" not in state:
-            raise ValueError("not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ...")
-        cfg = MixedPrecisionConfig.from_dict(state["config"])
-        new = resolve_precision(state["precision"], self.device_info, emulate_fp8=cfg.fp8_emulate)
-        old_config, self.config = self.config, cfg
-        try:
-            scaler = self._make_scaler(new)
-            if state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-        except Exception:
-            self.config = old_config
-            raise
-        self.precision, self._scaler = new, scaler
-        self._steps = int(state.get("optimizer_steps", 0))
-        before = int(state.get("skipped_before", 0))
-        self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
-        self._window = Window(cfg.accumulation_steps)
-        self._window.micro = int(state.get("micro_steps", 0))
-        self._stream.kept = [Event(kind=e["kind"], step=e["step"],
-                              data={k: v for k, v in e.items() if k not in ("kind", "step")})
-                        for e in state.get("events", [])]
-        self._fallback = self._make_fallback()
-        self._build_contexts()
-        if self._model is not None:
-            self._retarget_weights()
-            if self._masters is not None and state.get("masters"):
-                self._masters.load_state_dict(state["masters"])
 
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:

@@ -1,4 +1,5 @@
-"""Changing precision between steps: explicit ``switch()`` and the fallback chain's automatic one.
+"""Changing precision between steps (explicit ``switch()``, the fallback chain's automatic one)
+and the form of the weights each precision needs (fp32 masters for the pure forms, fp8 modules).
 
 A mixin of :class:`~ampkit.step.engine.MixedPrecision` (it uses the engine's scaler, window and
 event stream); kept apart so the engine file holds the step itself.
@@ -12,6 +13,7 @@ import torch
 
 from .config import ConfigError
 from .fallback import FallbackPolicy, NumericsError, Trigger, resolve_chain
+from .overrides import match_modules
 from .precision import Precision, PrecisionError, resolve_precision
 
 __all__ = ["SUPPORTED_BY_ENGINE", "SwitchingMixin"]
@@ -70,6 +72,36 @@ class SwitchingMixin:
         self._retarget_weights()
         self._emit(kind, {"from": old.name, "to": new.name, **data})
         return new
+
+    # ------------------------------------------------------------------ the weights' form
+    def _kept_names(self) -> list[str]:
+        if self._model is None or not self.config.keep_fp32:
+            return []
+        return sorted({n for names in match_modules(self._model, self.config.keep_fp32).values() for n in names})
+
+    def _convert_fp8(self) -> None:
+        from .fp8 import convert
+
+        assert self._model is not None
+        emulate = self.config.fp8_emulate and not self.device_info.fp8
+        self._fp8_report = convert(self._model, self.config.fp8_recipe, emulate=emulate, keep=self._kept_names())
+
+    def fp8_report(self) -> list[dict[str, Any]]:
+        """Each Linear of the model: converted to fp8 or skipped, with the reason (precision fp8)."""
+        return [d.to_dict() for d in self._fp8_report] if self._fp8_report else []
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master weights (pure precisions; empty otherwise). They live in the optimizer."""
+        return list(self._masters.masters) if self._masters is not None else []
+
+    def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in fp32: for pure precisions the masters' values (what to export
+        or evaluate); otherwise the model's own state dict (already fp32)."""
+        self._require_setup("full_precision_state_dict")
+        assert self._model is not None
+        if self._masters is None:
+            return dict(self._model.state_dict())
+        return self._masters.full_precision_state_dict()
 
     def _retarget_weights(self) -> None:
         """Make the model's weights match ``self.precision``: add, recast or drop fp32 masters.
