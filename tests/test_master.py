@@ -304,3 +304,45 @@ def test_cli_o2_and_bf16_pure_train_bench_tune_and_resume(tmp_path, capsys):
     assert results["bf16-pure"]["status"] == "ok" and results["fp16-pure"]["status"] == "ok"
     assert main(["tune", *common, "--precisions", "bf16-pure", "--steps", "2", "--warmup", "1", "--repeats", "1",
                  "--out", str(tmp_path / "t.toml"), "--tolerance", "1.0"]) == 0
+
+
+def test_pure_precision_on_a_sharded_model_points_to_fsdp():
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = mlp()
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with pytest.raises(ValueError, match="fp32 shards are the masters"):
+            MixedPrecision("bf16-pure", device="cpu").setup(model, opt)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
+    import subprocess
+    import sys
+
+    from ampkit.loop.checkpoint import load_checkpoint
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "ampkit", "train", "--model", "gpt", "--size", "tiny",
+                            "--device", "cpu", "--batch-size", "2", "--precision", "bf16-pure", "--no-progress",
+                            *args], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+
+    run("--steps", "4", "--checkpoint_dir", str(tmp_path / "a"), "--checkpoint_every", "4", "--log_dir", str(tmp_path / "la"))
+    run("--steps", "2", "--checkpoint_dir", str(tmp_path / "b"), "--checkpoint_every", "2", "--log_dir", str(tmp_path / "lb"))
+    run("--steps", "4", "--checkpoint_dir", str(tmp_path / "b"), "--checkpoint_every", "2", "--resume",
+        "--log_dir", str(tmp_path / "lc"))
+    a = load_checkpoint(str(tmp_path / "a" / "ckpt-00000004.pt"))
+    b = load_checkpoint(str(tmp_path / "b" / "ckpt-00000004.pt"))
+    assert a["amp"]["masters"] and all(torch.equal(v, b["amp"]["masters"][k]) for k, v in a["amp"]["masters"].items())
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
