@@ -127,7 +127,8 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         engine cannot apply yet (the pure forms and fp8), before anything is changed.
         """
         check_setup(self.precision.name, model, optimizers, self.config.keep_fp32)  # before anything changes
-        model.to(self.device)
+        if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
+            model.to(self.device)  # (skipped when already there: also lets fake-tensor models through)
         self._model = model
         self._fp8_report = None
         if self.precision.name == "fp8":  # before the overrides: conversion swaps modules
