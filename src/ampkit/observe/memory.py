@@ -17,14 +17,15 @@ import torch
 from ..step.precision import Precision, PrecisionError, resolve_precision
 from .monitor.core import peak_memory_bytes
 
-__all__ = ["ActivationReport", "MemoryBreakdown", "activations", "breakdown", "peak"]
+__all__ = ["ActivationReport", "MemoryBreakdown", "MemoryEstimate", "activations", "breakdown", "estimate", "peak"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "scaler")
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
-    s = t.untyped_storage()
-    return (str(t.device), s.data_ptr())
+    # The storage's identity (its StorageImpl), not its data pointer: fake tensors (memory
+    # estimates) have no data, and empty storages can share a null pointer.
+    return (str(t.device), t.untyped_storage()._cdata)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -108,8 +109,11 @@ def breakdown(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]
         for state in optimizer.state.values():
             for v in state.values():
                 add("optimizer_state", v)
+    masters = list(getattr(amp, "master_params", lambda: [])()) if amp is not None else []
+    for m in masters:
+        add("gradients", m.grad)  # pure precisions: the fp32 gradients live on the masters
     if amp is not None:
-        for t in getattr(amp, "master_params", lambda: [])():
+        for t in masters:
             add("master_weights", t)
         scaler = getattr(amp, "scaler", None)
         if scaler is not None:
@@ -156,7 +160,9 @@ def activations(
     p = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
     if p.name == "fp8":
         raise PrecisionError("activations() does not measure fp8 yet; choose fp32, tf32, bf16, fp16 or a pure form")
-    run_model = copy.deepcopy(model).to(p.param_dtype) if p.is_pure else model
+    # A model set up for a pure precision already holds half weights; others run on a cast copy.
+    cast = p.is_pure and not any(q.dtype == p.param_dtype for q in model.parameters())
+    run_model = copy.deepcopy(model).to(p.param_dtype) if cast else model
     own = {_key(t) for t in list(run_model.parameters()) + list(run_model.buffers())}
     seen: set[tuple[str, int]] = set()
     by_dtype: dict[str, int] = defaultdict(int)
@@ -221,3 +227,7 @@ def peak(device: Union[str, torch.device, None] = None) -> int:
     from ..step.hardware import normalize_device
 
     return peak_memory_bytes(normalize_device(device))
+
+
+# At the bottom: estimate builds on breakdown() and activations() above.
+from .estimate import MemoryEstimate, estimate  # noqa: E402

@@ -17,20 +17,11 @@ a pass over the gradients already happens (clipping) the check rides on it inste
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
 __all__ = ["check_and_unscale", "grads_of", "nonfinite_flag"]
-
-_UNIT: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit(device: torch.device) -> torch.Tensor:
-    one = _UNIT.get(device)
-    if one is None:
-        one = _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
-
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
@@ -42,14 +33,15 @@ def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def nonfinite_flag(grads: Sequence[torch.Tensor], found: torch.Tensor) -> torch.Tensor:
+def nonfinite_flag(grads: Sequence[torch.Tensor], found: torch.Tensor,
+                   one: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Set ``found`` (0-d fp32, on the gradients' device) to 1.0 if any of ``grads`` holds inf/NaN.
 
     One fused call per dtype (module doc); the values are multiplied by exactly 1.0, so they are
     unchanged. Returns ``found``. No sync.
     """
     if grads:
-        one = _unit(found.device)
+        one = torch.ones((), dtype=torch.float32, device=found.device) if one is None else one
         for same in _by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
     return found
@@ -86,7 +78,9 @@ def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
     # No torch.no_grad() needed: .grad tensors do not require grad (that context costs ~3 us).
     for dev, grads in grads_of(optimizer, allow_fp16=allow_fp16).items():
         f = found[dev] = torch.zeros((), dtype=torch.float32, device=dev)
-        inv = _unit(dev) if unit else inv_scale.to(dev, non_blocking=True)
+        # unit: inv_scale is the scaler's own cached 1.0 (no module-level tensor cache: it would
+        # leak across devices and fake-tensor modes)
+        inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
         for same in _by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same, f, inv)
     return found

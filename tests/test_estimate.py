@@ -1,0 +1,74 @@
+"""memory.estimate: a training step's memory predicted on fake tensors, checked against real runs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from ampkit.memory import activations, breakdown, estimate
+
+from ampkit import MixedPrecision
+from ampkit.loop.models import build, builtin
+
+PRECISIONS = ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
+STATIC = ("parameters", "gradients", "master_weights", "optimizer_state")
+
+
+def measured(name, size, precision, batch):
+    """A real run: two steps, gradients kept after the second backward, as the estimate counts them."""
+    torch.manual_seed(0)
+    model = build(name, size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp = MixedPrecision(precision, device="cpu")
+    model, opt = amp.setup(model, opt)
+    for i in range(2):
+        with amp.autocast():
+            loss = model(*batch)
+        amp.backward(loss)
+        if i == 1:
+            static = breakdown(model, opt, amp).by_category
+        amp.step(opt)
+    return static, activations(model, batch, precision).total
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name,size", [("gpt", "tiny"), ("gpt", "small"), ("mlp", "tiny"), ("mlp", "small"),
+                                       ("cnn", "tiny"), ("cnn", "small")])
+def test_estimate_matches_a_real_run(name, size, precision):
+    _, data = builtin(name, size, batch_size=2, seed=0)
+    batch = data(0)
+    est = estimate(lambda: build(name, size), batch, precision=precision)
+    static, acts = measured(name, size, precision, batch)
+    for part in STATIC:
+        assert est.parts[part] == static.get(part, 0), part  # exact: the same accounting on fake tensors
+    assert abs(est.parts["activations"] - acts) <= 0.05 * acts
+    assert est.peak_bytes >= sum(est.parts[p] for p in STATIC) + est.parts["activations"]
+    assert est.parts["master_weights"] > 0 if precision.endswith("-pure") else est.parts["master_weights"] == 0
+
+
+def test_gpt2_124m_in_seconds_without_allocating_it(tmp_path):
+    code = (
+        "import json, resource, time, torch\n"
+        "from ampkit.memory import estimate\n"
+        "from ampkit.loop.models import GPT, GPTConfig\n"
+        "t = time.time()\n"
+        "cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)\n"
+        "x = torch.randint(0, 50304, (8, 1024))\n"
+        "rows = {p: estimate(lambda: GPT(cfg), (x, x), precision=p).to_dict() for p in ('fp32', 'bf16-pure')}\n"
+        "print(json.dumps({'seconds': time.time() - t, 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
+        " 'rows': rows}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["seconds"] < 60 and out["rss"] * 1024 < 2 * 2**30  # ru_maxrss is in KiB on Linux
+    fp32, pure = out["rows"]["fp32"], out["rows"]["bf16-pure"]
+    from ampkit.loop.models import GPT, GPTConfig
+
+    with torch.device("meta"):  # the parameter count, without allocating
+        n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12,
+                                                 n_embd=768)).parameters())
+    assert n > 120e6 and fp32["parts"]["parameters"] == 4 * n
+    assert fp32["peak_bytes"] > 2**30  # far more than this process ever held
+    assert pure["parts"]["parameters"] * 2 == fp32["parts"]["parameters"]  # bf16 weights
+    assert pure["parts"]["master_weights"] == fp32["parts"]["parameters"]  # fp32 masters
