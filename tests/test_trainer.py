@@ -7,14 +7,14 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.cli import main
-from ampkit.loop.activation_checkpointing import (
-    apply_activation_checkpointing,
-    remove_activation_checkpointing,
-)
 from ampkit.loop.data import TextBatches
 from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 from ampkit.observe.memory import activations
+from ampkit.step.activation_checkpointing import (
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
 
 
 def test_activation_checkpointing_same_gradients_less_memory():

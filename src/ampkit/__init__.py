@@ -51,7 +51,7 @@ MODULE_HOMES = {
     "fallback": "step.fallback", "memory": "observe.memory", "monitor": "observe.monitor",
     "numerics": "observe.numerics", "trainer": "loop.trainer", "checkpoint": "loop.checkpoint",
     "data": "loop.data", "models": "loop.models", "bench": "loop.bench",
-    "activation_checkpointing": "loop.activation_checkpointing",
+    "activation_checkpointing": "step.activation_checkpointing",
 }
 
 

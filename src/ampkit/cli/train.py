@@ -190,7 +190,7 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, 
         targets = ["blocks.*"]
     if not targets:
         return
-    from ..loop.activation_checkpointing import apply_activation_checkpointing
+    from ..step.activation_checkpointing import apply_activation_checkpointing
 
     try:
         done = apply_activation_checkpointing(model, targets)

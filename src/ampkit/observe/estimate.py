@@ -108,7 +108,7 @@ def estimate(
         else:
             model = model_or_factory()
         if activation_checkpointing:
-            from ..loop.activation_checkpointing import apply_activation_checkpointing
+            from ..step.activation_checkpointing import apply_activation_checkpointing
 
             targets = (list(activation_checkpointing) if not isinstance(activation_checkpointing, bool) else
                        [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)])

@@ -17,7 +17,7 @@ from typing import Any, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..step.overrides import match_modules
+from .overrides import match_modules
 
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing"]
 
