@@ -72,3 +72,40 @@ def test_gpt2_124m_in_seconds_without_allocating_it(tmp_path):
     assert fp32["peak_bytes"] > 2**30  # far more than this process ever held
     assert pure["parts"]["parameters"] * 2 == fp32["parts"]["parameters"]  # bf16 weights
     assert pure["parts"]["master_weights"] == fp32["parts"]["parameters"]  # fp32 masters
+
+
+def test_largest_batch_fits_and_the_next_does_not():
+    from ampkit.memory import largest_batch
+
+    def batch_of(b):
+        return builtin("gpt", "tiny", batch_size=b, seed=0)[1](0)
+
+    def factory():
+        return build("gpt", "tiny")
+
+    budget = 24 * 2**20
+    found = {}
+    for precision in ("fp32", "bf16"):
+        b, at_b = largest_batch(factory, batch_of, budget, precision)
+        assert b >= 1 and at_b.peak_bytes <= budget
+        assert estimate(factory, batch_of(b + 1), precision=precision).peak_bytes > budget
+        found[precision] = b
+    assert found["bf16"] > found["fp32"]  # half-precision activations fit a larger batch
+
+
+def test_plan_cli_and_bad_input(capsys):
+    from ampkit.cli import main
+
+    assert main(["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "fp32,bf16-pure",
+                 "--batch_size", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["precision"]: r for r in out["rows"]}
+    assert out["memory_bytes"] == 24 * 2**20
+    assert rows["bf16-pure"]["largest_batch"] > rows["fp32"]["largest_batch"] >= 1
+    assert rows["fp32"]["largest_batch_activation_checkpointing"] >= rows["fp32"]["largest_batch"]
+    assert rows["bf16-pure"]["saving_vs_fp32"] > 0
+    for argv, says in ((["--memory", "8XB"], "memory size '8XB' is not understood"),
+                       (["--memory", "100KiB"], "smaller than the parameters")):
+        assert main(["plan", "--model", "gpt", "--size", "tiny", "--precisions", "fp32", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1

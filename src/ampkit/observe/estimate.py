@@ -27,7 +27,7 @@ import torch
 from ..step.engine import MixedPrecision
 from .memory import activations, breakdown
 
-__all__ = ["MemoryEstimate", "estimate"]
+__all__ = ["MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
 
 PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporaries")
 
@@ -145,3 +145,61 @@ def estimate(
               if isinstance(t, torch.Tensor)]
     return MemoryEstimate(precision=amp.precision.name, device=str(dev), peak_bytes=peak, parts=parts,
                           by_dtype=dict(static.by_dtype), batch_shapes=shapes)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text: Union[str, int, float]) -> int:
+    """``"8GiB"``, ``"512 MiB"``, ``"16GB"``, ``"1.5g"`` or a byte count -> bytes."""
+    import re
+
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory size {text!r} is not understood; write a number with a unit, e.g. 8GiB, "
+                             "512MiB, 16GB (units: B, KB/KiB, MB/MiB, GB/GiB, TB/TiB)")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if not value > 0:
+        raise ValueError(f"memory size {text!r} must be > 0")
+    return int(value * _UNITS[unit])
+
+
+def largest_batch(model_factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
+                  precision: str = "fp32", *, activation_checkpointing: Union[bool, Sequence[str]] = False,
+                  optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw",
+                  limit: int = 1 << 16) -> tuple[int, Any]:
+    """The largest batch ``B`` whose estimated peak fits ``budget``: ``estimate(B) <= budget <
+    estimate(B + 1)``. Returns ``(B, estimate at B)``; ``(0, estimate at 1)`` when not even one
+    sample fits. Peak memory is close to affine in the batch, so two estimates predict ``B`` and a
+    few more confirm it."""
+    def at(b: int) -> MemoryEstimate:
+        return estimate(model_factory, batch_of(b), optimizer, precision,
+                        activation_checkpointing=activation_checkpointing)
+
+    one = at(1)
+    if one.peak_bytes > budget:
+        return 0, one
+    two = at(2)
+    slope = max(1, two.peak_bytes - one.peak_bytes)
+    lo, lo_est = 1, one  # fits
+    guess = min(limit, max(1, 1 + (budget - one.peak_bytes) // slope))
+    hi = None  # smallest known not to fit
+    b = guess
+    for _ in range(40):
+        e = at(b)
+        if e.peak_bytes <= budget:
+            lo, lo_est = b, e
+            if b >= limit:
+                return b, e
+            # above the prediction: confirm the next size, then grow fast until one does not fit
+            b = (b + 1 if b == guess else min(limit, 2 * b)) if hi is None else (b + hi) // 2
+        else:
+            hi = b
+            b = (lo + hi) // 2
+        if hi is not None and hi - lo <= 1:
+            return lo, lo_est
+    return lo, lo_est

@@ -17,7 +17,7 @@ import torch
 from ..step.precision import Precision, PrecisionError, resolve_precision
 from .monitor.core import peak_memory_bytes
 
-__all__ = ["ActivationReport", "MemoryBreakdown", "MemoryEstimate", "activations", "breakdown", "estimate", "peak"]
+__all__ = ["ActivationReport", "MemoryBreakdown", "activations", "breakdown", "peak"]  # + estimate (lazy)
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "scaler")
 
@@ -229,5 +229,11 @@ def peak(device: Union[str, torch.device, None] = None) -> int:
     return peak_memory_bytes(normalize_device(device))
 
 
-# At the bottom: estimate builds on breakdown() and activations() above.
-from .estimate import MemoryEstimate, estimate  # noqa: E402
+def __getattr__(name: str) -> Any:
+    # ``ampkit.memory.estimate`` and friends live in observe/estimate.py, which builds on this
+    # module; resolving them lazily keeps the import order one way.
+    if name in ("MemoryEstimate", "estimate", "largest_batch", "parse_bytes"):
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.estimate"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

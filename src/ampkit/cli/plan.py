@@ -1,0 +1,77 @@
+"""``ampkit plan``: will it fit? Predicted memory per precision and the largest batch for a budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..observe.estimate import estimate, largest_batch, parse_bytes
+from .common import flag, positive_int, wide_console
+
+DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"
+
+
+def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ..loop.models import MODELS, builtin, user_model
+
+    budget = parse_bytes(args.memory)
+
+    def data(b: int) -> Any:
+        if args.model in MODELS:
+            return builtin(args.model, args.size, batch_size=b, seed=0)
+        return user_model(args.model, batch_size=b, seed=0, size=args.size, device=None)
+
+    def factory() -> Any:
+        return data(1)[0]
+
+    def batch_of(b: int) -> Any:
+        return data(b)[1](0)
+
+    rows = []
+    for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+        at = estimate(factory, batch_of(args.batch_size), precision=precision)
+        static = sum(v for k, v in at.parts.items() if k not in ("activations", "temporaries"))
+        if static > budget:
+            raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
+                             f"parameters, gradients and optimizer state alone in {precision} "
+                             f"({static / 2**30:.2f} GiB); no batch size fits")
+        best, _ = largest_batch(factory, batch_of, budget, precision)
+        best_ckpt, _ = largest_batch(factory, batch_of, budget, precision, activation_checkpointing=True)
+        rows.append({"precision": at.precision, "peak_bytes": at.peak_bytes, "parts": at.parts,
+                     "batch_size": args.batch_size, "fits": at.peak_bytes <= budget,
+                     "largest_batch": best, "largest_batch_activation_checkpointing": best_ckpt})
+    ref = next((r for r in rows if r["precision"] == "fp32"), None)
+    for r in rows:
+        r["saving_vs_fp32"] = 1 - r["peak_bytes"] / ref["peak_bytes"] if ref else None
+    return rows
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    rows = plan_rows(args)
+    if args.json:
+        print(json.dumps({"model": f"{args.model}/{args.size}", "memory_bytes": parse_bytes(args.memory),
+                          "rows": rows}, indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"ampkit plan: {args.model}/{args.size}, budget {args.memory}, batch {args.batch_size}")
+    for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "saving vs fp32"):
+        table.add_column(col, justify="right" if col != "precision" else "left")
+    for r in rows:
+        saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
+        table.add_row(r["precision"], f"{r['peak_bytes'] / 2**20:,.0f} MiB", "yes" if r["fits"] else "no",
+                      str(r["largest_batch"]), str(r["largest_batch_activation_checkpointing"]), saving)
+    wide_console().print(table)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
+    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory")
+    flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
+    flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
+    flag(p, "precisions", default=DEFAULT, help=f"comma-separated (default: {DEFAULT})")
+    flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
+    flag(p, "json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
