@@ -133,6 +133,7 @@ class Trainer:
         self.log_every, self.progress = log_every, progress
         self.log_dir, self.tensorboard, self.console = log_dir, tensorboard, console
         self.micro_index = 0  # the data position: index of the next micro-batch
+        self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes (it is in the checkpoint)
         self.notes: list[str] = []
         self.diagnose = diagnose
@@ -186,7 +187,8 @@ class Trainer:
         assert steps is not None
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
-        amp, accum = self.amp, self.amp.config.accumulation_steps
+        amp = self.amp
+        accum = amp.config.accumulation_steps // self.split  # in batches of batches(i)
         samples = getattr(self.batches, "samples_per_batch", None)
         tokens = getattr(self.batches, "tokens_per_batch", None)
         watch = _SkipWatch()
@@ -199,16 +201,14 @@ class Trainer:
         try:
             for _ in range(steps):
                 step = amp.optimizer_steps + 1
-                for k in range(accum):
-                    batch = self.batches(self.micro_index)
-                    self.micro_index += 1
-                    if k == 0 and self.diagnose and self.diagnosis is None:
-                        self._recent[step] = batch
-                        self._recent.pop(step - 2 * self.log_every - 2, None)
-                    with amp.autocast():
-                        loss = self.loss_fn(self.model, batch)
-                    amp.backward(loss)
-                    result = amp.step(self.optimizer)
+                while True:
+                    start = self.micro_index
+                    try:
+                        result = self._window(step, accum)
+                        break
+                    except torch.OutOfMemoryError as e:
+                        self.micro_index = start  # no step lost, none counted twice: redo the window
+                        self._rebatch(e, accum, monitor)
                 if self.scheduler is not None and not result.skipped:
                     # Only after optimizer steps that really happened (reading `skipped` syncs once
                     # per step; only when a scheduler is given), as Accelerate does.
@@ -249,6 +249,41 @@ class Trainer:
         return result
 
 
+    def _window(self, step: int, accum: int) -> Any:
+        """One optimizer step: ``accum`` batches, each cut into ``self.split`` micro-batches."""
+        amp = self.amp
+        result = None
+        for k in range(accum):
+            batch = self.batches(self.micro_index)
+            self.micro_index += 1
+            if k == 0 and self.diagnose and self.diagnosis is None:
+                self._recent[step] = batch
+                self._recent.pop(step - 2 * self.log_every - 2, None)
+            for piece in split_batch(batch, self.split):
+                with amp.autocast():
+                    loss = self.loss_fn(self.model, piece)
+                amp.backward(loss)
+                result = amp.step(self.optimizer)
+        return result
+
+    def _rebatch(self, error: BaseException, accum: int, monitor: Monitor) -> None:
+        """After an out-of-memory error: free the window, halve the micro-batch, double the
+        accumulation (same effective batch, same gradient math), record ``oom_rebatch``."""
+        self.amp.discard_window()
+        if self.amp.device.type == "cuda":
+            torch.cuda.empty_cache()
+        batch = self.batches(self.micro_index)
+        size = _batch_size(batch) // self.split
+        if size < 2:
+            raise RuntimeError(f"out of memory even with a micro-batch of {size}: nothing left to split "
+                               f"({str(error).splitlines()[0][:200]})") from error
+        self.split *= 2
+        self.amp.set_accumulation_steps(accum * self.split)
+        monitor.log_event("oom_rebatch", micro_batch=_batch_size(batch) // self.split,
+                          accumulation_steps=accum * self.split, error=str(error).splitlines()[0][:200])
+        self.notes.append(f"out of memory at step {self.amp.optimizer_steps + 1}: micro-batch halved to "
+                          f"{_batch_size(batch) // self.split}, accumulation doubled to {accum * self.split}")
+
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
@@ -286,7 +321,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "amp": self.amp.state_dict(),
             "rng": capture_rng(),
-            "data": {"micro_index": self.micro_index},
+            "data": {"micro_index": self.micro_index, "split": self.split},
             "run": {"id": self.run_id},
         }
 
@@ -302,6 +337,7 @@ class Trainer:
         self.amp.load_state_dict(state["amp"])
         restore_rng(state.get("rng", {}))
         self.micro_index = int(state.get("data", {}).get("micro_index", 0))
+        self.split = int(state.get("data", {}).get("split", 1))
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
 
     def _check_state(self, state: dict[str, Any], source: str) -> None:
@@ -363,3 +399,27 @@ class Trainer:
 
 def _f(v: Optional[float]) -> float:
     return math.nan if v is None else float(v)
+
+
+def _batch_size(batch: Any) -> int:
+    for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise TypeError("cannot split this batch: it holds no tensor with a batch dimension")
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """``batch`` cut into ``parts`` micro-batches along dim 0 (tensors; other values repeated)."""
+    if parts == 1:
+        return [batch]
+
+    def cut(t: Any) -> list[Any]:
+        return list(torch.tensor_split(t, parts)) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * parts
+
+    if isinstance(batch, dict):
+        cols = {k: cut(v) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
+    if isinstance(batch, (tuple, list)):
+        cols = [cut(v) for v in batch]
+        return [type(batch)(c[i] for c in cols) for i in range(parts)]
+    return cut(batch)

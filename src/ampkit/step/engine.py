@@ -234,6 +234,26 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         """
         self._window.set_size(micro_steps)
 
+    def discard_window(self) -> None:
+        """Drop the current accumulation window: its gradients (set to None on every set-up
+        optimizer) and its micro-step count -- e.g. to redo it after an out-of-memory error."""
+        self._require_setup("discard_window")
+        for opt in self._optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self._model is not None:
+            for p in self._model.parameters():
+                p.grad = None  # half gradients not yet absorbed, parameters outside the optimizers
+        self._window.reset()
+        self._window_loss = None
+
+    def set_accumulation_steps(self, n: int) -> None:
+        """Change ``accumulation_steps`` between windows (raises inside one)."""
+        if self._window.micro:
+            raise RuntimeError(f"set_accumulation_steps() inside a window ({self._window.micro} micro-step(s) "
+                               "done); call it after step() or discard_window()")
+        self.config = self.config.replace(accumulation_steps=n)
+        self._window = Window(n)
+
     # ------------------------------------------------------------------ step
     def step(
         self,
