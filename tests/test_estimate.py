@@ -109,3 +109,29 @@ def test_plan_cli_and_bad_input(capsys):
         assert main(["plan", "--model", "gpt", "--size", "tiny", "--precisions", "fp32", *argv]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
+    from ampkit.memory import largest_batch
+
+    from ampkit.cli import main
+
+    common = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--steps", "2", "--json",
+              "--no-progress", "--precision", "fp32"]
+    assert main([*common, "--batch_size", "auto", "--memory_budget", "2MiB", "--log_dir", str(tmp_path / "a")]) == 0
+    s = json.loads(capsys.readouterr().out)
+
+    def batch_of(b):
+        return builtin("mlp", "tiny", batch_size=b, seed=0)[1](0)
+
+    expected, _ = largest_batch(lambda: build("mlp", "tiny"), batch_of, 2 * 2**20, "fp32")
+    assert s["batch_size"] == expected > 16 and "fits" in s["batch_reason"]
+    assert main([*common, "--batch_size", "auto", "--log_dir", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--batch_size auto needs --memory_budget" in err and len(err.strip().splitlines()) == 1
+    assert main([*common, "--batch_size", "16", "--target_effective_batch_size", "64",
+                 "--log_dir", str(tmp_path / "c")]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["batch_size"], s["accumulation_steps"]) == (16, 4)
+    assert main([*common, "--batch_size", "auto", "--memory_budget", "8XB", "--log_dir", str(tmp_path / "d")]) == 2
+    assert "memory size '8XB' is not understood" in capsys.readouterr().err

@@ -62,6 +62,43 @@ def requested_precision(args: argparse.Namespace, explicit: set[str]) -> str:
     return level
 
 
+def _batch_size_arg(text: str) -> Any:
+    return "auto" if str(text).strip().lower() == "auto" else positive_int(text)
+
+
+def choose_batch(args: argparse.Namespace, device: torch.device, precision: str) -> Optional[str]:
+    """Resolve ``--batch_size auto`` and ``--target_effective_batch_size`` in ``args``; returns why."""
+    why = None
+    if args.batch_size == "auto":
+        from ..observe.estimate import largest_batch, parse_bytes
+
+        if args.memory_budget is None and device.type != "cuda":
+            raise ValueError("--batch_size auto needs --memory_budget on this device (e.g. --memory_budget 8GiB); "
+                             "only on CUDA is the device's free memory the default budget")
+        budget = (parse_bytes(args.memory_budget) if args.memory_budget is not None
+                  else torch.cuda.mem_get_info(device)[0])
+        probe = argparse.Namespace(**{**vars(args), "batch_size": 1})
+
+        def batch_of(b: int) -> Any:
+            return model_and_data(argparse.Namespace(**{**vars(args), "batch_size": b}), torch.device("cpu"))[1](0)
+
+        best, at = largest_batch(lambda: model_and_data(probe, torch.device("cpu"))[0], batch_of, budget, precision)
+        if best < 1:
+            raise ValueError(f"--memory_budget {args.memory_budget}: not even a batch of 1 fits "
+                             f"({at.peak_bytes / 2**20:,.0f} MiB predicted in {precision})")
+        args.batch_size = best
+        why = (f"batch size {best}: the largest whose predicted peak ({at.peak_bytes / 2**20:,.0f} MiB in "
+               f"{precision}) fits {budget / 2**20:,.0f} MiB")
+    if args.target_effective_batch_size:
+        n = args.target_effective_batch_size
+        batch = min(args.batch_size, n)
+        while n % batch:
+            batch -= 1  # the largest micro-batch <= the chosen one that divides the target
+        args.batch_size, args.accumulation_steps = batch, n // batch
+        why = (why + "; " if why else "") + (f"effective batch {n} = batch {batch} x accumulation {n // batch}")
+    return why
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -77,6 +114,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         given.add("precision")
     base = MixedPrecisionConfig.from_dict(file_amp) if file_amp else None
     amp = MixedPrecision(device=device, config=base, **_amp_overrides(args, explicit, file_amp))
+    args._batch_reason = choose_batch(args, device, amp.precision.name)
+    if args._batch_reason:
+        console.print(args._batch_reason)
+        if amp.config.accumulation_steps != args.accumulation_steps:
+            amp.set_accumulation_steps(args.accumulation_steps)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
     log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
@@ -162,7 +204,7 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
         console.print(f"[yellow]note:[/] {note}")
     if args.json:
         out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
-        out.update(model=args.model, size=args.size, batch_size=args.batch_size,
+        out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=getattr(args, "_batch_reason", None),
                    accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure)
         print(json.dumps(json_safe(out), indent=2, allow_nan=False))
     else:
@@ -263,7 +305,12 @@ def add_parser(sub: Any) -> None:
     flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory (default: gpt)")
     flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
     flag(p, "steps", type=positive_int, default=100, help="optimizer steps; with --resume, the total to reach (default: 100)")
-    flag(p, "batch_size", type=positive_int, default=16, help="micro-batch size (default: 16)")
+    flag(p, "batch_size", type=_batch_size_arg, default=16,
+         help="micro-batch size, or 'auto': the largest that fits --memory_budget by the estimate (default: 16)")
+    flag(p, "memory_budget", default=None,
+         help="with --batch_size auto: the memory to fit, e.g. 8GiB (default on CUDA: the device's free memory)")
+    flag(p, "target_effective_batch_size", type=positive_int, default=None,
+         help="derive --accumulation_steps so that batch_size x accumulation_steps equals this")
     flag(p, "accumulation_steps", "grad_accum_steps", type=positive_int, default=1,
           help="micro-batches per optimizer step (default: 1)")
     flag(p, "clip_grad_norm", "max_grad_norm", type=positive_float, default=1.0,
