@@ -71,15 +71,15 @@ def grads_of(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> dict[torc
 
 
 def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                      allow_fp16: bool, unit: bool) -> dict[torch.device, torch.Tensor]:
+                      allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
     """Per device, a fresh ``found_inf`` for ``optimizer``'s gradients, which are multiplied by
-    ``inv_scale`` in place (``unit``: by exactly 1.0, i.e. only checked)."""
+    ``inv_scale`` in place (a scale of exactly 1.0 only checks them)."""
     found: dict[torch.device, torch.Tensor] = {}
     # No torch.no_grad() needed: .grad tensors do not require grad (that context costs ~3 us).
     for dev, grads in grads_of(optimizer, allow_fp16=allow_fp16).items():
         f = found[dev] = torch.zeros((), dtype=torch.float32, device=dev)
-        # unit: inv_scale is the scaler's own cached 1.0 (no module-level tensor cache: it would
-        # leak across devices and fake-tensor modes)
+        # For a check only, inv_scale is the scaler's own cached 1.0 (no module-level tensor
+        # cache: it would leak across devices and fake-tensor modes).
         inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
         for same in _by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same, f, inv)

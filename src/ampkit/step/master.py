@@ -25,7 +25,7 @@ so no second copy exists.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,10 +68,7 @@ class MasterWeights:
         with torch.no_grad():
             for p in self.halves:
                 p.data = p.data.to(dtype)
-            for module in model.modules():
-                for bname, buf in list(module._buffers.items()):
-                    if buf is not None and buf.is_floating_point() and id(buf) not in kept:
-                        module._buffers[bname] = buf.to(dtype)
+            _cast_buffers(model, dtype, lambda b: id(b) not in kept)
 
     # ------------------------------------------------------------------ the per-step work
     def absorb_grads(self) -> None:
@@ -107,10 +104,7 @@ class MasterWeights:
             for h, m in zip(self.halves, self.masters):
                 h.grad = None
                 h.data = m.detach().to(dtype)
-            for module in self.model.modules():
-                for bname, buf in list(module._buffers.items()):
-                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                        module._buffers[bname] = buf.to(dtype)
+            _cast_buffers(self.model, dtype, _half)
 
     def release(self) -> None:
         """Undo: fp32 parameters (the masters' values) back in the model and in the optimizers."""
@@ -118,10 +112,7 @@ class MasterWeights:
             for h, m in zip(self.halves, self.masters):
                 h.grad = None
                 h.data = m.detach().clone()
-            for module in self.model.modules():
-                for bname, buf in list(module._buffers.items()):
-                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                        module._buffers[bname] = buf.float()
+            _cast_buffers(self.model, torch.float32, _half)
         self._swap(self.optimizers, {id(m): h for h, m in zip(self.halves, self.masters)})
 
     # ------------------------------------------------------------------ state
@@ -162,6 +153,18 @@ class MasterWeights:
                         opt.state[q] = opt.state.pop(p)
                     new.append(q)
                 group["params"] = new
+
+
+def _half(buf: torch.Tensor) -> bool:
+    return buf.dtype != torch.float32  # buffers kept in fp32 (keep_fp32 modules) stay as they are
+
+
+def _cast_buffers(model: torch.nn.Module, dtype: torch.dtype, select: Callable[[torch.Tensor], bool]) -> None:
+    """Cast the floating buffers that ``select`` picks to ``dtype``, in place in their modules."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_floating_point() and select(buf):
+                module._buffers[name] = buf.to(dtype)
 
 
 def _kept_tensors(model: torch.nn.Module, keep: Iterable[str]) -> set[int]:

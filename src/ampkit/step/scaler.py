@@ -214,7 +214,7 @@ class LossScaler:
             # fp32 division can be imprecise under some compile options, so torch takes the
             # reciprocal in fp64 (torch/amp/grad_scaler.py); we do the same to stay bit-identical.
             inv = scale.double().reciprocal().float()
-        state["found_inf_per_device"] = check_and_unscale(optimizer, inv, allow_fp16=False, unit=self.is_unit)
+        state["found_inf_per_device"] = check_and_unscale(optimizer, inv, allow_fp16=False)
         state["stage"] = _Stage.UNSCALED
         return self._combined(state)
 
@@ -251,7 +251,7 @@ class LossScaler:
             scale = self._ensure(_first_grad_device(optimizer))
             if state["stage"] is _Stage.READY:
                 # Only check here; the fused kernel unscales (torch's own protocol).
-                state["found_inf_per_device"] = check_and_unscale(optimizer, self._one, allow_fp16=True, unit=True)
+                state["found_inf_per_device"] = check_and_unscale(optimizer, self._one, allow_fp16=True)
                 grad_scale = None if self.is_unit else scale
             else:
                 grad_scale = None  # already unscaled
