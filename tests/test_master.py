@@ -11,6 +11,7 @@ from ampkit import MixedPrecision
 from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 from ampkit.observe.memory import breakdown
+from ampkit.step.master import MasterWeights
 
 from .helpers import SyncCounter
 
@@ -306,7 +307,7 @@ def test_cli_o2_and_bf16_pure_train_bench_tune_and_resume(tmp_path, capsys):
                  "--out", str(tmp_path / "t.toml"), "--tolerance", "1.0"]) == 0
 
 
-def test_pure_precision_on_a_sharded_model_points_to_fsdp():
+def test_pure_precision_on_a_sharded_model_keeps_no_second_master_copy():
     import socket
 
     import torch.distributed as dist
@@ -320,8 +321,14 @@ def test_pure_precision_on_a_sharded_model_points_to_fsdp():
         model = mlp()
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        amp = MixedPrecision("bf16-pure", device="cpu")
+        amp.setup(model, opt)
+        # Under FSDP2 the fp32 shards are the masters: no extra copy, the optimizer steps them.
+        assert amp.master_params() == []
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert opt.param_groups[0]["params"][0] is next(iter(model.parameters()))
         with pytest.raises(ValueError, match="fp32 shards are the masters"):
-            MixedPrecision("bf16-pure", device="cpu").setup(model, opt)
+            MasterWeights(model, [opt], torch.bfloat16)
     finally:
         dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ import importlib.util
 import sys
 from typing import Any
 
+from .distributed import adapter_for as _adapter_for
 from .observe.numerics import localize_nonfinite as _localize_nonfinite
 from .step.config import ConfigError, MixedPrecisionConfig
 from .step.engine import Event, MixedPrecision, StepResult
@@ -43,6 +44,8 @@ __all__ = [
 
 # The composition root hands the engine its diagnosis tool (the engine never imports observers).
 MixedPrecision.default_localizer = staticmethod(_localize_nonfinite)
+# ... and the adapter that makes it cooperate with DDP / FSDP2 (the engine never imports distributed).
+MixedPrecision.parallel_adapter = staticmethod(_adapter_for)
 
 #: short, documented module path -> its home in the package tree
 MODULE_HOMES = {

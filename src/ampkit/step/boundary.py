@@ -18,7 +18,7 @@ import torch
 from .master import MasterWeights
 from .scaler import LossScaler
 
-__all__ = ["ClipOrder", "optimizer_step"]
+__all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
 
 
 class ClipOrder:
@@ -58,7 +58,7 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
     grad_norm = None
     if not scaler.is_enabled():
         if clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            grad_norm = clip_norm(params, clip)
         for opt in opts:
             opt.step()
         return grad_norm, None, None
@@ -66,7 +66,7 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
     if clip is not None and scaler.is_unit:
         # Nothing to unscale: the clipped total norm is non-finite exactly when some gradient
         # is, so it doubles as the finite check (saves a pass over the gradients).
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        grad_norm = clip_norm(params, clip)
         found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
         # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
         torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
@@ -75,11 +75,19 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
     elif clip is not None:
         for opt in opts:
             scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        grad_norm = clip_norm(params, clip)
     for opt in opts:
         scaler.step(opt)
     scaler.update()
     return grad_norm, scale, scaler.found_inf
+
+
+def clip_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """``clip_grad_norm_`` returning a plain tensor: under FSDP2 the gradients are DTensor shards
+    and the total norm comes back as a replicated DTensor, the same value on every rank."""
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
 
 
 def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

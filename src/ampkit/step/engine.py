@@ -38,6 +38,7 @@ from .fallback import NumericsError
 from .hardware import DeviceInfo, device_info, normalize_device
 from .master import MasterWeights
 from .overrides import Fp32Overrides, apply_fp32_overrides
+from .parallel import Parallel
 from .precision import Precision, resolve_precision
 from .scaler import LossScaler
 from .state import StateMixin
@@ -79,6 +80,7 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         self.device: torch.device = normalize_device(device)
         self.device_info: DeviceInfo = device_info(self.device)
         self.precision: Precision = resolve_precision(cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate)
+        self._parallel: Parallel = Parallel()
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -98,9 +100,11 @@ class MixedPrecision(SwitchingMixin, StateMixin):
     # ------------------------------------------------------------------ construction helpers
     def _make_scaler(self, precision: Precision) -> LossScaler:
         if precision.needs_scaler:
-            return LossScaler.from_config(self.config, device=self.device)
-        # No scaling arithmetic at all; still finite-checks when skip_nonfinite is on.
-        return LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
+            scaler = LossScaler.from_config(self.config, device=self.device)
+        else:  # no scaling arithmetic at all; still finite-checks when skip_nonfinite is on
+            scaler = LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
+        scaler.found_inf_hook = self._parallel.found_inf_reducer()  # data parallel: same skips on all ranks
+        return scaler
 
     def _build_contexts(self) -> None:
         p = self.precision
@@ -139,8 +143,11 @@ class MixedPrecision(SwitchingMixin, StateMixin):
             self._overrides = apply_fp32_overrides(model, self.config.keep_fp32, self.device.type)
         self._model = model
         self._optimizers = list(optimizers)
+        pick = type(self).parallel_adapter
+        self._parallel = (pick(model) if pick is not None else None) or Parallel()
+        self._scaler.found_inf_hook = self._parallel.found_inf_reducer()
         self._masters = None
-        if self.precision.is_pure:
+        if self.precision.is_pure and not self._parallel.shards_params:  # FSDP2: the fp32 shards are the masters
             self._masters = MasterWeights(model, self._optimizers, self.precision.param_dtype, self._kept_names())
         self._clip_order = ClipOrder(model, self._masters)
         if self.config.compile:
@@ -155,15 +162,13 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         ``no_sync()`` on micro-steps that do not end an accumulation window. No sync.
         """
         p = self.precision
-        model = self._model
         w = self._window
-        no_sync = (w.current_size > 1 and model is not None and hasattr(model, "no_sync")
-                   and w.micro + 1 < w.current_size)
+        no_sync = self._parallel.forward_context(w.micro + 1 >= w.current_size)
         autocast = p.autocast_enabled or p.is_pure  # pure: inputs and non-mastered ops follow the half dtype
-        if autocast and self._matmul is None and not no_sync:
+        if autocast and self._matmul is None and no_sync is None:
             # The common case costs exactly what a hand-written loop pays: one torch.autocast.
             return torch.autocast(self.device.type, dtype=p.compute_dtype, cache_enabled=self.config.autocast_cache)
-        if not autocast and not no_sync and self._matmul is not None:
+        if not autocast and no_sync is None and self._matmul is not None:
             return self._matmul  # fp32 / tf32: only the matmul policy
         stack = contextlib.ExitStack()
         if autocast:
@@ -171,8 +176,8 @@ class MixedPrecision(SwitchingMixin, StateMixin):
                                                cache_enabled=self.config.autocast_cache))
         if self._matmul is not None:
             stack.enter_context(self._matmul)
-        if no_sync:
-            stack.enter_context(model.no_sync())  # type: ignore[union-attr,operator]
+        if no_sync is not None:
+            stack.enter_context(no_sync)
         return stack
 
     @contextlib.contextmanager
@@ -211,6 +216,7 @@ class MixedPrecision(SwitchingMixin, StateMixin):
             d = loss.detach()
             self._window_loss = d if window.micro == 1 or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
+        self._parallel.before_backward(window.complete)
         try:
             if self._matmul is not None:
                 with self._matmul:
@@ -297,6 +303,7 @@ class MixedPrecision(SwitchingMixin, StateMixin):
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
         assert self._clip_order is not None
         params = self._clip_order.params(opts)
+        self._parallel.before_step(params)
         grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
         if self._masters is not None:
             self._masters.copy_to_model()  # unconditional: after a skipped step the masters did not move
@@ -326,6 +333,9 @@ class MixedPrecision(SwitchingMixin, StateMixin):
     #: ``localizer(model, closure, scale=...)`` used by :meth:`diagnose`; the package root sets it
     #: to :func:`ampkit.numerics.localize_nonfinite` (the engine does not import observers).
     default_localizer: Optional[Callable[..., Any]] = None
+    #: ``parallel_adapter(model) -> Parallel | None``: how to cooperate with a DDP/FSDP2 model; the
+    #: package root sets it to :func:`ampkit.distributed.adapter_for`.
+    parallel_adapter: Optional[Callable[[torch.nn.Module], Optional[Parallel]]] = None
 
     def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None,
                  localizer: Optional[Callable[..., Any]] = None) -> Any:

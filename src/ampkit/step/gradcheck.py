@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_and_unscale", "grads_of", "nonfinite_flag"]
+__all__ = ["check_and_unscale", "first_grad_device", "grads_of", "nonfinite_flag"]
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
@@ -84,3 +84,15 @@ def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
         for same in _by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same, f, inv)
     return found
+
+
+def first_grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """The device of the optimizer's first gradient (else of its first parameter, else the CPU)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return p.grad.device
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")

@@ -30,12 +30,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from enum import Enum
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .config import MixedPrecisionConfig
-from .gradcheck import check_and_unscale
+from .gradcheck import check_and_unscale, first_grad_device
 from .scale_rules import hysteresis_update
 
 __all__ = ["LossScaler"]
@@ -106,6 +106,9 @@ class LossScaler:
         self._updates = 0
         self._last_found_inf: Optional[torch.Tensor] = None
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh)
+        #: called in place on every fresh ``found_inf`` before any optimizer sees it (data parallel:
+        #: an all-reduce with max, so all ranks make the same skip decision); None: nothing.
+        self.found_inf_hook: Optional[Callable[[torch.Tensor], None]] = None
 
     @classmethod
     def from_config(cls, config: MixedPrecisionConfig, *, enabled: bool = True,
@@ -205,7 +208,7 @@ class LossScaler:
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call unscale_() before step(), "
                                "or call update() to start the next iteration")
-        scale = self._ensure(_first_grad_device(optimizer))
+        scale = self._ensure(first_grad_device(optimizer))
         if self.is_unit:
             inv = self._one
         elif scale.device.type == "mps":
@@ -214,7 +217,7 @@ class LossScaler:
             # fp32 division can be imprecise under some compile options, so torch takes the
             # reciprocal in fp64 (torch/amp/grad_scaler.py); we do the same to stay bit-identical.
             inv = scale.double().reciprocal().float()
-        state["found_inf_per_device"] = check_and_unscale(optimizer, inv, allow_fp16=False)
+        state["found_inf_per_device"] = self._check(optimizer, inv, allow_fp16=False)
         state["stage"] = _Stage.UNSCALED
         return self._combined(state)
 
@@ -230,6 +233,8 @@ class LossScaler:
         if state["stage"] is not _Stage.READY:
             raise RuntimeError("set_found_inf() must come before step() and instead of unscale_()")
         self._ensure(found_inf.device)
+        if self.found_inf_hook is not None:
+            self.found_inf_hook(found_inf)
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = _Stage.UNSCALED
 
@@ -248,10 +253,10 @@ class LossScaler:
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update(); call update() first")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            scale = self._ensure(_first_grad_device(optimizer))
+            scale = self._ensure(first_grad_device(optimizer))
             if state["stage"] is _Stage.READY:
                 # Only check here; the fused kernel unscales (torch's own protocol).
-                state["found_inf_per_device"] = check_and_unscale(optimizer, self._one, allow_fp16=True)
+                state["found_inf_per_device"] = self._check(optimizer, self._one, allow_fp16=True)
                 grad_scale = None if self.is_unit else scale
             else:
                 grad_scale = None  # already unscaled
@@ -315,6 +320,13 @@ class LossScaler:
         self._per_optimizer = defaultdict(_fresh)
 
     # ------------------------------------------------------------------ internals
+    def _check(self, optimizer: torch.optim.Optimizer, inv: torch.Tensor, allow_fp16: bool) -> dict[Any, Any]:
+        found = check_and_unscale(optimizer, inv, allow_fp16)
+        if self.found_inf_hook is not None:
+            for f in found.values():
+                self.found_inf_hook(f)  # e.g. max over ranks, so every rank skips alike
+        return found
+
     def _clamp(self) -> None:
         if self._scale is not None and (self._min_scale is not None or self._max_scale is not None):
             self._scale.clamp_(min=self._min_scale, max=self._max_scale)
@@ -405,13 +417,3 @@ class LossScaler:
                 f"backoff_factor={self._backoff_factor}, growth_interval={self._growth_interval}, "
                 f"hysteresis={self._hysteresis}, min_scale={self._min_scale}, max_scale={self._max_scale})")
 
-
-def _first_grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                return p.grad.device
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            return p.device
-    return torch.device("cpu")

@@ -26,6 +26,7 @@ class SwitchingMixin:
 
     _fallback: Optional[FallbackPolicy]
     _masters: Any
+    _parallel: Any
     _fp8_report: Any
     _model: Optional[torch.nn.Module]
     _optimizers: list[torch.optim.Optimizer]
@@ -122,8 +123,9 @@ class SwitchingMixin:
         elif masters is not None and not p.is_pure:
             masters.release()
             self._masters = None
-        elif masters is None and p.is_pure:
+        elif masters is None and p.is_pure and not self._parallel.shards_params:
             self._masters = MasterWeights(model, self._optimizers, p.param_dtype, self._kept_names())
+        self._parallel.retarget(p)  # FSDP2: the all-gather/reduce dtypes follow the precision
         if self._fp8_report and p.name != "fp8":
             from .fp8 import revert
 
