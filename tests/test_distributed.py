@@ -189,3 +189,39 @@ def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision)
     assert 0.0 < d32 < 1e-2, d32
     # Pure precisions under FSDP2 keep no extra masters: the fp32 shards are the masters.
     assert all(v.dtype == torch.float32 for v in ranks[0]["params"].values())
+
+
+def test_ddp_pure_precisions_average_the_fp32_master_gradients():
+    # The masters live outside DDP's view: the adapter averages their fp32 gradients itself.
+    refs = {p: reference(p, accum=4, optim="sgd") for p in ("bf16-pure", "fp16-pure")}
+    ranks = run_ranks(several, [(("ddp", p), {"accum": 2, "optim": "sgd"}) for p in refs])
+    for i, p in enumerate(refs):
+        a, b = ranks[0][i], ranks[1][i]
+        assert max_diff(a["params"], b["params"]) == 0.0, p
+        assert max_diff(a["params"], refs[p]["params"]) <= 1e-6, p
+
+
+def flushed(rank: int, world: int, micro: int, accum: int) -> dict:
+    """``micro`` micro-steps of a window of ``accum``, then ``step(flush=True)``."""
+    torch.manual_seed(0)
+    model: nn.Module = Net()
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = MixedPrecision("fp32", device="cpu", accumulation_steps=accum)
+    model, opt = amp.setup(model, opt)
+    for j in range(micro):
+        with amp.autocast():
+            loss = model(*batch(rank * micro + j))
+        amp.backward(loss)
+        amp.step(opt)
+    r = amp.step(opt, flush=True)
+    assert r.boundary
+    return {"params": full_state(model)}
+
+
+def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients():
+    ref = flushed(0, 1, 6, 8)  # one process, 6 of a window of 8: the mean over 6
+    ranks = run_ranks(flushed, 3, 4)  # 2 ranks x 3 of a window of 4, all under no_sync
+    assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+    assert max_diff(ranks[0]["params"], ref["params"]) <= 1e-6

@@ -149,6 +149,7 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         self._masters = None
         if self.precision.is_pure and not self._parallel.shards_params:  # FSDP2: the fp32 shards are the masters
             self._masters = MasterWeights(model, self._optimizers, self.precision.param_dtype, self._kept_names())
+        self._parallel.use_masters(self._masters is not None)
         self._clip_order = ClipOrder(model, self._masters)
         if self.config.compile:
             model.compile()  # nn.Module.compile: in place, so parameters and state_dict keys stay the same

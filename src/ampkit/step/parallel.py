@@ -10,6 +10,8 @@ with nothing to do. The adapters for PyTorch's own wrappers live in :mod:`ampkit
 * ``before_backward(last)``: FSDP2 turns gradient reduce-scatter off on non-boundary micro-steps.
 * ``before_step(params)``: the window ended early (``step(flush=True)``) after a micro-step that
   did not communicate: DDP all-reduces the gradients now, so every rank steps on the same ones.
+* ``use_masters(on)``: a pure precision keeps fp32 masters outside the wrapper's view (DDP then
+  averages the masters' gradients itself, once per step).
 * ``found_inf_reducer()``: the loss scaler applies it to every fresh ``found_inf`` (an all-reduce
   with max), so all ranks skip the same steps even when their gradients differ (a parameter
   outside the wrapper, a fault on one rank).
@@ -48,6 +50,9 @@ class Parallel:
 
     def before_step(self, params: list[torch.Tensor]) -> None:
         """Called at the boundary before unscale/clip/step, with the parameters to be stepped."""
+
+    def use_masters(self, on: bool) -> None:
+        """The engine keeps fp32 master weights (a pure precision): their gradients are what steps."""
 
     def found_inf_reducer(self) -> Optional[Callable[[torch.Tensor], None]]:
         """A function that makes a fresh ``found_inf`` the same on every rank, in place (None: one process)."""

@@ -126,6 +126,7 @@ class SwitchingMixin:
         elif masters is None and p.is_pure and not self._parallel.shards_params:
             self._masters = MasterWeights(model, self._optimizers, p.param_dtype, self._kept_names())
         self._parallel.retarget(p)  # FSDP2: the all-gather/reduce dtypes follow the precision
+        self._parallel.use_masters(self._masters is not None)
         if self._fp8_report and p.name != "fp8":
             from .fp8 import revert
 
