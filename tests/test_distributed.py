@@ -225,3 +225,59 @@ def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients():
     ranks = run_ranks(flushed, 3, 4)  # 2 ranks x 3 of a window of 4, all under no_sync
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
     assert max_diff(ranks[0]["params"], ref["params"]) <= 1e-6
+
+
+def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str = "fp32") -> dict:
+    """Uninterrupted 10 steps vs 5 steps + checkpoint + resume in a fresh Trainer + 5 steps."""
+    from ampkit.distributed import shard
+    from ampkit.loop.trainer import Trainer
+
+    def build(checkpoint_dir: str | None) -> Trainer:
+        torch.manual_seed(0)
+        model: nn.Module = Net()
+        model = shard(model, precision) if kind == "fsdp" else nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        amp = MixedPrecision(precision, device="cpu", accumulation_steps=2)
+        model, opt = amp.setup(model, opt)
+        return Trainer(model, opt, amp, batch, progress=False, log_every=2, checkpoint_dir=checkpoint_dir,
+                       checkpoint_every=5 if checkpoint_dir else None)
+
+    t = build(None)
+    t.fit(10)
+    whole = full_state(t.model)
+    first = build(ckdir)
+    first.fit(5)
+    at5 = full_state(first.model)
+    second = build(ckdir)
+    path = second.resume()
+    resumed_steps = second.amp.optimizer_steps
+    second.fit(5)
+    return {"whole": whole, "at5": at5, "resumed": full_state(second.model), "path": path,
+            "steps": resumed_steps, "world": t.world_size}
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, tmp_path):
+    from ampkit.loop.checkpoint import export_single_file, load_checkpoint
+    from ampkit.loop.trainer import Trainer
+
+    ckdir = str(tmp_path / "ck")
+    ranks = run_ranks(trainer_resume, kind, ckdir)
+    for r in ranks:
+        assert r["world"] == 2 and r["steps"] == 5
+        assert r["path"].endswith("ckpt-00000005")
+        assert max_diff(r["resumed"], r["whole"]) == 0.0  # bitwise the uninterrupted run
+    assert max_diff(ranks[0]["whole"], ranks[1]["whole"]) == 0.0
+    # The export loads with weights_only=True into a plain model in one process.
+    single = export_single_file(ranks[0]["path"], str(tmp_path / "single.pt"))
+    state = load_checkpoint(single)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp = MixedPrecision("fp32", device="cpu", accumulation_steps=2)
+    model, opt = amp.setup(model, opt)
+    trainer = Trainer(model, opt, amp, batch, progress=False)
+    trainer.load_state_dict(state, source=single)
+    assert max_diff(full_state(model), ranks[0]["at5"]) == 0.0
+    assert amp.optimizer_steps == 5 and trainer.micro_index == 10
+    assert len(opt.state) == len(list(model.parameters()))  # AdamW moments came along

@@ -16,14 +16,15 @@ import os
 import pickle
 import random
 import re
+import shutil
 import tempfile
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointManager", "DirLock", "capture_rng", "load_checkpoint", "restore_rng",
-           "save_checkpoint", "torch_reason"]
+__all__ = ["CheckpointError", "CheckpointManager", "DirLock", "ShardedCheckpointManager", "capture_rng", "check_state",
+           "export_single_file", "load_checkpoint", "restore_rng", "save_checkpoint", "torch_reason"]
 
 FORMAT_VERSION = 1
 
@@ -215,6 +216,106 @@ class CheckpointManager:
             raise CheckpointError(f"every checkpoint in {self.directory!r} is unreadable ({len(problems)} file(s)): "
                                   + "; ".join(problems))
         return None
+
+
+class ShardedCheckpointManager(CheckpointManager):
+    """Numbered **sharded** checkpoints (``ckpt-00000005/``, one DCP directory each) for runs of
+    several processes: every rank writes its shards (:mod:`ampkit.distributed.dcp`); atomic, keep
+    the last ``keep_last``; ``load_latest`` skips directories without metadata and falls back past
+    unreadable ones. ``template()`` returns the live ``(model_state, optimizer_state)`` to load
+    into (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
+
+    def __init__(self, directory: str, template: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *,
+                 keep_last: Optional[int] = 3, prefix: str = "ckpt") -> None:
+        super().__init__(directory, keep_last=keep_last, prefix=prefix)
+        self.template = template
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{self.prefix}-{step:08d}")
+
+    def list(self) -> list[tuple[int, str]]:
+        """(step, path) of every complete checkpoint directory, oldest first."""
+        from ..distributed import dcp
+
+        if not os.path.isdir(self.directory):
+            return []
+        out = []
+        for name in os.listdir(self.directory):
+            m = _DIR.match(name)
+            path = os.path.join(self.directory, name)
+            if m and m.group("prefix") == self.prefix and dcp.is_complete(path):
+                out.append((int(m.group("step")), path))
+        return sorted(out)
+
+    def save(self, step: int, state: dict[str, Any]) -> str:
+        from ..distributed import dcp, is_main
+
+        path = dcp.save({**state, "step": step, "ampkit_checkpoint": FORMAT_VERSION}, self.path(step))
+        if self.keep_last is not None and is_main():
+            for _, old in self.list()[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
+        from ..distributed import dcp
+
+        problems = []
+        for _, path in reversed(self.list()):
+            try:
+                return path, dcp.load(path, *self.template())
+            except Exception as e:  # DCP raises its CheckpointException (on every rank) for a bad shard
+                problems.append(f"checkpoint {path!r} is unreadable and was not loaded ({type(e).__name__}: "
+                                f"{torch_reason(e)})")
+                warnings.warn(f"{problems[-1]}; falling back to the previous checkpoint", stacklevel=2)
+        if problems:
+            raise CheckpointError(f"every checkpoint in {self.directory!r} is unreadable: " + "; ".join(problems))
+        return None
+
+
+def export_single_file(directory: str, path: str) -> str:
+    """Turn a sharded checkpoint directory into one checkpoint file (in this one process), written
+    atomically; it loads with ``weights_only=True`` into a plain model (``Trainer.load_state_dict``,
+    ``ampkit train --resume``). Returns ``path``."""
+    from ..distributed import dcp
+
+    try:
+        state = dcp.consolidate(directory)
+    except Exception as e:
+        raise CheckpointError(f"{directory!r} could not be read as a sharded checkpoint "
+                              f"({type(e).__name__}: {torch_reason(e)})") from None
+    state.pop("ampkit_checkpoint", None)
+    return save_checkpoint(state, path)
+
+
+_DIR = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{8})$")
+
+
+def check_state(state: dict[str, Any], own: dict[str, Any], optimizer: torch.optim.Optimizer, source: str) -> None:
+    """Raise :class:`CheckpointError` unless ``state`` (a trainer state) fits a model whose state is
+    ``own`` and ``optimizer``: keys, shapes, parameter groups, the engine's state. Loads nothing."""
+    missing_keys = [k for k in ("model", "optimizer", "amp") if not isinstance(state.get(k), dict)]
+    if missing_keys:
+        raise CheckpointError(f"{source} lacks {', '.join(missing_keys)} (a partial or foreign training state); "
+                              "nothing was loaded")
+    theirs = state["model"]
+    missing = sorted(set(own) - set(theirs))
+    unexpected = sorted(set(theirs) - set(own))
+    shapes = sorted(k for k in set(own) & set(theirs)
+                    if not isinstance(theirs[k], torch.Tensor) or tuple(own[k].shape) != tuple(theirs[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+            if keys:
+                parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+        raise CheckpointError(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded")
+    groups = state["optimizer"].get("param_groups")
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != ours \
+            or not isinstance(state["optimizer"].get("state"), dict):
+        raise CheckpointError(f"{source}: the optimizer state does not fit this optimizer (parameter groups of "
+                              f"sizes {ours} expected); nothing was loaded")
+    if not {"precision", "config"} <= set(state["amp"]):
+        raise CheckpointError(f"{source}: the engine state lacks 'precision'/'config'; nothing was loaded")
 
 
 class DirLock:

@@ -11,11 +11,11 @@ import functools
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["ClassificationBatches", "ImageBatches", "TextBatches", "stdlib_corpus"]
+__all__ = ["ClassificationBatches", "ImageBatches", "TextBatches", "batch_size", "split_batch", "stdlib_corpus"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -167,3 +167,28 @@ class ImageBatches(_Generated):
         if self.device is not None and self.device.type != "cpu":
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x, y
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor with one."""
+    for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise TypeError("cannot split this batch: it holds no tensor with a batch dimension")
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """``batch`` cut into ``parts`` micro-batches along dim 0 (tensors; other values repeated)."""
+    if parts == 1:
+        return [batch]
+
+    def cut(t: Any) -> list[Any]:
+        return list(torch.tensor_split(t, parts)) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * parts
+
+    if isinstance(batch, dict):
+        cols = {k: cut(v) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
+    if isinstance(batch, (tuple, list)):
+        cols = [cut(v) for v in batch]
+        return [type(batch)(c[i] for c in cols) for i in range(parts)]
+    return cut(batch)

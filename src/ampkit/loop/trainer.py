@@ -19,9 +19,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..distributed import is_main, rank, world_size
+from ..distributed.states import capture, restore
 from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 from ..step.engine import MixedPrecision
-from .checkpoint import CheckpointError, CheckpointManager, capture_rng, restore_rng
+from .checkpoint import (
+    CheckpointManager,
+    ShardedCheckpointManager,
+    capture_rng,
+    check_state,
+    restore_rng,
+)
+from .data import batch_size, split_batch
 
 __all__ = ["TrainSummary", "Trainer"]
 
@@ -47,6 +56,7 @@ class TrainSummary:
     peak_mem_bytes: Optional[int] = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
     run_id: Optional[str] = None
+    world_size: int = 1  # processes that trained together (throughput counts all of them)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,7 +153,13 @@ class Trainer:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1")
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
-        self.checkpoints = CheckpointManager(checkpoint_dir, keep_last=keep_last) if checkpoint_dir else None
+        self.world_size, self.rank = world_size(), rank()  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
+        self.checkpoints: Any = None
+        if checkpoint_dir and self.world_size > 1:
+            self.checkpoints = ShardedCheckpointManager(checkpoint_dir, lambda: capture(model, optimizer),
+                                                        keep_last=keep_last)
+        elif checkpoint_dir:
+            self.checkpoints = CheckpointManager(checkpoint_dir, keep_last=keep_last)
         self.checkpoint_every = checkpoint_every
         if eval_precision not in ("train", "fp32"):
             raise ValueError(f"eval_precision={eval_precision!r}; choose 'train' (the training precision) or 'fp32'")
@@ -162,6 +178,8 @@ class Trainer:
 
     def _sinks(self, steps: int) -> list[Any]:
         sinks: list[Any] = []
+        if not is_main():
+            return sinks  # one process prints and writes logs
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             sinks.append(JSONLSink(os.path.join(self.log_dir, "log.jsonl")))
@@ -189,13 +207,15 @@ class Trainer:
             raise ValueError(f"steps={steps} must be >= 1")
         amp = self.amp
         accum = amp.config.accumulation_steps // self.split  # in batches of batches(i)
-        samples = getattr(self.batches, "samples_per_batch", None)
+        samples = getattr(self.batches, "samples_per_batch", None)  # per rank: throughput is for all ranks
         tokens = getattr(self.batches, "tokens_per_batch", None)
+        accum *= self.world_size
         watch = _SkipWatch()
         sinks = self._sinks(steps) + ([watch] if self.diagnose else [])
         monitor = Monitor(amp, sinks, log_every=self.log_every, run_id=self.run_id,
                           samples_per_step=samples * accum if samples else None,
                           tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
+        accum //= self.world_size
         self.model.train()
         self._monitor = monitor
         try:
@@ -231,7 +251,7 @@ class Trainer:
             raise
         summary = monitor.close()
         self._monitor = None
-        if self.log_dir:
+        if self.log_dir and is_main():
             with open(os.path.join(self.log_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
         stats = amp.stats()
@@ -244,6 +264,7 @@ class Trainer:
             final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
             peak_mem_bytes=summary["peak_mem_bytes"], run_id=self.run_id,
             eval_losses=[(e["step"], e["loss"]) for e in monitor.events if e.get("kind") == "eval"],
+            world_size=self.world_size,
         )
         self._call("on_train_end", result)
         return result
@@ -254,7 +275,8 @@ class Trainer:
         amp = self.amp
         result = None
         for k in range(accum):
-            batch = self.batches(self.micro_index)
+            # Ranks interleave over the batch indices: rank r of W reads i*W + r (one process: i).
+            batch = self.batches(self.micro_index * self.world_size + self.rank)
             self.micro_index += 1
             if k == 0 and self.diagnose and self.diagnosis is None:
                 self._recent[step] = batch
@@ -273,16 +295,16 @@ class Trainer:
         if self.amp.device.type == "cuda":
             torch.cuda.empty_cache()
         batch = self.batches(self.micro_index)
-        size = _batch_size(batch) // self.split
+        size = batch_size(batch) // self.split
         if size < 2:
             raise RuntimeError(f"out of memory even with a micro-batch of {size}: nothing left to split "
                                f"({str(error).splitlines()[0][:200]})") from error
         self.split *= 2
         self.amp.set_accumulation_steps(accum * self.split)
-        monitor.log_event("oom_rebatch", micro_batch=_batch_size(batch) // self.split,
+        monitor.log_event("oom_rebatch", micro_batch=batch_size(batch) // self.split,
                           accumulation_steps=accum * self.split, error=str(error).splitlines()[0][:200])
         self.notes.append(f"out of memory at step {self.amp.optimizer_steps + 1}: micro-batch halved to "
-                          f"{_batch_size(batch) // self.split}, accumulation doubled to {accum * self.split}")
+                          f"{batch_size(batch) // self.split}, accumulation doubled to {accum * self.split}")
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -316,8 +338,7 @@ class Trainer:
         """The whole training state: model, optimizer, scheduler, engine (precision after fallbacks,
         scaler, counters, events), RNG states and the data position. **Syncs**."""
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **dict(zip(("model", "optimizer"), capture(self.model, self.optimizer))),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "amp": self.amp.state_dict(),
             "rng": capture_rng(),
@@ -329,9 +350,8 @@ class Trainer:
         """Restore :meth:`state_dict`. Everything is checked before anything is loaded: the keys,
         the model's keys and shapes, the optimizer's parameter groups and the engine state; on a
         mismatch nothing changes and :class:`~ampkit.checkpoint.CheckpointError` says what."""
-        self._check_state(state, source)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        check_state(state, capture(self.model, self.optimizer)[0], self.optimizer, source)
+        restore(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.amp.load_state_dict(state["amp"])
@@ -339,31 +359,6 @@ class Trainer:
         self.micro_index = int(state.get("data", {}).get("micro_index", 0))
         self.split = int(state.get("data", {}).get("split", 1))
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
-
-    def _check_state(self, state: dict[str, Any], source: str) -> None:
-        missing_keys = [k for k in ("model", "optimizer", "amp") if not isinstance(state.get(k), dict)]
-        if missing_keys:
-            raise CheckpointError(f"{source} lacks {', '.join(missing_keys)} (a partial or foreign training state); "
-                                  "nothing was loaded")
-        own, theirs = self.model.state_dict(), state["model"]
-        missing = sorted(set(own) - set(theirs))
-        unexpected = sorted(set(theirs) - set(own))
-        shapes = sorted(k for k in set(own) & set(theirs)
-                        if not isinstance(theirs[k], torch.Tensor) or tuple(own[k].shape) != tuple(theirs[k].shape))
-        if missing or unexpected or shapes:
-            parts = []
-            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-                if keys:
-                    parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
-            raise CheckpointError(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded")
-        groups = state["optimizer"].get("param_groups")
-        ours = [len(g["params"]) for g in self.optimizer.param_groups]
-        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != ours \
-                or not isinstance(state["optimizer"].get("state"), dict):
-            raise CheckpointError(f"{source}: the optimizer state does not fit this optimizer (parameter groups of "
-                                  f"sizes {ours} expected); nothing was loaded")
-        if not {"precision", "config"} <= set(state["amp"]):
-            raise CheckpointError(f"{source}: the engine state lacks 'precision'/'config'; nothing was loaded")
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:
@@ -400,26 +395,3 @@ class Trainer:
 def _f(v: Optional[float]) -> float:
     return math.nan if v is None else float(v)
 
-
-def _batch_size(batch: Any) -> int:
-    for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    raise TypeError("cannot split this batch: it holds no tensor with a batch dimension")
-
-
-def split_batch(batch: Any, parts: int) -> list[Any]:
-    """``batch`` cut into ``parts`` micro-batches along dim 0 (tensors; other values repeated)."""
-    if parts == 1:
-        return [batch]
-
-    def cut(t: Any) -> list[Any]:
-        return list(torch.tensor_split(t, parts)) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * parts
-
-    if isinstance(batch, dict):
-        cols = {k: cut(v) for k, v in batch.items()}
-        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
-    if isinstance(batch, (tuple, list)):
-        cols = [cut(v) for v in batch]
-        return [type(batch)(c[i] for c in cols) for i in range(parts)]
-    return cut(batch)
