@@ -17,7 +17,7 @@ from ..loop.checkpoint import CheckpointError
 from ..step.config import ConfigError
 from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
-from . import audit, bench, info, plan, report, train
+from . import audit, bench, export, info, plan, report, slurm, train
 from .config_file import apply_config_file, explicit_flags
 
 __all__ = ["build_parser", "main"]
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Mixed-precision training for PyTorch: fast, safe and visible.")
     parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for command in (info, train, audit, bench, plan, report):
+    for command in (info, train, audit, bench, plan, report, slurm, export):
         command.add_parser(sub)
     return parser
 
@@ -50,6 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         raw = list(sys.argv[1:] if argv is None else argv)
         args._explicit = explicit_flags(parser, args, raw)
+        args._raw = raw
         if getattr(args, "config", None):
             apply_config_file(parser, args, raw)
         return int(args.func(args) or 0)

@@ -12,10 +12,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..distributed import broadcast_object, init, is_main, local_device, world_size
 from ..step.config import MixedPrecisionConfig
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.precision import CANONICAL
+from . import parallel
 from .common import flag, model_and_data, positive_float, positive_int
 from .rundirs import claim_checkpoint_dir, prepare_dir
 
@@ -102,9 +104,13 @@ def choose_batch(args: argparse.Namespace, device: torch.device, precision: str)
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console(stderr=args.json)  # keep stdout pure JSON with --json
+    status = parallel.maybe_relaunch(args)  # --nproc_per_node: torchrun runs this command N times
+    if status is not None:
+        return status
+    several = init(args.device)  # a worker of several: join the process group
+    console = Console(stderr=args.json, quiet=not is_main())  # keep stdout pure JSON with --json; rank 0 speaks
     torch.manual_seed(args.seed)
-    device = normalize_device(args.device)
+    device = normalize_device(local_device(args.device) if several else args.device)
     explicit: set[str] = getattr(args, "_explicit", set())
     file_amp: dict[str, Any] = getattr(args, "_file_amp", {})
     # What the user chose (command line or config file), as opposed to defaults: on --resume these
@@ -121,13 +127,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             amp.set_accumulation_steps(args.accumulation_steps)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
-    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
-    locks = []  # the run's directories, checked and locked before anything is built
+    log_dir = broadcast_object(args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")
+                                                            + f"-{amp.precision.name}"))
+    locks = []  # the run's directories, checked and locked (by rank 0) before anything is built
     try:
-        if args.checkpoint_dir:
+        if args.checkpoint_dir and is_main():
             locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
             claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
-        if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
+        if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0") and is_main():
             locks.append(prepare_dir(log_dir, "--log_dir"))
         return _train(args, console, device, amp, log_dir, given)
     finally:
@@ -141,8 +148,10 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
 
     model, batches = model_and_data(args, device)
     model.to(device)
+    several = world_size() > 1
     why = amp.precision.reason
-    if amp.config.precision == "auto" and device.type == "cpu" and amp.precision.name != "fp32" and not args.resume:
+    if amp.config.precision == "auto" and device.type == "cpu" and amp.precision.name != "fp32" and not args.resume \
+            and not several:  # (several processes: the hardware rule, so every rank picks the same)
         from ..loop.autoselect import measured_choice
 
         console.print(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
@@ -152,11 +161,13 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
         if choice.precision != amp.precision.name:
             amp = MixedPrecision(device=device, config=amp.config.replace(precision=choice.precision))
     _activation_checkpointing(args, model, console)
+    model = parallel.wrap(args, model, amp.precision, device)  # several processes: DDP or FSDP2
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
     n_params = sum(p.numel() for p in model.parameters())
-    console.print(f"[bold]ampkit train[/]: {args.model}/{args.size} ({n_params / 1e6:.2f}M params) on {device} "
+    where = f"{device} x {world_size()} processes ({args.parallel})" if several else str(device)
+    console.print(f"[bold]ampkit train[/]: {args.model}/{args.size} ({n_params / 1e6:.2f}M params) on {where} "
                   f"in [bold]{amp.precision.name}[/] — {why}")
     if amp.overridden_modules:
         console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
@@ -202,7 +213,7 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
     failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
-    if args.json:
+    if args.json and is_main():
         out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
         out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=getattr(args, "_batch_reason", None),
                    accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure)
@@ -218,7 +229,8 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
             console.print("eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses))
         console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
     if failure:
-        print(f"ampkit train: training failed numerically: {failure}", file=sys.stderr)
+        if is_main():
+            print(f"ampkit train: training failed numerically: {failure}", file=sys.stderr)
         return 3
     return 0
 
@@ -355,4 +367,5 @@ def add_parser(sub: Any) -> None:
                "(these flags' names); flags given on the command line override the file")
     flag(p, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
     flag(p, "json", action="store_true", help="print the summary as JSON")
+    parallel.add_flags(p)
     p.set_defaults(func=cmd_train)

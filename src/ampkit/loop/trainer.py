@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..distributed import is_main, rank, world_size
+from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
 from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 from ..step.engine import MixedPrecision
@@ -144,7 +144,7 @@ class Trainer:
         self.log_dir, self.tensorboard, self.console = log_dir, tensorboard, console
         self.micro_index = 0  # the data position: index of the next micro-batch
         self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
-        self.run_id = uuid.uuid4().hex[:12]  # kept across resumes (it is in the checkpoint)
+        self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
         self.notes: list[str] = []
         self.diagnose = diagnose
         self.diagnosis: Any = None

@@ -1,0 +1,38 @@
+"""``ampkit slurm``: print the sbatch script for a multi-node run (``ampkit.distributed.slurm``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .common import flag, positive_int
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from ..distributed.slurm import sbatch_script
+
+    flags = list(args.train_flags)
+    if flags and flags[0] == "--":
+        flags = flags[1:]
+    print(sbatch_script(flags, nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition,
+                        time=args.time, job_name=args.job_name, account=args.account,
+                        cpus_per_task=args.cpus_per_task, output=args.output, port=args.port), end="")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("slurm", help="print an sbatch script: srun + torchrun on every node, then ampkit train",
+                       description="Print an sbatch script for `ampkit train` on several nodes. Everything after "
+                                   "`--` goes to `ampkit train`, e.g.: ampkit slurm --nodes 2 --gpus_per_node 8 -- "
+                                   "--model gpt --size large --steps 1000 --checkpoint_dir /shared/ckpt")
+    flag(p, "nodes", type=positive_int, default=1, help="nodes (default: 1)")
+    flag(p, "gpus_per_node", type=positive_int, default=8, help="GPUs (= worker processes) per node (default: 8)")
+    flag(p, "partition", default=None, help="Slurm partition")
+    flag(p, "time", default=None, help="time limit, e.g. 04:00:00")
+    flag(p, "account", default=None, help="Slurm account")
+    flag(p, "cpus_per_task", type=positive_int, default=None, help="CPUs for each node's task")
+    flag(p, "job_name", default="ampkit", help="job name (default: ampkit)")
+    flag(p, "output", default="%x-%j.out", help="log file pattern (default: %%x-%%j.out)")
+    flag(p, "port", type=positive_int, default=29500, help="rendezvous port on the first node (default: 29500)")
+    p.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- then the flags for `ampkit train`")
+    p.set_defaults(func=cmd_slurm)
