@@ -263,7 +263,9 @@ class ShardedCheckpointManager(CheckpointManager):
         for _, path in reversed(self.list()):
             try:
                 return path, dcp.load(path, *self.template())
-            except Exception as e:  # DCP raises its CheckpointException (on every rank) for a bad shard
+            except BaseException as e:  # DCP's CheckpointException (raised on every rank) is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
                 problems.append(f"checkpoint {path!r} is unreadable and was not loaded ({type(e).__name__}: "
                                 f"{torch_reason(e)})")
                 warnings.warn(f"{problems[-1]}; falling back to the previous checkpoint", stacklevel=2)
@@ -280,7 +282,9 @@ def export_single_file(directory: str, path: str) -> str:
 
     try:
         state = dcp.consolidate(directory)
-    except Exception as e:
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         raise CheckpointError(f"{directory!r} could not be read as a sharded checkpoint "
                               f"({type(e).__name__}: {torch_reason(e)})") from None
     state.pop("ampkit_checkpoint", None)
