@@ -123,6 +123,7 @@ def test_ddp_fp32_matches_one_process_and_bf16_ranks_agree_bitwise():
     ref = reference("fp32", accum=4)
     ranks = run_ranks(train, "ddp", "fp32", accum=2)
     assert ranks[0]["parallel"] == "DDPParallel"
+    assert ranks[0]["stats"]["parallel"] == "ddp" and ranks[0]["stats"]["world_size"] == 2
     assert max_diff(ranks[0]["params"], ref["params"]) <= 1e-6
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
     bf = run_ranks(train, "ddp", "bf16", accum=2)
@@ -140,6 +141,7 @@ def test_fsdp_reduces_once_per_step_per_group_and_matches_large_batch():
     ref = reference("fp32", accum=8)
     ranks = run_ranks(train, "fsdp", "fp32", accum=4, steps=3)
     assert ranks[0]["parallel"] == "FSDPParallel"
+    assert ranks[1]["stats"]["parallel"] == "fsdp" and ranks[1]["stats"]["world_size"] == 2
     groups = 3  # two blocks + the root (head)
     assert [r["comms"] for r in ranks] == [3 * groups, 3 * groups]
     assert max_diff(ranks[0]["params"], ref["params"]) <= 1e-6

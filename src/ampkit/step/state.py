@@ -36,6 +36,8 @@ class StateMixin:
             "overflow_rate": skipped / self._steps if self._steps else 0.0,
             "accumulation_steps": self.config.accumulation_steps,
             "pending_micro_steps": self._window.micro,
+            "parallel": self._parallel.name,  # none / ddp / fsdp
+            "world_size": self._parallel.world_size,
             "events": [e.to_dict() for e in self._stream.kept],
         }
 
