@@ -17,7 +17,7 @@ from ..loop.checkpoint import CheckpointError
 from ..step.config import ConfigError
 from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
-from . import audit, bench, export, info, plan, report, slurm, train
+from . import audit, bench, export, info, plan, report, serve, slurm, train
 from .config_file import apply_config_file, explicit_flags
 
 __all__ = ["build_parser", "main"]
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Mixed-precision training for PyTorch: fast, safe and visible.")
     parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for command in (info, train, audit, bench, plan, report, slurm, export):
+    for command in (info, train, audit, bench, plan, report, slurm, export, serve):
         command.add_parser(sub)
     return parser
 

@@ -1,0 +1,36 @@
+"""``ampkit serve``: the training-job REST service (FastAPI + uvicorn; ``pip install -e ".[serve]"``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .common import flag, positive_int
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ImportError('ampkit serve needs FastAPI and uvicorn: pip install -e ".[serve]"') from None
+    from ..service import serve
+
+    factories = tuple(f for f in os.environ.get("AMPKIT_ALLOWED_FACTORIES", "").split(",") if f)
+    print(f"ampkit serve: http://{args.host}:{args.port} · data in {os.path.abspath(args.data_dir)} · "
+          f"{args.max_concurrent} run(s) at a time · tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / "
+          f"{os.path.join(args.data_dir, 'tokens.json')}", flush=True)
+    serve(args.host, args.port, data_dir=args.data_dir, max_concurrent=args.max_concurrent,
+          queue_cap=args.queue_cap, allowed_factories=factories)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="the REST service: launch, watch, compare runs (FastAPI + uvicorn)")
+    flag(p, "host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    flag(p, "port", type=positive_int, default=8000, help="port (default: 8000)")
+    flag(p, "data_dir", default="ampkit-service", help="SQLite database, tokens and run directories (default: ./ampkit-service)")
+    flag(p, "max_concurrent", type=positive_int, default=1, help="runs at a time (default: 1)")
+    flag(p, "queue_cap", type=positive_int, default=16, help="queued runs before new ones get 429 (default: 16)")
+    p.set_defaults(func=cmd_serve)

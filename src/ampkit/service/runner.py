@@ -1,0 +1,216 @@
+"""Runs as processes: each run is ``python -m ampkit train ... --json`` in its own process group
+(``start_new_session``), with its log and checkpoint directories under the run's directory.
+
+A scheduler thread ticks every ``poll_s``: it finishes runs whose process exited (the JSON
+summary on stdout; status ``succeeded`` or ``failed``), kills runs past their ``max_seconds``
+(``failed``, error ``timeout``), and starts queued runs up to ``max_concurrent``. Cancelling
+kills the whole process group (SIGTERM, SIGKILL after 2 s). Status changes are compare-and-set
+in SQLite, so a cancel and a finish cannot overwrite each other.
+
+Restart safety: on start, a ``running`` row whose process is still alive (checked by pid *and*
+its command line naming the run's directory) is re-adopted and watched by pid; one whose
+process is gone becomes ``interrupted`` and can be resumed from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+from .store import Store
+
+__all__ = ["Runner", "command_for"]
+
+TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")
+
+
+def command_for(run: dict[str, Any]) -> list[str]:
+    """The command line of a run (its ``spec``), writing into ``run['run_dir']``."""
+    spec, d = run["spec"], run["run_dir"]
+    base = [sys.executable, "-m", "ampkit"]
+    if run["kind"] == "recommend":
+        return [*base, "tune", "--model", spec["model"], "--size", spec["size"], "--device", spec["device"],
+                "--batch_size", str(spec["batch_size"]), "--steps", str(spec["steps"]), "--repeats", "2",
+                "--warmup", "2", "--precisions", spec["precisions"], "--json", "--out", os.path.join(d, "tune.toml")]
+    attempt = int(run.get("resumes") or 0)
+    cmd = [*base, "train", "--model", spec["model"], "--size", spec["size"], "--precision", spec["precision"],
+           "--steps", str(spec["steps"]), "--batch_size", str(spec["batch_size"]),
+           "--accumulation_steps", str(spec["accumulation_steps"]), "--lr", repr(spec["lr"]), "--seed", str(spec["seed"]),
+           "--device", spec["device"], "--json", "--no_progress", "--log_every", str(spec["log_every"]),
+           "--log_dir", os.path.join(d, f"log-{attempt}"), "--checkpoint_dir", os.path.join(d, "ckpt"),
+           "--checkpoint_every", str(spec["checkpoint_every"])]
+    if spec.get("init_scale"):
+        cmd += ["--init_scale", repr(spec["init_scale"])]
+    if attempt:
+        cmd += ["--resume"]
+    return cmd
+
+
+def _alive(pid: Optional[int], run_dir: str) -> bool:
+    """Is ``pid`` a live process of this run (not a recycled pid)?"""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().split(b")")[-1].split()[0] == b"Z":
+                return False  # a zombie has exited
+    except OSError:
+        return False
+    return run_dir in cmdline
+
+
+def _kill_group(pid: int, grace_s: float = 2.0) -> None:
+    """SIGTERM the process group led by ``pid``, then SIGKILL whatever is left after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+class Runner:
+    """Starts, watches, times out and cancels runs (module doc)."""
+
+    def __init__(self, store: Store, *, max_concurrent: int = 1, poll_s: float = 0.2) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent={max_concurrent} must be >= 1")
+        self.store, self.max_concurrent, self.poll_s = store, max_concurrent, poll_s
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._adopted: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ampkit-runner", daemon=True)
+
+    def start(self) -> None:
+        self.recover()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (runs keep going: a restarted server re-adopts them)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def recover(self) -> None:
+        for run in self.store.list(status="running", limit=1_000_000):
+            if _alive(run["pid"], run["run_dir"]):
+                self._adopted[run["id"]] = run["pid"]
+            else:
+                self.store.update(run["id"], expect=("running",), status="interrupted", ended=time.time(),
+                                  error="the server stopped while this run was running; POST "
+                                        f"/v1/runs/{run['id']}/resume continues it from its last checkpoint")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # keep scheduling; the error is visible in the server log
+                print(f"ampkit serve: scheduler error: {type(e).__name__}: {e}", file=sys.stderr)
+            self._stop.wait(self.poll_s)
+
+    def tick(self) -> None:
+        with self._lock:
+            for run_id, proc in list(self._procs.items()):
+                rc = proc.poll()
+                if rc is not None:
+                    del self._procs[run_id]
+                    self._finish(run_id, rc)
+            for run_id, pid in list(self._adopted.items()):
+                run = self.store.get(run_id)
+                if run is None or not _alive(pid, run["run_dir"]):
+                    del self._adopted[run_id]
+                    self._finish(run_id, None)
+            now = time.time()
+            for run in self.store.list(status="running", limit=1_000_000):
+                limit = run["spec"].get("max_seconds")
+                over = limit and run["started"] and now - run["started"] > limit
+                if over and self.store.update(run["id"], expect=("running",), status="failed", ended=now,
+                                              error=f"timeout: still running after max_seconds={limit}"):
+                    self._kill(run["id"], run["pid"])
+            running = len(self._procs) + len(self._adopted)
+            if running < self.max_concurrent:
+                queued = sorted(self.store.list(status="queued", limit=1_000_000), key=lambda r: r["created"])
+                for run in queued[: self.max_concurrent - running]:
+                    self._launch(run)
+
+    def _launch(self, run: dict[str, Any]) -> None:
+        d = run["run_dir"]
+        os.makedirs(d, exist_ok=True)
+        attempt = int(run.get("resumes") or 0)
+        with open(os.path.join(d, f"stdout-{attempt}.json"), "wb") as out, \
+                open(os.path.join(d, f"stderr-{attempt}.log"), "wb") as err:
+            proc = subprocess.Popen(command_for(run), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=d)
+        if self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=proc.pid):
+            self._procs[run["id"]] = proc
+        else:  # cancelled between the read and now
+            _kill_group(proc.pid)
+            proc.wait()
+
+    def _finish(self, run_id: str, rc: Optional[int]) -> None:
+        run = self.store.get(run_id)
+        if run is None or run["status"] != "running":
+            return  # cancelled or timed out: already recorded
+        attempt = int(run.get("resumes") or 0)
+        summary = _read_json(os.path.join(run["run_dir"], f"stdout-{attempt}.json"))
+        ok = (rc == 0) if rc is not None else summary is not None and not summary.get("failure")
+        error = None
+        if not ok:
+            tail = _tail(os.path.join(run["run_dir"], f"stderr-{attempt}.log"))
+            error = (summary or {}).get("failure") or tail or f"exit status {rc}"
+        self.store.update(run_id, expect=("running",), status="succeeded" if ok else "failed", ended=time.time(),
+                          summary=summary, error=error)
+
+    def _kill(self, run_id: str, pid: Optional[int]) -> None:
+        proc = self._procs.pop(run_id, None)
+        self._adopted.pop(run_id, None)
+        if pid:
+            _kill_group(pid)
+        if proc is not None:
+            proc.wait()
+
+    def cancel(self, run_id: str) -> bool:
+        """Cancel a queued or running run; the process group is gone when this returns. False if it had ended."""
+        with self._lock:
+            run = self.store.get(run_id)
+            if run is None or not self.store.update(run_id, expect=("queued", "running"), status="cancelled",
+                                                    ended=time.time(), error="cancelled by its owner"):
+                return False
+            if run["status"] == "running":
+                self._kill(run_id, run["pid"])
+            return True
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        start = text.find("{")
+        return json.loads(text[start:]) if start >= 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _tail(path: str, n: int = 1500) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors[-1] if errors else "\n".join(lines[-5:]))[-n:]

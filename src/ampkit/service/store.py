@@ -1,0 +1,134 @@
+"""The service's state: one SQLite file (stdlib ``sqlite3``, WAL journal) under the data directory.
+
+One row per run. SQLite in WAL mode with ``synchronous=FULL`` commits durably and atomically, so
+a server killed with SIGKILL mid-write loses at most the transaction in flight and never corrupts
+the file; every write is one short transaction. Connections are per thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from typing import Any, Optional
+
+__all__ = ["STATUSES", "Store"]
+
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
+_JSON = ("spec", "summary")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created REAL NOT NULL,
+    started REAL,
+    ended REAL,
+    pid INTEGER,
+    run_dir TEXT NOT NULL,
+    summary TEXT,
+    error TEXT,
+    resumes INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS runs_owner ON runs (owner, created);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status);
+"""
+
+
+class Store:
+    """Runs in ``<data_dir>/ampkit.db``."""
+
+    def __init__(self, data_dir: str) -> None:
+        os.makedirs(data_dir, exist_ok=True)
+        self.path = os.path.join(data_dir, "ampkit.db")
+        self._local = threading.local()
+        db = self._conn()
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+
+    def _db(self) -> _Tx:
+        return _Tx(self._conn())
+
+    def _conn(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)  # autocommit; explicit BEGIN below
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA busy_timeout=30000")
+            self._local.db = db
+        return db
+
+    @staticmethod
+    def _row(row: Optional[sqlite3.Row]) -> Optional[dict[str, Any]]:
+        if row is None:
+            return None
+        out = dict(row)
+        for k in _JSON:
+            out[k] = json.loads(out[k]) if out.get(k) else None
+        return out
+
+    def create(self, run_id: str, owner: str, kind: str, spec: dict[str, Any], run_dir: str) -> dict[str, Any]:
+        with self._db() as db:
+            db.execute("INSERT INTO runs (id, owner, kind, status, spec, created, run_dir) VALUES (?,?,?,?,?,?,?)",
+                       (run_id, owner, kind, "queued", json.dumps(spec), time.time(), run_dir))
+        row = self.get(run_id)
+        assert row is not None
+        return row
+
+    def get(self, run_id: str, owner: Optional[str] = None) -> Optional[dict[str, Any]]:
+        with self._db() as db:
+            row = db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        out = self._row(row)
+        if out is None or (owner is not None and out["owner"] != owner):
+            return None  # another owner's run does not exist for you
+        return out
+
+    def list(self, owner: Optional[str] = None, status: Optional[str] = None, limit: int = 100) -> list[dict[str, Any]]:
+        sql, args = "SELECT * FROM runs WHERE 1=1", []
+        if owner is not None:
+            sql += " AND owner = ?"
+            args.append(owner)
+        if status is not None:
+            sql += " AND status = ?"
+            args.append(status)
+        sql += " ORDER BY created DESC LIMIT ?"
+        args.append(limit)
+        with self._db() as db:
+            rows = db.execute(sql, args).fetchall()
+        return [r for r in (self._row(x) for x in rows) if r is not None]
+
+    def count(self, status: str) -> int:
+        with self._db() as db:
+            return int(db.execute("SELECT COUNT(*) FROM runs WHERE status = ?", (status,)).fetchone()[0])
+
+    def update(self, run_id: str, *, expect: Optional[tuple[str, ...]] = None, **fields: Any) -> bool:
+        """Set ``fields``; with ``expect``, only if the status is one of those (atomic). True if changed."""
+        for k in _JSON:
+            if k in fields and fields[k] is not None:
+                fields[k] = json.dumps(fields[k])
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        sql, args = f"UPDATE runs SET {sets} WHERE id = ?", [*fields.values(), run_id]
+        if expect:
+            sql += f" AND status IN ({','.join('?' * len(expect))})"
+            args += list(expect)
+        with self._db() as db:
+            return db.execute(sql, args).rowcount > 0
+
+
+class _Tx:
+    """``with store._db() as db``: one IMMEDIATE transaction, committed on exit, rolled back on error."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

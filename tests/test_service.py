@@ -1,0 +1,149 @@
+"""The REST service on a real uvicorn server (127.0.0.1, a free port) with a real HTTP client;
+runs are real ``ampkit train`` processes. Every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
+
+from .dist_helpers import free_port  # noqa: E402
+
+TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
+ALICE = {"Authorization": "Bearer tok-alice"}
+BOB = {"Authorization": "Bearer tok-bob"}
+
+
+class Server:
+    def __init__(self, data_dir: str, **config: object) -> None:
+        self.port = free_port()
+        app = create_app(ServiceConfig(data_dir=data_dir, poll_s=0.1, **config), tokens=TOKENS)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def wait(self, run_id: str, statuses: tuple[str, ...], timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.client.get(f"/v1/runs/{run_id}", headers=ALICE).json()
+            if run["status"] in statuses:
+                return run
+            assert time.monotonic() < deadline, f"run {run_id} stuck in {run['status']}: {run}"
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(str(tmp_path / "svc"))
+    yield s
+    for run in s.client.get("/v1/runs", headers=ALICE).json()["runs"]:
+        if run["status"] in ("queued", "running"):
+            s.client.delete(f"/v1/runs/{run['id']}", headers=ALICE)
+    s.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().split(b")")[-1].split()[0] != b"Z"
+
+
+def test_auth_and_ownership(server):
+    c = server.client
+    assert c.get("/health").status_code == 200
+    assert c.get("/v1/runs").status_code == 401
+    assert c.get("/v1/runs", headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = c.post("/v1/runs", json={"model": "mlp", "steps": 1, "precision": "fp32"}, headers=ALICE)
+    assert r.status_code == 201
+    rid = r.json()["id"]
+    assert c.get(f"/v1/runs/{rid}", headers=BOB).status_code == 404  # not yours: it does not exist
+    assert c.delete(f"/v1/runs/{rid}", headers=BOB).status_code == 404
+    assert rid not in [x["id"] for x in c.get("/v1/runs", headers=BOB).json()["runs"]]
+    server.wait(rid, ("succeeded",))
+
+
+def test_validation_is_4xx_with_the_cli_messages(server):
+    c = server.client
+    r = c.post("/v1/runs", json={"precision": "fp12"}, headers=ALICE)
+    assert r.status_code == 422 and "fp12" in r.text and "bf16" in r.text and "fp16" in r.text
+    assert c.post("/v1/runs", json={"model": "evil.module:f"}, headers=ALICE).status_code == 422
+    assert c.post("/v1/runs", json={"steps": 0}, headers=ALICE).status_code == 422
+    assert c.post("/v1/runs", json={"stepz": 5}, headers=ALICE).status_code == 422
+    assert c.post("/v1/runs", content=b"{not json", headers={**ALICE, "content-type": "application/json"}
+                  ).status_code == 422
+    big = {"model": "mlp", "pad": "x" * 100_000}
+    assert c.post("/v1/runs", json=big, headers=ALICE).status_code == 413
+    assert c.get("/v1/compare?ids=a", headers=ALICE).status_code == 422
+    assert c.get("/v1/runs/nope/metrics", headers=ALICE).status_code == 404
+
+
+def test_bf16_run_succeeds_with_paged_metrics_and_compares_with_fp32(server):
+    c = server.client
+    ids = [c.post("/v1/runs", json={"model": "mlp", "steps": 30, "precision": p, "log_every": 5}, headers=ALICE
+                  ).json()["id"] for p in ("fp32", "bf16")]
+    runs = [server.wait(i, ("succeeded", "failed")) for i in ids]
+    assert [r["status"] for r in runs] == ["succeeded", "succeeded"], runs
+    assert runs[1]["summary"]["precision"] == "bf16" and runs[1]["summary"]["optimizer_steps"] == 30
+    assert runs[1]["skipped_steps"] == 0
+    records, after = [], 0
+    while True:
+        page = c.get(f"/v1/runs/{ids[1]}/metrics", params={"after": after, "limit": 7}, headers=ALICE).json()
+        records += page["records"]
+        if not page["records"]:
+            break
+        assert page["next"] == after + len(page["records"]) and len(page["records"]) <= 7
+        after = page["next"]
+    steps = [r for r in records if r.get("type") == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    cmp = c.get("/v1/compare", params={"ids": ",".join(ids)}, headers=ALICE).json()
+    assert cmp["baseline"] == ids[0]
+    fp32, bf16 = cmp["runs"]
+    assert fp32["loss_gap"] == 0.0 and fp32["speedup"] == 1.0
+    assert abs(bf16["loss_gap"]) < 0.05 and bf16["speedup"] > 0 and bf16["skipped_steps"] == 0
+
+
+def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
+    c = server.client
+    long = {"model": "mlp", "steps": 1_000_000, "precision": "fp32"}
+    first = c.post("/v1/runs", json=long, headers=ALICE).json()["id"]
+    second = c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=ALICE).json()["id"]
+    server.wait(first, ("running",), timeout=30)
+    time.sleep(0.5)
+    assert c.get(f"/v1/runs/{second}", headers=ALICE).json()["status"] == "queued"  # max_concurrent=1
+    pid = server.server.config.app.state.store.get(first)["pid"]
+    t0 = time.monotonic()
+    r = c.delete(f"/v1/runs/{first}", headers=ALICE)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    while _alive(pid):
+        assert time.monotonic() - t0 < 5, "the run's process outlived its cancel by 5 s"
+        time.sleep(0.05)
+    assert c.delete(f"/v1/runs/{first}", headers=ALICE).status_code == 409
+    assert server.wait(second, ("succeeded",))["status"] == "succeeded"
+
+
+def test_timeout_fails_the_run(server):
+    c = server.client
+    rid = c.post("/v1/runs", json={"model": "mlp", "steps": 1_000_000, "max_seconds": 3}, headers=ALICE).json()["id"]
+    run = server.wait(rid, ("failed", "succeeded"), timeout=60)
+    assert run["status"] == "failed" and run["error"].startswith("timeout")
