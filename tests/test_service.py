@@ -147,3 +147,68 @@ def test_timeout_fails_the_run(server):
     rid = c.post("/v1/runs", json={"model": "mlp", "steps": 1_000_000, "max_seconds": 3}, headers=ALICE).json()["id"]
     run = server.wait(rid, ("failed", "succeeded"), timeout=60)
     assert run["status"] == "failed" and run["error"].startswith("timeout")
+
+
+def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    data = str(tmp_path / "svc")
+    env = {**os.environ, "AMPKIT_TOKEN": "tok-alice"}
+
+    def start() -> tuple[subprocess.Popen, httpx.Client]:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "ampkit", "serve", "--port", str(port), "--data_dir", data,
+                                 "--max_concurrent", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers={"Authorization": "Bearer tok-alice"})
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if client.get("/health").status_code == 200:
+                    return proc, client
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.2)
+
+    def wait(client: httpx.Client, rid: str, status: str) -> dict:
+        deadline = time.monotonic() + 60
+        while (run := client.get(f"/v1/runs/{rid}").json())["status"] != status:
+            assert time.monotonic() < deadline, run
+            time.sleep(0.2)
+        return run
+
+    proc, c = start()
+    spec = {"model": "mlp", "steps": 1_000_000, "precision": "fp32", "checkpoint_every": 5}
+    keep, lose = (c.post("/v1/runs", json=spec).json()["id"] for _ in range(2))
+    for rid in (keep, lose):
+        wait(c, rid, "running")
+    ckpt = os.path.join(data, "runs", lose, "ckpt")
+    deadline = time.monotonic() + 60
+    while not (os.path.isdir(ckpt) and any(n.endswith(".pt") for n in os.listdir(ckpt))):  # past a checkpoint
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    from ampkit.service.store import Store
+
+    pids = {rid: Store(data).get(rid)["pid"] for rid in (keep, lose)}
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    os.killpg(pids[lose], signal.SIGKILL)  # this run dies with the server; the other survives
+    while _alive(pids[lose]):
+        time.sleep(0.05)
+    assert _alive(pids[keep])
+    proc, c = start()
+    try:
+        assert c.get(f"/v1/runs/{keep}").json()["status"] == "running"  # re-adopted
+        lost = c.get(f"/v1/runs/{lose}").json()
+        assert lost["status"] == "interrupted" and "resume" in lost["error"]
+        assert c.post(f"/v1/runs/{lose}/resume").status_code == 202
+        wait(c, lose, "running")
+        assert c.delete(f"/v1/runs/{keep}").json()["status"] == "cancelled"
+        assert c.delete(f"/v1/runs/{lose}").json()["status"] == "cancelled"
+        assert not _alive(pids[keep])
+        assert len(c.get("/v1/runs").json()["runs"]) == 2  # nothing lost from SQLite
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
