@@ -159,9 +159,6 @@ def restore_rng(state: dict[str, Any]) -> None:
         random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
-_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{8})\.pt$")
-
-
 class CheckpointManager:
     """Numbered checkpoints in one directory: ``save`` (atomic, keep the last ``keep_last``),
     ``load_latest`` (newest readable one; corrupt ones are reported and skipped)."""
@@ -174,15 +171,24 @@ class CheckpointManager:
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"{self.prefix}-{step:08d}.pt")
 
+    _pattern = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{8})\.pt$")
+
+    def _complete(self, path: str) -> bool:
+        return True  # a file with the final name is complete: it was renamed there after fsync
+
+    def _load(self, path: str, map_location: Any) -> dict[str, Any]:
+        return load_checkpoint(path, map_location)
+
     def list(self) -> list[tuple[int, str]]:
-        """(step, path) of every complete checkpoint file, oldest first (temp files are ignored)."""
+        """(step, path) of every complete checkpoint, oldest first (temp files are ignored)."""
         if not os.path.isdir(self.directory):
             return []
         out = []
         for name in os.listdir(self.directory):
-            m = _NAME.match(name)
-            if m and m.group("prefix") == self.prefix:
-                out.append((int(m.group("step")), os.path.join(self.directory, name)))
+            m = self._pattern.match(name)
+            path = os.path.join(self.directory, name)
+            if m and m.group("prefix") == self.prefix and self._complete(path):
+                out.append((int(m.group("step")), path))
         return sorted(out)
 
     def save(self, step: int, state: dict[str, Any]) -> str:
@@ -208,7 +214,7 @@ class CheckpointManager:
         problems = []
         for _, path in reversed(self.list()):
             try:
-                return path, load_checkpoint(path, map_location)
+                return path, self._load(path, map_location)
             except CheckpointError as e:
                 problems.append(str(e))
                 warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
@@ -233,19 +239,17 @@ class ShardedCheckpointManager(CheckpointManager):
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"{self.prefix}-{step:08d}")
 
-    def list(self) -> list[tuple[int, str]]:
-        """(step, path) of every complete checkpoint directory, oldest first."""
+    _pattern = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{8})$")
+
+    def _complete(self, path: str) -> bool:
         from ..distributed import dcp
 
-        if not os.path.isdir(self.directory):
-            return []
-        out = []
-        for name in os.listdir(self.directory):
-            m = _DIR.match(name)
-            path = os.path.join(self.directory, name)
-            if m and m.group("prefix") == self.prefix and dcp.is_complete(path):
-                out.append((int(m.group("step")), path))
-        return sorted(out)
+        return dcp.is_complete(path)  # its .metadata exists (written last, before the rename)
+
+    def _load(self, path: str, map_location: Any) -> dict[str, Any]:
+        from ..distributed import dcp
+
+        return _dcp_read(lambda: dcp.load(path, *self.template()), f"checkpoint {path!r} is unreadable and was not loaded")
 
     def save(self, step: int, state: dict[str, Any]) -> str:
         from ..distributed import dcp, is_main
@@ -256,22 +260,17 @@ class ShardedCheckpointManager(CheckpointManager):
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
-        from ..distributed import dcp
 
-        problems = []
-        for _, path in reversed(self.list()):
-            try:
-                return path, dcp.load(path, *self.template())
-            except BaseException as e:  # DCP's CheckpointException (raised on every rank) is a BaseException
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                problems.append(f"checkpoint {path!r} is unreadable and was not loaded ({type(e).__name__}: "
-                                f"{torch_reason(e)})")
-                warnings.warn(f"{problems[-1]}; falling back to the previous checkpoint", stacklevel=2)
-        if problems:
-            raise CheckpointError(f"every checkpoint in {self.directory!r} is unreadable: " + "; ".join(problems))
-        return None
+
+def _dcp_read(read: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
+    """``read()``, with any failure as a :class:`CheckpointError` saying ``what`` and why. DCP's
+    ``CheckpointException`` (raised on every rank alike) is a ``BaseException``, hence the catch."""
+    try:
+        return read()
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"{what} ({type(e).__name__}: {torch_reason(e)})") from None
 
 
 def export_single_file(directory: str, path: str) -> str:
@@ -280,18 +279,9 @@ def export_single_file(directory: str, path: str) -> str:
     ``ampkit train --resume``). Returns ``path``."""
     from ..distributed import dcp
 
-    try:
-        state = dcp.consolidate(directory)
-    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise CheckpointError(f"{directory!r} could not be read as a sharded checkpoint "
-                              f"({type(e).__name__}: {torch_reason(e)})") from None
+    state = _dcp_read(lambda: dcp.consolidate(directory), f"{directory!r} could not be read as a sharded checkpoint")
     state.pop("ampkit_checkpoint", None)
     return save_checkpoint(state, path)
-
-
-_DIR = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{8})$")
 
 
 def check_state(state: dict[str, Any], own: dict[str, Any], optimizer: torch.optim.Optimizer, source: str) -> None:

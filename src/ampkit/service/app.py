@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from typing import Any, Literal, Optional
 
@@ -164,6 +163,10 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         return run
 
     def submit(who: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        try:
+            _allowed(spec["model"], config.allowed_factories)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
         if store.count("queued") >= config.queue_cap:
             raise HTTPException(429, f"the queue is full ({config.queue_cap} runs waiting); retry later",
                                 headers={"Retry-After": "10"})
@@ -177,10 +180,6 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
 
     @app.post("/v1/runs", status_code=201)
     def create_run(spec: RunSpec, who: str = Depends(owner)) -> dict[str, Any]:
-        try:
-            _allowed(spec.model, config.allowed_factories)
-        except ValueError as e:
-            raise HTTPException(422, str(e)) from None
         return _view(submit(who, "train", spec.model_dump()))
 
     @app.get("/v1/runs")
@@ -248,13 +247,8 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
 
     @app.post("/v1/recommend", status_code=201)
     def recommend(spec: RecommendSpec, who: str = Depends(owner)) -> dict[str, Any]:
-        try:
-            _allowed(spec.model, config.allowed_factories)
-        except ValueError as e:
-            raise HTTPException(422, str(e)) from None
         return _view(submit(who, "recommend", spec.model_dump()))
 
-    app.state.started = time.time()
     return app
 
 
