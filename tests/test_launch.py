@@ -173,3 +173,22 @@ def test_sharded_checkpoints_skip_incomplete_and_report_corrupt(tmp_path):
                     f.truncate(10)
         with pytest.raises(CheckpointError, match="unreadable"):
             mgr.load_latest()
+
+
+def test_sharded_checkpoint_refuses_pickled_objects(tmp_path):
+    import datetime
+    import warnings
+
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import CheckpointError, ShardedCheckpointManager
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = ShardedCheckpointManager(str(tmp_path), lambda: capture(model, opt))
+    osd = opt.state_dict()
+    osd["param_groups"][0]["lr"] = datetime.date(2020, 1, 1)  # not a weights_only type: a stand-in for a payload
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr.save(1, {"model": model.state_dict(), "optimizer": osd, "amp": {}})
+        with pytest.raises(CheckpointError, match="unreadable"):
+            mgr.load_latest()

@@ -12,7 +12,8 @@ replicated tensor once). A checkpoint directory holds:
 Atomicity: DCP writes the files and, last, ``.metadata``; we write into ``<dir>.partial`` and
 rank 0 renames it to ``<dir>`` once every rank's ``save`` returned, so a directory with that
 name is complete; :func:`is_complete` also demands ``.metadata``. Loading reads into *copies*
-of the live tensors and only then applies them, so a failed load changes nothing.
+of the live tensors and only then applies them, so a failed load changes nothing. Every
+non-tensor item is unpickled with ``weights_only=True`` (DCP's own planners do not).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.utils._pytree import tree_map_only
 
 from .env import barrier, is_main, rank
@@ -41,6 +47,27 @@ def _blob(obj: Any) -> bytes:
 
 def _unblob(data: Any) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+class _WeightsOnly:
+    """A load-planner mixin: DCP's non-tensor items (optimizer hyperparameters, our blobs) are
+    unpickled with ``weights_only=True`` -- DCP's own planners use ``weights_only=False``, which
+    would run code from a tampered checkpoint directory."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj  # type: ignore[attr-defined]
+
+
+class _SafeLoadPlanner(_WeightsOnly, DefaultLoadPlanner):
+    pass
+
+
+class _SafeEmptyLoadPlanner(_WeightsOnly, _EmptyStateDictLoadPlanner):
+    pass
 
 
 def is_complete(directory: str) -> bool:
@@ -85,7 +112,7 @@ def load(directory: str, model_state: dict[str, Any], optimizer_state: dict[str,
     has_rng = mine in _keys(directory)  # a checkpoint from a different world size lacks some ranks
     if has_rng:
         payload[mine] = b""
-    dcp.load(payload, checkpoint_id=directory)
+    dcp.load(payload, checkpoint_id=directory, planner=_SafeLoadPlanner())
     out = dict(_unblob(payload["extra"]))
     out.update(model=payload["model"], optimizer=payload["optimizer"])
     out["rng"] = _unblob(payload[mine]) if has_rng else {}
@@ -96,7 +123,6 @@ def consolidate(directory: str, rank_rng: int = 0) -> dict[str, Any]:
     """The checkpoint as one plain state dict, in one process: full tensors, the optimizer state
     numbered like a plain ``optimizer.state_dict()``, rank ``rank_rng``'s RNG. Everything in it
     loads with ``torch.load(weights_only=True)`` once saved."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .states import id_keyed
@@ -105,7 +131,7 @@ def consolidate(directory: str, rank_rng: int = 0) -> dict[str, Any]:
         raise FileNotFoundError(f"{directory!r} is not a complete DCP checkpoint (no .metadata)")
     sd: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does, without the round trip through a pickle file.
-    _load_state_dict(sd, storage_reader=dcp.FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(),
+    _load_state_dict(sd, storage_reader=dcp.FileSystemReader(directory), planner=_SafeEmptyLoadPlanner(),
                      no_dist=True)
     out = dict(_unblob(sd["extra"]))
     out["model"] = sd["model"]
