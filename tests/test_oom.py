@@ -1,4 +1,5 @@
-"""Surviving an out-of-memory error mid-run: halve the micro-batch, double the accumulation, redo."""
+"""Memory-driven batching: surviving an out-of-memory error mid-run (halve the micro-batch,
+double the accumulation, redo), and batch_size="auto" (the largest micro-batch that fits)."""
 
 import copy
 
@@ -93,3 +94,53 @@ def test_split_batch_keeps_every_sample_once():
     d = split_batch({"x": x, "y": y, "tag": "a"}, 2)
     assert torch.equal(d[1]["y"], y[8:]) and d[0]["tag"] == "a"
     assert copy.deepcopy(parts)[0][0].shape == (4, 16)
+
+
+# --- batch_size="auto": the largest micro-batch that fits a budget, chosen from the estimate ---
+
+def _gpt_trainer(tmp_path, **kwargs):
+    from ampkit.models import builtin
+
+    torch.manual_seed(0)
+    model, data = builtin("gpt", "small", batch_size=32)
+    amp = MixedPrecision("fp32", device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.setup(model, opt)
+    return Trainer(model, opt, amp, data, progress=False, log_dir=str(tmp_path), tensorboard=False, **kwargs)
+
+
+def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
+    from ampkit.memory import estimate
+    from ampkit.models import builtin
+
+    auto = _gpt_trainer(tmp_path / "auto", batch_size="auto", memory_budget="40MiB")
+    summary = auto.fit(2)
+    choice = auto.auto_batch
+    # The estimate at the chosen micro-batch fits; at the next larger divisor of 32 it does not.
+    factory = lambda: builtin("gpt", "small", batch_size=1)[0]  # noqa: E731
+    x, y = auto.batches(0)
+    m = choice.micro_batch
+    assert 32 % m == 0 and m < 32
+    assert estimate(factory, (x[:m], y[:m])).peak_bytes <= 40 * 2**20 < estimate(factory, (x[:2 * m], y[:2 * m])).peak_bytes
+    assert summary.micro_batch == m and any("micro-batch" in n for n in summary.notes)
+    assert auto.amp.config.accumulation_steps == 32 // m
+    events = [e for e in _events(tmp_path / "auto") if e["kind"] == "auto_batch"]
+    assert len(events) == 1 and events[0]["micro_batch"] == m
+    # Same parameters as the whole batch in one piece (fp32, accumulation over equal micro-batches).
+    whole = _gpt_trainer(tmp_path / "whole")
+    whole.fit(2)
+    for p, q in zip(whole.model.parameters(), auto.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+
+
+def test_auto_batch_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="choose 'auto'"):
+        _gpt_trainer(tmp_path, batch_size=8)
+    with pytest.raises(ValueError, match="pass both or neither"):
+        _gpt_trainer(tmp_path, memory_budget="1GiB")
+    with pytest.raises(ValueError, match="8XB"):
+        _gpt_trainer(tmp_path, batch_size="auto", memory_budget="8XB")
+    with pytest.raises(ValueError, match="needs a memory budget on cpu"):
+        _gpt_trainer(tmp_path, batch_size="auto").fit(1)
+    with pytest.raises(ValueError, match="not even a micro-batch of 1 fits"):
+        _gpt_trainer(tmp_path, batch_size="auto", memory_budget="1MiB").fit(1)

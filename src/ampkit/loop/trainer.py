@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
 from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 from ..step.engine import MixedPrecision
+from .autobatch import check_auto_args, choose_split, device_budget
 from .checkpoint import (
     CheckpointManager,
     ShardedCheckpointManager,
@@ -57,6 +58,8 @@ class TrainSummary:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
     run_id: Optional[str] = None
     world_size: int = 1  # processes that trained together (throughput counts all of them)
+    micro_batch: Optional[int] = None  # samples per forward/backward (after batch_size='auto' or an OOM)
+    notes: list[str] = field(default_factory=list)  # choices made for the user (auto batch, OOM rebatch, ...)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +138,8 @@ class Trainer:
         eval_precision: str = "train",
         callbacks: Sequence[Any] = (),
         fallback: bool = True,
+        batch_size: Optional[str] = None,
+        memory_budget: Union[str, int, None] = None,
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every={log_every} must be >= 1")
@@ -168,6 +173,10 @@ class Trainer:
         self.eval_batches, self.eval_every, self.eval_steps = eval_batches, eval_every, eval_steps
         self.eval_precision = eval_precision
         self.callbacks = list(callbacks)
+        check_auto_args(batch_size, memory_budget, self.world_size)
+        self.auto_batch: Any = None  # an AutoBatch once batch_size='auto' has chosen
+        self.micro_batch: Optional[int] = None  # set when ampkit cuts batches (auto batch size, OOM)
+        self._auto = (batch_size == "auto", memory_budget)
         self._monitor: Optional[Monitor] = None
         if fallback and amp.config.fallback is False:
             if amp.config.skip_nonfinite:
@@ -206,6 +215,8 @@ class Trainer:
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         amp = self.amp
+        if self._auto[0] and self.auto_batch is None and amp.optimizer_steps == 0:
+            self._choose_batch()
         accum = amp.config.accumulation_steps // self.split  # in batches of batches(i)
         samples = getattr(self.batches, "samples_per_batch", None)  # per rank: throughput is for all ranks
         tokens = getattr(self.batches, "tokens_per_batch", None)
@@ -216,6 +227,8 @@ class Trainer:
                           samples_per_step=samples * accum if samples else None,
                           tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
         accum //= self.world_size
+        if self.auto_batch is not None and amp.optimizer_steps == 0:
+            monitor.log_event("auto_batch", **asdict(self.auto_batch))
         self.model.train()
         self._monitor = monitor
         try:
@@ -264,7 +277,7 @@ class Trainer:
             final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
             peak_mem_bytes=summary["peak_mem_bytes"], run_id=self.run_id,
             eval_losses=[(e["step"], e["loss"]) for e in monitor.events if e.get("kind") == "eval"],
-            world_size=self.world_size,
+            world_size=self.world_size, micro_batch=self.micro_batch, notes=list(self.notes),
         )
         self._call("on_train_end", result)
         return result
@@ -288,6 +301,19 @@ class Trainer:
                 result = amp.step(self.optimizer)
         return result
 
+    def _choose_batch(self) -> None:
+        """``batch_size='auto'``: cut each batch into the fewest micro-batches that fit (see ``autobatch``)."""
+        budget = device_budget(self.amp.device, self._auto[1])
+        choice = choose_split(self.model, self.optimizer, self.amp.precision.name, self.amp.device,
+                              self.batches(0), budget)
+        accum = self.amp.config.accumulation_steps // self.split
+        self.split = choice.split
+        self.amp.set_accumulation_steps(accum * choice.split)
+        self.auto_batch, self.micro_batch = choice, choice.micro_batch
+        self.notes.append(choice.reason)
+        if self.console is not None and is_main():
+            self.console.print(f"batch_size auto: {choice.reason}")
+
     def _rebatch(self, error: BaseException, accum: int, monitor: Monitor) -> None:
         """After an out-of-memory error: free the window, halve the micro-batch, double the
         accumulation (same effective batch, same gradient math), record ``oom_rebatch``."""
@@ -300,6 +326,7 @@ class Trainer:
             raise RuntimeError(f"out of memory even with a micro-batch of {size}: nothing left to split "
                                f"({str(error).splitlines()[0][:200]})") from error
         self.split *= 2
+        self.micro_batch = size // 2
         self.amp.set_accumulation_steps(accum * self.split)
         monitor.log_event("oom_rebatch", micro_batch=batch_size(batch) // self.split,
                           accumulation_steps=accum * self.split, error=str(error).splitlines()[0][:200])

@@ -60,13 +60,15 @@ def _optimizer(spec: Union[str, Callable[..., torch.optim.Optimizer]], params: A
     raise ValueError(f"optimizer={spec!r}; choose 'adamw', 'adam', 'sgd' or pass a callable params -> optimizer")
 
 
-def _fake(obj: Any, mode: Any) -> Any:
+def _fake(obj: Any, mode: Any, dev: torch.device) -> Any:
+    """Fake copies of a batch's tensors, on the device the step is estimated for."""
     if isinstance(obj, torch.Tensor):
-        return mode.from_tensor(obj)
+        t = mode.from_tensor(obj)
+        return t if t.device == dev else t.to(dev)  # under the mode: a fake tensor on `dev`
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_fake(o, mode) for o in obj)
+        return type(obj)(_fake(o, mode, dev) for o in obj)
     if isinstance(obj, dict):
-        return {k: _fake(v, mode) for k, v in obj.items()}
+        return {k: _fake(v, mode, dev) for k, v in obj.items()}
     return obj
 
 
@@ -117,7 +119,7 @@ def estimate(
         opt = _optimizer(optimizer, model.parameters(), fused)
         amp = MixedPrecision(precision, device=dev, fp8_emulate=True)
         model, opt = amp.setup(model, opt)
-        fake_batch = _fake(real_batch, mode)
+        fake_batch = _fake(real_batch, mode, dev)
         with amp.autocast():
             loss = _loss(model, fake_batch)
         amp.backward(loss)
@@ -171,13 +173,13 @@ def parse_bytes(text: Union[str, int, float]) -> int:
 def largest_batch(model_factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
                   precision: str = "fp32", *, activation_checkpointing: Union[bool, Sequence[str]] = False,
                   optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw",
-                  limit: int = 1 << 16) -> tuple[int, Any]:
+                  limit: int = 1 << 16, device: Union[str, torch.device, None] = "cpu") -> tuple[int, Any]:
     """The largest batch ``B`` whose estimated peak fits ``budget``: ``estimate(B) <= budget <
     estimate(B + 1)``. Returns ``(B, estimate at B)``; ``(0, estimate at 1)`` when not even one
     sample fits. Peak memory is close to affine in the batch, so two estimates predict ``B`` and a
     few more confirm it."""
     def at(b: int) -> MemoryEstimate:
-        return estimate(model_factory, batch_of(b), optimizer, precision,
+        return estimate(model_factory, batch_of(b), optimizer, precision, device=device,
                         activation_checkpointing=activation_checkpointing)
 
     one = at(1)

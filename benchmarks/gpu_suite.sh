@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go (run on a CUDA machine from the repository root):
+#   bash benchmarks/gpu_suite.sh [tests|fit|bench|train|all]   (results under $OUT, default ./gpu-out)
+# Uses the machine's own torch; torchao from .whl/ if it was carried there.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+what=${1:-all}
+if [[ $what == env || $what == all || $what == tests ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+  python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
+fi
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/test_service.py tests 2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
+fi
+if [[ $what == fit || $what == all ]]; then
+  python3 benchmarks/fit.py --sizes small,medium,large --precisions fp32,bf16,fp16,bf16-pure --batch_size 8 \
+    --budget 8GiB --search_sizes large --json "$OUT/fit.json" 2>&1 | tee "$OUT/fit.txt" | tail -30
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 -m ampkit bench --model gpt --size large --batch_size 8 --steps 20 --repeats 3 --device cuda \
+    --precisions fp32,tf32,bf16,fp16,bf16-pure,fp16-pure,fp8 --json "$OUT/bench_eager.json" 2>&1 | tail -22
+  python3 -m ampkit bench --model gpt --size large --batch_size 8 --steps 20 --repeats 3 --device cuda --compile \
+    --precisions bf16,fp8 --json "$OUT/bench_compile.json" 2>&1 | tail -14
+fi
+if [[ $what == train || $what == all ]]; then
+  python3 -m ampkit train --model gpt --size large --batch_size auto --memory_budget 8GiB --precision bf16 \
+    --steps 5 --device cuda --log_dir "$OUT/auto8" --json 2>"$OUT/auto8.err" | tail -40
+  tail -5 "$OUT/auto8.err"
+fi
