@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..step.hardware import normalize_device
-from .common import flag, model_and_data, positive_int, wide_console
+from .common import data_flags, flag, model_and_data, positive_int, wide_console
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -39,7 +39,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("audit", help="per-layer numerics: what breaks in fp16/bf16 and why")
-    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory (default: gpt)")
+    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
+         "transformers.GPT2Config) or package.module:factory (default: gpt)")
+    data_flags(p)
     flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset")
     flag(p, "precision", default="fp16", help="precision to audit against the fp64/fp32 reference (default: fp16)")
     flag(p, "batch_size", type=positive_int, default=4, help="example batch size (default: 4)")

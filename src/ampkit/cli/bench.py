@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..step.hardware import normalize_device
-from .common import flag, model_and_data, positive_float, positive_int, wide_console
+from .common import data_flags, flag, model_and_data, positive_float, positive_int, wide_console
 
 
 def _bench_report(args: argparse.Namespace) -> Any:
@@ -70,7 +70,9 @@ def add_parser(sub: Any) -> None:
     for cmd, helptext in (("bench", "every precision side by side: speed, memory, fidelity"),
                           ("tune", "measure, then recommend a precision within a fidelity tolerance")):
         p = sub.add_parser(cmd, help=helptext)
-        flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory")
+        flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
+             "transformers.GPT2Config) or package.module:factory")
+        data_flags(p)
         flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset (default: tiny)")
         flag(p, "precisions", default=None, help="comma-separated precisions (default: fp32,tf32,bf16,fp16)")
         flag(p, "steps", type=positive_int, default=30, help="timed optimizer steps per precision (default: 30)")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["flag", "model_and_data", "positive_float", "positive_int", "wide_console"]
+__all__ = ["data_flags", "estimate_inputs", "flag", "model_and_data", "positive_float", "positive_int", "wide_console"]
 
 
 def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any) -> None:
@@ -40,13 +40,76 @@ def positive_float(text: str) -> float:
     return v
 
 
-def model_and_data(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """A built-in model with its local data, or a user's ``module:factory``."""
+def model_and_data(args: argparse.Namespace, device: Optional[torch.device]) -> tuple[torch.nn.Module, Any]:
+    """A built-in model with its local data, a Hugging Face config (``gpt2``,
+    ``transformers.GPT2Config``) on byte-level text, or a user's ``module:factory``. ``--data``
+    replaces the text data of the GPTs: a ``.txt`` corpus, or ``.json``/``.jsonl`` texts."""
+    from ..loop.hf import build_hf, is_hf, max_positions, parse_overrides
     from ..loop.models import MODELS, builtin, user_model
 
-    if args.model not in MODELS:
+    data_path, block = getattr(args, "data", None), getattr(args, "block_size", None)
+    overrides = getattr(args, "model_config", None)
+    if overrides and not is_hf(args.model):
+        raise ValueError(f"--model_config is for Hugging Face config models (gpt2, transformers.GPT2Config); "
+                         f"--model {args.model} takes none")
+    if is_hf(args.model):
+        model: torch.nn.Module = build_hf(args.model, parse_overrides(overrides))
+        limit = max_positions(model.config)
+    elif args.model in MODELS:
+        model, data = builtin(args.model, args.size, batch_size=args.batch_size, seed=args.seed, device=device)
+        if data_path is None and block is None:
+            return model, data
+        if args.model != "gpt":
+            raise ValueError(f"--data and --block_size are for text models (gpt, Hugging Face configs), "
+                             f"not --model {args.model}")
+        limit = model.config.block_size
+    else:
+        if data_path is not None or block is not None:
+            raise ValueError("--data and --block_size are for built-in and Hugging Face models; a module:factory "
+                             "brings its own data")
         return user_model(args.model, batch_size=args.batch_size, seed=args.seed, size=args.size, device=device)
-    return builtin(args.model, args.size, batch_size=args.batch_size, seed=args.seed, device=device)
+    if block is not None and block > limit:
+        raise ValueError(f"--block_size {block} exceeds the model's maximum sequence length ({limit})")
+    return model, text_data(data_path, args.batch_size, block or min(limit, 1024), args.seed, device)
+
+
+def estimate_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(factory, batch_of)`` for the memory estimate: ``factory()`` builds the model (called under
+    fake tensors), ``batch_of(b)`` a batch of ``b`` samples shaped like the real data (the data is
+    built once, at batch 1, and repeated: only shapes matter)."""
+    one = argparse.Namespace(**{**vars(args), "batch_size": 1})
+    sample = model_and_data(one, None)[1](0)
+
+    def batch_of(b: int) -> Any:
+        def grow(t: Any) -> Any:
+            return t.repeat(b, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and t.dim() else t
+
+        if isinstance(sample, dict):
+            return {k: grow(v) for k, v in sample.items()}
+        return type(sample)(map(grow, sample)) if isinstance(sample, (tuple, list)) else grow(sample)
+
+    return (lambda: model_and_data(one, None)[0]), batch_of
+
+
+def data_flags(p: argparse.ArgumentParser) -> None:
+    """``--model_config``, ``--data``, ``--block_size``: Hugging Face configs and text data."""
+    flag(p, "model_config", default=None, metavar="K=V,...",
+         help="fields of a Hugging Face config model (--model gpt2 or transformers.GPT2Config), e.g. n_layer=2,n_embd=64")
+    flag(p, "data", default=None, metavar="FILE",
+         help="text for gpt / Hugging Face models: a .txt corpus, or .json/.jsonl texts (default: the stdlib's source)")
+    flag(p, "block_size", "max_length", type=positive_int, default=None,
+         help="tokens per sample for text models (default: the model's maximum, up to 1024)")
+
+
+def text_data(path: Optional[str], batch: int, block: int, seed: int, device: Optional[torch.device]) -> Any:
+    """Byte-level text batches: the stdlib corpus, a ``.txt`` file, or ``.json``/``.jsonl`` texts."""
+    from ..loop.data import TextBatches, TextSamples, load_texts
+
+    if path is None or path.endswith(".txt"):
+        return TextBatches(batch_size=batch, block_size=block, seed=seed, device=device, path=path)
+    if path.endswith((".json", ".jsonl")):
+        return TextSamples(load_texts(path), batch_size=batch, max_length=block, seed=seed, device=device)
+    raise ValueError(f"--data {path!r}: give a .txt corpus, or texts as .json (a list of strings) or .jsonl")
 
 
 def wide_console() -> Any:

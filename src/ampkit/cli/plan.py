@@ -7,26 +7,14 @@ import json
 from typing import Any
 
 from ..observe.estimate import estimate, largest_batch, parse_bytes
-from .common import flag, positive_int, wide_console
+from .common import data_flags, estimate_inputs, flag, positive_int, wide_console
 
 DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"
 
 
 def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from ..loop.models import MODELS, builtin, user_model
-
     budget = parse_bytes(args.memory)
-
-    def data(b: int) -> Any:
-        if args.model in MODELS:
-            return builtin(args.model, args.size, batch_size=b, seed=0)
-        return user_model(args.model, batch_size=b, seed=0, size=args.size, device=None)
-
-    def factory() -> Any:
-        return data(1)[0]
-
-    def batch_of(b: int) -> Any:
-        return data(b)[1](0)
+    factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
 
     rows = []
     for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
@@ -47,15 +35,23 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _name(args: argparse.Namespace) -> str:
+    from ..loop.hf import is_hf
+
+    if is_hf(args.model):
+        return args.model + (f" ({args.model_config})" if args.model_config else "")
+    return f"{args.model}/{args.size}"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     rows = plan_rows(args)
     if args.json:
-        print(json.dumps({"model": f"{args.model}/{args.size}", "memory_bytes": parse_bytes(args.memory),
+        print(json.dumps({"model": _name(args), "memory_bytes": parse_bytes(args.memory),
                           "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
-    table = Table(title=f"ampkit plan: {args.model}/{args.size}, budget {args.memory}, batch {args.batch_size}")
+    table = Table(title=f"ampkit plan: {_name(args)}, budget {args.memory}, batch {args.batch_size}")
     for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "saving vs fp32"):
         table.add_column(col, justify="right" if col != "precision" else "left")
     for r in rows:
@@ -68,10 +64,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
-    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory")
+    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
+         "transformers.GPT2Config) or package.module:factory")
     flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
     flag(p, "precisions", default=DEFAULT, help=f"comma-separated (default: {DEFAULT})")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "json", action="store_true", help="print the plan as JSON")
+    data_flags(p)
     p.set_defaults(func=cmd_plan)

@@ -18,7 +18,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.precision import CANONICAL
 from . import parallel
-from .common import flag, model_and_data, positive_float, positive_int
+from .common import data_flags, estimate_inputs, flag, model_and_data, positive_float, positive_int
 from .rundirs import claim_checkpoint_dir, prepare_dir
 
 
@@ -79,12 +79,9 @@ def choose_batch(args: argparse.Namespace, device: torch.device, precision: str)
                              "only on CUDA is the device's free memory the default budget")
         budget = (parse_bytes(args.memory_budget) if args.memory_budget is not None
                   else torch.cuda.mem_get_info(device)[0])
-        probe = argparse.Namespace(**{**vars(args), "batch_size": 1})
-
-        def batch_of(b: int) -> Any:
-            return model_and_data(argparse.Namespace(**{**vars(args), "batch_size": b}), torch.device("cpu"))[1](0)
-
-        best, at = largest_batch(lambda: model_and_data(probe, torch.device("cpu"))[0], batch_of, budget, precision)
+        factory, batch_of = estimate_inputs(args)
+        best, at = largest_batch(factory, batch_of, budget, precision,
+                                 device=device if device.type == "cuda" else "cpu")
         if best < 1:
             raise ValueError(f"--memory_budget {args.memory_budget}: not even a batch of 1 fits "
                              f"({at.peak_bytes / 2**20:,.0f} MiB predicted in {precision})")
@@ -108,6 +105,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     several = init(args.device)  # a worker of several: join the process group
+    if several and args.save_model:
+        raise ValueError("--save_model writes one process's model; with several processes use --checkpoint_dir, "
+                         "then `ampkit export CKPT OUT.pt`")
     console = Console(stderr=args.json, quiet=not is_main())  # keep stdout pure JSON with --json; rank 0 speaks
     torch.manual_seed(args.seed)
     device = normalize_device(local_device(args.device) if several else args.device)
@@ -213,10 +213,19 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
     failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
+    model_path = None
+    if args.save_model and is_main():
+        from ..loop.modelfile import save_model
+
+        model_path = save_model(model, amp, args.save_model, {
+            "model": args.model, "size": args.size, "model_config": args.model_config,
+            "precision": amp.precision.name, "optimizer_steps": amp.optimizer_steps, "run_id": summary.run_id})
+        console.print(f"model saved to [bold]{model_path}[/]")
     if args.json and is_main():
         out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
         out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=getattr(args, "_batch_reason", None),
-                   accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure)
+                   accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure,
+                   model_path=model_path)
         print(json.dumps(json_safe(out), indent=2, allow_nan=False))
     else:
         for e in amp.events:
@@ -238,10 +247,15 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
 def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, console: Any) -> None:
     targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
     if args.grad_ckpt and not targets:
-        if args.model != "gpt":
+        from ..loop.hf import is_hf
+
+        if is_hf(args.model):  # the layers: the elements of every ModuleList
+            targets = [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+        elif args.model != "gpt":
             raise ValueError("--grad_ckpt needs --grad_ckpt_modules for this model (module types or name globs, "
                              "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks")
-        targets = ["blocks.*"]
+        else:
+            targets = ["blocks.*"]
     if not targets:
         return
     from ..step.activation_checkpointing import apply_activation_checkpointing
@@ -314,7 +328,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("train", help="train a built-in model on local data, or yours (module:factory)")
     flag(p, "precision", "mixed_precision", default="auto",
           help=f"precision or alias: {', '.join(CANONICAL)} (default: auto)")
-    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn) or package.module:factory (default: gpt)")
+    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
+         "transformers.GPT2Config) or package.module:factory (default: gpt)")
+    data_flags(p)
     flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
     flag(p, "steps", type=positive_int, default=100, help="optimizer steps; with --resume, the total to reach (default: 100)")
     flag(p, "batch_size", type=_batch_size_arg, default=16,
@@ -367,5 +383,8 @@ def add_parser(sub: Any) -> None:
                "(these flags' names); flags given on the command line override the file")
     flag(p, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
     flag(p, "json", action="store_true", help="print the summary as JSON")
+    flag(p, "save_model", default=None, metavar="DIR",
+         help="save the trained weights (fp32) to DIR at the end: save_pretrained for Hugging Face models, "
+              "else DIR/model.pt")
     parallel.add_flags(p)
     p.set_defaults(func=cmd_train)

@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ClassificationBatches", "ImageBatches", "TextBatches", "batch_size", "split_batch", "stdlib_corpus"]
+__all__ = ["ClassificationBatches", "ImageBatches", "TextBatches", "TextSamples", "batch_size", "load_texts",
+           "split_batch", "stdlib_corpus"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -59,13 +60,17 @@ class TextBatches:
     val_fraction: float = 0.1
     device: Optional[torch.device] = None
     max_bytes: int = 4 << 20
+    path: Optional[str] = None  # a text file to use instead of the stdlib corpus
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.block_size < 1:
             raise ValueError(f"batch_size={self.batch_size} and block_size={self.block_size} must be >= 1")
         if self.split not in ("train", "val"):
             raise ValueError(f"split={self.split!r}; choose 'train' or 'val'")
-        corpus = stdlib_corpus(self.max_bytes)
+        corpus = stdlib_corpus(self.max_bytes) if self.path is None else _file_bytes(self.path, self.max_bytes)
+        if len(corpus) * min(self.val_fraction, 1 - self.val_fraction) < self.block_size + 2:
+            raise ValueError(f"{self.path or 'the corpus'} holds {len(corpus)} bytes: too few for windows of "
+                             f"{self.block_size} tokens in both splits; give more text or a smaller block size")
         cut = int(len(corpus) * (1 - self.val_fraction))
         self._data = corpus[:cut] if self.split == "train" else corpus[cut:]
 
@@ -89,6 +94,99 @@ class TextBatches:
         offsets = torch.arange(self.block_size + 1)
         windows = self._data[starts[:, None] + offsets].long()
         x, y = windows[:, :-1], windows[:, 1:]
+        if self.device is not None and self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y
+
+
+def _file_bytes(path: str, max_bytes: int) -> torch.Tensor:
+    with open(path, "rb") as f:
+        blob = f.read(max_bytes)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone() if blob else torch.zeros(0, dtype=torch.uint8)
+
+
+def load_texts(path: str) -> list[str]:
+    """Texts from ``.json`` (a list of strings, or ``{"texts": [...]}``) or ``.jsonl`` (a string or
+    ``{"text": ...}`` per line)."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            items = [json.loads(line) for line in f if line.strip()]
+        else:
+            items = json.load(f)
+    if isinstance(items, dict):
+        items = items.get("texts")
+    texts = [t.get("text") if isinstance(t, dict) else t for t in (items or [])]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"{path}: expected a list of strings (or {{\"texts\": [...]}}; .jsonl: one string or "
+                         "{\"text\": ...} per line)")
+    return texts
+
+
+@dataclass
+class TextSamples:
+    """One sample per text (bytes as tokens), padded to a common length: ``batches(i)`` -> ``(x, y)``
+    int64 ``[batch, length]`` with ``y`` the next byte and ``-100`` (ignored by the loss) on padding.
+
+    Each epoch visits every text once in a seeded random order; a last partial batch is filled from
+    the start of the next order, so every batch has ``batch_size`` samples.
+    """
+
+    texts: list[str]
+    batch_size: int = 8
+    max_length: int = 512
+    seed: int = 0
+    device: Optional[torch.device] = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_length < 1:
+            raise ValueError(f"batch_size={self.batch_size} and max_length={self.max_length} must be >= 1")
+        encoded = [t.encode("utf-8")[: self.max_length + 1] for t in self.texts]
+        short = [i for i, b in enumerate(encoded) if len(b) < 2]
+        if not encoded or short:
+            raise ValueError(f"texts {short} have fewer than 2 bytes: each text needs at least one next byte to "
+                             "predict" if encoded else "no texts given")
+        self._orders: dict[int, list[int]] = {}
+        length = max(len(b) for b in encoded) - 1
+        self._x = torch.zeros(len(encoded), length, dtype=torch.long)
+        self._y = torch.full((len(encoded), length), -100, dtype=torch.long)
+        for i, b in enumerate(encoded):
+            t = torch.tensor(list(b), dtype=torch.long)
+            self._x[i, : len(b) - 1], self._y[i, : len(b) - 1] = t[:-1], t[1:]
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            if len(self._orders) > 4:
+                self._orders.clear()
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders[epoch] = torch.randperm(len(self.texts), generator=g).tolist()
+        return self._orders[epoch]
+
+    @property
+    def length(self) -> int:
+        return self._x.shape[1]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-len(self.texts) // self.batch_size)
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.batch_size
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.length
+
+    def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.texts)
+        first = index * self.batch_size
+        rows = []
+        for k in range(first, first + self.batch_size):
+            epoch, pos = divmod(k, n)
+            rows.append(self._order(epoch)[pos])
+        x, y = self._x[rows], self._y[rows]
         if self.device is not None and self.device.type != "cpu":
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x, y

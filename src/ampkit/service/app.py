@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
@@ -38,11 +38,19 @@ class ServiceConfig(BaseModel):
 
 
 def _allowed(model: str, factories: tuple[str, ...]) -> str:
+    from ..loop.hf import ALIASES, is_hf
+
     if model in BUILTIN_MODELS or model in factories:
         return model
+    if is_hf(model) and (model in ALIASES or model.startswith("transformers.")):
+        return model  # built from its config class, never downloaded
     extra = f" or an allowed factory ({', '.join(factories)})" if factories else \
         " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
-    raise ValueError(f"model {model!r} is not available here; choose {', '.join(BUILTIN_MODELS)}{extra}")
+    raise ValueError(f"model {model!r} is not available here; choose {', '.join(BUILTIN_MODELS)}, a Hugging Face "
+                     f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}")
+
+
+Scalar = Union[bool, int, float, str, None]
 
 
 class RunSpec(BaseModel):
@@ -62,6 +70,22 @@ class RunSpec(BaseModel):
     max_seconds: Optional[float] = Field(None, gt=0)
     checkpoint_every: int = Field(10, ge=1)
     log_every: int = Field(5, ge=1)
+    model_overrides: dict[str, Scalar] = Field(default_factory=dict)  # a Hugging Face config's fields
+    texts: Optional[list[str]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
+    max_length: Optional[int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
+    epochs: Optional[int] = Field(None, ge=1, le=100_000)  # instead of steps
+    target_effective_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000)
+    activation_checkpointing: bool = False
+    save_model: bool = False  # write the trained fp32 weights to <run dir>/model
+    user_id: Optional[Union[int, str]] = None  # a label (the owner is the token's)
+
+    @field_validator("model_overrides")
+    @classmethod
+    def _overrides(cls, v: dict[str, Scalar]) -> dict[str, Scalar]:
+        bad = [k for k in v if not k.isidentifier()]
+        if bad or any(isinstance(x, str) and ("," in x or "=" in x) for x in v.values()):
+            raise ValueError(f"model_overrides: keys must be identifiers and values plain scalars (bad: {bad or v})")
+        return v
 
     @field_validator("precision")
     @classmethod
@@ -98,7 +122,9 @@ def _view(run: dict[str, Any]) -> dict[str, Any]:
     summary = run.get("summary") or {}
     return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": run["spec"],
             "created": run["created"], "started": run["started"], "ended": run["ended"], "error": run["error"],
-            "resumes": run["resumes"], "summary": summary or None, "skipped_steps": summary.get("skipped_steps")}
+            "resumes": run["resumes"], "summary": summary or None, "skipped_steps": summary.get("skipped_steps"),
+            "model_path": summary.get("model_path"), "scaler_scale": summary.get("final_scale"),
+            "user_id": run["spec"].get("user_id")}
 
 
 def _log_lines(run_dir: str) -> list[str]:
@@ -163,8 +189,12 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         return run
 
     def submit(who: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        from ..loop.hf import is_hf
+
         try:
             _allowed(spec["model"], config.allowed_factories)
+            if spec.get("model_overrides") and not is_hf(spec["model"]):
+                raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
         if store.count("queued") >= config.queue_cap:
@@ -248,6 +278,11 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
     @app.post("/v1/recommend", status_code=201)
     def recommend(spec: RecommendSpec, who: str = Depends(owner)) -> dict[str, Any]:
         return _view(submit(who, "recommend", spec.model_dump()))
+
+    from .compat import add_routes
+
+    add_routes(app, owner, submit, mine, _view,
+               lambda run: [json.loads(x) for x in _log_lines(run["run_dir"])])
 
     return app
 

@@ -47,6 +47,18 @@ def command_for(run: dict[str, Any]) -> list[str]:
            "--checkpoint_every", str(spec["checkpoint_every"])]
     if spec.get("init_scale"):
         cmd += ["--init_scale", repr(spec["init_scale"])]
+    if spec.get("model_overrides"):
+        cmd += ["--model_config", ",".join(f"{k}={v}" for k, v in spec["model_overrides"].items())]
+    if spec.get("texts"):
+        cmd += ["--data", os.path.join(d, "texts.json")]  # written by the runner before the start
+    for key, flag in (("max_length", "--block_size"), ("epochs", "--epochs"),
+                      ("target_effective_batch_size", "--target_effective_batch_size")):
+        if spec.get(key):
+            cmd += [flag, str(spec[key])]
+    if spec.get("activation_checkpointing"):
+        cmd += ["--grad_ckpt"]
+    if spec.get("save_model"):
+        cmd += ["--save_model", os.path.join(d, "model")]
     if attempt:
         cmd += ["--resume"]
     return cmd
@@ -152,6 +164,9 @@ class Runner:
         d = run["run_dir"]
         os.makedirs(d, exist_ok=True)
         attempt = int(run.get("resumes") or 0)
+        if run["spec"].get("texts"):
+            with open(os.path.join(d, "texts.json"), "w", encoding="utf-8") as f:
+                json.dump(run["spec"]["texts"], f)
         with open(os.path.join(d, f"stdout-{attempt}.json"), "wb") as out, \
                 open(os.path.join(d, f"stderr-{attempt}.log"), "wb") as err:
             proc = subprocess.Popen(command_for(run), stdout=out, stderr=err, stdin=subprocess.DEVNULL,

@@ -36,6 +36,13 @@ CREATE TABLE IF NOT EXISTS runs (
 );
 CREATE INDEX IF NOT EXISTS runs_owner ON runs (owner, created);
 CREATE INDEX IF NOT EXISTS runs_status ON runs (status);
+CREATE TABLE IF NOT EXISTS settings (
+    owner TEXT NOT NULL,
+    name TEXT NOT NULL,
+    value TEXT NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (owner, name)
+);
 """
 
 
@@ -105,6 +112,18 @@ class Store:
     def count(self, status: str) -> int:
         with self._db() as db:
             return int(db.execute("SELECT COUNT(*) FROM runs WHERE status = ?", (status,)).fetchone()[0])
+
+    def put_setting(self, owner: str, name: str, value: Any) -> None:
+        """An owner's named setting (JSON), e.g. the mixed-precision setup of the compatibility API."""
+        with self._db() as db:
+            db.execute("INSERT INTO settings (owner, name, value, updated) VALUES (?,?,?,?) ON CONFLICT(owner, name) "
+                       "DO UPDATE SET value = excluded.value, updated = excluded.updated",
+                       (owner, name, json.dumps(value), time.time()))
+
+    def get_setting(self, owner: str, name: str) -> Any:
+        with self._db() as db:
+            row = db.execute("SELECT value FROM settings WHERE owner = ? AND name = ?", (owner, name)).fetchone()
+        return None if row is None else json.loads(row[0])
 
     def update(self, run_id: str, *, expect: Optional[tuple[str, ...]] = None, **fields: Any) -> bool:
         """Set ``fields``; with ``expect``, only if the status is one of those (atomic). True if changed."""

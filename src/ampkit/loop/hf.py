@@ -1,0 +1,114 @@
+"""Hugging Face models built from their config class -- never downloaded.
+
+``--model gpt2`` (an alias) or ``--model transformers.GPT2Config`` (any config class path) builds
+``AutoModelForCausalLM.from_config(Config(**overrides))`` with fresh weights, wrapped so that
+``model(idx, targets)`` returns the next-token loss, like the built-in GPT. Tokens are bytes
+(0-255), so the config's ``vocab_size`` must be at least 256. ``overrides`` (``--model_config
+n_layer=2,n_embd=64``) change the config's fields.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ALIASES", "CausalLM", "build_hf", "hf_config", "is_hf", "parse_overrides"]
+
+ALIASES = {"gpt2": "transformers.GPT2Config", "llama": "transformers.LlamaConfig",
+           "bert": "transformers.BertConfig"}
+
+
+def is_hf(spec: str) -> bool:
+    """A config alias (``gpt2``) or a dotted path to a class named ``...Config``."""
+    if spec in ALIASES:
+        return True
+    return ":" not in spec and "." in spec and spec.rsplit(".", 1)[1].endswith("Config")
+
+
+def parse_overrides(text: Optional[str]) -> dict[str, Any]:
+    """``"n_layer=2,n_embd=64,tie_word_embeddings=false"`` -> ``{"n_layer": 2, ...}`` (ints,
+    floats, booleans, ``none``; anything else stays a string)."""
+    out: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--model_config item {item!r} is not key=value (e.g. n_layer=2,n_embd=64)")
+        value: Any = raw.strip()
+        low = value.lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low in ("none", "null"):
+            value = None
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(value)
+                    break
+                except ValueError:
+                    pass
+        out[key.strip()] = value
+    return out
+
+
+def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
+    """The config object for ``spec`` with ``overrides`` applied (clear errors for each failure)."""
+    path = ALIASES.get(spec, spec)
+    mod_name, _, cls_name = path.rpartition(".")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        extra = " (pip install 'ampkit[hf]')" if mod_name.split(".")[0] == "transformers" else ""
+        raise ValueError(f"model {spec!r} needs {mod_name!r}, which cannot be imported{extra}: {e}") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ValueError(f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})")
+    overrides = dict(overrides or {})
+    config = cls()
+    unknown = [k for k in overrides if not hasattr(config, k)]
+    if unknown:
+        raise ValueError(f"{cls_name} has no field(s) {', '.join(map(repr, unknown))} (from --model_config)")
+    config = cls(**overrides) if overrides else config
+    if getattr(config, "vocab_size", 256) < 256:
+        raise ValueError(f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256")
+    return config
+
+
+def max_positions(config: Any) -> int:
+    """The longest sequence the model takes (``n_positions``/``max_position_embeddings``), or 1024."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1024
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM whose ``forward(idx, targets)`` returns the mean next-token loss
+    (targets of ``-100`` are padding and ignored), like :class:`ampkit.models.GPT`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.hf = AutoModelForCausalLM.from_config(config)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.hf(input_ids=idx).logits
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+    def save(self, directory: str) -> None:
+        """``save_pretrained`` (safetensors + config.json): ``AutoModelForCausalLM.from_pretrained`` loads it."""
+        self.hf.save_pretrained(directory)
+
+
+def build_hf(spec: str, overrides: Optional[dict[str, Any]] = None) -> CausalLM:
+    return CausalLM(hf_config(spec, overrides))
