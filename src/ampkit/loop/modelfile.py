@@ -32,6 +32,12 @@ def save_model(model: torch.nn.Module, amp: MixedPrecision, directory: str, meta
              for k, v in amp.full_precision_state_dict().items()}
     if isinstance(model, CausalLM):
         model.hf.save_pretrained(tmp, state_dict={k[len("hf."):]: v for k, v in state.items() if k.startswith("hf.")})
+        cfg_path = os.path.join(tmp, "config.json")  # save_pretrained records the live (training) dtype;
+        with open(cfg_path, encoding="utf-8") as f:  # the weights written are fp32
+            cfg = json.load(f)
+        cfg.update({k: "float32" for k in ("dtype", "torch_dtype") if k in cfg})
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2)
         kind = "huggingface"
     else:
         torch.save(state, os.path.join(tmp, "model.pt"))
