@@ -23,7 +23,7 @@ from .auth import load_tokens
 from .runner import Runner
 from .store import Store
 
-__all__ = ["RunSpec", "ServiceConfig", "create_app"]
+__all__ = ["RunSpec", "ServiceConfig", "allowed_model", "create_app"]
 
 BUILTIN_MODELS = ("gpt", "mlp", "cnn")
 
@@ -37,7 +37,7 @@ class ServiceConfig(BaseModel):
     allowed_factories: tuple[str, ...] = ()
 
 
-def _allowed(model: str, factories: tuple[str, ...]) -> str:
+def allowed_model(model: str, factories: tuple[str, ...]) -> str:
     from ..loop.hf import ALIASES, is_hf
 
     if model in BUILTIN_MODELS or model in factories:
@@ -192,7 +192,7 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         from ..loop.hf import is_hf
 
         try:
-            _allowed(spec["model"], config.allowed_factories)
+            allowed_model(spec["model"], config.allowed_factories)
             if spec.get("model_overrides") and not is_hf(spec["model"]):
                 raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
         except ValueError as e:

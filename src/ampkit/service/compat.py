@@ -260,10 +260,10 @@ def add_routes(app: FastAPI, owner: Callable[..., str], submit: Callable[..., di
 
     @app.post("/finetuning/optimize-mixed-precision")
     def optimize(body: OptimizeBody, who: str = Depends(owner)) -> dict[str, Any]:
-        from .app import _allowed
+        from .app import allowed_model
 
         try:
-            _allowed(body.model_name, ())
+            allowed_model(body.model_name, ())
             return plan_answer(body)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
