@@ -135,3 +135,27 @@ def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     assert (s["batch_size"], s["accumulation_steps"]) == (16, 4)
     assert main([*common, "--batch_size", "auto", "--memory_budget", "8XB", "--log_dir", str(tmp_path / "d")]) == 2
     assert "memory size '8XB' is not understood" in capsys.readouterr().err
+
+
+def test_estimates_in_threads_agree_with_one_at_a_time():
+    """MemTracker's hooks are global: unserialised, concurrent estimates (a server's threads) see
+    each other's modules and report wrong peaks; ampkit runs them one at a time."""
+    import threading
+
+    factory = lambda: builtin("gpt", "tiny", batch_size=1)[0]  # noqa: E731
+    x = builtin("gpt", "tiny", batch_size=4)[1](0)
+    ref = estimate(factory, x, precision="bf16").peak_bytes
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append(estimate(factory, x, precision="bf16").peak_bytes)
+        except Exception as e:  # noqa: BLE001 -- recorded, asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and out == [ref] * 3

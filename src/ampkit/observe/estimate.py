@@ -18,6 +18,7 @@ applied to the fake tensors, so they agree with :func:`ampkit.memory.breakdown` 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Union
@@ -94,7 +95,18 @@ def estimate(
     read only for their shapes. ``optimizer``: ``"adamw"`` (fused, as ``ampkit train``),
     ``"adam"``, ``"sgd"`` or a callable. ``activation_checkpointing``: True (every module of a
     ``ModuleList``) or module name globs / types. Never syncs; allocates only fake tensors.
+    Estimates run one at a time per process (a lock): MemTracker and the module tracker install
+    global hooks, so two at once in threads would see each other's modules.
     """
+    with _LOCK:
+        return _estimate(model_or_factory, batch, optimizer, precision, device, activation_checkpointing)
+
+
+_LOCK = threading.RLock()
+
+
+def _estimate(model_or_factory: Any, batch: Any, optimizer: Any, precision: str, device: Any,
+              activation_checkpointing: Any) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 

@@ -20,6 +20,7 @@ Bodies follow the brief: unknown fields are ignored, missing optional ones defau
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, HTTPException
@@ -202,8 +203,11 @@ def add_routes(app: FastAPI, owner: Callable[..., str], submit: Callable[..., di
         batch = min(body.training_config.batch_size, len(body.dataset_config.texts))
         spec = train_spec(body, cfg["precision"], cfg["scaler"]["init_scale"], mp.memory_efficient, batch)
         run = submit(who, "train", spec)
-        return {**view(run), "run_id": run["id"], "mixed_precision": cfg,
-                "memory_savings_gb": savings_gb(spec, cfg["precision"]), "scaler_scale": cfg["scaler"]["init_scale"]}
+        # The predicted saving is answered with the run's result (GET /finetuning/runs/{id}); worked
+        # out now in the background, so that this answer does not wait for the estimate.
+        threading.Thread(target=savings_gb, args=(spec, cfg["precision"]), daemon=True).start()
+        return {**view(run), "run_id": run["id"], "mixed_precision": cfg, "memory_savings_gb": None,
+                "scaler_scale": cfg["scaler"]["init_scale"], "result": f"/finetuning/runs/{run['id']}"}
 
     @app.post("/finetuning/optimized", status_code=201)
     def optimized(body: OptimizedBody, who: str = Depends(owner)) -> dict[str, Any]:
