@@ -9,7 +9,15 @@ from typing import Any
 import torch
 
 from ..step.hardware import normalize_device
-from .common import data_flags, flag, model_and_data, positive_float, positive_int, wide_console
+from .common import (
+    data_flags,
+    flag,
+    model_and_data,
+    model_label,
+    positive_float,
+    positive_int,
+    wide_console,
+)
 
 
 def _bench_report(args: argparse.Namespace) -> Any:
@@ -24,7 +32,7 @@ def _bench_report(args: argparse.Namespace) -> Any:
     _, batches = model_and_data(args, device)
     return compare(factory, batches, precisions, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                    device=device, lr=args.lr, accumulation_steps=args.accumulation_steps, seed=args.seed,
-                   model_name=f"{args.model}/{args.size}",
+                   model_name=model_label(args),
                    **{k: True for k in ("compile", "fp8_emulate") if getattr(args, k, False)})
 
 

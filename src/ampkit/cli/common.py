@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["data_flags", "estimate_inputs", "flag", "model_and_data", "positive_float", "positive_int", "wide_console"]
+__all__ = ["data_flags", "estimate_inputs", "flag", "model_label", "model_and_data", "positive_float", "positive_int", "wide_console"]
 
 
 def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any) -> None:
@@ -71,6 +71,16 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device]) -> 
     if block is not None and block > limit:
         raise ValueError(f"--block_size {block} exceeds the model's maximum sequence length ({limit})")
     return model, text_data(data_path, args.batch_size, block or min(limit, 1024), args.seed, device)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """``gpt/small``; a Hugging Face config by name (and its overrides); a factory by its path."""
+    from ..loop.hf import is_hf
+    from ..loop.models import MODELS
+
+    if is_hf(args.model):
+        return args.model + (f"({args.model_config})" if getattr(args, "model_config", None) else "")
+    return f"{args.model}/{args.size}" if args.model in MODELS else f"{args.model} (size {args.size})"
 
 
 def estimate_inputs(args: argparse.Namespace) -> tuple[Any, Any]:

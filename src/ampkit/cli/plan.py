@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..observe.estimate import estimate, largest_batch, parse_bytes
-from .common import data_flags, estimate_inputs, flag, positive_int, wide_console
+from .common import data_flags, estimate_inputs, flag, model_label, positive_int, wide_console
 
 DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"
 
@@ -35,23 +35,15 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _name(args: argparse.Namespace) -> str:
-    from ..loop.hf import is_hf
-
-    if is_hf(args.model):
-        return args.model + (f" ({args.model_config})" if args.model_config else "")
-    return f"{args.model}/{args.size}"
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     rows = plan_rows(args)
     if args.json:
-        print(json.dumps({"model": _name(args), "memory_bytes": parse_bytes(args.memory),
+        print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
                           "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
-    table = Table(title=f"ampkit plan: {_name(args)}, budget {args.memory}, batch {args.batch_size}")
+    table = Table(title=f"ampkit plan: {model_label(args)}, budget {args.memory}, batch {args.batch_size}")
     for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "saving vs fp32"):
         table.add_column(col, justify="right" if col != "precision" else "left")
     for r in rows:

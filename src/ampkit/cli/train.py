@@ -18,7 +18,15 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.precision import CANONICAL
 from . import parallel
-from .common import data_flags, estimate_inputs, flag, model_and_data, positive_float, positive_int
+from .common import (
+    data_flags,
+    estimate_inputs,
+    flag,
+    model_and_data,
+    model_label,
+    positive_float,
+    positive_int,
+)
 from .rundirs import claim_checkpoint_dir, prepare_dir
 
 
@@ -155,7 +163,7 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
         from ..loop.autoselect import measured_choice
 
         console.print(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
-        choice = measured_choice(model, batches, amp.precision.name, device, label=f"{args.model}/{args.size}",
+        choice = measured_choice(model, batches, amp.precision.name, device, label=model_label(args),
                                  batch_size=args.batch_size)
         why = choice.reason
         if choice.precision != amp.precision.name:
@@ -167,7 +175,7 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
     model, optimizer = amp.setup(model, optimizer)
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{device} x {world_size()} processes ({args.parallel})" if several else str(device)
-    console.print(f"[bold]ampkit train[/]: {args.model}/{args.size} ({n_params / 1e6:.2f}M params) on {where} "
+    console.print(f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
                   f"in [bold]{amp.precision.name}[/] — {why}")
     if amp.overridden_modules:
         console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
