@@ -159,3 +159,12 @@ def test_estimates_in_threads_agree_with_one_at_a_time():
     for t in threads:
         t.join(120)
     assert not errors and out == [ref] * 3
+
+
+def test_plan_default_rows_are_every_precision_fp8_with_torchao(capsys):
+    pytest.importorskip("torchao")
+    from ampkit.cli import main
+
+    assert main(["plan", "--model", "mlp", "--size", "tiny", "--memory", "64MiB", "--batch_size", "8", "--json"]) == 0
+    rows = [r["precision"] for r in json.loads(capsys.readouterr().out)["rows"]]
+    assert rows == ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"]

@@ -9,7 +9,13 @@ from typing import Any
 from ..observe.estimate import estimate, largest_batch, parse_bytes
 from .common import data_flags, estimate_inputs, flag, model_label, positive_int, wide_console
 
-DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"
+DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"  # and fp8 where torchao is installed
+
+
+def default_precisions() -> str:
+    import importlib.util
+
+    return DEFAULT + (",fp8" if importlib.util.find_spec("torchao") is not None else "")
 
 
 def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -17,7 +23,7 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
 
     rows = []
-    for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+    for precision in [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]:
         at = estimate(factory, batch_of(args.batch_size), precision=precision)
         static = sum(v for k, v in at.parts.items() if k not in ("activations", "temporaries"))
         if static > budget:
@@ -60,7 +66,7 @@ def add_parser(sub: Any) -> None:
          "transformers.GPT2Config) or package.module:factory")
     flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
-    flag(p, "precisions", default=DEFAULT, help=f"comma-separated (default: {DEFAULT})")
+    flag(p, "precisions", default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "json", action="store_true", help="print the plan as JSON")
     data_flags(p)
