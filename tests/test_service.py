@@ -240,3 +240,21 @@ def test_bounded_load_on_the_list_route(server):
     r = load(str(server.client.base_url).rstrip("/"), requests=200, clients=4, timeout_s=60, token="tok-alice")
     assert r["requests"] == 200 and r["errors"] == 0, r
     assert r["p95_ms"] < 2000  # generous: a loaded 2-core CI machine; the measured figure is in the docs
+
+
+def test_precision_config_reaches_the_run(server):
+    """`amp` carries MixedPrecisionConfig fields to the run (as a --config file): growth every 3
+    finite steps from 1024 gives 8192 after 9 fp16 steps (torch's default interval would give 1024)."""
+    c = server.client
+    r = c.post("/v1/runs", json={"model": "mlp", "steps": 9, "precision": "fp16", "init_scale": 1024,
+                                 "amp": {"growth_interval": 3, "hysteresis": 2, "keep_fp32": ["net.0"]}},
+               headers=ALICE)
+    assert r.status_code == 201, r.text
+    run = server.wait(r.json()["id"], ("succeeded", "failed"))
+    assert run["status"] == "succeeded", run
+    s = run["summary"]
+    assert s["skipped_steps"] == 0 and s["final_scale"] == 1024 * 2**3
+    for bad, says in (({"growth_intervall": 3}, "growth_intervall"), ({"precision": "bf16"}, "run's own field"),
+                      ({"growth_factor": 0.5}, "growth_factor")):
+        r = c.post("/v1/runs", json={"model": "mlp", "amp": bad}, headers=ALICE)
+        assert r.status_code == 422 and says in r.text, r.text

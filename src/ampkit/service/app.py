@@ -78,6 +78,18 @@ class RunSpec(BaseModel):
     activation_checkpointing: bool = False
     save_model: bool = False  # write the trained fp32 weights to <run dir>/model
     user_id: Optional[Union[int, str]] = None  # a label (the owner is the token's)
+    amp: dict[str, Union[Scalar, list[str]]] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
+
+    @field_validator("amp")
+    @classmethod
+    def _amp(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from ..step.config import MixedPrecisionConfig
+
+        clash = [k for k in ("precision", "accumulation_steps", "init_scale") if k in v]
+        if clash:
+            raise ValueError(f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp")
+        MixedPrecisionConfig.from_dict(v)  # unknown keys and bad values: the config's own message
+        return v
 
     @field_validator("model_overrides")
     @classmethod

@@ -51,6 +51,8 @@ def command_for(run: dict[str, Any]) -> list[str]:
         cmd += ["--model_config", ",".join(f"{k}={v}" for k, v in spec["model_overrides"].items())]
     if spec.get("texts"):
         cmd += ["--data", os.path.join(d, "texts.json")]  # written by the runner before the start
+    if spec.get("amp"):
+        cmd += ["--config", os.path.join(d, "amp.toml")]  # likewise
     for key, flag in (("max_length", "--block_size"), ("epochs", "--epochs"),
                       ("target_effective_batch_size", "--target_effective_batch_size")):
         if spec.get(key):
@@ -62,6 +64,20 @@ def command_for(run: dict[str, Any]) -> list[str]:
     if attempt:
         cmd += ["--resume"]
     return cmd
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> str:
+    """A TOML table of scalars and string lists (None values are left out: the default)."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(str(v))  # a TOML basic string
+
+    return "\n".join([f"[{name}]"] + [f"{k} = {value(v)}" for k, v in values.items() if v is not None]) + "\n"
 
 
 def _alive(pid: Optional[int], run_dir: str) -> bool:
@@ -167,6 +183,9 @@ class Runner:
         if run["spec"].get("texts"):
             with open(os.path.join(d, "texts.json"), "w", encoding="utf-8") as f:
                 json.dump(run["spec"]["texts"], f)
+        if run["spec"].get("amp"):
+            with open(os.path.join(d, "amp.toml"), "w", encoding="utf-8") as f:
+                f.write(_toml_table("amp", run["spec"]["amp"]))
         with open(os.path.join(d, f"stdout-{attempt}.json"), "wb") as out, \
                 open(os.path.join(d, f"stderr-{attempt}.log"), "wb") as err:
             proc = subprocess.Popen(command_for(run), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
