@@ -92,10 +92,12 @@ def test_validation_is_4xx_with_the_cli_messages(server):
     assert c.post("/v1/runs", json={"stepz": 5}, headers=ALICE).status_code == 422
     assert c.post("/v1/runs", content=b"{not json", headers={**ALICE, "content-type": "application/json"}
                   ).status_code == 422
-    big = {"model": "mlp", "pad": "x" * 100_000}
+    big = {"model": "mlp", "pad": "x" * (1 << 20)}
     assert c.post("/v1/runs", json=big, headers=ALICE).status_code == 413
     assert c.get("/v1/compare?ids=a", headers=ALICE).status_code == 422
     assert c.get("/v1/runs/nope/metrics", headers=ALICE).status_code == 404
+    r = c.post("/v1/runs", json={"model": "gpt", "texts": ["ok text", "x"]}, headers=ALICE)
+    assert r.status_code == 422 and "fewer than 2 bytes" in r.text
 
 
 def test_bf16_run_succeeds_with_paged_metrics_and_compares_with_fp32(server):
@@ -258,3 +260,12 @@ def test_precision_config_reaches_the_run(server):
                       ({"growth_factor": 0.5}, "growth_factor")):
         r = c.post("/v1/runs", json={"model": "mlp", "amp": bad}, headers=ALICE)
         assert r.status_code == 422 and says in r.text, r.text
+
+
+def test_serve_bad_flags_are_one_line(capsys):
+    from ampkit.cli import main
+
+    for value, says in (("8XB", "'8XB' is not understood"), ("100", "must be at least 1KiB")):
+        assert main(["serve", "--max_body", value]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1

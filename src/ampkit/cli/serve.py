@@ -15,14 +15,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ImportError('ampkit serve needs FastAPI and uvicorn: pip install -e ".[serve]"') from None
+    from ..observe.estimate import parse_bytes
     from ..service import serve
 
+    body_cap = parse_bytes(args.max_body)
+    if body_cap < 1024:
+        raise ValueError(f"--max_body {args.max_body}: must be at least 1KiB (requests carry JSON bodies)")
     factories = tuple(f for f in os.environ.get("AMPKIT_ALLOWED_FACTORIES", "").split(",") if f)
     print(f"ampkit serve: http://{args.host}:{args.port} · data in {os.path.abspath(args.data_dir)} · "
           f"{args.max_concurrent} run(s) at a time · tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / "
           f"{os.path.join(args.data_dir, 'tokens.json')}", flush=True)
     serve(args.host, args.port, data_dir=args.data_dir, max_concurrent=args.max_concurrent,
-          queue_cap=args.queue_cap, allowed_factories=factories)
+          queue_cap=args.queue_cap, body_cap=body_cap, allowed_factories=factories)
     return 0
 
 
@@ -33,4 +37,5 @@ def add_parser(sub: Any) -> None:
     flag(p, "data_dir", default="ampkit-service", help="SQLite database, tokens and run directories (default: ./ampkit-service)")
     flag(p, "max_concurrent", type=positive_int, default=1, help="runs at a time (default: 1)")
     flag(p, "queue_cap", type=positive_int, default=16, help="queued runs before new ones get 429 (default: 16)")
+    flag(p, "max_body", default="1MiB", help="largest request body; larger ones get 413 (default: 1MiB)")
     p.set_defaults(func=cmd_serve)

@@ -32,7 +32,7 @@ class ServiceConfig(BaseModel):
     data_dir: str = "ampkit-service"
     max_concurrent: int = Field(1, ge=1)
     queue_cap: int = Field(16, ge=1)
-    body_cap: int = Field(64 * 1024, ge=1024)
+    body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
     poll_s: float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
 
@@ -72,6 +72,15 @@ class RunSpec(BaseModel):
     log_every: int = Field(5, ge=1)
     model_overrides: dict[str, Scalar] = Field(default_factory=dict)  # a Hugging Face config's fields
     texts: Optional[list[str]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
+
+    @field_validator("texts")
+    @classmethod
+    def _texts(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        short = [i for i, t in enumerate(v or []) if len(t.encode("utf-8")) < 2]
+        if short:
+            raise ValueError(f"texts {short[:10]} have fewer than 2 bytes: each text needs at least one next "
+                             "byte to predict")
+        return v
     max_length: Optional[int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
     epochs: Optional[int] = Field(None, ge=1, le=100_000)  # instead of steps
     target_effective_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000)
