@@ -162,3 +162,10 @@ def test_optimize_mixed_precision_answers_from_the_planner(server):
                   headers=ALICE).status_code == 422
     assert c.post("/finetuning/optimize-mixed-precision", json={**OPTIMIZE, "model_name": "os:system"},
                   headers=ALICE).status_code == 422
+    huge = {"n_layer": 96, "n_embd": 12288, "n_head": 96}  # ~175B parameters: refused before any estimate
+    for route, body in (("/finetuning/optimize-mixed-precision", {**OPTIMIZE, "model_overrides": huge}),
+                        ("/finetuning/mixed-precision", {**TRAIN, "model_overrides": huge})):
+        r = c.post(route, json=body, headers=ALICE)
+        assert r.status_code == 422 and "over this server's limit" in r.text, r.text
+    r = c.post("/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layr": 2}}, headers=ALICE)
+    assert r.status_code == 422 and "n_layr" in r.text

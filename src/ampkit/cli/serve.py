@@ -26,7 +26,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{args.max_concurrent} run(s) at a time · tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / "
           f"{os.path.join(args.data_dir, 'tokens.json')}", flush=True)
     serve(args.host, args.port, data_dir=args.data_dir, max_concurrent=args.max_concurrent,
-          queue_cap=args.queue_cap, body_cap=body_cap, allowed_factories=factories)
+          queue_cap=args.queue_cap, body_cap=body_cap, allowed_factories=factories,
+          max_params=args.max_params)
     return 0
 
 
@@ -37,5 +38,7 @@ def add_parser(sub: Any) -> None:
     flag(p, "data_dir", default="ampkit-service", help="SQLite database, tokens and run directories (default: ./ampkit-service)")
     flag(p, "max_concurrent", type=positive_int, default=1, help="runs at a time (default: 1)")
     flag(p, "queue_cap", type=positive_int, default=16, help="queued runs before new ones get 429 (default: 16)")
+    flag(p, "max_params", type=positive_int, default=2_000_000_000,
+         help="refuse Hugging Face config models with more parameters (default: 2e9)")
     flag(p, "max_body", default="1MiB", help="largest request body; larger ones get 413 (default: 1MiB)")
     p.set_defaults(func=cmd_serve)

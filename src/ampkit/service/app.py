@@ -7,6 +7,7 @@ gives (422 validation, 413 body too large, 429 queue full, 409 wrong state), nev
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -23,7 +24,7 @@ from .auth import load_tokens
 from .runner import Runner
 from .store import Store
 
-__all__ = ["RunSpec", "ServiceConfig", "allowed_model", "create_app"]
+__all__ = ["RunSpec", "ServiceConfig", "allowed_model", "create_app", "hf_parameters"]
 
 BUILTIN_MODELS = ("gpt", "mlp", "cnn")
 
@@ -35,6 +36,7 @@ class ServiceConfig(BaseModel):
     body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
     poll_s: float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
+    max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
 
 
 def allowed_model(model: str, factories: tuple[str, ...]) -> str:
@@ -139,6 +141,17 @@ class RecommendSpec(BaseModel):
         return v
 
 
+@functools.lru_cache(maxsize=128)
+def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
+    """Parameters of a Hugging Face config model, counted on the meta device (nothing allocated)."""
+    import torch
+
+    from ..loop.hf import build_hf
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
+
+
 def _view(run: dict[str, Any]) -> dict[str, Any]:
     summary = run.get("summary") or {}
     return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": run["spec"],
@@ -216,6 +229,12 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
             allowed_model(spec["model"], config.allowed_factories)
             if spec.get("model_overrides") and not is_hf(spec["model"]):
                 raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
+            if is_hf(spec["model"]) and config.max_params:
+                n = hf_parameters(spec["model"], tuple(sorted((spec.get("model_overrides") or {}).items())))
+                if n > config.max_params:
+                    raise ValueError(f"model {spec['model']!r} with {spec.get('model_overrides') or 'its defaults'} "
+                                     f"has {n / 1e6:,.0f}M parameters, over this server's limit of "
+                                     f"{config.max_params / 1e6:,.0f}M (ampkit serve --max_params)")
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
         if store.count("queued") >= config.queue_cap:

@@ -264,10 +264,17 @@ def add_routes(app: FastAPI, owner: Callable[..., str], submit: Callable[..., di
 
     @app.post("/finetuning/optimize-mixed-precision")
     def optimize(body: OptimizeBody, who: str = Depends(owner)) -> dict[str, Any]:
-        from .app import allowed_model
+        from ..loop.hf import is_hf
+        from .app import allowed_model, hf_parameters
 
         try:
             allowed_model(body.model_name, ())
+            cap = app.state.config.max_params
+            if is_hf(body.model_name) and cap:
+                n = hf_parameters(body.model_name, tuple(sorted(body.model_overrides.items())))
+                if n > cap:
+                    raise ValueError(f"model {body.model_name!r} has {n / 1e6:,.0f}M parameters, over this "
+                                     f"server's limit of {cap / 1e6:,.0f}M (ampkit serve --max_params)")
             return plan_answer(body)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
