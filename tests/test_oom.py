@@ -136,7 +136,7 @@ def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
 def test_auto_batch_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="choose 'auto'"):
         _gpt_trainer(tmp_path, batch_size=8)
-    with pytest.raises(ValueError, match="pass both or neither"):
+    with pytest.raises(ValueError, match="only used with batch_size=.auto."):
         _gpt_trainer(tmp_path, memory_budget="1GiB")
     with pytest.raises(ValueError, match="8XB"):
         _gpt_trainer(tmp_path, batch_size="auto", memory_budget="8XB")

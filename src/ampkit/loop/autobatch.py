@@ -46,7 +46,7 @@ def check_auto_args(batch_size: Any, memory_budget: Any, world_size: int) -> Non
                          "batches that fits memory_budget) or None (the batches as they come)")
     if memory_budget is not None:
         if batch_size != "auto":
-            raise ValueError("memory_budget is for batch_size='auto'; pass both or neither")
+            raise ValueError(f"memory_budget={memory_budget!r} is only used with batch_size='auto' (got batch_size={batch_size!r})")
         parse_bytes(memory_budget)  # a bad budget fails here, not at fit()
     if batch_size == "auto" and world_size > 1:
         raise ValueError("batch_size='auto' chooses for one process; under DDP/FSDP give each rank's batch "

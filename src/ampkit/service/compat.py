@@ -234,7 +234,8 @@ def add_routes(app: FastAPI, owner: Callable[..., str], submit: Callable[..., di
     def result(run_id: str, who: str = Depends(owner)) -> dict[str, Any]:
         run = mine(run_id, who)
         out = view(run)
-        out["memory_savings_gb"] = savings_gb(run["spec"], run["spec"]["precision"]) if run["kind"] == "train" else None
+        precision = (run.get("summary") or {}).get("precision") or run["spec"]["precision"]  # after any fallback
+        out["memory_savings_gb"] = savings_gb(run["spec"], precision) if run["kind"] == "train" else None
         return out
 
     @app.get("/finetuning/mixed-precision-stats")
