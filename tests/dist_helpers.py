@@ -32,6 +32,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     try:
         result = fn(rank, world, *args, **kwargs)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        # No rank tears its group down while another still talks to it: without this barrier gloo
+        # sometimes aborts a process at exit ("terminate called without an active exception"), as
+        # ampkit.distributed.shutdown() avoids for `ampkit train --nproc_per_node`.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
