@@ -94,9 +94,14 @@ class TextBatches:
         offsets = torch.arange(self.block_size + 1)
         windows = self._data[starts[:, None] + offsets].long()
         x, y = windows[:, :-1], windows[:, 1:]
-        if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+        return _on(self.device, x, y)
+
+
+def _on(device: Optional[torch.device], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch moved to ``device`` (asynchronously; CPU batches stay as they are)."""
+    if device is not None and device.type != "cpu":
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return x, y
 
 
 def _file_bytes(path: str, max_bytes: int) -> torch.Tensor:
@@ -187,9 +192,7 @@ class TextSamples:
             epoch, pos = divmod(k, n)
             rows.append(self._order(epoch)[pos])
         x, y = self._x[rows], self._y[rows]
-        if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+        return _on(self.device, x, y)
 
 
 class _Generated:
@@ -233,9 +236,7 @@ class ClassificationBatches(_Generated):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         x = torch.randn(self.batch_size, self.in_features, generator=g)
         y = (x @ self._teacher).argmax(dim=1)
-        if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+        return _on(self.device, x, y)
 
 
 @dataclass
@@ -262,9 +263,7 @@ class ImageBatches(_Generated):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         y = torch.randint(self.n_classes, (self.batch_size,), generator=g)
         x = torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=g) + self._patterns[y]
-        if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, y
+        return _on(self.device, x, y)
 
 
 def batch_size(batch: Any) -> int:

@@ -24,7 +24,7 @@ from .auth import load_tokens
 from .runner import Runner
 from .store import Store
 
-__all__ = ["RunSpec", "ServiceConfig", "allowed_model", "create_app", "hf_parameters"]
+__all__ = ["RunSpec", "ServiceConfig", "allowed_model", "check_size", "create_app", "hf_parameters"]
 
 BUILTIN_MODELS = ("gpt", "mlp", "cnn")
 
@@ -152,6 +152,18 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
         return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
 
 
+def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:
+    """A Hugging Face config model over ``max_params`` parameters: ValueError (a 422)."""
+    from ..loop.hf import is_hf
+
+    if not (is_hf(model) and max_params):
+        return
+    n = hf_parameters(model, tuple(sorted(overrides.items())))
+    if n > max_params:
+        raise ValueError(f"model {model!r} with {overrides or 'its defaults'} has {n / 1e6:,.0f}M parameters, over "
+                         f"this server's limit of {max_params / 1e6:,.0f}M (ampkit serve --max_params)")
+
+
 def _view(run: dict[str, Any]) -> dict[str, Any]:
     summary = run.get("summary") or {}
     return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": run["spec"],
@@ -229,12 +241,7 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
             allowed_model(spec["model"], config.allowed_factories)
             if spec.get("model_overrides") and not is_hf(spec["model"]):
                 raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
-            if is_hf(spec["model"]) and config.max_params:
-                n = hf_parameters(spec["model"], tuple(sorted((spec.get("model_overrides") or {}).items())))
-                if n > config.max_params:
-                    raise ValueError(f"model {spec['model']!r} with {spec.get('model_overrides') or 'its defaults'} "
-                                     f"has {n / 1e6:,.0f}M parameters, over this server's limit of "
-                                     f"{config.max_params / 1e6:,.0f}M (ampkit serve --max_params)")
+            check_size(spec["model"], spec.get("model_overrides") or {}, config.max_params)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
         if store.count("queued") >= config.queue_cap:

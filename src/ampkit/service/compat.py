@@ -110,25 +110,43 @@ def _mixed_for(device: str) -> tuple[str, str]:
     return q.name, f"mixed precision requested; {q.reason}"
 
 
+def _text_model(model: str, overrides: str, size: str) -> tuple[Callable[[], Any], int]:
+    """``(factory, longest sequence)`` of a text model: a Hugging Face config, or the built-in GPT."""
+    from ..loop.hf import build_hf, hf_config, is_hf, max_positions, parse_overrides
+    from ..loop.models import build
+
+    if is_hf(model):
+        return (functools.partial(build_hf, model, parse_overrides(overrides)),
+                max_positions(hf_config(model, parse_overrides(overrides))))
+    if model == "gpt":
+        return functools.partial(build, model, size), build(model, size).config.block_size
+    raise ValueError(f"memory predictions here are for text models (gpt, Hugging Face configs), not {model!r}")
+
+
+def _tokens(batch: int, length: int) -> tuple[Any, Any]:
+    import torch
+
+    x = torch.randint(0, 256, (batch, length))
+    return x, x.clone()
+
+
 @functools.lru_cache(maxsize=256)
 def _peaks(model: str, overrides: str, size: str, batch: int, length: int, precisions: tuple[str, ...]) -> dict[str, int]:
     """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (cached)."""
-    import torch
-
-    from ..loop.hf import build_hf, hf_config, is_hf, max_positions, parse_overrides
-    from ..loop.models import build
     from ..observe.estimate import estimate
 
-    if is_hf(model):
-        factory: Callable[[], Any] = functools.partial(build_hf, model, parse_overrides(overrides))
-        limit = max_positions(hf_config(model, parse_overrides(overrides)))
-    elif model == "gpt":
-        factory = functools.partial(build, model, size)
-        limit = build(model, size).config.block_size
-    else:
-        raise ValueError(f"memory predictions here are for text models (gpt, Hugging Face configs), not {model!r}")
-    x = torch.randint(0, 256, (batch, min(length, limit)))
-    return {p: estimate(factory, (x, x.clone()), precision=p).peak_bytes for p in precisions}
+    factory, limit = _text_model(model, overrides, size)
+    batch_tokens = _tokens(batch, min(length, limit))
+    return {p: estimate(factory, batch_tokens, precision=p).peak_bytes for p in precisions}
+
+
+@functools.lru_cache(maxsize=256)
+def _largest(model: str, overrides: str, size: str, length: int, budget: int, precision: str) -> int:
+    """The largest batch whose predicted peak fits ``budget`` (:func:`ampkit.memory.largest_batch`; cached)."""
+    from ..observe.estimate import largest_batch
+
+    factory, limit = _text_model(model, overrides, size)
+    return largest_batch(factory, lambda b: _tokens(b, min(length, limit)), budget, precision)[0]
 
 
 def _overrides(d: dict[str, Any]) -> str:
@@ -265,17 +283,11 @@ def add_routes(app: FastAPI, owner: Callable[..., str], submit: Callable[..., di
 
     @app.post("/finetuning/optimize-mixed-precision")
     def optimize(body: OptimizeBody, who: str = Depends(owner)) -> dict[str, Any]:
-        from ..loop.hf import is_hf
-        from .app import allowed_model, hf_parameters
+        from .app import allowed_model, check_size
 
         try:
             allowed_model(body.model_name, ())
-            cap = app.state.config.max_params
-            if is_hf(body.model_name) and cap:
-                n = hf_parameters(body.model_name, tuple(sorted(body.model_overrides.items())))
-                if n > cap:
-                    raise ValueError(f"model {body.model_name!r} has {n / 1e6:,.0f}M parameters, over this "
-                                     f"server's limit of {cap / 1e6:,.0f}M (ampkit serve --max_params)")
+            check_size(body.model_name, body.model_overrides, app.state.config.max_params)
             return plan_answer(body)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
@@ -283,25 +295,14 @@ def add_routes(app: FastAPI, owner: Callable[..., str], submit: Callable[..., di
 
 def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     """``should_use_mixed_precision`` and, per precision, the predicted peak at ``batch_size`` and the
-    largest batch that fits ``gpu_memory_gb`` (peak memory is nearly affine in the batch: two
-    estimates give the line, a few more walk to the exact edge: ``B`` fits, ``B + 1`` does not)."""
+    largest batch that fits ``gpu_memory_gb`` (``B`` fits by the estimate, ``B + 1`` does not)."""
     budget = int(body.gpu_memory_gb * GiB)
     overrides = _overrides(body.model_overrides)
     rows = []
     for p in PLAN_PRECISIONS:
-        at = {b: _peaks(body.model_name, overrides, body.size, b, body.max_length, (p,))[p]
-              for b in (1, body.batch_size)}
-        slope = (at[body.batch_size] - at[1]) / max(1, body.batch_size - 1) if body.batch_size > 1 else at[1]
-        def peak(b: int, p: str = p) -> int:
-            return _peaks(body.model_name, overrides, body.size, b, body.max_length, (p,))[p]
-
-        best = 0 if at[1] > budget else max(1, int(1 + (budget - at[1]) // max(slope, 1)))
-        while best > 1 and peak(best) > budget:
-            best -= 1  # the line is close, not exact (allocation granularity): walk to the edge
-        while best >= 1 and peak(best + 1) <= budget:
-            best += 1
-        rows.append({"precision": p, "predicted_peak_gb": round(at[body.batch_size] / GiB, 3),
-                     "fits": at[body.batch_size] <= budget, "max_batch_size": best})
+        at = _peaks(body.model_name, overrides, body.size, body.batch_size, body.max_length, (p,))[p]
+        rows.append({"precision": p, "predicted_peak_gb": round(at / GiB, 3), "fits": at <= budget,
+                     "max_batch_size": _largest(body.model_name, overrides, body.size, body.max_length, budget, p)})
     fp32 = rows[0]
     half = [r for r in rows[1:] if r["precision"] in ("bf16", "fp16")]
     best_half = max(half, key=lambda r: r["max_batch_size"])
