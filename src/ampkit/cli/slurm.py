@@ -1,4 +1,5 @@
-"""``ampkit slurm``: print the sbatch script for a multi-node run (``ampkit.distributed.slurm``)."""
+"""``ampkit slurm``: print the sbatch script for a multi-node run (``ampkit.distributed.slurm``);
+the job checkpoints and requeues itself before its time limit and on preemption, then resumes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         flags = flags[1:]
     print(sbatch_script(flags, nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition,
                         time=args.time, job_name=args.job_name, account=args.account,
-                        cpus_per_task=args.cpus_per_task, output=args.output, port=args.port), end="")
+                        cpus_per_task=args.cpus_per_task, output=args.output, port=args.port,
+                        signal_seconds=args.signal_seconds), end="")
     return 0
 
 
@@ -24,7 +26,10 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("slurm", help="print an sbatch script: srun + torchrun on every node, then ampkit train",
                        description="Print an sbatch script for `ampkit train` on several nodes. Everything after "
                                    "`--` goes to `ampkit train`, e.g.: ampkit slurm --nodes 2 --gpus_per_node 8 -- "
-                                   "--model gpt --size large --steps 1000 --checkpoint_dir /shared/ckpt")
+                                   "--model gpt --size large --steps 1000 --checkpoint_dir /shared/ckpt --checkpoint_every 500. "
+                                   "The job survives preemption and the time limit: it trains with --resume "
+                                   "--allow_fresh, checkpoints on USR1 (--signal_seconds before --time) or TERM, "
+                                   "and requeues itself.")
     flag(p, "nodes", type=positive_int, default=1, help="nodes (default: 1)")
     flag(p, "gpus_per_node", type=positive_int, default=8, help="GPUs (= worker processes) per node (default: 8)")
     flag(p, "partition", default=None, help="Slurm partition")
@@ -34,5 +39,8 @@ def add_parser(sub: Any) -> None:
     flag(p, "job_name", default="ampkit", help="job name (default: ampkit)")
     flag(p, "output", default="%x-%j.out", help="log file pattern (default: %%x-%%j.out)")
     flag(p, "port", type=positive_int, default=29500, help="rendezvous port on the first node (default: 29500)")
+    flag(p, "signal_seconds", type=int, default=120,
+         help="Slurm sends the job USR1 this many seconds before --time runs out: the workers checkpoint, "
+              "the job requeues itself and resumes (default: 120)")
     p.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- then the flags for `ampkit train`")
     p.set_defaults(func=cmd_slurm)
