@@ -85,7 +85,7 @@ def test_the_trainer_interleaves_ranks_over_the_data():
 
 def test_launch_command_lines():
     cmd = torchrun_command(["train", "--nproc_per_node", "4", "--steps=3", "--nnodes=1"], nproc_per_node=4)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd
+    assert cmd[1:3] == ["-m", "ampkit.distributed.torchrun"] and "--standalone" in cmd
     assert cmd[-4:] == ["-m", "ampkit", "train", "--steps=3"]
     multi = torchrun_command(["train"], nproc_per_node=8, nnodes="2", node_rank=1, rdzv_endpoint="n1:29500")
     assert "--rdzv_endpoint=n1:29500" in multi and "--rdzv_backend=c10d" in multi and "--node_rank=1" in multi

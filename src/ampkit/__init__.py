@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from .distributed import adapter_for as _adapter_for
+from .loop.stop import TrainingInterrupted
 from .observe.numerics import localize_nonfinite as _localize_nonfinite
 from .step.config import ConfigError, MixedPrecisionConfig
 from .step.engine import Event, MixedPrecision, StepResult
@@ -37,6 +38,7 @@ __all__ = [
     "Precision",
     "PrecisionError",
     "StepResult",
+    "TrainingInterrupted",
     "__version__",
     "device_info",
     "resolve_precision",

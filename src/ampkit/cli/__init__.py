@@ -13,12 +13,15 @@ from collections.abc import Sequence
 from typing import Optional
 
 from .. import __version__
+from ..distributed.env import is_main, launched, leave, rank
 from ..loop.checkpoint import CheckpointError
+from ..loop.stop import TrainingInterrupted
 from ..step.config import ConfigError
 from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
 from . import audit, bench, export, info, plan, report, serve, slurm, train
 from .config_file import apply_config_file, explicit_flags
+from .train import PeerFailed, resume_hint
 
 __all__ = ["build_parser", "main"]
 
@@ -47,6 +50,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if not launched():
+        return _run(parser, args, argv)
+    # One of several processes (torchrun): leave the job so that no rank waits for one that failed.
+    try:
+        code = _run(parser, args, argv)
+    except BaseException:
+        leave(1, together=False)
+        raise
+    leave(code, together=code == 0 or getattr(args, "_stopped_together", False))
+    return code
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+    who = f"ampkit {args.command}" + (f" (rank {rank()})" if launched() else "")
     try:
         raw = list(sys.argv[1:] if argv is None else argv)
         args._explicit = explicit_flags(parser, args, raw)
@@ -54,19 +71,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, "config", None):
             apply_config_file(parser, args, raw)
         return int(args.func(args) or 0)
+    except PeerFailed as e:  # another rank failed and said why; only it prints
+        return e.code
     except NumericsError as e:
-        print(f"ampkit {args.command}: training failed numerically: {e}", file=sys.stderr)
+        print(f"{who}: training failed numerically: {e}", file=sys.stderr)
         return 3
     except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
-        print(f"ampkit {args.command}: error: {e}", file=sys.stderr)
+        print(f"{who}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a filesystem fault during the run (full disk, vanished directory, ...)
         where = f": {e.filename!r}" if getattr(e, "filename", None) else ""
-        print(f"ampkit {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"{who}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except TrainingInterrupted as e:  # a graceful stop: the step finished and (with a dir) checkpointed
+        args._stopped_together = True  # every rank stopped after the same step
+        if is_main():
+            print(f"{who}: {e}" + (f". {resume_hint(args)}" if args.command == "train" else ""),
+                  file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # before training started (or a command without a graceful stop)
+        code = getattr(e, "exit_code", 130)
+        print(f"{who}: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'}) before training started; "
+              "nothing to save", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import shlex
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
 from ..distributed import broadcast_object, init, is_main, local_device, world_size
+from ..loop.seed import seed_everything
 from ..step.config import MixedPrecisionConfig
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
-from ..step.precision import CANONICAL
+from ..step.precision import CANONICAL, PrecisionError, resolve_precision
 from . import parallel
 from .common import (
     data_flags,
@@ -106,18 +111,67 @@ def choose_batch(args: argparse.Namespace, device: torch.device, precision: str)
     return why
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from rich.console import Console
+class PeerFailed(Exception):
+    """Another rank failed a check every rank depends on and reported it; this rank exits quietly."""
 
+    def __init__(self, code: int = 2) -> None:
+        super().__init__("another rank failed")
+        self.code = code
+
+
+class _Terminated(KeyboardInterrupt):
+    exit_code = 143
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Outside ``Trainer.fit`` (which stops gracefully), SIGTERM ends the command like Ctrl-C does,
+    with a message and exit status 143, instead of killing it silently."""
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def resume_hint(args: argparse.Namespace) -> str:
+    """One sentence: the exact command that continues this run (the launcher's own command line
+    under ``--nproc_per_node``), or why there is none."""
+    from ..distributed.launch import COMMAND_ENV
+
+    if not args.checkpoint_dir:
+        return "No --checkpoint_dir was given, so the run cannot be resumed"
+    words = shlex.split(os.environ[COMMAND_ENV])[1:] if os.environ.get(COMMAND_ENV) else list(getattr(args, "_raw", []))
+    words = [w for w in words if w not in ("--overwrite",)]
+    if "--resume" not in words:
+        words.append("--resume")
+    return f"Resume with: {shlex.join(['ampkit', *words])}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
     status = parallel.maybe_relaunch(args)  # --nproc_per_node: torchrun runs this command N times
     if status is not None:
         return status
+    with _sigterm_interrupts():
+        return _cmd_train(args)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     several = init(args.device)  # a worker of several: join the process group
     if several and args.save_model:
         raise ValueError("--save_model writes one process's model; with several processes use --checkpoint_dir, "
                          "then `ampkit export CKPT OUT.pt`")
     console = Console(stderr=args.json, quiet=not is_main())  # keep stdout pure JSON with --json; rank 0 speaks
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed, args.deterministic)
     device = normalize_device(local_device(args.device) if several else args.device)
     explicit: set[str] = getattr(args, "_explicit", set())
     file_amp: dict[str, Any] = getattr(args, "_file_amp", {})
@@ -135,15 +189,26 @@ def cmd_train(args: argparse.Namespace) -> int:
             amp.set_accumulation_steps(args.accumulation_steps)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
-    log_dir = broadcast_object(args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")
-                                                            + f"-{amp.precision.name}"))
+    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
     locks = []  # the run's directories, checked and locked (by rank 0) before anything is built
     try:
-        if args.checkpoint_dir and is_main():
-            locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
-            claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
-        if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0") and is_main():
-            locks.append(prepare_dir(log_dir, "--log_dir"))
+        problem = None
+        if is_main():
+            try:
+                if args.checkpoint_dir:
+                    locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
+                    claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+                if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
+                    locks.append(prepare_dir(log_dir, "--log_dir"))
+            except Exception as e:
+                problem = e
+        # The first collective: every rank learns rank 0's directory checks (and the log dir), so
+        # a refused directory ends all of them with status 2 instead of leaving some waiting.
+        log_dir, failed = broadcast_object((log_dir, problem is not None))
+        if problem is not None:
+            raise problem
+        if failed:
+            raise PeerFailed(2)
         return _train(args, console, device, amp, log_dir, given)
     finally:
         for lock in locks:
@@ -298,13 +363,41 @@ def apply_resume_flags(requested: MixedPrecisionConfig, given: set[str], lr: flo
             group["lr"] = lr
         notes.append(f"--lr {lr:g} replaces the checkpoint's {old_lr:g}")
     if "precision" in given and requested.precision != "auto":
-        before = amp.precision.name
-        after = amp.switch(requested.precision, reason="--precision given on resume").name
-        if after != before:
-            notes.append(f"--precision {requested.precision} switches the checkpoint's {before} to {after}")
+        current, setting = amp.precision.name, run_setting(amp)
+        try:
+            wanted = resolve_precision(requested.precision, amp.device_info,
+                                       emulate_fp8=amp.config.fp8_emulate).name
+        except PrecisionError:
+            wanted = requested.precision  # switch() below raises the clear error
+        if wanted == setting and current != setting:
+            # The same command line again (a requeue, a restart): not a request to undo the fallback.
+            notes.append(f"--precision {requested.precision} is the run's own setting; it fell back to {current} "
+                         f"({_fallback_story(amp)}): continuing in {current} (give another --precision to switch)")
+        elif wanted != current:
+            amp.switch(requested.precision, reason="--precision given on resume")
+            notes.append(f"--precision {requested.precision} switches the checkpoint's {current} to "
+                         f"{amp.precision.name}")
     elif "precision" in given:
         notes.append(f"--precision auto keeps the checkpoint's {amp.precision.name}")
     return notes
+
+
+def run_setting(amp: MixedPrecision) -> str:
+    """The precision the run was last *asked* for: the target of the newest explicit switch, else
+    the precision it started in (before any fallback), else the current one."""
+    events = amp.events
+    for e in reversed(events):
+        if e.kind == "precision_switch":
+            return str(e.data["to"])
+    for e in events:
+        if e.kind == "fallback":
+            return str(e.data["from"])
+    return amp.precision.name
+
+
+def _fallback_story(amp: MixedPrecision) -> str:
+    steps = [f"{e.data['from']} -> {e.data['to']} at step {e.step}" for e in amp.events if e.kind == "fallback"]
+    return "; ".join(steps) or "an earlier switch"
 
 
 def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -> Optional[str]:
@@ -352,7 +445,11 @@ def add_parser(sub: Any) -> None:
     flag(p, "clip_grad_norm", "max_grad_norm", type=positive_float, default=1.0,
           help="clip the unscaled gradient norm to this (default: 1.0)")
     flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
-    flag(p, "seed", type=int, default=0, help="random seed (default: 0)")
+    flag(p, "seed", type=int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
+         "Python's random, numpy (default: 0)")
+    flag(p, "deterministic", nargs="?", const="true", default=None, choices=["true", "warn"],
+         help="deterministic kernels: torch.use_deterministic_algorithms(True) and the cuDNN flags; "
+              "'warn' only warns for ops without a deterministic kernel (default: off)")
     flag(p, "device", default=None, help="cpu, cuda, cuda:1, mps (default: best available)")
     flag(p, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps")
     flag(p, "no_progress", action="store_true", help="no progress bar")

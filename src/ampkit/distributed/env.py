@@ -9,15 +9,24 @@ leaves through ``destroy_process_group`` (no abort at interpreter exit).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["barrier", "broadcast_object", "init", "is_main", "launched", "local_device", "max_reducer", "rank",
-           "shutdown", "world_size"]
+__all__ = ["STATUS_DIR_ENV", "abandon", "barrier", "broadcast_object", "die_with_parent", "init", "is_main",
+           "launched", "leave", "local_device", "max_reducer", "rank", "shutdown", "world_size"]
+
+#: set by ``ampkit train --nproc_per_node`` (:mod:`ampkit.distributed.launch`): a directory where
+#: each worker leaves its exit status (``rank<r>``), so the launcher can return the status of the
+#: rank that failed first (torchrun itself only says 1).
+STATUS_DIR_ENV = "AMPKIT_STATUS_DIR"
 
 
 def launched() -> bool:
@@ -67,9 +76,50 @@ def init(device: Union[str, torch.device, None] = None, *, backend: Optional[str
     valid = ("nccl", "gloo", "mpi", "xccl", "ucc")
     if chosen not in valid:
         raise ValueError(f"backend={chosen!r} is not a torch.distributed backend; choose one of {', '.join(valid)}")
+    die_with_parent(signal.SIGKILL)  # torchrun gone (even by SIGKILL): no orphan keeps training
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
     atexit.register(shutdown)
     return True
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing). If the parent is already gone, exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent == 1 or os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(128 + int(sig))
+
+
+def leave(code: int, *, together: bool) -> None:
+    """End this worker's part in the job: record ``code`` for the launcher, then leave the process
+    group -- after a barrier when every rank is known to be leaving at the same point
+    (``together``: success, or a stop all ranks agreed on), at once otherwise, so a rank that
+    failed alone never waits in a barrier its peers will not reach (they see the closed
+    connection and fail too, instead of hanging until the process-group timeout)."""
+    status_dir = os.environ.get(STATUS_DIR_ENV)
+    if status_dir and launched():
+        try:
+            with open(os.path.join(status_dir, f"rank{os.environ.get('RANK', rank())}"), "w") as f:
+                f.write(str(int(code)))
+        except OSError:
+            pass
+    if together:
+        shutdown()
+    else:
+        abandon()
+
+
+def abandon() -> None:
+    """Leave the process group without waiting for the other ranks."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # tearing down after a failure; the failure is what matters
+            dist.destroy_process_group()
 
 
 def shutdown() -> None:

@@ -32,8 +32,9 @@ from .checkpoint import (
     restore_rng,
 )
 from .data import batch_size, split_batch
+from .stop import GracefulStop, TrainingInterrupted, signal_name
 
-__all__ = ["TrainSummary", "Trainer"]
+__all__ = ["TrainSummary", "Trainer", "TrainingInterrupted"]
 
 BatchFn = Callable[[int], Any]
 
@@ -184,6 +185,7 @@ class Trainer:
             else:
                 self.notes.append("fallback left off: it needs skip_nonfinite=True")
         self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
+        self._stop: Optional[GracefulStop] = None  # set while fit() runs
 
     def _sinks(self, steps: int) -> list[Any]:
         sinks: list[Any] = []
@@ -203,7 +205,15 @@ class Trainer:
 
     def fit(self, steps: Optional[int] = None, *, epochs: Optional[int] = None) -> TrainSummary:
         """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches), or ``epochs``
-        passes over the data (needs ``batches.batches_per_epoch``)."""
+        passes over the data (needs ``batches.batches_per_epoch``).
+
+        **Signals.** While ``fit`` runs, SIGINT (Ctrl-C) and SIGTERM do not kill the run: the
+        optimizer step in flight is finished, a checkpoint of that step is written (with a
+        ``checkpoint_dir``), a ``stop`` event is logged, and :class:`TrainingInterrupted` (a
+        ``KeyboardInterrupt``; ``.signal``, ``.step``, ``.checkpoint``, ``.exit_code`` 130/143) is
+        raised -- ``fit`` does not return. :meth:`resume` then continues bitwise where it stopped.
+        With several processes every rank stops after the same step. The handlers are installed
+        for the length of ``fit`` only (main thread); the previous ones are restored."""
         if (steps is None) == (epochs is None):
             raise ValueError("give exactly one of steps= and epochs=")
         if epochs is not None:
@@ -231,7 +241,9 @@ class Trainer:
             monitor.log_event("auto_batch", **asdict(self.auto_batch))
         self.model.train()
         self._monitor = monitor
+        stop = self._stop = GracefulStop(announce=is_main())
         try:
+            stop.__enter__()  # SIGINT/SIGTERM handlers only while training; the user's come back in `finally`
             for _ in range(steps):
                 step = amp.optimizer_steps + 1
                 while True:
@@ -251,17 +263,21 @@ class Trainer:
                 self._call("on_step_end", amp.optimizer_steps, result)
                 if self.eval_every and amp.optimizer_steps % self.eval_every == 0:
                     self.evaluate()
+                saved = None
                 if self.checkpoint_every and amp.optimizer_steps % self.checkpoint_every == 0:
-                    t0 = time.perf_counter()
-                    path = self.save_checkpoint()
-                    monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0)
-                    self._call("on_checkpoint", path)
+                    saved = self._checkpoint(monitor)
+                signum = stop.poll(amp.device)  # every rank: the same answer after the same step
+                if signum:
+                    self._stop_now(signum, saved, monitor)
         except BaseException:
             # Keep the original error (e.g. a full disk) rather than one from closing the logs.
             with contextlib.suppress(Exception):
                 monitor.close()
             self._monitor = None
             raise
+        finally:
+            stop.__exit__()
+            self._stop = None
         summary = monitor.close()
         self._monitor = None
         if self.log_dir and is_main():
@@ -282,6 +298,27 @@ class Trainer:
         self._call("on_train_end", result)
         return result
 
+
+    def _checkpoint(self, monitor: Monitor) -> str:
+        t0 = time.perf_counter()
+        path = self.save_checkpoint()
+        monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0)
+        self._call("on_checkpoint", path)
+        return path
+
+    def _stop_now(self, signum: int, saved: Optional[str], monitor: Monitor) -> None:
+        """After a signal: checkpoint this step (unless just done), record a ``stop`` event, raise."""
+        path = saved
+        if path is None and self.checkpoints is not None:
+            path = self._checkpoint(monitor)
+        monitor.log_event("stop", signal=signal_name(signum), checkpoint=path)
+        raise TrainingInterrupted(signum, self.amp.optimizer_steps, path)
+
+    def request_stop(self) -> None:
+        """Stop ``fit`` after the optimizer step in flight, as SIGTERM would (checkpoint, then
+        :class:`TrainingInterrupted`); e.g. from a callback. No effect outside ``fit``."""
+        if self._stop is not None:
+            self._stop.request()
 
     def _window(self, step: int, accum: int) -> Any:
         """One optimizer step: ``accum`` batches, each cut into ``self.split`` micro-batches."""
@@ -386,6 +423,7 @@ class Trainer:
         self.micro_index = int(state.get("data", {}).get("micro_index", 0))
         self.split = int(state.get("data", {}).get("split", 1))
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
+        self.diagnosis = _saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:
@@ -417,6 +455,22 @@ class Trainer:
         was_training = self.model.training
         self.diagnosis = self.amp.diagnose(closure, scale=scale)
         self.model.train(was_training)
+
+
+def _saved_diagnosis(events: list[dict[str, Any]]) -> Any:
+    """The run's first-skip diagnosis from its saved events (a resumed run does not diagnose again)."""
+    import dataclasses
+
+    from ..observe.numerics.localize import NonFiniteReport
+
+    known = {f.name for f in dataclasses.fields(NonFiniteReport)}
+    for e in events:
+        if isinstance(e, dict) and e.get("kind") == "diagnosis":
+            try:
+                return NonFiniteReport(**{k: v for k, v in e.items() if k in known})
+            except TypeError:
+                return None
+    return None
 
 
 def _f(v: Optional[float]) -> float:

@@ -1,0 +1,127 @@
+"""Graceful stops: SIGINT (Ctrl-C) and SIGTERM (``kill PID``, Slurm, Kubernetes) end a run after
+the optimizer step in flight, with a checkpoint of that step, instead of killing it mid-step.
+
+:class:`GracefulStop` is a context manager the :class:`~ampkit.loop.trainer.Trainer` enters for
+the length of ``fit``: it installs handlers for SIGINT and SIGTERM (in the main thread only;
+elsewhere it installs nothing) and puts the previous handlers back on exit, so a user's own
+handlers are untouched outside training. A handler only records the signal -- it never raises,
+so it cannot interrupt a checkpoint being written; a second signal while the stop is under way
+is reported and otherwise ignored (``kill -9`` still ends the process at once, and the atomic
+checkpoint writes leave the previous checkpoint intact).
+
+The loop calls :meth:`GracefulStop.poll` once per optimizer step. With several processes the
+ranks must stop after the *same* step (a sharded checkpoint is a collective), but each rank may
+receive its signal during a different step; ``poll`` therefore all-reduces the signal number
+(max) over the ranks every step -- a 4-byte collective. On CUDA the result is read one step
+later from a non-blocking copy, so the agreement adds no host sync to the step; on CPU (gloo)
+it is read at once.
+
+After the stop the loop raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt``), so user
+code that already handles Ctrl-C handles a SIGTERM stop alike, and ``except Exception`` does not
+swallow it. The CLI turns it into exit status 130 (SIGINT) or 143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["STOP_SIGNALS", "GracefulStop", "TrainingInterrupted"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on a signal after a completed optimizer step (a ``KeyboardInterrupt``).
+
+    Attributes:
+        signal: the signal number (``signal.SIGINT`` or ``signal.SIGTERM``).
+        step: the optimizer step the run stopped after (the checkpoint's step).
+        checkpoint: the checkpoint written for that step, or None without a checkpoint directory.
+        exit_code: the conventional shell status, ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
+        self.signal, self.step, self.checkpoint = int(signum), int(step), checkpoint
+        self.exit_code = 128 + int(signum)
+        where = (f"checkpoint {checkpoint} written" if checkpoint
+                 else "no checkpoint directory was given, so nothing was saved")
+        super().__init__(f"stopped by {signal_name(signum)} after optimizer step {step}; {where}")
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class GracefulStop:
+    """Record SIGINT/SIGTERM while training; see the module doc. Re-entrant use is not supported."""
+
+    def __init__(self, *, announce: bool = True) -> None:
+        self.announce = announce
+        self.signum: Optional[int] = None  # the first signal received (this process)
+        self._previous: dict[int, Any] = {}
+        self._pending: Optional[tuple[torch.Tensor, Any]] = None  # CUDA: the last step's reduced flag
+
+    # ------------------------------------------------------------------ handlers
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                with contextlib.suppress(ValueError, OSError):  # not allowed here (e.g. embedded Python)
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signum is None:
+            self.signum = signum
+            if self.announce:
+                print(f"ampkit: {signal_name(signum)} received: finishing the optimizer step in flight, then "
+                      "writing a checkpoint and stopping", file=sys.stderr, flush=True)
+        elif self.announce:
+            print(f"ampkit: {signal_name(signum)} received again: already stopping (the checkpoint is being "
+                  "finished; kill -9 ends the process at once, the previous checkpoint stays intact)",
+                  file=sys.stderr, flush=True)
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask for a stop as if ``signum`` had arrived (e.g. from a callback)."""
+        if self.signum is None:
+            self.signum = int(signum)
+
+    # ------------------------------------------------------------------ agreement
+    def poll(self, device: torch.device) -> Optional[int]:
+        """The signal to stop on after this step, the same on every rank; None to go on.
+
+        One process: the recorded signal. Several: the maximum over the ranks (a collective; call
+        it on every rank after every optimizer step)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return self.signum
+        flag = torch.full((1,), float(self.signum or 0), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if device.type != "cuda":
+            return int(flag.item()) or None
+        # CUDA: decide on the previous step's flag, copied without blocking; every rank reads the
+        # same reduced value, so all stop after the same step (one step after the signal).
+        host = flag.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        previous, self._pending = self._pending, (host, done)
+        if previous is None:
+            return None
+        value, event = previous
+        event.synchronize()  # recorded a whole step ago: long done
+        return int(value.item()) or None
