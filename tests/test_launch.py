@@ -128,7 +128,8 @@ def test_slurm_script_runs_one_node_two_processes_with_stub_srun(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable,
-           "SLURM_JOB_NODELIST": "node[1]", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "4242"}
+           "SLURM_JOB_NODELIST": "node[1]", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "4242",
+           "CHECKPOINT_DIR": str(tmp_path / "ckpt")}  # (the script's default is checkpoints/$SLURM_JOB_ID)
     r = subprocess.run(["bash", str(tmp_path / "job.sh")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout[r.stdout.index("{"):])

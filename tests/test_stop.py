@@ -29,6 +29,7 @@ from ampkit.loop.checkpoint import DirLock, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress", "--log_every", "5"]
+SMALL = ["--model", "mlp", "--size", "small", "--device", "cpu", "--no_progress", "--log_every", "5"]  # ~10 ms a step
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -128,8 +129,8 @@ def resume_args(command: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_stops_gracefully_and_resumes_bitwise(tmp_path, sig):
-    steps = "3000"
-    common = [*TINY, "--steps", steps, "--checkpoint_every", steps]
+    steps = "300"
+    common = [*SMALL, "--steps", steps, "--checkpoint_every", steps]
     proc = spawn(["train", *common, "--checkpoint_dir", str(tmp_path / "ck"), "--log_dir", str(tmp_path / "a")],
                  tmp_path / "a.out")
     wait_for_steps(tmp_path / "a" / "log.jsonl", 10, proc)
@@ -138,7 +139,7 @@ def test_cli_stops_gracefully_and_resumes_bitwise(tmp_path, sig):
     out = (tmp_path / "a.out").read_text()
     m = stop_line(out)
     stopped = int(m.group(2))
-    assert m.group(1) == signal.Signals(sig).name and 10 <= stopped < 3000
+    assert m.group(1) == signal.Signals(sig).name and 10 <= stopped < 300
     newest = sorted((tmp_path / "ck").glob("ckpt-*.pt"))[-1]
     assert newest.name == f"ckpt-{stopped:08d}.pt" and m.group(3).endswith(newest.name)
     assert load_checkpoint(str(newest))["amp"]["optimizer_steps"] == stopped
@@ -150,8 +151,8 @@ def test_cli_stops_gracefully_and_resumes_bitwise(tmp_path, sig):
     assert f"resumed from {newest} at step {stopped}" in "".join((r.stdout + r.stderr).split("\n"))
     r = run(["train", *common, "--checkpoint_dir", str(tmp_path / "ref"), "--log_dir", str(tmp_path / "r")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00003000.pt")),
-                trained_state(str(tmp_path / "ref" / "ckpt-00003000.pt")))
+    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000300.pt")),
+                trained_state(str(tmp_path / "ref" / "ckpt-00000300.pt")))
 
 
 @pytest.mark.slow
@@ -255,7 +256,7 @@ TWO = ["--nproc_per_node", "2", *TINY]
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
-    common = [*TWO, "--steps", "2000", "--checkpoint_every", "2000"]
+    common = ["--nproc_per_node", "2", *SMALL, "--steps", "300", "--checkpoint_every", "300"]
     proc = spawn(["train", *common, "--checkpoint_dir", str(tmp_path / "ck"), "--log_dir", str(tmp_path / "a")],
                  tmp_path / "a.out")
     wait_for_steps(tmp_path / "a" / "log.jsonl", 10, proc)
@@ -279,8 +280,8 @@ def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     r = run(["train", *common, "--checkpoint_dir", str(tmp_path / "ref"), "--log_dir", str(tmp_path / "r")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00002000")),
-                trained_state(str(tmp_path / "ref" / "ckpt-00002000")))
+    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000300")),
+                trained_state(str(tmp_path / "ref" / "ckpt-00000300")))
 
 
 @pytest.mark.slow

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 
-from ..loop.checkpoint import CheckpointManager, DirLock
+from ..loop.checkpoint import DirLock, list_checkpoints
 
 __all__ = ["RunDirError", "claim_checkpoint_dir", "prepare_dir"]
 
@@ -41,8 +42,7 @@ def prepare_dir(path: str, flag: str) -> DirLock:
 
 def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
     """Refuse to start a new run over another run's checkpoints (or remove them with ``overwrite``)."""
-    manager = CheckpointManager(path)
-    existing = manager.list()
+    existing = list_checkpoints(path)  # single-file (ckpt-N.pt) and sharded (ckpt-N/) alike
     if not existing or resume:
         return
     if not overwrite:
@@ -51,5 +51,8 @@ def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
                           f"({names}); pass --resume to continue that run, --overwrite to replace it, or choose "
                           "another directory")
     for _, p in existing:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p)
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map_only
 
 from .env import barrier, is_main, rank
 
-__all__ = ["consolidate", "is_complete", "load", "save"]
+__all__ = ["consolidate", "is_complete", "load", "model_shapes", "save"]
 
 _TENSORS = ("model", "optimizer")
 
@@ -94,6 +94,13 @@ def save(state: dict[str, Any], directory: str) -> str:
         os.replace(partial, directory)
     barrier()
     return directory
+
+
+def model_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    """The global shape of every model tensor a checkpoint holds (from its ``.metadata``; no tensor is read)."""
+    meta = dcp.FileSystemReader(directory).read_metadata()
+    return {k[len("model."):]: tuple(v.size) for k, v in meta.state_dict_metadata.items()
+            if k.startswith("model.") and hasattr(v, "size")}
 
 
 def _keys(directory: str) -> set[str]:

@@ -23,14 +23,21 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointManager", "DirLock", "ShardedCheckpointManager", "capture_rng", "check_state",
-           "export_single_file", "load_checkpoint", "restore_rng", "save_checkpoint", "torch_reason"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatch", "DirLock", "ShardedCheckpointManager",
+           "capture_rng", "check_state", "export_single_file", "list_checkpoints", "load_checkpoint", "model_mismatch",
+           "restore_rng", "save_checkpoint", "torch_reason"]
 
 FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not fit; the message names the file."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of a different model (keys or shapes): resuming from an older
+    checkpoint of the same directory would not help, so :meth:`CheckpointManager.load_latest`
+    raises it instead of falling back."""
 
 
 def _fsync_dir(path: str) -> None:
@@ -215,6 +222,8 @@ class CheckpointManager:
         for _, path in reversed(self.list()):
             try:
                 return path, self._load(path, map_location)
+            except CheckpointMismatch:
+                raise
             except CheckpointError as e:
                 problems.append(str(e))
                 warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
@@ -249,7 +258,16 @@ class ShardedCheckpointManager(CheckpointManager):
     def _load(self, path: str, map_location: Any) -> dict[str, Any]:
         from ..distributed import dcp
 
-        return _dcp_read(lambda: dcp.load(path, *self.template()), f"checkpoint {path!r} is unreadable and was not loaded")
+        template = self.template()
+        try:
+            shapes = dcp.model_shapes(path)
+        except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file
+            raise CheckpointError(f"checkpoint {path!r} is unreadable and was not loaded "
+                                  f"({type(e).__name__}: {torch_reason(e)})") from None
+        # Keys and shapes first, from the metadata: a different model is named, not "unreadable".
+        own = {k: tuple(v.shape) for k, v in template[0].items() if isinstance(v, torch.Tensor)}
+        model_mismatch(shapes, own, f"checkpoint {path!r}")
+        return _dcp_read(lambda: dcp.load(path, *template), f"checkpoint {path!r} is unreadable and was not loaded")
 
     def save(self, step: int, state: dict[str, Any]) -> str:
         from ..distributed import dcp, is_main
@@ -292,16 +310,8 @@ def check_state(state: dict[str, Any], own: dict[str, Any], optimizer: torch.opt
         raise CheckpointError(f"{source} lacks {', '.join(missing_keys)} (a partial or foreign training state); "
                               "nothing was loaded")
     theirs = state["model"]
-    missing = sorted(set(own) - set(theirs))
-    unexpected = sorted(set(theirs) - set(own))
-    shapes = sorted(k for k in set(own) & set(theirs)
-                    if not isinstance(theirs[k], torch.Tensor) or tuple(own[k].shape) != tuple(theirs[k].shape))
-    if missing or unexpected or shapes:
-        parts = []
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-            if keys:
-                parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
-        raise CheckpointError(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded")
+    model_mismatch({k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in theirs.items()},
+                   {k: tuple(v.shape) for k, v in own.items() if isinstance(v, torch.Tensor)}, source)
     groups = state["optimizer"].get("param_groups")
     ours = [len(g["params"]) for g in optimizer.param_groups]
     if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != ours \
@@ -310,6 +320,39 @@ def check_state(state: dict[str, Any], own: dict[str, Any], optimizer: torch.opt
                               f"sizes {ours} expected); nothing was loaded")
     if not {"precision", "config"} <= set(state["amp"]):
         raise CheckpointError(f"{source}: the engine state lacks 'precision'/'config'; nothing was loaded")
+
+
+def model_mismatch(theirs: dict[str, Any], own: dict[str, tuple[int, ...]], source: str) -> None:
+    """Raise :class:`CheckpointMismatch` naming the missing, unexpected and differently shaped
+    tensors when a checkpoint's model (``theirs``: key -> shape) does not fit ``own``."""
+    missing = sorted(set(own) - set(theirs))
+    unexpected = sorted(set(theirs) - set(own))
+    shapes = sorted(k for k in set(own) & set(theirs) if theirs[k] is None or tuple(theirs[k]) != own[k])
+    if missing or unexpected or shapes:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected)):
+            if keys:
+                parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+        if shapes:
+            parts.append("shape mismatch: " + ", ".join(
+                f"{k} {tuple(theirs[k]) if theirs[k] is not None else '(not a tensor)'} in the checkpoint vs "
+                f"{own[k]} here" for k in shapes[:4]) + (" ..." if len(shapes) > 4 else ""))
+        raise CheckpointMismatch(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded "
+                                 "(a different --model/--size or model config than the run that wrote it?)")
+
+
+def list_checkpoints(directory: str, prefix: str = "ckpt") -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in ``directory``, single-file and sharded alike, oldest first."""
+    from ..distributed import dcp
+
+    found = CheckpointManager(directory, prefix=prefix).list()
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            m = ShardedCheckpointManager._pattern.match(name)
+            path = os.path.join(directory, name)
+            if m and m.group("prefix") == prefix and os.path.isdir(path) and dcp.is_complete(path):
+                found.append((int(m.group("step")), path))
+    return sorted(found)
 
 
 class DirLock:
@@ -330,16 +373,17 @@ class DirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            holder = _lock_holder(fd)
             os.close(fd)
-            raise CheckpointError(f"{self.what} {self.directory!r} is in use by another ampkit run (pid {holder}); "
-                                  "give this run its own directory") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+            raise CheckpointError(f"{self.what} {self.directory!r} is in use by another ampkit run"
+                                  f"{f' (pid {holder})' if holder else ''}; give this run its own directory") from None
+        # Nothing is written into the file: taking the lock leaves the directory byte-identical
+        # (a refused resume changes nothing); the holder's pid comes from the kernel's lock table.
         self._fd = fd
         return self
 
     def release(self) -> None:
+        """Give the lock up (idempotent)."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -351,3 +395,21 @@ class DirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _lock_holder(fd: int) -> Optional[int]:
+    """The pid holding an flock on ``fd``'s file, from ``/proc/locks`` (Linux); None elsewhere."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (a blocked waiter's line has "->")
+        if "->" not in parts and "FLOCK" in parts and len(parts) >= 6 and parts[5] == want:
+            with contextlib.suppress(ValueError):
+                return int(parts[4])
+    return None
