@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from .. import __version__
-from ..distributed.env import is_main, launched, leave, rank
+from ..distributed.env import launched, leave, rank
 from ..loop.checkpoint import CheckpointError
 from ..loop.stop import TrainingInterrupted
 from ..step.config import ConfigError
@@ -21,7 +21,7 @@ from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
 from . import audit, bench, export, info, plan, report, serve, slurm, train
 from .config_file import apply_config_file, explicit_flags
-from .train import PeerFailed, resume_hint
+from .train import PeerFailed
 
 __all__ = ["build_parser", "main"]
 
@@ -83,16 +83,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Option
         where = f": {e.filename!r}" if getattr(e, "filename", None) else ""
         print(f"{who}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
-    except TrainingInterrupted as e:  # a graceful stop: the step finished and (with a dir) checkpointed
+    except TrainingInterrupted as e:  # a graceful stop: the trainer checkpointed and said how to resume
         args._stopped_together = True  # every rank stopped after the same step
-        if is_main():
-            print(f"{who}: {e}" + (f". {resume_hint(args)}" if args.command == "train" else ""),
-                  file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt as e:  # before training started (or a command without a graceful stop)
         code = getattr(e, "exit_code", 130)
-        print(f"{who}: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'}) before training started; "
-              "nothing to save", file=sys.stderr)
+        print(f"{who}: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'})"
+              + (" before training started; nothing to save" if args.command == "train" else ""), file=sys.stderr)
         return code
 
 

@@ -147,7 +147,7 @@ def resume_hint(args: argparse.Namespace) -> str:
     from ..distributed.launch import COMMAND_ENV
 
     if not args.checkpoint_dir:
-        return "No --checkpoint_dir was given, so the run cannot be resumed"
+        return "pass --checkpoint_dir DIR to make a run resumable"
     words = shlex.split(os.environ[COMMAND_ENV])[1:] if os.environ.get(COMMAND_ENV) else list(getattr(args, "_raw", []))
     words = [w for w in words if w not in ("--overwrite",)]
     if "--resume" not in words:
@@ -265,6 +265,7 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
                       checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
                       eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision,
                       fallback=False)  # the engine above is already configured from the flags
+    trainer.resume_hint = resume_hint(args)  # printed with a graceful stop's checkpoint
     if args.resume:
         requested = amp.config  # before the checkpoint's config replaces it
         path = trainer.resume()

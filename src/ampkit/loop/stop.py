@@ -16,9 +16,10 @@ receive its signal during a different step; ``poll`` therefore all-reduces the s
 later from a non-blocking copy, so the agreement adds no host sync to the step; on CPU (gloo)
 it is read at once.
 
-After the stop the loop raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt``), so user
-code that already handles Ctrl-C handles a SIGTERM stop alike, and ``except Exception`` does not
-swallow it. The CLI turns it into exit status 130 (SIGINT) or 143 (SIGTERM).
+After the stop the loop raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt`` and a
+``SystemExit`` with code 130/143), so user code that already handles Ctrl-C handles a SIGTERM
+stop alike, ``except Exception`` does not swallow it, and a script that does not catch it exits
+with the status a shell expects.
 """
 
 from __future__ import annotations
@@ -37,22 +38,27 @@ __all__ = ["STOP_SIGNALS", "GracefulStop", "TrainingInterrupted"]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on a signal after a completed optimizer step (a ``KeyboardInterrupt``).
+class TrainingInterrupted(KeyboardInterrupt, SystemExit):
+    """Training stopped on a signal after a completed optimizer step.
+
+    A ``KeyboardInterrupt`` -- code that handles Ctrl-C handles a SIGTERM stop alike, and
+    ``except Exception`` does not swallow it -- and a ``SystemExit`` whose ``code`` is the
+    conventional status, so a script that does not catch it exits 130 (SIGINT) or 143 (SIGTERM)
+    without a traceback (the trainer has printed what happened and how to resume).
 
     Attributes:
         signal: the signal number (``signal.SIGINT`` or ``signal.SIGTERM``).
         step: the optimizer step the run stopped after (the checkpoint's step).
         checkpoint: the checkpoint written for that step, or None without a checkpoint directory.
-        exit_code: the conventional shell status, ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
+        exit_code: ``128 + signal`` (also ``code``).
     """
 
     def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
-        self.signal, self.step, self.checkpoint = int(signum), int(step), checkpoint
-        self.exit_code = 128 + int(signum)
         where = (f"checkpoint {checkpoint} written" if checkpoint
                  else "no checkpoint directory was given, so nothing was saved")
         super().__init__(f"stopped by {signal_name(signum)} after optimizer step {step}; {where}")
+        self.signal, self.step, self.checkpoint = int(signum), int(step), checkpoint
+        self.exit_code = self.code = 128 + int(signum)
 
 
 def signal_name(signum: int) -> str:

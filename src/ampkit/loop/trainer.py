@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -186,6 +187,8 @@ class Trainer:
                 self.notes.append("fallback left off: it needs skip_nonfinite=True")
         self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
         self._stop: Optional[GracefulStop] = None  # set while fit() runs
+        #: printed after a graceful stop's checkpoint (``ampkit train`` puts its exact command here)
+        self.resume_hint = "Resume with Trainer.resume() on the same checkpoint_dir, then fit() the remaining steps"
 
     def _sinks(self, steps: int) -> list[Any]:
         sinks: list[Any] = []
@@ -312,7 +315,11 @@ class Trainer:
         if path is None and self.checkpoints is not None:
             path = self._checkpoint(monitor)
         monitor.log_event("stop", signal=signal_name(signum), checkpoint=path)
-        raise TrainingInterrupted(signum, self.amp.optimizer_steps, path)
+        stop = TrainingInterrupted(signum, self.amp.optimizer_steps, path)
+        if is_main():
+            hint = f". {self.resume_hint}" if path and self.resume_hint else ""
+            print(f"ampkit: {stop}{hint}", file=sys.stderr, flush=True)
+        raise stop
 
     def request_stop(self) -> None:
         """Stop ``fit`` after the optimizer step in flight, as SIGTERM would (checkpoint, then
