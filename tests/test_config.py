@@ -1,7 +1,11 @@
+import contextlib
+import os
+
 import pytest
 import torch
 
 from ampkit import ConfigError, MixedPrecisionConfig, PrecisionError
+from ampkit.step.determinism import apply_determinism
 
 
 def test_defaults_match_torch_gradscaler():
@@ -27,6 +31,7 @@ def test_defaults_match_torch_gradscaler():
     ("accumulation_steps", 0, ">= 1"),
     ("clip_grad_norm", -1.0, "> 0"),
     ("min_scale", 0.0, "> 0"),
+    ("init_scale", 2.0**-130, "2**-126"),  # below the loss scale's floor
 ])
 def test_invalid_values_name_field_and_range(field, value, fragment):
     with pytest.raises(ConfigError) as e:
@@ -85,3 +90,71 @@ def test_from_toml(tmp_path):
     p.write_text("precision = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         MixedPrecisionConfig.from_toml(str(p))
+
+
+# ---------------------------------------------------------------- deterministic
+
+@contextlib.contextmanager
+def saved_determinism():
+    """Restore torch's global determinism flags and CUBLAS_WORKSPACE_CONFIG afterwards."""
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        if env is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = env
+
+
+@pytest.mark.parametrize("value", [False, True, "warn"])
+def test_deterministic_choices(value):
+    cfg = MixedPrecisionConfig(deterministic=value)
+    assert cfg.deterministic is value or cfg.deterministic == value
+    assert MixedPrecisionConfig.from_dict(cfg.to_dict()) == cfg
+    assert MixedPrecisionConfig().deterministic is False
+
+
+@pytest.mark.parametrize("value", ["yes", "true", 1, 0, None, "Warn "])
+def test_deterministic_rejects_other_values(value):
+    with pytest.raises(ConfigError) as e:
+        MixedPrecisionConfig(deterministic=value)
+    msg = str(e.value)
+    assert f"deterministic={value!r}" in msg and "False, True, 'warn'" in msg
+
+
+def test_apply_determinism_false_changes_nothing():
+    with saved_determinism():
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = True
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        apply_determinism(False)
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+@pytest.mark.parametrize("mode", [True, "warn"])
+def test_apply_determinism_sets_the_flags(mode):
+    with saved_determinism():
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        apply_determinism(mode)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() == (mode == "warn")
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()  # the fixture restored it
+
+
+def test_apply_determinism_keeps_a_user_cublas_setting_and_rejects_bad_modes():
+    with saved_determinism():
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+        apply_determinism(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+        with pytest.raises(ConfigError, match="'sometimes'"):
+            apply_determinism("sometimes")

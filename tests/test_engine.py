@@ -1,5 +1,6 @@
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -7,8 +8,10 @@ import torch.nn.functional as F
 
 import ampkit
 from ampkit import MixedPrecision, PrecisionError
+from ampkit.step.fallback import NumericsError
 
 from .helpers import SyncCounter
+from .test_config import saved_determinism
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM, STEPS = 4, 50
@@ -404,3 +407,123 @@ def test_equivalent_to_hand_written_loop_cuda(precision):
         amp.step(o2)
     for a, b in zip(ref.parameters(), got.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- a long overflow burst
+
+TINY = torch.finfo(torch.float32).tiny
+BURST_OPTS = {
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
+    "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+}
+
+
+def burst(amp, opt_name, bad=200, good=100, when=lambda amp: True):
+    """``bad`` steps whose last Linear gets an inf gradient (while ``when(amp)``), then ``good`` finite
+    ones. Returns the model, optimizer, the (step, NumericsError) pairs raised, and every step's scale."""
+    model = make_model()
+    opt = BURST_OPTS[opt_name](model.parameters())
+    model, opt = amp.setup(model, opt)
+    inject = [False]
+    model[5].weight.register_hook(lambda g: torch.full_like(g, math.inf) if inject[0] else g)
+    data = batches(bad + good)
+    errors, scales = [], []
+    for i, (x, y) in enumerate(data):
+        inject[0] = i < bad and when(amp)
+        with amp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        amp.backward(loss)
+        try:
+            amp.step(opt)
+        except NumericsError as e:
+            errors.append((i, e))
+        if amp.precision.needs_scaler:
+            scales.append(amp.scaler.get_scale())
+    return model, opt, errors, scales
+
+
+def assert_all_finite(amp, model, opt):
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(m).all() for m in amp.master_params())
+    assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.is_floating_point())
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
+@pytest.mark.parametrize("opt", list(BURST_OPTS))
+def test_overflow_burst_without_fallback_ends_in_a_clear_error(precision, opt):
+    amp = MixedPrecision(precision, device="cpu")
+    model, optimizer, errors, scales = burst(amp, opt)
+    assert min(scales) >= TINY > 0  # the scale stays positive at every step
+    assert errors and errors[0][0] < 200  # within the burst
+    msg = str(errors[0][1])
+    assert "exhausted" in msg and "consecutive skipped steps" in msg
+    assert "'5'" in msg and "5.weight" in msg and "0.weight" not in msg  # the culprit, not the others
+    assert all(i < 200 for i, _ in errors)  # after the burst, training goes on
+    assert_all_finite(amp, model, optimizer)
+    kinds = [e["kind"] for e in amp.stats()["events"]]
+    assert "scale_exhausted" in kinds
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
+@pytest.mark.parametrize("opt", list(BURST_OPTS))
+def test_overflow_burst_with_fallback_falls_back(precision, opt):
+    # fp16-only overflow (as a layer out of fp16's range): one fallback, then bf16 trains
+    amp = MixedPrecision(precision, device="cpu", fallback=True)
+    model, optimizer, errors, scales = burst(amp, opt, when=lambda a: a.precision.name.startswith("fp16"))
+    assert not errors and min(scales) > 0
+    fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert [(e["from"], e["to"]) for e in fb] == [(precision, precision.replace("fp16", "bf16"))]
+    assert fb[0]["step"] < 200 and fb[0]["nonfinite_params"] == ["5.weight"]
+    assert_all_finite(amp, model, optimizer)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
+def test_persistent_burst_with_fallback_walks_the_chain_then_raises(precision):
+    amp = MixedPrecision(precision, device="cpu", fallback=True)
+    model, optimizer, errors, scales = burst(amp, "adamw_fused")
+    fb = [(e["from"], e["to"]) for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert fb == [(precision, precision.replace("fp16", "bf16")), (precision.replace("fp16", "bf16"), "fp32")]
+    assert errors and errors[0][0] < 200 and "last precision of the fallback chain" in str(errors[0][1])
+    assert "'5'" in str(errors[0][1])
+    assert min(scales) > 0 and amp.precision.name == "fp32"
+    assert_all_finite(amp, model, optimizer)
+
+
+def test_exhausted_guard_adds_no_sync_in_steady_state():
+    # overflowing (above the floor) and finite steps, fallback off, a check every 2 steps
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    amp = MixedPrecision("fp16", device="cpu", fallback_check_every=2)
+    model, opt = amp.setup(model, opt)
+    for i, (x, y) in enumerate(batches(30)):
+        with SyncCounter() as c:
+            with amp.autocast():
+                loss = F.cross_entropy(model(x), y) * (math.inf if i % 3 == 0 else 1.0)
+            amp.backward(loss)
+            amp.step(opt)
+        assert c.count == 0, i
+
+
+# ---------------------------------------------------------------- deterministic
+
+@pytest.mark.parametrize("mode", [True, "warn"])
+def test_setup_applies_determinism(mode):
+    with saved_determinism():
+        torch.use_deterministic_algorithms(False)
+        amp = MixedPrecision("fp32", device="cpu", deterministic=mode)
+        assert not torch.are_deterministic_algorithms_enabled()  # nothing global at construction
+        amp.setup(make_model())
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() == (mode == "warn")
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"]
+
+
+def test_setup_leaves_determinism_alone_by_default():
+    with saved_determinism():
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = True
+        MixedPrecision("fp32", device="cpu").setup(make_model())
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark

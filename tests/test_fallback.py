@@ -97,21 +97,45 @@ def test_exhausted_chain_raises_with_the_story():
         run(40, model=AlwaysNaN(), fallback="fp16,fp32", fallback_patience=2, fallback_check_every=2)
 
 
-def test_nonfinite_loss_in_unscaled_precision_triggers():
-    class NaNOnce(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(16, 4)
-            self.calls = 0
+class NaNAt(torch.nn.Module):
+    """A linear model whose loss is NaN on the given calls (0-based)."""
 
-        def forward(self, x, y):
-            self.calls += 1
-            loss = torch.nn.functional.cross_entropy(self.lin(x), y)
-            return loss * float("inf") if self.calls == 3 else loss
+    def __init__(self, bad):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 4)
+        self.bad, self.calls = set(bad), 0
 
-    amp, *_ = run(12, precision="bf16", model=NaNOnce(), fallback="bf16,fp32", fallback_check_every=2)
+    def forward(self, x, y):
+        loss = torch.nn.functional.cross_entropy(self.lin(x), y)
+        self.calls += 1
+        return loss * float("nan") if self.calls - 1 in self.bad else loss
+
+
+@pytest.mark.parametrize("check_every", [1, 2, 10])
+def test_transient_nonfinite_steps_in_unscaled_precision_are_skipped(check_every):
+    # isolated NaN steps, and a run shorter than the patience (8): skipped, no fallback
+    bad = {3, 9, 15, 16, 17, 30, 31, 32, 33, 34, 35, 36}
+    model = NaNAt(bad)
+    before = copy.deepcopy(model.lin)
+    amp, model, opt, losses = run(60, precision="bf16", model=model, fallback=True, fallback_check_every=check_every)
+    assert amp.precision.name == "bf16"
+    assert not [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert amp.stats()["skipped_steps"] == len(bad)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not torch.equal(before.weight, model.lin.weight)  # it trained on the finite steps
+    assert torch.isfinite(losses[-5:]).all()
+
+
+@pytest.mark.parametrize("patience,check_every", [(8, 10), (4, 2), (1, 1)])
+def test_persistent_nonfinite_steps_in_unscaled_precision_fall_back(patience, check_every):
+    bad = set(range(5, 5 + patience))  # exactly fallback_patience consecutive NaN steps
+    amp, model, *_ = run(5 + patience + 3 * check_every + 2, precision="bf16", model=NaNAt(bad), fallback=True,
+                         fallback_patience=patience, fallback_check_every=check_every)
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
-    assert fb and fb[0]["trigger"] == "nonfinite_unscaled" and amp.precision.name == "fp32"
+    assert len(fb) == 1 and (fb[0]["from"], fb[0]["to"]) == ("bf16", "fp32") and amp.precision.name == "fp32"
+    assert fb[0]["trigger"] == "nonfinite_unscaled" and fb[0]["consecutive_skips"] == patience
+    assert f"patience {patience}" in fb[0]["reason"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_min_scale_trigger():
@@ -127,6 +151,43 @@ def test_min_scale_trigger():
                   fallback_patience=100, fallback_check_every=2)
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
     assert fb and fb[0]["trigger"] == "min_scale"
+
+
+def test_scale_floor_trigger_without_min_scale():
+    # patience out of reach: the floor (2**-126) is what ends the burst
+    class Inf(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y) * float("inf")
+
+    amp, *_ = run(40, model=Inf(), fallback="fp16,bf16", init_scale=2.0**-120, fallback_patience=1000,
+                  fallback_check_every=2)
+    fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
+    assert fb and fb[0]["trigger"] == "scale_floor" and fb[0]["scale"] == torch.finfo(torch.float32).tiny
+
+
+def test_exhausted_guard_at_min_scale_without_fallback():
+    class Overflow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y) * 1e30  # gradients overflow in fp32 too
+
+    with pytest.raises(NumericsError, match=r"exhausted.*min_scale=1.*\d+ consecutive skipped steps.*'lin'"):
+        run(30, model=Overflow(), init_scale=8.0, min_scale=1.0, fallback_check_every=2)
+
+
+def test_isolated_overflows_at_min_scale_do_not_raise():
+    # at min_scale, an overflow that the next check does not see again is a transient: skipped only
+    model = NaNAt({4, 11, 18, 25})
+    amp, model, *_ = run(30, model=model, init_scale=4.0, min_scale=4.0, fallback_check_every=1)
+    assert amp.stats()["skipped_steps"] == 4 and amp.scaler.get_scale() == 4.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_checking_triggers_adds_no_sync():

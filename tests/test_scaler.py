@@ -304,3 +304,71 @@ def test_matches_torch_gradscaler_cuda():
     assert ls.scale_tensor.device.type == "cuda"
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the positive floor
+
+TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal fp32
+
+
+def test_scale_never_reaches_zero_and_matches_torch_above_the_floor():
+    overflows = [True] * 200 + [False] * 10
+    ref = drive_gs(torch.amp.GradScaler("cpu"), overflows)
+    got = drive(LossScaler(), overflows)
+    assert 0.0 in ref  # torch halves 65536 down to 0.0 after 166 overflows
+    assert all(s > 0 for s in got) and min(got) == TINY == 2.0**-126
+    above = [i for i, s in enumerate(ref) if s > TINY]
+    assert len(above) > 100 and [got[i] for i in above] == [ref[i] for i in above]
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "adamw_fused"])
+def test_floor_keeps_weights_finite_after_a_long_burst(hysteresis, opt):
+    torch.manual_seed(0)
+    model = make_model()
+    o = OPTIMIZERS[opt](model.parameters())
+    ls = LossScaler(hysteresis=hysteresis)
+    for i in range(300):
+        loss = model(torch.randn(5, 8)).pow(2).mean()
+        ls.scale(loss).backward()
+        if i < 200:
+            poison(model, "inf")
+        ls.step(o)
+        ls.update()
+        o.zero_grad(set_to_none=True)
+        assert ls.get_scale() >= TINY
+    assert ls.get_scale() >= TINY
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(v).all() for s in o.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def test_floor_with_min_scale_and_new_scale():
+    ls = LossScaler(1.0, 2.0, 0.5, 100, min_scale=2.0**-130)  # a min_scale below the floor is raised to it
+    assert min(drive(ls, [True] * 140)) == TINY
+    assert ls.floor == TINY
+    ls.update(new_scale=0.0)
+    assert ls.get_scale() == TINY
+    assert LossScaler(min_scale=4.0).floor == 4.0
+
+
+def test_floor_adds_no_sync():
+    from .helpers import SyncCounter
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    ls = LossScaler(init_scale=2.0**-125)
+    with SyncCounter() as c:
+        for _ in range(3):
+            ls.scale(model(torch.randn(5, 8)).pow(2).mean()).backward()
+            poison(model, "nan")
+            ls.step(opt)
+            ls.update()
+            opt.zero_grad(set_to_none=True)
+    assert c.count == 0 and ls.get_scale() == TINY
+
+
+def test_loads_a_subnormal_torch_scale_at_the_floor():
+    ls = LossScaler()
+    ls.load_state_dict({"scale": 2.0**-140, "growth_factor": 2.0, "backoff_factor": 0.5,
+                        "growth_interval": 2000, "_growth_tracker": 0})
+    assert ls.get_scale() == TINY

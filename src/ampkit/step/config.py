@@ -16,11 +16,15 @@ import torch
 
 from .precision import parse_precision
 
-__all__ = ["ConfigError", "MixedPrecisionConfig", "normalize_patterns", "read_toml"]
+__all__ = ["DETERMINISTIC_CHOICES", "ConfigError", "MixedPrecisionConfig", "check_deterministic",
+           "normalize_patterns", "read_toml"]
 
 Pattern = Union[str, type]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+DETERMINISTIC_CHOICES = (False, True, "warn")
+# The loss scale's floor, the smallest normal fp32 (ampkit.step.scale_rules.SCALE_FLOOR; this module is a leaf).
+_SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
 
 class ConfigError(ValueError):
@@ -55,18 +59,25 @@ class MixedPrecisionConfig:
     clip_grad_norm: Optional[float] = _f(None, "clip the (unscaled) total gradient norm to this (None: no clipping)")
     keep_fp32: tuple = _f((), "modules to keep in fp32: qualified-name globs ('lm_head', '*.norm*') or types")
     fallback: Union[bool, str] = _f(False, "fall back on numerical trouble: True (fp16 -> bf16 -> fp32) or a chain 'fp16,bf16,fp32'")
-    fallback_patience: int = _f(8, "consecutive skipped steps that trigger a fallback")
-    fallback_check_every: int = _f(10, "optimizer steps between fallback checks (reads are asynchronous)")
+    fallback_patience: int = _f(8, "consecutive skipped (non-finite) steps that trigger a fallback, in every "
+                                "precision: overflowing fp16 steps, and non-finite bf16/tf32/fp32 steps (fewer are "
+                                "only skipped)")
+    fallback_check_every: int = _f(10, "optimizer steps between numerics checks: the fallback triggers, or with "
+                                   "fallback off the exhausted-loss-scale guard (reads are asynchronous)")
     compile: bool = _f(False, "torch.compile the model at the end of setup (in place: state_dict keys unchanged)")
     fp8_recipe: str = _f("tensorwise", "torchao float8 recipe for precision fp8: tensorwise, rowwise, rowwise_with_gw_hp")
     fp8_emulate: bool = _f(False, "let fp8 run without fp8 tensor cores (CPU, older GPUs): torchao emulation, for tests")
+    deterministic: Union[bool, str] = _f(False, "deterministic kernels, applied by setup(): True "
+                                         "(torch.use_deterministic_algorithms(True), cuDNN deterministic, no cuDNN "
+                                         "benchmark, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), 'warn' (the same, "
+                                         "but ops without a deterministic kernel only warn), False (leave torch as is)")
 
     def __post_init__(self) -> None:
         self._check_types()
         # Canonicalise the precision spelling once, at the edge.
         object.__setattr__(self, "precision", _canonical_precision(self.precision))
-        _require(self.init_scale > 0 and math.isfinite(self.init_scale), "init_scale", self.init_scale,
-                 "a finite number > 0")
+        _require(self.init_scale >= _SCALE_FLOOR and math.isfinite(self.init_scale), "init_scale", self.init_scale,
+                 "a finite number > 0, at least 2**-126 (the loss scale's floor: the smallest normal fp32)")
         _require(self.growth_factor > 1.0 and math.isfinite(self.growth_factor), "growth_factor",
                  self.growth_factor, "a finite number > 1.0 (use dynamic_scaling=False for a constant scale)")
         _require(0.0 < self.backoff_factor < 1.0, "backoff_factor", self.backoff_factor,
@@ -96,6 +107,7 @@ class MixedPrecisionConfig:
             object.__setattr__(self, "keep_fp32", normalize_patterns(keep))
         except TypeError as e:
             raise ConfigError(str(e)) from None
+        check_deterministic(self.deterministic)
         if not isinstance(self.fallback, (bool, str)):
             raise ConfigError(f"fallback={self.fallback!r} must be True/False or a chain like 'fp16,bf16,fp32'")
         if isinstance(self.fallback, str):
@@ -104,7 +116,7 @@ class MixedPrecisionConfig:
                 raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
             object.__setattr__(self, "fallback", ",".join(chain))
         for f in fields(self):
-            if f.name in ("keep_fp32", "fallback"):
+            if f.name in ("keep_fp32", "fallback", "deterministic"):
                 continue
             v = getattr(self, f.name)
             expected = _expected_type(f.type)
@@ -162,6 +174,14 @@ def _expected_type(annotation: Union[str, type]) -> type:
         if t.__name__ in text:
             return t
     return object
+
+
+def check_deterministic(value: Any) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of :data:`DETERMINISTIC_CHOICES`."""
+    # `is`: 1, 0 and "true" are not the bools (1 == True), and a typo must not pass as "on".
+    if not any(value is c for c in (False, True)) and not (isinstance(value, str) and value == "warn"):
+        raise ConfigError(f"invalid deterministic={value!r}: must be one of "
+                          f"{', '.join(map(repr, DETERMINISTIC_CHOICES))}")
 
 
 def _canonical_precision(value: Any) -> str:

@@ -33,6 +33,7 @@ from .accumulate import Window
 from .boundary import ClipOrder, optimizer_step
 from .config import MixedPrecisionConfig
 from .contexts import MatmulPrecision
+from .determinism import apply_determinism
 from .events import Event, EventStream, StepResult
 from .fallback import NumericsError
 from .hardware import DeviceInfo, device_info, normalize_device
@@ -128,9 +129,13 @@ class MixedPrecision(SwitchingMixin, StateMixin):
 
         Returns ``model`` when no optimizer is given, else ``(model, *optimizers)``. Must be called
         before :meth:`backward`/:meth:`step`. Raises :class:`PrecisionError` for precisions the
-        engine cannot apply yet (the pure forms and fp8), before anything is changed.
+        engine cannot apply yet (the pure forms and fp8), before anything is changed. With
+        ``config.deterministic`` set, first switches PyTorch to deterministic kernels
+        (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
         """
         check_setup(self.precision.name, model, optimizers, self.config.keep_fp32)  # before anything changes
+        if self.config.deterministic is not False:
+            apply_determinism(self.config.deterministic)
         if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
             model.to(self.device)  # (skipped when already there: also lets fake-tensor models through)
         self._model = model
@@ -288,6 +293,12 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         optimizers (``fused=True``); other optimizers need one sync per step to decide whether to
         skip (as ``torch.amp.GradScaler`` does). Raises if called before :meth:`setup` or
         :meth:`backward`, or with an optimizer that was not set up.
+
+        Every ``fallback_check_every`` steps the numerics check runs (asynchronous, see
+        :mod:`ampkit.step.fallback`): with ``fallback`` on it may switch precision after this step;
+        with it off, a loss scale exhausted at its floor (``max(min_scale, 2**-126)``) that still
+        overflows raises :class:`NumericsError` naming the non-finite layers (the gradients are
+        dropped first, as usual). Only a firing trigger syncs.
         """
         self._require_setup("step")
         opts = self._check_optimizers(optimizers)
@@ -308,20 +319,17 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
         if self._masters is not None:
             self._masters.copy_to_model()  # unconditional: after a skipped step the masters did not move
-        if zero_grad:
-            for opt in opts:
-                opt.zero_grad(set_to_none=True)
         micro = window.micro
         window.reset()
         self._steps += 1
-        if self._fallback is not None:
-            self._fallback.observe(found_inf)
-            if self._steps % self.config.fallback_check_every == 0:
-                scaler = self._scaler
-                trigger = self._fallback.check(scaler.scale_tensor if self.precision.needs_scaler else None,
-                                               self.precision.needs_scaler)
-                if trigger is not None:
-                    self._fall_back(trigger)
+        try:  # before the gradients go, so that a trigger can name the non-finite ones
+            trigger = self._watch(found_inf, scale)  # raises NumericsError: scale exhausted, fallback off
+        finally:
+            if zero_grad:
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
+        if trigger is not None:
+            self._fall_back(trigger)  # raises NumericsError at the end of the chain
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None

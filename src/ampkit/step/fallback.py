@@ -1,21 +1,36 @@
-"""The fallback chain (fp16 -> bf16 -> fp32) and its triggers, checked without stalling the device.
+"""The fallback chain (fp16 -> bf16 -> fp32), its triggers, and the exhausted-scale guard, checked
+without stalling the device.
 
 Triggers, evaluated every ``check_every`` optimizer steps:
 
-* ``consecutive_skips``: ``patience`` consecutive skipped (non-finite) steps;
-* ``min_scale``: the loss scale has fallen to ``min_scale`` (when one is set);
-* ``nonfinite_unscaled``: a non-finite loss/gradient in a precision without loss scaling
-  (bf16, tf32, fp32), where backing off a scale cannot help.
+* ``consecutive_skips``: ``patience`` consecutive skipped (overflowing) steps in a precision with
+  loss scaling (fp16, fp16-pure);
+* ``min_scale`` / ``scale_floor``: the loss scale has fallen to ``min_scale`` (when one is set),
+  or to its positive floor 2**-126 (:data:`~ampkit.step.scale_rules.SCALE_FLOOR`) when none is;
+* ``nonfinite_unscaled``: ``patience`` consecutive non-finite steps in a precision without loss
+  scaling (bf16, tf32, fp32), where backing off a scale cannot help. The same patience as for
+  fp16: a transient spike (fewer consecutive non-finite steps) is only skipped, as in fp16.
+
+With the fallback off the same machinery is the **exhausted-scale guard** (a policy with an empty
+chain, precisions with loss scaling only): when the scale sat at its floor (``max(min_scale,
+2**-126)``) with an overflow at one check, and the step at the next check overflows at the floor
+too, the engine raises :class:`NumericsError` ("the loss scale is exhausted") naming the
+consecutive skipped steps and the layers whose gradients are non-finite, instead of skipping
+forever. A long burst thus ends in a fallback (fallback on) or in that error (off), never in a
+zero scale and NaN weights.
 
 Per step the policy does three tiny in-place ops on device counters (consecutive skips and their
-maximum since the last check). At each check it copies those counters to the host without
-blocking and decides at the *next* check, when the copy has long landed: on CUDA no check ever
-waits for the device; a trigger is acted on at most ``2 * check_every`` steps after it happened
-(the steps in between are skipped anyway, so nothing non-finite is trained on).
+maximum since the last check). At each check it copies those counters (and the scale) to the host
+without blocking and decides at the *next* check, when the copy has long landed: on CUDA no check
+ever waits for the device; a trigger is acted on at most ``2 * check_every`` steps after it
+happened (the steps in between are skipped anyway, so nothing non-finite is trained on). Only once
+a trigger fires does the engine sync, to confirm the guard and to name the non-finite gradients
+(:func:`nonfinite_grads`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -23,8 +38,9 @@ import torch
 
 from .hardware import DeviceInfo
 from .precision import PrecisionError, parse_precision, resolve_precision
+from .scale_rules import SCALE_FLOOR
 
-__all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "resolve_chain"]
+__all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "nonfinite_grads", "resolve_chain"]
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
@@ -32,15 +48,17 @@ _ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
 
 
 class NumericsError(RuntimeError):
-    """Training stays non-finite in the last precision of the fallback chain."""
+    """Training stays non-finite: in the last precision of the fallback chain, or (fallback off)
+    with the loss scale exhausted at its floor."""
 
 
 @dataclass(frozen=True)
 class Trigger:
-    reason: str  # consecutive_skips | min_scale | nonfinite_unscaled
+    reason: str  # consecutive_skips | min_scale | scale_floor | nonfinite_unscaled | scale_exhausted (guard)
     detail: str
     consecutive_skips: int
     scale: Optional[float]
+    nonfinite: tuple[str, ...] = ()  # parameters with non-finite gradients when it fired (model order)
 
 
 def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple[str, ...]:
@@ -75,13 +93,23 @@ def _runs(name: str, info: DeviceInfo) -> bool:
 
 
 class FallbackPolicy:
-    """Device-side counters plus the asynchronous check (see the module doc)."""
+    """Device-side counters plus the asynchronous check (see the module doc).
+
+    An empty ``chain`` makes it the exhausted-scale guard: its only trigger is ``scale_exhausted``.
+    """
 
     def __init__(self, chain: tuple[str, ...], patience: int, check_every: int, min_scale: Optional[float]) -> None:
         self.chain, self.patience, self.check_every, self.min_scale = chain, patience, check_every, min_scale
+        #: the lowest scale the scaler leaves (``LossScaler.floor``): min_scale, or the positive floor
+        self.floor = max(min_scale or 0.0, SCALE_FLOOR)
         self._consec: Optional[torch.Tensor] = None
         self._max: Optional[torch.Tensor] = None
         self._inflight: Optional[tuple[torch.Tensor, Any]] = None
+
+    @property
+    def falls_back(self) -> bool:
+        """True for a fallback chain; False for the exhausted-scale guard (fallback off)."""
+        return bool(self.chain)
 
     def next_precision(self, current: str) -> Optional[str]:
         if current in self.chain:
@@ -106,6 +134,10 @@ class FallbackPolicy:
         self._consec.add_(1.0).mul_(found_inf)
         torch.maximum(self._max, self._consec, out=self._max)  # type: ignore[arg-type]
 
+    def consecutive(self) -> int:
+        """The current run of consecutive non-finite steps. **Syncs**: for error messages only."""
+        return 0 if self._consec is None else int(self._consec.item())
+
     def check(self, scale: Optional[torch.Tensor], scaled: bool) -> Optional[Trigger]:
         """Every ``check_every`` steps: decide on the previous interval's counters, launch this one's copy."""
         if self._consec is None:
@@ -126,13 +158,52 @@ class FallbackPolicy:
         vals, done = self._inflight
         if done is not None and not done.query():
             done.synchronize()
-        max_consec, _, scale = vals.tolist()
+        max_consec, consec, scale = vals.tolist()
         run = int(max_consec)
-        if scaled and run >= self.patience:
-            return Trigger("consecutive_skips", f"{run} consecutive skipped steps (patience {self.patience})", run, scale)
-        if scaled and self.min_scale is not None and scale <= self.min_scale:
-            return Trigger("min_scale", f"the loss scale reached min_scale={self.min_scale:g}", run, scale)
-        if not scaled and run >= 1:
-            return Trigger("nonfinite_unscaled", f"{run} step(s) with non-finite loss/gradients in a precision "
-                           "without loss scaling", run, None)
+        at_floor = scaled and scale <= self.floor
+        if not self.falls_back:  # the guard: the engine confirms on the step at hand, then raises
+            if at_floor and consec >= 1:
+                return Trigger("scale_exhausted", f"the loss scale sits at its floor {self._floor_text()} and "
+                               "steps still overflow", int(consec), scale)
+            return None
+        if run >= self.patience:
+            if scaled:
+                return Trigger("consecutive_skips", f"{run} consecutive skipped steps (patience {self.patience})",
+                               run, scale)
+            return Trigger("nonfinite_unscaled", f"{run} consecutive steps with non-finite loss/gradients in a "
+                           f"precision without loss scaling (patience {self.patience})", run, None)
+        if at_floor:
+            if self.min_scale is not None and self.min_scale >= SCALE_FLOOR:
+                return Trigger("min_scale", f"the loss scale reached min_scale={self.min_scale:g}", run, scale)
+            return Trigger("scale_floor", f"the loss scale fell to its floor {self._floor_text()}", run, scale)
         return None
+
+    def _floor_text(self) -> str:
+        if self.min_scale is not None and self.min_scale >= SCALE_FLOOR:
+            return f"min_scale={self.min_scale:g}"
+        return "2**-126 (the smallest normal fp32)"
+
+
+def nonfinite_grads(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names, in the given order, of the tensors whose ``.grad`` holds inf/NaN.
+
+    ``named`` is e.g. ``model.named_parameters()`` (with fp32 masters: each name paired with the
+    tensor the optimizer steps). Sharded (DTensor) gradients are checked on this process's shard.
+    **Syncs** once: for error messages and fallback events, never per step.
+    """
+    names, flags = [], []
+    for name, t in named:
+        g = t.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce()._values()
+        local = getattr(g, "to_local", None)
+        g = local() if local is not None else g
+        names.append(name)
+        flags.append(torch.isfinite(g).all())
+    if not flags:
+        return []
+    dev = flags[0].device
+    bad = torch.stack([f.to(dev) for f in flags]).logical_not().tolist()
+    return [n for n, b in zip(names, bad) if b]

@@ -6,13 +6,22 @@ spends it, once the budget is down to its last unit every overflow backs the sca
 budget refills when the scale grows, or on every finite step with ``consecutive=True``. Every
 overflow resets the growth counter; ``growth_interval`` consecutive finite steps multiply the
 scale by ``growth_factor`` when the result is finite (as ``torch._amp_update_scale_``).
+
+Both update rules can back the scale off below :data:`SCALE_FLOOR`; the caller
+(:class:`ampkit.step.scaler.LossScaler`) clamps the result up to it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["hysteresis_update"]
+__all__ = ["SCALE_FLOOR", "hysteresis_update"]
+
+#: The smallest loss scale: the smallest normal fp32, 2**-126. Repeated backoff would otherwise
+#: reach 0.0 (166 halvings from 65536; fp32 subnormals end at 2**-149), and a zero scale makes
+#: the next finite step compute ``grad * (1 / 0)`` = NaN. Its reciprocal, 2**126, is still a
+#: finite fp32, so unscaling at the floor stays exact.
+SCALE_FLOOR: float = torch.finfo(torch.float32).tiny
 
 
 def hysteresis_update(scale: torch.Tensor, tracker: torch.Tensor, left: torch.Tensor, found_inf: torch.Tensor, *,

@@ -1,4 +1,4 @@
-"""LossScaler: ``torch.amp.GradScaler`` semantics, plus DeepSpeed-style hysteresis, bounds and a constant mode.
+"""LossScaler: ``torch.amp.GradScaler`` semantics, plus DeepSpeed-style hysteresis, bounds, a floor, a constant mode.
 
 Semantics, written down before the code (per iteration, after all backward passes):
 
@@ -18,11 +18,16 @@ Semantics, written down before the code (per iteration, after all backward passe
      multiply the scale by ``growth_factor`` (only if the result is finite, as torch).
    * ``min_scale`` / ``max_scale`` clamp the result. ``dynamic=False`` never changes the scale
      (non-finite steps are still skipped).
+   * Extension, **the scale never reaches zero**: the same device op (no sync) clamps it up to
+     ``max(min_scale, 2**-126)`` (:data:`.scale_rules.SCALE_FLOOR`, the smallest normal fp32).
+     GradScaler halves 65536 to 0.0 after 166 overflows, then ``grad * (1/0)`` puts NaN in every
+     parameter. A run stuck at the floor is the engine's business (:mod:`.fallback`).
 
 With ``hysteresis=1`` and no bounds, ``update`` *is* ``torch._amp_update_scale_``, the kernel
-GradScaler uses, so the scale sequence is identical to ``torch.amp.GradScaler``'s. The scale,
-growth counter, hysteresis budget and overflow count are device tensors, created lazily on the
-device of the first ``scale()``d tensor.
+GradScaler uses, so the scale sequence is identical to ``torch.amp.GradScaler``'s while it stays
+above the floor (below it torch's scale is subnormal or zero). The scale, growth counter,
+hysteresis budget and overflow count are device tensors, created lazily on the device of the first
+``scale()``d tensor.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ import torch
 
 from .config import MixedPrecisionConfig
 from .gradcheck import check_and_unscale, first_grad_device
-from .scale_rules import hysteresis_update
+from .scale_rules import SCALE_FLOOR, hysteresis_update
 
-__all__ = ["LossScaler"]
+__all__ = ["SCALE_FLOOR", "LossScaler"]
 
 
 class _Stage(Enum):
@@ -58,7 +63,7 @@ class LossScaler:
         init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
         hysteresis: overflows tolerated before backing off (DeepSpeed semantics, see module doc).
         consecutive_hysteresis: refill the hysteresis budget on every finite step.
-        min_scale, max_scale: clamp the scale (None: unbounded, like torch).
+        min_scale, max_scale: clamp the scale (None: unbounded, like torch, but see :attr:`floor`).
         dynamic: False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.
         enabled: False makes every method a pass-through (like ``GradScaler(enabled=False)``).
         device: where the scale lives; default: the device of the first tensor given to ``scale``
@@ -114,11 +119,10 @@ class LossScaler:
     def from_config(cls, config: MixedPrecisionConfig, *, enabled: bool = True,
                     device: Union[str, torch.device, None] = None) -> LossScaler:
         """A scaler configured by the loss-scaling fields of ``config``."""
-        return cls(config.init_scale, config.growth_factor, config.backoff_factor,
-                   config.growth_interval, hysteresis=config.hysteresis,
-                   consecutive_hysteresis=config.consecutive_hysteresis,
-                   min_scale=config.min_scale, max_scale=config.max_scale,
-                   dynamic=config.dynamic_scaling, enabled=enabled, device=device)
+        return cls(config.init_scale, config.growth_factor, config.backoff_factor, config.growth_interval,
+                   hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis,
+                   min_scale=config.min_scale, max_scale=config.max_scale, dynamic=config.dynamic_scaling,
+                   enabled=enabled, device=device)
 
     @classmethod
     def unit(cls, device: Union[str, torch.device, None] = None) -> LossScaler:
@@ -153,6 +157,11 @@ class LossScaler:
     def overflow_count(self) -> Optional[torch.Tensor]:
         """0-d fp32 device tensor: total overflowing (skipped) iterations. No sync."""
         return self._overflows
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale ``update()`` leaves: ``max(min_scale, 2**-126)`` (module doc)."""
+        return max(self._min_scale or 0.0, SCALE_FLOOR)
 
     @property
     def updates(self) -> int:
@@ -282,7 +291,7 @@ class LossScaler:
         """End the iteration: fold every optimizer's ``found_inf`` into the scale (module doc). No sync.
 
         Call once per iteration, after ``step`` for every optimizer. ``new_scale`` sets the
-        scale directly instead (bounds still apply).
+        scale directly instead (bounds and the floor still apply).
         """
         if not self._enabled:
             return
@@ -328,8 +337,8 @@ class LossScaler:
         return found
 
     def _clamp(self) -> None:
-        if self._scale is not None and (self._min_scale is not None or self._max_scale is not None):
-            self._scale.clamp_(min=self._min_scale, max=self._max_scale)
+        if self._scale is not None:  # always: the floor (module doc); clamp_ keeps a scale above it bit-exact
+            self._scale.clamp_(min=self.floor, max=self._max_scale)
 
     def _combined(self, state: dict[str, Any]) -> torch.Tensor:
         assert self._scale is not None
@@ -390,6 +399,7 @@ class LossScaler:
         scale = float(state_dict["scale"])
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scaler state dict holds an invalid scale {scale!r}")
+        scale = max(scale, SCALE_FLOOR)  # a GradScaler's subnormal scale resumes at the floor
         self._init_scale = scale
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])

@@ -1,5 +1,7 @@
-"""Changing precision between steps (explicit ``switch()``, the fallback chain's automatic one)
-and the form of the weights each precision needs (fp32 masters for the pure forms, fp8 modules).
+"""Changing precision between steps (explicit ``switch()``, the fallback chain's automatic one),
+the per-step numerics watch that drives it (and, with the fallback off, the exhausted-scale guard:
+:mod:`ampkit.step.fallback`), and the form of the weights each precision needs (fp32 masters for
+the pure forms, fp8 modules).
 
 A mixin of :class:`~ampkit.step.engine.MixedPrecision` (it uses the engine's scaler, window and
 event stream); kept apart so the engine file holds the step itself.
@@ -7,12 +9,13 @@ event stream); kept apart so the engine file holds the step itself.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Union
 
 import torch
 
 from .config import ConfigError
-from .fallback import FallbackPolicy, NumericsError, Trigger, resolve_chain
+from .fallback import FallbackPolicy, NumericsError, Trigger, nonfinite_grads, resolve_chain
 from .overrides import match_modules
 from .precision import Precision, PrecisionError, resolve_precision
 
@@ -22,9 +25,9 @@ SUPPORTED_BY_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure",
 
 
 class SwitchingMixin:
-    """``switch``, ``set_fallback`` and the fallback chain's trigger handling."""
+    """``switch``, ``set_fallback``, the fallback chain's trigger handling and the exhausted-scale guard."""
 
-    _fallback: Optional[FallbackPolicy]
+    _fallback: FallbackPolicy  # a chain, or (fallback off) the exhausted-scale guard
     _masters: Any
     _parallel: Any
     _fp8_report: Any
@@ -33,10 +36,11 @@ class SwitchingMixin:
     _last_diagnosis: Any
     _skipped_before: Optional[torch.Tensor]
 
-    def _make_fallback(self) -> Optional[FallbackPolicy]:
+    def _make_fallback(self) -> FallbackPolicy:
+        """The fallback chain, or with the fallback off the exhausted-scale guard (an empty chain)."""
         cfg = self.config
         if cfg.fallback is False:
-            return None
+            return FallbackPolicy((), cfg.fallback_patience, cfg.fallback_check_every, cfg.min_scale)
         if not cfg.skip_nonfinite:
             raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
         chain = resolve_chain(cfg.fallback, self.precision.name, self.device_info)
@@ -67,8 +71,7 @@ class SwitchingMixin:
         if new.needs_scaler != old.needs_scaler:
             self._retire_scaler()
             self._scaler = self._make_scaler(new)
-        if self._fallback is not None:
-            self._fallback.reset()
+        self._fallback.reset()
         self._build_contexts()
         self._retarget_weights()
         self._emit(kind, {"from": old.name, "to": new.name, **data})
@@ -154,18 +157,83 @@ class SwitchingMixin:
             self.config = old
             raise
 
+    # ------------------------------------------------------------------ the numerics watch
+    def _watch(self, found_inf: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> Optional[Trigger]:
+        """After each optimizer step, while the gradients are still there: count the step and, every
+        ``fallback_check_every`` steps, check (module doc of :mod:`ampkit.step.fallback`).
+
+        Returns the fallback trigger to act on (after the gradients are dropped: :meth:`_fall_back`),
+        naming the non-finite gradients. With the fallback off, raises :class:`NumericsError` when
+        the loss scale is exhausted. No sync unless a trigger fires.
+        """
+        policy = self._fallback
+        if found_inf is None or not (policy.falls_back or self.precision.needs_scaler):
+            return None
+        policy.observe(found_inf)
+        if self._steps % self.config.fallback_check_every:
+            return None
+        scaled = self.precision.needs_scaler
+        trigger = policy.check(self._scaler.scale_tensor if scaled else None, scaled)
+        if trigger is None:
+            return None
+        if not policy.falls_back:
+            self._check_exhausted(trigger, found_inf, scale)
+            return None
+        return dataclasses.replace(trigger, nonfinite=tuple(self._nonfinite_params()))
+
+    def _check_exhausted(self, trigger: Trigger, found_inf: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+        """The guard fired on the previous check's counters: raise if this step overflowed too, with
+        the scale (it carried) at the floor. **Syncs** (twice, and once more to name the layers)."""
+        floor = self._fallback.floor
+        if not (found_inf.item() > 0 and scale is not None and scale.item() <= floor):
+            return  # the burst is over: the scale will grow back
+        bad = self._nonfinite_params()
+        run = self._fallback.consecutive()
+        data: dict[str, Any] = {"precision": self.precision.name, "scale": floor, "consecutive_skips": run,
+                                "nonfinite_params": bad, "detail": trigger.detail}
+        if self._last_diagnosis is not None:
+            data["diagnosis"] = self._last_diagnosis.to_dict()
+        self._emit("scale_exhausted", data)
+        module = bad[0].rpartition(".")[0] if bad else ""
+        keep = f"keep_fp32=[{module!r}]" if module else "keep_fp32=[...]"
+        raise NumericsError(
+            f"the loss scale is exhausted in {self.precision.name}: {trigger.detail}, after {run} consecutive "
+            f"skipped steps; backing the scale off cannot help any more. {_culprit(bad)}. Turn on "
+            f"fallback=True (fp16 -> bf16 -> fp32), keep the culprit in fp32 ({keep}) or train in bf16"
+            + (f"; diagnosis: {self._last_diagnosis}" if self._last_diagnosis else ""))
+
+    def _nonfinite_params(self) -> list[str]:
+        """Model parameters (in model order) whose gradient -- the fp32 master's for pure
+        precisions -- holds inf/NaN now. **Syncs**."""
+        if self._model is None:
+            return []
+        masters = self._masters
+        named = self._model.named_parameters()
+        return nonfinite_grads(named if masters is None else ((n, masters.stepped(p)) for n, p in named))
+
     def _fall_back(self, trigger: Trigger) -> None:
-        assert self._fallback is not None
+        assert self._fallback.falls_back
         nxt = self._fallback.next_precision(self.precision.name)
         data: dict[str, Any] = {"trigger": trigger.reason, "detail": trigger.detail,
-                                "consecutive_skips": trigger.consecutive_skips, "scale": trigger.scale}
+                                "consecutive_skips": trigger.consecutive_skips, "scale": trigger.scale,
+                                "nonfinite_params": list(trigger.nonfinite)}
         if self._last_diagnosis is not None:
             data["diagnosis"] = self._last_diagnosis.to_dict()
         if nxt is None:
             self._emit("fallback_exhausted", {"precision": self.precision.name, **data})
+            culprit = f"; {_culprit(list(trigger.nonfinite))}" if trigger.nonfinite else ""
             raise NumericsError(f"training stays non-finite in {self.precision.name}, the last precision of the "
-                                f"fallback chain {','.join(self._fallback.chain)}: {trigger.detail}"
+                                f"fallback chain {','.join(self._fallback.chain)}: {trigger.detail}{culprit}"
                                 + (f"; diagnosis: {self._last_diagnosis}" if self._last_diagnosis else ""))
         self._switch(nxt, "fallback", {"reason": f"{trigger.reason}: {trigger.detail}", **data})
         self._last_diagnosis = None
 
+
+def _culprit(names: list[str]) -> str:
+    """'first non-finite layer: ...' from parameter names in model order."""
+    if not names:
+        return "No gradient on this process is non-finite now (the overflow is on another rank, or passed)"
+    module = names[0].rpartition(".")[0]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    where = f"{module!r}" if module else "the model's own parameters"
+    return f"First non-finite layer: {where} (non-finite gradients in {shown})"
