@@ -21,7 +21,7 @@ from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
 from . import audit, bench, export, info, plan, report, serve, slurm, train
 from .config_file import apply_config_file, explicit_flags
-from .train import PeerFailed
+from .interrupts import PeerFailed
 
 __all__ = ["build_parser", "main"]
 

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import shlex
-import signal
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -21,7 +17,7 @@ from ..loop.seed import seed_everything
 from ..step.config import MixedPrecisionConfig
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
-from ..step.precision import CANONICAL, PrecisionError, resolve_precision
+from ..step.precision import CANONICAL
 from . import parallel
 from .common import (
     data_flags,
@@ -32,6 +28,8 @@ from .common import (
     positive_float,
     positive_int,
 )
+from .interrupts import PeerFailed, sigterm_interrupts
+from .resume import apply_resume_flags, resume_hint
 from .rundirs import claim_checkpoint_dir, prepare_dir
 
 
@@ -111,55 +109,11 @@ def choose_batch(args: argparse.Namespace, device: torch.device, precision: str)
     return why
 
 
-class PeerFailed(Exception):
-    """Another rank failed a check every rank depends on and reported it; this rank exits quietly."""
-
-    def __init__(self, code: int = 2) -> None:
-        super().__init__("another rank failed")
-        self.code = code
-
-
-class _Terminated(KeyboardInterrupt):
-    exit_code = 143
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """Outside ``Trainer.fit`` (which stops gracefully), SIGTERM ends the command like Ctrl-C does,
-    with a message and exit status 143, instead of killing it silently."""
-    def handler(signum: int, frame: Any) -> None:
-        raise _Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def resume_hint(args: argparse.Namespace) -> str:
-    """One sentence: the exact command that continues this run (the launcher's own command line
-    under ``--nproc_per_node``), or why there is none."""
-    from ..distributed.launch import COMMAND_ENV
-
-    if not args.checkpoint_dir:
-        return "pass --checkpoint_dir DIR to make a run resumable"
-    words = shlex.split(os.environ[COMMAND_ENV])[1:] if os.environ.get(COMMAND_ENV) else list(getattr(args, "_raw", []))
-    words = [w for w in words if w not in ("--overwrite",)]
-    if "--resume" not in words:
-        words.append("--resume")
-    return f"Resume with: {shlex.join(['ampkit', *words])}"
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     status = parallel.maybe_relaunch(args)  # --nproc_per_node: torchrun runs this command N times
     if status is not None:
         return status
-    with _sigterm_interrupts():
+    with sigterm_interrupts():
         return _cmd_train(args)
 
 
@@ -340,65 +294,6 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, 
         raise ValueError(f"--grad_ckpt_modules {args.grad_ckpt_modules or ','.join(targets)!r}: {e}") from None
     console.print(f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
                   f"{', ...' if len(done) > 4 else ''})")
-
-
-def apply_resume_flags(requested: MixedPrecisionConfig, given: set[str], lr: float, amp: MixedPrecision,
-                       optimizer: torch.optim.Optimizer, path: str) -> list[str]:
-    """Settings chosen for a resumed run (``given``; values in ``requested``) against the checkpoint's:
-    precision (via ``switch``), lr and clipping are honoured; accumulation and keep_fp32 refused."""
-    cfg, notes = amp.config, []
-    where = os.path.basename(path)
-    if "accumulation_steps" in given and requested.accumulation_steps != cfg.accumulation_steps:
-        raise ValueError(f"--accumulation_steps {requested.accumulation_steps} differs from the checkpoint's "
-                         f"{cfg.accumulation_steps} ({where}): changing it mid-run changes the effective batch; resume "
-                         f"with --accumulation_steps {cfg.accumulation_steps} or start a new run")
-    if "keep_fp32" in given and tuple(requested.keep_fp32) != tuple(cfg.keep_fp32):
-        raise ValueError(f"--keep_fp32 {','.join(requested.keep_fp32) or '(none)'!r} differs from the checkpoint's "
-                         f"{','.join(cfg.keep_fp32) or '(none)'!r} ({where}); resume without it or start a new run")
-    if "clip_grad_norm" in given and requested.clip_grad_norm != cfg.clip_grad_norm:
-        amp.config = cfg.replace(clip_grad_norm=requested.clip_grad_norm)
-        notes.append(f"--clip_grad_norm {requested.clip_grad_norm} replaces the checkpoint's {cfg.clip_grad_norm}")
-    old_lr = optimizer.param_groups[0]["lr"]
-    if "lr" in given and old_lr != lr:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        notes.append(f"--lr {lr:g} replaces the checkpoint's {old_lr:g}")
-    if "precision" in given and requested.precision != "auto":
-        current, setting = amp.precision.name, run_setting(amp)
-        try:
-            wanted = resolve_precision(requested.precision, amp.device_info,
-                                       emulate_fp8=amp.config.fp8_emulate).name
-        except PrecisionError:
-            wanted = requested.precision  # switch() below raises the clear error
-        if wanted == setting and current != setting:
-            # The same command line again (a requeue, a restart): not a request to undo the fallback.
-            notes.append(f"--precision {requested.precision} is the run's own setting; it fell back to {current} "
-                         f"({_fallback_story(amp)}): continuing in {current} (give another --precision to switch)")
-        elif wanted != current:
-            amp.switch(requested.precision, reason="--precision given on resume")
-            notes.append(f"--precision {requested.precision} switches the checkpoint's {current} to "
-                         f"{amp.precision.name}")
-    elif "precision" in given:
-        notes.append(f"--precision auto keeps the checkpoint's {amp.precision.name}")
-    return notes
-
-
-def run_setting(amp: MixedPrecision) -> str:
-    """The precision the run was last *asked* for: the target of the newest explicit switch, else
-    the precision it started in (before any fallback), else the current one."""
-    events = amp.events
-    for e in reversed(events):
-        if e.kind == "precision_switch":
-            return str(e.data["to"])
-    for e in events:
-        if e.kind == "fallback":
-            return str(e.data["from"])
-    return amp.precision.name
-
-
-def _fallback_story(amp: MixedPrecision) -> str:
-    steps = [f"{e.data['from']} -> {e.data['to']} at step {e.step}" for e in amp.events if e.kind == "fallback"]
-    return "; ".join(steps) or "an earlier switch"
 
 
 def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -> Optional[str]:

@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -33,38 +33,13 @@ from .checkpoint import (
     restore_rng,
 )
 from .data import batch_size, split_batch
+from .firstskip import SkipWatch, saved_diagnosis
 from .stop import GracefulStop, TrainingInterrupted, signal_name
+from .summary import TrainSummary
 
 __all__ = ["TrainSummary", "Trainer", "TrainingInterrupted"]
 
 BatchFn = Callable[[int], Any]
-
-
-@dataclass
-class TrainSummary:
-    """What a run did, read once at the end."""
-
-    precision: str
-    device: str
-    optimizer_steps: int
-    skipped_steps: int
-    final_loss: float
-    first_loss: float
-    ms_per_step: float
-    samples_per_s: float
-    tokens_per_s: Optional[float]
-    final_scale: Optional[float]
-    losses: list[float] = field(default_factory=list)
-    log_dir: Optional[str] = None
-    peak_mem_bytes: Optional[int] = None
-    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
-    run_id: Optional[str] = None
-    world_size: int = 1  # processes that trained together (throughput counts all of them)
-    micro_batch: Optional[int] = None  # samples per forward/backward (after batch_size='auto' or an OOM)
-    notes: list[str] = field(default_factory=list)  # choices made for the user (auto batch, OOM rebatch, ...)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -72,23 +47,6 @@ def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     if isinstance(batch, dict):
         return model(**batch)
     return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
-
-
-class _SkipWatch:
-    """A monitor sink that remembers the first skipped step (and its scale) it is shown."""
-
-    def __init__(self) -> None:
-        self.first: Optional[tuple[int, Optional[float]]] = None
-
-    def write(self, records: list[dict[str, Any]]) -> None:
-        if self.first is None:
-            for r in records:
-                if r["type"] == "step" and r.get("skipped"):
-                    self.first = (r["step"], r.get("scale"))
-                    return
-
-    def close(self) -> None:
-        pass
 
 
 class Trainer:
@@ -234,7 +192,7 @@ class Trainer:
         samples = getattr(self.batches, "samples_per_batch", None)  # per rank: throughput is for all ranks
         tokens = getattr(self.batches, "tokens_per_batch", None)
         accum *= self.world_size
-        watch = _SkipWatch()
+        watch = SkipWatch()
         sinks = self._sinks(steps) + ([watch] if self.diagnose else [])
         monitor = Monitor(amp, sinks, log_every=self.log_every, run_id=self.run_id,
                           samples_per_step=samples * accum if samples else None,
@@ -430,7 +388,7 @@ class Trainer:
         self.micro_index = int(state.get("data", {}).get("micro_index", 0))
         self.split = int(state.get("data", {}).get("split", 1))
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
-        self.diagnosis = _saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
+        self.diagnosis = saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:
@@ -462,22 +420,6 @@ class Trainer:
         was_training = self.model.training
         self.diagnosis = self.amp.diagnose(closure, scale=scale)
         self.model.train(was_training)
-
-
-def _saved_diagnosis(events: list[dict[str, Any]]) -> Any:
-    """The run's first-skip diagnosis from its saved events (a resumed run does not diagnose again)."""
-    import dataclasses
-
-    from ..observe.numerics.localize import NonFiniteReport
-
-    known = {f.name for f in dataclasses.fields(NonFiniteReport)}
-    for e in events:
-        if isinstance(e, dict) and e.get("kind") == "diagnosis":
-            try:
-                return NonFiniteReport(**{k: v for k, v in e.items() if k in known})
-            except TypeError:
-                return None
-    return None
 
 
 def _f(v: Optional[float]) -> float:

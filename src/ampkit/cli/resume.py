@@ -1,0 +1,94 @@
+"""``ampkit train --resume``: the flags of a resumed run against its checkpoint, and the exact
+command that resumes a stopped run.
+
+A requeue reruns the same command line, so a flag equal to the run's own setting is not a
+change: a run that fell back from fp16 to bf16 and is resumed with ``--precision fp16`` again
+continues in bf16 (:func:`run_setting`); only a different value asks for a switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+
+import torch
+
+from ..step.config import MixedPrecisionConfig
+from ..step.engine import MixedPrecision
+from ..step.precision import PrecisionError, resolve_precision
+
+__all__ = ["apply_resume_flags", "resume_hint", "run_setting"]
+
+
+def resume_hint(args: argparse.Namespace) -> str:
+    """One sentence: the exact command that continues this run (the launcher's own command line
+    under ``--nproc_per_node``), or why there is none."""
+    from ..distributed.launch import COMMAND_ENV
+
+    if not args.checkpoint_dir:
+        return "pass --checkpoint_dir DIR to make a run resumable"
+    words = shlex.split(os.environ[COMMAND_ENV])[1:] if os.environ.get(COMMAND_ENV) else list(getattr(args, "_raw", []))
+    words = [w for w in words if w not in ("--overwrite",)]
+    if "--resume" not in words:
+        words.append("--resume")
+    return f"Resume with: {shlex.join(['ampkit', *words])}"
+
+
+def apply_resume_flags(requested: MixedPrecisionConfig, given: set[str], lr: float, amp: MixedPrecision,
+                       optimizer: torch.optim.Optimizer, path: str) -> list[str]:
+    """Settings chosen for a resumed run (``given``; values in ``requested``) against the checkpoint's:
+    precision (via ``switch``), lr and clipping are honoured; accumulation and keep_fp32 refused."""
+    cfg, notes = amp.config, []
+    where = os.path.basename(path)
+    if "accumulation_steps" in given and requested.accumulation_steps != cfg.accumulation_steps:
+        raise ValueError(f"--accumulation_steps {requested.accumulation_steps} differs from the checkpoint's "
+                         f"{cfg.accumulation_steps} ({where}): changing it mid-run changes the effective batch; resume "
+                         f"with --accumulation_steps {cfg.accumulation_steps} or start a new run")
+    if "keep_fp32" in given and tuple(requested.keep_fp32) != tuple(cfg.keep_fp32):
+        raise ValueError(f"--keep_fp32 {','.join(requested.keep_fp32) or '(none)'!r} differs from the checkpoint's "
+                         f"{','.join(cfg.keep_fp32) or '(none)'!r} ({where}); resume without it or start a new run")
+    if "clip_grad_norm" in given and requested.clip_grad_norm != cfg.clip_grad_norm:
+        amp.config = cfg.replace(clip_grad_norm=requested.clip_grad_norm)
+        notes.append(f"--clip_grad_norm {requested.clip_grad_norm} replaces the checkpoint's {cfg.clip_grad_norm}")
+    old_lr = optimizer.param_groups[0]["lr"]
+    if "lr" in given and old_lr != lr:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        notes.append(f"--lr {lr:g} replaces the checkpoint's {old_lr:g}")
+    if "precision" in given and requested.precision != "auto":
+        current, setting = amp.precision.name, run_setting(amp)
+        try:
+            wanted = resolve_precision(requested.precision, amp.device_info,
+                                       emulate_fp8=amp.config.fp8_emulate).name
+        except PrecisionError:
+            wanted = requested.precision  # switch() below raises the clear error
+        if wanted == setting and current != setting:
+            # The same command line again (a requeue, a restart): not a request to undo the fallback.
+            notes.append(f"--precision {requested.precision} is the run's own setting; it fell back to {current} "
+                         f"({_fallback_story(amp)}): continuing in {current} (give another --precision to switch)")
+        elif wanted != current:
+            amp.switch(requested.precision, reason="--precision given on resume")
+            notes.append(f"--precision {requested.precision} switches the checkpoint's {current} to "
+                         f"{amp.precision.name}")
+    elif "precision" in given:
+        notes.append(f"--precision auto keeps the checkpoint's {amp.precision.name}")
+    return notes
+
+
+def run_setting(amp: MixedPrecision) -> str:
+    """The precision the run was last *asked* for: the target of the newest explicit switch, else
+    the precision it started in (before any fallback), else the current one."""
+    events = amp.events
+    for e in reversed(events):
+        if e.kind == "precision_switch":
+            return str(e.data["to"])
+    for e in events:
+        if e.kind == "fallback":
+            return str(e.data["from"])
+    return amp.precision.name
+
+
+def _fallback_story(amp: MixedPrecision) -> str:
+    steps = [f"{e.data['from']} -> {e.data['to']} at step {e.step}" for e in amp.events if e.kind == "fallback"]
+    return "; ".join(steps) or "an earlier switch"
