@@ -461,3 +461,19 @@ def test_job_status_names_the_first_failure(tmp_path):
     (tmp_path / "rank0").write_text("3")
     os.utime(tmp_path / "rank0", ns=(1, 1))  # rank 0 failed first
     assert job_status(1, None, str(tmp_path)) == 3
+
+
+def test_deterministic_flag_reaches_torch_and_the_checkpoint(tmp_path):
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        assert main(["train", *TINY, "--steps", "2", "--deterministic", "warn", "--checkpoint_dir", str(tmp_path / "ck"),
+                     "--checkpoint_every", "2", "--log_dir", str(tmp_path / "a")]) == 0
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert load_checkpoint(str(tmp_path / "ck" / "ckpt-00000002.pt"))["amp"]["config"]["deterministic"] == "warn"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        if before[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

@@ -56,6 +56,8 @@ def _amp_overrides(args: argparse.Namespace, explicit: set[str], file_amp: dict[
     for key in ("fp8_recipe", "fp8_emulate", "compile"):
         if getattr(args, key):
             put(key, key, getattr(args, key))
+    if args.deterministic:
+        put("deterministic", "deterministic", True if args.deterministic == "true" else args.deterministic)
     if args.fallback_chain:
         put("fallback", "fallback_chain", args.fallback_chain)
     elif args.no_fallback:
