@@ -12,9 +12,9 @@ checkpoint writes leave the previous checkpoint intact).
 The loop calls :meth:`GracefulStop.poll` once per optimizer step. With several processes the
 ranks must stop after the *same* step (a sharded checkpoint is a collective), but each rank may
 receive its signal during a different step; ``poll`` therefore all-reduces the signal number
-(max) over the ranks every step -- a 4-byte collective. On CUDA the result is read one step
-later from a non-blocking copy, so the agreement adds no host sync to the step; on CPU (gloo)
-it is read at once.
+(max) over the ranks every step -- a 4-byte collective issued without waiting -- and decides on
+the previous step's result: all ranks stop one step after the signal, and the agreement never
+stalls a step (on CUDA the result comes back through a non-blocking copy: no host sync).
 
 After the stop the loop raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt`` and a
 ``SystemExit`` with code 130/143), so user code that already handles Ctrl-C handles a SIGTERM
@@ -110,24 +110,41 @@ class GracefulStop:
     def poll(self, device: torch.device) -> Optional[int]:
         """The signal to stop on after this step, the same on every rank; None to go on.
 
-        One process: the recorded signal. Several: the maximum over the ranks (a collective; call
-        it on every rank after every optimizer step)."""
+        One process: the recorded signal. Several: this step's flag is all-reduced (max) without
+        waiting, and the decision is taken on the *previous* step's result, long arrived by now --
+        every rank reads the same value, so all stop after the same step (one step after the
+        signal) and the agreement never stalls a step. A collective: call it on every rank after
+        every optimizer step."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return self.signum
         flag = torch.full((1,), float(self.signum or 0), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if device.type != "cuda":
-            return int(flag.item()) or None
-        # CUDA: decide on the previous step's flag, copied without blocking; every rank reads the
-        # same reduced value, so all stop after the same step (one step after the signal).
-        host = flag.to("cpu", non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        previous, self._pending = self._pending, (host, done)
+        if device.type == "cuda":
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # ordered on the stream; the host does not wait
+            host = flag.to("cpu", non_blocking=True)  # pinned: a real asynchronous copy
+            done: Any = torch.cuda.Event()
+            done.record()
+            current: tuple[torch.Tensor, Any] = (host, done)
+        else:
+            current = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        previous, self._pending = self._pending, current
         if previous is None:
             return None
-        value, event = previous
-        event.synchronize()  # recorded a whole step ago: long done
+        value, pending = previous
+        _finish(pending)  # issued a step ago: done by now
         return int(value.item()) or None
+
+    def drain(self) -> None:
+        """Wait for the last flag's collective (after the final step, before leaving ``fit``)."""
+        if self._pending is not None:
+            _finish(self._pending[1])
+            self._pending = None
+
+
+def _finish(pending: Any) -> None:
+    """Wait for a CUDA event (the flag's copy) or a collective's work handle."""
+    if isinstance(pending, torch.cuda.Event):
+        pending.synchronize()
+    else:
+        pending.wait()

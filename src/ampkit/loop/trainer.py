@@ -230,6 +230,7 @@ class Trainer:
                 signum = stop.poll(amp.device)  # every rank: the same answer after the same step
                 if signum:
                     self._stop_now(signum, saved, monitor)
+            stop.drain()  # the last step's flag: its collective completes on every rank alike
         except BaseException:
             # Keep the original error (e.g. a full disk) rather than one from closing the logs.
             with contextlib.suppress(Exception):
