@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ampkit.data import TextBatches
-from ampkit.memory import activations, breakdown
-from ampkit.models import build
+
+from ampkit.loop.data import TextBatches
+from ampkit.loop.models import build
+from ampkit.observe.memory import activations, breakdown
 
 
 def main() -> None:

@@ -17,10 +17,10 @@ import statistics
 import time
 
 import torch
-from ampkit.hardware import device_info
-from ampkit.models import builtin
 
 from ampkit import MixedPrecision
+from ampkit.loop.models import builtin
+from ampkit.step.hardware import device_info
 
 
 def train(kind: str, args: argparse.Namespace) -> list[float]:

@@ -18,12 +18,12 @@ import tempfile
 import time
 
 import torch
-from ampkit.data import ClassificationBatches
-from ampkit.hardware import device_info
-from ampkit.models import build
-from ampkit.monitor import JSONLSink, Monitor
 
 from ampkit import MixedPrecision
+from ampkit.loop.data import ClassificationBatches
+from ampkit.loop.models import build
+from ampkit.observe.monitor import JSONLSink, Monitor
+from ampkit.step.hardware import device_info
 
 
 def main() -> None:

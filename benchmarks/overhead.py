@@ -23,11 +23,11 @@ import statistics
 import time
 
 import torch
-from ampkit.data import ClassificationBatches, TextBatches
-from ampkit.hardware import device_info
-from ampkit.models import MLP, MLPConfig, build
 
 from ampkit import MixedPrecision
+from ampkit.loop.data import ClassificationBatches, TextBatches
+from ampkit.loop.models import MLP, MLPConfig, build
+from ampkit.step.hardware import device_info
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -20,9 +20,10 @@ import time
 import warnings
 
 import torch
-from ampkit.hardware import device_info
-from ampkit.models import builtin
 from overhead import ampkit_stepper, raw_stepper
+
+from ampkit.loop.models import builtin
+from ampkit.step.hardware import device_info
 
 warnings.filterwarnings("ignore")
 

@@ -1,9 +1,9 @@
 """The four-line happy path on the built-in tiny GPT: MixedPrecision("auto"), autocast, backward, step."""
 
 import torch
-from ampkit.models import builtin
 
 import ampkit
+from ampkit.loop.models import builtin
 
 
 def main(steps: int = 20) -> float:

@@ -5,8 +5,9 @@ The same works from the shell: `ampkit bench --model examples.benchmark_your_mod
 
 import torch
 import torch.nn.functional as F
-from ampkit.bench import compare, tune
 from torch import nn
+
+from ampkit.loop.bench import compare, tune
 
 
 class MyModel(nn.Module):

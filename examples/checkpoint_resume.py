@@ -4,10 +4,10 @@ import sys
 import tempfile
 
 import torch
-from ampkit.models import builtin
-from ampkit.trainer import Trainer
 
 import ampkit
+from ampkit.loop.models import builtin
+from ampkit.loop.trainer import Trainer
 
 
 def make(checkpoint_dir: str, seed: int = 0) -> Trainer:

@@ -5,9 +5,9 @@ Needs `pip install "ampkit[hf]"`.
 """
 
 import torch
-from ampkit.data import TextBatches
 
 import ampkit
+from ampkit.loop.data import TextBatches
 
 
 class CausalLM(torch.nn.Module):

@@ -1,11 +1,11 @@
 """Exact memory by category and dtype, and activation memory per precision, for the built-in GPT."""
 
 import torch
-from ampkit.memory import activations, breakdown
-from ampkit.models import builtin
 from rich.console import Console
 
 from ampkit import MixedPrecision
+from ampkit.loop.models import builtin
+from ampkit.observe.memory import activations, breakdown
 
 
 def main(size: str = "tiny") -> dict:

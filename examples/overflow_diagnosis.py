@@ -2,10 +2,10 @@
 
 import torch
 import torch.nn.functional as F
-from ampkit.numerics import audit, localize_nonfinite
 from torch import nn
 
 import ampkit
+from ampkit.observe.numerics import audit, localize_nonfinite
 
 
 class Net(nn.Module):

@@ -6,8 +6,9 @@
 """
 
 import torch
-from ampkit.data import TextBatches
-from ampkit.models import build
+
+from ampkit.loop.data import TextBatches
+from ampkit.loop.models import build
 
 
 def factory(batch_size: int = 8, seed: int = 0, size: str = "tiny", device=None):

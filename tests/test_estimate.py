@@ -6,10 +6,11 @@ import sys
 
 import pytest
 import torch
-from ampkit.memory import activations, breakdown, estimate
 
 from ampkit import MixedPrecision
+from ampkit.loop.estimate import estimate
 from ampkit.loop.models import build, builtin
+from ampkit.observe.memory import activations, breakdown
 
 PRECISIONS = ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
 STATIC = ("parameters", "gradients", "master_weights", "optimizer_state")
@@ -50,7 +51,7 @@ def test_estimate_matches_a_real_run(name, size, precision):
 def test_gpt2_124m_in_seconds_without_allocating_it(tmp_path):
     code = (
         "import json, resource, time, torch\n"
-        "from ampkit.memory import estimate\n"
+        "from ampkit.loop.estimate import estimate\n"
         "from ampkit.loop.models import GPT, GPTConfig\n"
         "t = time.time()\n"
         "cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)\n"
@@ -75,7 +76,7 @@ def test_gpt2_124m_in_seconds_without_allocating_it(tmp_path):
 
 
 def test_largest_batch_fits_and_the_next_does_not():
-    from ampkit.memory import largest_batch
+    from ampkit.loop.estimate import largest_batch
 
     def batch_of(b):
         return builtin("gpt", "tiny", batch_size=b, seed=0)[1](0)
@@ -112,9 +113,8 @@ def test_plan_cli_and_bad_input(capsys):
 
 
 def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
-    from ampkit.memory import largest_batch
-
     from ampkit.cli import main
+    from ampkit.loop.estimate import largest_batch
 
     common = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--steps", "2", "--json",
               "--no-progress", "--precision", "fp32"]

@@ -5,10 +5,10 @@ import gc
 
 import pytest
 import torch
-from ampkit.memory import estimate
-from ampkit.models import builtin
 
 from ampkit import MixedPrecision
+from ampkit.loop.estimate import estimate
+from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 
 pytestmark = pytest.mark.cuda

@@ -1,5 +1,5 @@
 """The package layout is part of the design: layers import downwards only, modules stay small,
-nothing imports another module's private names, and the documented short paths keep working."""
+nothing imports another module's private names, and the public API is plain."""
 
 import ast
 import pathlib
@@ -37,18 +37,19 @@ def test_modules_stay_small(path):
     assert len(path.read_text().splitlines()) <= 430, f"{path.relative_to(SRC)} is asking to be split"
 
 
-def test_short_paths_are_the_same_modules():
-    import ampkit.trainer
-    from ampkit.memory import breakdown
+def test_plain_public_api():
+    """No import finder, no module ``__getattr__``: ``ampkit.__all__`` names real attributes, one spelling."""
+    import sys
 
     import ampkit
-    import ampkit.loop.trainer
-    import ampkit.observe.memory
 
-    assert ampkit.trainer is ampkit.loop.trainer
-    assert breakdown is ampkit.observe.memory.breakdown
-    assert ampkit.numerics.localize_nonfinite is ampkit.observe.numerics.localize_nonfinite
-    assert ampkit.observe.memory.__spec__.name == "ampkit.observe.memory"
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("ampkit")]
+    assert not [p for p in SRC.rglob("*.py") if "\ndef __getattr__(" in p.read_text()]
+    missing = [n for n in ampkit.__all__ if not hasattr(ampkit, n)]
+    assert not missing
+    for name in ("MixedPrecision", "Trainer", "Monitor", "JSONLSink", "estimate", "audit", "compare", "tune",
+                 "CheckpointManager", "localize_nonfinite", "LossScaler"):
+        assert name in ampkit.__all__
 
 
 def test_python_dash_m_ampkit():

@@ -70,7 +70,7 @@ def test_oom_mid_run_rebatches_and_matches_the_smaller_batch_run(tmp_path):
 
 
 def _events(run_dir):
-    from ampkit.monitor import read_jsonl
+    from ampkit.observe.monitor import read_jsonl
 
     return [r for r in read_jsonl(str(run_dir / "log.jsonl")) if r["type"] == "event"]
 
@@ -99,7 +99,7 @@ def test_split_batch_keeps_every_sample_once():
 # --- batch_size="auto": the largest micro-batch that fits a budget, chosen from the estimate ---
 
 def _gpt_trainer(tmp_path, **kwargs):
-    from ampkit.models import builtin
+    from ampkit.loop.models import builtin
 
     torch.manual_seed(0)
     model, data = builtin("gpt", "small", batch_size=32)
@@ -110,8 +110,8 @@ def _gpt_trainer(tmp_path, **kwargs):
 
 
 def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
-    from ampkit.memory import estimate
-    from ampkit.models import builtin
+    from ampkit.loop.estimate import estimate
+    from ampkit.loop.models import builtin
 
     auto = _gpt_trainer(tmp_path / "auto", batch_size="auto", memory_budget="40MiB")
     summary = auto.fit(2)

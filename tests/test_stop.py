@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ampkit.trainer import Trainer
 
 import ampkit
 from ampkit.cli import main
 from ampkit.distributed.launch import job_status
 from ampkit.loop.checkpoint import DirLock, load_checkpoint
+from ampkit.loop.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress", "--log_every", "5"]
@@ -180,7 +180,7 @@ def test_sigterm_before_training_exits_143_with_a_message(tmp_path):
 SCRIPT = """
 import sys, torch
 import ampkit
-from ampkit.trainer import Trainer
+from ampkit.loop.trainer import Trainer
 
 steps, ck = int(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..observe.estimate import estimate, largest_batch, parse_bytes
+from ..loop.estimate import estimate, largest_batch, parse_bytes
 from .common import data_flags, estimate_inputs, flag, model_label, positive_int, wide_console
 
 DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"  # and fp8 where torchao is installed

@@ -15,7 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ImportError('ampkit serve needs FastAPI and uvicorn: pip install -e ".[serve]"') from None
-    from ..observe.estimate import parse_bytes
+    from ..loop.estimate import parse_bytes
     from ..service import serve
 
     body_cap = parse_bytes(args.max_body)

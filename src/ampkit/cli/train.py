@@ -85,7 +85,7 @@ def choose_batch(args: argparse.Namespace, device: torch.device, precision: str)
     """Resolve ``--batch_size auto`` and ``--target_effective_batch_size`` in ``args``; returns why."""
     why = None
     if args.batch_size == "auto":
-        from ..observe.estimate import largest_batch, parse_bytes
+        from ..loop.estimate import largest_batch, parse_bytes
 
         if args.memory_budget is None and device.type != "cuda":
             raise ValueError("--batch_size auto needs --memory_budget on this device (e.g. --memory_budget 8GiB); "

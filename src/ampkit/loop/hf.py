@@ -90,7 +90,7 @@ def max_positions(config: Any) -> int:
 
 class CausalLM(nn.Module):
     """A Hugging Face causal LM whose ``forward(idx, targets)`` returns the mean next-token loss
-    (targets of ``-100`` are padding and ignored), like :class:`ampkit.models.GPT`."""
+    (targets of ``-100`` are padding and ignored), like :class:`ampkit.loop.models.GPT`."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()

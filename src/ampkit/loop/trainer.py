@@ -1,7 +1,7 @@
 """A small training loop composed from the engine: what ``ampkit train`` runs.
 
 Reads top to bottom: take batch ``i``, forward under ``amp.autocast()``, ``amp.backward``,
-``amp.step``; a :class:`~ampkit.monitor.Monitor` records every optimizer step and reads the
+``amp.step``; a :class:`~ampkit.observe.monitor.Monitor` records every optimizer step and reads the
 device only every ``log_every`` steps, so the loop adds no per-step host sync of its own.
 """
 
@@ -62,7 +62,7 @@ class Trainer:
         log_dir: write the run there: ``log.jsonl``, TensorBoard events under ``tb/`` (when
             tensorboard is installed), ``summary.json``.
         scheduler: a learning-rate scheduler, stepped after every optimizer step that was not skipped.
-        checkpoint_dir, checkpoint_every, keep_last: crash-safe checkpoints (see ``ampkit.checkpoint``).
+        checkpoint_dir, checkpoint_every, keep_last: crash-safe checkpoints (see ``ampkit.loop.checkpoint``).
         eval_batches, eval_every, eval_steps, eval_precision: periodic evaluation on held-out
             batches, in the training precision (``"train"``) or strict ``"fp32"``.
         callbacks: objects with any of ``on_step_end(trainer, step, result)``,
@@ -379,7 +379,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
         """Restore :meth:`state_dict`. Everything is checked before anything is loaded: the keys,
         the model's keys and shapes, the optimizer's parameter groups and the engine state; on a
-        mismatch nothing changes and :class:`~ampkit.checkpoint.CheckpointError` says what."""
+        mismatch nothing changes and :class:`~ampkit.loop.checkpoint.CheckpointError` says what."""
         check_state(state, capture(self.model, self.optimizer)[0], self.optimizer, source)
         restore(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:

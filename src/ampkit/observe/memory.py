@@ -228,12 +228,3 @@ def peak(device: Union[str, torch.device, None] = None) -> int:
 
     return peak_memory_bytes(normalize_device(device))
 
-
-def __getattr__(name: str) -> Any:
-    # ``ampkit.memory.estimate`` and friends live in observe/estimate.py, which builds on this
-    # module; resolving them lazily keeps the import order one way.
-    if name in ("MemoryEstimate", "estimate", "largest_batch", "parse_bytes"):
-        import importlib
-
-        return getattr(importlib.import_module(f"{__package__}.estimate"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

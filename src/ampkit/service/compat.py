@@ -10,7 +10,7 @@
   (or ``/v1/runs/{id}``) gives ``model_path``, ``scaler_scale`` and ``memory_savings_gb`` when done.
 * ``POST /finetuning/optimize-mixed-precision``: answered by the memory planner.
 
-``memory_savings_gb`` is ampkit's estimate (:func:`ampkit.memory.estimate`: one training step on
+``memory_savings_gb`` is ampkit's estimate (:func:`ampkit.loop.estimate.estimate`: one training step on
 fake tensors) of fp32's peak minus the run's precision's peak for the run's model and batch --
 predicted, not measured, since a run trains in one precision. ``underflow_count`` counts the
 logged steps whose gradient norm was exactly zero (all gradient signal lost to underflow).
@@ -133,7 +133,7 @@ def _tokens(batch: int, length: int) -> tuple[Any, Any]:
 @functools.lru_cache(maxsize=256)
 def _peaks(model: str, overrides: str, size: str, batch: int, length: int, precisions: tuple[str, ...]) -> dict[str, int]:
     """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (cached)."""
-    from ..observe.estimate import estimate
+    from ..loop.estimate import estimate
 
     factory, limit = _text_model(model, overrides, size)
     batch_tokens = _tokens(batch, min(length, limit))
@@ -142,8 +142,8 @@ def _peaks(model: str, overrides: str, size: str, batch: int, length: int, preci
 
 @functools.lru_cache(maxsize=256)
 def _largest(model: str, overrides: str, size: str, length: int, budget: int, precision: str) -> int:
-    """The largest batch whose predicted peak fits ``budget`` (:func:`ampkit.memory.largest_batch`; cached)."""
-    from ..observe.estimate import largest_batch
+    """The largest batch whose predicted peak fits ``budget`` (:func:`ampkit.loop.estimate.largest_batch`; cached)."""
+    from ..loop.estimate import largest_batch
 
     factory, limit = _text_model(model, overrides, size)
     return largest_batch(factory, lambda b: _tokens(b, min(length, limit)), budget, precision)[0]
@@ -313,6 +313,6 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     return {"model_name": body.model_name, "gpu_memory_gb": body.gpu_memory_gb, "batch_size": body.batch_size,
             "should_use_mixed_precision": bool(use), "reason": reason,
             "recommended_precision": best_half["precision"] if use else "fp32", "recommendations": rows,
-            "note": "predicted by ampkit.memory.estimate (a training step on fake tensors, AdamW) "
+            "note": "predicted by ampkit.loop.estimate.estimate (a training step on fake tensors, AdamW) "
                     "with this server's kernels"}
 

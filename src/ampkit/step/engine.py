@@ -59,7 +59,7 @@ class MixedPrecision(SwitchingMixin, StateMixin):
             e.g. ``MixedPrecision("fp16", init_scale=2.**12, accumulation_steps=4)``.
 
     Raises :class:`PrecisionError` for unknown precisions and precisions the device cannot run,
-    and :class:`ampkit.config.ConfigError` for invalid settings.
+    and :class:`ampkit.step.config.ConfigError` for invalid settings.
     """
 
     def __init__(
@@ -340,7 +340,7 @@ class MixedPrecision(SwitchingMixin, StateMixin):
 
     # ------------------------------------------------------------------ diagnosis
     #: ``localizer(model, closure, scale=...)`` used by :meth:`diagnose`; the package root sets it
-    #: to :func:`ampkit.numerics.localize_nonfinite` (the engine does not import observers).
+    #: to :func:`ampkit.observe.numerics.localize_nonfinite` (the engine does not import observers).
     default_localizer: Optional[Callable[..., Any]] = None
     #: ``parallel_adapter(model) -> Parallel | None``: how to cooperate with a DDP/FSDP2 model; the
     #: package root sets it to :func:`ampkit.distributed.adapter_for`.
@@ -349,14 +349,14 @@ class MixedPrecision(SwitchingMixin, StateMixin):
     def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None,
                  localizer: Optional[Callable[..., Any]] = None) -> Any:
         """Name the first module that produces inf/NaN on ``closure``'s batch (see
-        :func:`ampkit.numerics.localize_nonfinite`); records a ``diagnosis`` event and attaches the
+        :func:`ampkit.observe.numerics.localize_nonfinite`); records a ``diagnosis`` event and attaches the
         report to the next ``fallback`` event. ``scale`` defaults to the current loss scale
         (fp16). Runs an extra forward and backward and **syncs**; gradients are left untouched.
         """
         self._require_setup("diagnose")
         localize = localizer or type(self).default_localizer
         if localize is None:
-            raise RuntimeError("diagnose() has no localizer: pass localizer=ampkit.numerics.localize_nonfinite")
+            raise RuntimeError("diagnose() has no localizer: pass localizer=ampkit.observe.numerics.localize_nonfinite")
         if scale is None and self.precision.needs_scaler:
             scale = self._scaler.get_scale()
         assert self._model is not None

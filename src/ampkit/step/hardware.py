@@ -2,7 +2,7 @@
 
 Everything here is a *probe*: it reads facts and never changes global state. The results are
 plain frozen dataclasses so the CLI can print them and the tests can construct them by hand
-(``DeviceInfo(...)``) to exercise :func:`ampkit.precision.resolve_precision` for hardware this
+(``DeviceInfo(...)``) to exercise :func:`ampkit.step.precision.resolve_precision` for hardware this
 machine does not have.
 """
 

@@ -261,7 +261,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ ending
     def summary(self) -> dict[str, Any]:
-        """Summary of everything recorded so far (flushes first): see :func:`ampkit.monitor.summarize`."""
+        """Summary of everything recorded so far (flushes first): see :func:`ampkit.observe.monitor.summarize`."""
         self.flush()
         return summarize(self.records, self.events)
 

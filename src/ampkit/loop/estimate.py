@@ -4,8 +4,8 @@ The whole step -- forward, backward, optimizer step, with ampkit's engine in the
 -- runs on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and storages exist,
 data does not. Two steps run: the first creates the optimizer state (and master gradients), the
 second is measured. The parts come from the same accounting as the measurements of a real run,
-applied to the fake tensors, so they agree with :func:`ampkit.memory.breakdown` and
-:func:`ampkit.memory.activations` exactly:
+applied to the fake tensors, so they agree with :func:`ampkit.observe.memory.breakdown` and
+:func:`ampkit.observe.memory.activations` exactly:
 
 * parameters, gradients, master weights, optimizer state: :func:`breakdown` after the measured
   backward (gradients held, as at the step's peak);
@@ -25,8 +25,8 @@ from typing import Any, Callable, Union
 
 import torch
 
+from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
-from .memory import activations, breakdown
 
 __all__ = ["MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
 
