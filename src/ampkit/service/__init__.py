@@ -1,5 +1,10 @@
-"""The training-job service (``ampkit serve``; extra ``serve``): FastAPI routes (``app``), SQLite
-state (``store``), one process group per run (``runner``), bearer tokens (``auth``)."""
+"""The training-job service (``ampkit serve``; extra ``serve``).
+
+``app.create_app`` wires the parts: ``schemas`` (settings and request bodies), ``deps`` (the
+caller and their runs as FastAPI dependencies), ``routes/`` (``runs``: ampkit's API;
+``finetuning``: the brief's), ``store`` (SQLite), ``runner`` (one process group per run) and
+``runfile`` (the run's ``run.toml``, the one contract with ``ampkit train``), ``auth`` (tokens).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, **config: object) -> None:
     """Run the service with uvicorn until interrupted."""
     import uvicorn
 
-    from .app import ServiceConfig
     from .app import create_app as make
+    from .schemas import ServiceConfig
 
     uvicorn.run(make(ServiceConfig(**config)), host=host, port=port, log_level="warning")

@@ -1,5 +1,6 @@
-"""Runs as processes: each run is ``python -m ampkit train ... --json`` in its own process group
-(``start_new_session``), with its log and checkpoint directories under the run's directory.
+"""Runs as processes: each run is ``python -m ampkit train --config run.toml --json ...`` in its
+own process group (``start_new_session``), with its log and checkpoint directories under the run's
+directory (``run.toml``: :mod:`ampkit.service.runfile`, written when the run was accepted).
 
 A scheduler thread ticks every ``poll_s``: it finishes runs whose process exited (the JSON
 summary on stdout; status ``succeeded`` or ``failed``), kills runs past their ``max_seconds``
@@ -23,15 +24,19 @@ import threading
 import time
 from typing import Any, Optional
 
+from .runfile import RUN_FILE, write_run_file
 from .store import Store
 
-__all__ = ["Runner", "command_for"]
+__all__ = ["Runner", "command_for", "read_log"]
 
 TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")
 
 
 def command_for(run: dict[str, Any]) -> list[str]:
-    """The command line of a run (its ``spec``), writing into ``run['run_dir']``."""
+    """The command line of a run, writing into ``run['run_dir']``. A training run reads everything
+    about itself from its ``run.toml`` (:mod:`ampkit.service.runfile`); the command line holds only
+    what is the same for every run or changes per attempt: the file, JSON output, the attempt's log
+    directory, the checkpoint directory and ``--resume``."""
     spec, d = run["spec"], run["run_dir"]
     base = [sys.executable, "-m", "ampkit"]
     if run["kind"] == "recommend":
@@ -39,45 +44,25 @@ def command_for(run: dict[str, Any]) -> list[str]:
                 "--batch_size", str(spec["batch_size"]), "--steps", str(spec["steps"]), "--repeats", "2",
                 "--warmup", "2", "--precisions", spec["precisions"], "--json", "--out", os.path.join(d, "tune.toml")]
     attempt = int(run.get("resumes") or 0)
-    cmd = [*base, "train", "--model", spec["model"], "--size", spec["size"], "--precision", spec["precision"],
-           "--steps", str(spec["steps"]), "--batch_size", str(spec["batch_size"]),
-           "--accumulation_steps", str(spec["accumulation_steps"]), "--lr", repr(spec["lr"]), "--seed", str(spec["seed"]),
-           "--device", spec["device"], "--json", "--no_progress", "--log_every", str(spec["log_every"]),
-           "--log_dir", os.path.join(d, f"log-{attempt}"), "--checkpoint_dir", os.path.join(d, "ckpt"),
-           "--checkpoint_every", str(spec["checkpoint_every"])]
-    if spec.get("init_scale"):
-        cmd += ["--init_scale", repr(spec["init_scale"])]
-    if spec.get("model_overrides"):
-        cmd += ["--model_config", ",".join(f"{k}={v}" for k, v in spec["model_overrides"].items())]
-    if spec.get("texts"):
-        cmd += ["--data", os.path.join(d, "texts.json")]  # written by the runner before the start
-    if spec.get("amp"):
-        cmd += ["--config", os.path.join(d, "amp.toml")]  # likewise
-    for key, flag in (("max_length", "--block_size"), ("epochs", "--epochs"),
-                      ("target_effective_batch_size", "--target_effective_batch_size")):
-        if spec.get(key):
-            cmd += [flag, str(spec[key])]
-    if spec.get("activation_checkpointing"):
-        cmd += ["--grad_ckpt"]
-    if spec.get("save_model"):
-        cmd += ["--save_model", os.path.join(d, "model")]
-    if attempt:
-        cmd += ["--resume"]
-    return cmd
+    cmd = [*base, "train", "--config", os.path.join(d, RUN_FILE), "--json", "--log_dir",
+           os.path.join(d, f"log-{attempt}"), "--checkpoint_dir", os.path.join(d, "ckpt")]
+    return [*cmd, "--resume"] if attempt else cmd
 
 
-def _toml_table(name: str, values: dict[str, Any]) -> str:
-    """A TOML table of scalars and string lists (None values are left out: the default)."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(str(v))  # a TOML basic string
-
-    return "\n".join([f"[{name}]"] + [f"{k} = {value(v)}" for k, v in values.items() if v is not None]) + "\n"
+def read_log(run_dir: str) -> list[str]:
+    """Complete JSONL lines of every attempt's log, in order (a line still being written is left out)."""
+    out: list[str] = []
+    attempts = sorted((n for n in os.listdir(run_dir) if n.startswith("log-")), key=lambda n: int(n[4:])) \
+        if os.path.isdir(run_dir) else []
+    for name in attempts:
+        try:
+            with open(os.path.join(run_dir, name, "log.jsonl"), encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            continue
+        lines = text.split("\n")
+        out += [ln for ln in lines[:-1] if ln.strip()]  # the last piece has no newline yet (or is empty)
+    return out
 
 
 def _alive(pid: Optional[int], run_dir: str) -> bool:
@@ -180,12 +165,8 @@ class Runner:
         d = run["run_dir"]
         os.makedirs(d, exist_ok=True)
         attempt = int(run.get("resumes") or 0)
-        if run["spec"].get("texts"):
-            with open(os.path.join(d, "texts.json"), "w", encoding="utf-8") as f:
-                json.dump(run["spec"]["texts"], f)
-        if run["spec"].get("amp"):
-            with open(os.path.join(d, "amp.toml"), "w", encoding="utf-8") as f:
-                f.write(_toml_table("amp", run["spec"]["amp"]))
+        if run["kind"] == "train" and not os.path.exists(os.path.join(d, RUN_FILE)):
+            write_run_file(run["spec"], d)  # a run queued by a server from before run.toml
         with open(os.path.join(d, f"stdout-{attempt}.json"), "wb") as out, \
                 open(os.path.join(d, f"stderr-{attempt}.log"), "wb") as err:
             proc = subprocess.Popen(command_for(run), stdout=out, stderr=err, stdin=subprocess.DEVNULL,

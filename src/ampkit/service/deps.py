@@ -1,0 +1,127 @@
+"""What every route shares, as FastAPI dependencies: the service's parts (``Svc``), the caller
+(``Owner``: the bearer token's owner, else 401) and one of the caller's runs (``OwnedRun``: another
+owner's run is a 404, as if it did not exist). ``submit`` is the one way a run is accepted."""
+
+from __future__ import annotations
+
+import functools
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional
+
+from fastapi import Depends, HTTPException, Request
+
+from .runfile import write_run_file
+from .runner import Runner
+from .schemas import ServiceConfig
+from .store import Store
+
+__all__ = ["OwnedRun", "Owner", "Service", "Svc", "allowed_model", "check_size", "hf_parameters", "lookup", "owner",
+           "owned_run", "service", "submit"]
+
+
+@dataclass(frozen=True)
+class Service:
+    """The parts of one server, built by ``create_app`` and shared by every route."""
+
+    config: ServiceConfig
+    store: Store
+    runner: Runner
+    tokens: dict[str, str]  # token -> owner
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def owner(request: Request, svc: Annotated[Service, Depends(service)]) -> str:
+    """The owner of the request's bearer token (401 without a valid one)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    who = svc.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+    if who is None:
+        raise HTTPException(401, "missing or invalid token: send Authorization: Bearer <token>",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return who
+
+
+def lookup(svc: Service, run_id: str, who: str) -> dict[str, Any]:
+    """``who``'s run ``run_id`` (404 when there is none, or it is another owner's)."""
+    run = svc.store.get(run_id, owner=who)
+    if run is None:
+        raise HTTPException(404, f"no run {run_id!r}")
+    return run
+
+
+def owned_run(run_id: str, who: Annotated[str, Depends(owner)],
+              svc: Annotated[Service, Depends(service)]) -> dict[str, Any]:
+    return lookup(svc, run_id, who)
+
+
+Svc = Annotated[Service, Depends(service)]
+Owner = Annotated[str, Depends(owner)]
+OwnedRun = Annotated[dict[str, Any], Depends(owned_run)]
+
+
+def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Accept a validated spec as ``who``'s queued run: the model is one this server may build (422),
+    the queue has room (429), and a training run's ``run.toml`` is written before the row exists."""
+    from ..loop.hf import is_hf
+
+    try:
+        allowed_model(spec["model"], svc.config.allowed_factories)
+        if spec.get("model_overrides") and not is_hf(spec["model"]):
+            raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
+        check_size(spec["model"], spec.get("model_overrides") or {}, svc.config.max_params)
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+    if svc.store.count("queued") >= svc.config.queue_cap:
+        raise HTTPException(429, f"the queue is full ({svc.config.queue_cap} runs waiting); retry later",
+                            headers={"Retry-After": "10"})
+    run_id = uuid.uuid4().hex[:12]
+    run_dir = os.path.join(os.path.abspath(svc.config.data_dir), "runs", run_id)
+    if kind == "train":
+        try:
+            write_run_file(spec, run_dir)
+        except (TypeError, ValueError) as e:  # a value TOML cannot carry
+            raise HTTPException(422, f"this run cannot be written as run.toml: {e}") from None
+    return svc.store.create(run_id, who, kind, spec, run_dir)
+
+
+def allowed_model(model: str, factories: tuple[str, ...]) -> str:
+    """``model`` if this server builds it: a built-in, an allowed ``module:factory``, or a Hugging
+    Face config (built from its config class, never downloaded); else ``ValueError``."""
+    from ..loop.hf import ALIASES, is_hf
+    from ..loop.models import MODELS
+
+    if model in MODELS or model in factories:
+        return model
+    if is_hf(model) and (model in ALIASES or model.startswith("transformers.")):
+        return model
+    extra = f" or an allowed factory ({', '.join(factories)})" if factories else \
+        " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
+    raise ValueError(f"model {model!r} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
+                     f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}")
+
+
+@functools.lru_cache(maxsize=128)
+def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
+    """Parameters of a Hugging Face config model, counted on the meta device (nothing allocated)."""
+    import torch
+
+    from ..loop.hf import build_hf
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
+
+
+def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:
+    """A Hugging Face config model over ``max_params`` parameters: ValueError (a 422)."""
+    from ..loop.hf import is_hf
+
+    if not (is_hf(model) and max_params):
+        return
+    n = hf_parameters(model, tuple(sorted(overrides.items())))
+    if n > max_params:
+        raise ValueError(f"model {model!r} with {overrides or 'its defaults'} has {n / 1e6:,.0f}M parameters, over "
+                         f"this server's limit of {max_params / 1e6:,.0f}M (ampkit serve --max_params)")

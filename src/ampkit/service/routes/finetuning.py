@@ -1,0 +1,184 @@
+"""The fine-tuning brief's routes (``../shared/SERVICE-API.md``), mapped onto ampkit's own.
+
+* ``POST /finetuning/setup-mixed-precision``: resolves and stores the owner's precision and scaler
+  settings (later runs without their own ``mixed_precision_config`` use them).
+* ``GET /finetuning/mixed-precision-stats[?run_id=]``: ``enabled``, ``scaler_scale``,
+  ``memory_savings_gb``, ``overflow_count``, ``underflow_count`` of a run (default: the owner's
+  latest), read from its log.
+* ``POST /finetuning/mixed-precision`` and ``POST /finetuning/optimized``: a training run
+  (``/v1/runs``) of the model on the given texts (bytes as tokens); ``GET /finetuning/runs/{id}``
+  (or ``/v1/runs/{id}``) gives ``model_path``, ``scaler_scale`` and ``memory_savings_gb`` when done.
+* ``POST /finetuning/optimize-mixed-precision``: answered by the memory planner (``..planner``).
+
+``underflow_count`` counts the logged steps whose gradient norm was exactly zero (all gradient
+signal lost to underflow). Bodies follow the brief: unknown fields are ignored, missing optional
+ones defaulted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any, Optional
+
+import torch
+from fastapi import APIRouter, HTTPException
+
+from ...step.config import MixedPrecisionConfig
+from ...step.precision import Precision, resolve_precision
+from ..deps import OwnedRun, Owner, Svc, allowed_model, check_size, lookup, submit
+from ..planner import plan_answer, savings_gb
+from ..runner import read_log
+from ..schemas import (
+    MixedPrecisionBody,
+    OptimizeBody,
+    OptimizedBody,
+    RunSpec,
+    SetupBody,
+    TrainBody,
+    run_view,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/finetuning")
+
+
+def _resolve(name: str, device: str) -> Precision:
+    """``name`` resolved on ``device``; a precision the device cannot run is a 422 with the reason."""
+    try:
+        return resolve_precision(name, device)
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+
+
+def _settings(mp: MixedPrecisionBody, device: str = "cpu") -> dict[str, Any]:
+    """The precision and scaler settings a body asks for, resolved on ``device``."""
+    p = _resolve(mp.dtype if mp.enabled else "fp32", device)
+    defaults = MixedPrecisionConfig()
+    return {"enabled": p.name != "fp32", "precision": p.name, "dtype": str(p.compute_dtype).replace("torch.", ""),
+            "reason": p.reason, "memory_efficient": mp.memory_efficient,
+            "activation_checkpointing": mp.memory_efficient,
+            "scaler": {"enabled": p.needs_scaler, "init_scale": mp.init_scale if p.needs_scaler else None,
+                       "growth_factor": defaults.growth_factor, "backoff_factor": defaults.backoff_factor,
+                       "growth_interval": defaults.growth_interval, "hysteresis": defaults.hysteresis,
+                       "min_scale": defaults.min_scale, "max_scale": defaults.max_scale}}
+
+
+def _mixed_for(device: str) -> Precision:
+    """``use_mixed_precision: true``: ``auto``'s hardware pick, or bf16 autocast where ``auto`` would
+    stay in fp32 (the user asked for mixed precision; the reason says what it costs here)."""
+    p = _resolve("auto", device)
+    if p.compute_dtype != torch.float32:
+        return p
+    q = _resolve("bf16", device)
+    return dataclasses.replace(q, reason=f"mixed precision requested; {q.reason}")
+
+
+def _is_mixed(name: Optional[str], device: str) -> bool:
+    """Does ``name`` compute in less than fp32 on ``device`` (False when it cannot run there)?"""
+    try:
+        return resolve_precision(name or "fp32", device, emulate_fp8=True).compute_dtype != torch.float32
+    except (ValueError, RuntimeError):
+        return False
+
+
+def _run_spec(body: TrainBody, precision: str, init_scale: Optional[float], ckpt: bool, batch: int,
+              **extra: Any) -> dict[str, Any]:
+    """The body as a RunSpec (checked like ``POST /v1/runs``; 422 with its message)."""
+    try:
+        return RunSpec(model=body.model_name, model_overrides=body.model_overrides, precision=precision,
+                       texts=body.dataset_config.texts, max_length=body.dataset_config.max_length,
+                       epochs=body.training_config.epochs, lr=body.training_config.learning_rate,
+                       batch_size=batch, init_scale=init_scale, activation_checkpointing=ckpt, save_model=True,
+                       user_id=body.user_id, device=body.device, max_seconds=body.max_seconds, **extra).model_dump()
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+
+
+@router.post("/setup-mixed-precision")
+def setup(body: SetupBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    out = {"model_name": body.model_name, **_settings(body)}
+    svc.store.put_setting(who, "mixed_precision", {**body.model_dump(), "resolved": out})
+    return out
+
+
+@router.post("/mixed-precision", status_code=201)
+def mixed_precision(body: TrainBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    mp = body.mixed_precision_config
+    if mp is None:
+        saved = svc.store.get_setting(who, "mixed_precision")
+        mp = MixedPrecisionBody(**saved) if saved else MixedPrecisionBody()
+    cfg = _settings(mp, body.device)
+    batch = min(body.training_config.batch_size, len(body.dataset_config.texts))
+    spec = _run_spec(body, cfg["precision"], cfg["scaler"]["init_scale"], mp.memory_efficient, batch)
+    run = submit(svc, who, "train", spec)
+    # The predicted saving is answered with the run's result (GET /finetuning/runs/{id}); worked
+    # out now in the background (it is cached), so that this answer does not wait for the estimate.
+    threading.Thread(target=savings_gb, args=(spec, cfg["precision"]), daemon=True).start()
+    return {**run_view(run), "run_id": run["id"], "mixed_precision": cfg, "memory_savings_gb": None,
+            "scaler_scale": cfg["scaler"]["init_scale"], "result": f"/finetuning/runs/{run['id']}"}
+
+
+@router.post("/optimized", status_code=201)
+def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    if body.use_mixed_precision:
+        p = _mixed_for(body.device)
+        precision, reason = p.name, p.reason
+    else:
+        precision, reason = "fp32", "use_mixed_precision is false"
+    batch = min(body.training_config.batch_size, len(body.dataset_config.texts))
+    target = body.target_effective_batch_size if body.use_gradient_accumulation else None
+    if target:  # the largest micro-batch <= batch that divides the target (as `ampkit train` does)
+        batch = max(b for b in range(1, min(batch, target) + 1) if target % b == 0)
+    accumulation = target // batch if target else 1
+    spec = _run_spec(body, precision, None, False, batch, accumulation_steps=accumulation)
+    run = submit(svc, who, "train", spec)
+    return {**run_view(run), "run_id": run["id"], "precision": precision, "reason": reason,
+            "mixed_precision_enabled": precision != "fp32", "gradient_accumulation_enabled": accumulation > 1,
+            "batch_size": batch, "accumulation_steps": accumulation, "effective_batch_size": batch * accumulation,
+            "memory_savings_gb": savings_gb(spec, precision)}
+
+
+@router.get("/runs/{run_id}")
+def result(run: OwnedRun) -> dict[str, Any]:
+    out = run_view(run)
+    precision = (run.get("summary") or {}).get("precision") or run["spec"].get("precision")  # after any fallback
+    out["memory_savings_gb"] = savings_gb(run["spec"], precision) if run["kind"] == "train" else None
+    return out
+
+
+@router.get("/mixed-precision-stats")
+def stats(who: Owner, svc: Svc, run_id: Optional[str] = None) -> dict[str, Any]:
+    if run_id is None:
+        run = next((r for r in svc.store.list(owner=who, limit=1_000) if r["kind"] == "train"), None)
+    else:
+        run = lookup(svc, run_id, who)
+    if run is None:  # no run yet: the settings, nothing counted
+        saved = (svc.store.get_setting(who, "mixed_precision") or {}).get("resolved")
+        return {"run_id": None, "enabled": bool(saved and saved["enabled"]),
+                "scaler_scale": saved["scaler"]["init_scale"] if saved else None, "memory_savings_gb": None,
+                "overflow_count": 0, "underflow_count": 0, "status": None}
+    records = [json.loads(x) for x in read_log(run["run_dir"])]
+    steps = [r for r in records if r.get("type") == "step"]
+    summary = run.get("summary") or {}
+    precision = summary.get("precision") or (steps[-1]["precision"] if steps else run["spec"].get("precision"))
+    scale = summary.get("final_scale") if summary else (steps[-1].get("scale") if steps else None)
+    return {"run_id": run["id"], "status": run["status"], "precision": precision,
+            "enabled": _is_mixed(precision, run["spec"].get("device", "cpu")),
+            "scaler_scale": scale, "memory_savings_gb": savings_gb(run["spec"], precision),
+            "overflow_count": sum(1 for r in records if r.get("type") == "event" and r.get("kind") == "overflow"),
+            "underflow_count": sum(1 for r in steps if r.get("grad_norm") == 0.0),
+            "skipped_steps": summary.get("skipped_steps", sum(1 for r in steps if r.get("skipped"))),
+            "logged_steps": len(steps)}
+
+
+@router.post("/optimize-mixed-precision")
+def optimize(body: OptimizeBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    try:
+        allowed_model(body.model_name, ())
+        check_size(body.model_name, body.model_overrides, svc.config.max_params)
+        return plan_answer(body)
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None

@@ -1,0 +1,109 @@
+"""ampkit's own routes: launch, list, watch, cancel, resume and compare runs, and ask for a
+recommendation (``ampkit tune`` as a job). ``/health`` is the only route without a token."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from fastapi import APIRouter, HTTPException, Query
+
+from ... import __version__
+from ..deps import OwnedRun, Owner, Svc, lookup, submit
+from ..runner import read_log
+from ..schemas import RecommendSpec, RunSpec, run_view
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/health")
+def health(svc: Svc) -> dict[str, Any]:
+    return {"status": "ok", "version": __version__, "queued": svc.store.count("queued"),
+            "running": svc.store.count("running")}
+
+
+@router.post("/v1/runs", status_code=201)
+def create_run(spec: RunSpec, who: Owner, svc: Svc) -> dict[str, Any]:
+    return run_view(submit(svc, who, "train", spec.model_dump()))
+
+
+@router.get("/v1/runs")
+def list_runs(who: Owner, svc: Svc, status: Optional[str] = None,
+              limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+    return {"runs": [run_view(r) for r in svc.store.list(owner=who, status=status, limit=limit)]}
+
+
+@router.get("/v1/runs/{run_id}")
+def get_run(run: OwnedRun) -> dict[str, Any]:
+    view = run_view(run)
+    view["events"] = [r for r in map(json.loads, read_log(run["run_dir"])) if r.get("type") == "event"]
+    return view
+
+
+@router.get("/v1/runs/{run_id}/metrics")
+def metrics(run: OwnedRun, after: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)) -> dict[str, Any]:
+    lines = read_log(run["run_dir"])
+    page = lines[after:after + limit]
+    return {"id": run["id"], "status": run["status"], "records": [json.loads(x) for x in page],
+            "next": after + len(page), "total": len(lines)}
+
+
+@router.delete("/v1/runs/{run_id}")
+def cancel(run: OwnedRun, svc: Svc) -> dict[str, Any]:
+    if not svc.runner.cancel(run["id"]):
+        now = svc.store.get(run["id"]) or run
+        raise HTTPException(409, f"run {run['id']} has already ended ({now['status']})")
+    return run_view(svc.store.get(run["id"]) or run)
+
+
+@router.post("/v1/runs/{run_id}/resume", status_code=202)
+def resume(run: OwnedRun, svc: Svc) -> dict[str, Any]:
+    run_id = run["id"]
+    if run["kind"] != "train" or run["status"] not in ("interrupted", "failed", "cancelled"):
+        raise HTTPException(409, f"run {run_id} is {run['status']}: only an interrupted, failed or cancelled "
+                                 "training run can be resumed")
+    ckpt = os.path.join(run["run_dir"], "ckpt")
+    if not os.path.isdir(ckpt) or not any(n.startswith("ckpt-") for n in os.listdir(ckpt)):
+        raise HTTPException(409, f"run {run_id} has no checkpoint to resume from (checkpoint_every="
+                                 f"{run['spec'].get('checkpoint_every')} steps were not reached)")
+    svc.store.update(run_id, expect=(run["status"],), status="queued", resumes=run["resumes"] + 1, error=None,
+                     ended=None, started=None, pid=None)
+    return run_view(svc.store.get(run_id) or run)
+
+
+@router.get("/v1/compare")
+def compare(ids: str, who: Owner, svc: Svc) -> dict[str, Any]:
+    wanted = [i for i in ids.split(",") if i]
+    if len(wanted) < 2:
+        raise HTTPException(422, "compare needs at least two run ids: ids=a,b[,c...]")
+    runs = [lookup(svc, i, who) for i in wanted]
+    missing = [r["id"] for r in runs if not r.get("summary")]
+    if missing:
+        raise HTTPException(409, f"run(s) {', '.join(missing)} have no summary yet (not succeeded)")
+    base = runs[0]["summary"]
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        rows.append({"id": r["id"], "precision": s["precision"], "final_loss": s["final_loss"],
+                     "loss_gap": _sub(s["final_loss"], base["final_loss"]),
+                     "ms_per_step": s["ms_per_step"], "speedup": _div(base["ms_per_step"], s["ms_per_step"]),
+                     "samples_per_s": s["samples_per_s"], "peak_mem_bytes": s.get("peak_mem_bytes"),
+                     "memory_ratio": _div(s.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
+                     "skipped_steps": s["skipped_steps"]})
+    return {"baseline": runs[0]["id"], "runs": rows}
+
+
+@router.post("/v1/recommend", status_code=201)
+def recommend(spec: RecommendSpec, who: Owner, svc: Svc) -> dict[str, Any]:
+    return run_view(submit(svc, who, "recommend", spec.model_dump()))
+
+
+def _sub(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else a - b
+
+
+def _div(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if not a or not b else a / b

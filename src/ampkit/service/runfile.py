@@ -1,0 +1,127 @@
+"""The service's contract with training: one ``run.toml`` per run, read by ``ampkit train --config``.
+
+A run's spec (:class:`ampkit.service.schemas.RunSpec`) becomes two tables: ``[train]``, whose keys
+are ``ampkit train``'s option names (what its ``--config`` reader accepts), and ``[amp]``, the
+:class:`ampkit.MixedPrecisionConfig` fields of the request's ``amp`` dict, already validated at
+submit. Only the flags that differ per attempt or are fixed for every run stay on the command line
+(:func:`ampkit.service.runner.command_for`). The file is written once, when the run is accepted;
+a resume reads the same file.
+
+TOML has no null: a ``None`` value is left out, which means the reader's default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+__all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "dumps_toml", "run_tables", "train_key", "write_run_file"]
+
+RUN_FILE = "run.toml"
+TEXTS_FILE = "texts.json"
+
+# RunSpec fields whose ``ampkit train`` option has another name (the REST names came first).
+_RENAMED = {"max_length": "block_size", "activation_checkpointing": "grad_ckpt", "model_overrides": "model_config",
+            "texts": "data"}
+# RunSpec fields that are not training options, and why.
+SERVICE_ONLY = {
+    "max_seconds": "a wall-clock limit the runner enforces by ending the run's process group",
+    "user_id": "a label for the brief's clients; the owner is the token's",
+    "amp": "the [amp] table (MixedPrecisionConfig fields), not a [train] key",
+}
+
+
+def train_key(field: str) -> str:
+    """The ``[train]`` key (an ``ampkit train`` option name) that carries RunSpec ``field``."""
+    if field in SERVICE_ONLY:
+        raise KeyError(f"RunSpec field {field!r} is not a [train] key: {SERVICE_ONLY[field]}")
+    return _RENAMED.get(field, field)
+
+
+def run_tables(spec: dict[str, Any], run_dir: str) -> dict[str, dict[str, Any]]:
+    """``{"train": ..., "amp": ...}`` of a run's spec (a ``RunSpec.model_dump()``) writing under
+    ``run_dir``: files the spec refers to (texts, the saved model) are paths in ``run_dir``."""
+    train = {train_key(k): v for k, v in spec.items() if k not in SERVICE_ONLY}
+    overrides = spec.get("model_overrides") or {}
+    train["model_config"] = ",".join(f"{k}={v}" for k, v in overrides.items()) or None
+    train["data"] = os.path.join(run_dir, TEXTS_FILE) if spec.get("texts") else None
+    train["save_model"] = os.path.join(run_dir, "model") if spec.get("save_model") else None
+    return {"train": train, "amp": dict(spec.get("amp") or {})}
+
+
+def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
+    """Write ``run.toml`` (and the texts it names) into ``run_dir``; returns the file's path.
+
+    Raises ``ValueError`` for a value TOML cannot carry (a lone surrogate, a nested dict), before
+    anything is written."""
+    tables = run_tables(spec, run_dir)
+    text = dumps_toml(tables)
+    os.makedirs(run_dir, exist_ok=True)
+    if spec.get("texts"):
+        with open(os.path.join(run_dir, TEXTS_FILE), "w", encoding="utf-8") as f:
+            json.dump(spec["texts"], f)
+    path = os.path.join(run_dir, RUN_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+    return path
+
+
+# --- a small TOML writer: tables of str, bool, int, float and (nested) lists of those -------------
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def dumps_toml(tables: dict[str, dict[str, Any]]) -> str:
+    """TOML text of ``{table: {key: value}}``; ``None`` values are left out (TOML has no null).
+
+    ``tomllib.loads(dumps_toml(t))`` equals ``t`` without its ``None`` values (tuples read back as
+    lists). Raises ``TypeError`` for other value types and ``ValueError`` for strings that are not
+    valid Unicode (lone surrogates)."""
+    out = []
+    for name, values in tables.items():
+        out.append(f"[{_key(name)}]")
+        out += [f"{_key(k)} = {_value(v)}" for k, v in values.items() if v is not None]
+        out.append("")
+    return "\n".join(out)
+
+
+def _key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _string(key)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):  # before int: a bool is an int
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return repr(v)  # '1e-05', '65536.0', 'inf', '-inf': all TOML floats
+    if isinstance(v, str):
+        return _string(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} to TOML (str, bool, int, float or a list of them)")
+
+
+def _string(s: str) -> str:
+    """A TOML basic string: quote, backslash and every control character (U+0000-U+001F, U+007F)
+    escaped; everything else written as is (the file is UTF-8)."""
+    out = []
+    for ch in s:
+        code = ord(ch)
+        if ch in _SHORT_ESCAPES:
+            out.append(_SHORT_ESCAPES[ch])
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04X}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"{s!r} holds a lone surrogate (U+{code:04X}), which is not valid Unicode")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'

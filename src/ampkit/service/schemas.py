@@ -1,0 +1,199 @@
+"""What the service reads and answers: its settings, the request bodies (ampkit's own and the
+fine-tuning brief's, ``../shared/SERVICE-API.md``) and the shape of a run in an answer.
+
+Names come from their homes: precisions from :mod:`ampkit.step.precision` (through
+:class:`ampkit.MixedPrecisionConfig`), built-in models and their sizes from :mod:`ampkit.loop.models`.
+A request is checked here, once; what passes is stored and written to the run's file as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..loop.models import SIZES
+from ..step.config import MixedPrecisionConfig
+from ..step.hardware import normalize_device
+from ..step.precision import parse_precision
+
+__all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
+           "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
+
+# Every size name of the built-in models, in their order (all share tiny ... large today).
+SIZE_NAMES = tuple(dict.fromkeys(size for sizes in SIZES.values() for size in sizes))
+SizeName = Literal[SIZE_NAMES]  # type: ignore[valid-type]  # Literal of a tuple: one choice per name
+Scalar = Union[bool, int, float, str, None]
+
+
+class ServiceConfig(BaseModel):
+    data_dir: str = "ampkit-service"
+    max_concurrent: int = Field(1, ge=1)
+    queue_cap: int = Field(16, ge=1)
+    body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
+    poll_s: float = Field(0.2, gt=0)
+    allowed_factories: tuple[str, ...] = ()
+    max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
+
+
+def _check_overrides(v: dict[str, Scalar]) -> dict[str, Scalar]:
+    bad = [k for k in v if not k.isidentifier()]
+    if bad or any(isinstance(x, str) and ("," in x or "=" in x) for x in v.values()):
+        raise ValueError(f"model_overrides: keys must be identifiers and values plain scalars (bad: {bad or v})")
+    return v
+
+
+class RunSpec(BaseModel):
+    """A training run (``POST /v1/runs``): the same names and checks as ``ampkit train``; each field
+    travels to the run as a ``[train]`` key of its ``run.toml`` (``ampkit.service.runfile``)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: str = "mlp"
+    size: SizeName = "tiny"
+    precision: str = "auto"
+    steps: int = Field(100, ge=1, le=1_000_000)
+    batch_size: int = Field(16, ge=1, le=65_536)
+    accumulation_steps: int = Field(1, ge=1, le=4096)
+    lr: float = Field(1e-3, gt=0, le=10)
+    seed: int = 0
+    init_scale: Optional[float] = Field(None, gt=0)
+    device: str = "cpu"
+    max_seconds: Optional[float] = Field(None, gt=0)
+    checkpoint_every: int = Field(10, ge=1)
+    log_every: int = Field(5, ge=1)
+    model_overrides: dict[str, Scalar] = Field(default_factory=dict)  # a Hugging Face config's fields
+    texts: Optional[list[str]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
+    max_length: Optional[int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
+    epochs: Optional[int] = Field(None, ge=1, le=100_000)  # instead of steps
+    target_effective_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000)
+    activation_checkpointing: bool = False
+    save_model: bool = False  # write the trained fp32 weights to <run dir>/model
+    user_id: Optional[Union[int, str]] = None  # a label (the owner is the token's)
+    amp: dict[str, Union[Scalar, list[str]]] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
+
+    @field_validator("texts")
+    @classmethod
+    def _texts(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        short = [i for i, t in enumerate(v or []) if len(t.encode("utf-8")) < 2]
+        if short:
+            raise ValueError(f"texts {short[:10]} have fewer than 2 bytes: each text needs at least one next "
+                             "byte to predict")
+        return v
+
+    @field_validator("amp")
+    @classmethod
+    def _amp(cls, v: dict[str, Any]) -> dict[str, Any]:
+        clash = [k for k in ("precision", "accumulation_steps", "init_scale") if k in v]
+        if clash:
+            raise ValueError(f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp")
+        return v
+
+    _overrides = field_validator("model_overrides")(_check_overrides)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        normalize_device(v)
+        return v
+
+    @model_validator(mode="after")
+    def _engine_config(self) -> RunSpec:
+        """The engine's whole config (``amp`` with the run's precision, accumulation and initial
+        scale), checked once by MixedPrecisionConfig itself: unknown keys and bad values get its
+        message. ``amp`` keeps the keys given, in the config's canonical form."""
+        fields = {"precision": self.precision, "accumulation_steps": self.accumulation_steps}
+        if self.init_scale is not None:
+            fields["init_scale"] = self.init_scale
+        config = MixedPrecisionConfig.from_dict({**self.amp, **fields}).to_dict()
+        self.amp = {k: config[k] for k in self.amp}
+        return self
+
+
+class RecommendSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: str = "mlp"
+    size: SizeName = "tiny"
+    batch_size: int = Field(16, ge=1, le=65_536)
+    steps: int = Field(10, ge=1, le=10_000)
+    precisions: str = "fp32,bf16,fp16"
+    device: str = "cpu"
+    max_seconds: Optional[float] = Field(None, gt=0)
+
+    @field_validator("precisions")
+    @classmethod
+    def _precisions(cls, v: str) -> str:
+        for p in v.split(","):
+            parse_precision(p.strip())
+        return v
+
+
+def run_view(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as the API answers it (a store row): the brief's names (``model_path``, ``scaler_scale``,
+    ``user_id``) next to ampkit's."""
+    summary = run.get("summary") or {}
+    return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": run["spec"],
+            "created": run["created"], "started": run["started"], "ended": run["ended"], "error": run["error"],
+            "resumes": run["resumes"], "summary": summary or None, "skipped_steps": summary.get("skipped_steps"),
+            "model_path": summary.get("model_path"), "scaler_scale": summary.get("final_scale"),
+            "user_id": run["spec"].get("user_id")}
+
+
+# --- the fine-tuning brief's bodies: unknown fields ignored, missing optional ones defaulted -----
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class MixedPrecisionBody(_Body):
+    enabled: bool = True
+    dtype: str = "float16"  # any precision name or alias ampkit knows
+    init_scale: Optional[float] = Field(65536.0, gt=0)
+    memory_efficient: bool = False  # -> activation checkpointing
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        parse_precision(v)  # lists the valid names
+        return v
+
+
+class SetupBody(MixedPrecisionBody):
+    model_name: str = "gpt2"
+    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+
+
+class DatasetConfig(_Body):
+    texts: list[str] = Field(min_length=1)
+    max_length: int = Field(512, ge=2, le=8192)
+
+
+class TrainingConfig(_Body):
+    epochs: int = Field(1, ge=1, le=100_000)
+    learning_rate: float = Field(5e-5, gt=0, le=10)
+    batch_size: int = Field(8, ge=1, le=65_536)
+
+
+class TrainBody(_Body):
+    model_name: str = "gpt2"
+    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    dataset_config: DatasetConfig
+    training_config: TrainingConfig = Field(default_factory=TrainingConfig)
+    user_id: Optional[Union[int, str]] = None
+    mixed_precision_config: Optional[MixedPrecisionBody] = None
+    device: str = "cpu"
+    max_seconds: Optional[float] = Field(None, gt=0)
+
+
+class OptimizedBody(TrainBody):
+    use_mixed_precision: bool = True
+    use_gradient_accumulation: bool = True
+    target_effective_batch_size: int = Field(64, ge=1, le=1_000_000)
+
+
+class OptimizeBody(_Body):
+    model_name: str = "gpt2"
+    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    size: SizeName = "small"  # for model_name "gpt"
+    gpu_memory_gb: float = Field(gt=0, le=1_000_000)
+    batch_size: int = Field(16, ge=1, le=65_536)
+    max_length: int = Field(512, ge=2, le=8192)
