@@ -69,6 +69,7 @@ def _alive(pid: int) -> bool:
         return f.read().split(b")")[-1].split()[0] != b"Z"
 
 
+@pytest.mark.slow
 def test_auth_and_ownership(server):
     c = server.client
     assert c.get("/health").status_code == 200
@@ -83,6 +84,7 @@ def test_auth_and_ownership(server):
     server.wait(rid, ("succeeded",))
 
 
+@pytest.mark.slow
 def test_validation_is_4xx_with_the_cli_messages(server):
     c = server.client
     r = c.post("/v1/runs", json={"precision": "fp12"}, headers=ALICE)
@@ -100,6 +102,7 @@ def test_validation_is_4xx_with_the_cli_messages(server):
     assert r.status_code == 422 and "fewer than 2 bytes" in r.text
 
 
+@pytest.mark.slow
 def test_bf16_run_succeeds_with_paged_metrics_and_compares_with_fp32(server):
     c = server.client
     ids = [c.post("/v1/runs", json={"model": "mlp", "steps": 30, "precision": p, "log_every": 5}, headers=ALICE
@@ -125,6 +128,7 @@ def test_bf16_run_succeeds_with_paged_metrics_and_compares_with_fp32(server):
     assert abs(bf16["loss_gap"]) < 0.05 and bf16["speedup"] > 0 and bf16["skipped_steps"] == 0
 
 
+@pytest.mark.slow
 def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
     c = server.client
     long = {"model": "mlp", "steps": 1_000_000, "precision": "fp32"}
@@ -133,7 +137,13 @@ def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
     server.wait(first, ("running",), timeout=30)
     time.sleep(0.5)
     assert c.get(f"/v1/runs/{second}", headers=ALICE).json()["status"] == "queued"  # max_concurrent=1
-    pid = server.server.config.app.state.store.get(first)["pid"]
+    run = server.server.config.app.state.store.get(first)
+    pid = run["pid"]
+    with open(f"/proc/{pid}/cmdline", "rb") as f:  # the run's settings travel in its run.toml, not as flags
+        argv = f.read().decode().split("\0")[:-1]
+    d = run["run_dir"]
+    assert argv[argv.index("train") + 1:] == ["--config", f"{d}/run.toml", "--json", "--log_dir", f"{d}/log-0",
+                                              "--checkpoint_dir", f"{d}/ckpt"]
     t0 = time.monotonic()
     r = c.delete(f"/v1/runs/{first}", headers=ALICE)
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
@@ -144,6 +154,7 @@ def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
     assert server.wait(second, ("succeeded",))["status"] == "succeeded"
 
 
+@pytest.mark.slow
 def test_timeout_fails_the_run(server):
     c = server.client
     rid = c.post("/v1/runs", json={"model": "mlp", "steps": 1_000_000, "max_seconds": 3}, headers=ALICE).json()["id"]
@@ -151,6 +162,7 @@ def test_timeout_fails_the_run(server):
     assert run["status"] == "failed" and run["error"].startswith("timeout")
 
 
+@pytest.mark.slow
 def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path):
     import signal
     import subprocess
@@ -216,6 +228,7 @@ def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_recommend_runs_tune_as_a_job(server):
     c = server.client
     r = c.post("/v1/recommend", json={"model": "mlp", "size": "tiny", "steps": 3, "batch_size": 8,
@@ -230,6 +243,7 @@ def test_recommend_runs_tune_as_a_job(server):
     assert c.post("/v1/recommend", json={"precisions": "fp32,fp12"}, headers=ALICE).status_code == 422
 
 
+@pytest.mark.slow
 def test_bounded_load_on_the_list_route(server):
     """200 list requests from 4 clients against 30 runs: no errors (latency goes to docs/benchmarks.md)."""
     import sys
@@ -244,8 +258,9 @@ def test_bounded_load_on_the_list_route(server):
     assert r["p95_ms"] < 2000  # generous: a loaded 2-core CI machine; the measured figure is in the docs
 
 
+@pytest.mark.slow
 def test_precision_config_reaches_the_run(server):
-    """`amp` carries MixedPrecisionConfig fields to the run (as a --config file): growth every 3
+    """`amp` carries MixedPrecisionConfig fields to the run (the [amp] table of its run.toml): growth every 3
     finite steps from 1024 gives 8192 after 9 fp16 steps (torch's default interval would give 1024)."""
     c = server.client
     r = c.post("/v1/runs", json={"model": "mlp", "steps": 9, "precision": "fp16", "init_scale": 1024,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a real server and real training processes
 
 from .test_service import ALICE, BOB, Server  # noqa: E402
 
