@@ -57,7 +57,7 @@ def _settings(mp: MixedPrecisionBody, device: str = "cpu") -> dict[str, Any]:
     """The precision and scaler settings a body asks for, resolved on ``device``."""
     p = _resolve(mp.dtype if mp.enabled else "fp32", device)
     defaults = MixedPrecisionConfig()
-    return {"enabled": p.name != "fp32", "precision": p.name, "dtype": str(p.compute_dtype).replace("torch.", ""),
+    return {"enabled": p.compute_dtype != torch.float32, "precision": p.name, "dtype": str(p.compute_dtype).replace("torch.", ""),
             "reason": p.reason, "memory_efficient": mp.memory_efficient,
             "activation_checkpointing": mp.memory_efficient,
             "scaler": {"enabled": p.needs_scaler, "init_scale": mp.init_scale if p.needs_scaler else None,
@@ -77,7 +77,8 @@ def _mixed_for(device: str) -> Precision:
 
 
 def _is_mixed(name: Optional[str], device: str) -> bool:
-    """Does ``name`` compute in less than fp32 on ``device`` (False when it cannot run there)?"""
+    """Does ``name`` compute in less than fp32 on ``device`` (False when it cannot run there)? The
+    brief's ``enabled``, the same rule as setup's: tf32 computes fp32 matmuls, so it is not mixed."""
     try:
         return resolve_precision(name or "fp32", device, emulate_fp8=True).compute_dtype != torch.float32
     except (ValueError, RuntimeError):
