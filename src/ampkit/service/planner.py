@@ -9,6 +9,7 @@ batch -- predicted, not measured, since a run trains in one precision. Estimates
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Optional
 
 from .schemas import OptimizeBody
@@ -65,6 +66,17 @@ def _overrides(d: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
+_LOCKS: dict[tuple[Any, ...], threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _one_at_a_time(key: tuple[Any, ...]) -> threading.Lock:
+    """One lock per estimate: the background estimate started at submit and the result route asking
+    for the same numbers compute them once (``_peaks`` caches; the lock makes the second caller wait)."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(key, threading.Lock())
+
+
 def savings_gb(spec: dict[str, Any], precision: Optional[str]) -> Optional[float]:
     """Predicted fp32 peak minus ``precision``'s for a run's spec, in GiB; None when no estimate can
     be made (a model that is not a text model, ...): that is no reason to refuse a run."""
@@ -76,8 +88,10 @@ def savings_gb(spec: dict[str, Any], precision: Optional[str]) -> Optional[float
         if texts:  # samples are padded to the longest text, up to max_length
             length = min(length, max(len(t.encode("utf-8")) for t in texts) - 1)
         batch = min(spec["batch_size"], len(texts)) if texts else spec["batch_size"]
-        peaks = _peaks(spec["model"], _overrides(spec.get("model_overrides") or {}), spec.get("size", "small"),
-                       batch, max(1, length), ("fp32", precision))
+        key = (spec["model"], _overrides(spec.get("model_overrides") or {}), spec.get("size", "small"),
+               batch, max(1, length), ("fp32", precision))
+        with _one_at_a_time(key):  # a second asker waits for the first's estimate, then reads the cache
+            peaks = _peaks(*key)
     except Exception:  # an estimate that cannot run is no reason to refuse the run
         return None
     return round((peaks["fp32"] - peaks[precision]) / GiB, 4) + 0.0  # (no -0.0)
