@@ -1,4 +1,4 @@
-"""The built-in tiny GPT with one deliberately unstable layer, for the "When training goes wrong" example.
+"""The built-in tiny GPT with one deliberately unstable layer (docs/guides/when-training-goes-wrong.md).
 
 ``blocks.0.mlp.0`` has its weights multiplied by 1e6: its outputs (~1e5) exceed fp16's range
 (65504) but are fine in bf16 and fp32, where the next LayerNorm brings the scale back. Use it as
