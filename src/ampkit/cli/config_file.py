@@ -70,12 +70,14 @@ def read_config_file(sub: argparse.ArgumentParser, path: str) -> FileSettings:
 def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
     """``value`` as the flag would have parsed it."""
     where = f"config file {path!r}: [train] {key} = {value!r}"
-    if action.nargs == 0 or (isinstance(action, Toggle) and (isinstance(value, bool) or negated(key))):
+    if action.nargs == 0 or (isinstance(action, Toggle) and isinstance(value, bool)):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false")
-        if isinstance(action, (Switch, Toggle)):
+        if isinstance(action, Switch):
             return value != negated(key)
-        return value if action.const is True else (action.const if value else action.default)
+        if isinstance(action, Toggle) or action.const is True:
+            return value
+        return action.const if value else action.default  # no_fallback = true: fallback off
     if action.type is not None:
         try:
             if isinstance(value, bool):

@@ -46,7 +46,7 @@ SIZE_CHOICES: tuple[str, ...] = tuple(dict.fromkeys(s for sizes in SIZES.values(
 
 
 def precision_help(default: str) -> str:
-    return f"precision or alias: {', '.join(CANONICAL)} (default: {default})"
+    return f"one of {', '.join(CANONICAL)}, or an alias such as 16-mixed or O2 (default: {default})"
 
 
 def model_flags(p: argparse.ArgumentParser, *, size: str, device: bool = True) -> None:
@@ -71,16 +71,13 @@ class Switch(argparse.Action):
 
 
 class Toggle(argparse.Action):
-    """``--name`` alone is True, ``--name VALUE`` a value, ``--no_name`` False (fallback, deterministic)."""
+    """``--name`` alone is True, ``--name VALUE`` a value (fallback, deterministic); ``--no_name``
+    is a separate option (a ``store_const`` of False)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs="?", **kwargs)
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
-        if negated(option_string):
-            if values is not None:
-                parser.error(f"{option_string} takes no value")
-            values = False
         setattr(namespace, self.dest, True if values is None else values)
 
 
@@ -100,7 +97,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         if f.kind is bool and "Union" not in f.annotation:
             flag(g, f.name, *spellings, f"no_{f.name}", action=Switch, **{**kwargs, "metavar": None})
         elif "Union[bool" in f.annotation:  # fallback, deterministic: on, off, or a value
-            flag(g, f.name, *spellings, f"no_{f.name}", action=Toggle, type=_union_value(f), **kwargs)
+            flag(g, f.name, *spellings, action=Toggle, type=_union_value(f), **kwargs)
+            flag(g, f"no_{f.name}", dest=f.name, action="store_const", const=False, default=default,
+                 help=f"the same as --{f.name} false")
         else:
             flag(g, f.name, *spellings, type=_value_type(f), choices=f.choices or None, **kwargs)
     flag(g, "amp_opt_level", default=None, choices=["O0", "O1", "O2"],
