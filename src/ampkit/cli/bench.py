@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..loop.bench import DEFAULT_PRECISIONS
 from ..step.hardware import normalize_device
 from .common import (
     flag,
@@ -82,7 +83,8 @@ def add_parser(sub: Any) -> None:
                           ("tune", "measure, then recommend a precision within a fidelity tolerance")):
         p = sub.add_parser(cmd, help=helptext)
         model_flags(p, size="tiny")
-        flag(p, "precisions", default=None, help="comma-separated precisions (default: fp32,tf32,bf16,fp16)")
+        flag(p, "precisions", default=None,
+             help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)})")
         flag(p, "steps", type=positive_int, default=30, help="timed optimizer steps per precision (default: 30)")
         flag(p, "warmup", type=int, default=5, help="untimed steps first (default: 5)")
         flag(p, "repeats", type=positive_int, default=5, help="interleaved timing blocks (default: 5)")
