@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 from .. import __version__
@@ -20,10 +20,12 @@ from ..step.config import ConfigError
 from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
 from . import audit, bench, export, info, plan, report, serve, slurm, train
-from .config_file import apply_config_file, explicit_flags
 from .interrupts import PeerFailed
+from .invocation import parse_invocation
 
-__all__ = ["build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+COMMANDS = (info, train, audit, bench, plan, report, slurm, export, serve)  # each adds its parser(s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Mixed-precision training for PyTorch: fast, safe and visible.")
     parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for command in (info, train, audit, bench, plan, report, slurm, export, serve):
+    for command in COMMANDS:
         command.add_parser(sub)
     return parser
 
@@ -50,47 +52,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    raw = list(sys.argv[1:] if argv is None else argv)
     if not launched():
-        return _run(parser, args, argv)
+        return _run(parser, args, raw)[0]
     # One of several processes (torchrun): leave the job so that no rank waits for one that failed.
     try:
-        code = _run(parser, args, argv)
+        code, stopped_together = _run(parser, args, raw)
     except BaseException:
         leave(1, together=False)
         raise
-    leave(code, together=code == 0 or getattr(args, "_stopped_together", False))
+    leave(code, together=code == 0 or stopped_together)
     return code
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
-    who = f"ampkit {args.command}" + (f" (rank {rank()})" if launched() else "")
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> tuple[int, bool]:
+    """``(exit status, whether every rank stopped together after the same step)``."""
+    return _status(args.command, lambda: args.func(parse_invocation(parser, args, argv)))
+
+
+def _status(command: str, run: Callable[[], Optional[int]]) -> tuple[int, bool]:
+    who = f"ampkit {command}" + (f" (rank {rank()})" if launched() else "")
     try:
-        raw = list(sys.argv[1:] if argv is None else argv)
-        args._explicit = explicit_flags(parser, args, raw)
-        args._raw = raw
-        if getattr(args, "config", None):
-            apply_config_file(parser, args, raw)
-        return int(args.func(args) or 0)
+        return int(run() or 0), False
     except PeerFailed as e:  # another rank failed and said why; only it prints
-        return e.code
+        return e.code, False
     except NumericsError as e:
         print(f"{who}: training failed numerically: {e}", file=sys.stderr)
-        return 3
+        return 3, False
     except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
         print(f"{who}: error: {e}", file=sys.stderr)
-        return 2
+        return 2, False
     except OSError as e:  # a filesystem fault during the run (full disk, vanished directory, ...)
         where = f": {e.filename!r}" if getattr(e, "filename", None) else ""
         print(f"{who}: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
+        return 2, False
     except TrainingInterrupted as e:  # a graceful stop: the trainer checkpointed and said how to resume
-        args._stopped_together = True  # every rank stopped after the same step
-        return e.exit_code
+        return e.exit_code, True  # every rank stopped after the same step
     except KeyboardInterrupt as e:  # before training started (or a command without a graceful stop)
         code = getattr(e, "exit_code", 130)
         print(f"{who}: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'})"
-              + (" before training started; nothing to save" if args.command == "train" else ""), file=sys.stderr)
-        return code
+              + (" before training started; nothing to save" if command == "train" else ""), file=sys.stderr)
+        return code, False
 
 
 if __name__ == "__main__":  # pragma: no cover

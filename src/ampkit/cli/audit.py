@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
 import torch
 
 from ..step.hardware import normalize_device
-from .common import data_flags, flag, model_and_data, positive_int, wide_console
+from .common import flag, model_and_data, positive_int, wide_console
+from .flags import model_flags, precision_help
+from .invocation import Invocation
 
 
-def cmd_audit(args: argparse.Namespace) -> int:
+def cmd_audit(inv: Invocation) -> int:
+    args = inv.args
     from ..observe.numerics import audit
 
     torch.manual_seed(args.seed)
@@ -39,14 +41,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("audit", help="per-layer numerics: what breaks in fp16/bf16 and why")
-    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
-         "transformers.GPT2Config) or package.module:factory (default: gpt)")
-    data_flags(p)
-    flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset")
-    flag(p, "precision", default="fp16", help="precision to audit against the fp64/fp32 reference (default: fp16)")
+    model_flags(p, size="tiny")
+    flag(p, "precision", default="fp16", help="the precision to audit against the fp64/fp32 reference: "
+         + precision_help("fp16"))
     flag(p, "batch_size", type=positive_int, default=4, help="example batch size (default: 4)")
     flag(p, "seed", type=int, default=0, help="random seed")
-    flag(p, "device", default=None, help="cpu, cuda, ... (default: best available)")
     flag(p, "top", type=positive_int, default=25, help="rows to show (default: 25)")
     flag(p, "json", action="store_true", help="print the full report as JSON")
     p.set_defaults(func=cmd_audit)

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ..loop.bench import DEFAULT_PRECISIONS
 from ..step.hardware import normalize_device
 from .common import (
-    data_flags,
     flag,
     model_and_data,
     model_label,
@@ -18,6 +18,8 @@ from .common import (
     positive_int,
     wide_console,
 )
+from .flags import model_flags
+from .invocation import Invocation
 
 
 def _bench_report(args: argparse.Namespace) -> Any:
@@ -36,7 +38,8 @@ def _bench_report(args: argparse.Namespace) -> Any:
                    **{k: True for k in ("compile", "fp8_emulate") if getattr(args, k, False)})
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(inv: Invocation) -> int:
+    args = inv.args
     report = _bench_report(args)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -53,7 +56,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
+def cmd_tune(inv: Invocation) -> int:
+    args = inv.args
     from ..loop.bench import tune
 
     report = _bench_report(args)
@@ -78,11 +82,9 @@ def add_parser(sub: Any) -> None:
     for cmd, helptext in (("bench", "every precision side by side: speed, memory, fidelity"),
                           ("tune", "measure, then recommend a precision within a fidelity tolerance")):
         p = sub.add_parser(cmd, help=helptext)
-        flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
-             "transformers.GPT2Config) or package.module:factory")
-        data_flags(p)
-        flag(p, "size", default="tiny", choices=["tiny", "small", "medium", "large"], help="model size preset (default: tiny)")
-        flag(p, "precisions", default=None, help="comma-separated precisions (default: fp32,tf32,bf16,fp16)")
+        model_flags(p, size="tiny")
+        flag(p, "precisions", default=None,
+             help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)})")
         flag(p, "steps", type=positive_int, default=30, help="timed optimizer steps per precision (default: 30)")
         flag(p, "warmup", type=int, default=5, help="untimed steps first (default: 5)")
         flag(p, "repeats", type=positive_int, default=5, help="interleaved timing blocks (default: 5)")
@@ -90,7 +92,6 @@ def add_parser(sub: Any) -> None:
         flag(p, "accumulation_steps", "grad_accum_steps", type=positive_int, default=1, help="micro-batches per step")
         flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate")
         flag(p, "seed", type=int, default=0, help="random seed")
-        flag(p, "device", default=None, help="cpu, cuda, ... (default: best available)")
         flag(p, "compile", action="store_true", help="torch.compile each model after setup (measured as such)")
         flag(p, "fp8_emulate", action="store_true", help="let fp8 run without fp8 tensor cores (torchao emulation)")
         if cmd == "bench":

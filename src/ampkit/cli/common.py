@@ -11,13 +11,13 @@ __all__ = ["data_flags", "estimate_inputs", "flag", "model_label", "model_and_da
 
 
 def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any) -> None:
-    """Add ``--name`` with its hyphen spelling (and any aliases) as one option."""
+    """Add ``--name`` with its hyphen spelling (and any aliases) as one option (``dest`` defaults to ``name``)."""
     spellings = [f"--{name}"]
     for n in (name, *aliases):
         for s in (f"--{n}", f"--{n.replace('_', '-')}"):
             if s not in spellings:
                 spellings.append(s)
-    parser.add_argument(*spellings, dest=name, **kwargs)
+    parser.add_argument(*spellings, **{"dest": name, **kwargs})
 
 
 def positive_int(text: str) -> int:

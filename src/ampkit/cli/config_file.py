@@ -1,55 +1,92 @@
-"""``--config FILE.toml``: merge a settings file under the flags typed on the command line."""
+"""``--config FILE.toml``: merge a settings file under the flags typed on the command line.
+
+The file holds an ``[amp]`` table (:class:`~ampkit.step.config.MixedPrecisionConfig` fields) and a
+``[train]`` table whose keys are the command's option names (any spelling, underscores: ``steps``,
+``grad_accum_steps``, ``no_fallback``); a ``[train]`` value goes through the same parser as the flag.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..step.config import ConfigError, MixedPrecisionConfig, read_toml
+from .flags import Switch, Toggle, negated
 
-__all__ = ["apply_config_file", "explicit_flags"]
+__all__ = ["FileSettings", "explicit_flags", "read_config_file", "train_keys"]
+
+NOT_FROM_FILE = ("help", "config", "json")  # the file cannot name itself, and --json shapes stdout
 
 
-def explicit_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> set[str]:
+@dataclass(frozen=True)
+class FileSettings:
+    """What a ``--config`` file asked for: its ``[amp]`` table, and the ``[train]`` values by
+    destination (parsed as the flags would be)."""
+
+    amp: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+
+
+def explicit_flags(sub: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset[str]:
     """Destinations of the options actually typed on the command line (to let them win over a file)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     by_option = {o: a for a in sub._actions for o in a.option_strings}
-    return {by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option}
+    return frozenset(by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option)
 
 
-def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
-    """Merge ``--config FILE.toml`` into ``args``: ``[train]`` keys fill flags not given on the
-    command line; ``[amp]`` goes to MixedPrecisionConfig. Unknown keys and wrong types are errors."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
-    explicit = args._explicit
-    data = read_toml(args.config)
+def train_keys(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every ``[train]`` key the command accepts: each option's spellings, with underscores."""
+    keys: dict[str, argparse.Action] = {}
+    for action in sub._actions:
+        if action.option_strings and action.dest not in NOT_FROM_FILE:
+            for o in action.option_strings:
+                keys.setdefault(o.lstrip("-").replace("-", "_"), action)
+    return keys
+
+
+def read_config_file(sub: argparse.ArgumentParser, path: str) -> FileSettings:
+    """Read and check ``path``: unknown tables or keys and wrong types are :class:`ConfigError`\\ s
+    naming the key; ``[amp]`` is validated as a MixedPrecisionConfig."""
+    data = read_toml(path)
     unknown = [k for k in data if k not in ("amp", "train")]
     if unknown:
-        raise ConfigError(f"config file {args.config!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
+        raise ConfigError(f"config file {path!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
                           "expected [amp] and/or [train]")
     amp = data.get("amp", {})
     MixedPrecisionConfig.from_dict(amp)  # validate now: unknown keys and wrong types name the key
-    dests = {a.dest: a for a in sub._actions if a.option_strings and a.dest not in ("help", "config", "json")}
+    keys, train = train_keys(sub), {}
     for key, value in data.get("train", {}).items():
-        action = dests.get(key)
+        action = keys.get(key)
         if action is None:
-            raise ConfigError(f"config file {args.config!r}: unknown [train] key {key!r}; valid keys: "
-                              f"{', '.join(sorted(dests))}")
-        if isinstance(action, argparse._StoreTrueAction):
-            if not isinstance(value, bool):
-                raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r} must be true or false")
-        elif action.type is not None:
-            try:
-                if isinstance(value, bool):
-                    raise ValueError
-                value = action.type(str(value))
-            except (ValueError, TypeError, argparse.ArgumentTypeError):
-                raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r} is not a valid "
-                                  f"{getattr(action.type, '__name__', 'value').strip('_')}") from None
-        elif not isinstance(value, str):
-            raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r} must be a string")
-        if action.choices is not None and value not in action.choices:
-            raise ConfigError(f"config file {args.config!r}: [train] {key} = {value!r}; choose one of {list(action.choices)}")
-        if action.dest not in explicit:
-            setattr(args, action.dest, value)
-    args._file_amp = amp
-    args._file_train = set(data.get("train", {}))
+            valid = sorted(k for k, a in keys.items() if k == a.dest)
+            raise ConfigError(f"config file {path!r}: unknown [train] key {key!r}; valid keys: {', '.join(valid)}")
+        if action.dest in train:
+            raise ConfigError(f"config file {path!r}: [train] sets {action.dest} twice (as {key!r} too)")
+        train[action.dest] = _value(action, key, value, path)
+    return FileSettings(amp, train)
+
+
+def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
+    """``value`` as the flag would have parsed it."""
+    where = f"config file {path!r}: [train] {key} = {value!r}"
+    if action.nargs == 0 or (isinstance(action, Toggle) and isinstance(value, bool)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false")
+        if isinstance(action, Switch):
+            return value != negated(key)
+        if isinstance(action, Toggle) or action.const is True:
+            return value
+        return action.const if value else action.default  # no_fallback = true: fallback off
+    if action.type is not None:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            value = action.type(str(value))
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{where} is not a valid {getattr(action.type, '__name__', 'value').strip('_')}") from None
+    elif not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string")
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{where}; choose one of {list(action.choices)}")
+    return value

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
+from .invocation import Invocation
 
-def cmd_export(args: argparse.Namespace) -> int:
+
+def cmd_export(inv: Invocation) -> int:
+    args = inv.args
     import os
 
     from ..loop.checkpoint import CheckpointError, export_single_file

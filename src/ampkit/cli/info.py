@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -21,6 +20,7 @@ from ..step.precision import (
 )
 from ..step.switching import SUPPORTED_BY_ENGINE
 from .common import flag
+from .invocation import Invocation
 
 
 def _measure_matmul(device: torch.device, dtype: torch.dtype, n: int, budget_s: float = 0.15) -> float:
@@ -81,7 +81,8 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
     }
 
 
-def cmd_info(args: argparse.Namespace) -> int:
+def cmd_info(inv: Invocation) -> int:
+    args = inv.args
     report = info_report(args.device, measure=not args.no_measure)
     if args.json:
         print(json.dumps(report, indent=2))

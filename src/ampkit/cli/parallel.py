@@ -8,6 +8,7 @@ model under DDP (default) or FSDP2 (``--parallel fsdp``); rank 0 alone prints an
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -27,15 +28,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
          help="with several processes: DistributedDataParallel or FSDP2 fully_shard (default: ddp)")
 
 
-def maybe_relaunch(args: argparse.Namespace) -> Optional[int]:
-    """Under ``--nproc_per_node`` in a process torchrun did not start: run torchrun, return its status."""
+def maybe_relaunch(args: argparse.Namespace, argv: Sequence[str]) -> Optional[int]:
+    """Under ``--nproc_per_node`` in a process torchrun did not start: run torchrun on ``argv`` (the
+    command line as typed), return its status."""
     from ..distributed import launched
 
     if not args.nproc_per_node or launched():
         return None
     from ..distributed.launch import relaunch
 
-    return relaunch(getattr(args, "_raw", []), nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+    return relaunch(list(argv), nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                     node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                     rdzv_backend=args.rdzv_backend)
 

@@ -7,7 +7,9 @@ import json
 from typing import Any
 
 from ..loop.estimate import estimate, largest_batch, parse_bytes
-from .common import data_flags, estimate_inputs, flag, model_label, positive_int, wide_console
+from .common import estimate_inputs, flag, model_label, positive_int, wide_console
+from .flags import model_flags
+from .invocation import Invocation
 
 DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"  # and fp8 where torchao is installed
 
@@ -41,7 +43,8 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def cmd_plan(inv: Invocation) -> int:
+    args = inv.args
     rows = plan_rows(args)
     if args.json:
         print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
@@ -62,12 +65,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
-    flag(p, "model", default="gpt", help="built-in model (gpt, mlp, cnn), a Hugging Face config (gpt2, "
-         "transformers.GPT2Config) or package.module:factory")
-    flag(p, "size", default="small", choices=["tiny", "small", "medium", "large"], help="model size preset")
+    model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: no device
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
     flag(p, "precisions", default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "json", action="store_true", help="print the plan as JSON")
-    data_flags(p)
     p.set_defaults(func=cmd_plan)

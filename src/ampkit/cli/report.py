@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
 from .common import flag
+from .invocation import Invocation
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(inv: Invocation) -> int:
+    args = inv.args
     from ..report import make_report
 
     metrics = args.metrics.split(",") if args.metrics else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+from collections.abc import Sequence
 
 import torch
 
@@ -21,14 +22,14 @@ from ..step.precision import PrecisionError, resolve_precision
 __all__ = ["apply_resume_flags", "resume_hint", "run_setting"]
 
 
-def resume_hint(args: argparse.Namespace) -> str:
-    """One sentence: the exact command that continues this run (the launcher's own command line
-    under ``--nproc_per_node``), or why there is none."""
+def resume_hint(args: argparse.Namespace, argv: Sequence[str]) -> str:
+    """One sentence: the exact command that continues this run (``argv``, or the launcher's own
+    command line under ``--nproc_per_node``), or why there is none."""
     from ..distributed.launch import COMMAND_ENV
 
     if not args.checkpoint_dir:
         return "pass --checkpoint_dir DIR to make a run resumable"
-    words = shlex.split(os.environ[COMMAND_ENV])[1:] if os.environ.get(COMMAND_ENV) else list(getattr(args, "_raw", []))
+    words = shlex.split(os.environ[COMMAND_ENV])[1:] if os.environ.get(COMMAND_ENV) else list(argv)
     words = [w for w in words if w not in ("--overwrite",)]
     if "--resume" not in words:
         words.append("--resume")

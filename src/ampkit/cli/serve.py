@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
 from .common import flag, positive_int
+from .invocation import Invocation
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(inv: Invocation) -> int:
+    args = inv.args
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

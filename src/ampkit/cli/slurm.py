@@ -7,9 +7,11 @@ import argparse
 from typing import Any
 
 from .common import flag, positive_int
+from .invocation import Invocation
 
 
-def cmd_slurm(args: argparse.Namespace) -> int:
+def cmd_slurm(inv: Invocation) -> int:
+    args = inv.args
     from ..distributed.slurm import sbatch_script
 
     flags = list(args.train_flags)

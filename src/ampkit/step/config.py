@@ -1,6 +1,7 @@
 """MixedPrecisionConfig: every knob of the engine and the loss scaler, typed, validated, documented.
 
-One source of truth for defaults and help text: the CLI builds its flags from :func:`fields_help`.
+One source of truth for defaults and help text: ``ampkit train`` builds its engine flags, and
+``docs/reference/config.md`` is generated, from :func:`fields_help`.
 The loss-scaling defaults are ``torch.amp.GradScaler``'s, so a default config scales exactly
 like it.
 """
@@ -14,10 +15,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .precision import parse_precision
+from .precision import CANONICAL, parse_precision
 
-__all__ = ["DETERMINISTIC_CHOICES", "ConfigError", "MixedPrecisionConfig", "check_deterministic",
-           "normalize_patterns", "read_toml"]
+__all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "ConfigError", "FieldInfo", "MixedPrecisionConfig",
+           "canonical_precision", "check_deterministic", "fields_help", "normalize_patterns", "read_toml"]
 
 Pattern = Union[str, type]
 
@@ -31,8 +32,9 @@ class ConfigError(ValueError):
     """An invalid config value: the message names the field, the value and the allowed range."""
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, choices: tuple = ()) -> Any:
+    """A field with its help text (and, where the values are a closed set, the choices)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class MixedPrecisionConfig:
     ``skip_nonfinite`` applies to every precision.
     """
 
-    precision: str = _f("auto", "precision name or alias (auto, fp32, tf32, bf16, fp16, bf16-pure, fp16-pure, fp8)")
-    init_scale: float = _f(2.0**16, "initial loss scale (torch.amp.GradScaler default 65536)")
+    precision: str = _f("auto", f"precision name or alias (O0/O1/O2 too): {', '.join(CANONICAL)}")
+    init_scale: float = _f(2.0**16, "initial loss scale (as torch.amp.GradScaler)")
     growth_factor: float = _f(2.0, "multiply the scale by this after growth_interval finite steps (> 1)")
     backoff_factor: float = _f(0.5, "multiply the scale by this when backing off after overflow (0 < x < 1)")
     growth_interval: int = _f(2000, "consecutive finite steps before the scale grows (>= 1)")
@@ -65,17 +67,18 @@ class MixedPrecisionConfig:
     fallback_check_every: int = _f(10, "optimizer steps between numerics checks: the fallback triggers, or with "
                                    "fallback off the exhausted-loss-scale guard (reads are asynchronous)")
     compile: bool = _f(False, "torch.compile the model at the end of setup (in place: state_dict keys unchanged)")
-    fp8_recipe: str = _f("tensorwise", "torchao float8 recipe for precision fp8: tensorwise, rowwise, rowwise_with_gw_hp")
+    fp8_recipe: str = _f("tensorwise", "torchao float8 recipe for precision fp8", FP8_RECIPES)
     fp8_emulate: bool = _f(False, "let fp8 run without fp8 tensor cores (CPU, older GPUs): torchao emulation, for tests")
     deterministic: Union[bool, str] = _f(False, "deterministic kernels, applied by setup(): True "
                                          "(torch.use_deterministic_algorithms(True), cuDNN deterministic, no cuDNN "
                                          "benchmark, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), 'warn' (the same, "
-                                         "but ops without a deterministic kernel only warn), False (leave torch as is)")
+                                         "but ops without a deterministic kernel only warn), False (leave torch as is)",
+                                         DETERMINISTIC_CHOICES)
 
     def __post_init__(self) -> None:
         self._check_types()
         # Canonicalise the precision spelling once, at the edge.
-        object.__setattr__(self, "precision", _canonical_precision(self.precision))
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
         _require(self.init_scale >= _SCALE_FLOOR and math.isfinite(self.init_scale), "init_scale", self.init_scale,
                  "a finite number > 0, at least 2**-126 (the loss scale's floor: the smallest normal fp32)")
         _require(self.growth_factor > 1.0 and math.isfinite(self.growth_factor), "growth_factor",
@@ -111,7 +114,7 @@ class MixedPrecisionConfig:
         if not isinstance(self.fallback, (bool, str)):
             raise ConfigError(f"fallback={self.fallback!r} must be True/False or a chain like 'fp16,bf16,fp32'")
         if isinstance(self.fallback, str):
-            chain = tuple(_canonical_precision(x) for x in self.fallback.split(",") if x.strip())
+            chain = tuple(canonical_precision(x) for x in self.fallback.split(",") if x.strip())
             if not chain or any(c in ("auto", "O2") for c in chain):
                 raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
             object.__setattr__(self, "fallback", ",".join(chain))
@@ -159,12 +162,27 @@ class MixedPrecisionConfig:
         return cls.from_dict(data.get("amp", data) if isinstance(data.get("amp"), dict) else data)
 
 
-def fields_help() -> list[tuple[str, Any, str, Any]]:
-    """(name, type, help, default) for every field: the CLI builds its flags from this."""
+@dataclass(frozen=True)
+class FieldInfo:
+    """One :class:`MixedPrecisionConfig` field as the CLI and the reference docs see it."""
+
+    name: str
+    annotation: str  # as written in the class, e.g. "Optional[float]", "Union[bool, str]"
+    kind: type  # the value's base type: bool, int, float, str, or object (keep_fp32)
+    optional: bool  # None is a valid value
+    help: str
+    default: Any
+    choices: tuple = ()  # a closed set of values, where there is one
+
+
+def fields_help() -> list[FieldInfo]:
+    """Every field of :class:`MixedPrecisionConfig`, in order: the CLI's engine flags and
+    ``docs/reference/config.md`` are generated from this."""
     out = []
     for f in fields(MixedPrecisionConfig):
         default = f.default if f.default is not MISSING else None
-        out.append((f.name, _expected_type(f.type), f.metadata.get("help", ""), default))
+        out.append(FieldInfo(f.name, str(f.type), _expected_type(f.type), "Optional" in str(f.type),
+                             f.metadata.get("help", ""), default, tuple(f.metadata.get("choices", ()))))
     return out
 
 
@@ -184,7 +202,9 @@ def check_deterministic(value: Any) -> None:
                           f"{', '.join(map(repr, DETERMINISTIC_CHOICES))}")
 
 
-def _canonical_precision(value: Any) -> str:
+def canonical_precision(value: Any) -> str:
+    """The canonical name of a precision spelling (``"16-mixed"`` -> ``"fp16"``, ``"O1"`` -> ``"auto"``;
+    ``"O2"`` stays ``"O2"``: the pure form of the device's auto dtype, resolved later)."""
     name = parse_precision(value)  # raises PrecisionError (a ValueError) with the valid names
     return "O2" if name == "o2" else name
 

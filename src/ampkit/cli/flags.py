@@ -1,0 +1,181 @@
+"""Flags defined once: the model group several commands share, and ``ampkit train``'s engine
+flags, generated from :class:`~ampkit.step.config.MixedPrecisionConfig`'s fields.
+
+Each engine flag is spelled like its field (``--init_scale``), takes its type, help and default
+from the field, and keeps the older spellings users type in :data:`ALIASES`. Where ``ampkit
+train`` wants another default than the library, :data:`TRAIN_DEFAULTS` says so and why; both
+are printed in ``ampkit train --help``. The precedence is: the command line, then the ``--config``
+file's ``[train]`` table, then its ``[amp]`` table, then :data:`TRAIN_DEFAULTS`, then the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from ..loop.models import MODELS, SIZES
+from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
+from ..step.precision import CANONICAL
+from .common import data_flags, flag, positive_float, positive_int
+
+__all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags",
+           "engine_config", "model_flags", "precision_help"]
+
+# Older spellings of engine fields, from the tools users come from (torch.amp, apex, Accelerate,
+# Hugging Face's TrainingArguments, DeepSpeed); each also answers with hyphens.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "precision": ("mixed_precision",),
+    "init_scale": ("grad_scaler_init",),
+    "growth_interval": ("grad_scaler_growth_interval",),
+    "backoff_factor": ("grad_scaler_backoff",),
+    "accumulation_steps": ("grad_accum_steps",),
+    "clip_grad_norm": ("max_grad_norm",),
+    "fallback": ("fallback_chain",),
+}
+
+# ``ampkit train``'s own defaults where they differ from MixedPrecisionConfig's: (value, why).
+TRAIN_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "fallback": (True, "a run should survive a numerical failure (fp16 -> bf16 -> fp32) rather than end in "
+                       "skipped steps; --no_fallback turns it off"),
+    "clip_grad_norm": (1.0, "the built-in models train stably with it; --clip_grad_norm none turns it off"),
+}
+
+ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields_help())
+SIZE_CHOICES: tuple[str, ...] = tuple(dict.fromkeys(s for sizes in SIZES.values() for s in sizes))
+
+
+def precision_help(default: str) -> str:
+    return f"one of {', '.join(CANONICAL)}, or an alias such as 16-mixed or O2 (default: {default})"
+
+
+def model_flags(p: argparse.ArgumentParser, *, size: str, device: bool = True) -> None:
+    """``--model``, ``--size`` (and ``--device``) with the data flags: one definition for every command."""
+    g = p.add_argument_group("model and data")
+    flag(g, "model", default="gpt", help=f"built-in model ({', '.join(MODELS)}), a Hugging Face config (gpt2, "
+         "transformers.GPT2Config) or package.module:factory (default: gpt)")
+    flag(g, "size", default=size, choices=SIZE_CHOICES, help=f"model size preset (default: {size})")
+    if device:
+        flag(g, "device", default=None, help="cpu, cuda, cuda:1, mps (default: best available)")
+    data_flags(g)
+
+
+class Switch(argparse.Action):
+    """``--name`` turns a setting on, ``--no_name`` off (one option, like argparse's BooleanOptionalAction)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, not negated(option_string))
+
+
+class Toggle(argparse.Action):
+    """``--name`` alone is True, ``--name VALUE`` a value (fallback, deterministic); ``--no_name``
+    is a separate option (a ``store_const`` of False)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, True if values is None else values)
+
+
+def negated(spelling: Optional[str]) -> bool:
+    """``--no_x`` / ``--no-x`` / ``no_x`` (a [train] key)."""
+    return bool(spelling) and spelling.lstrip("-").replace("-", "_").startswith("no_")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per MixedPrecisionConfig field (spelling, type, help and default from the field)."""
+    g = p.add_argument_group("engine (MixedPrecisionConfig fields; a --config file's [amp] table sets the same)")
+    for f in fields_help():
+        default, note = _default(f)
+        spellings = ALIASES.get(f.name, ())
+        kwargs: dict[str, Any] = {"default": default, "help": f"{_escape(f.help)} (default: {note})",
+                                  "metavar": _metavar(f)}
+        if f.kind is bool and "Union" not in f.annotation:
+            flag(g, f.name, *spellings, f"no_{f.name}", action=Switch, **{**kwargs, "metavar": None})
+        elif "Union[bool" in f.annotation:  # fallback, deterministic: on, off, or a value
+            flag(g, f.name, *spellings, action=Toggle, type=_union_value(f), **kwargs)
+            flag(g, f"no_{f.name}", dest=f.name, action="store_const", const=False, default=default,
+                 help=f"the same as --{f.name} false")
+        else:
+            flag(g, f.name, *spellings, type=_value_type(f), choices=f.choices or None, **kwargs)
+    flag(g, "amp_opt_level", default=None, choices=["O0", "O1", "O2"],
+         help="apex-style level: O0 = fp32, O1 = auto mixed, O2 = pure half weights (conflicts with --precision)")
+    rows = "\n".join(f"  {k} = {v!r}: {why}" for k, (v, why) in TRAIN_DEFAULTS.items())
+    p.epilog = ("ampkit train's defaults that differ from MixedPrecisionConfig's:\n" + rows.replace("%", "%%")
+                + "\nprecedence: command line > --config [train] > --config [amp] > these > the config's")
+
+
+def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Mapping[str, Any]) -> MixedPrecisionConfig:
+    """The engine's settings: a flag given (on the command line or in [train]) beats the file's
+    [amp] table, which beats ``ampkit train``'s defaults; the rest are the config's defaults."""
+    values = {**{k: v for k, (v, _) in TRAIN_DEFAULTS.items()}, **file_amp}
+    values.update({name: getattr(args, name) for name in ENGINE_FIELDS if name in given})
+    if args.amp_opt_level:
+        level = canonical_precision(args.amp_opt_level)
+        if "precision" in given and canonical_precision(args.precision) != level:
+            raise ValueError(f"conflicting flags: --amp_opt_level {args.amp_opt_level} means precision {level!r} but "
+                             f"--precision {args.precision} was given; pass one of them")
+        values["precision"] = level
+    return MixedPrecisionConfig.from_dict(values)
+
+
+def _default(f: FieldInfo) -> tuple[Any, str]:
+    if f.name in TRAIN_DEFAULTS:
+        value = TRAIN_DEFAULTS[f.name][0]
+        return value, f"{_show(value)} in ampkit train; the library's: {_show(f.default)}"
+    return f.default, _show(f.default)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else f"{value:g}" \
+        if isinstance(value, float) else str(value)
+
+
+def _metavar(f: FieldInfo) -> Optional[str]:
+    if f.choices and "Union" not in f.annotation:
+        return None  # argparse shows the choices
+    if "Union[bool" in f.annotation:
+        return "VALUE"
+    base = {int: "N", float: "X", str: "NAME"}.get(f.kind, "GLOB,...")
+    return f"{base}|none" if f.optional else base
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _value_type(f: FieldInfo) -> Any:
+    base = {int: positive_int, float: positive_float, str: str}.get(f.kind, _patterns)
+
+    def parse(text: str) -> Any:
+        return None if f.optional and text.strip().lower() in ("none", "off") else base(text)
+
+    parse.__name__ = getattr(base, "__name__", "value")
+    return parse
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    """``'lm_head,*.ln_*'`` -> ``('lm_head', '*.ln_*')``."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _union_value(f: FieldInfo) -> Any:
+    """``true``/``false``, or a value: a choice (deterministic: warn) or, without choices, a string
+    (fallback: a chain such as fp16,bf16,fp32; the config checks it)."""
+    def parse(text: str) -> Any:
+        t = str(text).strip()
+        if t.lower() in ("true", "false"):
+            return t.lower() == "true"
+        if f.choices and t not in f.choices:
+            raise argparse.ArgumentTypeError(f"{t!r}: choose true, false or one of "
+                                             f"{', '.join(str(c) for c in f.choices if not isinstance(c, bool))}")
+        return t
+
+    parse.__name__ = f.name
+    return parse

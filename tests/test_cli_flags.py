@@ -1,0 +1,311 @@
+"""The command line's names and flags have one source each (ampkit.cli.flags, MixedPrecisionConfig,
+loop.models, step.precision), the flag set is frozen, and the generated references match."""
+
+import argparse
+import pathlib
+
+import pytest
+
+from ampkit.cli import build_parser, main
+from ampkit.cli.config_file import NOT_FROM_FILE, explicit_flags, read_config_file
+from ampkit.cli.docs import REFERENCES
+from ampkit.cli.docs import main as docs_main
+from ampkit.cli.flags import ALIASES, SIZE_CHOICES, TRAIN_DEFAULTS, Switch, Toggle, engine_config
+from ampkit.cli.invocation import Invocation, parse_invocation, subparser
+from ampkit.loop.models import MODELS, SIZES
+from ampkit.step.config import FP8_RECIPES, MixedPrecisionConfig, fields_help
+from ampkit.step.precision import CANONICAL
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Every command's options (the underscore spellings; each has a hyphen twin, checked below). Adding or
+# removing a flag is a deliberate change: update this list, and regenerate docs/reference/cli.md with
+# `python -m ampkit.cli.docs` (torchtitan's test_no_new_cli_options.py does the same).
+FLAGS = {
+    "info": """
+        --device --help --json --no_measure -h
+    """,
+    "train": """
+        --accumulation_steps --allow_fresh --amp_opt_level --autocast_cache --backoff_factor --batch_size
+        --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
+        --consecutive_hysteresis --data --deterministic --device --dynamic_scaling --epochs --eval_every
+        --eval_precision --fallback --fallback_chain --fallback_check_every --fallback_patience
+        --fp8_emulate --fp8_recipe --grad_accum_steps --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff
+        --grad_scaler_growth_interval --grad_scaler_init --growth_factor --growth_interval --help
+        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --max_grad_norm
+        --max_length --max_scale --memory_budget --min_scale --mixed_precision --model --model_config
+        --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis --no_deterministic
+        --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate --no_progress --no_skip_nonfinite
+        --node_rank --nproc_per_node --overwrite --parallel --precision --rdzv_backend --rdzv_endpoint
+        --rdzv_id --resume --save_model --seed --size --skip_nonfinite --steps --target_effective_batch_size
+        -h
+    """,
+    "audit": """
+        --batch_size --block_size --data --device --help --json --max_length --model --model_config
+        --precision --seed --size --top -h
+    """,
+    "bench": """
+        --accumulation_steps --batch_size --block_size --compile --data --device --fp8_emulate
+        --grad_accum_steps --help --json --lr --max_length --model --model_config --plot --precisions
+        --repeats --seed --size --steps --warmup -h
+    """,
+    "tune": """
+        --accumulation_steps --batch_size --block_size --compile --data --device --fp8_emulate
+        --grad_accum_steps --help --json --lr --max_length --model --model_config --out --precisions
+        --repeats --seed --size --steps --tolerance --warmup -h
+    """,
+    "plan": """
+        --batch_size --block_size --data --help --json --max_length --memory --model --model_config
+        --precisions --size -h
+    """,
+    "report": """
+        --compare --help --json --metrics --out -h
+    """,
+    "slurm": """
+        --account --cpus_per_task --gpus_per_node --help --job_name --nodes --output --partition --port
+        --signal_seconds --time -h
+    """,
+    "export": """
+        --help -h
+    """,
+    "serve": """
+        --data_dir --help --host --max_body --max_concurrent --max_params --port --queue_cap -h
+    """,
+}
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _options(p: argparse.ArgumentParser) -> list[str]:
+    return sorted(o for a in p._actions for o in a.option_strings)
+
+
+def test_no_new_cli_options():
+    commands = _commands()
+    assert list(commands) == list(FLAGS), "a command was added or removed: update FLAGS"
+    for name, p in commands.items():
+        underscore = [o for o in _options(p) if not (o.startswith("--") and "-" in o[2:])]
+        assert underscore == FLAGS[name].split(), f"ampkit {name}: the flag set changed; update FLAGS deliberately"
+
+
+def test_every_underscore_flag_has_its_hyphen_twin_on_the_same_option():
+    for name, p in _commands().items():
+        for a in p._actions:
+            for o in a.option_strings:
+                if o.startswith("--") and "_" in o:
+                    assert o.replace("_", "-") in a.option_strings, (name, o)
+
+
+@pytest.mark.parametrize("argv,dest,value", [  # the spellings users typed before the flags were generated
+    (["--mixed_precision", "bf16"], "precision", "bf16"),
+    (["--mixed-precision", "16-mixed"], "precision", "16-mixed"),
+    (["--grad_scaler_init", "1024"], "init_scale", 1024.0),
+    (["--init-scale", "8"], "init_scale", 8.0),
+    (["--grad_scaler_growth_interval", "7"], "growth_interval", 7),
+    (["--grad-scaler-backoff", "0.25"], "backoff_factor", 0.25),
+    (["--grad_accum_steps", "3"], "accumulation_steps", 3),
+    (["--max_grad_norm", "0.5"], "clip_grad_norm", 0.5),
+    (["--clip_grad_norm", "none"], "clip_grad_norm", None),
+    (["--fallback_chain", "fp16,fp32"], "fallback", "fp16,fp32"),
+    (["--no_fallback"], "fallback", False),
+    (["--no-fallback"], "fallback", False),
+    (["--fallback"], "fallback", True),
+    (["--keep_fp32", "lm_head,*.ln_*"], "keep_fp32", ("lm_head", "*.ln_*")),
+    (["--deterministic"], "deterministic", True),
+    (["--deterministic", "warn"], "deterministic", "warn"),
+    (["--deterministic", "false"], "deterministic", False),
+    (["--compile"], "compile", True),
+    (["--fp8_emulate"], "fp8_emulate", True),
+    (["--fp8_recipe", "rowwise"], "fp8_recipe", "rowwise"),
+    (["--no_dynamic_scaling"], "dynamic_scaling", False),
+    (["--hysteresis", "2"], "hysteresis", 2),
+    (["--amp_opt_level", "O2"], "amp_opt_level", "O2"),
+])
+def test_train_spellings(argv, dest, value):
+    args = build_parser().parse_args(["train", *argv])
+    assert getattr(args, dest) == value
+
+
+@pytest.mark.parametrize("argv", [["--deterministic", "sometimes"], ["--hysteresis", "0"], ["--min_scale", "-1"],
+                                  ["--fp8_recipe", "nope"], ["--compile", "yes"]])
+def test_train_engine_flags_reject_bad_values(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", *argv])
+    assert e.value.code == 2
+
+
+def test_engine_flags_are_generated_from_the_config_fields():
+    train = subparser(build_parser(), "train")
+    by_dest = {}
+    for a in train._actions:
+        by_dest.setdefault(a.dest, a)
+    for f in fields_help():
+        a = by_dest[f.name]
+        assert f"--{f.name}" in a.option_strings and f"--{f.name.replace('_', '-')}" in a.option_strings
+        assert f.help.replace("%", "%%") in a.help, f.name  # the field's help, word for word
+        expected = TRAIN_DEFAULTS[f.name][0] if f.name in TRAIN_DEFAULTS else f.default
+        assert a.default == expected, f.name
+        for alias in ALIASES.get(f.name, ()):
+            assert f"--{alias}" in a.option_strings
+        if f.kind is bool and "Union" not in f.annotation:
+            assert isinstance(a, Switch) and f"--no_{f.name}" in a.option_strings
+        if "Union[bool" in f.annotation:
+            assert isinstance(a, Toggle)
+    assert by_dest["fp8_recipe"].choices == FP8_RECIPES
+    assert all(name in by_dest["precision"].help for name in CANONICAL)
+
+
+def test_train_defaults_are_stated_and_used(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "defaults that differ from MixedPrecisionConfig's" in out
+    for name, (value, _) in TRAIN_DEFAULTS.items():
+        assert f"{name} = {value!r}" in out
+    assert "clip the (unscaled) total gradient norm" in out and "(default: 1 in ampkit train; the library's: none)" in out
+    assert MixedPrecisionConfig().clip_grad_norm is None and MixedPrecisionConfig().fallback is False
+    cfg = _config([])
+    assert cfg.clip_grad_norm == 1.0 and cfg.fallback is True and cfg.precision == "auto"
+    assert _config(["--clip_grad_norm", "none", "--no_fallback"]).clip_grad_norm is None
+
+
+def _invocation(argv, tmp_path=None, toml=None) -> Invocation:
+    if toml is not None:
+        path = tmp_path / "run.toml"
+        path.write_text(toml)
+        argv = [*argv, "--config", str(path)]
+    parser = build_parser()
+    return parse_invocation(parser, parser.parse_args(["train", *argv]), ["train", *argv])
+
+
+def _config(argv, tmp_path=None, toml=None) -> MixedPrecisionConfig:
+    inv = _invocation(argv, tmp_path, toml)
+    return engine_config(inv.args, inv.flags_given, inv.file.amp)
+
+
+def test_precedence_command_line_then_train_then_amp_then_train_defaults(tmp_path):
+    toml = ('[amp]\nclip_grad_norm = 3.0\nhysteresis = 4\nfallback = false\ninit_scale = 64.0\n'
+            '[train]\nclip_grad_norm = 2.0\ngrad_scaler_init = 128\n')
+    cfg = _config([], tmp_path, toml)
+    assert (cfg.clip_grad_norm, cfg.hysteresis, cfg.fallback, cfg.init_scale) == (2.0, 4, False, 128.0)
+    cfg = _config(["--max_grad_norm", "5", "--hysteresis", "2"], tmp_path, toml)
+    assert (cfg.clip_grad_norm, cfg.hysteresis) == (5.0, 2)
+    cfg = _config([], tmp_path, "[amp]\nprecision = \"fp16\"\n")
+    assert cfg.precision == "fp16" and cfg.clip_grad_norm == 1.0 and cfg.fallback is True
+
+
+def test_amp_opt_level_maps_through_the_precision_aliases():
+    assert _config(["--amp_opt_level", "O0"]).precision == "fp32"
+    assert _config(["--amp_opt_level", "O1"]).precision == "auto"
+    assert _config(["--amp_opt_level", "O2"]).precision == "O2"
+    assert _config(["--amp_opt_level", "O0", "--precision", "32"]).precision == "fp32"
+    with pytest.raises(ValueError, match="conflicting flags"):
+        _config(["--amp_opt_level", "O0", "--precision", "bf16"])
+
+
+def _sample(action: argparse.Action):
+    """A TOML value for ``action`` and the value the flag would hold after it."""
+    if action.nargs == 0:
+        return "true", action.const is not False
+    if action.choices:
+        choice = list(action.choices)[-1]
+        return f'"{choice}"', choice
+    if isinstance(action, Toggle):
+        return "true", True
+    samples = {"positive_int": ("3", 3), "int": ("3", 3), "_batch_size_arg": ("3", 3), "positive_float": ("0.5", 0.5), "_patterns": ('"a,b"', ("a", "b"))}
+    name = getattr(action.type, "__name__", None)
+    return samples.get(name, ('"x"', "x"))
+
+
+def test_every_train_option_can_be_set_from_the_train_table(tmp_path):
+    """The service writes a run.toml: each `train` option (but --config and --json) under its own name."""
+    train = subparser(build_parser(), "train")
+    seen = set()
+    for a in train._actions:
+        if not a.option_strings or a.dest in NOT_FROM_FILE or a.option_strings[0] in seen:
+            continue
+        seen.add(a.option_strings[0])
+        key = a.option_strings[0].lstrip("-")
+        text, value = _sample(a)
+        inv = _invocation([], tmp_path, f"[train]\n{key} = {text}\n")
+        assert getattr(inv.args, a.dest) == value, key
+        assert inv.flags_given == {a.dest, "config"} and a.dest not in inv.explicit
+
+
+@pytest.mark.parametrize("toml,dest,value", [
+    ("no_fallback = true", "fallback", False),
+    ("fallback_chain = \"fp16,bf16,fp32\"", "fallback", "fp16,bf16,fp32"),
+    ("grad_scaler_growth_interval = 7", "growth_interval", 7),
+    ("grad-accum-steps = 2", None, None),  # hyphens are flag spellings, not [train] keys
+    ("deterministic = \"warn\"", "deterministic", "warn"),
+    ("deterministic = true", "deterministic", True),
+    ("no_compile = true", "compile", False),
+    ("clip_grad_norm = \"none\"", "clip_grad_norm", None),
+])
+def test_train_table_takes_the_old_spellings(tmp_path, toml, dest, value):
+    if dest is None:
+        with pytest.raises(ValueError, match="unknown \\[train\\] key"):
+            _invocation([], tmp_path, f"[train]\n{toml}\n")
+        return
+    assert getattr(_invocation([], tmp_path, f"[train]\n{toml}\n").args, dest) == value
+
+
+@pytest.mark.parametrize("toml,fragment", [
+    ("compile = 1", "must be true or false"),
+    ("deterministic = \"sometimes\"", "not a valid deterministic"),
+    ("steps = true", "not a valid positive_int"),
+    ("no_fallback = true\nfallback = true", "sets fallback twice"),
+    ("model = 3", "must be a string"),
+    ("size = \"huge\"", "choose one of"),
+])
+def test_train_table_errors_name_the_key(tmp_path, toml, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _invocation([], tmp_path, f"[train]\n{toml}\n")
+
+
+def test_command_line_beats_the_train_table_and_argv_is_kept(tmp_path):
+    inv = _invocation(["--steps=7", "--lr", "0.1"], tmp_path, "[train]\nsteps = 3\nseed = 5\n")
+    assert (inv.args.steps, inv.args.seed, inv.args.lr) == (7, 5, 0.1)
+    assert inv.explicit == {"steps", "lr", "config"} and set(inv.file.train) == {"steps", "seed"}
+    assert inv.argv[:2] == ("train", "--steps=7")
+    assert not [k for k in vars(inv.args) if k.startswith("_")]  # no private state on the Namespace
+    assert explicit_flags(subparser(build_parser(), "train"), ["--grad-accum-steps", "2"]) == {"accumulation_steps"}
+    assert read_config_file(subparser(build_parser(), "train"), str(tmp_path / "run.toml")).train == {"steps": 3, "seed": 5}
+
+
+def test_one_model_group_from_loop_models():
+    assert tuple(dict.fromkeys(s for sizes in SIZES.values() for s in sizes)) == SIZE_CHOICES
+    commands = _commands()
+    defaults = {"train": "small", "bench": "tiny", "tune": "tiny", "plan": "small", "audit": "tiny"}
+    for name, size in defaults.items():
+        actions = {a.dest: a for a in commands[name]._actions}
+        assert tuple(actions["size"].choices) == SIZE_CHOICES and actions["size"].default == size
+        assert all(m in actions["model"].help for m in MODELS) and actions["model"].default == "gpt"
+        assert ("device" in actions) == (name != "plan")  # plan estimates on fake tensors
+        group = next(g for g in commands[name]._action_groups if g.title == "model and data")
+        assert {a.dest for a in group._group_actions} >= {"model", "size", "model_config", "data", "block_size"}
+
+
+def test_generated_references_are_current():
+    """docs/reference/cli.md and config.md are written by `python -m ampkit.cli.docs`."""
+    for name, make in REFERENCES.items():
+        path = ROOT / "docs" / "reference" / name
+        assert path.exists() and path.read_text(encoding="utf-8") == make(), \
+            f"{path.relative_to(ROOT)} is out of date: run `python -m ampkit.cli.docs`"
+    assert docs_main(["--check", "--out", str(ROOT / "docs" / "reference")]) == 0
+
+
+def test_references_cover_every_flag_and_field(tmp_path):
+    assert docs_main(["--check", "--out", str(tmp_path)]) == 1  # missing files are stale
+    assert docs_main(["--out", str(tmp_path)]) == 0 and docs_main(["--check", "--out", str(tmp_path)]) == 0
+    cli, config = (tmp_path / "cli.md").read_text(), (tmp_path / "config.md").read_text()
+    for name, flags in FLAGS.items():
+        assert f"## `ampkit {name}`" in cli
+        for o in flags.split():
+            assert o in ("-h", "--help") or f"`{o}" in cli, o
+    for f in fields_help():
+        assert f"| `{f.name}` | `{f.annotation}` | `{f.default!r}`" in config
