@@ -179,16 +179,10 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
     model.to(device)
     several = world_size() > 1
     why = amp.precision.reason
-    if amp.config.precision == "auto" and device.type == "cpu" and amp.precision.name != "fp32" and not args.resume \
-            and not several:  # (several processes: the hardware rule, so every rank picks the same)
-        from ..loop.autoselect import measured_choice
+    if not args.resume:  # auto confirmed by measurement on a CPU (as the Trainer would); resuming keeps the checkpoint's
+        from ..loop.autoselect import confirm_auto
 
-        console.print(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
-        choice = measured_choice(model, batches, amp.precision.name, device, label=model_label(args),
-                                 batch_size=args.batch_size)
-        why = choice.reason
-        if choice.precision != amp.precision.name:
-            amp = MixedPrecision(device=device, config=amp.config.replace(precision=choice.precision))
+        why = confirm_auto(amp, model, batches, label=model_label(args), announce=console.print).reason
     _activation_checkpointing(args, model, console)
     model = parallel.wrap(args, model, amp.precision, device)  # several processes: DDP or FSDP2
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
