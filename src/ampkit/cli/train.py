@@ -209,12 +209,15 @@ def _train(args: argparse.Namespace, console: Any, device: torch.device, amp: Mi
         if per_epoch is None:
             raise ValueError("--epochs needs data with a batches_per_epoch attribute; use --steps for this model")
         args.steps = max(1, args.epochs * per_epoch // args.accumulation_steps)
-    trainer = Trainer(model, optimizer, amp, batches, log_every=args.log_every,
-                      progress=not args.no_progress and not args.json, log_dir=log_dir, console=console,
-                      diagnose=not args.no_diagnose, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
-                      eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision,
-                      fallback=False)  # the engine above is already configured from the flags
+    from ..loop.trainer_config import CheckpointConfig, EvalConfig, LogConfig
+
+    trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
+                      fallback=False,  # the engine above is already configured from the flags
+                      log=LogConfig(dir=log_dir, every=args.log_every, console=console,
+                                    progress=not args.no_progress and not args.json),
+                      checkpoint=CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
+                                                  keep_last=args.keep_last),
+                      evaluation=EvalConfig(eval_batches, every=args.eval_every, precision=args.eval_precision))
     trainer.resume_hint = resume_hint(args)  # printed with a graceful stop's checkpoint
     if args.resume:
         requested = amp.config  # before the checkpoint's config replaces it
