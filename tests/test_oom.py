@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.trainer import Trainer, split_batch
+from ampkit.loop.data import split_batch
+from ampkit.loop.trainer import Trainer
 
 
 def model_():

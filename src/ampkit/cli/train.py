@@ -153,18 +153,11 @@ def _model_and_engine(args: argparse.Namespace, console: Any, device: torch.devi
     """The model and its data on ``device``, and the engine after ``auto``'s measured check."""
     model, batches = model_and_data(args, device)
     model.to(device)
-    several = world_size() > 1
     why = amp.precision.reason
-    if amp.config.precision == "auto" and device.type == "cpu" and amp.precision.name != "fp32" and not args.resume \
-            and not several:  # (several processes: the hardware rule, so every rank picks the same)
-        from ..loop.autoselect import measured_choice
+    if not args.resume:  # auto confirmed by measurement on a CPU (as the Trainer would); resuming keeps the checkpoint's
+        from ..loop.autoselect import confirm_auto
 
-        console.print(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
-        choice = measured_choice(model, batches, amp.precision.name, device, label=model_label(args),
-                                 batch_size=args.batch_size)
-        why = choice.reason
-        if choice.precision != amp.precision.name:
-            amp = MixedPrecision(device=device, config=amp.config.replace(precision=choice.precision))
+        why = confirm_auto(amp, model, batches, label=model_label(args), announce=console.print).reason
     return model, batches, amp, why
 
 
@@ -200,12 +193,15 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
             eval_batches = dataclasses.replace(batches, split="val")
         else:
             eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
-    trainer = Trainer(model, optimizer, amp, batches, log_every=args.log_every,
-                      progress=not args.no_progress and not args.json, log_dir=log_dir, console=console,
-                      diagnose=not args.no_diagnose, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, keep_last=args.keep_last,
-                      eval_batches=eval_batches, eval_every=args.eval_every, eval_precision=args.eval_precision,
-                      fallback=False)  # the engine above is already configured from the flags
+    from ..loop.trainer_config import CheckpointConfig, EvalConfig, LogConfig
+
+    trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
+                      fallback=False,  # the engine above is already configured from the flags
+                      log=LogConfig(dir=log_dir, every=args.log_every, console=console,
+                                    progress=not args.no_progress and not args.json),
+                      checkpoint=CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
+                                                  keep_last=args.keep_last),
+                      evaluation=EvalConfig(eval_batches, every=args.eval_every, precision=args.eval_precision))
     return trainer
 
 

@@ -3,11 +3,14 @@
 ``auto`` is a hardware rule (bf16 where the CPU has AMX-BF16 or AVX512-BF16). On a CPU the rule
 is not enough: for small models casts and element-wise work dominate and bf16 can be slower than
 fp32 (0.69x-0.92x for the built-in tiny/small models on an AMX Xeon). So before a run whose
-precision is ``auto``, :func:`measured_choice` times a few training steps of the real model in
-fp32 and in the hardware pick, interleaved, keeps the faster, and caches the verdict per (CPU,
-torch, threads, model, batch) in ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), so later
-runs start at once. GPUs keep the hardware rule: bf16/fp16 tensor cores pay off there.
-"""
+precision is ``auto`` takes its first step, :func:`confirm_auto` has :func:`measured_choice` time
+a few training steps of the real model in fp32 and in the hardware pick, interleaved, keeps the
+faster (switching the engine to fp32 if that wins), and caches the verdict per (CPU, torch,
+threads, model, batch) in ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), so later runs start
+at once. The :class:`~ampkit.loop.trainer.Trainer` calls it before its first step, and ``ampkit
+train`` before it prints the run's header: ``MixedPrecision("auto")`` with a Trainer, a user's
+own loop calling :func:`confirm_auto`, and ``ampkit train --precision auto`` pick the same
+precision on one machine. GPUs keep the hardware rule: bf16/fp16 tensor cores pay off there."""
 
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..distributed import world_size
 from ..step.engine import MixedPrecision
 from ..step.hardware import cpu_features
+from .checkpoint import capture_rng, restore_rng
+from .steps import LossFn, Steps, batch_loss
 
-__all__ = ["Choice", "cache_path", "measured_choice"]
+__all__ = ["Choice", "auto_decision", "cache_path", "confirm_auto", "measured_choice", "model_signature"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,20 @@ def cache_path() -> str:
     return os.path.join(root, "auto-precision.json")
 
 
-def _key(label: str, batch_size: Optional[int], candidate: str) -> str:
+def model_signature(model: torch.nn.Module, batch: Any) -> str:
+    """What the speed of a training step depends on, as text: the model's class, its parameters'
+    names, shapes and dtypes, and the shapes and dtypes of the batch's tensors. The cache key is
+    built from it, so every caller -- CLI, Trainer, library -- finds the same verdict for the
+    same model and batch, whatever label it prints."""
+    params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    tensors = [(list(t.shape), str(t.dtype)) for t in items if isinstance(t, torch.Tensor)]
+    return json.dumps([type(model).__qualname__, params, tensors])
+
+
+def _key(signature: str, candidate: str) -> str:
     cpu = cpu_features()
-    text = json.dumps([cpu.model, sorted(cpu.flags), torch.__version__, torch.get_num_threads(), label, batch_size,
-                       candidate])
+    text = json.dumps([cpu.model, sorted(cpu.flags), torch.__version__, torch.get_num_threads(), signature, candidate])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -74,54 +90,61 @@ def _write_cache(data: dict[str, Any]) -> None:
 
 
 def _time_steps(model: torch.nn.Module, batches: Callable[[int], Any], precision: str, device: torch.device,
-                steps: int, blocks: int) -> list[float]:
+                steps: int, blocks: int, loss_fn: LossFn) -> list[float]:
     """Per-block mean step time (s) of ``steps`` AdamW steps, after one warm-up step."""
     model = copy.deepcopy(model)
     amp = MixedPrecision(precision, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cpu", "cuda"))
     model, opt = amp.setup(model, opt)
-
-    def step(i: int) -> None:
-        batch = batches(i)
-        with amp.autocast():
-            loss = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
-        amp.backward(loss)
-        amp.step(opt)
-
-    step(0)
+    run = Steps(model, opt, amp, loss_fn)
+    run.micro_step(batches(0))
     out = []
     for b in range(blocks):
         t0 = time.perf_counter()
         for i in range(steps):
-            step(1 + b * steps + i)
+            run.micro_step(batches(1 + b * steps + i))
         out.append((time.perf_counter() - t0) / steps)
     return out
 
 
+def _measure(model: torch.nn.Module, batches: Callable[[int], Any], candidate: str, device: torch.device,
+             steps: int, blocks: int, loss_fn: LossFn) -> float:
+    """fp32's median step time over ``candidate``'s, in interleaved blocks. The RNG states (torch,
+    numpy, Python) are put back afterwards: measuring leaves the run's random stream where it was."""
+    rng = capture_rng()
+    try:
+        times: dict[str, list[float]] = {"fp32": [], candidate: []}
+        for b in range(blocks):
+            order = ("fp32", candidate) if b % 2 == 0 else (candidate, "fp32")
+            for name in order:
+                times[name] += _time_steps(model, batches, name, device, steps, 1, loss_fn)
+    finally:
+        restore_rng(rng)
+    return statistics.median(times["fp32"]) / statistics.median(times[candidate])
+
+
 def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candidate: str, device: torch.device, *,
-                    label: str, batch_size: Optional[int] = None, steps: int = 2, blocks: int = 3,
-                    use_cache: bool = True) -> Choice:
+                    label: Optional[str] = None, batch_size: Optional[int] = None, steps: int = 2, blocks: int = 3,
+                    use_cache: bool = True, loss_fn: LossFn = batch_loss) -> Choice:
     """Train ``candidate`` (the hardware pick) against fp32 on copies of ``model`` and choose.
 
     Interleaved blocks of ``steps`` steps each (``blocks`` per precision), median per precision;
-    ``candidate`` wins only if it is faster than fp32. The verdict is cached (module doc); the
-    model is not changed. Costs ~``2 * (blocks * steps + 1)`` training steps on a cache miss.
+    ``candidate`` wins only if it is faster than fp32. The verdict is cached under the model's and
+    batch's :func:`model_signature` (module doc); ``label`` (default: the model's class) only names
+    the model in the reason, ``batch_size`` is kept with the cached verdict for a reader. The model
+    and the RNG states are not changed. Costs ~``2 * (blocks * steps + 1)`` training steps on a
+    cache miss.
     """
     if candidate == "fp32":
         return Choice("fp32", "fp32 is the hardware rule's pick; nothing to measure", {"fp32": 1.0}, False)
-    key = _key(label, batch_size, candidate)
+    label = label or type(model).__name__
+    key = _key(model_signature(model, batches(0)), candidate)
     cache = _read_cache() if use_cache else {}
     hit = cache.get(key)
     if isinstance(hit, dict) and isinstance(hit.get("speedup"), (int, float)):
         speedup, cached = float(hit["speedup"]), True
     else:
-        times: dict[str, list[float]] = {"fp32": [], candidate: []}
-        for b in range(blocks):
-            order = ("fp32", candidate) if b % 2 == 0 else (candidate, "fp32")
-            for name in order:
-                times[name] += _time_steps(model, batches, name, device, steps, 1)
-        speedup = statistics.median(times["fp32"]) / statistics.median(times[candidate])
-        cached = False
+        speedup, cached = _measure(model, batches, candidate, device, steps, blocks, loss_fn), False
         if use_cache:
             cache[key] = {"speedup": speedup, "label": label, "batch_size": batch_size, "candidate": candidate,
                           "cpu": cpu_features().model, "torch": torch.__version__, "measured": time.time()}
@@ -132,3 +155,49 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
                       {"fp32": 1.0, candidate: speedup}, cached)
     return Choice("fp32", f"the hardware rule picks {candidate}, but {candidate} trains {label} at {speedup:.2f}x "
                           f"fp32's speed here ({how}), so fp32", {"fp32": 1.0, candidate: speedup}, cached)
+
+
+def auto_decision(amp: MixedPrecision) -> Optional[dict[str, Any]]:
+    """What :func:`confirm_auto` decided for this run (the ``auto_precision`` event's data:
+    ``precision``, ``reason``, ``speedups``, ``cached``), or None if it has not measured. The event
+    is kept in the engine's state, so a resumed run knows it too."""
+    return next((dict(e.data) for e in amp.events if e.kind == "auto_precision"), None)
+
+
+def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Callable[[int], Any], *,
+                 loss_fn: LossFn = batch_loss, label: Optional[str] = None, use_cache: bool = True,
+                 announce: Optional[Callable[[str], None]] = None) -> Choice:
+    """Settle ``auto`` by measurement: the one check that ``MixedPrecision("auto")`` users, the
+    :class:`~ampkit.loop.trainer.Trainer` and ``ampkit train --precision auto`` share.
+
+    When ``amp`` was asked for ``"auto"`` on a CPU, the hardware rule picked a reduced precision,
+    the run has not stepped yet and runs in one process, :func:`measured_choice` times that pick
+    against fp32 on copies of ``model`` (with ``loss_fn`` on ``batches(i)``; cached) and, if fp32
+    is faster, ``amp`` switches to fp32 in place (:meth:`MixedPrecision.switch`, its fallback chain
+    rebuilt for fp32, as a new engine's would be). Either way the verdict is recorded as an
+    ``auto_precision`` event with its reason. Callable before or after ``amp.setup``; a second
+    call, or a call on a resumed run (its checkpoint's precision stands), changes nothing.
+    ``announce(sentence)`` (e.g. ``console.print``) is told before a measurement that is not cached.
+
+    Returns the :class:`Choice`; where nothing is measured, the current precision with the
+    reason it holds (the recorded verdict, or the hardware rule's reason). Syncs (it trains).
+    """
+    done = auto_decision(amp)
+    if done is not None:
+        return Choice(str(done["precision"]), str(done["reason"]), dict(done.get("speedups", {})),
+                      bool(done.get("cached", False)))
+    current = Choice(amp.precision.name, amp.precision.reason, {}, False)
+    if (amp.config.precision != "auto" or amp.device.type != "cpu" or amp.precision.name == "fp32"
+            or amp.optimizer_steps > 0 or world_size() > 1):  # several processes: the hardware rule, alike on all
+        return current
+    if announce is not None and not (use_cache and _key(model_signature(model, batches(0)), amp.precision.name)
+                                     in _read_cache()):
+        announce(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
+    choice = measured_choice(model, batches, amp.precision.name, amp.device, label=label, loss_fn=loss_fn,
+                             batch_size=getattr(batches, "batch_size", None), use_cache=use_cache)
+    if choice.precision != amp.precision.name:
+        amp.switch(choice.precision, reason=choice.reason)
+        amp.set_fallback(amp.config.fallback)  # the chain from the new precision, as a new engine builds it
+    amp.record_event("auto_precision", precision=choice.precision, reason=choice.reason,
+                     speedups=dict(choice.speedups), cached=choice.cached)
+    return choice

@@ -21,7 +21,8 @@ import torch
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
-from ..step.precision import PrecisionError, resolve_precision
+from ..step.precision import Precision, PrecisionError, resolve_precision
+from .steps import Steps
 
 __all__ = ["BenchReport", "BenchResult", "Recommendation", "compare", "tune"]
 
@@ -137,10 +138,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+@dataclass(eq=False)
+class _Run:
+    """One precision's training in ``compare``: its steps, where it is in the data, what it measured."""
+
+    steps: Steps
+    losses: list[torch.Tensor] = field(default_factory=list)  # each optimizer step's mean loss (device)
+    times: list[float] = field(default_factory=list)  # ms per optimizer step, one per timed block
+    index: int = 0  # the next batch
+
+    def train(self, batches: Callable[[int], Any], n: int, accumulation_steps: int) -> None:
+        means, self.index = self.steps.run(batches, n, start=self.index, count=accumulation_steps)
+        self.losses += means
 
 
 def compare(
@@ -174,9 +183,8 @@ def compare(
     dev = normalize_device(device)
     info = device_info(dev)
     wanted = list(dict.fromkeys(["fp32", *(precisions or DEFAULT_PRECISIONS)]))
-    repeats = min(repeats, steps)
-    runs: dict[str, dict[str, Any]] = {}
     results: dict[str, BenchResult] = {}
+    runs: dict[str, _Run] = {}
     for name in wanted:
         try:
             p = resolve_precision(name, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
@@ -184,40 +192,45 @@ def compare(
             results[name] = BenchResult(precision=name, status="skipped",
                                         reason=str(e).split(": ", 1)[-1].split(". Choose")[0])
             continue
-        name = p.name
-        if name in results:  # e.g. "auto" resolved to one already listed
+        if p.name in results:  # e.g. "auto" resolved to one already listed
             continue
-        torch.manual_seed(seed)
-        model = model_factory().to(dev)
-        fused = dev.type in ("cpu", "cuda") and all(q.is_floating_point() for q in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
-        try:
-            amp = MixedPrecision(p.name, device=dev, accumulation_steps=accumulation_steps, fallback=fallback,
-                                 **amp_overrides)
-            model, opt = amp.setup(model, opt)
-        except (PrecisionError, ValueError) as e:
-            results[name] = BenchResult(precision=name, status="skipped", reason=str(e))
-            continue
-        act = activations(model, batch_factory(0), p).total
-        runs[name] = {"model": model, "opt": opt, "amp": amp, "losses": [], "times": [], "index": 0}
-        results[name] = BenchResult(precision=name, activation_bytes=act)
-
-    def train(run: dict[str, Any], n: int) -> None:
-        model, opt, amp = run["model"], run["opt"], run["amp"]
-        for _ in range(n):
-            total = None
-            for _ in range(accumulation_steps):
-                batch = batch_factory(run["index"])
-                run["index"] += 1
-                with amp.autocast():
-                    loss = _loss(model, batch)
-                amp.backward(loss)
-                amp.step(opt)
-                total = loss.detach().float() if total is None else total + loss.detach().float()
-            run["losses"].append(total / accumulation_steps)
-
+        results[p.name], run = _start(p, model_factory, batch_factory, dev, seed, lr, accumulation_steps, fallback,
+                                      amp_overrides)
+        if run is not None:
+            runs[p.name] = run
     for run in runs.values():
-        train(run, warmup)
+        run.train(batch_factory, warmup, accumulation_steps)
+    _timed_blocks(runs, batch_factory, steps, min(repeats, steps), accumulation_steps, dev)
+    for name, run in runs.items():
+        _measurements(results[name], run, batch_factory, accumulation_steps, loss_window, dev)
+    _relative_to_fp32(results)
+    return BenchReport(results=list(results.values()), device=str(dev), device_name=info.name,
+                       model=model_name, steps=steps, batch_size=getattr(batch_factory, "batch_size", None),
+                       accumulation_steps=accumulation_steps)
+
+
+def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_factory: Callable[[int], Any],
+           dev: torch.device, seed: int, lr: float, accumulation_steps: int, fallback: bool,
+           amp_overrides: dict[str, Any]) -> tuple[BenchResult, Optional[_Run]]:
+    """``p``'s result row and its run: the model from ``seed``, a fused AdamW, the engine set up;
+    a skipped row (and no run) when the engine cannot apply ``p``."""
+    torch.manual_seed(seed)
+    model = model_factory().to(dev)
+    fused = dev.type in ("cpu", "cuda") and all(q.is_floating_point() for q in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+    try:
+        amp = MixedPrecision(p.name, device=dev, accumulation_steps=accumulation_steps, fallback=fallback,
+                             **amp_overrides)
+        model, opt = amp.setup(model, opt)
+    except (PrecisionError, ValueError) as e:
+        return BenchResult(precision=p.name, status="skipped", reason=str(e)), None
+    act = activations(model, batch_factory(0), p).total
+    return BenchResult(precision=p.name, activation_bytes=act), _Run(Steps(model, opt, amp))
+
+
+def _timed_blocks(runs: dict[str, _Run], batches: Callable[[int], Any], steps: int, repeats: int,
+                  accumulation_steps: int, dev: torch.device) -> None:
+    """``steps`` optimizer steps per run in ``repeats`` blocks, the runs' order rotating each round."""
     block = max(1, steps // repeats)
     names = list(runs)
     done = 0
@@ -229,50 +242,55 @@ def compare(
             run = runs[name]
             _sync(dev)
             t0 = time.perf_counter()
-            train(run, n)
+            run.train(batches, n, accumulation_steps)
             _sync(dev)
-            run["times"].append((time.perf_counter() - t0) / n * 1e3)
+            run.times.append((time.perf_counter() - t0) / n * 1e3)
 
+
+def _measurements(res: BenchResult, run: _Run, batch_factory: Callable[[int], Any], accumulation_steps: int,
+                  loss_window: int, dev: torch.device) -> None:
+    """Fill ``res`` from ``run``: step times, throughput, losses, engine counters, memory."""
+    amp, model, times = run.steps.amp, run.steps.model, sorted(run.times)
+    res.losses = [float(v) for v in torch.stack(run.losses).tolist()]
+    res.step_ms = statistics.median(times)
+    res.step_ms_p10, res.step_ms_p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
+    per_s = 1e3 / res.step_ms
     samples = getattr(batch_factory, "samples_per_batch", None)
     tokens = getattr(batch_factory, "tokens_per_batch", None)
-    for name, run in runs.items():
-        res = results[name]
-        amp, times = run["amp"], sorted(run["times"])
-        res.losses = [float(v) for v in torch.stack(run["losses"]).tolist()]
-        res.step_ms = statistics.median(times)
-        res.step_ms_p10, res.step_ms_p90 = times[len(times) // 10], times[(9 * len(times)) // 10]
-        per_s = 1e3 / res.step_ms
-        res.samples_per_s = samples * accumulation_steps * per_s if samples else None
-        res.tokens_per_s = tokens * accumulation_steps * per_s if tokens else None
-        tail = [v for v in res.losses[-loss_window:] if math.isfinite(v)]
-        res.final_loss = statistics.mean(tail) if tail else math.nan
-        stats = amp.stats()
-        res.skipped_steps = stats["skipped_steps"]
-        res.fallbacks = sum(1 for e in stats["events"] if e["kind"] == "fallback")
-        res.final_precision = stats["precision"]
-        # step() leaves gradients at None; during a step they take exactly the parameters' shape and dtype
-        resident = breakdown(run["model"], run["opt"], amp).total
-        grads = sum(q.numel() * q.element_size() for q in run["model"].parameters() if q.requires_grad)
-        res.static_bytes = resident + grads
-        if dev.type == "cuda":
-            # The other precisions' models stay alive in this process: count only this run's
-            # resident state plus what one of its steps allocates on top.
-            _sync(dev)
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            train(run, 1)
-            _sync(dev)
-            res.peak_mem_bytes = int(torch.cuda.max_memory_allocated(dev) - base + resident)
+    res.samples_per_s = samples * accumulation_steps * per_s if samples else None
+    res.tokens_per_s = tokens * accumulation_steps * per_s if tokens else None
+    tail = [v for v in res.losses[-loss_window:] if math.isfinite(v)]
+    res.final_loss = statistics.mean(tail) if tail else math.nan
+    stats = amp.stats()
+    res.skipped_steps = stats["skipped_steps"]
+    res.fallbacks = sum(1 for e in stats["events"] if e["kind"] == "fallback")
+    res.final_precision = stats["precision"]
+    # step() leaves gradients at None; during a step they take exactly the parameters' shape and dtype
+    resident = breakdown(model, run.steps.optimizer, amp).total
+    grads = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
+    res.static_bytes = resident + grads
+    if dev.type == "cuda":
+        # The other precisions' models stay alive in this process: count only this run's
+        # resident state plus what one of its steps allocates on top.
+        _sync(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        run.train(batch_factory, 1, accumulation_steps)
+        _sync(dev)
+        res.peak_mem_bytes = int(torch.cuda.max_memory_allocated(dev) - base + resident)
+
+
+def _relative_to_fp32(results: dict[str, BenchResult]) -> None:
+    """Speed-up and final-loss gap of every measured precision against fp32 (when fp32 ran)."""
     ref = results.get("fp32")
+    if ref is None or ref.status != "ok":
+        return
     for res in results.values():
-        if res.status != "ok" or ref is None or ref.status != "ok":
+        if res.status != "ok":
             continue
         res.speedup_vs_fp32 = ref.step_ms / res.step_ms if res.step_ms else None
         if ref.final_loss and math.isfinite(ref.final_loss) and res.final_loss is not None:
             res.loss_gap = (res.final_loss - ref.final_loss) / abs(ref.final_loss)
-    return BenchReport(results=[results[n] for n in results], device=str(dev), device_name=info.name,
-                       model=model_name, steps=steps, batch_size=getattr(batch_factory, "batch_size", None),
-                       accumulation_steps=accumulation_steps)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
+from .steps import Steps
 
 __all__ = ["MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
 
@@ -71,12 +72,6 @@ def _fake(obj: Any, mode: Any, dev: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _fake(v, mode, dev) for k, v in obj.items()}
     return obj
-
-
-def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
 
 
 def estimate(
@@ -132,16 +127,12 @@ def _estimate(model_or_factory: Any, batch: Any, optimizer: Any, precision: str,
         amp = MixedPrecision(precision, device=dev, fp8_emulate=True)
         model, opt = amp.setup(model, opt)
         fake_batch = _fake(real_batch, mode, dev)
-        with amp.autocast():
-            loss = _loss(model, fake_batch)
-        amp.backward(loss)
-        amp.step(opt)  # creates the optimizer state (and masters' gradients)
+        run = Steps(model, opt, amp)
+        run.micro_step(fake_batch)  # creates the optimizer state (and masters' gradients)
         tracker = MemTracker()
         tracker.track_external(model, opt, *amp.master_params())
         with tracker:
-            with amp.autocast():
-                loss = _loss(model, fake_batch)
-            amp.backward(loss)
+            run.forward_backward(fake_batch)
             static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
             amp.step(opt)
         snapshot = tracker.get_tracker_snapshot("peak")

@@ -9,9 +9,11 @@ diagnosing again: one per run, however often it is resumed.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-__all__ = ["SkipWatch", "saved_diagnosis"]
+import torch
+
+__all__ = ["RecentBatches", "SkipWatch", "saved_diagnosis"]
 
 
 class SkipWatch:
@@ -29,6 +31,38 @@ class SkipWatch:
 
     def close(self) -> None:
         pass
+
+
+class RecentBatches:
+    """The first micro-batch of each of the last ``keep`` optimizer steps: what a diagnosis re-runs
+    (the monitor learns of a skip at its next read, within ``log_every`` steps)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.batches: dict[int, Any] = {}
+
+    def remember(self, step: int, batch: Any) -> None:
+        self.batches[step] = batch
+        self.batches.pop(step - self.keep, None)
+
+    def diagnose(self, step: int, scale: Optional[float], amp: Any, model: torch.nn.Module,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Any:
+        """Re-run ``step``'s batch with ``amp.diagnose`` (at the loss scale it had); False when the
+        batch is no longer kept. Forgets every kept batch: one diagnosis per run."""
+        batch = self.batches.get(step)
+        self.batches.clear()
+        if batch is None:
+            return False
+
+        def closure() -> torch.Tensor:
+            with amp.autocast():
+                return loss_fn(model, batch)
+
+        was_training = model.training
+        try:
+            return amp.diagnose(closure, scale=scale)
+        finally:
+            model.train(was_training)
 
 
 def saved_diagnosis(events: list[dict[str, Any]]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -33,3 +34,21 @@ class TrainSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_run(cls, stats: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
+                 events: list[dict[str, Any]], **run: Any) -> TrainSummary:
+        """From the engine's ``stats()``, the monitor's closing ``summary``, its step ``records`` and
+        ``events``; ``run`` gives the rest (``log_dir``, ``run_id``, ``world_size``, ...)."""
+        losses = [r["loss"] for r in records]
+        return cls(
+            precision=stats["precision"], device=stats["device"], optimizer_steps=stats["optimizer_steps"],
+            skipped_steps=stats["skipped_steps"], final_loss=_f(losses[-1]), first_loss=_f(losses[0]),
+            ms_per_step=summary["step_time_ms_median"] or 0.0, samples_per_s=summary["samples_per_s"] or 0.0,
+            tokens_per_s=summary["tokens_per_s"], final_scale=stats["scale"], losses=[_f(v) for v in losses],
+            peak_mem_bytes=summary["peak_mem_bytes"],
+            eval_losses=[(e["step"], e["loss"]) for e in events if e.get("kind") == "eval"], **run)
+
+
+def _f(v: Optional[float]) -> float:
+    return math.nan if v is None else float(v)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,6 +24,7 @@ from ..distributed.states import capture, restore
 from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
 from ..step.engine import MixedPrecision
 from .autobatch import check_auto_args, choose_split, device_budget
+from .autoselect import auto_decision, confirm_auto
 from .checkpoint import (
     CheckpointManager,
     ShardedCheckpointManager,
@@ -32,39 +32,38 @@ from .checkpoint import (
     check_state,
     restore_rng,
 )
-from .data import batch_size, split_batch
-from .firstskip import SkipWatch, saved_diagnosis
+from .data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
+from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
+from .steps import LossFn, Steps, batch_loss
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
+from .trainer_config import (
+    BatchConfig,
+    CheckpointConfig,
+    EvalConfig,
+    LogConfig,
+    TrainerSettings,
+    group_settings,
+)
 
-__all__ = ["TrainSummary", "Trainer", "TrainingInterrupted"]
+__all__ = ["BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainSummary", "Trainer",
+           "TrainingInterrupted"]
 
 BatchFn = Callable[[int], Any]
-
-
-def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """``model(*batch)``: built-in models (and factories' models) return their loss from the batch."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
 
 
 class Trainer:
     """Train ``model`` with ``amp`` on ``batches`` (a function from batch index to batch).
 
+    ``Trainer(model, optimizer, amp, batches).fit(steps)`` is the whole call; the rest is optional.
+
     Args:
         model, optimizer: already passed through ``amp.setup``.
         batches: ``batches(i)`` returns micro-batch ``i``; may expose ``samples_per_batch`` and
             ``tokens_per_batch`` for throughput figures.
-        loss_fn: ``loss_fn(model, batch) -> scalar loss``; default ``model(x, y)``.
-        log_every: read metrics to the host every this many optimizer steps (the only syncs).
-        progress: show a rich progress bar with live loss, scale and throughput, then a summary table.
-        log_dir: write the run there: ``log.jsonl``, TensorBoard events under ``tb/`` (when
-            tensorboard is installed), ``summary.json``.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``; default :func:`~ampkit.loop.steps.batch_loss`
+            (``model(*batch)``).
         scheduler: a learning-rate scheduler, stepped after every optimizer step that was not skipped.
-        checkpoint_dir, checkpoint_every, keep_last: crash-safe checkpoints (see ``ampkit.loop.checkpoint``).
-        eval_batches, eval_every, eval_steps, eval_precision: periodic evaluation on held-out
-            batches, in the training precision (``"train"``) or strict ``"fp32"``.
         callbacks: objects with any of ``on_step_end(trainer, step, result)``,
             ``on_eval(trainer, loss)``, ``on_checkpoint(trainer, path)``, ``on_train_end(trainer, summary)``.
         fallback: turn on the engine's default fallback chain if it is off (``False`` leaves the
@@ -72,6 +71,18 @@ class Trainer:
         diagnose: on the first skipped step of the run, re-run that step's batch with
             :meth:`MixedPrecision.diagnose` and record which module produced the inf/NaN (the
             skip is learnt from the monitor's batched reads, so this adds no per-step sync).
+        checkpoint, evaluation, log, batching: the settings in groups (:class:`CheckpointConfig`:
+            checkpoints' ``dir``, ``every``, ``keep_last``; :class:`EvalConfig`: held-out
+            ``batches`` every ``every`` steps, ``steps`` of them, in the training ``precision`` or
+            ``"fp32"``; :class:`LogConfig`: host reads every ``every`` steps, logs in ``dir``,
+            ``tensorboard``, a ``progress`` bar on ``console``; :class:`BatchConfig`: ``size="auto"``
+            within ``memory_budget``). **settings: the same one by one, as flat keywords
+            (``checkpoint_dir``, ``eval_every``, ``log_dir``, ``batch_size``, ...;
+            :data:`~ampkit.loop.trainer_config.FLAT`), each replacing one field of its group.
+
+    An engine asked for ``"auto"`` has its choice confirmed by measurement on a CPU before the
+    first step (:func:`ampkit.loop.autoselect.confirm_auto`; a resumed run keeps its checkpoint's
+    precision).
     """
 
     def __init__(
@@ -81,32 +92,21 @@ class Trainer:
         amp: MixedPrecision,
         batches: BatchFn,
         *,
-        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = _default_loss,
-        log_every: int = 10,
-        progress: bool = True,
-        log_dir: Optional[str] = None,
-        tensorboard: bool = True,
-        console: Any = None,
-        diagnose: bool = True,
+        loss_fn: LossFn = batch_loss,
         scheduler: Any = None,
-        checkpoint_dir: Optional[str] = None,
-        checkpoint_every: Optional[int] = None,
-        keep_last: Optional[int] = 3,
-        eval_batches: Optional[BatchFn] = None,
-        eval_every: Optional[int] = None,
-        eval_steps: int = 4,
-        eval_precision: str = "train",
         callbacks: Sequence[Any] = (),
         fallback: bool = True,
-        batch_size: Optional[str] = None,
-        memory_budget: Union[str, int, None] = None,
+        diagnose: bool = True,
+        checkpoint: Optional[CheckpointConfig] = None,
+        evaluation: Optional[EvalConfig] = None,
+        log: Optional[LogConfig] = None,
+        batching: Optional[BatchConfig] = None,
+        **settings: Any,
     ) -> None:
-        if log_every < 1:
-            raise ValueError(f"log_every={log_every} must be >= 1")
+        self.settings: TrainerSettings = group_settings(
+            {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching}, settings)
         self.model, self.optimizer, self.amp = model, optimizer, amp
         self.batches, self.loss_fn = batches, loss_fn
-        self.log_every, self.progress = log_every, progress
-        self.log_dir, self.tensorboard, self.console = log_dir, tensorboard, console
         self.micro_index = 0  # the data position: index of the next micro-batch
         self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
         self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
@@ -114,36 +114,25 @@ class Trainer:
         self.diagnose = diagnose
         self.diagnosis: Any = None
         self.scheduler = scheduler
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1")
-        if checkpoint_every and not checkpoint_dir:
-            raise ValueError("checkpoint_every needs a checkpoint_dir")
         self.world_size, self.rank = world_size(), rank()  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
+        ck = self.settings.checkpoint
         self.checkpoints: Any = None
-        if checkpoint_dir and self.world_size > 1:
-            self.checkpoints = ShardedCheckpointManager(checkpoint_dir, lambda: capture(model, optimizer),
-                                                        keep_last=keep_last)
-        elif checkpoint_dir:
-            self.checkpoints = CheckpointManager(checkpoint_dir, keep_last=keep_last)
-        self.checkpoint_every = checkpoint_every
-        if eval_precision not in ("train", "fp32"):
-            raise ValueError(f"eval_precision={eval_precision!r}; choose 'train' (the training precision) or 'fp32'")
-        if eval_every is not None and (eval_every < 1 or eval_batches is None):
-            raise ValueError("eval_every must be >= 1 and needs eval_batches")
-        self.eval_batches, self.eval_every, self.eval_steps = eval_batches, eval_every, eval_steps
-        self.eval_precision = eval_precision
+        if ck.dir and self.world_size > 1:
+            self.checkpoints = ShardedCheckpointManager(ck.dir, lambda: capture(model, optimizer),
+                                                        keep_last=ck.keep_last)
+        elif ck.dir:
+            self.checkpoints = CheckpointManager(ck.dir, keep_last=ck.keep_last)
         self.callbacks = list(callbacks)
-        check_auto_args(batch_size, memory_budget, self.world_size)
+        check_auto_args(self.settings.batching.size, self.settings.batching.memory_budget, self.world_size)
         self.auto_batch: Any = None  # an AutoBatch once batch_size='auto' has chosen
         self.micro_batch: Optional[int] = None  # set when ampkit cuts batches (auto batch size, OOM)
-        self._auto = (batch_size == "auto", memory_budget)
         self._monitor: Optional[Monitor] = None
         if fallback and amp.config.fallback is False:
             if amp.config.skip_nonfinite:
                 amp.set_fallback(True)  # on by default in the trainer (DESIGN §4); opt-in on the engine
             else:
                 self.notes.append("fallback left off: it needs skip_nonfinite=True")
-        self._recent: dict[int, Any] = {}  # optimizer step -> its first micro-batch (for diagnosis)
+        self._recent = RecentBatches(2 * self.settings.log.every + 2)  # a skip's batch, for its diagnosis
         self._stop: Optional[GracefulStop] = None  # set while fit() runs
         #: printed after a graceful stop's checkpoint (``ampkit train`` puts its exact command here)
         self.resume_hint = "Resume with Trainer.resume() on the same checkpoint_dir, then fit() the remaining steps"
@@ -152,21 +141,26 @@ class Trainer:
         sinks: list[Any] = []
         if not is_main():
             return sinks  # one process prints and writes logs
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            sinks.append(JSONLSink(os.path.join(self.log_dir, "log.jsonl")))
-            if self.tensorboard:
+        log = self.settings.log
+        if log.dir:
+            os.makedirs(log.dir, exist_ok=True)
+            sinks.append(JSONLSink(os.path.join(log.dir, "log.jsonl")))
+            if log.tensorboard:
                 try:
-                    sinks.append(TensorBoardSink(os.path.join(self.log_dir, "tb")))
+                    sinks.append(TensorBoardSink(os.path.join(log.dir, "tb")))
                 except ImportError as e:
                     self.notes.append(str(e))
-        if self.progress:
-            sinks.append(ConsoleSink(total_steps=self.amp.optimizer_steps + steps, console=self.console))
+        if log.progress:
+            sinks.append(ConsoleSink(total_steps=self.amp.optimizer_steps + steps, console=log.console))
         return sinks
 
     def fit(self, steps: Optional[int] = None, *, epochs: Optional[int] = None) -> TrainSummary:
         """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches), or ``epochs``
         passes over the data (needs ``batches.batches_per_epoch``).
+
+        Before the first step of a run: an engine asked for ``"auto"`` has its pick confirmed by
+        measurement (CPU; :func:`~ampkit.loop.autoselect.confirm_auto`), then ``batch_size="auto"``
+        chooses the micro-batch for that precision.
 
         **Signals.** While ``fit`` runs, SIGINT (Ctrl-C) and SIGTERM do not kill the run: the
         optimizer step in flight is finished, a checkpoint of that step is written (with a
@@ -175,61 +169,22 @@ class Trainer:
         raised -- ``fit`` does not return. :meth:`resume` then continues bitwise where it stopped.
         With several processes every rank stops after the same step. The handlers are installed
         for the length of ``fit`` only (main thread); the previous ones are restored."""
-        if (steps is None) == (epochs is None):
-            raise ValueError("give exactly one of steps= and epochs=")
-        if epochs is not None:
-            per_epoch = getattr(self.batches, "batches_per_epoch", None)
-            if per_epoch is None or epochs < 1:
-                raise ValueError(f"epochs={epochs} needs epochs >= 1 and data with a batches_per_epoch attribute")
-            steps = max(1, epochs * per_epoch // self.amp.config.accumulation_steps)
-        assert steps is not None
-        if steps < 1:
-            raise ValueError(f"steps={steps} must be >= 1")
+        steps = self._count_steps(steps, epochs)
         amp = self.amp
-        if self._auto[0] and self.auto_batch is None and amp.optimizer_steps == 0:
+        if amp.optimizer_steps == 0:
+            self._confirm_auto()
+        if self.settings.batching.size == "auto" and self.auto_batch is None and amp.optimizer_steps == 0:
             self._choose_batch()
         accum = amp.config.accumulation_steps // self.split  # in batches of batches(i)
-        samples = getattr(self.batches, "samples_per_batch", None)  # per rank: throughput is for all ranks
-        tokens = getattr(self.batches, "tokens_per_batch", None)
-        accum *= self.world_size
         watch = SkipWatch()
-        sinks = self._sinks(steps) + ([watch] if self.diagnose else [])
-        monitor = Monitor(amp, sinks, log_every=self.log_every, run_id=self.run_id,
-                          samples_per_step=samples * accum if samples else None,
-                          tokens_per_step=tokens * accum if tokens else None, optimizer=self.optimizer)
-        accum //= self.world_size
-        if self.auto_batch is not None and amp.optimizer_steps == 0:
-            monitor.log_event("auto_batch", **asdict(self.auto_batch))
+        monitor = self._open_monitor(steps, accum, [watch] if self.diagnose else [])
         self.model.train()
-        self._monitor = monitor
         stop = self._stop = GracefulStop(announce=is_main())
         try:
             stop.__enter__()  # SIGINT/SIGTERM handlers only while training; the user's come back in `finally`
+            run = Steps(self.model, self.optimizer, amp, self.loss_fn)
             for _ in range(steps):
-                step = amp.optimizer_steps + 1
-                while True:
-                    start = self.micro_index
-                    try:
-                        result = self._window(step, accum)
-                        break
-                    except torch.OutOfMemoryError as e:
-                        self.micro_index = start  # no step lost, none counted twice: redo the window
-                        self._rebatch(e, accum, monitor)
-                if self.scheduler is not None and not result.skipped:
-                    # Only after optimizer steps that really happened (reading `skipped` syncs once
-                    # per step; only when a scheduler is given), as Accelerate does.
-                    self.scheduler.step()
-                if watch.first is not None and self.diagnosis is None:
-                    self._diagnose(*watch.first)
-                self._call("on_step_end", amp.optimizer_steps, result)
-                if self.eval_every and amp.optimizer_steps % self.eval_every == 0:
-                    self.evaluate()
-                saved = None
-                if self.checkpoint_every and amp.optimizer_steps % self.checkpoint_every == 0:
-                    saved = self._checkpoint(monitor)
-                signum = stop.poll(amp.device)  # every rank: the same answer after the same step
-                if signum:
-                    self._stop_now(signum, saved, monitor)
+                self._train_step(run, accum, monitor, watch, stop)
             stop.drain()  # the last step's flag: its collective completes on every rank alike
         except BaseException:
             # Keep the original error (e.g. a full disk) rather than one from closing the logs.
@@ -240,26 +195,96 @@ class Trainer:
         finally:
             stop.__exit__()
             self._stop = None
+        return self._finish(monitor)
+
+    def _count_steps(self, steps: Optional[int], epochs: Optional[int]) -> int:
+        if (steps is None) == (epochs is None):
+            raise ValueError("give exactly one of steps= and epochs=")
+        if epochs is not None:
+            per_epoch = getattr(self.batches, "batches_per_epoch", None)
+            if per_epoch is None or epochs < 1:
+                raise ValueError(f"epochs={epochs} needs epochs >= 1 and data with a batches_per_epoch attribute")
+            steps = max(1, epochs * per_epoch // self.amp.config.accumulation_steps)
+        assert steps is not None
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be >= 1")
+        return steps
+
+    def _open_monitor(self, steps: int, accum: int, extra_sinks: list[Any]) -> Monitor:
+        """The run's monitor; at step 0 it also logs what was chosen before it (auto precision, batch)."""
+        amp = self.amp
+        samples = getattr(self.batches, "samples_per_batch", None)  # per rank: throughput is for all ranks
+        tokens = getattr(self.batches, "tokens_per_batch", None)
+        per_step = accum * self.world_size
+        monitor = Monitor(amp, self._sinks(steps) + extra_sinks, log_every=self.settings.log.every,
+                          run_id=self.run_id, samples_per_step=samples * per_step if samples else None,
+                          tokens_per_step=tokens * per_step if tokens else None, optimizer=self.optimizer)
+        if amp.optimizer_steps == 0:
+            decision = auto_decision(amp)
+            if decision is not None:
+                monitor.log_event("auto_precision", **decision)
+            if self.auto_batch is not None:
+                monitor.log_event("auto_batch", **asdict(self.auto_batch))
+        self._monitor = monitor
+        return monitor
+
+    def _train_step(self, run: Steps, accum: int, monitor: Monitor, watch: SkipWatch, stop: GracefulStop) -> None:
+        """One optimizer step (redone with smaller micro-batches after an out-of-memory error),
+        then what follows it: scheduler, diagnosis, callbacks, evaluation, checkpoint, a stop."""
+        amp = self.amp
+        step = amp.optimizer_steps + 1
+        while True:
+            start = self.micro_index
+            try:
+                result = self._window(run, step, accum)
+                break
+            except torch.OutOfMemoryError as e:
+                self.micro_index = start  # no step lost, none counted twice: redo the window
+                self._rebatch(e, accum, monitor)
+        if self.scheduler is not None and not result.skipped:
+            # Only after optimizer steps that really happened (reading `skipped` syncs once
+            # per step; only when a scheduler is given), as Accelerate does.
+            self.scheduler.step()
+        if watch.first is not None and self.diagnosis is None:
+            self.diagnosis = self._recent.diagnose(*watch.first, self.amp, self.model, self.loss_fn)
+        self._call("on_step_end", amp.optimizer_steps, result)
+        every = self.settings.evaluation.every
+        if every and amp.optimizer_steps % every == 0:
+            self.evaluate()
+        saved = None
+        every = self.settings.checkpoint.every
+        if every and amp.optimizer_steps % every == 0:
+            saved = self._checkpoint(monitor)
+        signum = stop.poll(amp.device)  # every rank: the same answer after the same step
+        if signum:
+            self._stop_now(signum, saved, monitor)
+
+    def _finish(self, monitor: Monitor) -> TrainSummary:
+        """Close the monitor, write ``summary.json``, call ``on_train_end``; the run's summary."""
         summary = monitor.close()
         self._monitor = None
-        if self.log_dir and is_main():
-            with open(os.path.join(self.log_dir, "summary.json"), "w", encoding="utf-8") as f:
+        log_dir = self.settings.log.dir
+        if log_dir and is_main():
+            with open(os.path.join(log_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
-        stats = amp.stats()
-        losses = [r["loss"] for r in monitor.records]
-        ms = summary["step_time_ms_median"] or 0.0
-        result = TrainSummary(
-            precision=stats["precision"], device=stats["device"], optimizer_steps=stats["optimizer_steps"],
-            skipped_steps=stats["skipped_steps"], final_loss=_f(losses[-1]), first_loss=_f(losses[0]),
-            ms_per_step=ms, samples_per_s=summary["samples_per_s"] or 0.0, tokens_per_s=summary["tokens_per_s"],
-            final_scale=stats["scale"], losses=[_f(v) for v in losses], log_dir=self.log_dir,
-            peak_mem_bytes=summary["peak_mem_bytes"], run_id=self.run_id,
-            eval_losses=[(e["step"], e["loss"]) for e in monitor.events if e.get("kind") == "eval"],
-            world_size=self.world_size, micro_batch=self.micro_batch, notes=list(self.notes),
-        )
+        result = TrainSummary.from_run(self.amp.stats(), summary, monitor.records, monitor.events, log_dir=log_dir,
+                                       run_id=self.run_id, world_size=self.world_size, micro_batch=self.micro_batch,
+                                       notes=list(self.notes))
         self._call("on_train_end", result)
         return result
 
+    def _confirm_auto(self) -> None:
+        """``auto`` settled by measurement before the first step (a no-op for other precisions,
+        off the CPU, with several processes, and once decided: the CLI may have done it already)."""
+        if auto_decision(self.amp) is not None:
+            return
+        console = self.settings.log.console if is_main() else None
+        choice = confirm_auto(self.amp, self.model, self.batches, loss_fn=self.loss_fn,
+                              announce=console.print if console is not None else None)
+        if auto_decision(self.amp) is not None:
+            self.notes.append(f"precision auto: {choice.reason}")
+            if console is not None:
+                console.print(f"precision auto: {choice.reason}")
 
     def _checkpoint(self, monitor: Monitor) -> str:
         t0 = time.perf_counter()
@@ -286,27 +311,20 @@ class Trainer:
         if self._stop is not None:
             self._stop.request()
 
-    def _window(self, step: int, accum: int) -> Any:
+    def _window(self, run: Steps, step: int, accum: int) -> Any:
         """One optimizer step: ``accum`` batches, each cut into ``self.split`` micro-batches."""
-        amp = self.amp
-        result = None
-        for k in range(accum):
-            # Ranks interleave over the batch indices: rank r of W reads i*W + r (one process: i).
-            batch = self.batches(self.micro_index * self.world_size + self.rank)
+        def remember(k: int, batch: Any) -> None:
             self.micro_index += 1
             if k == 0 and self.diagnose and self.diagnosis is None:
-                self._recent[step] = batch
-                self._recent.pop(step - 2 * self.log_every - 2, None)
-            for piece in split_batch(batch, self.split):
-                with amp.autocast():
-                    loss = self.loss_fn(self.model, piece)
-                amp.backward(loss)
-                result = amp.step(self.optimizer)
-        return result
+                self._recent.remember(step, batch)
+
+        # Ranks interleave over the batch indices: rank r of W reads i*W + r (one process: i).
+        return run.optimizer_step(self.batches, self.micro_index, count=accum, split=self.split,
+                                  index=lambda i: i * self.world_size + self.rank, on_batch=remember).result
 
     def _choose_batch(self) -> None:
         """``batch_size='auto'``: cut each batch into the fewest micro-batches that fit (see ``autobatch``)."""
-        budget = device_budget(self.amp.device, self._auto[1])
+        budget = device_budget(self.amp.device, self.settings.batching.memory_budget)
         choice = choose_split(self.model, self.optimizer, self.amp.precision.name, self.amp.device,
                               self.batches(0), budget)
         accum = self.amp.config.accumulation_steps // self.split
@@ -314,8 +332,9 @@ class Trainer:
         self.amp.set_accumulation_steps(accum * choice.split)
         self.auto_batch, self.micro_batch = choice, choice.micro_batch
         self.notes.append(choice.reason)
-        if self.console is not None and is_main():
-            self.console.print(f"batch_size auto: {choice.reason}")
+        console = self.settings.log.console
+        if console is not None and is_main():
+            console.print(f"batch_size auto: {choice.reason}")
 
     def _rebatch(self, error: BaseException, accum: int, monitor: Monitor) -> None:
         """After an out-of-memory error: free the window, halve the micro-batch, double the
@@ -345,21 +364,22 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over ``eval_steps`` held-out batches, in the training precision or fp32
         (``eval_precision``), without gradients; logged as an ``eval`` event. **Syncs** once."""
-        if self.eval_batches is None:
+        ev = self.settings.evaluation
+        if ev.batches is None:
             raise RuntimeError("no eval_batches were given to the Trainer")
         was_training = self.model.training
         self.model.eval()
         losses = []
-        ctx = self.amp.autocast if self.eval_precision == "train" else self.amp.disabled
+        ctx = self.amp.autocast if ev.precision == "train" else self.amp.disabled
         with torch.no_grad():
-            for i in range(self.eval_steps):
+            for i in range(ev.steps):
                 with ctx():
-                    losses.append(self.loss_fn(self.model, self.eval_batches(i)).detach().float())
+                    losses.append(self.loss_fn(self.model, ev.batches(i)).detach().float())
         self.model.train(was_training)
         value = float(torch.stack(losses).mean())
         if self._monitor is not None:
             self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
-                                    if self.eval_precision == "train" else "fp32", batches=self.eval_steps)
+                                    if ev.precision == "train" else "fp32", batches=ev.steps)
         self._call("on_eval", value)
         return value
 
@@ -406,23 +426,3 @@ class Trainer:
         path, state = found
         self.load_state_dict(state, source=f"checkpoint {path!r}")
         return path
-
-    def _diagnose(self, step: int, scale: Optional[float]) -> None:
-        batch = self._recent.get(step)
-        self._recent.clear()
-        if batch is None:
-            self.diagnosis = False
-            return
-
-        def closure() -> torch.Tensor:
-            with self.amp.autocast():
-                return self.loss_fn(self.model, batch)
-
-        was_training = self.model.training
-        self.diagnosis = self.amp.diagnose(closure, scale=scale)
-        self.model.train(was_training)
-
-
-def _f(v: Optional[float]) -> float:
-    return math.nan if v is None else float(v)
-

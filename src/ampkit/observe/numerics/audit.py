@@ -167,95 +167,129 @@ def audit(
     n_params = sum(q.numel() for q in model.parameters())
     ref_dtype = torch.float64 if (reference == "fp64" or (reference == "auto" and n_params <= max_fp64_params
                                                              and device.type == "cpu")) else torch.float32
-    loss_fn = loss_fn or _default_loss
-    was_training = model.training
-    ref_model = copy.deepcopy(model).to(ref_dtype)
-    ref_model.train(was_training)
-    ref_inputs = _cast_inputs(example_inputs, ref_dtype)
+    ref_outs, ref_grads = _reference(model, example_inputs, ref_dtype, device, loss_fn or _default_loss)
+    max_grad, rec_scale = _recommended_scale(ref_grads)
+    test_model = copy.deepcopy(model)
+    if p.is_pure:
+        test_model = test_model.to(p.param_dtype)
+    test_inputs = _cast_inputs(example_inputs, p.param_dtype) if p.is_pure else example_inputs
+    test_outs, test_finite_in = _forward(test_model, test_inputs, p, device)
+    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
+    threshold = 16 * ulp.get(p.compute_dtype, 2.0**-23)
+    rows = [_module_row(name, m, test_outs.get(name), ref_outs.get(name), not test_finite_in.get(name, True),
+                        ref_grads.get(name) or [], rec_scale, p, threshold)
+            for name, m in model.named_modules() if name]
+    rows.sort(key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
+    keep = [r.name for r in rows if r.keep_fp32]
+    # A container is flagged when a child inside it is: recommend the innermost modules only.
+    keep = [k for k in keep if not any(o != k and o.startswith(k + ".") for o in keep)]
+    by_name = {r.name: r for r in rows}
+    notes = _follow_overflows(test_model, test_inputs, p, device, keep, by_name)
+    rows = sorted(by_name.values(), key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
+    if not p.needs_scaler:
+        notes.append(f"{p.name} needs no loss scaling; the underflow columns show what fp16 would do")
+    return AuditReport(precision=p.name, reference_dtype=str(ref_dtype).replace("torch.", ""), modules=rows,
+                       recommended_keep_fp32=keep, recommended_init_scale=rec_scale,
+                       max_grad=max_grad, notes=notes)
+
+
+def _reference(model: torch.nn.Module, inputs: Any, dtype: torch.dtype, device: torch.device,
+               loss_fn: Callable[[Any], torch.Tensor]) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
+    """A ``dtype`` copy's first outputs per module and its parameters' gradients per module."""
+    ref_model = copy.deepcopy(model).to(dtype)
+    ref_model.train(model.training)
+    ref_inputs = _cast_inputs(inputs, dtype)
     with torch.autocast(device.type, enabled=False):
         ref_outs, ref_result, _ = _first_outputs(ref_model, lambda: _call(ref_model, ref_inputs))
         loss_fn(ref_result).backward()
     ref_grads = {n: [q.grad.detach() for q in m.parameters(recurse=False) if q.grad is not None]
                  for n, m in ref_model.named_modules() if n}
-    all_grads = [g for gs in ref_grads.values() for g in gs]
-    max_grad = max((float(g.abs().max()) for g in all_grads), default=None)
-    if max_grad and max_grad > 0:
-        rec_scale = float(2 ** math.floor(math.log2(FP16_MAX / (8 * max_grad))))
-        rec_scale = min(max(rec_scale, 1.0), 2.0**24)
-    else:
-        rec_scale = None
+    return ref_outs, ref_grads
 
-    test_model = copy.deepcopy(model)
-    if p.is_pure:
-        test_model = test_model.to(p.param_dtype)
-    test_inputs = _cast_inputs(example_inputs, p.param_dtype) if p.is_pure else example_inputs
+
+def _recommended_scale(grads: dict[str, list[torch.Tensor]]) -> tuple[Optional[float], Optional[float]]:
+    """The largest reference gradient, and the largest power of two (1 to 2**24) that keeps it 8x
+    below fp16's max."""
+    max_grad = max((float(g.abs().max()) for gs in grads.values() for g in gs), default=None)
+    if not (max_grad and max_grad > 0):
+        return max_grad, None
+    scale = float(2 ** math.floor(math.log2(FP16_MAX / (8 * max_grad))))
+    return max_grad, min(max(scale, 1.0), 2.0**24)
+
+
+def _forward(model: torch.nn.Module, inputs: Any, p: Precision,
+             device: torch.device) -> tuple[dict[str, Any], dict[str, bool]]:
+    """First outputs per module under ``p``'s autocast (no gradients), and which inputs were finite."""
     with torch.no_grad(), torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled):
-        test_outs, _, test_finite_in = _first_outputs(test_model, lambda: _call(test_model, test_inputs))
+        outs, _, finite_in = _first_outputs(model, lambda: _call(model, inputs))
+    return outs, finite_in
 
-    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
-    threshold = 16 * ulp.get(p.compute_dtype, 2.0**-23)
-    rows = []
-    for name, m in model.named_modules():
-        if not name:
-            continue
-        t_out, r_out = test_outs.get(name), ref_outs.get(name)
-        rel = maxabs = headroom = None
-        nonfinite = False
-        dtype = None
-        if t_out and r_out:
-            t, r = t_out[0], r_out[0]
-            dtype = str(t.dtype).replace("torch.", "")
-            nonfinite = not bool(torch.isfinite(t).all())
-            finite = t[torch.isfinite(t)]
-            maxabs = float(finite.abs().max()) if finite.numel() else None
-            dmax = torch.finfo(t.dtype).max if t.is_floating_point() else None
-            if maxabs and dmax:
-                headroom = math.log2(dmax / maxabs)
-            if not nonfinite and t.shape == r.shape:
-                denom = float(r.double().norm())
-                rel = float((t.double() - r.double()).norm()) / denom if denom > 0 else 0.0
-        u1 = urec = None
-        gs = ref_grads.get(name) or []
-        if gs:
-            flat = torch.cat([g.flatten().abs() for g in gs])
-            nz = flat[flat > 0]
-            if nz.numel():
-                u1 = float((nz < FP16_TINY).float().mean())
-                if rec_scale:
-                    urec = float((nz * rec_scale < FP16_TINY).float().mean())
-        reasons = []
-        if nonfinite and not test_finite_in.get(name, True):
-            note_nf = "non-finite because its input already is"
-        else:
-            note_nf = ""
-        if note_nf:
-            pass  # a consequence of an earlier module, which carries the recommendation
-        elif nonfinite:
-            reasons.append("non-finite output")
-        elif headroom is not None and headroom < 1:
-            reasons.append(f"only {headroom:.2f} bits of headroom to {dtype} max")
-        if not note_nf and rel is not None and rel > threshold and p.compute_dtype != torch.float32:
-            reasons.append(f"relative error {rel:.2g} > {threshold:.2g} (16 ulps of {str(p.compute_dtype)[6:]})")
-        note = note_nf or next((why for cls, why in SENSITIVE.items() if isinstance(m, cls)), "")
-        rows.append(ModuleAudit(name=name, type=type(m).__name__, output_dtype=dtype, rel_error=rel, max_abs=maxabs,
-                                headroom_bits=headroom, nonfinite=nonfinite, grad_underflow_scale1=u1,
-                                grad_underflow_recommended=urec, keep_fp32=bool(reasons),
-                                reasons=tuple(reasons), note=note))
-    rows.sort(key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
-    keep = [r.name for r in rows if r.keep_fp32]
-    # A container is flagged when a child inside it is: recommend the innermost modules only.
-    keep = [k for k in keep if not any(o != k and o.startswith(k + ".") for o in keep)]
+
+def _output_numbers(t_out: Any, r_out: Any) -> tuple[Optional[str], bool, Optional[float], Optional[float],
+                                                      Optional[float]]:
+    """(dtype, non-finite?, largest finite magnitude, headroom bits, relative error) of a module's
+    first output against the reference's."""
+    if not (t_out and r_out):
+        return None, False, None, None, None
+    t, r = t_out[0], r_out[0]
+    nonfinite = not bool(torch.isfinite(t).all())
+    finite = t[torch.isfinite(t)]
+    maxabs = float(finite.abs().max()) if finite.numel() else None
+    dmax = torch.finfo(t.dtype).max if t.is_floating_point() else None
+    headroom = math.log2(dmax / maxabs) if maxabs and dmax else None
+    rel = None
+    if not nonfinite and t.shape == r.shape:
+        denom = float(r.double().norm())
+        rel = float((t.double() - r.double()).norm()) / denom if denom > 0 else 0.0
+    return str(t.dtype).replace("torch.", ""), nonfinite, maxabs, headroom, rel
+
+
+def _underflow(grads: list[torch.Tensor], scale: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+    """Shares of the non-zero gradient elements that flush to zero in fp16 at scale 1 and at ``scale``."""
+    if not grads:
+        return None, None
+    flat = torch.cat([g.flatten().abs() for g in grads])
+    nz = flat[flat > 0]
+    if not nz.numel():
+        return None, None
+    at_one = float((nz < FP16_TINY).float().mean())
+    return at_one, float((nz * scale < FP16_TINY).float().mean()) if scale else None
+
+
+def _module_row(name: str, m: torch.nn.Module, t_out: Any, r_out: Any, input_nonfinite: bool,
+                grads: list[torch.Tensor], rec_scale: Optional[float], p: Precision, threshold: float) -> ModuleAudit:
+    """One module's audit: its output's numbers, its gradients' underflow, why to keep it in fp32."""
+    dtype, nonfinite, maxabs, headroom, rel = _output_numbers(t_out, r_out)
+    u1, urec = _underflow(grads, rec_scale)
+    # Non-finite because its input already is: a consequence of an earlier module, which carries
+    # the recommendation.
+    inherited = nonfinite and input_nonfinite
+    reasons = []
+    if not inherited and nonfinite:
+        reasons.append("non-finite output")
+    elif not inherited and headroom is not None and headroom < 1:
+        reasons.append(f"only {headroom:.2f} bits of headroom to {dtype} max")
+    if not inherited and rel is not None and rel > threshold and p.compute_dtype != torch.float32:
+        reasons.append(f"relative error {rel:.2g} > {threshold:.2g} (16 ulps of {str(p.compute_dtype)[6:]})")
+    note = ("non-finite because its input already is" if inherited
+            else next((why for cls, why in SENSITIVE.items() if isinstance(m, cls)), ""))
+    return ModuleAudit(name=name, type=type(m).__name__, output_dtype=dtype, rel_error=rel, max_abs=maxabs,
+                       headroom_bits=headroom, nonfinite=nonfinite, grad_underflow_scale1=u1,
+                       grad_underflow_recommended=urec, keep_fp32=bool(reasons), reasons=tuple(reasons), note=note)
+
+
+def _follow_overflows(test_model: torch.nn.Module, inputs: Any, p: Precision, device: torch.device,
+                      keep: list[str], by_name: dict[str, ModuleAudit]) -> list[str]:
+    """An overflow hides the ones after it (their inputs are already inf): re-run with the
+    recommendations applied until no new module overflows. Extends ``keep`` and ``by_name`` in
+    place; returns notes on what each round found."""
     notes = []
-    # An overflow hides the ones after it (their inputs are already inf). Re-run with the
-    # recommendations applied until no new module overflows.
-    by_name = {r.name: r for r in rows}
     for _ in range(8):
         if not any(by_name[k].nonfinite for k in keep):
             break
         trial = copy.deepcopy(test_model)
         apply_fp32_overrides(trial, keep, device.type)
-        with torch.no_grad(), torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled):
-            outs, _, fin = _first_outputs(trial, lambda t=trial: _call(t, test_inputs))
+        outs, fin = _forward(trial, inputs, p, device)
         new = [n for n, o in outs.items() if o and fin.get(n, True) and not bool(torch.isfinite(o[0]).all())
                and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)]
         new = [n for n in new if not any(o != n and o.startswith(n + ".") for o in new)]
@@ -266,9 +300,4 @@ def audit(
                                              reasons=(f"non-finite output once {', '.join(keep)} run in fp32",))
         keep += new
         notes.append(f"after keeping {', '.join(keep[:-len(new)])} in fp32, {', '.join(new)} overflowed next")
-    rows = sorted(by_name.values(), key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
-    if not p.needs_scaler:
-        notes.append(f"{p.name} needs no loss scaling; the underflow columns show what fp16 would do")
-    return AuditReport(precision=p.name, reference_dtype=str(ref_dtype).replace("torch.", ""), modules=rows,
-                       recommended_keep_fp32=keep, recommended_init_scale=rec_scale,
-                       max_grad=max_grad, notes=notes)
+    return notes
