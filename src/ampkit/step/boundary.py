@@ -11,11 +11,10 @@ groups) differs in the last bits and runs drift apart.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .master import MasterWeights
 from .scaler import LossScaler
 
 __all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
@@ -24,9 +23,10 @@ __all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
 class ClipOrder:
     """Parameters to clip for a set of optimizers, in model order; cached until the groups change."""
 
-    def __init__(self, model: torch.nn.Module, masters: Optional[MasterWeights] = None) -> None:
+    def __init__(self, model: torch.nn.Module,
+                 stepped: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self._model = model
-        self._masters = masters  # pure precisions: the optimizer steps (and clips) the fp32 masters
+        self._stepped = stepped  # pure precisions: the optimizer steps (and clips) the fp32 masters
         self._cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def params(self, opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -34,8 +34,8 @@ class ClipOrder:
         cached = self._cache.get(key)
         if cached is None:
             stepped = {id(p): p for o in opts for g in o.param_groups for p in g["params"]}
-            ordered = self._model.parameters() if self._masters is None else (
-                self._masters.stepped(p) for p in self._model.parameters())
+            stepped_of = self._stepped
+            ordered = self._model.parameters() if stepped_of is None else map(stepped_of, self._model.parameters())
             cached = [p for p in ordered if id(p) in stepped]
             seen = {id(p) for p in cached}
             cached += [p for i, p in stepped.items() if i not in seen]

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...step.overrides import to_fp32
+from .overrides import to_fp32
 
 __all__ = ["FP16_MAX", "FP16_TINY", "NonFiniteReport", "float_tensors", "localize_nonfinite", "nonfinite"]
 
