@@ -59,6 +59,19 @@ def test_engine_is_one_class_without_precision_branches():
     assert not (SRC / "step" / "switching.py").exists() and not (SRC / "step" / "state.py").exists()
 
 
+def test_nothing_patched_at_import():
+    """``ampkit/__init__.py`` assigns nothing onto another object; the engine finds its localizer and adapter itself."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    patched = [ast.unparse(t) for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(t, ast.Attribute)]
+    assert not patched
+    import ampkit
+
+    assert not hasattr(ampkit.MixedPrecision, "default_localizer")
+    assert not hasattr(ampkit.MixedPrecision, "parallel_adapter")
+
+
 def test_import_ampkit_does_not_import_fsdp():
     """The FSDP2 adapter is imported only for a model that can be sharded (torch.distributed.fsdp costs ~1 s)."""
     code = "import sys, ampkit; m = ampkit.MixedPrecision('fp32', device='cpu'); " \
