@@ -92,6 +92,7 @@ class MixedPrecision:
         self.precision: Precision = resolve_precision(cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate)
         self._parallel: Parallel = Parallel()
         self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device)
+        self._backward_context: Optional[contextlib.AbstractContextManager[Any]] = None
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -157,9 +158,11 @@ class MixedPrecision:
 
     def _prepare(self, model: torch.nn.Module) -> None:
         """The current policy gives the model its form; the adapter and the clip order follow it."""
-        self._policy.prepare(model, self._optimizers)
-        self._parallel.use_masters(self._policy.keeps_masters)
-        self._clip_order = ClipOrder(model, self._policy.stepped if self._policy.keeps_masters else None)
+        policy = self._policy
+        policy.prepare(model, self._optimizers)
+        self._backward_context = policy.backward_context()  # reusable: asked once, not per step
+        self._parallel.use_masters(policy.keeps_masters)
+        self._clip_order = ClipOrder(model, policy.stepped if policy.keeps_masters else None)
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -192,7 +195,8 @@ class MixedPrecision:
         ``retain_graph``). Raises when the window already holds ``accumulation_steps``
         micro-steps without a :meth:`step` in between. No sync.
         """
-        self._require_setup("backward")
+        if self._model is None:
+            self._require_setup("backward")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward() expects the loss as a torch.Tensor, got {type(loss).__name__}")
         if not loss.is_floating_point():
@@ -213,8 +217,7 @@ class MixedPrecision:
             self._window_loss = d if window.micro == 1 or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
         self._parallel.before_backward(window.complete)
-        policy = self._policy
-        context = policy.backward_context()
+        context = self._backward_context
         try:
             if context is not None:
                 with context:
@@ -224,7 +227,9 @@ class MixedPrecision:
         except BaseException:
             window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
             raise
-        policy.after_backward()  # pure precisions: half gradients summed into the fp32 masters'
+        hook = self._policy.after_backward  # pure precisions: half gradients summed into the fp32 masters'
+        if hook is not None:
+            hook()
 
     def set_window(self, micro_steps: int) -> None:
         """Make the next accumulation window ``micro_steps`` long (1..``accumulation_steps``).
@@ -291,8 +296,9 @@ class MixedPrecision:
         overflows raises :class:`NumericsError` naming the non-finite layers (the gradients are
         dropped first, as usual). Only a firing trigger syncs.
         """
-        self._require_setup("step")
-        opts = self._check_optimizers(optimizers)
+        if self._model is None:
+            self._require_setup("step")
+        opts = stepped_optimizers(optimizers, self._optimizers)
         window = self._window
         if window.micro == 0:
             if flush:
@@ -308,14 +314,15 @@ class MixedPrecision:
         params = self._clip_order.params(opts)
         self._parallel.before_step(params)
         grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
-        self._policy.after_step()  # pure precisions: the masters rounded into the model
+        hook = self._policy.after_step  # pure precisions: the masters rounded into the model
+        if hook is not None:
+            hook()
         micro = window.micro
         window.reset()
         self._steps += 1
         try:  # before the gradients go, so that a trigger can name the non-finite ones
             trigger = self._fallback.watch(found_inf, scale, self._steps,
-                                           self._scaler.scale_tensor if self.precision.needs_scaler else None,
-                                           self._named_grads)
+                                           self._scaler if self.precision.needs_scaler else None, self._named_grads)
         finally:
             if zero_grad:
                 for opt in opts:
@@ -552,9 +559,6 @@ class MixedPrecision:
     def _require_setup(self, verb: str) -> None:
         if self._model is None:
             raise RuntimeError(f"{verb}() called before setup(); call model, optimizer = amp.setup(model, optimizer) first")
-
-    def _check_optimizers(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.optim.Optimizer]:
-        return stepped_optimizers(optimizers, self._optimizers)
 
     def __repr__(self) -> str:
         return (f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "

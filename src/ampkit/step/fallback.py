@@ -42,6 +42,7 @@ from .hardware import DeviceInfo
 from .localize import NonFiniteReport
 from .precision import NAMES, PrecisionError, parse_precision, resolve_precision
 from .scale_rules import SCALE_FLOOR
+from .scaler import LossScaler
 
 __all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "chain_exhausted", "fallback_data",
            "make_fallback", "nonfinite_grads", "resolve_chain", "scale_exhausted"]
@@ -150,23 +151,22 @@ class FallbackPolicy:
         torch.maximum(self._max, self._consec, out=self._max)  # type: ignore[arg-type]
 
     def watch(self, found_inf: Optional[torch.Tensor], scale: Optional[torch.Tensor], step: int,
-              scale_now: Optional[torch.Tensor], named_grads: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+              scaler: Optional[LossScaler], named_grads: Callable[[], Iterable[tuple[str, torch.Tensor]]]
               ) -> Optional[Trigger]:
         """After optimizer step ``step``, while the gradients are still there: count it and, every
         ``check_every`` steps, check (module doc). ``scale`` is the scale this step's gradients
-        carried, ``scale_now`` the scaler's live one (None without loss scaling).
+        carried; ``scaler`` the loss scaler of a precision with loss scaling, else None.
 
         Returns the trigger to act on, naming the non-finite gradients (``named_grads()``): a
         fallback trigger, or with the fallback off ``scale_exhausted`` once a step at the floor
         overflows again. No sync unless a trigger fires.
         """
-        scaled = scale_now is not None
-        if found_inf is None or not (self.falls_back or scaled):
+        if found_inf is None or not (self.chain or scaler is not None):
             return None
         self.observe(found_inf)
         if step % self.check_every:
             return None
-        trigger = self.check(scale_now, scaled)
+        trigger = self.check(scaler.scale_tensor if scaler is not None else None, scaler is not None)
         if trigger is None:
             return None
         if not self.falls_back:

@@ -24,7 +24,10 @@ __all__ = ["check_and_unscale", "first_grad_device", "grads_of"]
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
-    if all(g.dtype == first for g in grads):
+    for g in grads:  # (a loop, not all(<genexpr>): this runs every step)
+        if g.dtype != first:
+            break
+    else:
         return [list(grads)]
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:

@@ -34,8 +34,11 @@ def stepped_optimizers(given: Sequence[torch.optim.Optimizer],
         if not registered:
             raise RuntimeError("step() has no optimizer: pass it to setup(model, optimizer) or to step(optimizer)")
         return registered
-    for opt in given:
-        if not any(opt is o for o in registered):
+    for opt in given:  # (plain loops: this runs every step)
+        for o in registered:
+            if o is opt:
+                break
+        else:
             raise ValueError(f"step() got an optimizer ({type(opt).__name__}) that was not set up; "
                              "pass it to amp.setup(model, optimizer) first")
     return list(given)

@@ -6,9 +6,11 @@ calls, in order:
 * ``prepare(model, optimizers)`` at ``setup()`` or after a switch: casts, fp32 masters, fp8
   modules. ``release()`` undoes it (before a switch: the old policy releases, the new prepares).
 * ``forward_context()`` for every forward (autocast, the fp32 matmul policy): returns a context.
-* ``backward_context()`` around ``loss.backward()`` (None: nothing to enter).
-* ``after_backward()`` after every backward; ``after_step()`` after every optimizer step (skipped
-  ones included). Both run on the hot path: no host sync, no per-parameter Python where avoidable.
+* ``backward_context()``, asked once after ``prepare``: a reusable context entered around every
+  ``loss.backward()`` (None: nothing to enter).
+* ``after_backward`` after every backward and ``after_step`` after every optimizer step (skipped
+  ones included): callables, or None when the family has nothing to do there, so the engine pays
+  nothing per step for them. Both run on the hot path: no host sync.
 * ``stepped(param)``: the tensor the optimizer steps for a model parameter (its master, or itself).
 * ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond the model and optimizer.
 * ``describe()``: what it does to weights, compute and gradients (for the precision manifest).
@@ -19,7 +21,7 @@ The base is the plain fp32 behaviour: nothing to cast, no context to enter.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -72,14 +74,13 @@ class PrecisionPolicy:
         return contextlib.nullcontext()
 
     def backward_context(self) -> Optional[contextlib.AbstractContextManager[Any]]:
-        """A context for ``loss.backward()``, or None. No sync."""
+        """A reusable context for every ``loss.backward()``, or None. No sync."""
         return None
 
-    def after_backward(self) -> None:
-        """After each backward (e.g. half gradients into the masters'). No sync."""
-
-    def after_step(self) -> None:
-        """After each optimizer step, taken or skipped (e.g. the masters into the model). No sync."""
+    #: Called after each backward (e.g. half gradients into the masters'), or None. No sync.
+    after_backward: Optional[Callable[[], None]] = None
+    #: Called after each optimizer step, taken or skipped (e.g. the masters into the model), or None. No sync.
+    after_step: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------------ state and description
     def state_dict(self) -> dict[str, Any]:

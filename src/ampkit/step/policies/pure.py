@@ -25,9 +25,9 @@ so no second copy exists.
 :class:`PurePolicy` is the family's policy: ``prepare`` builds the :class:`MasterWeights`, the
 forward runs under autocast to the half dtype (inputs and the ops autocast keeps in fp32 follow
 it), ``after_backward`` absorbs the half gradients, ``after_step`` rounds the masters into the
-model, ``release`` puts the masters' values back as fp32 parameters. A switch between the two
-pure forms is a release then a prepare: the model is recast from the masters, the optimizer state
-follows its parameter.
+model (both set by ``prepare``), ``release`` puts the masters' values back as fp32 parameters. A
+switch between the two pure forms is a release then a prepare: the model is recast from the
+masters, the optimizer state follows its parameter.
 """
 
 from __future__ import annotations
@@ -163,12 +163,14 @@ class PurePolicy(PrecisionPolicy):
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if self.shards_params:  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
             return
-        self._masters = MasterWeights(model, optimizers, self.precision.param_dtype, self.kept_names(model))
+        masters = self._masters = MasterWeights(model, optimizers, self.precision.param_dtype, self.kept_names(model))
+        self.after_backward = masters.absorb_grads  # half gradients summed into the fp32 masters' gradients
+        self.after_step = masters.copy_to_model  # unconditional: after a skipped step the masters did not move
 
     def release(self) -> None:
         if self._masters is not None:
             self._masters.release()
-            self._masters = None
+            self._masters = self.after_backward = self.after_step = None
 
     @property
     def keeps_masters(self) -> bool:
@@ -189,14 +191,6 @@ class PurePolicy(PrecisionPolicy):
         # Inputs and the ops autocast keeps in fp32 follow the half dtype of the weights.
         return torch.autocast(self.device.type, dtype=self.precision.compute_dtype,
                               cache_enabled=self.config.autocast_cache)
-
-    def after_backward(self) -> None:
-        if self._masters is not None:
-            self._masters.absorb_grads()  # half gradients summed into the fp32 masters' gradients
-
-    def after_step(self) -> None:
-        if self._masters is not None:
-            self._masters.copy_to_model()  # unconditional: after a skipped step the masters did not move
 
     def state_dict(self) -> dict[str, Any]:
         """The fp32 masters by parameter name (empty under FSDP2, where the shards are the masters)."""
