@@ -32,9 +32,53 @@ def test_layers_import_downwards_and_no_private_names(path):
         assert not private, f"{path.relative_to(SRC)} imports private {private} from {'.'.join(target)}"
 
 
+# Modules allowed past the size cap, each with its reason and its own, higher cap.
+LARGE = {
+    # One class, one file (issue 22): setup, autocast, backward, step, switch and state share the
+    # engine's dozen fields; split into mixins they were read as attributes typed Any. The precision
+    # specifics live in step/policies/, fallback decisions in step/fallback.py. torch keeps
+    # GradScaler in one ~700-line file for the same reason.
+    "step/engine.py": 600,
+}
+
+
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
 def test_modules_stay_small(path):
-    assert len(path.read_text().splitlines()) <= 430, f"{path.relative_to(SRC)} is asking to be split"
+    cap = LARGE.get(str(path.relative_to(SRC)), 430)
+    assert len(path.read_text().splitlines()) <= cap, f"{path.relative_to(SRC)} is asking to be split"
+
+
+def test_engine_is_one_class_without_precision_branches():
+    """The engine is one class in one file, no mixins; what a precision does lives in its policy."""
+    import ampkit.step.engine as engine
+
+    assert engine.MixedPrecision.__bases__ == (object,)
+    text = (SRC / "step" / "engine.py").read_text()
+    for branch in ('.name == "tf32"', '.name == "fp32"', '.name == "fp8"', "is_pure", "self._masters", "self._matmul"):
+        assert branch not in text, f"engine.py branches on the precision kind: {branch}"
+    assert not (SRC / "step" / "switching.py").exists() and not (SRC / "step" / "state.py").exists()
+
+
+def test_nothing_patched_at_import():
+    """``ampkit/__init__.py`` assigns nothing onto another object; the engine finds its localizer and adapter itself."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    patched = [ast.unparse(t) for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(t, ast.Attribute)]
+    assert not patched
+    import ampkit
+
+    assert not hasattr(ampkit.MixedPrecision, "default_localizer")
+    assert not hasattr(ampkit.MixedPrecision, "parallel_adapter")
+
+
+def test_import_ampkit_does_not_import_fsdp():
+    """The FSDP2 adapter is imported only for a model that can be sharded (torch.distributed.fsdp costs ~1 s)."""
+    code = "import sys, ampkit; m = ampkit.MixedPrecision('fp32', device='cpu'); " \
+           "import torch; m.setup(torch.nn.Linear(2, 2)); print('torch.distributed.fsdp' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
 
 
 def test_plain_public_api():

@@ -11,7 +11,7 @@ from ampkit import MixedPrecision
 from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 from ampkit.observe.memory import breakdown
-from ampkit.step.master import MasterWeights
+from ampkit.step.policies.pure import MasterWeights
 
 from .helpers import SyncCounter
 
@@ -239,6 +239,28 @@ def test_switch_between_pure_forms_and_back_to_fp32():
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
     train(2)  # the optimizer state followed its parameters
     assert all(len(opt.state[p]) > 0 for p in model.parameters())
+
+
+def test_switch_between_pure_forms_keeps_masters_and_optimizer_state():
+    """A switch is "old policy releases, new policy prepares": the fp32 masters' values and the
+    optimizer state carry over bitwise; the model becomes the masters rounded to the new dtype."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = MixedPrecision("fp16-pure", device="cpu")
+    model, opt = amp.setup(model, opt)
+    x, y = data(1)[0]
+    with amp.autocast():
+        amp.backward(F.cross_entropy(model(x), y))
+    amp.step(opt)
+    masters = [m.detach().clone() for m in amp.master_params()]
+    states = [{k: v.clone() for k, v in opt.state[m].items()} for m in amp.master_params()]
+    amp.switch("bf16-pure")
+    assert type(amp.policy).__name__ == "PurePolicy" and amp.policy.precision.name == "bf16-pure"
+    assert all(torch.equal(a, b) for a, b in zip(amp.master_params(), masters))
+    for m, before in zip(amp.master_params(), states):
+        assert all(torch.equal(opt.state[m][k], v) for k, v in before.items())
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(m) for m in amp.master_params()}
+    assert_model_is_rounded_masters(model, amp, torch.bfloat16)
 
 
 def test_errors_are_clear():

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit import MixedPrecision
-from ampkit.observe.numerics import audit, localize_nonfinite
+from ampkit import MixedPrecision, audit, localize_nonfinite
 
 from .unstable_model import Unstable, data
 

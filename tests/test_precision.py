@@ -119,3 +119,38 @@ def test_real_probe_is_consistent():
 def test_cuda_requested_without_cuda():
     with pytest.raises(ValueError, match="CUDA is not available"):
         resolve_precision("bf16", "cuda")
+
+
+def test_one_list_of_names_each_with_a_family():
+    from ampkit.step.precision import NAMES, precision_dtypes
+
+    assert ("auto", *NAMES) == CANONICAL
+    families = {n: resolve_precision(n, cuda((9, 0))).family for n in NAMES}
+    assert families == {"fp32": "full", "tf32": "full", "bf16": "autocast", "fp16": "autocast",
+                        "bf16-pure": "pure", "fp16-pure": "pure", "fp8": "fp8"}
+    assert precision_dtypes("bf16-true") == (torch.bfloat16, torch.bfloat16)
+    assert precision_dtypes("16-mixed") == (torch.float32, torch.float16)
+    for device_dependent in ("auto", "O2", "O1"):
+        with pytest.raises(PrecisionError, match="depends on the device"):
+            precision_dtypes(device_dependent)
+
+
+@pytest.mark.parametrize("alias,name", [("O0", "fp32"), ("O1", "auto"), ("O2", "o2"), ("o2", "o2")])
+def test_apex_levels_in_the_alias_table(alias, name):
+    assert parse_precision(alias) == name
+
+
+@pytest.mark.parametrize("name,policy", [("fp32", "FullPolicy"), ("tf32", "FullPolicy"), ("bf16", "AutocastPolicy"),
+                                         ("fp16", "AutocastPolicy"), ("bf16-pure", "PurePolicy"),
+                                         ("fp16-pure", "PurePolicy"), ("fp8", "Fp8Policy")])
+def test_policy_for_picks_the_family(name, policy):
+    from ampkit import MixedPrecisionConfig
+    from ampkit.step.policies import policy_for
+
+    p = resolve_precision(name, "cpu", emulate_fp8=True)
+    chosen = policy_for(p, MixedPrecisionConfig(), torch.device("cpu"))
+    assert type(chosen).__name__ == policy
+    d = chosen.describe()
+    assert d["precision"] == name and d["family"] == p.family
+    assert d["weights"] == str(p.param_dtype).replace("torch.", "")
+    assert d["loss_scaling"] == p.needs_scaler

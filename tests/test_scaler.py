@@ -271,6 +271,35 @@ def test_invalid_construction():
         LossScaler(init_scale=0)
 
 
+@pytest.mark.parametrize("kwargs,name", [
+    ({"backoff_factor": 1.0}, "backoff_factor"), ({"growth_interval": 0}, "growth_interval"),
+    ({"growth_interval": 2.5}, "growth_interval"), ({"hysteresis": 0}, "hysteresis"),
+    ({"min_scale": -1.0}, "min_scale"), ({"max_scale": float("inf")}, "max_scale"),
+    ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "max_scale"),
+    ({"min_scale": 1.0, "max_scale": 2.0}, "init_scale"), ({"init_scale": 2.0**-127}, "init_scale"),
+])
+def test_scaler_validates_its_own_knobs(kwargs, name, monkeypatch):
+    """The scaler checks its arguments itself (no MixedPrecisionConfig is built), with a ConfigError naming the knob."""
+    import ampkit.step.config as config
+
+    def boom(*a, **k):
+        raise AssertionError("LossScaler built a MixedPrecisionConfig to check its arguments")
+
+    monkeypatch.setattr(config.MixedPrecisionConfig, "__post_init__", boom)
+    LossScaler(init_scale=8.0, min_scale=1.0, max_scale=16.0, hysteresis=2)  # valid: no config involved
+    with pytest.raises(config.ConfigError, match=f"invalid {name}="):
+        LossScaler(**kwargs)
+
+
+def test_device_tensors_are_the_scalers_state():
+    ls = LossScaler(init_scale=4.0)
+    assert ls.device_tensors() == ()
+    ls.scale(torch.ones(()))
+    tensors = ls.device_tensors()
+    assert len(tensors) == 5 and all(t.device.type == "cpu" for t in tensors)
+    assert tensors[0] is ls.scale_tensor and float(tensors[0]) == 4.0
+
+
 def test_state_lives_on_device_and_is_lazy():
     ls = LossScaler()
     assert ls.scale_tensor is None

@@ -9,7 +9,6 @@ back up. A name not listed in ``__all__`` lives in its home module (``ampkit.loo
 
 from __future__ import annotations
 
-from .distributed import adapter_for as _adapter_for
 from .loop.bench import BenchReport, Recommendation, compare, tune
 from .loop.checkpoint import (
     CheckpointError,
@@ -51,8 +50,3 @@ __all__ = [
     "compare", "tune", "BenchReport", "Recommendation",
     "__version__",
 ]
-
-# The composition root hands the engine its diagnosis tool (the engine never imports observers).
-MixedPrecision.default_localizer = staticmethod(localize_nonfinite)
-# ... and the adapter that makes it cooperate with DDP / FSDP2 (the engine never imports distributed).
-MixedPrecision.parallel_adapter = staticmethod(_adapter_for)

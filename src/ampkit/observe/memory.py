@@ -117,8 +117,8 @@ def breakdown(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]
             add("master_weights", t)
         scaler = getattr(amp, "scaler", None)
         if scaler is not None:
-            for name in ("_scale", "_growth_tracker", "_hysteresis_left", "_overflows", "_one"):
-                add("scaler", getattr(scaler, name, None))
+            for t in scaler.device_tensors():
+                add("scaler", t)
     return MemoryBreakdown(cells=dict(cells))
 
 

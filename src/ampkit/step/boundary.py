@@ -11,11 +11,10 @@ groups) differs in the last bits and runs drift apart.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .master import MasterWeights
 from .scaler import LossScaler
 
 __all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
@@ -24,22 +23,27 @@ __all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
 class ClipOrder:
     """Parameters to clip for a set of optimizers, in model order; cached until the groups change."""
 
-    def __init__(self, model: torch.nn.Module, masters: Optional[MasterWeights] = None) -> None:
+    def __init__(self, model: torch.nn.Module,
+                 stepped: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self._model = model
-        self._masters = masters  # pure precisions: the optimizer steps (and clips) the fp32 masters
+        self._stepped = stepped  # pure precisions: the optimizer steps (and clips) the fp32 masters
         self._cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def params(self, opts: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
-        key = tuple(id(o) for o in opts) + tuple(sum(len(g["params"]) for g in o.param_groups) for o in opts)
-        cached = self._cache.get(key)
+        key = []  # (plain loops: this runs every step)
+        for o in opts:
+            key.append(id(o))
+            for g in o.param_groups:
+                key.append(len(g["params"]))
+        cached = self._cache.get(tuple(key))
         if cached is None:
             stepped = {id(p): p for o in opts for g in o.param_groups for p in g["params"]}
-            ordered = self._model.parameters() if self._masters is None else (
-                self._masters.stepped(p) for p in self._model.parameters())
+            stepped_of = self._stepped
+            ordered = self._model.parameters() if stepped_of is None else map(stepped_of, self._model.parameters())
             cached = [p for p in ordered if id(p) in stepped]
             seen = {id(p) for p in cached}
             cached += [p for i, p in stepped.items() if i not in seen]
-            self._cache[key] = cached
+            self._cache[tuple(key)] = cached
         return cached
 
 
@@ -62,8 +66,10 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
         for opt in opts:
             opt.step()
         return grad_norm, None, None
-    scale = scaler.scale_tensor if scaler.is_unit else _clone(scaler.scale_tensor)
-    if clip is not None and scaler.is_unit:
+    unit = scaler.is_unit
+    live = scaler.scale_tensor
+    scale = live if unit or live is None else live.clone()
+    if clip is not None and unit:
         # Nothing to unscale: the clipped total norm is non-finite exactly when some gradient
         # is, so it doubles as the finite check (saves a pass over the gradients).
         grad_norm = clip_norm(params, clip)
@@ -88,7 +94,3 @@ def clip_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(params, clip)
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
-
-
-def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.clone()

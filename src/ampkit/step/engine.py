@@ -35,20 +35,29 @@ from .config import MixedPrecisionConfig
 from .contexts import MatmulPrecision
 from .determinism import apply_determinism
 from .events import Event, EventStream, StepResult
-from .fallback import NumericsError
+from .fallback import (
+    NumericsError,
+    Trigger,
+    chain_exhausted,
+    fallback_data,
+    make_fallback,
+    scale_exhausted,
+)
 from .hardware import DeviceInfo, device_info, normalize_device
-from .master import MasterWeights
+from .localize import NonFiniteReport, localize_nonfinite
 from .overrides import Fp32Overrides, apply_fp32_overrides
-from .parallel import Parallel
+from .parallel import adapter_for
+from .parallel.base import Parallel
+from .policies import policy_for
+from .policies.base import PrecisionPolicy
 from .precision import Precision, resolve_precision
 from .scaler import LossScaler
-from .state import StateMixin
-from .switching import SwitchingMixin
 from .validation import check_setup, stepped_optimizers
 
 __all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
 
-class MixedPrecision(SwitchingMixin, StateMixin):
+
+class MixedPrecision:
     """Mixed-precision training: autocast, loss scaling, accumulation, clipping, skipping, switching.
 
     Args:
@@ -82,6 +91,8 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         self.device_info: DeviceInfo = device_info(self.device)
         self.precision: Precision = resolve_precision(cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate)
         self._parallel: Parallel = Parallel()
+        self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device)
+        self._backward_context: Optional[contextlib.AbstractContextManager[Any]] = None
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -89,16 +100,12 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         self._clip_order: Optional[ClipOrder] = None
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._stream = EventStream()
-        self._masters: Optional[MasterWeights] = None
-        self._fp8_report: Optional[list[Any]] = None
         self._window_loss: Optional[torch.Tensor] = None
         self._overrides: Optional[Fp32Overrides] = None
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
-        self._last_diagnosis: Optional[Any] = None
-        self._fallback = self._make_fallback()
-        self._build_contexts()
+        self._last_diagnosis: Optional[NonFiniteReport] = None
+        self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
 
-    # ------------------------------------------------------------------ construction helpers
     def _make_scaler(self, precision: Precision) -> LossScaler:
         if precision.needs_scaler:
             scaler = LossScaler.from_config(self.config, device=self.device)
@@ -107,83 +114,69 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         scaler.found_inf_hook = self._parallel.found_inf_reducer()  # data parallel: same skips on all ranks
         return scaler
 
-    def _build_contexts(self) -> None:
-        p = self.precision
-        if p.name == "tf32":
-            # On CUDA "high" means TF32; on CPUs with AMX, oneDNN may use bf16 internals.
-            level = "high" if self.device.type == "cuda" else "medium"
-            self._matmul: Optional[MatmulPrecision] = MatmulPrecision(level, True)
-        elif p.name == "fp32":
-            self._matmul = MatmulPrecision("highest", False)
-        else:
-            self._matmul = None
-
     # ------------------------------------------------------------------ set-up
     @property
     def scaler(self) -> LossScaler:
         """The loss scaler in use (a constant unit scaler for precisions without scaling)."""
         return self._scaler
 
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The current precision's policy (:mod:`ampkit.step.policies`); ``policy.describe()`` says what it does."""
+        return self._policy
+
     def setup(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """Prepare ``model`` (moved to the device) and register ``optimizers`` with the engine.
 
         Returns ``model`` when no optimizer is given, else ``(model, *optimizers)``. Must be called
-        before :meth:`backward`/:meth:`step`. Raises :class:`PrecisionError` for precisions the
-        engine cannot apply yet (the pure forms and fp8), before anything is changed. With
-        ``config.deterministic`` set, first switches PyTorch to deterministic kernels
-        (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
+        before :meth:`backward`/:meth:`step`. The precision's policy prepares the model (casts and
+        fp32 masters for the pure forms, fp8 modules); the DDP / FSDP2 adapter is picked from the
+        model (:func:`ampkit.step.parallel.adapter_for`). Raises before anything is changed for a
+        model or optimizers that do not fit. With ``config.deterministic`` set, first switches
+        PyTorch to deterministic kernels (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
         """
-        check_setup(self.precision.name, model, optimizers, self.config.keep_fp32)  # before anything changes
+        check_setup(model, optimizers, self.config.keep_fp32)  # before anything changes
         if self.config.deterministic is not False:
             apply_determinism(self.config.deterministic)
         if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
             model.to(self.device)  # (skipped when already there: also lets fake-tensor models through)
+        if self._model is not None:
+            self._policy.release()  # a second setup(): the previous model gets its fp32 form back
         self._model = model
-        self._fp8_report = None
-        if self.precision.name == "fp8":  # before the overrides: conversion swaps modules
-            self._convert_fp8()
+        self._optimizers = list(optimizers)
+        self._parallel = adapter_for(model)
+        self._scaler.found_inf_hook = self._parallel.found_inf_reducer()
+        self._policy = policy_for(self.precision, self.config, self.device, shards_params=self._parallel.shards_params)
+        self._prepare(model)  # before the overrides: fp8 conversion swaps modules
         if self._overrides is not None:
             self._overrides.remove()
         if self.config.keep_fp32:
             self._overrides = apply_fp32_overrides(model, self.config.keep_fp32, self.device.type)
-        self._model = model
-        self._optimizers = list(optimizers)
-        pick = type(self).parallel_adapter
-        self._parallel = (pick(model) if pick is not None else None) or Parallel()
-        self._scaler.found_inf_hook = self._parallel.found_inf_reducer()
-        self._masters = None
-        if self.precision.is_pure and not self._parallel.shards_params:  # FSDP2: the fp32 shards are the masters
-            self._masters = MasterWeights(model, self._optimizers, self.precision.param_dtype, self._kept_names())
-        self._parallel.use_masters(self._masters is not None)
-        self._clip_order = ClipOrder(model, self._masters)
         if self.config.compile:
             model.compile()  # nn.Module.compile: in place, so parameters and state_dict keys stay the same
         return (model, *optimizers) if optimizers else model
 
-    # ------------------------------------------------------------------ forward
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """Context for the forward pass (and loss): autocast to the compute dtype.
+    def _prepare(self, model: torch.nn.Module) -> None:
+        """The current policy gives the model its form; the adapter and the clip order follow it."""
+        policy = self._policy
+        policy.prepare(model, self._optimizers)
+        self._backward_context = policy.backward_context()  # reusable: asked once, not per step
+        self._parallel.use_masters(policy.keeps_masters)
+        self._clip_order = ClipOrder(model, policy.stepped if policy.keeps_masters else None)
 
-        Also applies the fp32 matmul policy (tf32 on / strictly off for fp32) and, under DDP,
-        ``no_sync()`` on micro-steps that do not end an accumulation window. No sync.
+    # ------------------------------------------------------------------ forward
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for the forward pass (and loss): the policy's forward context -- autocast to the
+        compute dtype, or for fp32/tf32 the fp32 matmul precision -- and, under DDP, ``no_sync()`` on
+        micro-steps that do not end an accumulation window. No sync.
         """
-        p = self.precision
         w = self._window
         no_sync = self._parallel.forward_context(w.micro + 1 >= w.current_size)
-        autocast = p.autocast_enabled or p.is_pure  # pure: inputs and non-mastered ops follow the half dtype
-        if autocast and self._matmul is None and no_sync is None:
-            # The common case costs exactly what a hand-written loop pays: one torch.autocast.
-            return torch.autocast(self.device.type, dtype=p.compute_dtype, cache_enabled=self.config.autocast_cache)
-        if not autocast and no_sync is None and self._matmul is not None:
-            return self._matmul  # fp32 / tf32: only the matmul policy
+        if no_sync is None:
+            return self._policy.forward_context()  # one torch.autocast: what a hand-written loop pays
         stack = contextlib.ExitStack()
-        if autocast:
-            stack.enter_context(torch.autocast(self.device.type, dtype=p.compute_dtype,
-                                               cache_enabled=self.config.autocast_cache))
-        if self._matmul is not None:
-            stack.enter_context(self._matmul)
-        if no_sync is not None:
-            stack.enter_context(no_sync)
+        stack.enter_context(self._policy.forward_context())
+        stack.enter_context(no_sync)
         return stack
 
     @contextlib.contextmanager
@@ -202,7 +195,8 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         ``retain_graph``). Raises when the window already holds ``accumulation_steps``
         micro-steps without a :meth:`step` in between. No sync.
         """
-        self._require_setup("backward")
+        if self._model is None:
+            self._require_setup("backward")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward() expects the loss as a torch.Tensor, got {type(loss).__name__}")
         if not loss.is_floating_point():
@@ -223,17 +217,19 @@ class MixedPrecision(SwitchingMixin, StateMixin):
             self._window_loss = d if window.micro == 1 or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
         self._parallel.before_backward(window.complete)
+        context = self._backward_context
         try:
-            if self._matmul is not None:
-                with self._matmul:
+            if context is not None:
+                with context:
                     scaled.backward(**kwargs)
             else:
                 scaled.backward(**kwargs)
         except BaseException:
             window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
             raise
-        if self._masters is not None:
-            self._masters.absorb_grads()  # half gradients summed into the fp32 masters' gradients
+        hook = self._policy.after_backward  # pure precisions: half gradients summed into the fp32 masters'
+        if hook is not None:
+            hook()
 
     def set_window(self, micro_steps: int) -> None:
         """Make the next accumulation window ``micro_steps`` long (1..``accumulation_steps``).
@@ -300,8 +296,9 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         overflows raises :class:`NumericsError` naming the non-finite layers (the gradients are
         dropped first, as usual). Only a firing trigger syncs.
         """
-        self._require_setup("step")
-        opts = self._check_optimizers(optimizers)
+        if self._model is None:
+            self._require_setup("step")
+        opts = stepped_optimizers(optimizers, self._optimizers)
         window = self._window
         if window.micro == 0:
             if flush:
@@ -317,19 +314,21 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         params = self._clip_order.params(opts)
         self._parallel.before_step(params)
         grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
-        if self._masters is not None:
-            self._masters.copy_to_model()  # unconditional: after a skipped step the masters did not move
+        hook = self._policy.after_step  # pure precisions: the masters rounded into the model
+        if hook is not None:
+            hook()
         micro = window.micro
         window.reset()
         self._steps += 1
         try:  # before the gradients go, so that a trigger can name the non-finite ones
-            trigger = self._watch(found_inf, scale)  # raises NumericsError: scale exhausted, fallback off
+            trigger = self._fallback.watch(found_inf, scale, self._steps,
+                                           self._scaler if self.precision.needs_scaler else None, self._named_grads)
         finally:
             if zero_grad:
                 for opt in opts:
                     opt.zero_grad(set_to_none=True)
         if trigger is not None:
-            self._fall_back(trigger)  # raises NumericsError at the end of the chain
+            self._act(trigger)  # switches precision, or raises NumericsError (chain end, scale exhausted)
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None
@@ -339,28 +338,19 @@ class MixedPrecision(SwitchingMixin, StateMixin):
         return result
 
     # ------------------------------------------------------------------ diagnosis
-    #: ``localizer(model, closure, scale=...)`` used by :meth:`diagnose`; the package root sets it
-    #: to :func:`ampkit.observe.numerics.localize_nonfinite` (the engine does not import observers).
-    default_localizer: Optional[Callable[..., Any]] = None
-    #: ``parallel_adapter(model) -> Parallel | None``: how to cooperate with a DDP/FSDP2 model; the
-    #: package root sets it to :func:`ampkit.distributed.adapter_for`.
-    parallel_adapter: Optional[Callable[[torch.nn.Module], Optional[Parallel]]] = None
-
     def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None,
-                 localizer: Optional[Callable[..., Any]] = None) -> Any:
+                 localizer: Optional[Callable[..., NonFiniteReport]] = None) -> NonFiniteReport:
         """Name the first module that produces inf/NaN on ``closure``'s batch (see
-        :func:`ampkit.observe.numerics.localize_nonfinite`); records a ``diagnosis`` event and attaches the
-        report to the next ``fallback`` event. ``scale`` defaults to the current loss scale
-        (fp16). Runs an extra forward and backward and **syncs**; gradients are left untouched.
+        :func:`ampkit.step.localize.localize_nonfinite`, or pass another ``localizer``); records a
+        ``diagnosis`` event and attaches the report to the next ``fallback`` event. ``scale``
+        defaults to the current loss scale (fp16). Runs an extra forward and backward and
+        **syncs**; gradients are left untouched.
         """
         self._require_setup("diagnose")
-        localize = localizer or type(self).default_localizer
-        if localize is None:
-            raise RuntimeError("diagnose() has no localizer: pass localizer=ampkit.observe.numerics.localize_nonfinite")
         if scale is None and self.precision.needs_scaler:
             scale = self._scaler.get_scale()
         assert self._model is not None
-        report = localize(self._model, closure, scale=scale)
+        report = (localizer or localize_nonfinite)(self._model, closure, scale=scale)
         self._last_diagnosis = report
         self._emit("diagnosis", report.to_dict())
         return report
@@ -402,19 +392,173 @@ class MixedPrecision(SwitchingMixin, StateMixin):
     def _emit(self, kind: str, data: dict[str, Any], record: bool = True) -> Event:
         return self._stream.emit(Event(kind=kind, step=self._steps, data=data), record)
 
-    # ------------------------------------------------------------------ reading (syncs)
+    # ------------------------------------------------------------------ the weights' form
+    def fp8_report(self) -> list[dict[str, Any]]:
+        """Each Linear of the model: converted to fp8 or skipped, with the reason (precision fp8)."""
+        return list(self._policy.describe().get("modules", []))
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master weights (pure precisions; empty otherwise). They live in the optimizer."""
+        return self._policy.master_params()
+
+    def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in fp32: for pure precisions the masters' values (what to export
+        or evaluate); otherwise the model's own state dict (already fp32)."""
+        self._require_setup("full_precision_state_dict")
+        assert self._model is not None
+        return self._policy.full_precision_state_dict(self._model)
+
+    # ------------------------------------------------------------------ switching precision
+    def switch(self, precision: Union[str, torch.dtype, Precision], *, reason: str = "requested") -> Precision:
+        """Change the precision between optimizer steps (e.g. fp16 -> bf16 after overflows).
+
+        The old precision's policy releases the model (fp32 weights back, fp8 modules reverted),
+        the new one prepares it; the fp32 weights and the optimizer state carry over unchanged.
+        The loss scaler is rebuilt from the config when the new precision needs one and the old
+        did not. Records a ``precision_switch`` event. Raises inside an accumulation window
+        (gradients from the old precision would mix with the new one) and for precisions the
+        device cannot run.
+        """
+        return self._switch(precision, "precision_switch", {"reason": reason})
+
+    def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
+        new = resolve_precision(precision, self.device_info, emulate_fp8=self.config.fp8_emulate)
+        if self._window.micro != 0:
+            raise RuntimeError(f"switch() called inside an accumulation window ({self._window.micro} of "
+                               f"{self._window.current_size} micro-steps done); switch after step()")
+        old = self.precision
+        if new.name == old.name:
+            return old
+        self.config = self.config.replace(precision=new.name)
+        self._become(new)
+        self._fallback.reset()
+        self._emit(kind, {"from": old.name, "to": new.name, **data})
+        return new
+
+    def _become(self, new: Precision, scaler: Optional[LossScaler] = None) -> None:
+        """Train in ``new`` from here on: the old policy releases, the new one prepares (between steps)."""
+        if scaler is None and new.needs_scaler != self.precision.needs_scaler:
+            scaler = self._make_scaler(new)
+        if scaler is not None:
+            count = self._scaler.overflow_count  # keep the replaced scaler's skips (a device add, no sync)
+            if count is not None:
+                self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
+            self._scaler = scaler
+        old, self.precision = self.precision, new
+        if new.name == old.name:
+            return  # (a resume in the same precision: the model keeps its form)
+        self._policy.release()
+        self._policy = policy_for(new, self.config, self.device, shards_params=self._parallel.shards_params)
+        if self._model is not None:
+            self._parallel.retarget(new)  # FSDP2: the all-gather/reduce dtypes follow the precision
+            self._prepare(self._model)
+
+    def set_fallback(self, fallback: Union[bool, str]) -> None:
+        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps.
+
+        Validates the chain against the device first (``PrecisionError`` / ``ConfigError``)."""
+        cfg = self.config.replace(fallback=fallback)
+        self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
+        self.config = cfg
+
+    def _act(self, trigger: Trigger) -> None:
+        """Fall back to the chain's next precision, or raise :class:`NumericsError` (end of the chain;
+        with the fallback off, the loss scale exhausted)."""
+        name, diagnosis = self.precision.name, self._last_diagnosis
+        if trigger.reason == "scale_exhausted":
+            data, error = scale_exhausted(trigger, name, diagnosis)
+            self._emit("scale_exhausted", data)
+            raise error
+        nxt = self._fallback.next_precision(name)
+        if nxt is None:
+            data, error = chain_exhausted(trigger, name, self._fallback.chain, diagnosis)
+            self._emit("fallback_exhausted", data)
+            raise error
+        self._switch(nxt, "fallback", fallback_data(trigger, diagnosis))
+        self._last_diagnosis = None
+
+    def _named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Model parameters by name, each paired with the tensor the optimizer steps (its master)."""
+        if self._model is not None:
+            stepped = self._policy.stepped
+            for name, p in self._model.named_parameters():
+                yield name, stepped(p)
+
+    # ------------------------------------------------------------------ reading and saving (these sync)
     @property
     def optimizer_steps(self) -> int:
         """Accumulation boundaries reached (optimizer steps attempted, skipped ones included)."""
         return self._steps
 
+    def stats(self) -> dict[str, Any]:
+        """Precision, scale, steps, skipped steps, overflow rate, events. **Syncs** (reads device counters)."""
+        overflows = self._scaler.overflow_count
+        skipped = int(overflows.item()) if overflows is not None and self._scaler.is_enabled() else 0
+        if self._skipped_before is not None:
+            skipped += int(self._skipped_before.item())
+        return {
+            "precision": self.precision.name,
+            "device": str(self.device),
+            "scale": self._scaler.get_scale() if self.precision.needs_scaler else None,
+            "optimizer_steps": self._steps,
+            "skipped_steps": skipped,
+            "overflow_rate": skipped / self._steps if self._steps else 0.0,
+            "accumulation_steps": self.config.accumulation_steps,
+            "pending_micro_steps": self._window.micro,
+            "parallel": self._parallel.name,  # none / ddp / fsdp
+            "world_size": self._parallel.world_size,
+            "events": [e.to_dict() for e in self._stream.kept],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: precision (after switches), config, scaler, counters, events,
+        and the policy's state (the fp32 masters of a pure precision). **Syncs**.
+
+        Call between optimizer steps (not inside an accumulation window).
+        """
+        return {
+            "precision": self.precision.name,
+            "config": self.config.to_dict(),
+            "scaler": self._scaler.state_dict(),
+            "optimizer_steps": self._steps,
+            "micro_steps": self._window.micro,
+            "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
+            "events": [e.to_dict() for e in self._stream.kept],
+            "masters": self._policy.state_dict() or None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Validates everything before changing anything."""
+        if not isinstance(state, dict) or "precision" not in state or "config" not in state:
+            raise ValueError("not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ...")
+        cfg = MixedPrecisionConfig.from_dict(state["config"])
+        new = resolve_precision(state["precision"], self.device_info, emulate_fp8=cfg.fp8_emulate)
+        old_config, self.config = self.config, cfg
+        try:
+            scaler = self._make_scaler(new)
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            fallback = make_fallback(cfg, new.name, self.device_info)
+        except Exception:
+            self.config = old_config
+            raise
+        self._become(new, scaler)
+        self._skipped_before = None
+        before = int(state.get("skipped_before", 0))
+        if before:
+            self._skipped_before = torch.tensor(float(before), device=self.device)
+        self._steps = int(state.get("optimizer_steps", 0))
+        self._window = Window(cfg.accumulation_steps)
+        self._window.micro = int(state.get("micro_steps", 0))
+        self._stream.kept = [Event.from_dict(e) for e in state.get("events", [])]
+        self._fallback = fallback
+        if state.get("masters"):
+            self._policy.load_state_dict(state["masters"])
+
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:
         if self._model is None:
             raise RuntimeError(f"{verb}() called before setup(); call model, optimizer = amp.setup(model, optimizer) first")
-
-    def _check_optimizers(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[torch.optim.Optimizer]:
-        return stepped_optimizers(optimizers, self._optimizers)
 
     def __repr__(self) -> str:
         return (f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "

@@ -46,6 +46,11 @@ class Event:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "step": self.step, **self.data}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        """The inverse of :meth:`to_dict` (events restored from a state dict)."""
+        return cls(kind=d["kind"], step=d["step"], data={k: v for k, v in d.items() if k not in ("kind", "step")})
+
 
 class EventStream:
     """Subscribers and the kept (notable) events. Per-step events reach subscribers only."""

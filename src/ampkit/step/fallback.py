@@ -30,21 +30,25 @@ a trigger fires does the engine sync, to confirm the guard and to name the non-f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .config import ConfigError, MixedPrecisionConfig
 from .hardware import DeviceInfo
-from .precision import PrecisionError, parse_precision, resolve_precision
+from .localize import NonFiniteReport
+from .precision import NAMES, PrecisionError, parse_precision, resolve_precision
 from .scale_rules import SCALE_FLOOR
+from .scaler import LossScaler
 
-__all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "nonfinite_grads", "resolve_chain"]
+__all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "chain_exhausted", "fallback_data",
+           "make_fallback", "nonfinite_grads", "resolve_chain", "scale_exhausted"]
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
-_ENGINE = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
 
 
 class NumericsError(RuntimeError):
@@ -75,8 +79,8 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple
     else:
         names = [parse_precision(n) for n in str(spec).split(",") if n.strip()]
         for n in names:
-            if n not in _ENGINE:
-                raise PrecisionError(f"fallback chain entry {n!r} is not supported; use names from: {', '.join(_ENGINE)}")
+            if n not in NAMES:
+                raise PrecisionError(f"fallback chain entry {n!r} is not supported; use names from: {', '.join(NAMES)}")
             resolve_precision(n, info)  # raises PrecisionError naming the device and the reason
         if start not in names:
             raise PrecisionError(f"fallback chain {','.join(names)!r} does not contain the training precision "
@@ -90,6 +94,18 @@ def _runs(name: str, info: DeviceInfo) -> bool:
         return True
     except PrecisionError:
         return False
+
+
+def make_fallback(config: MixedPrecisionConfig, precision: str, info: DeviceInfo) -> FallbackPolicy:
+    """The fallback chain of ``config`` for training in ``precision``, or with the fallback off the
+    exhausted-scale guard (an empty chain). Raises ``ConfigError`` / ``PrecisionError``."""
+    if config.fallback is False:
+        chain: tuple[str, ...] = ()
+    elif not config.skip_nonfinite:
+        raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
+    else:
+        chain = resolve_chain(config.fallback, precision, info)
+    return FallbackPolicy(chain, config.fallback_patience, config.fallback_check_every, config.min_scale)
 
 
 class FallbackPolicy:
@@ -133,6 +149,32 @@ class FallbackPolicy:
         # consecutive = (consecutive + 1) if found else 0, with found in {0., 1.}
         self._consec.add_(1.0).mul_(found_inf)
         torch.maximum(self._max, self._consec, out=self._max)  # type: ignore[arg-type]
+
+    def watch(self, found_inf: Optional[torch.Tensor], scale: Optional[torch.Tensor], step: int,
+              scaler: Optional[LossScaler], named_grads: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+              ) -> Optional[Trigger]:
+        """After optimizer step ``step``, while the gradients are still there: count it and, every
+        ``check_every`` steps, check (module doc). ``scale`` is the scale this step's gradients
+        carried; ``scaler`` the loss scaler of a precision with loss scaling, else None.
+
+        Returns the trigger to act on, naming the non-finite gradients (``named_grads()``): a
+        fallback trigger, or with the fallback off ``scale_exhausted`` once a step at the floor
+        overflows again. No sync unless a trigger fires.
+        """
+        if found_inf is None or not (self.chain or scaler is not None):
+            return None
+        self.observe(found_inf)
+        if step % self.check_every:
+            return None
+        trigger = self.check(scaler.scale_tensor if scaler is not None else None, scaler is not None)
+        if trigger is None:
+            return None
+        if not self.falls_back:
+            # The guard fired on the previous check's counters: confirm on this step (**syncs**).
+            if not (found_inf.item() > 0 and scale is not None and scale.item() <= self.floor):
+                return None  # the burst is over: the scale will grow back
+            trigger = dataclasses.replace(trigger, consecutive_skips=self.consecutive(), scale=self.floor)
+        return dataclasses.replace(trigger, nonfinite=tuple(nonfinite_grads(named_grads())))
 
     def consecutive(self) -> int:
         """The current run of consecutive non-finite steps. **Syncs**: for error messages only."""
@@ -207,3 +249,54 @@ def nonfinite_grads(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     dev = flags[0].device
     bad = torch.stack([f.to(dev) for f in flags]).logical_not().tolist()
     return [n for n, b in zip(names, bad) if b]
+
+
+def fallback_data(trigger: Trigger, diagnosis: Optional[NonFiniteReport]) -> dict[str, Any]:
+    """The data of the ``fallback`` event a trigger causes."""
+    data: dict[str, Any] = {"reason": f"{trigger.reason}: {trigger.detail}", "trigger": trigger.reason,
+                            "detail": trigger.detail, "consecutive_skips": trigger.consecutive_skips,
+                            "scale": trigger.scale, "nonfinite_params": list(trigger.nonfinite)}
+    if diagnosis is not None:
+        data["diagnosis"] = diagnosis.to_dict()
+    return data
+
+
+def chain_exhausted(trigger: Trigger, precision: str, chain: tuple[str, ...],
+                    diagnosis: Optional[NonFiniteReport]) -> tuple[dict[str, Any], NumericsError]:
+    """The ``fallback_exhausted`` event's data and the error: the chain's last precision stays non-finite."""
+    data = fallback_data(trigger, diagnosis)
+    del data["reason"]
+    culprit = f"; {_culprit(list(trigger.nonfinite))}" if trigger.nonfinite else ""
+    error = NumericsError(f"training stays non-finite in {precision}, the last precision of the fallback chain "
+                          f"{','.join(chain)}: {trigger.detail}{culprit}"
+                          + (f"; diagnosis: {diagnosis}" if diagnosis else ""))
+    return {"precision": precision, **data}, error
+
+
+def scale_exhausted(trigger: Trigger, precision: str,
+                    diagnosis: Optional[NonFiniteReport]) -> tuple[dict[str, Any], NumericsError]:
+    """The ``scale_exhausted`` event's data and the error (fallback off, the scale at its floor)."""
+    bad = list(trigger.nonfinite)
+    data: dict[str, Any] = {"precision": precision, "scale": trigger.scale,
+                            "consecutive_skips": trigger.consecutive_skips, "nonfinite_params": bad,
+                            "detail": trigger.detail}
+    if diagnosis is not None:
+        data["diagnosis"] = diagnosis.to_dict()
+    module = bad[0].rpartition(".")[0] if bad else ""
+    keep = f"keep_fp32=[{module!r}]" if module else "keep_fp32=[...]"
+    error = NumericsError(
+        f"the loss scale is exhausted in {precision}: {trigger.detail}, after {trigger.consecutive_skips} "
+        f"consecutive skipped steps; backing the scale off cannot help any more. {_culprit(bad)}. Turn on "
+        f"fallback=True (fp16 -> bf16 -> fp32), keep the culprit in fp32 ({keep}) or train in bf16"
+        + (f"; diagnosis: {diagnosis}" if diagnosis else ""))
+    return data, error
+
+
+def _culprit(names: list[str]) -> str:
+    """'first non-finite layer: ...' from parameter names in model order."""
+    if not names:
+        return "No gradient on this process is non-finite now (the overflow is on another rank, or passed)"
+    module = names[0].rpartition(".")[0]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    where = f"{module!r}" if module else "the model's own parameters"
+    return f"First non-finite layer: {where} (non-finite gradients in {shown})"

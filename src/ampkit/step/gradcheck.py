@@ -17,34 +17,22 @@ a pass over the gradients already happens (clipping) the check rides on it inste
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 
-__all__ = ["check_and_unscale", "first_grad_device", "grads_of", "nonfinite_flag"]
+__all__ = ["check_and_unscale", "first_grad_device", "grads_of"]
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
-    if all(g.dtype == first for g in grads):
+    for g in grads:  # (a loop, not all(<genexpr>): this runs every step)
+        if g.dtype != first:
+            break
+    else:
         return [list(grads)]
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(g.dtype, []).append(g)
     return list(groups.values())
-
-
-def nonfinite_flag(grads: Sequence[torch.Tensor], found: torch.Tensor,
-                   one: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Set ``found`` (0-d fp32, on the gradients' device) to 1.0 if any of ``grads`` holds inf/NaN.
-
-    One fused call per dtype (module doc); the values are multiplied by exactly 1.0, so they are
-    unchanged. Returns ``found``. No sync.
-    """
-    if grads:
-        one = torch.ones((), dtype=torch.float32, device=found.device) if one is None else one
-        for same in _by_dtype(grads):
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
-    return found
 
 
 def grads_of(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:

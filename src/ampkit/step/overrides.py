@@ -6,7 +6,7 @@ config). A type matches subclasses too.
 
 An overridden module runs with autocast disabled, its floating-point inputs cast to fp32, so its
 outputs are fp32. This is done with forward pre-/post-hooks (the module object, its parameters
-and its ``state_dict`` keys are untouched); :func:`remove_fp32_overrides` undoes it.
+and its ``state_dict`` keys are untouched); :meth:`Fp32Overrides.remove` undoes it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from .config import Pattern, normalize_patterns
 
-__all__ = ["Fp32Overrides", "apply_fp32_overrides", "match_modules", "normalize_patterns", "remove_fp32_overrides"]
+__all__ = ["Fp32Overrides", "apply_fp32_overrides", "match_modules"]
 
 def _type_names(module: torch.nn.Module) -> set[str]:
     names = set()
@@ -113,7 +113,3 @@ def apply_fp32_overrides(model: torch.nn.Module, patterns: Iterable[Pattern], de
     matched = match_modules(model, patterns)
     names = sorted({n for hits in matched.values() for n in hits})
     return Fp32Overrides(model, names, device_type)
-
-
-def remove_fp32_overrides(overrides: Fp32Overrides) -> None:
-    overrides.remove()

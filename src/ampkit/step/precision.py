@@ -7,38 +7,43 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
 from .hardware import DeviceInfo, device_info
 
-__all__ = ["CANONICAL", "Precision", "PrecisionError", "parse_precision", "resolve_precision"]
+__all__ = ["CANONICAL", "NAMES", "Precision", "PrecisionError", "parse_precision", "precision_dtypes",
+           "resolve_precision"]
 
 
 class PrecisionError(ValueError):
     """An unknown precision name, or one the device cannot run. The message names the valid choices."""
 
 
-# name -> (param dtype, compute dtype, needs loss scaling, reduced-precision fp32 matmuls)
-_TABLE: dict[str, tuple[torch.dtype, torch.dtype, bool, bool]] = {
-    "fp32": (torch.float32, torch.float32, False, False),
-    "tf32": (torch.float32, torch.float32, False, True),
-    "bf16": (torch.float32, torch.bfloat16, False, False),
-    "fp16": (torch.float32, torch.float16, True, False),
-    "bf16-pure": (torch.bfloat16, torch.bfloat16, False, False),
-    "fp16-pure": (torch.float16, torch.float16, True, False),
-    "fp8": (torch.float32, torch.bfloat16, False, False),
+# The one list of precisions. name -> (param dtype, compute dtype, needs loss scaling,
+# reduced-precision fp32 matmuls, family). The family names the policy that runs it
+# (:mod:`ampkit.step.policies`): full, autocast, pure or fp8.
+_TABLE: dict[str, tuple[torch.dtype, torch.dtype, bool, bool, str]] = {
+    "fp32": (torch.float32, torch.float32, False, False, "full"),
+    "tf32": (torch.float32, torch.float32, False, True, "full"),
+    "bf16": (torch.float32, torch.bfloat16, False, False, "autocast"),
+    "fp16": (torch.float32, torch.float16, True, False, "autocast"),
+    "bf16-pure": (torch.bfloat16, torch.bfloat16, False, False, "pure"),
+    "fp16-pure": (torch.float16, torch.float16, True, False, "pure"),
+    "fp8": (torch.float32, torch.bfloat16, False, False, "fp8"),
 }
-CANONICAL: tuple[str, ...] = ("auto", *_TABLE)
+#: The concrete precisions, in the order of the table in DESIGN.md; every one runs in the engine.
+NAMES: tuple[str, ...] = tuple(_TABLE)
+CANONICAL: tuple[str, ...] = ("auto", *NAMES)
 
-# Spellings users already know from torch.amp / apex / Lightning / Accelerate. "O2" depends on
-# the device's auto dtype, so it is handled in parse_precision.
+# Spellings users already know from torch.amp / apex / Lightning / Accelerate (apex O0/O1/O2 too).
 _ALIASES: dict[str, str] = {
     "no": "fp32", "o0": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
     "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32", "full": "fp32",
     "o1": "auto", "mixed": "auto",
+    "o2": "o2",  # the pure form of auto's dtype: only resolve_precision can finish it
     "16": "fp16", "16-mixed": "fp16", "half": "fp16", "float16": "fp16", "torch.float16": "fp16",
     "torch.half": "fp16",
     "bf16-mixed": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -92,7 +97,13 @@ class Precision:
 
     @property
     def is_pure(self) -> bool:
-        return self.name.endswith("-pure")
+        """True for the pure forms (half weights with fp32 masters: the ``pure`` family)."""
+        return self.family == "pure"
+
+    @property
+    def family(self) -> str:
+        """The policy family that runs it: ``full``, ``autocast``, ``pure`` or ``fp8``."""
+        return _TABLE[self.name][4]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -140,8 +151,6 @@ def parse_precision(spec: Union[str, torch.dtype, Precision]) -> str:
         return text
     if text in _ALIASES:
         return _ALIASES[text]
-    if text == "o2":
-        return "o2"
     # Tolerate "bf16 pure"/"fp16pure" spacing variants.
     squashed = text.replace(" ", "-")
     if squashed in _TABLE:
@@ -247,11 +256,18 @@ def resolve_precision(
             note = cpu_emulation_note(name, info)
             if note:
                 reason += f" ({note})"
-    param, compute, scaler, _ = _TABLE[name]
+    param, compute, scaler, _, _ = _TABLE[name]
     return Precision(name=name, param_dtype=param, compute_dtype=compute, needs_scaler=scaler,
                      device_type=info.type, reason=reason, requested=requested)
 
 
-def with_reason(p: Precision, reason: str) -> Precision:
-    """A copy of ``p`` with another reason (used when the engine falls back or switches)."""
-    return replace(p, reason=reason)
+def precision_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """``(param dtype, compute dtype)`` of a canonical precision name, without a device.
+
+    Raises :class:`PrecisionError` for ``auto``/``O2`` (resolve them for a device first) and unknown names.
+    """
+    canonical = parse_precision(name)
+    if canonical not in _TABLE:
+        raise PrecisionError(f"{name!r} depends on the device: resolve it first "
+                             "(ampkit.resolve_precision(name, ampkit.device_info(device)))")
+    return _TABLE[canonical][0], _TABLE[canonical][1]

@@ -39,9 +39,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .config import MixedPrecisionConfig
+from .config import ConfigError, MixedPrecisionConfig
 from .gradcheck import check_and_unscale, first_grad_device
-from .scale_rules import SCALE_FLOOR, hysteresis_update
+from .scale_rules import SCALE_FLOOR, hysteresis_update, scaling_problem
 
 __all__ = ["SCALE_FLOOR", "LossScaler"]
 
@@ -68,6 +68,8 @@ class LossScaler:
         enabled: False makes every method a pass-through (like ``GradScaler(enabled=False)``).
         device: where the scale lives; default: the device of the first tensor given to ``scale``
             or of the first gradient seen by ``unscale_``.
+
+    Raises :class:`~ampkit.step.config.ConfigError` (a ``ValueError``) naming an invalid setting.
     """
 
     def __init__(
@@ -85,18 +87,18 @@ class LossScaler:
         enabled: bool = True,
         device: Union[str, torch.device, None] = None,
     ) -> None:
-        # Validation lives in the config; building one checks every value and range.
-        MixedPrecisionConfig(precision="fp16", init_scale=init_scale, growth_factor=growth_factor,
-                             backoff_factor=backoff_factor, growth_interval=growth_interval,
-                             hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale)
+        problem = scaling_problem(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                                  min_scale, max_scale)
+        if problem is not None:
+            name, value, allowed = problem
+            raise ConfigError(f"invalid {name}={value!r}: must be {allowed}")
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = int(growth_interval)
         self._hysteresis = int(hysteresis)
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
-        self._min_scale = min_scale
-        self._max_scale = max_scale
+        self._min_scale, self._max_scale = min_scale, max_scale
         self._dynamic = bool(dynamic)
         self._enabled = bool(enabled)
         self._device = torch.device(device) if device is not None else None
@@ -123,11 +125,6 @@ class LossScaler:
                    hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis,
                    min_scale=config.min_scale, max_scale=config.max_scale, dynamic=config.dynamic_scaling,
                    enabled=enabled, device=device)
-
-    @classmethod
-    def unit(cls, device: Union[str, torch.device, None] = None) -> LossScaler:
-        """A constant scale of 1: no scaling arithmetic at all, but non-finite steps are skipped."""
-        return cls(1.0, dynamic=False, device=device)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -157,6 +154,12 @@ class LossScaler:
     def overflow_count(self) -> Optional[torch.Tensor]:
         """0-d fp32 device tensor: total overflowing (skipped) iterations. No sync."""
         return self._overflows
+
+    def device_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The scaler's device state (scale, growth tracker, hysteresis budget, overflow count, the
+        cached 1.0; empty before first use), for memory accounting: read them, never write. No sync."""
+        tensors = (self._scale, self._growth_tracker, self._hysteresis_left, self._overflows)
+        return () if self._scale is None else (*(t for t in tensors if t is not None), self._one)
 
     @property
     def floor(self) -> float:
@@ -315,14 +318,12 @@ class LossScaler:
             if self._hysteresis == 1:
                 torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf,
                                          self._growth_factor, self._backoff_factor, self._growth_interval)
-                self._clamp()
             else:
-                assert self._hysteresis_left is not None
                 hysteresis_update(self._scale, self._growth_tracker, self._hysteresis_left, found_inf,
                                   growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
                                   growth_interval=self._growth_interval, hysteresis=self._hysteresis,
                                   consecutive=self._consecutive_hysteresis)
-                self._clamp()
+            self._clamp()
         self._overflows.add_(found_inf)
         self._last_found_inf = found_inf
         self._updates += 1

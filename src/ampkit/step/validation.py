@@ -7,20 +7,12 @@ from collections.abc import Sequence
 import torch
 
 from .overrides import match_modules
-from .precision import PrecisionError
-from .switching import SUPPORTED_BY_ENGINE
 
 __all__ = ["check_setup", "stepped_optimizers"]
 
 
-def check_setup(precision: str, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                keep_fp32: Sequence[str]) -> None:
-    """What ``MixedPrecision.setup`` needs: a supported precision, a module, optimizers over its parameters."""
-    if precision not in SUPPORTED_BY_ENGINE:
-        raise PrecisionError(
-            f"precision {precision!r} is not supported by MixedPrecision.setup() yet: "
-            f"pure half-precision weights with fp32 master weights and fp8 are planned; "
-            f"choose one of: {', '.join(SUPPORTED_BY_ENGINE)}")
+def check_setup(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], keep_fp32: Sequence[str]) -> None:
+    """What ``MixedPrecision.setup`` needs: a module, optimizers over its parameters, ``keep_fp32`` that matches."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"setup() expects a torch.nn.Module first, got {type(model).__name__}")
     if keep_fp32:
@@ -42,8 +34,11 @@ def stepped_optimizers(given: Sequence[torch.optim.Optimizer],
         if not registered:
             raise RuntimeError("step() has no optimizer: pass it to setup(model, optimizer) or to step(optimizer)")
         return registered
-    for opt in given:
-        if not any(opt is o for o in registered):
+    for opt in given:  # (plain loops: this runs every step)
+        for o in registered:
+            if o is opt:
+                break
+        else:
             raise ValueError(f"step() got an optimizer ({type(opt).__name__}) that was not set up; "
                              "pass it to amp.setup(model, optimizer) first")
     return list(given)

@@ -7,7 +7,8 @@ before training, never for the hot path.
 
 from __future__ import annotations
 
+# The localizer is the step's own diagnosis (fallback events, amp.diagnose): its home is step/.
+from ...step.localize import NonFiniteReport, localize_nonfinite
 from .audit import SENSITIVE, AuditReport, ModuleAudit, audit
-from .localize import NonFiniteReport, localize_nonfinite
 
 __all__ = ["SENSITIVE", "AuditReport", "ModuleAudit", "NonFiniteReport", "audit", "localize_nonfinite"]

@@ -14,18 +14,24 @@ row, more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient in high pr
 ``Float8Linear`` keeps its parameters' names, so state dicts keep the unconverted model's keys
 and hold plain tensors (``weights_only=True`` loads them). :func:`revert` swaps the modules back
 to ``nn.Linear`` (sharing the same parameters) for a fallback to bf16.
+
+:class:`Fp8Policy` is the family's policy: ``prepare`` converts (after the modules kept in fp32
+are known), the forward runs under bf16 autocast, ``release`` reverts the modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Fp8Decision", "convert", "plan", "revert"]
+from ..hardware import device_info
+from .base import PrecisionPolicy
+
+__all__ = ["Fp8Decision", "Fp8Policy", "convert", "plan", "revert"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +111,29 @@ def revert(model: torch.nn.Module) -> int:
         setattr(parent, child, plain)
         count += 1
     return count
+
+
+class Fp8Policy(PrecisionPolicy):
+    """Eligible Linears as torchao ``Float8Linear`` (module doc), the rest under bf16 autocast."""
+
+    _model: Any = None
+    _decisions: list[Fp8Decision] = []
+
+    def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        emulate = self.config.fp8_emulate and not device_info(self.device).fp8
+        self._decisions = convert(model, self.config.fp8_recipe, emulate=emulate, keep=self.kept_names(model))
+        self._model = model
+
+    def release(self) -> None:
+        if self._model is not None:
+            revert(self._model)  # plain Linears on the same parameters
+            self._model, self._decisions = None, []
+
+    def forward_context(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype,
+                              cache_enabled=self.config.autocast_cache)
+
+    def describe(self) -> dict[str, Any]:
+        """Adds ``recipe`` and ``modules``: each Linear, converted or skipped, with the reason."""
+        return {**super().describe(), "compute": "float8 matmuls (torchao) in converted Linears, bfloat16 elsewhere",
+                "recipe": self.config.fp8_recipe, "modules": [d.to_dict() for d in self._decisions]}

@@ -1,4 +1,4 @@
-"""fp32 master weights for half-precision parameters ("O2": ``bf16-pure``, ``fp16-pure``).
+"""``bf16-pure`` and ``fp16-pure`` ("O2"): half-precision weights with fp32 master weights.
 
 The model's parameters live in the half dtype (half the memory, no per-forward weight casts);
 an fp32 copy of each -- its *master* -- lives in the user's own optimizer, which is never told:
@@ -21,16 +21,25 @@ Modules kept in fp32 (``keep_fp32``, e.g. norms) keep their fp32 parameters and 
 need no master and the optimizer updates them directly. Under FSDP2 the sharded fp32 parameters
 are the masters already (``MixedPrecisionPolicy(param_dtype=...)``): this class is not used there,
 so no second copy exists.
+
+:class:`PurePolicy` is the family's policy: ``prepare`` builds the :class:`MasterWeights`, the
+forward runs under autocast to the half dtype (inputs and the ops autocast keeps in fp32 follow
+it), ``after_backward`` absorbs the half gradients, ``after_step`` rounds the masters into the
+model (both set by ``prepare``), ``release`` puts the masters' values back as fp32 parameters. A
+switch between the two pure forms is a release then a prepare: the model is recast from the
+masters, the optimizer state follows its parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["MasterWeights"]
+from .base import PrecisionPolicy
+
+__all__ = ["MasterWeights", "PurePolicy"]
 
 
 class MasterWeights:
@@ -97,15 +106,6 @@ class MasterWeights:
         """The tensor the optimizer steps for a model parameter (its master, or itself)."""
         return self._by_half.get(id(param), param)
 
-    def recast(self, dtype: torch.dtype) -> None:
-        """Move the model to another half dtype (fp16-pure <-> bf16-pure), from the masters."""
-        self.dtype = dtype
-        with torch.no_grad():
-            for h, m in zip(self.halves, self.masters):
-                h.grad = None
-                h.data = m.detach().to(dtype)
-            _cast_buffers(self.model, dtype, _half)
-
     def release(self) -> None:
         """Undo: fp32 parameters (the masters' values) back in the model and in the optimizers."""
         with torch.no_grad():
@@ -153,6 +153,57 @@ class MasterWeights:
                         opt.state[q] = opt.state.pop(p)
                     new.append(q)
                 group["params"] = new
+
+
+class PurePolicy(PrecisionPolicy):
+    """Half weights in the model, fp32 masters in the optimizers (module doc)."""
+
+    _masters: Optional[MasterWeights] = None
+
+    def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if self.shards_params:  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
+            return
+        masters = self._masters = MasterWeights(model, optimizers, self.precision.param_dtype, self.kept_names(model))
+        self.after_backward = masters.absorb_grads  # half gradients summed into the fp32 masters' gradients
+        self.after_step = masters.copy_to_model  # unconditional: after a skipped step the masters did not move
+
+    def release(self) -> None:
+        if self._masters is not None:
+            self._masters.release()
+            self._masters = self.after_backward = self.after_step = None
+
+    @property
+    def keeps_masters(self) -> bool:
+        return self._masters is not None
+
+    def stepped(self, param: torch.Tensor) -> torch.Tensor:
+        return param if self._masters is None else self._masters.stepped(param)
+
+    def master_params(self) -> list[torch.Tensor]:
+        return [] if self._masters is None else list(self._masters.masters)
+
+    def full_precision_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        if self._masters is None:
+            return super().full_precision_state_dict(model)
+        return self._masters.full_precision_state_dict()
+
+    def forward_context(self) -> torch.autocast:
+        # Inputs and the ops autocast keeps in fp32 follow the half dtype of the weights.
+        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype,
+                              cache_enabled=self.config.autocast_cache)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fp32 masters by parameter name (empty under FSDP2, where the shards are the masters)."""
+        return {} if self._masters is None else self._masters.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._masters is not None and state:
+            self._masters.load_state_dict(state)
+
+    def describe(self) -> dict[str, Any]:
+        where = "the fp32 shards (FSDP2)" if self.shards_params else "fp32 copies in the optimizer"
+        return {**super().describe(), "grads": "float32 (half gradients summed into the masters')",
+                "masters": where}
 
 
 def _half(buf: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...step.overrides import to_fp32
+from .overrides import to_fp32
 
 __all__ = ["FP16_MAX", "FP16_TINY", "NonFiniteReport", "float_tensors", "localize_nonfinite", "nonfinite"]
 
@@ -144,6 +144,14 @@ def localize_nonfinite(
         for p, g in saved_grads.items():
             p.grad = g
 
+    rep = _findings(model, names, inputs, fwd, bwd, loss_finite, scale)
+    return NonFiniteReport(**rep, message=_message(rep))
+
+
+def _findings(model: torch.nn.Module, names: dict[torch.nn.Module, str], inputs: dict[torch.nn.Module, Any],
+              fwd: list[tuple[torch.nn.Module, Any, Any]], bwd: list[tuple[torch.nn.Module, Any, Any]],
+              loss_finite: bool, scale: Optional[float]) -> dict[str, Any]:
+    """The report's fields from the first non-finite forward output or backward gradient."""
     if fwd:
         m, args, out = fwd[0]
         with torch.no_grad(), torch.autocast(_device_type(model), enabled=False):
@@ -169,7 +177,7 @@ def localize_nonfinite(
                        fp32_finite=fp32_ok, loss_finite=loss_finite, scale=scale)
     else:
         rep = dict(found=False, loss_finite=loss_finite, scale=scale)
-    return NonFiniteReport(**rep, message=_message(rep))
+    return rep
 
 
 def _device_type(model: torch.nn.Module) -> str:

@@ -1,9 +1,9 @@
 """How the engine cooperates with a data-parallel wrapper (DDP, FSDP2) without importing one.
 
-The engine asks a :class:`Parallel` at four points of the step; the base class is one process
-with nothing to do. The adapters for PyTorch's own wrappers live in :mod:`ampkit.distributed`
-(above this layer); the package root hands the engine the function that picks one
-(``MixedPrecision.parallel_adapter``), as it hands it the localizer.
+The engine asks a :class:`Parallel` at a few points of the step; the base class is one process
+with nothing to do. The adapters for PyTorch's own wrappers are :mod:`.ddp` and :mod:`.fsdp`;
+:func:`ampkit.step.parallel.adapter_for` picks one from the model at ``setup()``, as Fabric's
+connector picks a strategy.
 
 * ``forward_context(last)``: a context for the forward of a micro-step (DDP: ``no_sync()`` on
   every micro-step but the window's last, so gradients are all-reduced once per optimizer step).
@@ -27,8 +27,9 @@ from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Parallel"]
+__all__ = ["Parallel", "max_reducer"]
 
 
 class Parallel:
@@ -63,3 +64,12 @@ class Parallel:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
+
+
+def max_reducer(group: Any = None) -> Callable[[torch.Tensor], None]:
+    """``f(t)``: ``t`` becomes its maximum over the ranks of ``group``, in place (async on GPU: no host sync)."""
+
+    def reduce(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    return reduce
