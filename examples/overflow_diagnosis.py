@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.observe.numerics import audit, localize_nonfinite
+from ampkit import audit, localize_nonfinite
 
 
 class Net(nn.Module):

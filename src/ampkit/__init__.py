@@ -9,6 +9,7 @@ back up. A name not listed in ``__all__`` lives in its home module (``ampkit.loo
 
 from __future__ import annotations
 
+from .loop.autoselect import confirm_auto
 from .loop.bench import BenchReport, Recommendation, compare, tune
 from .loop.checkpoint import (
     CheckpointError,
@@ -20,13 +21,15 @@ from .loop.checkpoint import (
 from .loop.estimate import MemoryEstimate, estimate, largest_batch
 from .loop.stop import TrainingInterrupted
 from .loop.trainer import Trainer, TrainSummary
+from .loop.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
 from .observe.memory import MemoryBreakdown, breakdown
 from .observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink, read_jsonl
-from .observe.numerics import AuditReport, NonFiniteReport, audit, localize_nonfinite
+from .observe.numerics import AuditReport, audit
 from .step.config import ConfigError, MixedPrecisionConfig
 from .step.engine import Event, MixedPrecision, StepResult
 from .step.fallback import NumericsError
 from .step.hardware import DeviceInfo, device_info
+from .step.localize import NonFiniteReport, localize_nonfinite
 from .step.precision import Precision, PrecisionError, resolve_precision
 from .step.scaler import LossScaler
 
@@ -39,7 +42,7 @@ __all__ = [
     "Precision", "PrecisionError", "resolve_precision", "MixedPrecisionConfig", "ConfigError",
     "DeviceInfo", "device_info",
     # training loop and checkpoints
-    "Trainer", "TrainSummary", "TrainingInterrupted",
+    "Trainer", "TrainSummary", "TrainingInterrupted", "CheckpointConfig", "EvalConfig", "LogConfig", "BatchConfig",
     "CheckpointManager", "CheckpointError", "CheckpointMismatch", "save_checkpoint", "load_checkpoint",
     # observing: monitor and sinks, memory
     "Monitor", "JSONLSink", "TensorBoardSink", "ConsoleSink", "read_jsonl",
@@ -47,6 +50,6 @@ __all__ = [
     # numerics
     "audit", "AuditReport", "localize_nonfinite", "NonFiniteReport",
     # choosing by measurement
-    "compare", "tune", "BenchReport", "Recommendation",
+    "confirm_auto", "compare", "tune", "BenchReport", "Recommendation",
     "__version__",
 ]

@@ -18,7 +18,6 @@ from ..step.precision import (
     cpu_emulation_note,
     resolve_precision,
 )
-from ..step.switching import SUPPORTED_BY_ENGINE
 from .common import flag
 from .invocation import Invocation
 
@@ -65,7 +64,6 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
         key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp16-pure": "fp16"}.get(name)
         if key in speeds and "fp32" in speeds and speeds["fp32"] > 0:
             row["matmul_speedup_vs_fp32"] = round(speeds[key] / speeds["fp32"], 2)
-        row["engine_ready"] = name in SUPPORTED_BY_ENGINE
         precisions.append(row)
     devices = [info.to_dict()]
     if dev.type != "cpu":
@@ -106,7 +104,7 @@ def cmd_info(inv: Invocation) -> int:
     for col in ("precision", "runs here", "matmul vs fp32", "what it is", "here"):
         table.add_column(col)
     for row in report["precisions"]:
-        runs = ("[green]yes[/]" if row["engine_ready"] else "[yellow]yes (engine: later)[/]") if row["runs"] else "[red]no[/]"
+        runs = "[green]yes[/]" if row["runs"] else "[red]no[/]"
         speed = f"{row['matmul_speedup_vs_fp32']:.2f}x" if "matmul_speedup_vs_fp32" in row else ""
         table.add_row(row["name"], runs, speed, row["what"], row["note"])
     console.print(table)

@@ -15,13 +15,13 @@ import datetime
 import os
 import signal
 import sys
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["STATUS_DIR_ENV", "abandon", "barrier", "broadcast_object", "die_with_parent", "init", "is_main",
-           "launched", "leave", "local_device", "max_reducer", "rank", "shutdown", "world_size"]
+           "launched", "leave", "local_device", "rank", "shutdown", "world_size"]
 
 #: set by ``ampkit train --nproc_per_node`` (:mod:`ampkit.distributed.launch`): a directory where
 #: each worker leaves its exit status (``rank<r>``), so the launcher can return the status of the
@@ -145,11 +145,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
-
-def max_reducer(group: Any = None) -> Callable[[torch.Tensor], None]:
-    """``f(t)``: ``t`` becomes its maximum over the ranks of ``group``, in place (async on GPU: no host sync)."""
-
-    def reduce(t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-
-    return reduce

@@ -69,7 +69,7 @@ def saved_diagnosis(events: list[dict[str, Any]]) -> Any:
     """The run's first-skip diagnosis from its saved events (a resumed run does not diagnose again)."""
     import dataclasses
 
-    from ..observe.numerics.localize import NonFiniteReport
+    from ..step.localize import NonFiniteReport
 
     known = {f.name for f in dataclasses.fields(NonFiniteReport)}
     for e in events:

@@ -10,9 +10,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ...step.localize import FP16_MAX, FP16_TINY, float_tensors, nonfinite
 from ...step.overrides import apply_fp32_overrides
 from ...step.precision import Precision, resolve_precision
-from .localize import FP16_MAX, FP16_TINY, float_tensors, nonfinite
 
 __all__ = ["SENSITIVE", "AuditReport", "ModuleAudit", "audit"]
 
