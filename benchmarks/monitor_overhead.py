@@ -52,15 +52,17 @@ def main() -> None:
         amp = MixedPrecision(args.precision, device=device, clip_grad_norm=1.0)
         m, opt = amp.setup(m, opt)
         if every is not None:
-            mon = Monitor(amp, [JSONLSink(f"{tmp}/{every}.jsonl")], log_every=every, samples_per_step=args.batch_size)
             # Direct accounting: wall time spent inside the monitor's callback (flushes included).
-            inner = mon._on_event
+            subscribe = amp.subscribe
 
-            def timed(event, inner=inner, name=name):
-                t = time.perf_counter()
-                inner(event)
-                in_monitor[name] += time.perf_counter() - t
-            amp._subscribers[-1] = timed
+            def timed_subscribe(callback, name=name, subscribe=subscribe):
+                def timed(event):
+                    t = time.perf_counter()
+                    callback(event)
+                    in_monitor[name] += time.perf_counter() - t
+                return subscribe(timed)
+            amp.subscribe = timed_subscribe
+            Monitor(amp, [JSONLSink(f"{tmp}/{every}.jsonl")], log_every=every, samples_per_step=args.batch_size)
 
         def run(n, m=m, opt=opt, amp=amp):
             for i in range(n):

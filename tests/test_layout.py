@@ -72,6 +72,7 @@ def test_nothing_patched_at_import():
     assert not hasattr(ampkit.MixedPrecision, "parallel_adapter")
 
 
+@pytest.mark.slow
 def test_import_ampkit_does_not_import_fsdp():
     """The FSDP2 adapter is imported only for a model that can be sharded (torch.distributed.fsdp costs ~1 s)."""
     code = "import sys, ampkit; m = ampkit.MixedPrecision('fp32', device='cpu'); " \
@@ -96,6 +97,7 @@ def test_plain_public_api():
         assert name in ampkit.__all__
 
 
+@pytest.mark.slow
 def test_python_dash_m_ampkit():
     r = subprocess.run([sys.executable, "-m", "ampkit", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("ampkit ")

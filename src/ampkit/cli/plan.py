@@ -6,12 +6,12 @@ import argparse
 import json
 from typing import Any
 
-from ..loop.estimate import estimate, largest_batch, parse_bytes
+from ..loop.estimate import PLAN_PRECISIONS, estimate, largest_batch, parse_bytes
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags
 from .invocation import Invocation
 
-DEFAULT = "fp32,bf16,fp16,bf16-pure,fp16-pure"  # and fp8 where torchao is installed
+DEFAULT = ",".join(PLAN_PRECISIONS)  # and fp8 where torchao is installed
 
 
 def default_precisions() -> str:

@@ -11,7 +11,7 @@ from .invocation import Invocation
 
 def cmd_report(inv: Invocation) -> int:
     args = inv.args
-    from ..report import make_report
+    from ..observe.report import make_report
 
     metrics = args.metrics.split(",") if args.metrics else None
     out = make_report(args.run_dir, compare=args.compare or (), out_dir=args.out, metrics=metrics)

@@ -77,6 +77,88 @@ def _config_train_table(path: str) -> dict:
     return table if isinstance(table, dict) else {}
 
 
+def _check_values(nodes: int, gpus_per_node: int, port: int, time: Optional[str], signal_seconds: int) -> None:
+    """Raise ``ValueError`` naming the first bad value of :func:`sbatch_script`."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"--nodes {nodes} and --gpus_per_node {gpus_per_node} must both be >= 1")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port (1..65535)")
+    if time is not None and not _TIME.match(time):
+        raise ValueError(f"--time {time!r} is not a Slurm time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)")
+    if isinstance(signal_seconds, bool) or not isinstance(signal_seconds, int) \
+            or not 1 <= signal_seconds <= _MAX_SIGNAL_SECONDS:
+        raise ValueError(f"--signal_seconds {signal_seconds!r} must be a whole number of seconds from 1 to "
+                         f"{_MAX_SIGNAL_SECONDS} (how long before the time limit Slurm sends the USR1 warning)")
+    if time is not None and signal_seconds >= _time_seconds(time):
+        raise ValueError(f"--signal_seconds {signal_seconds} is not shorter than --time {time} "
+                         f"({_time_seconds(time)} s): the USR1 warning would come before the job could train")
+
+
+# The batch shell's signal handling (see sbatch_script's docstring).
+_SIGNAL_HANDLING = [
+    "# Preemption and the time limit: Slurm sends this shell USR1 before the limit (#SBATCH --signal)",
+    "# and TERM on preemption or scancel. Either stops srun with SIGTERM (the workers write a",
+    "# checkpoint and exit); after it ends, USR1 requeues the job, TERM exits 143 (Slurm requeues a",
+    "# preempted job itself). The next run resumes from the newest checkpoint (--resume).",
+    'SRUN_PID="" SIGNAL="" FORWARDED="" WOKEN=""',
+    "stop_srun() {",
+    '    if [ -n "$SRUN_PID" ] && [ -z "$FORWARDED" ]; then',
+    "        FORWARDED=1",
+    '        kill -TERM "$SRUN_PID" 2>/dev/null || true',
+    "    fi",
+    "}",
+    "on_signal() {",
+    "    WOKEN=1",
+    '    if [ -n "$SIGNAL" ]; then',
+    '        echo "ampkit: SIG$1 while already stopping after SIG$SIGNAL: still waiting for srun" >&2',
+    "        return 0",
+    "    fi",
+    '    SIGNAL=$1',
+    '    if [ "$1" = USR1 ]; then',
+    '        echo "ampkit: time limit near: checkpointing, then requeue of job $SLURM_JOB_ID" >&2',
+    "    else",
+    '        echo "ampkit: SIGTERM (preemption or scancel): checkpointing, then exit" >&2',
+    "    fi",
+    "    stop_srun",
+    "}",
+    "trap 'on_signal USR1' USR1",
+    "trap 'on_signal TERM' TERM",
+    "",
+]
+
+
+def _wait_then_requeue_or_exit(resubmit: str) -> list[str]:
+    """After srun started: wait for it, then requeue (USR1), exit 143 (TERM) or with its status."""
+    return [
+        "SRUN_PID=$!",
+        'if [ -n "$SIGNAL" ]; then stop_srun; fi  # a signal that came before srun started',
+        "",
+        "# wait returns early when a trapped signal arrives: wait again until srun has really ended.",
+        "while :; do",
+        '    WOKEN=""',
+        '    STATUS=0',
+        '    wait "$SRUN_PID" || STATUS=$?',
+        '    if [ -z "$WOKEN" ]; then break; fi',
+        "done",
+        'if [ -z "$SIGNAL" ]; then exit "$STATUS"; fi',
+        'if [ "$STATUS" = 0 ]; then',
+        '    echo "ampkit: training finished before the SIG$SIGNAL took effect: nothing to requeue" >&2',
+        "    exit 0",
+        "fi",
+        'if [ "$SIGNAL" = USR1 ]; then',
+        '    if scontrol requeue "$SLURM_JOB_ID"; then',
+        '        echo "ampkit: job $SLURM_JOB_ID requeued (srun exited $STATUS); it resumes when it runs again" >&2',
+        "        exit 0",
+        "    fi",
+        '    echo "ampkit: scontrol requeue $SLURM_JOB_ID failed; to resume, submit again: ' + resubmit + '" >&2',
+        "    exit 1",
+        "fi",
+        'echo "ampkit: stopped by SIGTERM (srun exited $STATUS); Slurm requeues a preempted job (--requeue), '
+        'a cancelled one stays cancelled" >&2',
+        "exit 143",
+    ]
+
+
 def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int, partition: Optional[str] = None,
                   time: Optional[str] = None, job_name: str = "ampkit", account: Optional[str] = None,
                   cpus_per_task: Optional[int] = None, output: str = "%x-%j.out", port: int = 29500,
@@ -97,19 +179,7 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
 
     Raises ``ValueError`` for a bad value, naming it.
     """
-    if nodes < 1 or gpus_per_node < 1:
-        raise ValueError(f"--nodes {nodes} and --gpus_per_node {gpus_per_node} must both be >= 1")
-    if not 1 <= port <= 65535:
-        raise ValueError(f"--port {port} is not a TCP port (1..65535)")
-    if time is not None and not _TIME.match(time):
-        raise ValueError(f"--time {time!r} is not a Slurm time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)")
-    if isinstance(signal_seconds, bool) or not isinstance(signal_seconds, int) \
-            or not 1 <= signal_seconds <= _MAX_SIGNAL_SECONDS:
-        raise ValueError(f"--signal_seconds {signal_seconds!r} must be a whole number of seconds from 1 to "
-                         f"{_MAX_SIGNAL_SECONDS} (how long before the time limit Slurm sends the USR1 warning)")
-    if time is not None and signal_seconds >= _time_seconds(time):
-        raise ValueError(f"--signal_seconds {signal_seconds} is not shorter than --time {time} "
-                         f"({_time_seconds(time)} s): the USR1 warning would come before the job could train")
+    _check_values(nodes, gpus_per_node, port, time, signal_seconds)
     flags = list(train_flags)
     if flags and flags[0] == "train":
         flags = flags[1:]
@@ -158,34 +228,7 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{grace}}}"
         "  # torchrun's wait for checkpointing workers",
         "",
-        "# Preemption and the time limit: Slurm sends this shell USR1 before the limit (#SBATCH --signal)",
-        "# and TERM on preemption or scancel. Either stops srun with SIGTERM (the workers write a",
-        "# checkpoint and exit); after it ends, USR1 requeues the job, TERM exits 143 (Slurm requeues a",
-        "# preempted job itself). The next run resumes from the newest checkpoint (--resume).",
-        'SRUN_PID="" SIGNAL="" FORWARDED="" WOKEN=""',
-        "stop_srun() {",
-        '    if [ -n "$SRUN_PID" ] && [ -z "$FORWARDED" ]; then',
-        "        FORWARDED=1",
-        '        kill -TERM "$SRUN_PID" 2>/dev/null || true',
-        "    fi",
-        "}",
-        "on_signal() {",
-        "    WOKEN=1",
-        '    if [ -n "$SIGNAL" ]; then',
-        '        echo "ampkit: SIG$1 while already stopping after SIG$SIGNAL: still waiting for srun" >&2',
-        "        return 0",
-        "    fi",
-        '    SIGNAL=$1',
-        '    if [ "$1" = USR1 ]; then',
-        '        echo "ampkit: time limit near: checkpointing, then requeue of job $SLURM_JOB_ID" >&2',
-        "    else",
-        '        echo "ampkit: SIGTERM (preemption or scancel): checkpointing, then exit" >&2',
-        "    fi",
-        "    stop_srun",
-        "}",
-        "trap 'on_signal USR1' USR1",
-        "trap 'on_signal TERM' TERM",
-        "",
+        *_SIGNAL_HANDLING,
         "# Rendezvous on the job's first node; every node runs one torchrun, torchrun one worker per GPU.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'echo "ampkit: $SLURM_JOB_NUM_NODES node(s) x $NPROC_PER_NODE process(es), rendezvous $HEAD_NODE:$RDZV_PORT, '
@@ -199,32 +242,7 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         '    --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" \\',
         '    -m ampkit train --precision "$PRECISION"' + "".join(f" {q(f)}" for f in flags)
         + "".join(f" {f}" for f in extra) + (' --checkpoint_dir "$CHECKPOINT_DIR"' if own_dir else "") + " &",
-        "SRUN_PID=$!",
-        'if [ -n "$SIGNAL" ]; then stop_srun; fi  # a signal that came before srun started',
-        "",
-        "# wait returns early when a trapped signal arrives: wait again until srun has really ended.",
-        "while :; do",
-        '    WOKEN=""',
-        '    STATUS=0',
-        '    wait "$SRUN_PID" || STATUS=$?',
-        '    if [ -z "$WOKEN" ]; then break; fi',
-        "done",
-        'if [ -z "$SIGNAL" ]; then exit "$STATUS"; fi',
-        'if [ "$STATUS" = 0 ]; then',
-        '    echo "ampkit: training finished before the SIG$SIGNAL took effect: nothing to requeue" >&2',
-        "    exit 0",
-        "fi",
-        'if [ "$SIGNAL" = USR1 ]; then',
-        '    if scontrol requeue "$SLURM_JOB_ID"; then',
-        '        echo "ampkit: job $SLURM_JOB_ID requeued (srun exited $STATUS); it resumes when it runs again" >&2',
-        "        exit 0",
-        "    fi",
-        '    echo "ampkit: scontrol requeue $SLURM_JOB_ID failed; to resume, submit again: ' + resubmit + '" >&2',
-        "    exit 1",
-        "fi",
-        'echo "ampkit: stopped by SIGTERM (srun exited $STATUS); Slurm requeues a preempted job (--requeue), '
-        'a cancelled one stays cancelled" >&2',
-        "exit 143",
+        *_wait_then_requeue_or_exit(resubmit),
         "",
     ]
     return "\n".join(lines)

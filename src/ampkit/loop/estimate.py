@@ -29,7 +29,11 @@ from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from .steps import Steps
 
-__all__ = ["MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
+__all__ = ["PLAN_PRECISIONS", "MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
+
+# The rows of a plan (``ampkit plan``, the service's planner): fp32, the two autocast precisions and
+# their pure forms. Not tf32 (fp32's memory); fp8 only where torchao is installed (the CLI adds it).
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp16-pure")
 
 PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporaries")
 

@@ -12,15 +12,13 @@ import functools
 import threading
 from typing import Any, Callable, Optional
 
+from ..loop.estimate import PLAN_PRECISIONS
 from .schemas import OptimizeBody
 
-__all__ = ["PLAN_PRECISIONS", "plan_answer", "savings_gb"]
+__all__ = ["plan_answer", "savings_gb"]
 
 GiB = 2**30
-# The rows of a plan: fp32, the two autocast precisions (the candidates for "mixed precision"), and
-# their pure forms. Not tf32 (fp32's memory) nor fp8 (needs torchao and an fp8 GPU to predict).
-PLAN_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp16-pure")
-_AUTOCAST = PLAN_PRECISIONS[1:3]
+_AUTOCAST = PLAN_PRECISIONS[1:3]  # the candidates for "mixed precision"
 
 
 def _text_model(model: str, overrides: str, size: str) -> tuple[Callable[[], Any], int]:

@@ -123,6 +123,7 @@ COMMON = ["--model", "gpt", "--size", "tiny", "--batch-size", "2", "--device", "
           "--json", "--grad_accum_steps", "2", "--init_scale", "4096"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_exact_resume_across_processes(precision, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
@@ -152,6 +153,7 @@ def test_resume_without_checkpoint(tmp_path, capsys):
     assert main([*args, "--allow_fresh"]) == 0
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path):
     """Kill a training process that checkpoints every step at random moments, repeatedly."""
     ckpt = tmp_path / "ckpt"

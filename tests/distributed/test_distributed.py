@@ -14,7 +14,7 @@ from torch import nn
 
 from ampkit import MixedPrecision
 
-from .dist_helpers import run_ranks
+from ..dist_helpers import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -119,6 +119,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.slow
 def test_ddp_fp32_matches_one_process_and_bf16_ranks_agree_bitwise():
     ref = reference("fp32", accum=4)
     ranks = run_ranks(train, "ddp", "fp32", accum=2)
@@ -132,11 +133,13 @@ def test_ddp_fp32_matches_one_process_and_bf16_ranks_agree_bitwise():
     assert 0.0 < max_diff(bf[0]["params"], ranks[0]["params"]) < 5e-2
 
 
+@pytest.mark.slow
 def test_ddp_communicates_once_per_optimizer_step():
     ranks = run_ranks(train, "ddp", "fp32", accum=4, steps=3)
     assert [r["comms"] for r in ranks] == [3, 3]  # not 12: no_sync on 3 of every 4 micro-steps
 
 
+@pytest.mark.slow
 def test_fsdp_reduces_once_per_step_per_group_and_matches_large_batch():
     ref = reference("fp32", accum=8)
     ranks = run_ranks(train, "fsdp", "fp32", accum=4, steps=3)
@@ -153,6 +156,7 @@ def several(rank: int, world: int, runs: list[tuple[tuple, dict]]) -> list[dict]
     return [train(rank, world, *a, **k) for a, k in runs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_fp16_inf_on_one_rank_skips_that_step_on_every_rank(kind):
     runs = [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": fused, "inject": (1, 1)}) for fused in (True, False)]
@@ -169,6 +173,7 @@ def test_fp16_inf_on_one_rank_skips_that_step_on_every_rank(kind):
         assert max_diff(a["params"], b["params"]) == 0.0, i
 
 
+@pytest.mark.slow
 def test_fsdp_clipping_returns_the_one_process_total_norm():
     ref = reference("fp32", accum=4, clip=0.05)
     ranks = run_ranks(train, "fsdp", "fp32", accum=2, clip=0.05)
@@ -178,6 +183,7 @@ def test_fsdp_clipping_returns_the_one_process_total_norm():
         assert max_diff(r["params"], ref["params"]) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16-pure"])
 def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision):
     # SGD: parameter differences are proportional to gradient differences (AdamW's normalised
@@ -193,6 +199,7 @@ def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision)
     assert all(v.dtype == torch.float32 for v in ranks[0]["params"].values())
 
 
+@pytest.mark.slow
 def test_ddp_pure_precisions_average_the_fp32_master_gradients():
     # The masters live outside DDP's view: the adapter averages their fp32 gradients itself.
     refs = {p: reference(p, accum=4, optim="sgd") for p in ("bf16-pure", "fp16-pure")}
@@ -222,6 +229,7 @@ def flushed(rank: int, world: int, micro: int, accum: int) -> dict:
     return {"params": full_state(model)}
 
 
+@pytest.mark.slow
 def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients():
     ref = flushed(0, 1, 6, 8)  # one process, 6 of a window of 8: the mean over 6
     ranks = run_ranks(flushed, 3, 4)  # 2 ranks x 3 of a window of 4, all under no_sync
@@ -258,6 +266,7 @@ def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str 
             "steps": resumed_steps, "world": t.world_size}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, tmp_path):
     from ampkit.loop.checkpoint import export_single_file, load_checkpoint

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ampkit import MixedPrecision
 from ampkit.observe.monitor import JSONLSink, Monitor
-from ampkit.report import METRICS, load_run, make_report
+from ampkit.observe.report import METRICS, load_run, make_report
 
 pytest.importorskip("matplotlib")
 

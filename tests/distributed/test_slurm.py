@@ -25,7 +25,7 @@ import pytest
 from ampkit.cli import main
 from ampkit.distributed.slurm import _time_seconds, sbatch_script
 
-from .dist_helpers import free_port
+from ..dist_helpers import free_port
 
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress"]
 JOB_ID = "4242"
@@ -43,6 +43,7 @@ def _train_command(script: str) -> list[str]:
 # ---------------------------------------------------------------------------------- content
 
 
+@pytest.mark.slow
 def test_script_asks_for_requeue_append_and_a_warning_signal(tmp_path, capsys):
     assert main(["slurm", "--nodes", "2", "--gpus_per_node", "8", "--time", "04:00:00", "--",
                  "--model", "gpt", "--steps", "1000"]) == 0

@@ -16,6 +16,8 @@ from ampkit import MixedPrecision
 from ampkit.loop.data import TextBatches
 from ampkit.loop.models import build
 
+from ..reference_loop import torch_amp_loop
+
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM, STEPS, CLIP = 4, 5, 0.5
 
@@ -36,24 +38,9 @@ def gpt_and_data():
 
 
 def nanogpt_loop(model, data, precision, fused):
-    """nanoGPT train.py's inner loop, verbatim in structure."""
-    dtype = DTYPES[precision]
-    ctx = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-    optimizer = nanogpt_optimizer(model, fused)
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    for it in range(STEPS):
-        for micro_step in range(ACCUM):
-            x, y = data[it * ACCUM + micro_step]
-            with ctx:
-                loss = model(x, y)
-                loss = loss / ACCUM
-            scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-    return model
+    """nanoGPT train.py's inner loop: the shared hand-written loop (tests/reference_loop.py) with its optimizer."""
+    return torch_amp_loop(model, nanogpt_optimizer(model, fused), data, precision, steps=STEPS, accum=ACCUM,
+                          clip=CLIP)[0]
 
 
 def nanogpt_on_ampkit(model, data, precision, fused):

@@ -10,10 +10,10 @@ import ampkit
 from ampkit import MixedPrecision, PrecisionError
 from ampkit.step.fallback import NumericsError
 
-from .helpers import SyncCounter
+from ..helpers import SyncCounter
+from ..reference_loop import torch_amp_loop
 from .test_config import saved_determinism
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM, STEPS = 4, 50
 BAD = {(3, 1), (10, 0), (11, 3), (27, 2), (40, 0)}  # (optimizer step, micro-step) with non-finite loss
 
@@ -34,28 +34,12 @@ def make_opt(model, fused):
 
 
 def reference_loop(precision, fused, data):
-    """The hand-written torch.autocast + torch.amp.GradScaler loop users write today."""
+    """The hand-written torch.autocast + torch.amp.GradScaler loop users write today (tests/reference_loop.py)."""
     model = make_model()
-    opt = make_opt(model, fused)
-    dtype = DTYPES[precision]
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=5, enabled=precision == "fp16")
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            x, y = data[step * ACCUM + micro]
-            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                loss = F.cross_entropy(model(x), y)
-            if (step, micro) in BAD:
-                loss = loss * math.inf
-            loss = loss / ACCUM
-            scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if precision == "fp16":
-            scaler.step(opt)
-            scaler.update()
-        elif torch.isfinite(norm):  # skip non-finite steps in bf16/fp32 too, as ampkit does
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+    model, scaler, _ = torch_amp_loop(model, make_opt(model, fused), data, precision, steps=STEPS, accum=ACCUM,
+                                      clip=1.0, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                                      scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 5},
+                                      skip_nonfinite=True, poison=BAD)
     return model, scaler
 
 
@@ -384,23 +368,15 @@ def test_equivalent_to_hand_written_loop_cuda(precision):
     torch.manual_seed(0)
     dev = "cuda"
     data = [(x.to(dev), y.to(dev)) for x, y in batches(40)]
-    dtype = DTYPES[precision]
     ref = make_model().to(dev)
     got = make_model().to(dev)
     o1 = torch.optim.AdamW(ref.parameters(), fused=True)
     o2 = torch.optim.AdamW(got.parameters(), fused=True)
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+    torch_amp_loop(ref, o1, data, precision, steps=len(data), clip=1.0, device=dev,
+                   loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     amp = MixedPrecision(precision, device=dev, clip_grad_norm=1.0)
     got, o2 = amp.setup(got, o2)
     for x, y in data:
-        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = F.cross_entropy(ref(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(o1)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        scaler.step(o1)
-        scaler.update()
-        o1.zero_grad(set_to_none=True)
         with amp.autocast():
             loss = F.cross_entropy(got(x), y)
         amp.backward(loss)

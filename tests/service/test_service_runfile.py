@@ -34,7 +34,7 @@ from ampkit.service.runfile import (  # noqa: E402
 from ampkit.service.runner import command_for  # noqa: E402
 from ampkit.service.schemas import RecommendSpec, RunSpec  # noqa: E402
 
-SERVICE = pathlib.Path(__file__).resolve().parents[1] / "src" / "ampkit" / "service"
+SERVICE = pathlib.Path(__file__).resolve().parents[2] / "src" / "ampkit" / "service"
 
 # Every field away from its default, so that every key is written.
 FULL = RunSpec(model="gpt2", size="small", precision="fp16", steps=7, batch_size=3, accumulation_steps=2, lr=5e-5,

@@ -13,7 +13,7 @@ from ampkit.loop.trainer import Trainer
 from ampkit.observe.memory import breakdown
 from ampkit.step.policies.pure import MasterWeights
 
-from .helpers import SyncCounter
+from ..helpers import SyncCounter
 
 HALF = {"bf16-pure": torch.bfloat16, "fp16-pure": torch.float16}
 
@@ -355,6 +355,7 @@ def test_pure_precision_on_a_sharded_model_keeps_no_second_master_copy():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
     import subprocess
     import sys

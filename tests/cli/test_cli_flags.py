@@ -16,7 +16,7 @@ from ampkit.loop.models import MODELS, SIZES
 from ampkit.step.config import FP8_RECIPES, MixedPrecisionConfig, fields_help
 from ampkit.step.precision import CANONICAL
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Every command's options (the underscore spellings; each has a hyphen twin, checked below). Adding or
 # removing a flag is a deliberate change: update this list, and regenerate docs/reference/cli.md with

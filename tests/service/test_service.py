@@ -15,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
 
-from .dist_helpers import free_port  # noqa: E402
+from ..dist_helpers import free_port  # noqa: E402
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
 ALICE = {"Authorization": "Bearer tok-alice"}
@@ -248,7 +248,7 @@ def test_bounded_load_on_the_list_route(server):
     """200 list requests from 4 clients against 30 runs: no errors (latency goes to docs/benchmarks.md)."""
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     from service_load import load, seed_runs
 
     store = server.server.config.app.state.store

@@ -48,6 +48,7 @@ def test_estimate_matches_a_real_run(name, size, precision):
     assert est.parts["master_weights"] > 0 if precision.endswith("-pure") else est.parts["master_weights"] == 0
 
 
+@pytest.mark.slow
 def test_gpt2_124m_in_seconds_without_allocating_it(tmp_path):
     code = (
         "import json, resource, time, torch\n"

@@ -25,7 +25,7 @@ from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 from ampkit.step.engine import MixedPrecision
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MLP = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch-size", "8", "--no-progress"]
 
 
@@ -142,6 +142,7 @@ def test_abbreviated_flags_are_refused(tmp_path, capsys):
 
 
 # 7 ------------------------------------------------------------------------- failed runs exit non-zero
+@pytest.mark.slow
 def test_nan_loss_run_exits_nonzero_with_valid_json_and_diagnosis(tmp_path):
     r = run("train", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--precision", "fp16",
             "--steps", "10", "--batch-size", "2", "--device", "cpu", "--no_fallback", "--json", "--no-progress",
@@ -201,6 +202,7 @@ def test_pickle_refusal_keeps_torchs_reason(tmp_path):
 
 
 # 9 ------------------------------------------------------------------------- filesystem faults
+@pytest.mark.slow
 def test_bad_run_dirs_are_one_line_before_training(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
@@ -213,6 +215,7 @@ def test_bad_run_dirs_are_one_line_before_training(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_full_disk_for_logs_is_one_line(tmp_path):
     log_dir = tmp_path / "run"
     log_dir.mkdir()
@@ -227,6 +230,7 @@ def _limit_file_size():  # runs in the child: writes past 64 KiB fail with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
 
+@pytest.mark.slow
 def test_checkpoint_write_failure_keeps_the_previous_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     common = ["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--batch-size", "2",
@@ -245,7 +249,7 @@ def test_checkpoint_write_failure_keeps_the_previous_checkpoint(tmp_path):
 
 # 10 ------------------------------------------------------------------------ smaller ones
 def test_reused_log_dir_keeps_runs_apart_in_the_report(tmp_path, capsys):
-    from ampkit.report import make_report
+    from ampkit.observe.report import make_report
 
     log = str(tmp_path / "run")
     assert main([*MLP, "--steps", "4", "--log_every", "2", "--log_dir", log]) == 0
@@ -258,7 +262,7 @@ def test_reused_log_dir_keeps_runs_apart_in_the_report(tmp_path, capsys):
 
 
 def test_eval_losses_on_screen_and_in_the_report(tmp_path, capsys):
-    from ampkit.report import make_report
+    from ampkit.observe.report import make_report
 
     log = str(tmp_path / "run")
     assert main([*MLP, "--steps", "4", "--eval_every", "2", "--log_every", "2", "--log_dir", log]) == 0

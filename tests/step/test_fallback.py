@@ -7,8 +7,8 @@ from ampkit import MixedPrecision, PrecisionError
 from ampkit.step.fallback import NumericsError, resolve_chain
 from ampkit.step.hardware import CpuFeatures, DeviceInfo
 
-from .helpers import SyncCounter
-from .unstable_model import Unstable, data
+from ..helpers import SyncCounter
+from ..unstable_model import Unstable, data
 
 
 def run(steps=40, precision="fp16", model=None, amp=None, **kw):

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .observe.monitor.sinks import read_jsonl
-from .observe.monitor.summary import summarize
-from .observe.plots import pyplot
+from .monitor.sinks import read_jsonl
+from .monitor.summary import summarize
+from .plots import pyplot
 
 __all__ = ["METRICS", "Run", "load_run", "make_report"]
 

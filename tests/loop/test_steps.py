@@ -15,8 +15,9 @@ from ampkit.loop.models import builtin
 from ampkit.loop.steps import Steps, batch_loss
 from ampkit.loop.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
 
+from ..reference_loop import torch_amp_loop
+
 ACCUM, STEPS = 2, 12
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Net(torch.nn.Module):
@@ -36,29 +37,13 @@ def data(n, seed=1):
 
 
 def hand_loop(precision, batches):
-    """The hand-written torch.autocast + torch.amp.GradScaler loop (ampkit's semantics: clip on
-    unscaled gradients, skip non-finite steps in every precision)."""
+    """The hand-written torch.autocast + torch.amp.GradScaler loop (tests/reference_loop.py), with
+    ampkit's semantics: clip on unscaled gradients, skip non-finite steps in every precision."""
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    dtype = DTYPES[precision]
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, enabled=precision == "fp16")
-    losses = []
-    for step in range(STEPS):
-        total = None
-        for micro in range(ACCUM):
-            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                loss = model(*batches[step * ACCUM + micro])
-            total = loss.detach().float() if total is None else total + loss.detach().float()
-            scaler.scale(loss / ACCUM).backward()
-        losses.append(total / ACCUM)
-        scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if precision == "fp16":
-            scaler.step(opt)
-            scaler.update()
-        elif torch.isfinite(norm):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+    model, _, losses = torch_amp_loop(model, opt, batches, precision, steps=STEPS, accum=ACCUM, clip=1.0,
+                                      scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 3},
+                                      skip_nonfinite=True)
     return model, losses
 
 

@@ -26,6 +26,7 @@ def ampkit(*args: str, env: dict | None = None, timeout: int = 300) -> subproces
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_train_on_two_processes_reports_world_size_and_logs_once(tmp_path):
     r = ampkit("train", "--nproc_per_node", "2", *TINY, "--steps", "5", "--json", "--log_dir", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -37,6 +38,7 @@ def test_train_on_two_processes_reports_world_size_and_logs_once(tmp_path):
     assert r.stderr.count("ampkit train: mlp/tiny") == 1
 
 
+@pytest.mark.slow
 def test_two_processes_exit_cleanly_every_time(tmp_path):
     for i in range(10):
         r = ampkit("train", "--nproc_per_node", "2", *TINY, "--steps", "1", "--log_dir", str(tmp_path / f"r{i}"))
@@ -45,6 +47,7 @@ def test_two_processes_exit_cleanly_every_time(tmp_path):
             assert bad not in r.stderr, (i, bad, r.stderr[-3000:])
 
 
+@pytest.mark.slow
 def test_ranks_see_different_batches_and_fsdp_resumes(tmp_path):
     ck = str(tmp_path / "ck")
     common = ["train", "--nproc_per_node", "2", "--parallel", "fsdp", *TINY, "--json", "--checkpoint_dir", ck,
@@ -94,6 +97,7 @@ def test_launch_command_lines():
     assert strip_flags(["--nproc-per-node", "2", "--rdzv_id=x", "--lr", "1"]) == ["--lr", "1"]
 
 
+@pytest.mark.slow
 def test_slurm_script_is_valid_bash_with_overridable_settings(tmp_path, capsys):
     assert main(["slurm", "--nodes", "2", "--gpus_per_node", "8", "--partition", "gpu", "--time", "04:00:00",
                  "--", "--model", "gpt", "--precision", "fp16", "--steps", "1000"]) == 0
@@ -113,6 +117,7 @@ def test_slurm_script_is_valid_bash_with_overridable_settings(tmp_path, capsys):
         sbatch_script([], nodes=1, gpus_per_node=2, time="four hours")
 
 
+@pytest.mark.slow
 def test_slurm_script_runs_one_node_two_processes_with_stub_srun(tmp_path):
     script = sbatch_script(["--model", "mlp", "--size", "tiny", "--device", "cpu", "--steps", "2", "--no_progress",
                             "--json", "--log_dir", str(tmp_path / "run")], nodes=1, gpus_per_node=2,
@@ -137,7 +142,7 @@ def test_slurm_script_runs_one_node_two_processes_with_stub_srun(tmp_path):
 
 
 def _free_port() -> int:
-    from .dist_helpers import free_port
+    from ..dist_helpers import free_port
 
     return free_port()
 
