@@ -8,12 +8,9 @@ Semantics, written down before the code (per iteration, after all backward passe
    AMP bookkeeping (fused Adam/AdamW/SGD: ``_step_supports_amp_scaling``) the decision is made on
    the device (no sync); otherwise reading ``found_inf`` is one device->host sync, as in torch.
 3. ``update()``: if found_inf, the step was skipped; then back off, subject to hysteresis:
+   ``hysteresis == 1`` (torch) backs off on every overflow; ``hysteresis == N > 1`` tolerates
+   overflows as DeepSpeed's ``DynamicLossScaler`` does (:mod:`.scale_rules`).
 
-   * ``hysteresis == 1`` (torch): every overflow multiplies the scale by ``backoff_factor``.
-   * ``hysteresis == N > 1`` (DeepSpeed ``DynamicLossScaler``): each overflow spends one unit of
-     a budget of N; while more than one unit is left the overflow only spends it, once the
-     budget is down to its last unit every overflow backs off. The budget refills to N when the
-     scale grows, or on every finite step with ``consecutive_hysteresis=True``.
    * Every overflow resets the growth counter; ``growth_interval`` consecutive finite steps
      multiply the scale by ``growth_factor`` (only if the result is finite, as torch).
    * ``min_scale`` / ``max_scale`` clamp the result. ``dynamic=False`` never changes the scale
@@ -32,8 +29,8 @@ hysteresis budget and overflow count are device tensors, created lazily on the d
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any, Callable, Optional, Union
 
@@ -42,6 +39,7 @@ import torch
 from .config import ConfigError, MixedPrecisionConfig
 from .gradcheck import check_and_unscale, first_grad_device
 from .scale_rules import SCALE_FLOOR, hysteresis_update, scaling_problem
+from .scaler_state import host_state, loaded_attributes, saved_state
 
 __all__ = ["SCALE_FLOOR", "LossScaler"]
 
@@ -69,7 +67,8 @@ class LossScaler:
         device: where the scale lives; default: the device of the first tensor given to ``scale``
             or of the first gradient seen by ``unscale_``.
 
-    Raises :class:`~ampkit.step.config.ConfigError` (a ``ValueError``) naming an invalid setting.
+    A drop-in for ``torch.amp.GradScaler`` (every public method, disabled no-ops, pickling; pass the
+    settings by keyword). Raises :class:`~ampkit.step.config.ConfigError` naming an invalid setting.
     """
 
     def __init__(
@@ -190,10 +189,10 @@ class LossScaler:
 
     # ------------------------------------------------------------------ the verbs
     def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor (or an iterable of tensors) by the scale. No sync.
+        """Multiply a tensor, or the tensors of a (nested) iterable, by the scale. No sync.
 
-        Call on the loss before ``backward()``. Returns ``outputs`` unchanged when disabled or
-        when the scale is the constant 1.
+        Call on the loss before ``backward()``. Lists and tuples come back as their type, other iterables
+        as an iterator (as ``GradScaler``); unchanged when disabled or the scale is the constant 1.
         """
         if not self._enabled:
             return outputs
@@ -202,17 +201,21 @@ class LossScaler:
             if self.is_unit:
                 return outputs
             return outputs * scale.to(device=outputs.device, non_blocking=True)
-        return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable):
+            return map(self.scale, outputs)
+        raise ValueError(f"outputs must be a Tensor or an iterable of Tensors, got {type(outputs).__name__}")
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
         """Divide ``optimizer``'s gradients by the scale in place and check them for inf/NaN.
 
         Call once per optimizer per iteration, after all backward passes and before ``step``
         (e.g. to clip). Returns this optimizer's ``found_inf`` (0-d fp32 tensor on the scale's
-        device; > 0 means overflow). No sync. A second call before ``update()`` raises.
+        device; > 0 means overflow); disabled, None (a no-op). No sync. A second call before ``update()`` raises.
         """
         if not self._enabled:
-            raise RuntimeError("unscale_() called on a disabled LossScaler")
+            return None
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update(); "
@@ -356,66 +359,63 @@ class LossScaler:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
 
+    # ------------------------------------------------------------------ GradScaler's knobs
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` finite steps."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Use ``new_factor`` (> 1.0) from the next ``update()`` on; raises ``ConfigError`` otherwise."""
+        self._growth_factor = self._checked("growth_factor", new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by after an overflow."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Use ``new_factor`` (0 < f < 1) from the next ``update()`` on; raises ``ConfigError`` otherwise."""
+        self._backoff_factor = self._checked("backoff_factor", new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Consecutive finite steps before the scale grows."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Use ``new_interval`` (an int >= 1) from the next ``update()`` on; raises ``ConfigError`` otherwise."""
+        self._growth_interval = self._checked("growth_interval", new_interval)
+
+    def _checked(self, name: str, value: Any) -> Any:
+        knobs = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                 "growth_interval": self._growth_interval, name: value}
+        problem = scaling_problem(self._init_scale, hysteresis=1, min_scale=None, max_scale=None, **knobs)
+        if problem is not None:
+            raise ConfigError(f"invalid {name}={value!r}: must be {problem[2]}")
+        return value
+
+    # ------------------------------------------------------------------ pickling (syncs)
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle between iterations only, as ``GradScaler`` (:func:`.scaler_state.host_state`). **Syncs**."""
+        if self._per_optimizer:
+            raise RuntimeError("a LossScaler may only be pickled at the start of an iteration or after update()")
+        return host_state(vars(self))
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume; a superset of ``torch.amp.GradScaler.state_dict()``. **Syncs**.
-
-        Call between iterations (after ``update()``).
-        """
-        if not self._enabled:
-            return {}
-
-        def read(t: Optional[torch.Tensor], default: int) -> int:
-            return default if t is None else int(t.item())
-
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": read(self._growth_tracker, self._init_growth_tracker),
-            "hysteresis": self._hysteresis,
-            "consecutive_hysteresis": self._consecutive_hysteresis,
-            "_hysteresis_left": read(self._hysteresis_left, self._init_hysteresis_left),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "dynamic": self._dynamic,
-            "overflows": read(self._overflows, self._init_overflows),
-            "updates": self._updates,
-        }
+        """Everything needed to resume; a superset of ``torch.amp.GradScaler.state_dict()``
+        (:mod:`.scaler_state`); ``{}`` when disabled. **Syncs**. Call between iterations (after ``update()``)."""
+        return saved_state(vars(self)) if self._enabled else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from our own ``state_dict()`` or from a ``torch.amp.GradScaler.state_dict()``.
-
-        Keys a GradScaler does not have (hysteresis, bounds, counters) keep this scaler's settings.
+        """Restore from our own ``state_dict()`` or from a ``torch.amp.GradScaler.state_dict()``;
+        a no-op when disabled. Keys a GradScaler does not have (hysteresis, bounds) keep this
+        scaler's settings. Raises before changing anything for an empty or invalid state dict.
         """
         if not self._enabled:
             return
-        if not state_dict:
-            raise RuntimeError("the scaler state dict is empty: it was probably saved from a disabled "
-                               "GradScaler/LossScaler (e.g. a bf16 or fp32 run)")
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-                   if k not in state_dict]
-        if missing:
-            raise KeyError(f"scaler state dict lacks {missing}; expected a LossScaler or torch.amp.GradScaler state dict")
-        scale = float(state_dict["scale"])
-        if not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"scaler state dict holds an invalid scale {scale!r}")
-        scale = max(scale, SCALE_FLOOR)  # a GradScaler's subnormal scale resumes at the floor
-        self._init_scale = scale
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
-        self._init_hysteresis_left = int(state_dict.get("_hysteresis_left", self._hysteresis))
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._dynamic = bool(state_dict.get("dynamic", self._dynamic))
-        self._init_overflows = int(state_dict.get("overflows", 0))
-        self._updates = int(state_dict.get("updates", 0))
+        attributes = loaded_attributes(state_dict)
+        attributes.setdefault("_init_hysteresis_left", attributes.get("_hysteresis", self._hysteresis))
+        self.__dict__.update(attributes)
         if self._scale is not None:
-            self._scale.fill_(scale)
+            self._scale.fill_(self._init_scale)
             assert self._growth_tracker is not None and self._hysteresis_left is not None and self._overflows is not None
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._hysteresis_left.fill_(self._init_hysteresis_left)
