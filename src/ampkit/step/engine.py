@@ -45,6 +45,7 @@ from .fallback import (
 )
 from .hardware import DeviceInfo, device_info, normalize_device
 from .localize import NonFiniteReport, localize_nonfinite
+from .losscheck import check_loss
 from .overrides import Fp32Overrides, apply_fp32_overrides
 from .parallel import adapter_for
 from .parallel.base import Parallel
@@ -101,6 +102,8 @@ class MixedPrecision:
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._stream = EventStream()
         self._window_loss: Optional[torch.Tensor] = None
+        self._open_micro = False  # backward(micro_step_done=False) left the micro-step open
+        self._normalized = False  # the window's losses are normalised over it (backward(normalized=True))
         self._overrides: Optional[Fp32Overrides] = None
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
@@ -171,7 +174,7 @@ class MixedPrecision:
         micro-steps that do not end an accumulation window. No sync.
         """
         w = self._window
-        no_sync = self._parallel.forward_context(w.micro + 1 >= w.current_size)
+        no_sync = self._parallel.forward_context(w.micro + (not self._open_micro) >= w.current_size)
         if no_sync is None:
             return self._policy.forward_context()  # one torch.autocast: what a hand-written loop pays
         stack = contextlib.ExitStack()
@@ -186,35 +189,37 @@ class MixedPrecision:
             yield
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, micro_step_done: bool = True, normalized: bool = False,
+                 **kwargs: Any) -> None:
         """Backpropagate ``loss``: divided by ``accumulation_steps``, multiplied by the loss scale.
 
         **The division is ampkit's**: pass the plain per-micro-batch loss, not ``loss / accum``
-        (README "Porting an existing loop"). Gradients accumulate into ``.grad`` (scaled for fp16
-        until :meth:`step` unscales them). ``kwargs`` go to ``Tensor.backward`` (e.g.
-        ``retain_graph``). Raises when the window already holds ``accumulation_steps``
-        micro-steps without a :meth:`step` in between. No sync.
+        (README "Porting an existing loop"). ``normalized=True``: the loss is already normalised
+        over the whole window (Hugging Face's ``num_items_in_batch``), so it is not divided, nor
+        rescaled by ``step(flush=True)``; a window holds one kind of loss (mixing raises).
+        ``micro_step_done=False`` leaves the micro-step open for more backward passes into the same
+        gradients, PyTorch's "multiple losses" recipe: ``amp.backward(loss0, retain_graph=True,
+        micro_step_done=False); amp.backward(loss1)``; :meth:`step` raises while one is open.
+        Gradients accumulate into ``.grad`` (scaled for fp16 until :meth:`step` unscales them).
+        ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``). Raises when the window already
+        holds ``accumulation_steps`` micro-steps without a :meth:`step` in between. No sync.
         """
         if self._model is None:
             self._require_setup("backward")
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward() expects the loss as a torch.Tensor, got {type(loss).__name__}")
-        if not loss.is_floating_point():
-            raise TypeError(f"backward() expects a floating-point loss, got dtype {loss.dtype}; "
-                            "did you pass labels or a count instead of the loss?")
-        if loss.numel() != 1:
-            raise ValueError(f"backward() expects a scalar loss, got shape {tuple(loss.shape)}; "
-                             "reduce it first (e.g. loss.mean())")
-        if not loss.requires_grad:
-            raise ValueError("backward() got a loss that does not require grad: it was computed under "
-                             "torch.no_grad() or detached, or the model has no trainable parameters")
-        window = self._window
-        window.add_micro()  # raises before any gradient is touched when the window is full
-        if window.divisor > 1:
+        check_loss(loss)
+        window, was_open = self._window, self._open_micro
+        if window.micro and normalized != self._normalized:
+            raise ValueError(f"backward(normalized={normalized}) inside a window of normalized={self._normalized} "
+                             "losses: a window's losses are all normalised over it, or none is")
+        if not was_open:
+            window.add_micro()  # raises before any gradient is touched when the window is full
+        self._normalized = normalized
+        if window.divisor > 1 and not normalized:
             loss = loss / window.divisor
         if self._stream.subscribers:  # observers get the window's mean loss; no cost without them
             d = loss.detach()
-            self._window_loss = d if window.micro == 1 or self._window_loss is None else self._window_loss + d
+            first = window.micro == 1 and not was_open
+            self._window_loss = d if first or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
         self._parallel.before_backward(window.complete)
         context = self._backward_context
@@ -225,11 +230,25 @@ class MixedPrecision:
             else:
                 scaled.backward(**kwargs)
         except BaseException:
-            window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
+            if not was_open:
+                window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
             raise
+        self._open_micro = not micro_step_done
         hook = self._policy.after_backward  # pure precisions: half gradients summed into the fp32 masters'
         if hook is not None:
             hook()
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` (a tensor or a nested list/tuple of them) times the loss scale, for gradients
+        taken by hand: ``torch.autograd.grad(amp.scale(loss), params, create_graph=True)`` gives
+        scaled gradients; multiply them by ``1.0 / amp.get_scale()`` (PyTorch's "gradient penalty"
+        recipe). Not divided by the window (:meth:`backward` does that); unchanged for precisions
+        without loss scaling. No sync."""
+        return self._scaler.scale(outputs)
+
+    def get_scale(self) -> float:
+        """The current loss scale as a float (1.0 for precisions without scaling). **Syncs**."""
+        return self._scaler.get_scale() if self.precision.needs_scaler else 1.0
 
     def set_window(self, micro_steps: int) -> None:
         """Make the next accumulation window ``micro_steps`` long (1..``accumulation_steps``).
@@ -253,6 +272,7 @@ class MixedPrecision:
                 p.grad = None  # half gradients not yet absorbed, parameters outside the optimizers
         self._window.reset()
         self._window_loss = None
+        self._open_micro = False
 
     def set_accumulation_steps(self, n: int) -> None:
         """Change ``accumulation_steps`` between windows (raises inside one)."""
@@ -305,6 +325,9 @@ class MixedPrecision:
                 return StepResult(boundary=False)
             raise RuntimeError("step() called before backward(); call amp.backward(loss) after each "
                                "forward, then amp.step(optimizer)")
+        if self._open_micro:
+            raise RuntimeError("step() called inside a micro-step left open by backward(..., micro_step_done=False); "
+                               "finish it with a last backward() (micro_step_done=True, the default) first")
         if not window.complete and not flush:
             return StepResult(boundary=False)
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
@@ -313,7 +336,8 @@ class MixedPrecision:
         assert self._clip_order is not None
         params = self._clip_order.params(opts)
         self._parallel.before_step(params)
-        grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip, window.flush_factor())
+        grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
+                                                    None if self._normalized else window.flush_factor())
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
@@ -332,7 +356,7 @@ class MixedPrecision:
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None
-            if loss is not None and micro != window.size and flush:
+            if loss is not None and micro != window.size and flush and not self._normalized:
                 loss = loss * (window.size / micro)  # the mean over the short window, like the gradients
             self._emit("step", {"loss": loss, "result": result}, record=False)
         return result
@@ -548,7 +572,7 @@ class MixedPrecision:
         if before:
             self._skipped_before = torch.tensor(float(before), device=self.device)
         self._steps = int(state.get("optimizer_steps", 0))
-        self._window = Window(cfg.accumulation_steps)
+        self._window, self._open_micro = Window(cfg.accumulation_steps), False
         self._window.micro = int(state.get("micro_steps", 0))
         self._stream.kept = [Event.from_dict(e) for e in state.get("events", [])]
         self._fallback = fallback
