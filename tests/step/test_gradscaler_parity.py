@@ -1,12 +1,12 @@
 """PyTorch's own GradScaler scaling tests, run with ``ampkit.LossScaler`` in place of ``torch.amp.GradScaler``.
 
-Taken from pytorch/pytorch ``test/test_cuda.py`` (``TestCuda.test_grad_scaling_state_dict``,
+The cases of pytorch/pytorch ``test/test_cuda.py`` (``TestCuda.test_grad_scaling_state_dict``,
 ``_run_scaling_case``, ``_grad_scaling_autocast_test``, ``test_grad_scale_will_not_overflow``,
 ``test_grad_scaling_clipping``, ``test_grad_scaling_clipping_separate_unscale``,
-``test_grad_scaling_penalty``, ``test_grad_scaling_accumulation``, ``test_grad_scaling_multiple``;
-moved since to the device-generic ``test/test_torch.py`` ``TestTorchDeviceType``, the form used
-here: ``device="cpu"``, CPU autocast) and ``test_grad_scaling_scale``, as stored in the
-index at pytorch/pytorch commit e121c6ea4c91fb2e6c506175cf9d87e512211afb. The models, data and
+``test_grad_scaling_penalty``, ``test_grad_scaling_accumulation``, ``test_grad_scaling_multiple``,
+``test_grad_scaling_scale``; device-generic in later torch, as in ``test/test_torch.py``'s
+``TestTorchDeviceType``), re-written for ``device="cpu"`` with the same scenarios, values and checks
+(torch's source is read, not copied). The models, data and
 optimizers are built as torch's helper ``torch.testing._internal.common_cuda._create_scaling_case``
 builds them (re-written here: importing it needs ``expecttest``). Each test runs twice: with ``torch.amp.GradScaler`` (the cases hold for
 it as written) and with ``LossScaler`` given the same keyword arguments; the checks are torch's
