@@ -8,7 +8,7 @@ A request is checked here, once; what passes is stored and written to the run's 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,6 +16,7 @@ from ..loop.models import SIZES
 from ..step.config import MixedPrecisionConfig
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
+from .checks import MAX_INT, MAX_KEYS, Key, Name, OverrideValue, Text
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
            "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
@@ -23,7 +24,9 @@ __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody
 # Every size name of the built-in models, in their order (all share tiny ... large today).
 SIZE_NAMES = tuple(dict.fromkeys(size for sizes in SIZES.values() for size in sizes))
 SizeName = Literal[SIZE_NAMES]  # type: ignore[valid-type]  # Literal of a tuple: one choice per name
-Scalar = Union[bool, int, float, str, None]
+Scalar = Union[bool, int, float, Name, None]
+Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS)]  # a Hugging Face config's fields
+UserId = Optional[Union[Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
 
 
 class ServiceConfig(BaseModel):
@@ -48,28 +51,29 @@ class RunSpec(BaseModel):
     travels to the run as a ``[train]`` key of its ``run.toml`` (``ampkit.service.runfile``)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-    model: str = "mlp"
+    model: Name = "mlp"
     size: SizeName = "tiny"
-    precision: str = "auto"
+    precision: Name = "auto"
     steps: int = Field(100, ge=1, le=1_000_000)
     batch_size: int = Field(16, ge=1, le=65_536)
     accumulation_steps: int = Field(1, ge=1, le=4096)
     lr: float = Field(1e-3, gt=0, le=10)
     seed: int = 0
     init_scale: Optional[float] = Field(None, gt=0)
-    device: str = "cpu"
+    device: Name = "cpu"
     max_seconds: Optional[float] = Field(None, gt=0)
     checkpoint_every: int = Field(10, ge=1)
     log_every: int = Field(5, ge=1)
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)  # a Hugging Face config's fields
-    texts: Optional[list[str]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
+    model_overrides: Overrides = Field(default_factory=dict)  # a Hugging Face config's fields
+    texts: Optional[list[Text]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
     max_length: Optional[int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
     epochs: Optional[int] = Field(None, ge=1, le=100_000)  # instead of steps
     target_effective_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000)
     activation_checkpointing: bool = False
     save_model: bool = False  # write the trained fp32 weights to <run dir>/model
-    user_id: Optional[Union[int, str]] = None  # a label (the owner is the token's)
-    amp: dict[str, Union[Scalar, list[str]]] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
+    user_id: UserId = None
+    amp: Annotated[dict[Key, Union[Scalar, Annotated[list[Name], Field(max_length=MAX_KEYS)]]],
+                   Field(max_length=MAX_KEYS)] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
 
     @field_validator("texts")
     @classmethod
@@ -111,12 +115,12 @@ class RunSpec(BaseModel):
 
 class RecommendSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-    model: str = "mlp"
+    model: Name = "mlp"
     size: SizeName = "tiny"
     batch_size: int = Field(16, ge=1, le=65_536)
     steps: int = Field(10, ge=1, le=10_000)
-    precisions: str = "fp32,bf16,fp16"
-    device: str = "cpu"
+    precisions: Name = "fp32,bf16,fp16"
+    device: Name = "cpu"
     max_seconds: Optional[float] = Field(None, gt=0)
 
     @field_validator("precisions")
@@ -146,7 +150,7 @@ class _Body(BaseModel):
 
 class MixedPrecisionBody(_Body):
     enabled: bool = True
-    dtype: str = "float16"  # any precision name or alias ampkit knows
+    dtype: Name = "float16"  # any precision name or alias ampkit knows
     init_scale: Optional[float] = Field(65536.0, gt=0)
     memory_efficient: bool = False  # -> activation checkpointing
 
@@ -158,12 +162,12 @@ class MixedPrecisionBody(_Body):
 
 
 class SetupBody(MixedPrecisionBody):
-    model_name: str = "gpt2"
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    model_name: Name = "gpt2"
+    model_overrides: Overrides = Field(default_factory=dict)
 
 
 class DatasetConfig(_Body):
-    texts: list[str] = Field(min_length=1)
+    texts: list[Text] = Field(min_length=1)
     max_length: int = Field(512, ge=2, le=8192)
 
 
@@ -174,13 +178,13 @@ class TrainingConfig(_Body):
 
 
 class TrainBody(_Body):
-    model_name: str = "gpt2"
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    model_name: Name = "gpt2"
+    model_overrides: Overrides = Field(default_factory=dict)
     dataset_config: DatasetConfig
     training_config: TrainingConfig = Field(default_factory=TrainingConfig)
-    user_id: Optional[Union[int, str]] = None
+    user_id: UserId = None
     mixed_precision_config: Optional[MixedPrecisionBody] = None
-    device: str = "cpu"
+    device: Name = "cpu"
     max_seconds: Optional[float] = Field(None, gt=0)
 
 
@@ -191,8 +195,8 @@ class OptimizedBody(TrainBody):
 
 
 class OptimizeBody(_Body):
-    model_name: str = "gpt2"
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    model_name: Name = "gpt2"
+    model_overrides: Overrides = Field(default_factory=dict)
     size: SizeName = "small"  # for model_name "gpt"
     gpu_memory_gb: float = Field(gt=0, le=1_000_000)
     batch_size: int = Field(16, ge=1, le=65_536)

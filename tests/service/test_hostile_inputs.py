@@ -1,0 +1,127 @@
+"""Hostile and malformed requests (issue 23): each is a clear 422 (or 413) at submit naming the
+field, never a 500 and never a run that wedges the queue. In-process (FastAPI's TestClient, the
+scheduler not started) unless marked slow."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from ampkit.service import runner as runner_mod  # noqa: E402
+from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
+from ampkit.service.runner import Runner  # noqa: E402
+from ampkit.service.store import Store  # noqa: E402
+
+TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
+ALICE = {"Authorization": "Bearer tok-alice"}
+BOB = {"Authorization": "Bearer tok-bob"}
+NUL, SURROGATE, LONG = "a\x00b", "a\ud800b", "x" * 200_000
+TEXTS = ["hello world", "second text"]
+GPT2 = {"model": "gpt2", "model_overrides": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}}
+
+
+def post(c: TestClient, path: str, body: dict, headers: dict = ALICE):
+    """POST ``body`` as JSON written with ensure_ascii (a lone surrogate travels as ``\\ud800``, as
+    a hostile client sends it)."""
+    return c.post(path, content=json.dumps(body), headers={**headers, "content-type": "application/json"})
+
+
+@pytest.fixture
+def client(tmp_path):
+    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), body_cap=1 << 20), tokens=TOKENS)
+    return TestClient(app)  # no lifespan: the scheduler does not run, runs stay queued
+
+
+def _is_422(r, *words: str) -> None:
+    assert r.status_code == 422, (r.status_code, r.text[:500])
+    assert len(r.content) < 20_000  # the value is not echoed back whole
+    for w in words:
+        assert w in r.text, (w, r.text[:800])
+
+
+# --- 1. strings: NUL, lone surrogates, absurd lengths; the scheduler never wedges -----------------
+
+@pytest.mark.parametrize("bad", [NUL, SURROGATE, LONG], ids=["nul", "surrogate", "long"])
+@pytest.mark.parametrize("field,body", [
+    ("model_overrides", lambda v: {**GPT2, "model_overrides": {"summary_type": v}}),
+    ("model_overrides", lambda v: {**GPT2, "model_overrides": {v: 1}}),
+    ("user_id", lambda v: {"model": "mlp", "user_id": v}),
+    ("keep_fp32", lambda v: {"model": "mlp", "amp": {"keep_fp32": [v]}}),
+    ("amp", lambda v: {"model": "mlp", "amp": {v: 1}}),
+    ("model", lambda v: {"model": v}),
+    ("precision", lambda v: {"precision": v}),
+    ("device", lambda v: {"device": v}),
+])
+def test_bad_strings_in_a_run_are_422_naming_the_field(client, bad, field, body):
+    r = post(client, "/v1/runs", body(bad))
+    _is_422(r, field)
+    assert client.get("/v1/runs", headers=ALICE).status_code == 200  # the listing still answers
+
+
+@pytest.mark.parametrize("bad", [NUL, SURROGATE], ids=["nul", "surrogate"])
+def test_bad_texts_are_422(client, bad):
+    _is_422(post(client, "/v1/runs", {"model": "gpt", "texts": ["fine text", bad]}), "texts")
+    brief = {"model_name": "gpt2", "dataset_config": {"texts": [bad, "ok text"]}, "user_id": 1}
+    _is_422(post(client, "/finetuning/mixed-precision", brief), "texts")
+
+
+@pytest.mark.parametrize("bad", [NUL, SURROGATE, LONG], ids=["nul", "surrogate", "long"])
+def test_bad_strings_on_the_brief_routes_are_422(client, bad):
+    brief = {"model_name": "gpt2", "dataset_config": {"texts": TEXTS}}
+    _is_422(post(client, "/finetuning/mixed-precision", {**brief, "user_id": bad}), "user_id")
+    _is_422(post(client, "/finetuning/optimized", {**brief, "device": bad}), "device")
+    _is_422(post(client, "/finetuning/setup-mixed-precision", {"dtype": bad}), "dtype")
+    _is_422(post(client, "/finetuning/optimize-mixed-precision", {"gpu_memory_gb": 8, "model_name": bad}),
+            "model_name")
+    _is_422(post(client, "/v1/recommend", {"precisions": bad}), "precisions")
+
+
+def test_a_stored_surrogate_does_not_break_the_listing(client):
+    """A row written by an older server (before these checks) still lists and shows: no 500."""
+    store = client.app.state.store
+    store.create("old1", "alice", "train", {"model": "mlp", "user_id": SURROGATE}, "/nonexistent/old1")
+    r = client.get("/v1/runs", headers=ALICE)
+    assert r.status_code == 200 and r.json()["runs"][0]["user_id"] == SURROGATE
+    assert client.get("/v1/runs/old1", headers=ALICE).status_code == 200
+
+
+def _fake_command(run: dict) -> list[str]:
+    # the run's model travels on the command line: a NUL there makes Popen raise, like the old argv
+    return [sys.executable, "-c", "print('{\"ok\": 1}')", run["spec"]["model"]]
+
+
+def test_a_run_whose_launch_raises_fails_and_the_queue_moves_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_mod, "command_for", _fake_command)
+    store = Store(str(tmp_path))
+    for i, model in enumerate([NUL, "x" * 3_000_000, "fine"]):  # oldest first: the bad ones lead
+        store.create(f"r{i}", "alice" if i < 2 else "bob", "recommend", {"model": model}, str(tmp_path / f"r{i}"))
+        time.sleep(0.01)
+    for _ in range(2):  # the second Runner is a restarted server on the same store
+        runner = Runner(store, max_concurrent=1, poll_s=0.05)
+        runner.recover()
+        deadline = time.monotonic() + 30
+        while store.get("r2")["status"] != "succeeded":
+            assert time.monotonic() < deadline, [store.get(f"r{i}") for i in range(3)]
+            runner.tick()
+            time.sleep(0.05)
+    for i in range(2):
+        bad = store.get(f"r{i}")
+        assert bad["status"] == "failed" and bad["error"].startswith("could not start"), bad["error"][:200]
+
+
+def test_a_launch_error_with_a_surrogate_is_stored(tmp_path, monkeypatch):
+    def boom(run: dict) -> list[str]:
+        raise UnicodeEncodeError("utf-8", SURROGATE, 1, 2, "surrogates not allowed")
+
+    monkeypatch.setattr(runner_mod, "command_for", boom)
+    store = Store(str(tmp_path))
+    store.create("r0", "alice", "recommend", {"model": "mlp"}, str(tmp_path / "r0"))
+    Runner(store).tick()
+    assert store.get("r0")["status"] == "failed"
