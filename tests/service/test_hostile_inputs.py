@@ -125,3 +125,43 @@ def test_a_launch_error_with_a_surrogate_is_stored(tmp_path, monkeypatch):
     store.create("r0", "alice", "recommend", {"model": "mlp"}, str(tmp_path / "r0"))
     Runner(store).tick()
     assert store.get("r0")["status"] == "failed"
+
+
+# --- 2. the --max_params bypass: overrides stay structured, separators refused, the built config counted
+
+SMUGGLE = {"n_layer": 1, "n_embd": 32, "n_head": 2, "summary_type": "cls_index,vocab_size=2000000"}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/finetuning/optimize-mixed-precision", {"model_name": "gpt2", "gpu_memory_gb": 8, "model_overrides": SMUGGLE}),
+    ("/finetuning/mixed-precision", {"model_name": "gpt2", "dataset_config": {"texts": TEXTS},
+                                     "model_overrides": SMUGGLE}),
+    ("/v1/runs", {"model": "gpt2", "model_overrides": SMUGGLE}),
+    ("/finetuning/setup-mixed-precision", {"model_overrides": SMUGGLE}),
+])
+def test_a_separator_inside_an_override_value_is_422(client, path, body):
+    _is_422(post(client, path, body), "summary_type", "vocab_size=2000000")
+
+
+def test_the_planner_builds_the_overrides_it_was_given():
+    """No joined ``k=v`` string between the request and the model: a comma stays inside its value."""
+    pytest.importorskip("transformers")
+    from ampkit.service import planner
+
+    factory, _ = planner._text_model("gpt2", planner._overrides(SMUGGLE), "small")
+    config = factory.args[1]
+    assert config == SMUGGLE and "vocab_size" not in config
+
+
+def test_the_size_check_counts_the_config_the_run_builds(tmp_path):
+    """The check sees the overrides as ``ampkit train`` reads them back from run.toml."""
+    pytest.importorskip("transformers")
+    from ampkit.loop.hf import parse_overrides
+    from ampkit.service.runfile import run_tables
+    from ampkit.service.schemas import RunSpec
+
+    spec = RunSpec(**GPT2).model_dump()
+    assert parse_overrides(run_tables(spec, str(tmp_path))["train"]["model_config"]) == spec["model_overrides"]
+    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), max_params=100_000), tokens=TOKENS)
+    r = post(TestClient(app), "/v1/runs", {**GPT2, "model_overrides": {**GPT2["model_overrides"], "n_layer": 4}})
+    assert r.status_code == 422 and "over this server's limit" in r.text, r.text

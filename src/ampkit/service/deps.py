@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 from fastapi import Depends, HTTPException, Request
 
-from .runfile import write_run_file
+from .runfile import run_tables, write_run_file
 from .runner import Runner
 from .schemas import ServiceConfig
 from .store import Store
@@ -66,13 +66,15 @@ OwnedRun = Annotated[dict[str, Any], Depends(owned_run)]
 def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Accept a validated spec as ``who``'s queued run: the model is one this server may build (422),
     the queue has room (429), and a training run's ``run.toml`` is written before the row exists."""
-    from ..loop.hf import is_hf
+    from ..loop.hf import is_hf, parse_overrides
 
     try:
         allowed_model(spec["model"], svc.config.allowed_factories)
         if spec.get("model_overrides") and not is_hf(spec["model"]):
             raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
-        check_size(spec["model"], spec.get("model_overrides") or {}, svc.config.max_params)
+        # the size of the config the run builds: its overrides as `ampkit train` reads them back from run.toml
+        built = parse_overrides(run_tables(spec, "")["train"]["model_config"]) if kind == "train" else {}
+        check_size(spec["model"], built or spec.get("model_overrides") or {}, svc.config.max_params)
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
     if svc.store.count("queued") >= svc.config.queue_cap:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..loop.models import SIZES
 from ..step.config import MixedPrecisionConfig
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
-from .checks import MAX_INT, MAX_KEYS, Key, Name, OverrideValue, Text
+from .checks import MAX_INT, MAX_KEYS, Key, Name, OverrideValue, Text, shown
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
            "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
@@ -25,7 +25,24 @@ __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody
 SIZE_NAMES = tuple(dict.fromkeys(size for sizes in SIZES.values() for size in sizes))
 SizeName = Literal[SIZE_NAMES]  # type: ignore[valid-type]  # Literal of a tuple: one choice per name
 Scalar = Union[bool, int, float, Name, None]
-Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS)]  # a Hugging Face config's fields
+
+
+def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
+    """Keys are identifiers and string values hold no separator: the run's file carries the overrides
+    as ``k=v,...`` for ``ampkit train --model_config``, and a ``,`` or ``=`` inside a value would add
+    a field that no check saw."""
+    bad = [k for k in v if not k.isidentifier()]
+    if bad:
+        raise ValueError(f"model_overrides: keys must be identifiers (bad: {', '.join(map(shown, bad))})")
+    for k, x in v.items():
+        if isinstance(x, str) and ("," in x or "=" in x):
+            raise ValueError(f"model_overrides.{k}: {shown(x)} holds a ',' or '=' (a value is one word, not "
+                             "more key=value pairs)")
+    return v
+
+
+# a Hugging Face config's fields
+Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
 UserId = Optional[Union[Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
 
 
@@ -37,13 +54,6 @@ class ServiceConfig(BaseModel):
     poll_s: float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
     max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
-
-
-def _check_overrides(v: dict[str, Scalar]) -> dict[str, Scalar]:
-    bad = [k for k in v if not k.isidentifier()]
-    if bad or any(isinstance(x, str) and ("," in x or "=" in x) for x in v.values()):
-        raise ValueError(f"model_overrides: keys must be identifiers and values plain scalars (bad: {bad or v})")
-    return v
 
 
 class RunSpec(BaseModel):
@@ -92,7 +102,6 @@ class RunSpec(BaseModel):
             raise ValueError(f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp")
         return v
 
-    _overrides = field_validator("model_overrides")(_check_overrides)
 
     @field_validator("device")
     @classmethod
