@@ -165,3 +165,83 @@ def test_the_size_check_counts_the_config_the_run_builds(tmp_path):
     app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), max_params=100_000), tokens=TOKENS)
     r = post(TestClient(app), "/v1/runs", {**GPT2, "model_overrides": {**GPT2["model_overrides"], "n_layer": 4}})
     assert r.status_code == 422 and "over this server's limit" in r.text, r.text
+
+
+# --- 3. numbers, override names and config classes: 422 with the value, why and the choices --------
+
+def raw(c: TestClient, path: str, text: str, headers: dict = ALICE):
+    return c.post(path, content=text, headers={**headers, "content-type": "application/json"})
+
+
+@pytest.mark.parametrize("text,words", [
+    ('{"lr": NaN}', ["lr", "finite"]),
+    ('{"lr": Infinity}', ["lr", "finite"]),
+    ('{"init_scale": 1e400}', ["init_scale", "finite"]),
+    ('{"max_seconds": Infinity}', ["max_seconds", "finite"]),
+    ('{"seed": 18446744073709551616}', ["seed", "9223372036854775807"]),
+    ('{"steps": true}', ["steps", "integer"]),
+    ('{"steps": "5"}', ["steps", "integer"]),
+    ('{"batch_size": 1e300}', ["batch_size"]),
+    ('{"save_model": 1}', ["save_model", "bool"]),
+    ('{"amp": {"growth_factor": NaN}}', ["amp", "finite"]),
+])
+def test_bad_numbers_are_422(client, text, words):
+    _is_422(raw(client, "/v1/runs", text), *words)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"n_layer": "--resume"}, ["n_layer", "--resume", "integer", "12"]),
+    ({"n_layer": 1e300}, ["n_layer", "1e+300", "integer"]),
+    ({"n_layer": True}, ["n_layer", "integer"]),
+    ({"layer_norm_epsilon": 1e300}, ["layer_norm_epsilon", "1e+300"]),
+    ({"__class__": 1}, ["__class__", "choose from", "n_layer"]),
+    ({"_attn_implementation": "eager"}, ["_attn_implementation", "choose from"]),
+    ({"dtype": "float16"}, ["dtype", "choose from"]),
+    ({"activation_function": "true"}, ["activation_function", "word"]),
+    ({"to_dict": 1}, ["to_dict", "choose from"]),
+])
+def test_bad_overrides_are_422_with_the_choices(client, overrides, words):
+    pytest.importorskip("transformers")
+    body = {**GPT2, "model_overrides": {**GPT2["model_overrides"], **overrides}}
+    _is_422(post(client, "/v1/runs", body), *words)
+    _is_422(post(client, "/finetuning/optimize-mixed-precision",
+                  {"gpu_memory_gb": 8, "model_name": "gpt2", "model_overrides": body["model_overrides"]}), *words)
+
+
+@pytest.mark.parametrize("model", ["transformers.AutoConfig", "transformers.GPTQConfig", "transformers.PretrainedConfig",
+                                   "torch.nn.Config", "os.path.Config"])
+def test_config_classes_that_are_not_model_configs_are_422(client, model):
+    pytest.importorskip("transformers")
+    choices = "GPT2Config" if model.startswith("transformers.") else "transformers.<Name>Config"
+    _is_422(post(client, "/v1/runs", {"model": model}), model.rsplit(".", 1)[1], choices)
+    _is_422(post(client, "/finetuning/optimize-mixed-precision", {"gpu_memory_gb": 8, "model_name": model}), choices)
+
+
+def test_a_good_override_still_passes(client):
+    pytest.importorskip("transformers")
+    body = {**GPT2, "model_overrides": {**GPT2["model_overrides"], "activation_function": "gelu",
+                                        "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False, "hidden_size": 32}}
+    r = post(client, "/v1/runs", body)
+    assert r.status_code == 201, r.text
+
+
+BRIEF = {"model_name": "gpt2", "dataset_config": {"texts": TEXTS}}
+
+
+@pytest.mark.parametrize("path,text", [
+    ("/finetuning/mixed-precision", json.dumps({**BRIEF, "mixed_precision_config": {"init_scale": float("inf")}})),
+    ("/finetuning/mixed-precision", json.dumps({**BRIEF, "training_config": {"epochs": True}})),
+    ("/finetuning/mixed-precision", json.dumps({**BRIEF, "training_config": {"learning_rate": float("nan")}})),
+    ("/finetuning/optimized", json.dumps({**BRIEF, "target_effective_batch_size": 1e300})),
+    ("/finetuning/optimized", json.dumps({**BRIEF, "max_seconds": float("inf")})),
+    ("/finetuning/optimize-mixed-precision", '{"gpu_memory_gb": NaN}'),
+    ("/finetuning/optimize-mixed-precision", '{"gpu_memory_gb": 8, "batch_size": true}'),
+    ("/finetuning/setup-mixed-precision", '{"init_scale": 1e400}'),
+    ("/finetuning/setup-mixed-precision", '{"enabled": "yes"}'),
+    ("/v1/recommend", '{"max_seconds": Infinity}'),
+    ("/v1/recommend", '{"device": "tpu:9999999999999999999999"}'),
+    ("/v1/runs", '{"device": "cuda:99999999999999999999999"}'),
+])
+def test_bad_numbers_on_every_route_are_422(client, path, text):
+    r = raw(client, path, text)
+    assert r.status_code == 422, (r.status_code, r.text[:500])

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Optional
 
 from fastapi import Depends, HTTPException, Request
 
+from .checks import check_hf_class, check_overrides, shown
 from .runfile import run_tables, write_run_file
 from .runner import Runner
 from .schemas import ServiceConfig
@@ -72,6 +73,8 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
         allowed_model(spec["model"], svc.config.allowed_factories)
         if spec.get("model_overrides") and not is_hf(spec["model"]):
             raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
+        if is_hf(spec["model"]):
+            check_overrides(spec["model"], spec.get("model_overrides") or {})
         # the size of the config the run builds: its overrides as `ampkit train` reads them back from run.toml
         built = parse_overrides(run_tables(spec, "")["train"]["model_config"]) if kind == "train" else {}
         check_size(spec["model"], built or spec.get("model_overrides") or {}, svc.config.max_params)
@@ -98,11 +101,14 @@ def allowed_model(model: str, factories: tuple[str, ...]) -> str:
 
     if model in MODELS or model in factories:
         return model
-    if is_hf(model) and (model in ALIASES or model.startswith("transformers.")):
+    if model in ALIASES:
+        return model
+    if is_hf(model) and model.startswith("transformers."):
+        check_hf_class(model)  # a model config with a causal LM: not AutoConfig, GPTQConfig, ...
         return model
     extra = f" or an allowed factory ({', '.join(factories)})" if factories else \
         " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
-    raise ValueError(f"model {model!r} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
+    raise ValueError(f"model {shown(model)} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
                      f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}")
 
 
@@ -113,8 +119,14 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
 
     from ..loop.hf import build_hf
 
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
+    except ValueError:
+        raise
+    except Exception as e:  # the config's own checks (a width not divisible by the heads, ...): a 422
+        raise ValueError(f"model {model!r} cannot be built with {dict(overrides) or 'its defaults'}: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:

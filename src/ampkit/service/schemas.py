@@ -16,7 +16,7 @@ from ..loop.models import SIZES
 from ..step.config import MixedPrecisionConfig
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
-from .checks import MAX_INT, MAX_KEYS, Key, Name, OverrideValue, Text, shown
+from .checks import MAX_INT, MAX_KEYS, Bool, Int, Key, Name, OverrideValue, Text, shown
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
            "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
@@ -43,7 +43,25 @@ def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
 
 # a Hugging Face config's fields
 Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
+MAX_SCALE = 2.0**127  # an initial loss scale fp32 can hold
+MAX_SECONDS = 30 * 86_400.0  # a run's wall-clock limit: at most 30 days
 UserId = Optional[Union[Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
+
+
+def _device(v: str) -> str:
+    try:
+        normalize_device(v)
+    except Exception as e:  # whatever the parser raises is a 422
+        raise ValueError(str(e) or f"device {shown(v)} is not valid") from None
+    return v
+
+
+def _precision(v: str) -> str:
+    try:
+        parse_precision(v)
+    except Exception as e:
+        raise ValueError(str(e) or f"precision {shown(v)} is not valid") from None
+    return v
 
 
 class ServiceConfig(BaseModel):
@@ -60,27 +78,27 @@ class RunSpec(BaseModel):
     """A training run (``POST /v1/runs``): the same names and checks as ``ampkit train``; each field
     travels to the run as a ``[train]`` key of its ``run.toml`` (``ampkit.service.runfile``)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
     model: Name = "mlp"
     size: SizeName = "tiny"
     precision: Name = "auto"
-    steps: int = Field(100, ge=1, le=1_000_000)
-    batch_size: int = Field(16, ge=1, le=65_536)
-    accumulation_steps: int = Field(1, ge=1, le=4096)
+    steps: Int = Field(100, ge=1, le=1_000_000)
+    batch_size: Int = Field(16, ge=1, le=65_536)
+    accumulation_steps: Int = Field(1, ge=1, le=4096)
     lr: float = Field(1e-3, gt=0, le=10)
-    seed: int = 0
-    init_scale: Optional[float] = Field(None, gt=0)
+    seed: Int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)  # a signed 64-bit number (TOML's and torch's range)
+    init_scale: Optional[float] = Field(None, gt=0, le=MAX_SCALE)
     device: Name = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0)
-    checkpoint_every: int = Field(10, ge=1)
-    log_every: int = Field(5, ge=1)
+    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+    checkpoint_every: Int = Field(10, ge=1, le=1_000_000)
+    log_every: Int = Field(5, ge=1, le=1_000_000)
     model_overrides: Overrides = Field(default_factory=dict)  # a Hugging Face config's fields
     texts: Optional[list[Text]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
-    max_length: Optional[int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
-    epochs: Optional[int] = Field(None, ge=1, le=100_000)  # instead of steps
-    target_effective_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000)
-    activation_checkpointing: bool = False
-    save_model: bool = False  # write the trained fp32 weights to <run dir>/model
+    max_length: Optional[Int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
+    epochs: Optional[Int] = Field(None, ge=1, le=100_000)  # instead of steps
+    target_effective_batch_size: Optional[Int] = Field(None, ge=1, le=1_000_000)
+    activation_checkpointing: Bool = False
+    save_model: Bool = False  # write the trained fp32 weights to <run dir>/model
     user_id: UserId = None
     amp: Annotated[dict[Key, Union[Scalar, Annotated[list[Name], Field(max_length=MAX_KEYS)]]],
                    Field(max_length=MAX_KEYS)] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
@@ -106,8 +124,7 @@ class RunSpec(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        normalize_device(v)
-        return v
+        return _device(v)
 
     @model_validator(mode="after")
     def _engine_config(self) -> RunSpec:
@@ -117,27 +134,32 @@ class RunSpec(BaseModel):
         fields = {"precision": self.precision, "accumulation_steps": self.accumulation_steps}
         if self.init_scale is not None:
             fields["init_scale"] = self.init_scale
-        config = MixedPrecisionConfig.from_dict({**self.amp, **fields}).to_dict()
+        try:
+            config = MixedPrecisionConfig.from_dict({**self.amp, **fields}).to_dict()
+        except (TypeError, KeyError, OverflowError, RuntimeError) as e:  # a 422 too, never a 500
+            raise ValueError(f"amp: {e}") from None
         self.amp = {k: config[k] for k in self.amp}
         return self
 
 
 class RecommendSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
     model: Name = "mlp"
     size: SizeName = "tiny"
-    batch_size: int = Field(16, ge=1, le=65_536)
-    steps: int = Field(10, ge=1, le=10_000)
+    batch_size: Int = Field(16, ge=1, le=65_536)
+    steps: Int = Field(10, ge=1, le=10_000)
     precisions: Name = "fp32,bf16,fp16"
     device: Name = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0)
+    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
 
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, v: str) -> str:
         for p in v.split(","):
-            parse_precision(p.strip())
+            _precision(p.strip())
         return v
+
+    _device = field_validator("device")(_device)
 
 
 def run_view(run: dict[str, Any]) -> dict[str, Any]:
@@ -154,20 +176,19 @@ def run_view(run: dict[str, Any]) -> dict[str, Any]:
 # --- the fine-tuning brief's bodies: unknown fields ignored, missing optional ones defaulted -----
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class MixedPrecisionBody(_Body):
-    enabled: bool = True
+    enabled: Bool = True
     dtype: Name = "float16"  # any precision name or alias ampkit knows
-    init_scale: Optional[float] = Field(65536.0, gt=0)
-    memory_efficient: bool = False  # -> activation checkpointing
+    init_scale: Optional[float] = Field(65536.0, gt=0, le=MAX_SCALE)
+    memory_efficient: Bool = False  # -> activation checkpointing
 
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
-        parse_precision(v)  # lists the valid names
-        return v
+        return _precision(v)  # lists the valid names
 
 
 class SetupBody(MixedPrecisionBody):
@@ -177,13 +198,13 @@ class SetupBody(MixedPrecisionBody):
 
 class DatasetConfig(_Body):
     texts: list[Text] = Field(min_length=1)
-    max_length: int = Field(512, ge=2, le=8192)
+    max_length: Int = Field(512, ge=2, le=8192)
 
 
 class TrainingConfig(_Body):
-    epochs: int = Field(1, ge=1, le=100_000)
+    epochs: Int = Field(1, ge=1, le=100_000)
     learning_rate: float = Field(5e-5, gt=0, le=10)
-    batch_size: int = Field(8, ge=1, le=65_536)
+    batch_size: Int = Field(8, ge=1, le=65_536)
 
 
 class TrainBody(_Body):
@@ -194,13 +215,15 @@ class TrainBody(_Body):
     user_id: UserId = None
     mixed_precision_config: Optional[MixedPrecisionBody] = None
     device: Name = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0)
+    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+
+    _device = field_validator("device")(_device)
 
 
 class OptimizedBody(TrainBody):
-    use_mixed_precision: bool = True
-    use_gradient_accumulation: bool = True
-    target_effective_batch_size: int = Field(64, ge=1, le=1_000_000)
+    use_mixed_precision: Bool = True
+    use_gradient_accumulation: Bool = True
+    target_effective_batch_size: Int = Field(64, ge=1, le=1_000_000)
 
 
 class OptimizeBody(_Body):
@@ -208,5 +231,5 @@ class OptimizeBody(_Body):
     model_overrides: Overrides = Field(default_factory=dict)
     size: SizeName = "small"  # for model_name "gpt"
     gpu_memory_gb: float = Field(gt=0, le=1_000_000)
-    batch_size: int = Field(16, ge=1, le=65_536)
-    max_length: int = Field(512, ge=2, le=8192)
+    batch_size: Int = Field(16, ge=1, le=65_536)
+    max_length: Int = Field(512, ge=2, le=8192)
