@@ -245,3 +245,35 @@ BRIEF = {"model_name": "gpt2", "dataset_config": {"texts": TEXTS}}
 def test_bad_numbers_on_every_route_are_422(client, path, text):
     r = raw(client, path, text)
     assert r.status_code == 422, (r.status_code, r.text[:500])
+
+
+# --- 4. what used to be accepted and then fail at start is a 422 at submit --------------------------
+
+def test_cuda_on_a_server_without_cuda_is_422(client, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for device in ("cuda", "cuda:1"):
+        _is_422(post(client, "/v1/runs", {"device": device}), device, "no CUDA", "cpu")
+        _is_422(post(client, "/finetuning/mixed-precision", {**BRIEF, "device": device}), device)
+        _is_422(post(client, "/v1/recommend", {"device": device}), device)
+    _is_422(post(client, "/v1/runs", {"device": "meta"}), "meta", "choose cpu")
+
+
+def test_texts_for_a_model_that_is_not_a_text_model_are_422(client):
+    for model in ("mlp", "cnn"):
+        _is_422(post(client, "/v1/runs", {"model": model, "texts": TEXTS}), "texts", model)
+    assert post(client, "/v1/runs", {"model": "gpt", "texts": TEXTS}).status_code == 201
+
+
+@pytest.mark.parametrize("model,extra", [("mlp", {}), ("gpt", {}), ("gpt2", GPT2)])
+def test_keep_fp32_that_matches_no_module_is_422(client, model, extra):
+    if model == "gpt2":
+        pytest.importorskip("transformers")
+    body = {"model": model, **extra}
+    _is_422(post(client, "/v1/runs", {**body, "amp": {"keep_fp32": ["no_such_module*"]}}), "keep_fp32",
+            "no_such_module*", "matches no module")
+    good = {"mlp": ["*"], "gpt": ["torch.nn.LayerNorm"], "gpt2": ["*ln_f"]}[model]
+    r = post(client, "/v1/runs", {**body, "amp": {"keep_fp32": good}})
+    assert r.status_code == 201, r.text

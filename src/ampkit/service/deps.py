@@ -18,7 +18,7 @@ from .runner import Runner
 from .schemas import ServiceConfig
 from .store import Store
 
-__all__ = ["OwnedRun", "Owner", "Service", "Svc", "allowed_model", "check_size", "hf_parameters", "lookup", "owner",
+__all__ = ["OwnedRun", "Owner", "Service", "Svc", "allowed_model", "check_size", "check_starts", "hf_parameters", "lookup", "owner",
            "owned_run", "service", "submit"]
 
 
@@ -78,6 +78,7 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
         # the size of the config the run builds: its overrides as `ampkit train` reads them back from run.toml
         built = parse_overrides(run_tables(spec, "")["train"]["model_config"]) if kind == "train" else {}
         check_size(spec["model"], built or spec.get("model_overrides") or {}, svc.config.max_params)
+        check_starts(spec, built)
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
     if svc.store.count("queued") >= svc.config.queue_cap:
@@ -139,3 +140,59 @@ def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int])
     if n > max_params:
         raise ValueError(f"model {model!r} with {overrides or 'its defaults'} has {n / 1e6:,.0f}M parameters, over "
                          f"this server's limit of {max_params / 1e6:,.0f}M (ampkit serve --max_params)")
+
+
+def check_device(device: str) -> None:
+    """A device this server has (``cuda`` without CUDA, ``cuda:3`` on a one-GPU server, ``meta``: ValueError)."""
+    import torch
+
+    from ..step.hardware import normalize_device
+
+    dev = normalize_device(device)
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"device {device!r}: this server has no CUDA device; choose cpu")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device {device!r}: this server has {n} CUDA device(s); choose cpu or cuda:0..{n - 1}")
+        return
+    mps = getattr(torch.backends, "mps", None)
+    if dev.type == "mps" and mps is not None and mps.is_available():
+        return
+    raise ValueError(f"device {device!r} is not available on this server; choose cpu"
+                     + (" or cuda" if torch.cuda.is_available() else ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _module_tree(model: str, size: str, overrides: tuple[tuple[str, Any], ...]) -> Any:
+    """The run's model built on the meta device (nothing allocated): what ``keep_fp32`` must match."""
+    import torch
+
+    from ..loop.hf import build_hf, is_hf
+    from ..loop.models import build
+
+    with torch.device("meta"):
+        return build_hf(model, dict(overrides)) if is_hf(model) else build(model, size)
+
+
+def check_starts(spec: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """What a run would otherwise fail on when it starts, as a ValueError now: its device is here,
+    ``texts`` go to a text model, and each ``amp.keep_fp32`` pattern matches a module of the model."""
+    from ..loop.hf import is_hf
+    from ..loop.models import MODELS
+    from ..step.overrides import match_modules
+
+    check_device(spec["device"])
+    text_model = spec["model"] == "gpt" or is_hf(spec["model"])
+    if spec.get("texts") and not text_model:
+        raise ValueError(f"texts are training data for text models (gpt, Hugging Face configs), not "
+                         f"{spec['model']!r}, which trains on its own generated data")
+    keep = (spec.get("amp") or {}).get("keep_fp32")
+    if keep and (text_model or spec["model"] in MODELS):
+        tree = _module_tree(spec["model"], spec.get("size", "tiny"), tuple(sorted(overrides.items())))
+        try:
+            match_modules(tree, keep)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"amp.keep_fp32: {e}") from None
