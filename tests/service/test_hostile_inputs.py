@@ -277,3 +277,35 @@ def test_keep_fp32_that_matches_no_module_is_422(client, model, extra):
     good = {"mlp": ["*"], "gpt": ["torch.nn.LayerNorm"], "gpt2": ["*ln_f"]}[model]
     r = post(client, "/v1/runs", {**body, "amp": {"keep_fp32": good}})
     assert r.status_code == 201, r.text
+
+
+# --- 5. listings without texts, the queue cap per owner, a default max_seconds ---------------------
+
+def test_listings_do_not_carry_the_training_texts(client):
+    big = ["some training text " * 500] * 20
+    r = post(client, "/v1/runs", {"model": "gpt", "texts": big})
+    assert r.status_code == 201 and "some training text" not in r.text
+    rid = r.json()["id"]
+    listing = client.get("/v1/runs", headers=ALICE)
+    assert listing.status_code == 200 and "some training text" not in listing.text and len(listing.content) < 5_000
+    one = client.get(f"/v1/runs/{rid}", headers=ALICE).json()
+    assert "texts" not in one["spec"] and one["texts_count"] == 20
+    assert one["texts_bytes"] == sum(len(t.encode()) for t in big)
+    assert "some training text" not in client.get(f"/finetuning/runs/{rid}", headers=ALICE).text
+
+
+def test_the_queue_cap_is_per_owner(tmp_path):
+    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), queue_cap=2), tokens=TOKENS)
+    c = TestClient(app)
+    assert [post(c, "/v1/runs", {"steps": 1}).status_code for _ in range(3)] == [201, 201, 429]
+    full = post(c, "/v1/runs", {"steps": 1})
+    assert full.status_code == 429 and full.headers["retry-after"] and "per owner" in full.text
+    assert post(c, "/v1/runs", {"steps": 1}, headers=BOB).status_code == 201  # bob is not blocked by alice
+
+
+def test_a_run_without_max_seconds_gets_the_servers_default(tmp_path):
+    c = TestClient(create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), max_seconds=600), tokens=TOKENS))
+    assert post(c, "/v1/runs", {"steps": 1}).json()["spec"]["max_seconds"] == 600
+    assert post(c, "/v1/runs", {"steps": 1, "max_seconds": 5}).json()["spec"]["max_seconds"] == 5
+    assert post(c, "/v1/recommend", {}).json()["spec"]["max_seconds"] == 600
+    assert ServiceConfig().max_seconds == 86_400

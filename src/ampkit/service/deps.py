@@ -81,9 +81,11 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
         check_starts(spec, built)
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
-    if svc.store.count("queued") >= svc.config.queue_cap:
-        raise HTTPException(429, f"the queue is full ({svc.config.queue_cap} runs waiting); retry later",
-                            headers={"Retry-After": "10"})
+    if svc.store.count("queued", owner=who) >= svc.config.queue_cap:  # per owner: one owner cannot fill it for all
+        raise HTTPException(429, f"you have {svc.config.queue_cap} runs waiting, this server's limit per owner; "
+                                 "retry when one has started", headers={"Retry-After": "10"})
+    if spec.get("max_seconds") is None and svc.config.max_seconds:
+        spec = {**spec, "max_seconds": svc.config.max_seconds}  # the server's default limit (ampkit serve)
     run_id = uuid.uuid4().hex[:12]
     run_dir = os.path.join(os.path.abspath(svc.config.data_dir), "runs", run_id)
     if kind == "train":

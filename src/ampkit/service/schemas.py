@@ -67,11 +67,12 @@ def _precision(v: str) -> str:
 class ServiceConfig(BaseModel):
     data_dir: str = "ampkit-service"
     max_concurrent: int = Field(1, ge=1)
-    queue_cap: int = Field(16, ge=1)
+    queue_cap: int = Field(16, ge=1)  # queued runs per owner before that owner's new ones get 429
     body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
     poll_s: float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
     max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
+    max_seconds: Optional[float] = Field(86_400.0, gt=0, le=MAX_SECONDS)  # a run's limit when it gives none
 
 
 class RunSpec(BaseModel):
@@ -164,9 +165,13 @@ class RecommendSpec(BaseModel):
 
 def run_view(run: dict[str, Any]) -> dict[str, Any]:
     """A run as the API answers it (a store row): the brief's names (``model_path``, ``scaler_scale``,
-    ``user_id``) next to ampkit's."""
+    ``user_id``) next to ampkit's. The training texts are not echoed (a listing of 20 runs would carry
+    megabytes): ``texts_count`` and ``texts_bytes`` say what the run trains on."""
     summary = run.get("summary") or {}
-    return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": run["spec"],
+    texts = run["spec"].get("texts") or []
+    spec = {k: v for k, v in run["spec"].items() if k != "texts"}  # the data is not echoed: its count and size
+    return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": spec,
+            "texts_count": len(texts), "texts_bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
             "created": run["created"], "started": run["started"], "ended": run["ended"], "error": run["error"],
             "resumes": run["resumes"], "summary": summary or None, "skipped_steps": summary.get("skipped_steps"),
             "model_path": summary.get("model_path"), "scaler_scale": summary.get("final_scale"),
