@@ -309,3 +309,57 @@ def test_a_run_without_max_seconds_gets_the_servers_default(tmp_path):
     assert post(c, "/v1/runs", {"steps": 1, "max_seconds": 5}).json()["spec"]["max_seconds"] == 5
     assert post(c, "/v1/recommend", {}).json()["spec"]["max_seconds"] == 600
     assert ServiceConfig().max_seconds == 86_400
+
+
+# --- on a real server: the bad-input sweep gets no 5xx, and another owner's run still succeeds ------
+
+def _sweep() -> list[tuple[str, str]]:
+    """(path, raw JSON body): at least 30 hostile or malformed bodies over every submitting route."""
+    bodies = []
+    for bad in (NUL, SURROGATE, "x" * 200_000):
+        bodies += [("/v1/runs", json.dumps({**GPT2, "model_overrides": {"summary_type": bad}})),
+                   ("/v1/runs", json.dumps({"model": "mlp", "user_id": bad})),
+                   ("/v1/runs", json.dumps({"model": "mlp", "amp": {"keep_fp32": [bad]}})),
+                   ("/finetuning/mixed-precision", json.dumps({**BRIEF, "user_id": bad})),
+                   ("/finetuning/optimize-mixed-precision", json.dumps({"gpu_memory_gb": 8, "model_name": bad}))]
+    for text in ('{"lr": NaN}', '{"lr": Infinity}', '{"init_scale": 1e400}', '{"seed": 18446744073709551616}',
+                 '{"steps": true}', '{"max_seconds": Infinity}', '{"device": "cuda:99"}', '{"model": "cnn", "texts": ["ab"]}',
+                 '{"amp": {"keep_fp32": ["nothing_here"]}}', '{"model": "transformers.AutoConfig"}',
+                 '{"model": "transformers.GPTQConfig"}', '{"model": "gpt2", "model_overrides": {"__class__": 1}}',
+                 '{"model": "gpt2", "model_overrides": {"_attn_implementation": "x"}}',
+                 '{"model": "gpt2", "model_overrides": {"n_layer": "--resume"}}',
+                 '{"model": "gpt2", "model_overrides": {"n_layer": 1e300}}', '[]', '"x"', '{"amp": []}'):
+        bodies.append(("/v1/runs", text))
+    bodies.append(("/finetuning/optimize-mixed-precision",
+                   json.dumps({"gpu_memory_gb": 8, "model_overrides": SMUGGLE})))
+    return bodies
+
+
+def test_the_bad_input_sweep_gets_no_5xx_in_process(client):
+    pytest.importorskip("transformers")
+    codes = [raw(client, path, text).status_code for path, text in _sweep()]
+    assert len(codes) >= 30 and all(400 <= c < 500 for c in codes), codes
+    assert client.get("/v1/runs", headers=ALICE).status_code == 200
+
+
+@pytest.mark.slow
+def test_wedge_bodies_then_another_owners_run_succeeds(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("uvicorn")
+    from .test_service import Server
+
+    s = Server(str(tmp_path / "svc"))
+    try:
+        c = s.client
+        codes = [c.post(path, content=text, headers={**ALICE, "content-type": "application/json"}).status_code
+                 for path, text in _sweep()]
+        assert len(codes) >= 30 and all(400 <= code < 500 for code in codes), codes
+        assert c.get("/v1/runs", headers=ALICE).json()["runs"] == []  # nothing bad was queued
+        r = c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=BOB)
+        assert r.status_code == 201, r.text
+        deadline = time.monotonic() + 120
+        while (run := c.get(f"/v1/runs/{r.json()['id']}", headers=BOB).json())["status"] != "succeeded":
+            assert run["status"] in ("queued", "running") and time.monotonic() < deadline, run
+            time.sleep(0.2)
+    finally:
+        s.stop()
