@@ -3,7 +3,9 @@ fine-tuning brief's, ``../shared/SERVICE-API.md``) and the shape of a run in an 
 
 Names come from their homes: precisions from :mod:`ampkit.step.precision` (through
 :class:`ampkit.MixedPrecisionConfig`), built-in models and their sizes from :mod:`ampkit.loop.models`.
-A request is checked here, once; what passes is stored and written to the run's file as is.
+A request is checked once, at the edge: each field here (strings, numbers and override values by
+:mod:`ampkit.service.checks`), then against the model and this server in
+:func:`ampkit.service.deps.submit`; what passes is stored and written to the run's file as is.
 """
 
 from __future__ import annotations
