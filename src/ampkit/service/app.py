@@ -8,15 +8,19 @@ gives (422 validation, 413 body too large, 429 queue full, 409 wrong state), nev
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from .. import __version__
 from .auth import load_tokens
+from .checks import shown
 from .deps import Service
 from .routes import finetuning, runs
 from .runner import Runner
@@ -39,7 +43,9 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         yield
         runner.stop()
 
-    app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse)
+    app.exception_handler(RequestValidationError)(invalid_request)
+    app.exception_handler(HTTPException)(http_error)
     app.state.service = svc
     app.state.store, app.state.runner, app.state.config = store, runner, config
     app.middleware("http")(cap_body)
@@ -60,3 +66,35 @@ async def cap_body(request: Request, call_next: Callable[[Request], Awaitable[Re
             return JSONResponse({"detail": f"request body exceeds the limit of {cap} bytes"}, status_code=413)
     return await call_next(request)
 
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that any value serialises to: non-ASCII escaped (a lone surrogate a client sent, or one
+    stored by an older server, is written as ``\\ud800`` instead of failing to encode: no 500) and
+    non-finite floats as strings."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite(content), ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    """422 naming each bad field and why; the value as sent is shown cut short (a 200,000-character
+    string is not echoed back) and escaped."""
+    errors = [{"loc": [x if not isinstance(x, str) or len(x) <= 80 else shown(x) for x in e.get("loc", ())],
+               "msg": e.get("msg", ""), "type": e.get("type", ""),
+               "input": shown(e.get("input"), 120)} for e in exc.errors()]
+    return SafeJSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    return SafeJSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)

@@ -12,12 +12,13 @@ from typing import Annotated, Any, Optional
 
 from fastapi import Depends, HTTPException, Request
 
-from .runfile import write_run_file
+from .checks import check_hf_class, check_overrides, shown
+from .runfile import run_tables, write_run_file
 from .runner import Runner
 from .schemas import ServiceConfig
 from .store import Store
 
-__all__ = ["OwnedRun", "Owner", "Service", "Svc", "allowed_model", "check_size", "hf_parameters", "lookup", "owner",
+__all__ = ["OwnedRun", "Owner", "Service", "Svc", "allowed_model", "check_size", "check_starts", "hf_parameters", "lookup", "owner",
            "owned_run", "service", "submit"]
 
 
@@ -66,18 +67,25 @@ OwnedRun = Annotated[dict[str, Any], Depends(owned_run)]
 def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Accept a validated spec as ``who``'s queued run: the model is one this server may build (422),
     the queue has room (429), and a training run's ``run.toml`` is written before the row exists."""
-    from ..loop.hf import is_hf
+    from ..loop.hf import is_hf, parse_overrides
 
     try:
         allowed_model(spec["model"], svc.config.allowed_factories)
         if spec.get("model_overrides") and not is_hf(spec["model"]):
             raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
-        check_size(spec["model"], spec.get("model_overrides") or {}, svc.config.max_params)
+        if is_hf(spec["model"]):
+            check_overrides(spec["model"], spec.get("model_overrides") or {})
+        # the size of the config the run builds: its overrides as `ampkit train` reads them back from run.toml
+        built = parse_overrides(run_tables(spec, "")["train"]["model_config"]) if kind == "train" else {}
+        check_size(spec["model"], built or spec.get("model_overrides") or {}, svc.config.max_params)
+        check_starts(spec, built)
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
-    if svc.store.count("queued") >= svc.config.queue_cap:
-        raise HTTPException(429, f"the queue is full ({svc.config.queue_cap} runs waiting); retry later",
-                            headers={"Retry-After": "10"})
+    if svc.store.count("queued", owner=who) >= svc.config.queue_cap:  # per owner: one owner cannot fill it for all
+        raise HTTPException(429, f"you have {svc.config.queue_cap} runs waiting, this server's limit per owner; "
+                                 "retry when one has started", headers={"Retry-After": "10"})
+    if spec.get("max_seconds") is None and svc.config.max_seconds:
+        spec = {**spec, "max_seconds": svc.config.max_seconds}  # the server's default limit (ampkit serve)
     run_id = uuid.uuid4().hex[:12]
     run_dir = os.path.join(os.path.abspath(svc.config.data_dir), "runs", run_id)
     if kind == "train":
@@ -96,11 +104,14 @@ def allowed_model(model: str, factories: tuple[str, ...]) -> str:
 
     if model in MODELS or model in factories:
         return model
-    if is_hf(model) and (model in ALIASES or model.startswith("transformers.")):
+    if model in ALIASES:
+        return model
+    if is_hf(model) and model.startswith("transformers."):
+        check_hf_class(model)  # a model config with a causal LM: not AutoConfig, GPTQConfig, ...
         return model
     extra = f" or an allowed factory ({', '.join(factories)})" if factories else \
         " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
-    raise ValueError(f"model {model!r} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
+    raise ValueError(f"model {shown(model)} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
                      f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}")
 
 
@@ -111,8 +122,14 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
 
     from ..loop.hf import build_hf
 
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_hf(model, dict(overrides)).parameters())
+    except ValueError:
+        raise
+    except Exception as e:  # the config's own checks (a width not divisible by the heads, ...): a 422
+        raise ValueError(f"model {model!r} cannot be built with {dict(overrides) or 'its defaults'}: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:
@@ -125,3 +142,59 @@ def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int])
     if n > max_params:
         raise ValueError(f"model {model!r} with {overrides or 'its defaults'} has {n / 1e6:,.0f}M parameters, over "
                          f"this server's limit of {max_params / 1e6:,.0f}M (ampkit serve --max_params)")
+
+
+def check_device(device: str) -> None:
+    """A device this server has (``cuda`` without CUDA, ``cuda:3`` on a one-GPU server, ``meta``: ValueError)."""
+    import torch
+
+    from ..step.hardware import normalize_device
+
+    dev = normalize_device(device)
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"device {device!r}: this server has no CUDA device; choose cpu")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device {device!r}: this server has {n} CUDA device(s); choose cpu or cuda:0..{n - 1}")
+        return
+    mps = getattr(torch.backends, "mps", None)
+    if dev.type == "mps" and mps is not None and mps.is_available():
+        return
+    raise ValueError(f"device {device!r} is not available on this server; choose cpu"
+                     + (" or cuda" if torch.cuda.is_available() else ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _module_tree(model: str, size: str, overrides: tuple[tuple[str, Any], ...]) -> Any:
+    """The run's model built on the meta device (nothing allocated): what ``keep_fp32`` must match."""
+    import torch
+
+    from ..loop.hf import build_hf, is_hf
+    from ..loop.models import build
+
+    with torch.device("meta"):
+        return build_hf(model, dict(overrides)) if is_hf(model) else build(model, size)
+
+
+def check_starts(spec: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """What a run would otherwise fail on when it starts, as a ValueError now: its device is here,
+    ``texts`` go to a text model, and each ``amp.keep_fp32`` pattern matches a module of the model."""
+    from ..loop.hf import is_hf
+    from ..loop.models import MODELS
+    from ..step.overrides import match_modules
+
+    check_device(spec["device"])
+    text_model = spec["model"] == "gpt" or is_hf(spec["model"])
+    if spec.get("texts") and not text_model:
+        raise ValueError(f"texts are training data for text models (gpt, Hugging Face configs), not "
+                         f"{spec['model']!r}, which trains on its own generated data")
+    keep = (spec.get("amp") or {}).get("keep_fp32")
+    if keep and (text_model or spec["model"] in MODELS):
+        tree = _module_tree(spec["model"], spec.get("size", "tiny"), tuple(sorted(overrides.items())))
+        try:
+            match_modules(tree, keep)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"amp.keep_fp32: {e}") from None

@@ -21,14 +21,16 @@ GiB = 2**30
 _AUTOCAST = PLAN_PRECISIONS[1:3]  # the candidates for "mixed precision"
 
 
-def _text_model(model: str, overrides: str, size: str) -> tuple[Callable[[], Any], int]:
+Overrides = tuple[tuple[str, Any], ...]  # a config's overrides, hashable for the caches; never a joined string
+
+
+def _text_model(model: str, overrides: Overrides, size: str) -> tuple[Callable[[], Any], int]:
     """``(factory, longest sequence)`` of a text model: a Hugging Face config, or the built-in GPT."""
-    from ..loop.hf import build_hf, hf_config, is_hf, max_positions, parse_overrides
+    from ..loop.hf import build_hf, hf_config, is_hf, max_positions
     from ..loop.models import build
 
     if is_hf(model):
-        return (functools.partial(build_hf, model, parse_overrides(overrides)),
-                max_positions(hf_config(model, parse_overrides(overrides))))
+        return functools.partial(build_hf, model, dict(overrides)), max_positions(hf_config(model, dict(overrides)))
     if model == "gpt":
         return functools.partial(build, model, size), build(model, size).config.block_size
     raise ValueError(f"memory predictions here are for text models (gpt, Hugging Face configs), not {model!r}")
@@ -42,7 +44,7 @@ def _tokens(batch: int, length: int) -> tuple[Any, Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _peaks(model: str, overrides: str, size: str, batch: int, length: int, precisions: tuple[str, ...]) -> dict[str, int]:
+def _peaks(model: str, overrides: Overrides, size: str, batch: int, length: int, precisions: tuple[str, ...]) -> dict[str, int]:
     """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (cached)."""
     from ..loop.estimate import estimate
 
@@ -52,7 +54,7 @@ def _peaks(model: str, overrides: str, size: str, batch: int, length: int, preci
 
 
 @functools.lru_cache(maxsize=256)
-def _largest(model: str, overrides: str, size: str, length: int, budget: int, precision: str) -> int:
+def _largest(model: str, overrides: Overrides, size: str, length: int, budget: int, precision: str) -> int:
     """The largest batch whose predicted peak fits ``budget`` (:func:`ampkit.loop.estimate.largest_batch`; cached)."""
     from ..loop.estimate import largest_batch
 
@@ -60,8 +62,9 @@ def _largest(model: str, overrides: str, size: str, length: int, budget: int, pr
     return largest_batch(factory, lambda b: _tokens(b, min(length, limit)), budget, precision)[0]
 
 
-def _overrides(d: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
+def _overrides(d: dict[str, Any]) -> Overrides:
+    """The overrides as they are, as a sorted tuple: what is estimated is what the request gave."""
+    return tuple(sorted(d.items()))
 
 
 _LOCKS: dict[tuple[Any, ...], threading.Lock] = {}

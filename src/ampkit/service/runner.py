@@ -159,7 +159,17 @@ class Runner:
             if running < self.max_concurrent:
                 queued = sorted(self.store.list(status="queued", limit=1_000_000), key=lambda r: r["created"])
                 for run in queued[: self.max_concurrent - running]:
-                    self._launch(run)
+                    self._launch_or_fail(run)
+
+    def _launch_or_fail(self, run: dict[str, Any]) -> None:
+        """Start ``run``; a launch that raises (a spec its process cannot be started with) fails that
+        run with the reason, so that the runs queued after it still start."""
+        try:
+            self._launch(run)
+        except Exception as e:
+            self.store.update(run["id"], expect=("queued",), status="failed", ended=time.time(),
+                              error=f"could not start: {type(e).__name__}: {e}"[:2000]
+                              .encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def _launch(self, run: dict[str, Any]) -> None:
         d = run["run_dir"]

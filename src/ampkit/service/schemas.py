@@ -3,19 +3,22 @@ fine-tuning brief's, ``../shared/SERVICE-API.md``) and the shape of a run in an 
 
 Names come from their homes: precisions from :mod:`ampkit.step.precision` (through
 :class:`ampkit.MixedPrecisionConfig`), built-in models and their sizes from :mod:`ampkit.loop.models`.
-A request is checked here, once; what passes is stored and written to the run's file as is.
+A request is checked once, at the edge: each field here (strings, numbers and override values by
+:mod:`ampkit.service.checks`), then against the model and this server in
+:func:`ampkit.service.deps.submit`; what passes is stored and written to the run's file as is.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..loop.models import SIZES
 from ..step.config import MixedPrecisionConfig
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
+from .checks import MAX_INT, MAX_KEYS, Bool, Int, Key, Name, OverrideValue, Text, shown
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
            "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
@@ -23,53 +26,85 @@ __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody
 # Every size name of the built-in models, in their order (all share tiny ... large today).
 SIZE_NAMES = tuple(dict.fromkeys(size for sizes in SIZES.values() for size in sizes))
 SizeName = Literal[SIZE_NAMES]  # type: ignore[valid-type]  # Literal of a tuple: one choice per name
-Scalar = Union[bool, int, float, str, None]
+Scalar = Union[bool, int, float, Name, None]
+
+
+def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
+    """Keys are identifiers and string values hold no separator: the run's file carries the overrides
+    as ``k=v,...`` for ``ampkit train --model_config``, and a ``,`` or ``=`` inside a value would add
+    a field that no check saw."""
+    bad = [k for k in v if not k.isidentifier()]
+    if bad:
+        raise ValueError(f"model_overrides: keys must be identifiers (bad: {', '.join(map(shown, bad))})")
+    for k, x in v.items():
+        if isinstance(x, str) and ("," in x or "=" in x):
+            raise ValueError(f"model_overrides.{k}: {shown(x)} holds a ',' or '=' (a value is one word, not "
+                             "more key=value pairs)")
+    return v
+
+
+# a Hugging Face config's fields
+Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
+MAX_SCALE = 2.0**127  # an initial loss scale fp32 can hold
+MAX_SECONDS = 30 * 86_400.0  # a run's wall-clock limit: at most 30 days
+UserId = Optional[Union[Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
+
+
+def _device(v: str) -> str:
+    try:
+        normalize_device(v)
+    except Exception as e:  # whatever the parser raises is a 422
+        raise ValueError(str(e) or f"device {shown(v)} is not valid") from None
+    return v
+
+
+def _precision(v: str) -> str:
+    try:
+        parse_precision(v)
+    except Exception as e:
+        raise ValueError(str(e) or f"precision {shown(v)} is not valid") from None
+    return v
 
 
 class ServiceConfig(BaseModel):
     data_dir: str = "ampkit-service"
     max_concurrent: int = Field(1, ge=1)
-    queue_cap: int = Field(16, ge=1)
+    queue_cap: int = Field(16, ge=1)  # queued runs per owner before that owner's new ones get 429
     body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
     poll_s: float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
     max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
-
-
-def _check_overrides(v: dict[str, Scalar]) -> dict[str, Scalar]:
-    bad = [k for k in v if not k.isidentifier()]
-    if bad or any(isinstance(x, str) and ("," in x or "=" in x) for x in v.values()):
-        raise ValueError(f"model_overrides: keys must be identifiers and values plain scalars (bad: {bad or v})")
-    return v
+    max_seconds: Optional[float] = Field(86_400.0, gt=0, le=MAX_SECONDS)  # a run's limit when it gives none
 
 
 class RunSpec(BaseModel):
     """A training run (``POST /v1/runs``): the same names and checks as ``ampkit train``; each field
     travels to the run as a ``[train]`` key of its ``run.toml`` (``ampkit.service.runfile``)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-    model: str = "mlp"
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+    model: Name = "mlp"
     size: SizeName = "tiny"
-    precision: str = "auto"
-    steps: int = Field(100, ge=1, le=1_000_000)
-    batch_size: int = Field(16, ge=1, le=65_536)
-    accumulation_steps: int = Field(1, ge=1, le=4096)
+    precision: Name = "auto"
+    steps: Int = Field(100, ge=1, le=1_000_000)
+    batch_size: Int = Field(16, ge=1, le=65_536)
+    accumulation_steps: Int = Field(1, ge=1, le=4096)
     lr: float = Field(1e-3, gt=0, le=10)
-    seed: int = 0
-    init_scale: Optional[float] = Field(None, gt=0)
-    device: str = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0)
-    checkpoint_every: int = Field(10, ge=1)
-    log_every: int = Field(5, ge=1)
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)  # a Hugging Face config's fields
-    texts: Optional[list[str]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
-    max_length: Optional[int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
-    epochs: Optional[int] = Field(None, ge=1, le=100_000)  # instead of steps
-    target_effective_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000)
-    activation_checkpointing: bool = False
-    save_model: bool = False  # write the trained fp32 weights to <run dir>/model
-    user_id: Optional[Union[int, str]] = None  # a label (the owner is the token's)
-    amp: dict[str, Union[Scalar, list[str]]] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
+    seed: Int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)  # a signed 64-bit number (TOML's and torch's range)
+    init_scale: Optional[float] = Field(None, gt=0, le=MAX_SCALE)
+    device: Name = "cpu"
+    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+    checkpoint_every: Int = Field(10, ge=1, le=1_000_000)
+    log_every: Int = Field(5, ge=1, le=1_000_000)
+    model_overrides: Overrides = Field(default_factory=dict)  # a Hugging Face config's fields
+    texts: Optional[list[Text]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
+    max_length: Optional[Int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
+    epochs: Optional[Int] = Field(None, ge=1, le=100_000)  # instead of steps
+    target_effective_batch_size: Optional[Int] = Field(None, ge=1, le=1_000_000)
+    activation_checkpointing: Bool = False
+    save_model: Bool = False  # write the trained fp32 weights to <run dir>/model
+    user_id: UserId = None
+    amp: Annotated[dict[Key, Union[Scalar, Annotated[list[Name], Field(max_length=MAX_KEYS)]]],
+                   Field(max_length=MAX_KEYS)] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
 
     @field_validator("texts")
     @classmethod
@@ -88,13 +123,11 @@ class RunSpec(BaseModel):
             raise ValueError(f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp")
         return v
 
-    _overrides = field_validator("model_overrides")(_check_overrides)
 
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        normalize_device(v)
-        return v
+        return _device(v)
 
     @model_validator(mode="after")
     def _engine_config(self) -> RunSpec:
@@ -104,34 +137,43 @@ class RunSpec(BaseModel):
         fields = {"precision": self.precision, "accumulation_steps": self.accumulation_steps}
         if self.init_scale is not None:
             fields["init_scale"] = self.init_scale
-        config = MixedPrecisionConfig.from_dict({**self.amp, **fields}).to_dict()
+        try:
+            config = MixedPrecisionConfig.from_dict({**self.amp, **fields}).to_dict()
+        except (TypeError, KeyError, OverflowError, RuntimeError) as e:  # a 422 too, never a 500
+            raise ValueError(f"amp: {e}") from None
         self.amp = {k: config[k] for k in self.amp}
         return self
 
 
 class RecommendSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-    model: str = "mlp"
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+    model: Name = "mlp"
     size: SizeName = "tiny"
-    batch_size: int = Field(16, ge=1, le=65_536)
-    steps: int = Field(10, ge=1, le=10_000)
-    precisions: str = "fp32,bf16,fp16"
-    device: str = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0)
+    batch_size: Int = Field(16, ge=1, le=65_536)
+    steps: Int = Field(10, ge=1, le=10_000)
+    precisions: Name = "fp32,bf16,fp16"
+    device: Name = "cpu"
+    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
 
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, v: str) -> str:
         for p in v.split(","):
-            parse_precision(p.strip())
+            _precision(p.strip())
         return v
+
+    _device = field_validator("device")(_device)
 
 
 def run_view(run: dict[str, Any]) -> dict[str, Any]:
     """A run as the API answers it (a store row): the brief's names (``model_path``, ``scaler_scale``,
-    ``user_id``) next to ampkit's."""
+    ``user_id``) next to ampkit's. The training texts are not echoed (a listing of 20 runs would carry
+    megabytes): ``texts_count`` and ``texts_bytes`` say what the run trains on."""
     summary = run.get("summary") or {}
-    return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": run["spec"],
+    texts = run["spec"].get("texts") or []
+    spec = {k: v for k, v in run["spec"].items() if k != "texts"}  # the data is not echoed: its count and size
+    return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": spec,
+            "texts_count": len(texts), "texts_bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
             "created": run["created"], "started": run["started"], "ended": run["ended"], "error": run["error"],
             "resumes": run["resumes"], "summary": summary or None, "skipped_steps": summary.get("skipped_steps"),
             "model_path": summary.get("model_path"), "scaler_scale": summary.get("final_scale"),
@@ -141,59 +183,60 @@ def run_view(run: dict[str, Any]) -> dict[str, Any]:
 # --- the fine-tuning brief's bodies: unknown fields ignored, missing optional ones defaulted -----
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class MixedPrecisionBody(_Body):
-    enabled: bool = True
-    dtype: str = "float16"  # any precision name or alias ampkit knows
-    init_scale: Optional[float] = Field(65536.0, gt=0)
-    memory_efficient: bool = False  # -> activation checkpointing
+    enabled: Bool = True
+    dtype: Name = "float16"  # any precision name or alias ampkit knows
+    init_scale: Optional[float] = Field(65536.0, gt=0, le=MAX_SCALE)
+    memory_efficient: Bool = False  # -> activation checkpointing
 
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
-        parse_precision(v)  # lists the valid names
-        return v
+        return _precision(v)  # lists the valid names
 
 
 class SetupBody(MixedPrecisionBody):
-    model_name: str = "gpt2"
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    model_name: Name = "gpt2"
+    model_overrides: Overrides = Field(default_factory=dict)
 
 
 class DatasetConfig(_Body):
-    texts: list[str] = Field(min_length=1)
-    max_length: int = Field(512, ge=2, le=8192)
+    texts: list[Text] = Field(min_length=1)
+    max_length: Int = Field(512, ge=2, le=8192)
 
 
 class TrainingConfig(_Body):
-    epochs: int = Field(1, ge=1, le=100_000)
+    epochs: Int = Field(1, ge=1, le=100_000)
     learning_rate: float = Field(5e-5, gt=0, le=10)
-    batch_size: int = Field(8, ge=1, le=65_536)
+    batch_size: Int = Field(8, ge=1, le=65_536)
 
 
 class TrainBody(_Body):
-    model_name: str = "gpt2"
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    model_name: Name = "gpt2"
+    model_overrides: Overrides = Field(default_factory=dict)
     dataset_config: DatasetConfig
     training_config: TrainingConfig = Field(default_factory=TrainingConfig)
-    user_id: Optional[Union[int, str]] = None
+    user_id: UserId = None
     mixed_precision_config: Optional[MixedPrecisionBody] = None
-    device: str = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0)
+    device: Name = "cpu"
+    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+
+    _device = field_validator("device")(_device)
 
 
 class OptimizedBody(TrainBody):
-    use_mixed_precision: bool = True
-    use_gradient_accumulation: bool = True
-    target_effective_batch_size: int = Field(64, ge=1, le=1_000_000)
+    use_mixed_precision: Bool = True
+    use_gradient_accumulation: Bool = True
+    target_effective_batch_size: Int = Field(64, ge=1, le=1_000_000)
 
 
 class OptimizeBody(_Body):
-    model_name: str = "gpt2"
-    model_overrides: dict[str, Scalar] = Field(default_factory=dict)
+    model_name: Name = "gpt2"
+    model_overrides: Overrides = Field(default_factory=dict)
     size: SizeName = "small"  # for model_name "gpt"
     gpu_memory_gb: float = Field(gt=0, le=1_000_000)
-    batch_size: int = Field(16, ge=1, le=65_536)
-    max_length: int = Field(512, ge=2, le=8192)
+    batch_size: Int = Field(16, ge=1, le=65_536)
+    max_length: Int = Field(512, ge=2, le=8192)

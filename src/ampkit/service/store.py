@@ -109,9 +109,13 @@ class Store:
             rows = db.execute(sql, args).fetchall()
         return [r for r in (self._row(x) for x in rows) if r is not None]
 
-    def count(self, status: str) -> int:
+    def count(self, status: str, owner: Optional[str] = None) -> int:
+        """Runs in ``status`` (``owner``'s only, when given)."""
+        sql, args = "SELECT COUNT(*) FROM runs WHERE status = ?", [status]
+        if owner is not None:
+            sql, args = sql + " AND owner = ?", [status, owner]
         with self._db() as db:
-            return int(db.execute("SELECT COUNT(*) FROM runs WHERE status = ?", (status,)).fetchone()[0])
+            return int(db.execute(sql, args).fetchone()[0])
 
     def put_setting(self, owner: str, name: str, value: Any) -> None:
         """An owner's named setting (JSON), e.g. the mixed-precision setup of the compatibility API."""

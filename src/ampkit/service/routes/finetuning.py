@@ -25,8 +25,10 @@ from typing import Any, Optional
 import torch
 from fastapi import APIRouter, HTTPException
 
+from ...loop.hf import is_hf
 from ...step.config import MixedPrecisionConfig
 from ...step.precision import Precision, resolve_precision
+from ..checks import check_overrides
 from ..deps import OwnedRun, Owner, Svc, allowed_model, check_size, lookup, submit
 from ..planner import plan_answer, savings_gb
 from ..runner import read_log
@@ -179,6 +181,8 @@ def stats(who: Owner, svc: Svc, run_id: Optional[str] = None) -> dict[str, Any]:
 def optimize(body: OptimizeBody, who: Owner, svc: Svc) -> dict[str, Any]:
     try:
         allowed_model(body.model_name, ())
+        if body.model_overrides or is_hf(body.model_name):
+            check_overrides(body.model_name, body.model_overrides)
         check_size(body.model_name, body.model_overrides, svc.config.max_params)
         return plan_answer(body)
     except ValueError as e:
