@@ -69,7 +69,7 @@ FLAGS = {
         --help -h
     """,
     "serve": """
-        --data_dir --help --host --max_body --max_concurrent --max_params --port --queue_cap -h
+        --data_dir --help --host --max_body --max_concurrent --max_params --max_seconds --port --queue_cap -h
     """,
 }
 
@@ -309,3 +309,13 @@ def test_references_cover_every_flag_and_field(tmp_path):
             assert o in ("-h", "--help") or f"`{o}" in cli, o
     for f in fields_help():
         assert f"| `{f.name}` | `{f.annotation}` | `{f.default!r}`" in config
+
+
+def test_serve_max_seconds_is_the_default_run_limit_and_bad_values_are_refused(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).max_seconds == 86_400.0
+    assert parser.parse_args(["serve", "--max_seconds", "600"]).max_seconds == 600.0
+    for bad in ("0", "inf", "nan", "1e9", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--max_seconds", bad])
+        assert "--max_seconds" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
@@ -28,8 +29,20 @@ def cmd_serve(inv: Invocation) -> int:
           f"{os.path.join(args.data_dir, 'tokens.json')}", flush=True)
     serve(args.host, args.port, data_dir=args.data_dir, max_concurrent=args.max_concurrent,
           queue_cap=args.queue_cap, body_cap=body_cap, allowed_factories=factories,
-          max_params=args.max_params)
+          max_params=args.max_params, max_seconds=args.max_seconds)
     return 0
+
+
+def _seconds(text: str) -> float:
+    from ..service.schemas import MAX_SECONDS
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 and at most {MAX_SECONDS:g} seconds (30 days)")
+    return value
 
 
 def add_parser(sub: Any) -> None:
@@ -38,7 +51,10 @@ def add_parser(sub: Any) -> None:
     flag(p, "port", type=positive_int, default=8000, help="port (default: 8000)")
     flag(p, "data_dir", default="ampkit-service", help="SQLite database, tokens and run directories (default: ./ampkit-service)")
     flag(p, "max_concurrent", type=positive_int, default=1, help="runs at a time (default: 1)")
-    flag(p, "queue_cap", type=positive_int, default=16, help="queued runs before new ones get 429 (default: 16)")
+    flag(p, "queue_cap", type=positive_int, default=16,
+         help="queued runs per owner before that owner's new ones get 429 (default: 16)")
+    flag(p, "max_seconds", type=_seconds, default=86_400.0,
+         help="a run's time limit when its request gives none, in seconds (default: 86400; at most 30 days)")
     flag(p, "max_params", type=positive_int, default=2_000_000_000,
          help="refuse Hugging Face config models with more parameters (default: 2e9)")
     flag(p, "max_body", default="1MiB", help="largest request body; larger ones get 413 (default: 1MiB)")
