@@ -76,6 +76,7 @@ def test_gpt2_124m_in_seconds_without_allocating_it(tmp_path):
     assert pure["parts"]["master_weights"] == fp32["parts"]["parameters"]  # fp32 masters
 
 
+@pytest.mark.slow
 def test_largest_batch_fits_and_the_next_does_not():
     from ampkit.loop.estimate import largest_batch
 
@@ -95,6 +96,7 @@ def test_largest_batch_fits_and_the_next_does_not():
     assert found["bf16"] > found["fp32"]  # half-precision activations fit a larger batch
 
 
+@pytest.mark.slow
 def test_plan_cli_and_bad_input(capsys):
     from ampkit.cli import main
 
@@ -162,6 +164,7 @@ def test_estimates_in_threads_agree_with_one_at_a_time():
     assert not errors and out == [ref] * 3
 
 
+@pytest.mark.slow
 def test_plan_default_rows_are_every_precision_fp8_with_torchao(capsys):
     pytest.importorskip("torchao")
     from ampkit.cli import main

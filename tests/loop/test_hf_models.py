@@ -41,6 +41,7 @@ def test_load_texts_formats(tmp_path):
         load_texts(str(tmp_path / "c.json"))
 
 
+@pytest.mark.slow
 def test_plan_takes_a_config_class_path(capsys):
     from ampkit.cli import main
 
@@ -61,6 +62,7 @@ def test_plan_takes_a_config_class_path(capsys):
         assert says in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_train_gpt2_on_texts_and_save_the_model(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

@@ -110,6 +110,7 @@ def _gpt_trainer(tmp_path, **kwargs):
     return Trainer(model, opt, amp, data, progress=False, log_dir=str(tmp_path), tensorboard=False, **kwargs)
 
 
+@pytest.mark.slow
 def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
     from ampkit.loop.estimate import estimate
     from ampkit.loop.models import builtin

@@ -23,6 +23,7 @@ def train(amp_kwargs, steps=40):
     return amp, torch.stack(losses)
 
 
+@pytest.mark.slow
 def test_overflowing_layer_skips_without_override_and_trains_with_it():
     amp, losses = train({})
     assert amp.stats()["skipped_steps"] == 40  # every step overflows in fp16

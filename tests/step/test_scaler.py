@@ -56,6 +56,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("clip", [False, True])
 def test_matches_torch_gradscaler(opt, clip):
@@ -68,6 +69,7 @@ def test_matches_torch_gradscaler(opt, clip):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_matches_torch_with_non_default_factors():
     kwargs = dict(init_scale=3.0e4, growth_factor=3.0, backoff_factor=0.25, growth_interval=5)
     *_, s_ref, s_amp, k_ref, k_amp = run_pair(OPTIMIZERS["adamw"], 400, 0.15, kwargs, seed=3)

@@ -62,6 +62,7 @@ def assert_bitwise(a, b):
         assert torch.equal(p, q), f"{name} differs by up to {(p - q).abs().max().item():.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_nanogpt_decay_groups_bitwise(precision, fused):
