@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ampkit import MixedPrecision
+
 
 class Unstable(nn.Module):
     def __init__(self, gain: float = 1e6):
@@ -28,3 +30,20 @@ def data(n, seed=1):
         x = torch.randn(32, 16, generator=g)
         out.append((x, (x @ w).argmax(1)))
     return out
+
+
+def train_unstable(steps=40, precision="fp16", model=None, amp=None, **kw):
+    """Train the unstable model with ampkit (fp16 by default); returns (amp, model, opt, losses)."""
+    torch.manual_seed(0)
+    model = model or Unstable()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    amp = amp or MixedPrecision(precision, device="cpu", **kw)
+    model, opt = amp.setup(model, opt)
+    losses = []
+    for x, y in data(steps):
+        with amp.autocast():
+            loss = model(x, y)
+        losses.append(loss.detach())
+        amp.backward(loss)
+        amp.step(opt)
+    return amp, model, opt, torch.stack(losses)

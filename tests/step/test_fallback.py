@@ -8,23 +8,9 @@ from ampkit.step.fallback import NumericsError, resolve_chain
 from ampkit.step.hardware import CpuFeatures, DeviceInfo
 
 from ..helpers import SyncCounter
-from ..unstable_model import Unstable, data
+from ..unstable_model import Unstable, data, train_unstable
 
-
-def run(steps=40, precision="fp16", model=None, amp=None, **kw):
-    torch.manual_seed(0)
-    model = model or Unstable()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    amp = amp or MixedPrecision(precision, device="cpu", **kw)
-    model, opt = amp.setup(model, opt)
-    losses = []
-    for x, y in data(steps):
-        with amp.autocast():
-            loss = model(x, y)
-        losses.append(loss.detach())
-        amp.backward(loss)
-        amp.step(opt)
-    return amp, model, opt, torch.stack(losses)
+run = train_unstable
 
 
 def test_engineered_model_falls_back_to_bf16_and_trains():

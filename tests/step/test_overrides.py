@@ -4,23 +4,12 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.step.overrides import apply_fp32_overrides, match_modules
 
-from ..unstable_model import Unstable, data
+from ..unstable_model import Unstable, train_unstable
 
 
 def train(amp_kwargs, steps=40):
-    torch.manual_seed(0)
-    model = Unstable()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    amp = MixedPrecision("fp16", device="cpu", **amp_kwargs)
-    model, opt = amp.setup(model, opt)
-    losses = []
-    for x, y in data(steps):
-        with amp.autocast():
-            loss = model(x, y)
-        losses.append(loss.detach())
-        amp.backward(loss)
-        amp.step(opt)
-    return amp, torch.stack(losses)
+    amp, _, _, losses = train_unstable(steps, "fp16", **amp_kwargs)
+    return amp, losses
 
 
 @pytest.mark.slow
