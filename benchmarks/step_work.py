@@ -16,10 +16,14 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit import MixedPrecision
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import raw_stepper  # noqa: E402
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PKG = os.path.dirname(ampkit.__file__)
@@ -34,6 +38,17 @@ class Ops(TorchDispatchMode):
         self.ops += 1
         self.syncs += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
+
+
+class WithLoss(torch.nn.Module):
+    """``model(x, y)`` -> the loss, as ``overhead.raw_stepper`` calls it."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y)
 
 
 def model_and_batch():
@@ -56,22 +71,10 @@ def ampkit_step(precision, clip):
 
 
 def raw_step(precision, clip):
-    m, (x, y) = model_and_batch()
-    opt = torch.optim.AdamW(m.parameters(), fused=True)
-    dtype = DTYPES[precision]
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-
-    def step():
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-        scaler.scale(loss).backward()
-        if clip is not None:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return step
+    """The hand-written loop of ``benchmarks/overhead.py`` (one implementation), on the same model."""
+    m, batch = model_and_batch()
+    step = raw_stepper(WithLoss(m), torch.optim.AdamW(m.parameters(), fused=True), precision, torch.device("cpu"), clip)
+    return lambda: step(batch)
 
 
 def count(step):
