@@ -69,7 +69,8 @@ FLAGS = {
         --help -h
     """,
     "serve": """
-        --data_dir --help --host --max_body --max_concurrent --max_params --max_seconds --port --queue_cap -h
+        --data_dir --header_timeout --help --host --max_body --max_concurrent --max_gpu_temp --max_params --max_seconds
+        --port --private_docs --queue_cap -h
     """,
 }
 

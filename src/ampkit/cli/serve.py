@@ -18,7 +18,7 @@ def cmd_serve(inv: Invocation) -> int:
     except ImportError:
         raise ImportError('ampkit serve needs FastAPI and uvicorn: pip install -e ".[serve]"') from None
     from ..loop.estimate import parse_bytes
-    from ..service import serve
+    from ..service.server import serve
 
     body_cap = parse_bytes(args.max_body)
     if body_cap < 1024:
@@ -29,8 +29,29 @@ def cmd_serve(inv: Invocation) -> int:
           f"{os.path.join(args.data_dir, 'tokens.json')}", flush=True)
     serve(args.host, args.port, data_dir=args.data_dir, max_concurrent=args.max_concurrent,
           queue_cap=args.queue_cap, body_cap=body_cap, allowed_factories=factories,
-          max_params=args.max_params, max_seconds=args.max_seconds)
+          max_params=args.max_params, max_seconds=args.max_seconds, max_gpu_temp=args.max_gpu_temp,
+          private_docs=args.private_docs, header_timeout=args.header_timeout)
     return 0
+
+
+def _celsius(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a temperature in °C (e.g. 83)") from None
+    if not 0 < value <= 150:
+        raise argparse.ArgumentTypeError(f"{text} °C is not a GPU temperature limit: give one in (0, 150]")
+    return value
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 and at most 3600 seconds")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -58,4 +79,9 @@ def add_parser(sub: Any) -> None:
     flag(p, "max_params", type=positive_int, default=2_000_000_000,
          help="refuse Hugging Face config models with more parameters (default: 2e9)")
     flag(p, "max_body", default="1MiB", help="largest request body; larger ones get 413 (default: 1MiB)")
+    flag(p, "max_gpu_temp", type=_celsius, default=None,
+         help="hold queued runs while a GPU is hotter than this many °C (default: no hold)")
+    flag(p, "header_timeout", type=_timeout, default=10.0,
+         help="close a connection whose request head, or a pause in its body, takes longer (seconds; default: 10)")
+    flag(p, "private_docs", action="store_true", help="require the token for /docs and /openapi.json too")
     p.set_defaults(func=cmd_serve)

@@ -18,10 +18,7 @@ def create_app(*args, **kwargs):  # noqa: ANN002,ANN003,ANN201 -- imports FastAP
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, **config: object) -> None:
-    """Run the service with uvicorn until interrupted."""
-    import uvicorn
+    """Run the service with uvicorn until interrupted (:func:`ampkit.service.server.serve`)."""
+    from .server import serve as run
 
-    from .app import create_app as make
-    from .schemas import ServiceConfig
-
-    uvicorn.run(make(ServiceConfig(**config)), host=host, port=port, log_level="warning")
+    run(host, port, **config)  # type: ignore[arg-type]

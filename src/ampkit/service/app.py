@@ -3,29 +3,35 @@
 
 Every route but ``/health`` needs ``Authorization: Bearer <token>``; a run belongs to its
 token's owner and is 404 for anyone else. Bad input is a 4xx with the same message the CLI
-gives (422 validation, 413 body too large, 429 queue full, 409 wrong state), never a 500.
+gives (422 validation, 413 body too large, 429 queue full, 409 wrong state, 507 disk full),
+never a 500. The body cap holds while the body is read (:mod:`ampkit.service.middleware`), and
+every call is one line of the request log (logger ``ampkit.service``). With
+``ServiceConfig.private_docs`` the API description (``/docs``, ``/openapi.json``) needs a token too.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable
+import sqlite3
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from .. import __version__
 from .auth import load_tokens
 from .checks import shown
-from .deps import Service
+from .deps import Owner, Service
+from .middleware import BodyCap, RequestLog
 from .routes import finetuning, runs
 from .runner import Runner
 from .schemas import RunSpec, ServiceConfig
-from .store import Store
+from .store import Store, disk_full
 
 __all__ = ["RunSpec", "ServiceConfig", "create_app"]
 
@@ -34,7 +40,8 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
     """The service's app: one store, one runner (started and stopped with the app) and the routers.
     ``tokens`` maps each token to its owner (default: :func:`ampkit.service.auth.load_tokens`)."""
     store = Store(config.data_dir)
-    runner = Runner(store, max_concurrent=config.max_concurrent, poll_s=config.poll_s)
+    runner = Runner(store, max_concurrent=config.max_concurrent, poll_s=config.poll_s,
+                    max_gpu_temp=config.max_gpu_temp)
     svc = Service(config, store, runner, tokens if tokens is not None else load_tokens(config.data_dir))
 
     @asynccontextmanager
@@ -43,28 +50,49 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         yield
         runner.stop()
 
-    app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse)
+    hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.private_docs else {}
+    app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
+                  **hidden)
     app.exception_handler(RequestValidationError)(invalid_request)
     app.exception_handler(HTTPException)(http_error)
+    app.exception_handler(OSError)(storage_error)
+    app.exception_handler(sqlite3.Error)(storage_error)
     app.state.service = svc
     app.state.store, app.state.runner, app.state.config = store, runner, config
-    app.middleware("http")(cap_body)
+    app.add_middleware(BodyCap, cap=lambda scope: config.body_cap)
+    app.add_middleware(RequestLog, owner=lambda scope: _owner_of(svc, scope))  # outermost: sees every answer
     app.include_router(runs.router)
     app.include_router(finetuning.router)
+    if config.private_docs:
+        _private_docs(app)
     return app
 
 
-async def cap_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """413 for a body over the server's ``body_cap``, by its Content-Length or, without one, as read."""
-    cap = request.app.state.config.body_cap
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > cap):
-        return JSONResponse({"detail": f"request body of {length} bytes exceeds the limit of {cap}"}, status_code=413)
-    if request.method in ("POST", "PUT", "PATCH") and length is None:
-        body = await request.body()
-        if len(body) > cap:
-            return JSONResponse({"detail": f"request body exceeds the limit of {cap} bytes"}, status_code=413)
-    return await call_next(request)
+def _owner_of(svc: Service, scope: dict[str, Any]) -> Optional[str]:
+    auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = auth.partition(" ")
+    return svc.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+
+
+def _private_docs(app: FastAPI) -> None:
+    """``/openapi.json`` and ``/docs`` behind the bearer token (401 without one)."""
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(who: Owner) -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(who: Owner) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="ampkit")
+
+
+async def storage_error(request: Request, exc: Exception) -> Response:
+    """507 when the disk (or the database) is full: the request was not stored; anything else is re-raised."""
+    if not disk_full(exc):
+        raise exc
+    return SafeJSONResponse({"detail": f"the server's disk is full; nothing was stored ({type(exc).__name__}: "
+                                       f"{exc}); retry when an operator has freed space"}, status_code=507,
+                            headers={"Retry-After": "60"})
 
 
 

@@ -8,6 +8,9 @@ submit. Only the flags that differ per attempt or are fixed for every run stay o
 a resume reads the same file.
 
 TOML has no null: a ``None`` value is left out, which means the reader's default.
+
+The run's directory is 0700 and its files 0600 whatever the umask: a run's texts and settings
+are its owner's, not every local user's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import os
 import re
 from typing import Any
 
-__all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "dumps_toml", "run_tables", "train_key", "write_run_file"]
+__all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "dumps_toml", "private_dir", "run_tables", "train_key",
+           "write_run_file"]
 
 RUN_FILE = "run.toml"
 TEXTS_FILE = "texts.json"
@@ -59,15 +63,30 @@ def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
     anything is written."""
     tables = run_tables(spec, run_dir)
     text = dumps_toml(tables)
-    os.makedirs(run_dir, exist_ok=True)
+    private_dir(run_dir)
     if spec.get("texts"):
-        with open(os.path.join(run_dir, TEXTS_FILE), "w", encoding="utf-8") as f:
+        with _private_text(os.path.join(run_dir, TEXTS_FILE)) as f:
             json.dump(spec["texts"], f)
     path = os.path.join(run_dir, RUN_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with _private_text(path + ".tmp") as f:
         f.write(text)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
     return path
+
+
+def private_dir(path: str) -> str:
+    """``path`` made (with its missing parents) and set to mode 0700, whatever the umask."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _private_text(path: str) -> Any:
+    """``path`` opened for writing text (truncated), mode 0600 whatever the umask. A full disk
+    raises ``OSError`` (ENOSPC) from the write or the close."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "w", encoding="utf-8")
 
 
 # --- a small TOML writer: tables of str, bool, int, float and (nested) lists of those -------------

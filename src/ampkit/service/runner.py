@@ -9,8 +9,16 @@ kills the whole process group (SIGTERM, SIGKILL after 2 s). Status changes are c
 in SQLite, so a cancel and a finish cannot overwrite each other.
 
 Restart safety: on start, a ``running`` row whose process is still alive (checked by pid *and*
-its command line naming the run's directory) is re-adopted and watched by pid; one whose
-process is gone becomes ``interrupted`` and can be resumed from its last checkpoint.
+its command line naming the run's directory) is re-adopted and watched by pid. One whose process
+is gone is judged by what it left: a complete JSON summary of its attempt makes it ``succeeded``
+(or ``failed``, if the summary says so) with that summary; only without one is it ``interrupted``
+(resumable from its last checkpoint).
+
+A run's process handle is kept until the database says how it ended: when that write fails (a
+full disk), the next tick tries again, so a run whose process ended is never left ``running``.
+A process killed by a signal fails its run with ``killed by signal N (SIGNAME)``. Runs and their
+files are private: the process starts with umask 077 (files 0600, directories 0700). While a
+device is over ``max_gpu_temp`` no queued run starts (:class:`ampkit.service.gpu.TempHold`).
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from .runfile import RUN_FILE, write_run_file
+from .gpu import TempHold
+from .runfile import RUN_FILE, private_dir, write_run_file
 from .store import Store
 
 __all__ = ["Runner", "command_for", "read_log"]
@@ -99,12 +108,15 @@ def _kill_group(pid: int, grace_s: float = 2.0) -> None:
 class Runner:
     """Starts, watches, times out and cancels runs (module doc)."""
 
-    def __init__(self, store: Store, *, max_concurrent: int = 1, poll_s: float = 0.2) -> None:
+    def __init__(self, store: Store, *, max_concurrent: int = 1, poll_s: float = 0.2,
+                 max_gpu_temp: Optional[float] = None, read_temps: Optional[Callable[[], list[float]]] = None) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent={max_concurrent} must be >= 1")
         self.store, self.max_concurrent, self.poll_s = store, max_concurrent, poll_s
+        self.hold = TempHold(max_gpu_temp, read_temps)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._adopted: dict[str, int] = {}
+        self.unrecorded: dict[str, dict[str, Any]] = {}  # run id -> how it ended, while the database is full
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ampkit-runner", daemon=True)
@@ -123,6 +135,8 @@ class Runner:
         for run in self.store.list(status="running", limit=1_000_000):
             if _alive(run["pid"], run["run_dir"]):
                 self._adopted[run["id"]] = run["pid"]
+            elif _summary(run) is not None:  # it finished while the server was down
+                self._finish(run["id"], None)
             else:
                 self.store.update(run["id"], expect=("running",), status="interrupted", ended=time.time(),
                                   error="the server stopped while this run was running; POST "
@@ -140,14 +154,12 @@ class Runner:
         with self._lock:
             for run_id, proc in list(self._procs.items()):
                 rc = proc.poll()
-                if rc is not None:
-                    del self._procs[run_id]
-                    self._finish(run_id, rc)
+                if rc is not None and self._finish_or_retry(run_id, rc):
+                    del self._procs[run_id]  # only once the database says how it ended
             for run_id, pid in list(self._adopted.items()):
                 run = self.store.get(run_id)
-                if run is None or not _alive(pid, run["run_dir"]):
+                if (run is None or not _alive(pid, run["run_dir"])) and self._finish_or_retry(run_id, None):
                     del self._adopted[run_id]
-                    self._finish(run_id, None)
             now = time.time()
             for run in self.store.list(status="running", limit=1_000_000):
                 limit = run["spec"].get("max_seconds")
@@ -156,7 +168,7 @@ class Runner:
                                               error=f"timeout: still running after max_seconds={limit}"):
                     self._kill(run["id"], run["pid"])
             running = len(self._procs) + len(self._adopted)
-            if running < self.max_concurrent:
+            if running < self.max_concurrent and not self.hold.held():
                 queued = sorted(self.store.list(status="queued", limit=1_000_000), key=lambda r: r["created"])
                 for run in queued[: self.max_concurrent - running]:
                     self._launch_or_fail(run)
@@ -173,33 +185,53 @@ class Runner:
 
     def _launch(self, run: dict[str, Any]) -> None:
         d = run["run_dir"]
-        os.makedirs(d, exist_ok=True)
+        private_dir(d)
         attempt = int(run.get("resumes") or 0)
         if run["kind"] == "train" and not os.path.exists(os.path.join(d, RUN_FILE)):
             write_run_file(run["spec"], d)  # a run queued by a server from before run.toml
-        with open(os.path.join(d, f"stdout-{attempt}.json"), "wb") as out, \
-                open(os.path.join(d, f"stderr-{attempt}.log"), "wb") as err:
+        with _private(os.path.join(d, f"stdout-{attempt}.json")) as out, \
+                _private(os.path.join(d, f"stderr-{attempt}.log")) as err:
             proc = subprocess.Popen(command_for(run), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=d)
+                                    start_new_session=True, cwd=d, umask=0o077)
         if self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=proc.pid):
             self._procs[run["id"]] = proc
         else:  # cancelled between the read and now
             _kill_group(proc.pid)
             proc.wait()
 
+    def _finish_or_retry(self, run_id: str, rc: Optional[int]) -> bool:
+        """Record how the run ended; False (try again next tick) when the database cannot be written."""
+        try:
+            self._finish(run_id, rc)
+            self.unrecorded.pop(run_id, None)
+            return True
+        except Exception as e:  # a full disk, a locked database: the run stays watched
+            print(f"ampkit serve: cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return False
+
+    def shown(self, run: dict[str, Any]) -> dict[str, Any]:
+        """``run`` as an answer shows it: a run whose process ended but whose end could not be written
+        yet (a full disk) shows how it ended, not ``running``."""
+        ended = self.unrecorded.get(run["id"])
+        return {**run, **ended} if ended and run["status"] == "running" else run
+
     def _finish(self, run_id: str, rc: Optional[int]) -> None:
         run = self.store.get(run_id)
         if run is None or run["status"] != "running":
             return  # cancelled or timed out: already recorded
         attempt = int(run.get("resumes") or 0)
-        summary = _read_json(os.path.join(run["run_dir"], f"stdout-{attempt}.json"))
+        summary = _summary(run)
         ok = (rc == 0) if rc is not None else summary is not None and not summary.get("failure")
         error = None
-        if not ok:
+        if not ok and rc is not None and rc < 0:
+            error = f"killed by signal {-rc} ({_signame(-rc)})"
+        elif not ok:
             tail = _tail(os.path.join(run["run_dir"], f"stderr-{attempt}.log"))
             error = (summary or {}).get("failure") or tail or f"exit status {rc}"
-        self.store.update(run_id, expect=("running",), status="succeeded" if ok else "failed", ended=time.time(),
-                          summary=summary, error=error)
+        fields = {"status": "succeeded" if ok else "failed", "ended": time.time(), "summary": summary, "error": error}
+        self.unrecorded[run_id] = {**fields, "pid": None}  # shown until the row says so (a full disk)
+        self.store.update(run_id, expect=("running",), **fields)
 
     def _kill(self, run_id: str, pid: Optional[int]) -> None:
         proc = self._procs.pop(run_id, None)
@@ -219,6 +251,25 @@ class Runner:
             if run["status"] == "running":
                 self._kill(run_id, run["pid"])
             return True
+
+
+def _summary(run: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The JSON summary the run's current attempt printed, or None (none yet, or cut short)."""
+    return _read_json(os.path.join(run["run_dir"], f"stdout-{int(run.get('resumes') or 0)}.json"))
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return "unknown signal"
+
+
+def _private(path: str) -> Any:
+    """``path`` opened for writing (truncated), mode 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "wb")
 
 
 def _read_json(path: str) -> Optional[dict[str, Any]]:

@@ -75,6 +75,8 @@ class ServiceConfig(BaseModel):
     allowed_factories: tuple[str, ...] = ()
     max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
     max_seconds: Optional[float] = Field(86_400.0, gt=0, le=MAX_SECONDS)  # a run's limit when it gives none
+    max_gpu_temp: Optional[float] = Field(None, gt=0, le=150)  # °C: queued runs wait while a GPU is hotter
+    private_docs: bool = False  # /docs and /openapi.json need a token too
 
 
 class RunSpec(BaseModel):

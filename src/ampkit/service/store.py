@@ -3,10 +3,15 @@
 One row per run. SQLite in WAL mode with ``synchronous=FULL`` commits durably and atomically, so
 a server killed with SIGKILL mid-write loses at most the transaction in flight and never corrupts
 the file; every write is one short transaction. Connections are per thread.
+
+The database is private whatever the umask: the file is created 0600 before SQLite opens it (its
+``-wal`` and ``-shm`` files take the database's mode, and are set to 0600 too), a data directory
+this store creates is 0700, and ``runs/`` (the run directories' parent) is 0700.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -14,7 +19,7 @@ import threading
 import time
 from typing import Any, Optional
 
-__all__ = ["STATUSES", "Store"]
+__all__ = ["STATUSES", "Store", "disk_full"]
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 _JSON = ("spec", "summary")
@@ -50,12 +55,21 @@ class Store:
     """Runs in ``<data_dir>/ampkit.db``."""
 
     def __init__(self, data_dir: str) -> None:
-        os.makedirs(data_dir, exist_ok=True)
+        if not os.path.isdir(data_dir):
+            os.makedirs(data_dir, mode=0o700)
+            os.chmod(data_dir, 0o700)
+        runs = os.path.join(data_dir, "runs")
+        os.makedirs(runs, mode=0o700, exist_ok=True)
+        os.chmod(runs, 0o700)
         self.path = os.path.join(data_dir, "ampkit.db")
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
         self._local = threading.local()
         db = self._conn()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(_SCHEMA)
+        for suffix in ("", "-wal", "-shm"):  # also a database an older server left 0644
+            if os.path.exists(self.path + suffix):
+                os.chmod(self.path + suffix, 0o600)
 
     def _db(self) -> _Tx:
         return _Tx(self._conn())
@@ -141,6 +155,15 @@ class Store:
             args += list(expect)
         with self._db() as db:
             return db.execute(sql, args).rowcount > 0
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Is ``exc`` a full disk (or quota) from the filesystem or from SQLite?"""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    if isinstance(exc, sqlite3.Error):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+    return False
 
 
 class _Tx:

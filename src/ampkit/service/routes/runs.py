@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Query
 
 from ... import __version__
 from ..deps import OwnedRun, Owner, Svc, lookup, submit
+from ..gpu import gpu_status
 from ..runner import read_log
 from ..schemas import RecommendSpec, RunSpec, run_view
 
@@ -21,8 +22,16 @@ router = APIRouter()
 
 @router.get("/health")
 def health(svc: Svc) -> dict[str, Any]:
-    return {"status": "ok", "version": __version__, "queued": svc.store.count("queued"),
-            "running": svc.store.count("running")}
+    """Liveness and the queue; where CUDA devices are present, ``gpus`` (temperature, memory) and,
+    while one is over ``--max_gpu_temp``, ``held`` (why queued runs wait)."""
+    out: dict[str, Any] = {"status": "ok", "version": __version__, "queued": svc.store.count("queued"),
+                           "running": svc.store.count("running")}
+    gpus = gpu_status()
+    if gpus:
+        out["gpus"] = gpus
+    if svc.runner.hold.reason:
+        out["held"] = svc.runner.hold.reason
+    return out
 
 
 @router.post("/v1/runs", status_code=201)
@@ -33,12 +42,12 @@ def create_run(spec: RunSpec, who: Owner, svc: Svc) -> dict[str, Any]:
 @router.get("/v1/runs")
 def list_runs(who: Owner, svc: Svc, status: Optional[str] = None,
               limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
-    return {"runs": [run_view(r) for r in svc.store.list(owner=who, status=status, limit=limit)]}
+    return {"runs": [run_view(svc.runner.shown(r)) for r in svc.store.list(owner=who, status=status, limit=limit)]}
 
 
 @router.get("/v1/runs/{run_id}")
-def get_run(run: OwnedRun) -> dict[str, Any]:
-    view = run_view(run)
+def get_run(run: OwnedRun, svc: Svc) -> dict[str, Any]:
+    view = run_view(svc.runner.shown(run))
     view["events"] = [r for r in map(json.loads, read_log(run["run_dir"])) if r.get("type") == "event"]
     return view
 
@@ -47,8 +56,11 @@ def get_run(run: OwnedRun) -> dict[str, Any]:
 def metrics(run: OwnedRun, after: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)) -> dict[str, Any]:
     lines = read_log(run["run_dir"])
     page = lines[after:after + limit]
-    return {"id": run["id"], "status": run["status"], "records": [json.loads(x) for x in page],
-            "next": after + len(page), "total": len(lines)}
+    out = {"id": run["id"], "status": run["status"], "records": [json.loads(x) for x in page],
+           "next": after + len(page), "total": len(lines)}
+    if run["status"] == "running" and str(run["spec"].get("device", "")).startswith("cuda"):
+        out["gpus"] = gpu_status()  # the devices now, while it runs on them
+    return out
 
 
 @router.delete("/v1/runs/{run_id}")
