@@ -81,11 +81,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve(data: str, *extra: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> tuple:
-    """``ampkit serve`` as a process (its own session); returns (process, client) once /health answers."""
+def _serve(data: str, *extra: str, env: dict | None = None, launcher: str = "") -> tuple:
+    """``ampkit serve`` as a process (its own session; ``launcher``: Python code that runs the CLI
+    instead of ``-m ampkit``); returns (process, client) once /health answers."""
     port = free_port()
     env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice", **(env or {})}
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "ampkit", "serve", "--port", str(port), "--data_dir",
+    start = ["-c", launcher] if launcher else ["-m", "ampkit"]
+    proc = subprocess.Popen([sys.executable, *start, "serve", "--port", str(port), "--data_dir",
                              data, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=ALICE)
@@ -314,7 +316,7 @@ def test_submit_on_a_file_size_limit_is_507_and_the_server_goes_on(tmp_path):
     launcher = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                 "resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000)); "
                 "from ampkit.cli import main; sys.exit(main(sys.argv[1:]))")
-    proc, c = _serve(str(tmp_path / "svc"), prefix=(sys.executable, "-c", launcher, "--"))
+    proc, c = _serve(str(tmp_path / "svc"), launcher=launcher)
     try:
         spec = {"model": "gpt", "size": "tiny", "steps": 2, "texts": ["a long sentence " * 50] * 600}
         r = c.post("/v1/runs", json=spec)
