@@ -18,11 +18,12 @@ def cmd_serve(inv: Invocation) -> int:
     except ImportError:
         raise ImportError('ampkit serve needs FastAPI and uvicorn: pip install -e ".[serve]"') from None
     from ..loop.estimate import parse_bytes
-    from ..service.server import serve
+    from ..service.server import preflight, serve
 
     body_cap = parse_bytes(args.max_body)
     if body_cap < 1024:
         raise ValueError(f"--max_body {args.max_body}: must be at least 1KiB (requests carry JSON bodies)")
+    preflight(args.data_dir)  # a full disk or an unwritable directory: said before anything else
     factories = tuple(f for f in os.environ.get("AMPKIT_ALLOWED_FACTORIES", "").split(",") if f)
     print(f"ampkit serve: http://{args.host}:{args.port} · data in {os.path.abspath(args.data_dir)} · "
           f"{args.max_concurrent} run(s) at a time · tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / "

@@ -85,7 +85,7 @@ def preflight(data_dir: str) -> None:
             os.unlink(probe)
     except OSError as e:
         raise OSError(e.errno, f"cannot keep the service's state in {os.path.abspath(data_dir)}: "
-                               f"{e.strerror or e}", e.filename) from None
+                               f"{e.strerror or e}") from None
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, *, header_timeout: float = 10.0, keep_alive: int = 5,
