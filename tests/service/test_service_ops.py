@@ -168,7 +168,7 @@ def test_fallback_then_cancel_then_resume_continues_in_bf16_and_succeeds(tmp_pat
     factory = "tests.service.unstable_factory:make"
     s = Server(str(tmp_path / "svc"), allowed_factories=(factory,))
     try:
-        spec = {"model": factory, "precision": "fp16", "steps": 400, "checkpoint_every": 20,
+        spec = {"model": factory, "precision": "fp16", "init_scale": 65536.0, "steps": 400, "checkpoint_every": 20,
                 "amp": {"fallback": "fp16,bf16"}}
         r = s.client.post("/v1/runs", json=spec)
         assert r.status_code == 201, r.text
