@@ -442,12 +442,12 @@ def test_one_request_log_line_per_call(server):
 @pytest.mark.slow
 def test_a_run_killed_from_outside_says_which_signal(server):
     rid = server.client.post("/v1/runs", json=LONG).json()["id"]
-    run = server.wait(rid, ("running",))
+    server.wait(rid, ("running",))
     deadline = time.monotonic() + 60
     while not server.client.get(f"/v1/runs/{rid}/metrics").json()["records"]:  # training, past its header
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    os.killpg(run["pid"], signal.SIGKILL)
+    os.killpg(server.app.state.store.get(rid)["pid"], signal.SIGKILL)
     run = server.wait(rid, ("failed",), timeout=30)
     assert run["error"] == "killed by signal 9 (SIGKILL)", run["error"]
     health = server.client.get("/health").json()
