@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -93,7 +94,7 @@ class TempHold:
                 hot = [t for t in self.read() if t > self.max_temp]
             except Exception as e:  # an unreadable sensor does not stop the queue; it is reported
                 hot, self.reason = [], None
-                print(f"ampkit serve: cannot read the GPU temperature: {type(e).__name__}: {e}")
+                print(f"ampkit serve: cannot read the GPU temperature: {type(e).__name__}: {e}", file=sys.stderr)
             self.reason = (f"a device is at {max(hot):g} °C, over this server's limit of {self.max_temp:g} °C "
                            "(ampkit serve --max_gpu_temp): queued runs wait") if hot else None
         return self.reason is not None
