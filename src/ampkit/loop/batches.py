@@ -138,6 +138,7 @@ class BatchSource:
             if per and self.micro_index // per > self.epoch:
                 self._finished.append(self.epoch)
                 self.epoch += 1
+            self.in_epoch = self.micro_index - self.epoch * per if per else self.micro_index
             return batch
         self._close_if_done()
         self._fill(1)
