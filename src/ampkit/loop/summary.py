@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["TrainSummary"]
+__all__ = ["TrainSummary", "opt_level"]
 
 
 @dataclass
@@ -51,6 +51,16 @@ class TrainSummary:
             peak_mem_bytes=summary["peak_mem_bytes"],
             eval_losses=[(e["step"], e["loss"]) for e in events if e.get("kind") == "eval"],
             epochs=[{k: e.get(k) for k in _EPOCH} for e in events if e.get("kind") == "epoch"], **run)
+
+
+def opt_level(precision: str) -> str:
+    """The apex opt level a precision amounts to, for run headers: ``O0`` (fp32), ``O1`` (autocast:
+    bf16, fp16), ``O2`` (half weights with fp32 masters: ``*-pure``); tf32 and fp8 have none (``-``)."""
+    if precision == "fp32":
+        return "O0"
+    if precision in ("bf16", "fp16"):
+        return "O1"
+    return "O2" if precision.endswith("-pure") else "-"
 
 
 _EPOCH = ("epoch", "step", "loss", "steps", "samples", "seconds", "samples_per_s")
