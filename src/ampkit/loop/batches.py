@@ -263,16 +263,18 @@ class BatchSource:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The position: batches taken, the epoch and the batches taken in it, and the random
-        states the current pass started from (iterables)."""
-        state: dict[str, Any] = {"micro_index": self.micro_index, "epoch": self.epoch, "in_epoch": self.in_epoch}
-        if not self.indexed:
-            rng = self._epoch_rng if self._iter is not None else None
-            if rng is not None:
-                state["epoch_rng"] = {"cpu": rng["cpu"], "generators": list(rng["generators"])}
-        return state
+        """The position: batches taken, the epoch and the batches taken in it."""
+        return {"micro_index": self.micro_index, "epoch": self.epoch, "in_epoch": self.in_epoch}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def rng_state(self) -> dict[str, Any]:
+        """``{"data_pass": ...}``: the random states the current pass started from (an iterable in
+        the middle of a pass; else ``{}``). Saved with each rank's own RNG, since ranks differ."""
+        rng = self._epoch_rng if not self.indexed and self._iter is not None else None
+        return {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}} if rng else {}
+
+    def load_state_dict(self, state: dict[str, Any], rng: Optional[dict[str, Any]] = None) -> None:
+        """Restore :meth:`state_dict` (and :meth:`rng_state`, from the checkpoint's ``rng``); the pass
+        is re-created lazily, at the next batch."""
         self.micro_index = int(state.get("micro_index", 0))
         per = self.per_epoch
         if self.indexed:
@@ -283,6 +285,6 @@ class BatchSource:
         self.in_epoch = int(state.get("in_epoch", 0))
         self._iter, self._exhausted, self._finished = None, False, []
         self._ahead.clear()
-        self._resume_rng = state.get("epoch_rng")
+        self._resume_rng = (rng or {}).get("data_pass")
         if self.in_epoch and self._resume_rng is None:
             self._resume_rng = {"cpu": torch.get_rng_state(), "generators": []}  # no saved states: skip only

@@ -387,7 +387,7 @@ class Trainer:
             **dict(zip(("model", "optimizer"), capture(self.model, self.optimizer))),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "amp": self.amp.state_dict(),
-            "rng": capture_rng(),
+            "rng": {**capture_rng(), **self.source.rng_state()},  # the data pass's too: ranks differ
             "data": {**self.source.state_dict(), "split": self.split, "epoch_log": self.epochs.state_dict()},
             "run": {"id": self.run_id, **self._progress()},
         }
@@ -403,7 +403,7 @@ class Trainer:
         self.amp.load_state_dict(state["amp"])
         restore_rng(state.get("rng", {}))
         data = state.get("data", {})
-        self.source.load_state_dict(data)
+        self.source.load_state_dict(data, state.get("rng"))
         self.epochs.load_state_dict(data.get("epoch_log", {}))
         self.split = int(data.get("split", 1))
         loss = state.get("run", {}).get("loss")
