@@ -162,3 +162,16 @@ def test_trainer_turns_fallback_on_by_default():
     amp2 = MixedPrecision("fp16", device="cpu")
     Trainer(model, opt, amp2, lambda i: batches[i], progress=False, fallback=False)
     assert amp2.config.fallback is False
+
+
+@pytest.mark.parametrize("flags, level, precision", [(["--amp_opt_level", "O0"], "O0", "fp32"),
+                                                     (["--precision", "bf16-pure"], "O2", "bf16-pure")])
+def test_run_header_names_the_opt_level(tmp_path, capsys, flags, level, precision):
+    from ampkit.loop.summary import opt_level
+
+    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--batch_size", "64",
+               *flags, "--device", "cpu", "--no_progress", "--log_dir", str(tmp_path)])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps the header
+    assert rc == 0 and f"in {precision} (opt level {level})" in out
+    assert [opt_level(p) for p in ("fp32", "bf16", "fp16", "fp16-pure", "tf32", "fp8")] == \
+        ["O0", "O1", "O1", "O2", "-", "-"]

@@ -19,6 +19,7 @@ import torch
 
 from ..distributed import broadcast_object, init, is_main, local_device, world_size
 from ..loop.seed import seed_everything
+from ..loop.summary import opt_level
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from . import parallel
@@ -173,7 +174,7 @@ def _setup(args: argparse.Namespace, console: Any, device: torch.device, model: 
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{device} x {world_size()} processes ({args.parallel})" if several else str(device)
     console.print(f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-                  f"in [bold]{amp.precision.name}[/] — {why}")
+                  f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
     if amp.overridden_modules:
         console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
     return model, optimizer

@@ -103,6 +103,21 @@ class Steps:
                 losses.append(loss)
         return StepOutcome(result, tuple(losses))
 
+    def eval_loss(self, batches: Callable[[int], Any], count: int, context: Callable[[], Any]) -> torch.Tensor:
+        """The mean loss of ``batches(0 .. count-1)`` under ``context()`` (e.g. ``amp.autocast``),
+        in eval mode and without gradients (the model's mode is restored). A device tensor, not read."""
+        was_training = self.model.training
+        self.model.eval()
+        losses = []
+        try:
+            with torch.no_grad():
+                for i in range(count):
+                    with context():
+                        losses.append(self.loss_fn(self.model, batches(i)).detach().float())
+        finally:
+            self.model.train(was_training)
+        return torch.stack(losses).mean()
+
     def run(self, batches: Callable[[int], Any], steps: int, *, start: int = 0,
             count: int = 1) -> tuple[list[torch.Tensor], int]:
         """``steps`` optimizer steps of ``count`` batches each, from ``batches(start)`` on. Returns

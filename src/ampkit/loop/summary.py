@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["TrainSummary"]
+__all__ = ["TrainSummary", "opt_level"]
 
 
 @dataclass
@@ -31,6 +31,8 @@ class TrainSummary:
     world_size: int = 1  # processes that trained together (throughput counts all of them)
     micro_batch: Optional[int] = None  # samples per forward/backward (after batch_size='auto' or an OOM)
     notes: list[str] = field(default_factory=list)  # choices made for the user (auto batch, OOM rebatch, ...)
+    #: one dict per epoch completed in this fit(): epoch, loss, steps, samples, seconds, samples_per_s
+    epochs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,7 +49,21 @@ class TrainSummary:
             ms_per_step=summary["step_time_ms_median"] or 0.0, samples_per_s=summary["samples_per_s"] or 0.0,
             tokens_per_s=summary["tokens_per_s"], final_scale=stats["scale"], losses=[_f(v) for v in losses],
             peak_mem_bytes=summary["peak_mem_bytes"],
-            eval_losses=[(e["step"], e["loss"]) for e in events if e.get("kind") == "eval"], **run)
+            eval_losses=[(e["step"], e["loss"]) for e in events if e.get("kind") == "eval"],
+            epochs=[{k: e.get(k) for k in _EPOCH} for e in events if e.get("kind") == "epoch"], **run)
+
+
+def opt_level(precision: str) -> str:
+    """The apex opt level a precision amounts to, for run headers: ``O0`` (fp32), ``O1`` (autocast:
+    bf16, fp16), ``O2`` (half weights with fp32 masters: ``*-pure``); tf32 and fp8 have none (``-``)."""
+    if precision == "fp32":
+        return "O0"
+    if precision in ("bf16", "fp16"):
+        return "O1"
+    return "O2" if precision.endswith("-pure") else "-"
+
+
+_EPOCH = ("epoch", "step", "loss", "steps", "samples", "seconds", "samples_per_s")
 
 
 def _f(v: Optional[float]) -> float:

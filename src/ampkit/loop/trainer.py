@@ -1,30 +1,31 @@
 """A small training loop composed from the engine: what ``ampkit train`` runs.
 
-Reads top to bottom: take batch ``i``, forward under ``amp.autocast()``, ``amp.backward``,
-``amp.step``; a :class:`~ampkit.observe.monitor.Monitor` records every optimizer step and reads the
+Reads top to bottom: take the next batch (:mod:`~ampkit.loop.batches`: a function of the index or
+any iterable, epoch by epoch), forward under ``amp.autocast()``, ``amp.backward``, ``amp.step``;
+then what follows a step, in :meth:`Trainer._after_step`'s fixed order (scheduler, epoch records,
+callbacks, evaluation, checkpoint, stop). A :class:`~ampkit.observe.monitor.Monitor` records every optimizer step and reads the
 device only every ``log_every`` steps, so the loop adds no per-step host sync of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
-from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
+from ..observe.monitor import Monitor
 from ..step.engine import MixedPrecision
-from .autobatch import check_auto_args, choose_split, device_budget
-from .autoselect import auto_decision, confirm_auto
+from .autobatch import check_auto_args
+from .autoselect import auto_decision
+from .batches import BatchSource
 from .checkpoint import (
     CheckpointManager,
     ShardedCheckpointManager,
@@ -32,9 +33,12 @@ from .checkpoint import (
     check_state,
     restore_rng,
 )
+from .choices import choose_batch, confirm_auto_precision, rebatch
 from .data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
+from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
-from .steps import LossFn, Steps, batch_loss
+from .runlog import run_sinks, write_summary
+from .steps import LossFn, StepOutcome, Steps, batch_loss
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
 from .trainer_config import (
@@ -49,18 +53,19 @@ from .trainer_config import (
 __all__ = ["BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainSummary", "Trainer",
            "TrainingInterrupted"]
 
-BatchFn = Callable[[int], Any]
-
-
 class Trainer:
-    """Train ``model`` with ``amp`` on ``batches`` (a function from batch index to batch).
+    """Train ``model`` with ``amp`` on ``batches``: a ``DataLoader``, a list, any re-iterable, a
+    function returning a fresh iterator each epoch, or a function from batch index to batch.
 
     ``Trainer(model, optimizer, amp, batches).fit(steps)`` is the whole call; the rest is optional.
 
     Args:
         model, optimizer: already passed through ``amp.setup``.
-        batches: ``batches(i)`` returns micro-batch ``i``; may expose ``samples_per_batch`` and
-            ``tokens_per_batch`` for throughput figures.
+        batches: an iterable of batches, walked in order, one pass per epoch (``set_epoch`` called
+            on its sampler each epoch; see :class:`~ampkit.loop.batches.BatchSource`), or
+            ``batches(i)`` returning micro-batch ``i``. Samples per second are counted from the
+            batches themselves (the first dimension of the first tensor) unless the data exposes
+            ``samples_per_batch``; ``tokens_per_batch`` adds tokens per second.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``; default :func:`~ampkit.loop.steps.batch_loss`
             (``model(*batch)``).
         scheduler: a learning-rate scheduler, stepped after every optimizer step that was not skipped.
@@ -90,7 +95,7 @@ class Trainer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         amp: MixedPrecision,
-        batches: BatchFn,
+        batches: Any,
         *,
         loss_fn: LossFn = batch_loss,
         scheduler: Any = None,
@@ -107,7 +112,6 @@ class Trainer:
             {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching}, settings)
         self.model, self.optimizer, self.amp = model, optimizer, amp
         self.batches, self.loss_fn = batches, loss_fn
-        self.micro_index = 0  # the data position: index of the next micro-batch
         self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
         self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
         self.notes: list[str] = []
@@ -115,6 +119,12 @@ class Trainer:
         self.diagnosis: Any = None
         self.scheduler = scheduler
         self.world_size, self.rank = world_size(), rank()  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
+        self.source = BatchSource(batches, rank=self.rank, world_size=self.world_size)
+        self.epochs = EpochLog()
+        self._window_batches: list[Any] = []  # the step's batches, kept to redo it after an OOM error
+        self._window_plan: Optional[int] = None
+        self._last_loss: Any = None  # the last step's mean loss (device tensor)
+        self._samples = 0  # samples in the last step's batches
         ck = self.settings.checkpoint
         self.checkpoints: Any = None
         if ck.dir and self.world_size > 1:
@@ -137,26 +147,20 @@ class Trainer:
         #: printed after a graceful stop's checkpoint (``ampkit train`` puts its exact command here)
         self.resume_hint = "Resume with Trainer.resume() on the same checkpoint_dir, then fit() the remaining steps"
 
-    def _sinks(self, steps: int) -> list[Any]:
-        sinks: list[Any] = []
-        if not is_main():
-            return sinks  # one process prints and writes logs
-        log = self.settings.log
-        if log.dir:
-            os.makedirs(log.dir, exist_ok=True)
-            sinks.append(JSONLSink(os.path.join(log.dir, "log.jsonl")))
-            if log.tensorboard:
-                try:
-                    sinks.append(TensorBoardSink(os.path.join(log.dir, "tb")))
-                except ImportError as e:
-                    self.notes.append(str(e))
-        if log.progress:
-            sinks.append(ConsoleSink(total_steps=self.amp.optimizer_steps + steps, console=log.console))
-        return sinks
+    @property
+    def micro_index(self) -> int:
+        """The data position: batches taken so far (this rank)."""
+        return self.source.micro_index
 
     def fit(self, steps: Optional[int] = None, *, epochs: Optional[int] = None) -> TrainSummary:
-        """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches), or ``epochs``
-        passes over the data (needs ``batches.batches_per_epoch``).
+        """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches), or train until
+        ``epochs`` epochs are done in all (counted from the run's start, across resumes).
+
+        With an iterable, an epoch is one pass over it, every batch once and in order, the last
+        short batch too; when the epoch's batches do not fill the last accumulation window, that
+        window is shorter (:meth:`MixedPrecision.set_window`). With a function of the index, an
+        epoch is ``batches_per_epoch`` indices and windows run on across epochs. Each completed
+        epoch writes an ``epoch`` record (loss, seconds, samples/s; one host read).
 
         Before the first step of a run: an engine asked for ``"auto"`` has its pick confirmed by
         measurement (CPU; :func:`~ampkit.loop.autoselect.confirm_auto`), then ``batch_size="auto"``
@@ -169,22 +173,25 @@ class Trainer:
         raised -- ``fit`` does not return. :meth:`resume` then continues bitwise where it stopped.
         With several processes every rank stops after the same step. The handlers are installed
         for the length of ``fit`` only (main thread); the previous ones are restored."""
-        steps = self._count_steps(steps, epochs)
+        steps, epochs = self._count_steps(steps, epochs)
         amp = self.amp
         if amp.optimizer_steps == 0:
-            self._confirm_auto()
+            confirm_auto_precision(self)
         if self.settings.batching.size == "auto" and self.auto_batch is None and amp.optimizer_steps == 0:
-            self._choose_batch()
-        accum = amp.config.accumulation_steps // self.split  # in batches of batches(i)
+            choose_batch(self)
+        accum = amp.config.accumulation_steps // self.split  # in batches of the data
         watch = SkipWatch()
         monitor = self._open_monitor(steps, accum, [watch] if self.diagnose else [])
         self.model.train()
+        self.epochs.start()
         stop = self._stop = GracefulStop(announce=is_main())
         try:
             stop.__enter__()  # SIGINT/SIGTERM handlers only while training; the user's come back in `finally`
             run = Steps(self.model, self.optimizer, amp, self.loss_fn)
-            for _ in range(steps):
+            done = 0
+            while done < steps if epochs is None else self.source.epoch < epochs:
                 self._train_step(run, accum, monitor, watch, stop)
+                done += 1
             stop.drain()  # the last step's flag: its collective completes on every rank alike
         except BaseException:
             # Keep the original error (e.g. a full disk) rather than one from closing the logs.
@@ -197,26 +204,38 @@ class Trainer:
             self._stop = None
         return self._finish(monitor)
 
-    def _count_steps(self, steps: Optional[int], epochs: Optional[int]) -> int:
+    def _count_steps(self, steps: Optional[int], epochs: Optional[int]) -> tuple[int, Optional[int]]:
+        """``(steps, None)``, or for ``epochs=`` on an iterable ``(estimated steps, epochs)`` (the
+        loop runs until that many epochs are done); a function of the index turns epochs into steps."""
         if (steps is None) == (epochs is None):
             raise ValueError("give exactly one of steps= and epochs=")
         if epochs is not None:
-            per_epoch = getattr(self.batches, "batches_per_epoch", None)
-            if per_epoch is None or epochs < 1:
-                raise ValueError(f"epochs={epochs} needs epochs >= 1 and data with a batches_per_epoch attribute")
-            steps = max(1, epochs * per_epoch // self.amp.config.accumulation_steps)
+            src = self.source
+            if not isinstance(epochs, int) or epochs < 1:
+                raise ValueError(f"epochs={epochs!r} must be an integer >= 1")
+            if epochs <= src.epoch:
+                raise ValueError(f"epochs={epochs}: this run has already completed {src.epoch} epoch(s); "
+                                 "fit(epochs=N) trains until N epochs are done in all")
+            per, accum = src.per_epoch, self.amp.config.accumulation_steps // self.split
+            if src.indexed:
+                if per is None:
+                    raise ValueError(f"epochs={epochs} needs data with a batches_per_epoch attribute "
+                                     "(or an iterable of batches, e.g. a DataLoader); use steps= instead")
+                return max(1, (epochs * per - src.micro_index) // self.amp.config.accumulation_steps), None
+            left = [per - src.in_epoch] + [per] * (epochs - src.epoch - 1) if per is not None else []
+            return sum(-(-n // accum) for n in left), epochs  # -(-a // b): windows, the short last one too
         assert steps is not None
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
-        return steps
+        return steps, None
 
     def _open_monitor(self, steps: int, accum: int, extra_sinks: list[Any]) -> Monitor:
         """The run's monitor; at step 0 it also logs what was chosen before it (auto precision, batch)."""
         amp = self.amp
-        samples = getattr(self.batches, "samples_per_batch", None)  # per rank: throughput is for all ranks
-        tokens = getattr(self.batches, "tokens_per_batch", None)
+        samples = self.source.samples_per_batch  # per rank: throughput is for all ranks
+        tokens = self.source.tokens_per_batch
         per_step = accum * self.world_size
-        monitor = Monitor(amp, self._sinks(steps) + extra_sinks, log_every=self.settings.log.every,
+        monitor = Monitor(amp, run_sinks(self.settings.log, steps + self.amp.optimizer_steps, self.notes) + extra_sinks, log_every=self.settings.log.every,
                           run_id=self.run_id, samples_per_step=samples * per_step if samples else None,
                           tokens_per_step=tokens * per_step if tokens else None, optimizer=self.optimizer)
         if amp.optimizer_steps == 0:
@@ -230,23 +249,31 @@ class Trainer:
 
     def _train_step(self, run: Steps, accum: int, monitor: Monitor, watch: SkipWatch, stop: GracefulStop) -> None:
         """One optimizer step (redone with smaller micro-batches after an out-of-memory error),
-        then what follows it: scheduler, diagnosis, callbacks, evaluation, checkpoint, a stop."""
-        amp = self.amp
-        step = amp.optimizer_steps + 1
+        then :meth:`_after_step`."""
+        step = self.amp.optimizer_steps + 1
         while True:
-            start = self.micro_index
             try:
-                result = self._window(run, step, accum)
+                outcome = self._window(run, step, accum)
                 break
             except torch.OutOfMemoryError as e:
-                self.micro_index = start  # no step lost, none counted twice: redo the window
-                self._rebatch(e, accum, monitor)
+                rebatch(self, e, accum, monitor)  # no step lost, none counted twice: the window is redone
+                accum = self.amp.config.accumulation_steps // self.split
+        self._after_step(outcome, monitor, watch, stop)
+
+    def _after_step(self, outcome: StepOutcome, monitor: Monitor, watch: SkipWatch, stop: GracefulStop) -> None:
+        """What follows each optimizer step, in this order -- the one place per-step hooks go:
+        scheduler, first-skip diagnosis, epoch records, callbacks, evaluation, checkpoint, stop."""
+        amp, result = self.amp, outcome.result
         if self.scheduler is not None and not result.skipped:
             # Only after optimizer steps that really happened (reading `skipped` syncs once
             # per step; only when a scheduler is given), as Accelerate does.
             self.scheduler.step()
         if watch.first is not None and self.diagnosis is None:
             self.diagnosis = self._recent.diagnose(*watch.first, self.amp, self.model, self.loss_fn)
+        self._last_loss = outcome.mean_loss()
+        self.epochs.add(self._last_loss, self._samples)
+        for epoch in self.source.take_finished():
+            monitor.log_event("epoch", **self.epochs.close(epoch, self.world_size))
         self._call("on_step_end", amp.optimizer_steps, result)
         every = self.settings.evaluation.every
         if every and amp.optimizer_steps % every == 0:
@@ -265,31 +292,17 @@ class Trainer:
         self._monitor = None
         log_dir = self.settings.log.dir
         if log_dir and is_main():
-            with open(os.path.join(log_dir, "summary.json"), "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2)
+            write_summary(log_dir, summary)
         result = TrainSummary.from_run(self.amp.stats(), summary, monitor.records, monitor.events, log_dir=log_dir,
                                        run_id=self.run_id, world_size=self.world_size, micro_batch=self.micro_batch,
                                        notes=list(self.notes))
         self._call("on_train_end", result)
         return result
 
-    def _confirm_auto(self) -> None:
-        """``auto`` settled by measurement before the first step (a no-op for other precisions,
-        off the CPU, with several processes, and once decided: the CLI may have done it already)."""
-        if auto_decision(self.amp) is not None:
-            return
-        console = self.settings.log.console if is_main() else None
-        choice = confirm_auto(self.amp, self.model, self.batches, loss_fn=self.loss_fn,
-                              announce=console.print if console is not None else None)
-        if auto_decision(self.amp) is not None:
-            self.notes.append(f"precision auto: {choice.reason}")
-            if console is not None:
-                console.print(f"precision auto: {choice.reason}")
-
     def _checkpoint(self, monitor: Monitor) -> str:
         t0 = time.perf_counter()
         path = self.save_checkpoint()
-        monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0)
+        monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0, **self._progress())
         self._call("on_checkpoint", path)
         return path
 
@@ -298,12 +311,18 @@ class Trainer:
         path = saved
         if path is None and self.checkpoints is not None:
             path = self._checkpoint(monitor)
-        monitor.log_event("stop", signal=signal_name(signum), checkpoint=path)
+        monitor.log_event("stop", signal=signal_name(signum), checkpoint=path, **self._progress())
         stop = TrainingInterrupted(signum, self.amp.optimizer_steps, path)
         if is_main():
             hint = f". {self.resume_hint}" if path and self.resume_hint else ""
             print(f"ampkit: {stop}{hint}", file=sys.stderr, flush=True)
         raise stop
+
+    def _progress(self) -> dict[str, Any]:
+        """Where the run is, for checkpoints and records: ``epoch`` (completed epochs; the one in
+        progress is numbered so, from 0), ``batch_in_epoch`` and the last step's ``loss`` (read: a sync)."""
+        loss = float(self._last_loss) if self._last_loss is not None else None
+        return {"epoch": self.source.epoch, "batch_in_epoch": self.source.in_epoch, "loss": loss}
 
     def request_stop(self) -> None:
         """Stop ``fit`` after the optimizer step in flight, as SIGTERM would (checkpoint, then
@@ -311,49 +330,34 @@ class Trainer:
         if self._stop is not None:
             self._stop.request()
 
-    def _window(self, run: Steps, step: int, accum: int) -> Any:
-        """One optimizer step: ``accum`` batches, each cut into ``self.split`` micro-batches."""
-        def remember(k: int, batch: Any) -> None:
-            self.micro_index += 1
+    def _window(self, run: Steps, step: int, accum: int) -> StepOutcome:
+        """One optimizer step: ``accum`` batches (fewer at the end of an iterable's epoch), each
+        cut into ``self.split`` micro-batches. Its batches are kept until it completes, so an
+        out-of-memory error redoes it on the same data."""
+        kept = self._window_batches
+        if not kept:
+            self._window_plan = self.source.window(accum)
+        count = self._window_plan or accum
+        if count < accum:
+            self.amp.set_window(count * self.split)  # the epoch's short last window, stepped on its own
+
+        def batch(k: int) -> Any:
+            while len(kept) <= k:
+                kept.append(self.source.next())
+            return kept[k]
+
+        def remember(k: int, b: Any) -> None:
             if k == 0 and self.diagnose and self.diagnosis is None:
-                self._recent.remember(step, batch)
+                self._recent.remember(step, b)
 
-        # Ranks interleave over the batch indices: rank r of W reads i*W + r (one process: i).
-        return run.optimizer_step(self.batches, self.micro_index, count=accum, split=self.split,
-                                  index=lambda i: i * self.world_size + self.rank, on_batch=remember).result
-
-    def _choose_batch(self) -> None:
-        """``batch_size='auto'``: cut each batch into the fewest micro-batches that fit (see ``autobatch``)."""
-        budget = device_budget(self.amp.device, self.settings.batching.memory_budget)
-        choice = choose_split(self.model, self.optimizer, self.amp.precision.name, self.amp.device,
-                              self.batches(0), budget)
-        accum = self.amp.config.accumulation_steps // self.split
-        self.split = choice.split
-        self.amp.set_accumulation_steps(accum * choice.split)
-        self.auto_batch, self.micro_batch = choice, choice.micro_batch
-        self.notes.append(choice.reason)
-        console = self.settings.log.console
-        if console is not None and is_main():
-            console.print(f"batch_size auto: {choice.reason}")
-
-    def _rebatch(self, error: BaseException, accum: int, monitor: Monitor) -> None:
-        """After an out-of-memory error: free the window, halve the micro-batch, double the
-        accumulation (same effective batch, same gradient math), record ``oom_rebatch``."""
-        self.amp.discard_window()
-        if self.amp.device.type == "cuda":
-            torch.cuda.empty_cache()
-        batch = self.batches(self.micro_index)
-        size = batch_size(batch) // self.split
-        if size < 2:
-            raise RuntimeError(f"out of memory even with a micro-batch of {size}: nothing left to split "
-                               f"({str(error).splitlines()[0][:200]})") from error
-        self.split *= 2
-        self.micro_batch = size // 2
-        self.amp.set_accumulation_steps(accum * self.split)
-        monitor.log_event("oom_rebatch", micro_batch=batch_size(batch) // self.split,
-                          accumulation_steps=accum * self.split, error=str(error).splitlines()[0][:200])
-        self.notes.append(f"out of memory at step {self.amp.optimizer_steps + 1}: micro-batch halved to "
-                          f"{batch_size(batch) // self.split}, accumulation doubled to {accum * self.split}")
+        outcome = run.optimizer_step(batch, 0, count=count, split=self.split, on_batch=remember)
+        samples = [self.source.samples_in(b) for b in kept]
+        self._samples = sum(n for n in samples if n) if all(samples) else 0
+        kept.clear()
+        monitor = self._monitor
+        if monitor is not None and monitor.samples_per_step is None and self._samples and count == accum:
+            monitor.samples_per_step = self._samples * self.world_size  # counted from the batches themselves
+        return outcome
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -367,16 +371,8 @@ class Trainer:
         ev = self.settings.evaluation
         if ev.batches is None:
             raise RuntimeError("no eval_batches were given to the Trainer")
-        was_training = self.model.training
-        self.model.eval()
-        losses = []
         ctx = self.amp.autocast if ev.precision == "train" else self.amp.disabled
-        with torch.no_grad():
-            for i in range(ev.steps):
-                with ctx():
-                    losses.append(self.loss_fn(self.model, ev.batches(i)).detach().float())
-        self.model.train(was_training)
-        value = float(torch.stack(losses).mean())
+        value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(ev.batches, ev.steps, ctx))
         if self._monitor is not None:
             self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
                                     if ev.precision == "train" else "fp32", batches=ev.steps)
@@ -391,9 +387,9 @@ class Trainer:
             **dict(zip(("model", "optimizer"), capture(self.model, self.optimizer))),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "amp": self.amp.state_dict(),
-            "rng": capture_rng(),
-            "data": {"micro_index": self.micro_index, "split": self.split},
-            "run": {"id": self.run_id},
+            "rng": {**capture_rng(), **self.source.rng_state()},  # the data pass's too: ranks differ
+            "data": {**self.source.state_dict(), "split": self.split, "epoch_log": self.epochs.state_dict()},
+            "run": {"id": self.run_id, **self._progress()},
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
@@ -406,8 +402,12 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.amp.load_state_dict(state["amp"])
         restore_rng(state.get("rng", {}))
-        self.micro_index = int(state.get("data", {}).get("micro_index", 0))
-        self.split = int(state.get("data", {}).get("split", 1))
+        data = state.get("data", {})
+        self.source.load_state_dict(data, state.get("rng"))
+        self.epochs.load_state_dict(data.get("epoch_log", {}))
+        self.split = int(data.get("split", 1))
+        loss = state.get("run", {}).get("loss")
+        self._last_loss = torch.tensor(loss) if loss is not None else None
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
         self.diagnosis = saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
 

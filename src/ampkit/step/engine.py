@@ -41,6 +41,7 @@ from .fallback import (
     chain_exhausted,
     fallback_data,
     make_fallback,
+    recover_data,
     scale_exhausted,
 )
 from .hardware import DeviceInfo, device_info, normalize_device
@@ -489,6 +490,9 @@ class MixedPrecision:
         """Fall back to the chain's next precision, or raise :class:`NumericsError` (end of the chain;
         with the fallback off, the loss scale exhausted)."""
         name, diagnosis = self.precision.name, self._last_diagnosis
+        if trigger.reason == "recover":  # fallback_recover_after: N clean steps, retry the faster precision
+            self._switch(trigger.target or name, "fallback_retry", recover_data(trigger))
+            return
         if trigger.reason == "scale_exhausted":
             data, error = scale_exhausted(trigger, name, diagnosis)
             self._emit("scale_exhausted", data)
@@ -549,6 +553,7 @@ class MixedPrecision:
             "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
             "events": [e.to_dict() for e in self._stream.kept],
             "masters": self._policy.state_dict() or None,
+            "fallback": self._fallback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -576,6 +581,7 @@ class MixedPrecision:
         self._window.micro = int(state.get("micro_steps", 0))
         self._stream.kept = [Event.from_dict(e) for e in state.get("events", [])]
         self._fallback = fallback
+        fallback.load_state_dict(state.get("fallback"))
         if state.get("masters"):
             self._policy.load_state_dict(state["masters"])
 

@@ -19,6 +19,14 @@ consecutive skipped steps and the layers whose gradients are non-finite, instead
 forever. A long burst thus ends in a fallback (fallback on) or in that error (off), never in a
 zero scale and NaN weights.
 
+**Coming back** (opt-in, ``fallback_recover_after=N``): after a fallback, once ``N`` optimizer
+steps in the slower precision ran clean (whole check intervals without a non-finite step, learnt
+from the same asynchronous reads), the policy returns a ``recover`` trigger and the engine switches
+back to the precision it fell from, recording a ``fallback_retry`` event. If trouble returns there,
+the fallback is taken again as usual and the wait before the next retry doubles (``2N``, ``4N``,
+...). After several fallbacks the retries climb back one precision at a time. The retry state is
+part of the engine's ``state_dict``.
+
 Per step the policy does three tiny in-place ops on device counters (consecutive skips and their
 maximum since the last check). At each check it copies those counters (and the scale) to the host
 without blocking and decides at the *next* check, when the copy has long landed: on CUDA no check
@@ -45,7 +53,7 @@ from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
 __all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "chain_exhausted", "fallback_data",
-           "make_fallback", "nonfinite_grads", "resolve_chain", "scale_exhausted"]
+           "make_fallback", "nonfinite_grads", "recover_data", "resolve_chain", "scale_exhausted"]
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
@@ -63,6 +71,8 @@ class Trigger:
     consecutive_skips: int
     scale: Optional[float]
     nonfinite: tuple[str, ...] = ()  # parameters with non-finite gradients when it fired (model order)
+    target: Optional[str] = None  # ``recover``: the precision to retry
+    recover_after: Optional[int] = None  # with fallback_recover_after: clean steps before the next retry
 
 
 def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple[str, ...]:
@@ -105,7 +115,8 @@ def make_fallback(config: MixedPrecisionConfig, precision: str, info: DeviceInfo
         raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
     else:
         chain = resolve_chain(config.fallback, precision, info)
-    return FallbackPolicy(chain, config.fallback_patience, config.fallback_check_every, config.min_scale)
+    return FallbackPolicy(chain, config.fallback_patience, config.fallback_check_every, config.min_scale,
+                          recover_after=config.fallback_recover_after if chain else None)
 
 
 class FallbackPolicy:
@@ -114,8 +125,15 @@ class FallbackPolicy:
     An empty ``chain`` makes it the exhausted-scale guard: its only trigger is ``scale_exhausted``.
     """
 
-    def __init__(self, chain: tuple[str, ...], patience: int, check_every: int, min_scale: Optional[float]) -> None:
+    def __init__(self, chain: tuple[str, ...], patience: int, check_every: int, min_scale: Optional[float], *,
+                 recover_after: Optional[int] = None) -> None:
         self.chain, self.patience, self.check_every, self.min_scale = chain, patience, check_every, min_scale
+        self.recover_after = recover_after
+        #: the precisions fallen back from, most recent last (retried in reverse order)
+        self.fell_from: list[str] = []
+        self.interval = recover_after  # clean steps before the next retry (doubles when trouble returns)
+        self.clean = 0  # clean steps counted since the last switch
+        self.retried = False  # the current precision is a retry: a fallback from it backs the interval off
         #: the lowest scale the scaler leaves (``LossScaler.floor``): min_scale, or the positive floor
         self.floor = max(min_scale or 0.0, SCALE_FLOOR)
         self._consec: Optional[torch.Tensor] = None
@@ -128,10 +146,47 @@ class FallbackPolicy:
         return bool(self.chain)
 
     def next_precision(self, current: str) -> Optional[str]:
+        """The precision to fall back to from ``current`` (None at the chain's end). With
+        ``recover_after``, remembers ``current`` for a retry and, if ``current`` was itself a retry,
+        doubles the wait before the next one."""
         if current in self.chain:
             i = self.chain.index(current)
-            return self.chain[i + 1] if i + 1 < len(self.chain) else None
-        return self.chain[-1] if self.chain and self.chain[-1] != current else None
+            nxt = self.chain[i + 1] if i + 1 < len(self.chain) else None
+        else:
+            nxt = self.chain[-1] if self.chain and self.chain[-1] != current else None
+        if nxt is not None and self.recover_after is not None:
+            self.fell_from.append(current)
+            if self.retried and self.interval is not None:
+                self.interval *= 2
+            self.retried, self.clean = False, 0
+        return nxt
+
+    def _recover(self, run: int, precision_hint: Optional[float]) -> Optional[Trigger]:
+        """At a check, with a retry pending: count a clean interval, or start over; a ``recover``
+        trigger once ``interval`` clean steps ran."""
+        if run > 0:
+            self.clean = 0
+            return None
+        self.clean += self.check_every
+        if self.interval is None or self.clean < self.interval:
+            return None
+        target = self.fell_from.pop()
+        clean, self.clean, self.retried = self.clean, 0, True
+        return Trigger("recover", f"{clean} clean steps since the fallback (fallback_recover_after: "
+                       f"{self.interval}); retrying {target}", 0, precision_hint, target=target,
+                       recover_after=self.interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The retry state (``fallback_recover_after``): precisions fallen from, interval, clean steps."""
+        return {"fell_from": list(self.fell_from), "interval": self.interval, "clean": self.clean,
+                "retried": self.retried}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if not state or self.recover_after is None:
+            return
+        self.fell_from = [str(p) for p in state.get("fell_from", [])]
+        self.interval = int(state.get("interval") or self.recover_after)
+        self.clean, self.retried = int(state.get("clean", 0)), bool(state.get("retried", False))
 
     def reset(self) -> None:
         if self._consec is not None:
@@ -208,16 +263,22 @@ class FallbackPolicy:
                 return Trigger("scale_exhausted", f"the loss scale sits at its floor {self._floor_text()} and "
                                "steps still overflow", int(consec), scale)
             return None
+        retry = None if self.interval is None else self.interval * (2 if self.retried else 1)  # after next_precision
         if run >= self.patience:
             if scaled:
                 return Trigger("consecutive_skips", f"{run} consecutive skipped steps (patience {self.patience})",
-                               run, scale)
+                               run, scale, recover_after=retry)
             return Trigger("nonfinite_unscaled", f"{run} consecutive steps with non-finite loss/gradients in a "
-                           f"precision without loss scaling (patience {self.patience})", run, None)
+                           f"precision without loss scaling (patience {self.patience})", run, None,
+                           recover_after=retry)
         if at_floor:
             if self.min_scale is not None and self.min_scale >= SCALE_FLOOR:
-                return Trigger("min_scale", f"the loss scale reached min_scale={self.min_scale:g}", run, scale)
-            return Trigger("scale_floor", f"the loss scale fell to its floor {self._floor_text()}", run, scale)
+                return Trigger("min_scale", f"the loss scale reached min_scale={self.min_scale:g}", run, scale,
+                               recover_after=retry)
+            return Trigger("scale_floor", f"the loss scale fell to its floor {self._floor_text()}", run, scale,
+                           recover_after=retry)
+        if self.fell_from:
+            return self._recover(run, scale if scaled else None)
         return None
 
     def _floor_text(self) -> str:
@@ -256,9 +317,17 @@ def fallback_data(trigger: Trigger, diagnosis: Optional[NonFiniteReport]) -> dic
     data: dict[str, Any] = {"reason": f"{trigger.reason}: {trigger.detail}", "trigger": trigger.reason,
                             "detail": trigger.detail, "consecutive_skips": trigger.consecutive_skips,
                             "scale": trigger.scale, "nonfinite_params": list(trigger.nonfinite)}
+    if trigger.recover_after is not None:
+        data["recover_after"] = trigger.recover_after  # the wait before the next retry (doubled after a retry)
     if diagnosis is not None:
         data["diagnosis"] = diagnosis.to_dict()
     return data
+
+
+def recover_data(trigger: Trigger) -> dict[str, Any]:
+    """The data of the ``fallback_retry`` event a ``recover`` trigger causes."""
+    return {"reason": f"recover: {trigger.detail}", "trigger": "recover", "detail": trigger.detail,
+            "recover_after": trigger.recover_after}
 
 
 def chain_exhausted(trigger: Trigger, precision: str, chain: tuple[str, ...],

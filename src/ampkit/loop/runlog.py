@@ -1,0 +1,39 @@
+"""Where a Trainer's run is written: the monitor's sinks (JSONL, TensorBoard, a progress bar) and
+``summary.json``. Rank 0 alone writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..distributed import is_main
+from ..observe.monitor import ConsoleSink, JSONLSink, TensorBoardSink
+from .trainer_config import LogConfig
+
+__all__ = ["run_sinks", "write_summary"]
+
+
+def run_sinks(log: LogConfig, total_steps: int, notes: list[str]) -> list[Any]:
+    """The sinks ``log`` asks for (none off rank 0); a missing optional one is a line in ``notes``.
+    ``total_steps`` sizes the progress bar (0: unknown)."""
+    sinks: list[Any] = []
+    if not is_main():
+        return sinks  # one process prints and writes logs
+    if log.dir:
+        os.makedirs(log.dir, exist_ok=True)
+        sinks.append(JSONLSink(os.path.join(log.dir, "log.jsonl")))
+        if log.tensorboard:
+            try:
+                sinks.append(TensorBoardSink(os.path.join(log.dir, "tb")))
+            except ImportError as e:
+                notes.append(str(e))
+    if log.progress:
+        sinks.append(ConsoleSink(total_steps=total_steps or None, console=log.console))
+    return sinks
+
+
+def write_summary(log_dir: str, summary: dict[str, Any]) -> None:
+    """``summary.json`` in ``log_dir``: the monitor's closing summary."""
+    with open(os.path.join(log_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
