@@ -85,3 +85,44 @@ def test_wandb_refuses_a_bad_mode():
     pytest.importorskip("wandb")
     with pytest.raises(ValueError, match="online, offline, disabled"):
         WandbSink("p", mode="sometimes")
+
+
+def test_ampkit_train_mlflow_equals_its_log(tmp_path):
+    """``ampkit train --mlflow URI``: the run's MLflow metrics are its log.jsonl, step for step."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from ampkit.cli import main
+
+    uri, run = (tmp_path / "mlruns").as_uri(), tmp_path / "run"
+    assert main(["train", "--model", "mlp", "--size", "tiny", "--steps", "7", "--precision", "fp16",
+                 "--device", "cpu", "--log_dir", str(run), "--log_every", "3", "--no_progress",
+                 "--mlflow", uri]) == 0
+    steps = [r for r in read_jsonl(str(run / "log.jsonl")) if r["type"] == "step"]
+    client = MlflowClient(tracking_uri=uri)
+    [found] = client.search_runs([client.get_experiment_by_name("ampkit").experiment_id])
+    assert found.info.run_name == "run" and found.data.params["precision"] == "fp16"
+    for key in ("loss", "scale", "skipped", "lr"):
+        got = [(m.step, m.value) for m in sorted(client.get_metric_history(found.info.run_id, key), key=lambda m: m.step)]
+        assert got == [(r["step"], metrics_of(r)[key]) for r in steps], key
+    assert len(steps) == 7
+
+
+@pytest.mark.slow
+def test_ampkit_train_wandb_offline_equals_its_log(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from ampkit.cli import main
+    from tests.integrations.wandb_records import read_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    assert main(["train", "--model", "mlp", "--size", "tiny", "--steps", "5", "--precision", "bf16",
+                 "--device", "cpu", "--log_dir", str(run), "--log_every", "2", "--no_progress",
+                 "--wandb", "ampkit-test"]) == 0
+    steps = [r for r in read_jsonl(str(run / "log.jsonl")) if r["type"] == "step"]
+    history, summary = read_run(str(run))
+    assert [h["_step"] for h in history] == [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for h, r in zip(history, steps):
+        assert {k: v for k, v in h.items() if not k.startswith("_")} == {**metrics_of(r), "precision": "bf16"}
+    assert [e["kind"] for e in summary["ampkit_events"]][-1] == "summary"

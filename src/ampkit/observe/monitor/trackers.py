@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, Optional
 
-__all__ = ["MLflowSink", "WandbSink", "metrics_of"]
+__all__ = ["JSONLFollower", "MLflowSink", "WandbSink", "metrics_of"]
 
 #: fields of a step record that are not metrics
 _NOT_METRICS = ("schema_version", "type", "step", "time", "precision", "run_id", "kind")
@@ -144,3 +144,50 @@ class WandbSink:
     def close(self) -> None:
         if self._own:
             self.run.finish()
+
+
+class JSONLFollower:
+    """Send a JSONL log's new records to sinks as the log grows: ``ampkit train --mlflow/--wandb``.
+
+    A :class:`ampkit.Trainer` callback: ``on_step_end`` forwards the complete lines written since
+    the last call (the log grows once per ``log_every`` steps, so most calls only compare a file
+    size), ``on_train_end`` forwards the rest (the summary) and closes the sinks. The trackers
+    thus receive exactly the log's records, in its batches, without the loop knowing them. Only
+    lines written after construction are sent (a resumed run appends to the same log).
+    """
+
+    def __init__(self, path: str, sinks: list[Any]) -> None:
+        self.path, self.sinks = path, list(sinks)
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+        self._closed = False
+
+    def poll(self) -> None:
+        """Forward the complete lines written since the last call."""
+        if self._closed or not os.path.exists(self.path) or os.path.getsize(self.path) <= self._offset:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        if end == 0:
+            return
+        self._offset += end
+        records = [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
+        if records:
+            for sink in self.sinks:
+                sink.write(records)
+
+    def on_step_end(self, trainer: Any, step: int, result: Any) -> None:
+        self.poll()
+
+    def on_train_end(self, trainer: Any, summary: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Forward what is left and close the sinks (idempotent)."""
+        if self._closed:
+            return
+        self.poll()
+        self._closed = True
+        for sink in self.sinks:
+            sink.close()
