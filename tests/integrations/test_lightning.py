@@ -130,7 +130,10 @@ def test_fallback_as_in_ampkits_loop():
         amp.backward(loss)
         amp.step(opt)
     assert plugin.amp.precision.name == amp.precision.name != "fp16"
-    assert [e.kind for e in plugin.amp.events] == [e.kind for e in amp.events] and "fallback" in [e.kind for e in amp.events]
+    kinds = [e.kind for e in plugin.amp.events]
+    assert [k for k in kinds if k != "diagnosis"] == [e.kind for e in amp.events] and "fallback" in kinds
+    assert kinds.index("diagnosis") < kinds.index("fallback")  # localized: the layer that overflows
+    assert plugin.diagnosis.module == "net.big", plugin.diagnosis
     for a, b in zip(module.net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 

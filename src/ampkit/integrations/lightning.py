@@ -67,7 +67,7 @@ class _Engine:
         return self.amp
 
     def _step(self, optimizer: Any) -> Any:
-        """The engine's boundary; True when it was skipped (a non-finite gradient)."""
+        """The engine's boundary; returns its :class:`StepResult` (``last_step_skipped`` set)."""
         amp = self._require()
         raw = getattr(optimizer, "optimizer", optimizer)  # Lightning/Fabric wrap the torch optimizer
         if isinstance(raw, torch.optim.LBFGS):
@@ -75,7 +75,7 @@ class _Engine:
                              "use a first-order optimizer")
         result = amp.step(raw, flush=True, zero_grad=False)  # Lightning/Fabric zero the gradients
         self.last_step_skipped = skipped(result)
-        return self.last_step_skipped
+        return result
 
     def _unscale(self, optimizer: Any) -> None:
         amp = self._require()
@@ -109,6 +109,10 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
             ``"bf16-true"``, ``"fp8"``, ...).
         amp: an engine already configured (instead of ``precision`` and ``settings``).
         device: where the engine runs (default: the model's device when Lightning connects it).
+        diagnose: on the run's first skipped step, re-run that step's batch through
+            ``training_step`` with :meth:`ampkit.MixedPrecision.diagnose` to name the module that
+            produced the inf/NaN (a ``diagnosis`` event, attached to the next ``fallback``), as
+            ampkit's own Trainer does. An extra forward and backward, once.
         settings: :class:`ampkit.MixedPrecisionConfig` fields (``fallback=True``,
             ``keep_fp32=...``, ``init_scale=...``); ``accumulation_steps`` comes from the Trainer.
 
@@ -120,8 +124,15 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
 
     def __init__(self, precision: Union[str, torch.dtype, Precision, None] = None, *,
                  amp: Optional[MixedPrecision] = None, device: Union[str, torch.device, None] = None,
-                 **settings: Any) -> None:
+                 diagnose: bool = True, **settings: Any) -> None:
         self._init_engine(precision, amp, device, settings)
+        self.diagnose = diagnose
+        self.diagnosis: Any = None  # the NonFiniteReport of the first skipped step
+        self._batch: Any = None
+
+    def convert_input(self, data: Any) -> Any:
+        self._batch = data  # (Lightning passes every training batch here: kept for a diagnosis)
+        return data
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         amp = self._engine_for(model)
@@ -156,7 +167,21 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
             return None
         self._unscale(optimizer)
         self._after_closure(model, optimizer)
-        return None if self._step(optimizer) else closure_result
+        result = self._step(optimizer)
+        if self.last_step_skipped and self.diagnose and self.diagnosis is None and self._batch is not None:
+            self._diagnose(model, result)
+        return None if self.last_step_skipped else closure_result
+
+    def _diagnose(self, model: Any, result: Any) -> None:
+        batch, index, amp = self._batch, model.trainer.fit_loop.epoch_loop.batch_idx, self._require()
+
+        def loss() -> torch.Tensor:
+            with amp.autocast():
+                out = model.training_step(batch, index)
+            return out["loss"] if isinstance(out, dict) else out
+
+        scale = float(result.scale) if result.scale is not None else None  # the skipped step's scale
+        self.diagnosis = amp.diagnose(loss, scale=scale)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         model = self._require().model
