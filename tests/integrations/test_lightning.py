@@ -190,3 +190,32 @@ def test_fabric_bf16_equals_fabric_bf16_mixed():
         out.append(model)
     for a, b in zip(out[0].parameters(), out[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_engine_state_rides_in_lightnings_checkpoint(tmp_path):
+    """Lightning saves the plugin's state (scale, counters, skips) and a resumed fit starts from it."""
+    torch.manual_seed(0)
+    net = Net()
+    data = batches(12)
+    first = AmpkitPrecision("fp16", init_scale=2.0**20, growth_interval=3)  # skips, backs off, grows
+    trainer = fit(Module(copy.deepcopy(net)), data[:6], 6, plugins=[first])
+    trainer.save_checkpoint(tmp_path / "half.ckpt")
+    saved = first.amp.state_dict()
+    assert saved["scaler"]["overflows"] > 0 and saved["scaler"]["scale"] != 2.0**20
+    ckpt = torch.load(tmp_path / "half.ckpt", weights_only=False)
+    assert ckpt["AmpkitPrecision"]["optimizer_steps"] == 6
+    second = AmpkitPrecision("fp16")  # the checkpoint brings the scaler's settings and state
+    seen = {}
+
+    class AtStart(pl.Callback):
+        def on_train_start(self, trainer, module):
+            seen.update(second.amp.state_dict(), growth_interval=second.amp.scaler.get_growth_interval())
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, plugins=[second],
+                         callbacks=[AtStart()])
+    trainer.fit(Module(copy.deepcopy(net)), torch.utils.data.DataLoader(data[6:], batch_size=None),
+                ckpt_path=tmp_path / "half.ckpt")
+    for key in ("scaler", "optimizer_steps", "precision", "events"):
+        assert seen[key] == saved[key], key
+    assert seen["growth_interval"] == 3 and second.amp.optimizer_steps == 12
