@@ -86,3 +86,23 @@ def test_bf16_pure_trains_with_masters(tmp_path):
                   train_dataset=dataset(), amp=amp).train()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert amp.master_params() and amp.optimizer_steps == 3
+
+
+def test_resume_from_a_checkpoint_restores_the_engine(tmp_path):
+    """The engine's state (scale, skips, counters) is saved in the checkpoint and a resumed run
+    ends where the uninterrupted one does, bitwise."""
+    data = dataset(16)
+    settings = dict(gradient_accumulation_steps=2, max_steps=4, save_strategy="steps", save_steps=2,
+                    lr_scheduler_type="constant")
+    whole, amp = tiny_gpt2(), MixedPrecision("fp16", device="cpu", init_scale=2.0**19, growth_interval=2)
+    AmpkitTrainer(whole, args(tmp_path / "a", **settings), train_dataset=data, amp=amp).train()
+    saved = torch.load(tmp_path / "a" / "checkpoint-2" / "ampkit_amp.pt", weights_only=True)
+    assert saved["optimizer_steps"] == 2 and saved["precision"] == "fp16"
+    resumed, amp2 = tiny_gpt2(seed=5), MixedPrecision("fp16", device="cpu")  # state comes from the checkpoint
+    AmpkitTrainer(resumed, args(tmp_path / "b", **settings), train_dataset=data,
+                  amp=amp2).train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert amp.get_scale() != 2.0**19  # the scale moved (backed off or grew): resuming must carry it
+    assert amp2.optimizer_steps == 4 and amp2.get_scale() == amp.get_scale()
+    assert amp2.state_dict()["scaler"] == amp.state_dict()["scaler"]
+    for (name, a), b in zip(resumed.named_parameters(), whole.parameters()):
+        assert torch.equal(a, b), name

@@ -19,6 +19,7 @@ Trainer's logs and writes ampkit's step records to ampkit sinks (JSONL, TensorBo
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -30,7 +31,10 @@ from .common import SkipAwareScheduler, require, skipped, stepped_params
 
 _tf = require("transformers", "hf", "ampkit.integrations.hf")
 
-__all__ = ["AmpkitCallback", "AmpkitOptimizer", "AmpkitTrainer"]
+__all__ = ["AMP_STATE", "AmpkitCallback", "AmpkitOptimizer", "AmpkitTrainer"]
+
+#: the engine's state in a Hugging Face checkpoint directory
+AMP_STATE = "ampkit_amp.pt"
 
 
 class AmpkitOptimizer:
@@ -113,6 +117,17 @@ class AmpkitTrainer(_tf.Trainer):
         if not isinstance(sched, (SkipAwareScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
             self.lr_scheduler = SkipAwareScheduler(sched, lambda: self.last_step_skipped)
         return self.lr_scheduler
+
+    # Hugging Face saves and restores its GradScaler through these two hooks; the engine's state
+    # (precision after fallbacks, scale, counters, events, the masters of a pure precision) takes
+    # its place, so that a resumed run goes on with the scale it had.
+    def _save_scaler(self, output_dir: str) -> None:
+        torch.save(self.amp.state_dict(), os.path.join(output_dir, AMP_STATE))
+
+    def _load_scaler(self, checkpoint: Optional[str]) -> None:
+        path = os.path.join(checkpoint, AMP_STATE) if checkpoint is not None else None
+        if path is not None and os.path.isfile(path):
+            self.amp.load_state_dict(torch.load(path, map_location=self.amp.device, weights_only=True))
 
     def _unscale(self) -> None:
         if self.amp.precision.needs_scaler and not self.unscaled:
