@@ -123,6 +123,8 @@ class WandbSink:
         wandb = _require("wandb", "wandb", "WandbSink")
         self._own = run is None  # finish only a run this sink started
         if run is None:
+            # Read WANDB_MODE here: wandb reads the environment once per process (its first init).
+            mode = mode if mode is not None else os.environ.get("WANDB_MODE") or None
             if mode is not None and mode not in ("online", "offline", "disabled"):
                 raise ValueError(f"mode={mode!r} is not a W&B mode; choose one of: online, offline, disabled")
             run = wandb.init(project=project, name=run_name, dir=dir, mode=mode, config=config)
