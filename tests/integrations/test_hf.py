@@ -29,7 +29,7 @@ def args(tmp_path, **kw):
     return transformers.TrainingArguments(**{**base, **kw})
 
 
-@pytest.mark.parametrize("accum", [2, 4])
+@pytest.mark.parametrize("accum", [2, pytest.param(4, marks=pytest.mark.slow)])  # (slow: > 15 s here)
 def test_bf16_equals_hugging_face_bf16(tmp_path, accum):
     theirs = tiny_gpt2()
     ours = tiny_gpt2()
@@ -46,6 +46,7 @@ def test_bf16_equals_hugging_face_bf16(tmp_path, accum):
     assert not torch.equal(ours.transformer.wte.weight, tiny_gpt2().transformer.wte.weight)  # it trained
 
 
+@pytest.mark.slow
 def test_fp16_trains_with_loss_scaling_and_skips_do_not_step_the_scheduler(tmp_path):
     model = tiny_gpt2()
     before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
@@ -88,6 +89,7 @@ def test_bf16_pure_trains_with_masters(tmp_path):
     assert amp.master_params() and amp.optimizer_steps == 3
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_restores_the_engine(tmp_path):
     """The engine's state (scale, skips, counters) is saved in the checkpoint and a resumed run
     ends where the uninterrupted one does, bitwise."""

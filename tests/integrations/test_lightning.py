@@ -111,6 +111,7 @@ def test_fp16_skips_and_scales_like_gradscaler():
     assert sched.last_epoch == 20 - stats["skipped_steps"] == ref_lr.last_epoch  # skipped steps: no LR step
 
 
+@pytest.mark.slow
 def test_fallback_as_in_ampkits_loop():
     torch.manual_seed(0)
     net = Unstable()
