@@ -46,12 +46,13 @@ class _Engine:
                      device: Union[str, torch.device, None], overrides: dict[str, Any]) -> None:
         if amp is not None or device is not None:
             self.amp: Optional[MixedPrecision] = make_engine(precision, amp, device, overrides)
+            name = self.amp.precision.name
         else:
             self.amp = None  # built in connect/convert_module, on the model's device
-            make_engine(precision, None, "cpu", overrides)  # validate the name and the settings now
+            name = make_engine(precision, None, "cpu", overrides).precision.name  # validates the name and settings now
         self._spec = (precision, overrides)
         self.last_step_skipped = False
-        self.precision = _LIGHTNING_NAMES.get(self.amp.precision.name if self.amp else str(precision), "32-true")
+        self.precision = _LIGHTNING_NAMES.get(name, "32-true")
 
     def _engine_for(self, model: torch.nn.Module) -> MixedPrecision:
         if self.amp is None:
