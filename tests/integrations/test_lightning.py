@@ -220,3 +220,40 @@ def test_the_engine_state_rides_in_lightnings_checkpoint(tmp_path):
     for key in ("scaler", "optimizer_steps", "precision", "events"):
         assert seen[key] == saved[key], key
     assert seen["growth_interval"] == 3 and second.amp.optimizer_steps == 12
+
+
+def test_fabric_bf16_pure_with_the_engine_set_up_first():
+    """Fabric shows the plugin no optimizer before its first step: the masters need amp.setup first."""
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(0)
+    net = Net()
+    data = batches(6)
+    plugin = AmpkitFabricPrecision("bf16-pure", device="cpu")
+    model = copy.deepcopy(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plugin.amp.setup(model, opt)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, opt = fabric.setup(model, opt)
+    ref = copy.deepcopy(net)
+    amp = MixedPrecision("bf16-pure", device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    amp.setup(ref, ref_opt)
+    for x, y in data:
+        fabric.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+        with amp.autocast():
+            loss = ref(x, y)
+        amp.backward(loss)
+        amp.step(ref_opt)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for a, b in zip(plugin.amp.master_params(), amp.master_params()):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="before fabric.setup"):
+        other = AmpkitFabricPrecision("bf16-pure", device="cpu")
+        fabric2 = Fabric(accelerator="cpu", devices=1, plugins=[other])
+        fresh = copy.deepcopy(net)
+        m, o = fabric2.setup(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        fabric2.backward(m(*data[0]))
+        o.step()
