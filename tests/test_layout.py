@@ -9,7 +9,7 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "ampkit"
-ORDER = ["step", "observe", "distributed", "loop", "service", "cli"]  # a layer may import its own and earlier layers only
+ORDER = ["step", "observe", "distributed", "loop", "integrations", "service", "cli"]  # a layer may import its own and earlier layers only
 
 
 def imports(path):

@@ -128,6 +128,9 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     model, batches, amp, why = _model_and_engine(args, console, device, amp)
     model, optimizer = _setup(args, console, device, model, amp, why)
     trainer = _trainer(args, console, model, optimizer, amp, batches, log_dir)
+    trackers = _trackers(args, amp, log_dir) if is_main() else None
+    if trackers is not None:
+        trainer.callbacks.append(trackers)
     trainer.resume_hint = resume_hint(args, run.argv)  # printed with a graceful stop's checkpoint
     if args.resume:
         _resume(run, console, trainer, amp, optimizer)
@@ -136,7 +139,11 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     if remaining < 1:
         raise ValueError(f"nothing to do: already at step {amp.optimizer_steps} of --steps {steps}")
     start_skipped = amp.stats()["skipped_steps"]
-    summary = trainer.fit(remaining)
+    try:
+        summary = trainer.fit(remaining)
+    finally:
+        if trackers is not None:
+            trackers.close()  # (after on_train_end already closed it: nothing left)
     failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
@@ -204,6 +211,19 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
                                                   keep_last=args.keep_last),
                       evaluation=EvalConfig(eval_batches, every=args.eval_every, precision=args.eval_precision))
     return trainer
+
+
+def _trackers(args: argparse.Namespace, amp: MixedPrecision, log_dir: str) -> Any:
+    """--mlflow URI / --wandb PROJECT: sinks fed with the run's log.jsonl as it grows, or None."""
+    from ..observe.monitor.trackers import JSONLFollower, MLflowSink, WandbSink
+
+    sinks: list[Any] = []
+    name = os.path.basename(os.path.normpath(log_dir))
+    if args.mlflow:
+        sinks.append(MLflowSink(args.mlflow, run_name=name, params=amp.config.to_dict()))
+    if args.wandb:
+        sinks.append(WandbSink(args.wandb, run_name=name, dir=log_dir, config=amp.config.to_dict()))
+    return JSONLFollower(os.path.join(log_dir, "log.jsonl"), sinks) if sinks else None
 
 
 def _total_steps(args: argparse.Namespace, batches: Any, amp: MixedPrecision) -> int:
@@ -335,6 +355,10 @@ def add_parser(sub: Any) -> None:
          "Python's random, numpy (default: 0)")
     flag(p, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps (default: 10)")
     flag(p, "no_progress", action="store_true", help="no progress bar")
+    flag(p, "mlflow", default=None, metavar="URI", help="also log to MLflow at this tracking URI, e.g. "
+         "file:///tmp/mlruns (needs ampkit[mlflow])")
+    flag(p, "wandb", default=None, metavar="PROJECT", help="also log to this Weights & Biases project "
+         "(WANDB_MODE=offline works without an account; needs ampkit[wandb])")
     flag(p, "grad_ckpt", action="store_true", help="activation checkpointing (the built-in GPT's blocks)")
     flag(p, "grad_ckpt_modules", default=None,
          help="activation-checkpoint these module types / name globs (comma-separated); implies --grad_ckpt")
