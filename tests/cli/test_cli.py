@@ -21,6 +21,7 @@ def test_info_json(capsys):
         assert fp8["runs"] is False and "fp8" in fp8["reason"]
 
 
+@pytest.mark.slow
 def test_info_measures_matmul(capsys):
     assert main(["info", "--json", "--device", "cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -39,6 +40,7 @@ def test_hyphen_and_underscore_flags(spelling):
     assert args.batch_size == 3 and args.precision == "bf16" and args.accumulation_steps == 2
 
 
+@pytest.mark.slow
 def test_train_json_summary(capsys, tmp_path):
     rc = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "6", "--batch-size", "4",
                "--precision", "fp32", "--no-progress", "--json", "--device", "cpu", "--log_every", "3",
@@ -51,6 +53,7 @@ def test_train_json_summary(capsys, tmp_path):
     assert (tmp_path / "run" / "log.jsonl").exists() and (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_train_fp16_progress_summary_and_report(capsys, tmp_path):
     run = tmp_path / "fp16run"
     rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "12", "--precision", "16-mixed",
@@ -95,6 +98,7 @@ def test_console_script_installed():
     assert json.loads(out.stdout)["ampkit"]
 
 
+@pytest.mark.slow
 def test_audit_cli_json_and_user_factory(capsys, monkeypatch):
     import pathlib
     monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])  # examples/ importable from the repo root
@@ -117,6 +121,7 @@ def test_bad_user_model(spec, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_falls_back_and_diagnoses(capsys, tmp_path, monkeypatch):
     import pathlib
     monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
@@ -133,6 +138,7 @@ def test_train_falls_back_and_diagnoses(capsys, tmp_path, monkeypatch):
     assert diag["module"] == "blocks.0.mlp.0" and diag["phase"] == "forward"
 
 
+@pytest.mark.slow
 def test_no_fallback_flag_is_respected(tmp_path, capsys, monkeypatch):
     import pathlib
     monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])

@@ -17,6 +17,7 @@ def load(name):
     return mod
 
 
+@pytest.mark.slow
 def test_basic_loop():
     loss = load("basic_loop").main(steps=8)
     assert math.isfinite(loss) and loss < 5.5  # below the uniform-bytes loss ln(256) = 5.55
@@ -27,6 +28,7 @@ def test_custom_loop_accumulation_clipping():
     assert stats["optimizer_steps"] == 6 and stats["accumulation_steps"] == 4 and stats["scale"] > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_is_bit_identical():
     assert load("checkpoint_resume").main(steps=4) is True
 
@@ -37,15 +39,18 @@ def test_memory_report():
     assert acts["bf16"] < acts["fp32"] and out["breakdown"]["by_category"]["gradients"] > 0
 
 
+@pytest.mark.slow
 def test_benchmark_your_model():
     assert load("benchmark_your_model").main(steps=2) in ("fp32", "bf16", "fp16")
 
 
+@pytest.mark.slow
 def test_overflow_diagnosis():
     out = load("overflow_diagnosis").main()
     assert out == {"module": "big", "keep": ["big"], "fixed_skips": 0, "fallback_precision": "bf16"}
 
 
+@pytest.mark.slow
 def test_hf_gpt2_with_mixed_precision_and_cli(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
     losses = load("hf_gpt2").main(steps=6)

@@ -248,6 +248,7 @@ def test_checkpoint_write_failure_keeps_the_previous_checkpoint(tmp_path):
 
 
 # 10 ------------------------------------------------------------------------ smaller ones
+@pytest.mark.slow
 def test_reused_log_dir_keeps_runs_apart_in_the_report(tmp_path, capsys):
     from ampkit.observe.report import make_report
 
@@ -261,6 +262,7 @@ def test_reused_log_dir_keeps_runs_apart_in_the_report(tmp_path, capsys):
     assert "holds 2 runs" in pathlib.Path(out["markdown"]).read_text()
 
 
+@pytest.mark.slow
 def test_eval_losses_on_screen_and_in_the_report(tmp_path, capsys):
     from ampkit.observe.report import make_report
 

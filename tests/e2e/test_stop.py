@@ -252,6 +252,7 @@ class _SignalAt:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow
 def test_fit_raises_after_checkpointing_and_restores_the_users_handlers(tmp_path, sig):
     seen = []
     mine = lambda s, f: seen.append(s)  # noqa: E731 - the user's own handler
@@ -414,6 +415,7 @@ def test_single_file_mismatched_resume_changes_nothing(tmp_path):
 
 
 # ---------------------------------------------------------------------------- same command line, same run
+@pytest.mark.slow
 def test_resume_with_the_same_flags_keeps_the_fallback_and_diagnoses_once(tmp_path, capsys):
     cfg = tmp_path / "amp.toml"
     cfg.write_text("[amp]\nfallback_patience = 2\nfallback_check_every = 2\n")  # fall back within a few steps
@@ -445,6 +447,7 @@ def test_resume_with_the_same_flags_keeps_the_fallback_and_diagnoses_once(tmp_pa
     assert load_checkpoint(str(tmp_path / "ck" / "ckpt-00000014.pt"))["amp"]["precision"] == "fp32"
 
 
+@pytest.mark.slow
 def test_two_fresh_runs_with_one_seed_are_bitwise_equal(tmp_path):
     for name in ("a", "b"):
         assert main(["train", *TINY, "--steps", "6", "--seed", "7", "--checkpoint_dir", str(tmp_path / name),

@@ -21,6 +21,7 @@ def report():
                    model_name="mlp/tiny")
 
 
+@pytest.mark.slow
 def test_compare_structure_and_sanity(report):
     names = [r.precision for r in report.results]
     assert names == ["fp32", "bf16", "fp16", "fp8"]
@@ -68,6 +69,7 @@ def test_tune_bad_tolerance(report):
         tune(report, tolerance=-1)
 
 
+@pytest.mark.slow
 def test_compare_cnn_with_batchnorm_and_bad_args():
     factory, data = tiny("cnn", batch_size=4)
     rep = compare(factory, data, ["bf16"], steps=2, warmup=1, repeats=1, device="cpu")
@@ -76,6 +78,7 @@ def test_compare_cnn_with_batchnorm_and_bad_args():
         compare(factory, data, steps=0)
 
 
+@pytest.mark.slow
 def test_bench_and_tune_cli(tmp_path, capsys):
     out = tmp_path / "b.json"
     png = tmp_path / "b.png"

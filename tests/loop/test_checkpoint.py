@@ -82,6 +82,7 @@ def test_rng_roundtrip():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.slow
 def test_exact_resume_in_process(precision, tmp_path):
     n = 4
     full = make_trainer(precision, tmp_path / "full")

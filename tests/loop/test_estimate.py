@@ -36,6 +36,7 @@ def measured(name, size, precision, batch):
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name,size", [("gpt", "tiny"), ("gpt", "small"), ("mlp", "tiny"), ("mlp", "small"),
                                        ("cnn", "tiny"), ("cnn", "small")])
+@pytest.mark.slow
 def test_estimate_matches_a_real_run(name, size, precision):
     _, data = builtin(name, size, batch_size=2, seed=0)
     batch = data(0)
@@ -115,6 +116,7 @@ def test_plan_cli_and_bad_input(capsys):
         assert says in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     from ampkit.cli import main
     from ampkit.loop.estimate import largest_batch
@@ -140,6 +142,7 @@ def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     assert "memory size '8XB' is not understood" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_estimates_in_threads_agree_with_one_at_a_time():
     """MemTracker's hooks are global: unserialised, concurrent estimates (a server's threads) see
     each other's modules and report wrong peaks; ampkit runs them one at a time."""

@@ -92,6 +92,7 @@ def test_train_gpt2_on_texts_and_save_the_model(tmp_path, capsys):
                        None)
 
 
+@pytest.mark.slow
 def test_train_builtin_gpt_on_a_text_file(tmp_path, capsys):
     from ampkit.cli import main
 

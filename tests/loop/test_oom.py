@@ -54,6 +54,7 @@ class OOMOnce:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
 
+@pytest.mark.slow
 def test_oom_mid_run_rebatches_and_matches_the_smaller_batch_run(tmp_path):
     ref = trainer(model_(), small, accum=2)
     ref.fit(6)

@@ -74,6 +74,7 @@ def test_batch_loss_calls_the_model_as_the_batch_says():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.slow
 def test_steps_run_is_bitwise_the_hand_written_loop_with_its_losses(precision):
     batches = data(ACCUM * STEPS)
     ref, ref_losses = hand_loop(precision, batches)
@@ -85,6 +86,7 @@ def test_steps_run_is_bitwise_the_hand_written_loop_with_its_losses(precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.slow
 def test_trainer_is_bitwise_the_hand_written_loop(precision):
     batches = data(ACCUM * STEPS)
     ref, _ = hand_loop(precision, batches)
@@ -152,6 +154,7 @@ def cli_args(tmp_path, name):
             "--steps", "2", "--json", "--log_dir", str(tmp_path / name)]
 
 
+@pytest.mark.slow
 def test_auto_picks_the_same_precision_in_the_trainer_and_the_cli(bf16_cpu, capsys):
     tmp = bf16_cpu
     trainer, amp = trainer_run(log_dir=str(tmp / "t0"), tensorboard=False)
@@ -176,6 +179,7 @@ def test_auto_picks_the_same_precision_in_the_trainer_and_the_cli(bf16_cpu, caps
             assert "2.00x as fast as fp32" in s["precision_reason"]
 
 
+@pytest.mark.slow
 def test_confirm_auto_switches_in_place_once_and_leaves_model_and_rng_alone(bf16_cpu):
     model, batches = builtin("mlp", "tiny", batch_size=8)
     before = [p.clone() for p in model.parameters()]
@@ -205,6 +209,7 @@ def test_confirm_auto_switches_in_place_once_and_leaves_model_and_rng_alone(bf16
 
 
 @pytest.mark.parametrize("first,later", [(0.5, 2.0), (2.0, 0.5)])
+@pytest.mark.slow
 def test_a_resumed_auto_run_keeps_its_checkpoints_precision(bf16_cpu, first, later):
     tmp = bf16_cpu
     trainer, amp = trainer_run(checkpoint_dir=str(tmp / "ck"), checkpoint_every=2)

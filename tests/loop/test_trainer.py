@@ -17,6 +17,7 @@ from ampkit.step.activation_checkpointing import (
 )
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_same_gradients_less_memory():
     torch.manual_seed(0)
     model, data = builtin("gpt", "tiny", batch_size=4)
@@ -65,6 +66,7 @@ class Recorder:
         self.calls.append(("end", summary.optimizer_steps))
 
 
+@pytest.mark.slow
 def test_trainer_eval_callbacks_scheduler(tmp_path):
     torch.manual_seed(0)
     model, data = builtin("gpt", "tiny", batch_size=2)
@@ -118,6 +120,7 @@ def test_train_flag_conflicts(argv, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_cli_opt_level_scaler_flags_epochs_grad_ckpt_eval(tmp_path, capsys):
     rc = main(["train", "--model", "mlp", "--size", "tiny", "--epochs", "1", "--batch_size", "2000",
                "--amp_opt_level", "O0", "--grad_scaler_growth_interval", "7", "--grad_scaler_backoff", "0.25",
@@ -144,6 +147,7 @@ def test_fit_epochs():
         t.fit(3, epochs=1)
 
 
+@pytest.mark.slow
 def test_trainer_turns_fallback_on_by_default():
     from tests.unstable_model import Unstable, data
 

@@ -38,6 +38,7 @@ def png_stats(path):
     return img.shape, float(img[..., :3].std())
 
 
+@pytest.mark.slow
 def test_report_writes_nonblank_pngs_and_markdown(tmp_path):
     run = write_run(tmp_path / "a", "fp16")
     out = make_report(str(run))
@@ -52,6 +53,7 @@ def test_report_writes_nonblank_pngs_and_markdown(tmp_path):
     assert s["skipped_steps"] == 2 and s["steps"] == 30
 
 
+@pytest.mark.slow
 def test_compare_overlays_runs(tmp_path):
     a = write_run(tmp_path / "fp32", "fp32", bad=())
     b = write_run(tmp_path / "fp16", "fp16", bad=())

@@ -67,6 +67,7 @@ def ampkit_loop(precision, fused, data):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.slow
 def test_equivalent_to_hand_written_loop(precision, fused):
     data = batches(STEPS * ACCUM)
     ref, scaler = reference_loop(precision, fused, data)
@@ -84,6 +85,7 @@ def test_equivalent_to_hand_written_loop(precision, fused):
     assert any(not torch.equal(a, b) for a, b in zip(init.parameters(), got.parameters()))
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_close_to_fp32_reference():
     """Mixed precision should track the fp32 trajectory within the dtype's precision."""
     data = batches(STEPS * ACCUM)
@@ -152,6 +154,7 @@ def _train_counting(precision, fused, steps=6, warmup=3, clip=1.0, opt_factory=N
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.slow
 def test_no_host_sync_with_fused_optimizer(precision, clip):
     counts = _train_counting(precision, fused=True, clip=clip)
     assert counts == [0] * len(counts)
@@ -428,6 +431,7 @@ def assert_all_finite(amp, model, opt):
 
 @pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
 @pytest.mark.parametrize("opt", list(BURST_OPTS))
+@pytest.mark.slow
 def test_overflow_burst_without_fallback_ends_in_a_clear_error(precision, opt):
     amp = MixedPrecision(precision, device="cpu")
     model, optimizer, errors, scales = burst(amp, opt)
@@ -444,6 +448,7 @@ def test_overflow_burst_without_fallback_ends_in_a_clear_error(precision, opt):
 
 @pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
 @pytest.mark.parametrize("opt", list(BURST_OPTS))
+@pytest.mark.slow
 def test_overflow_burst_with_fallback_falls_back(precision, opt):
     # fp16-only overflow (as a layer out of fp16's range): one fallback, then bf16 trains
     amp = MixedPrecision(precision, device="cpu", fallback=True)
@@ -456,6 +461,7 @@ def test_overflow_burst_with_fallback_falls_back(precision, opt):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
+@pytest.mark.slow
 def test_persistent_burst_with_fallback_walks_the_chain_then_raises(precision):
     amp = MixedPrecision(precision, device="cpu", fallback=True)
     model, optimizer, errors, scales = burst(amp, "adamw_fused")

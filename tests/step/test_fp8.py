@@ -36,6 +36,7 @@ def train(precision, steps=8, **kw):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow
 def test_fp8_trains_close_to_bf16(recipe):
     model, amp, losses = train("fp8", fp8_recipe=recipe)
     _, _, ref = train("bf16")
@@ -111,6 +112,7 @@ def test_cli_fp8_emulated_and_compile(tmp_path, capsys):
     assert "fp8_emulate" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compile_keeps_state_dict_keys_and_trains():
     model, batches = gpt()
     keys = list(model.state_dict())
