@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..step.config import ConfigError, MixedPrecisionConfig, read_toml
+from ..step.aliases import unknown_key_message
+from ..step.config import ConfigError, MixedPrecisionConfig, canonical_config_keys, read_toml
 from .flags import Switch, Toggle, negated
 
 __all__ = ["FileSettings", "explicit_flags", "read_config_file", "train_keys"]
@@ -54,13 +55,19 @@ def read_config_file(sub: argparse.ArgumentParser, path: str) -> FileSettings:
         raise ConfigError(f"config file {path!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
                           "expected [amp] and/or [train]")
     amp = data.get("amp", {})
+    if not isinstance(amp, dict):
+        raise ConfigError(f"config file {path!r}: [amp] must be a table of MixedPrecisionConfig fields")
+    try:  # aliases (min_loss_scale, dtype, ...) become their fields, once, here
+        amp = canonical_config_keys(amp)
+    except ConfigError as e:
+        raise type(e)(f"config file {path!r}: [amp]: {e}") from None
     MixedPrecisionConfig.from_dict(amp)  # validate now: unknown keys and wrong types name the key
     keys, train = train_keys(sub), {}
     for key, value in data.get("train", {}).items():
         action = keys.get(key)
         if action is None:
             valid = sorted(k for k, a in keys.items() if k == a.dest)
-            raise ConfigError(f"config file {path!r}: unknown [train] key {key!r}; valid keys: {', '.join(valid)}")
+            raise ConfigError(f"config file {path!r}: {unknown_key_message([key], valid, '[train] key')}")
         if action.dest in train:
             raise ConfigError(f"config file {path!r}: [train] sets {action.dest} twice (as {key!r} too)")
         train[action.dest] = _value(action, key, value, path)
