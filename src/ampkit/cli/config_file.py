@@ -97,3 +97,23 @@ def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{where}; choose one of {list(action.choices)}")
     return value
+
+
+# Options that are not settings of the run: the file itself, the output's shape, this very request.
+_NOT_PRINTED = ("command", "func", "amp_opt_level", "print_config", *NOT_FROM_FILE)
+
+
+def resolved_toml(inv: Any) -> str:
+    """``ampkit train --print_config``: the run's resolved settings as TOML -- ``[amp]``, the engine's
+    whole config (flags, the file's ``[amp]``, train's defaults, ``--amp_opt_level`` folded into
+    ``precision``) and ``[train]``, every other option's value (None left out). ``--config`` reads
+    it back to the same settings."""
+    from ..service.runfile import dumps_toml
+    from .flags import ENGINE_FIELDS, engine_config
+
+    notes: list[str] = []
+    config = engine_config(inv.args, inv.flags_given, inv.file.amp, notes)
+    train = {k: v for k, v in sorted(vars(inv.args).items()) if k not in (*_NOT_PRINTED, *ENGINE_FIELDS)}
+    head = ["# ampkit train --print_config: the resolved settings; `ampkit train --config FILE` reads them back"]
+    head += [f"# note: {n}" for n in notes]
+    return "\n".join(head) + "\n" + dumps_toml({"amp": config.to_dict(), "train": train})

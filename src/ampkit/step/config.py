@@ -81,9 +81,14 @@ class MixedPrecisionConfig:
                                          "benchmark, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), 'warn' (the same, "
                                          "but ops without a deterministic kernel only warn), False (leave torch as is)",
                                          DETERMINISTIC_CHOICES)
+    memory_efficient: bool = _f(False, "turn on the memory levers that keep the numerics: activation checkpointing of "
+                                "the model's repeated blocks (every nn.ModuleList's elements) at setup, and "
+                                "autocast_cache off; setup() records which (a memory_efficient event)")
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.memory_efficient:  # a lever that keeps numerics: casts redone instead of kept
+            object.__setattr__(self, "autocast_cache", False)
         # Canonicalise the precision spelling once, at the edge.
         object.__setattr__(self, "precision", canonical_precision(self.precision))
         _require(self.init_scale >= _SCALE_FLOOR and math.isfinite(self.init_scale), "init_scale", self.init_scale,
