@@ -63,14 +63,15 @@ def test_debug_logs_through_the_ampkit_logger_and_turns_on_anomaly_mode(tmp_path
         logger.setLevel(logging.NOTSET)
 
 
-def test_print_config_prints_toml_that_reads_back(tmp_path, capsys):
+def test_print_config_prints_toml_that_reads_back(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     argv = ["train", *TINY, "--mixed_precision", "bf16", "--amp_opt_level", "O2", "--min_scale", "2", "--print_config"]
     assert main(argv) == 0
     text = capsys.readouterr().out
     data = tomllib.loads(text)
     assert data["amp"]["precision"] == "bf16-pure" and data["amp"]["min_scale"] == 2.0
     assert data["train"]["steps"] == 2 and data["train"]["model"] == "mlp" and "print_config" not in data["train"]
-    assert not (tmp_path / "run").exists()  # printed and exited: nothing trained
+    assert not (tmp_path / "runs").exists()  # printed and exited: no run directory, nothing trained
     path = tmp_path / "run.toml"
     path.write_text(text)
     assert main(["train", "--config", str(path), "--print_config"]) == 0
