@@ -28,15 +28,17 @@ FLAGS = {
     "train": """
         --accumulation_steps --allow_fresh --amp_opt_level --autocast_cache --backoff_factor --batch_size
         --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
-        --consecutive_hysteresis --data --deterministic --device --dynamic_scaling --epochs --eval_every
-        --eval_precision --fallback --fallback_chain --fallback_check_every --fallback_patience --fallback_recover_after
-        --fp8_emulate --fp8_recipe --grad_accum_steps --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff
-        --grad_scaler_growth_interval --grad_scaler_init --growth_factor --growth_interval --help
-        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --max_grad_norm
-        --max_length --max_scale --memory_budget --min_scale --mixed_precision --mlflow --model --model_config
+        --consecutive_hysteresis --data --debug --deterministic --device --dynamic_scaling --epochs
+        --eval_every --eval_precision --fallback --fallback_chain --fallback_check_every
+        --fallback_patience --fallback_recover_after --fp8_emulate --fp8_recipe --grad_accum_steps
+        --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff --grad_scaler_growth_interval
+        --grad_scaler_init --growth_factor --growth_interval --help --hysteresis --init_scale --json
+        --keep_fp32 --keep_last --log_dir --log_every --lr --max_grad_norm --max_length --max_scale
+        --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow --model --model_config
         --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis --no_deterministic
-        --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate --no_progress --no_skip_nonfinite
-        --node_rank --nproc_per_node --overwrite --parallel --precision --rdzv_backend --rdzv_endpoint
+        --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate --no_memory_efficient
+        --no_progress --no_skip_nonfinite --node_rank --nproc_per_node --overwrite --parallel --precision
+        --print_config --rdzv_backend --rdzv_endpoint
         --rdzv_id --resume --save_model --seed --size --skip_nonfinite --steps --target_effective_batch_size
         --wandb -h
     """,
@@ -204,8 +206,14 @@ def test_amp_opt_level_maps_through_the_precision_aliases():
     assert _config(["--amp_opt_level", "O1"]).precision == "auto"
     assert _config(["--amp_opt_level", "O2"]).precision == "O2"
     assert _config(["--amp_opt_level", "O0", "--precision", "32"]).precision == "fp32"
+    # issue 24: the seed guide's lines combine the two: the level gives the form, the precision the dtype
+    assert _config(["--amp_opt_level", "O0", "--precision", "bf16"]).precision == "fp32"  # O0 wins (a note says so)
+    assert _config(["--mixed_precision", "bf16", "--amp_opt_level", "O2"]).precision == "bf16-pure"
+    assert _config(["--mixed_precision", "fp16", "--amp_opt_level", "O1"]).precision == "fp16"
     with pytest.raises(ValueError, match="conflicting flags"):
-        _config(["--amp_opt_level", "O0", "--precision", "bf16"])
+        _config(["--amp_opt_level", "O2", "--precision", "fp32"])
+    with pytest.raises(ValueError, match="conflicting flags"):
+        _config(["--amp_opt_level", "O1", "--precision", "bf16-pure"])
 
 
 def _sample(action: argparse.Action):

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..step.config import ConfigError, MixedPrecisionConfig, read_toml
+from ..step.aliases import unknown_key_message
+from ..step.config import ConfigError, MixedPrecisionConfig, canonical_config_keys, read_toml
 from .flags import Switch, Toggle, negated
 
 __all__ = ["FileSettings", "explicit_flags", "read_config_file", "train_keys"]
@@ -54,13 +55,19 @@ def read_config_file(sub: argparse.ArgumentParser, path: str) -> FileSettings:
         raise ConfigError(f"config file {path!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
                           "expected [amp] and/or [train]")
     amp = data.get("amp", {})
+    if not isinstance(amp, dict):
+        raise ConfigError(f"config file {path!r}: [amp] must be a table of MixedPrecisionConfig fields")
+    try:  # aliases (min_loss_scale, dtype, ...) become their fields, once, here
+        amp = canonical_config_keys(amp)
+    except ConfigError as e:
+        raise type(e)(f"config file {path!r}: [amp]: {e}") from None
     MixedPrecisionConfig.from_dict(amp)  # validate now: unknown keys and wrong types name the key
     keys, train = train_keys(sub), {}
     for key, value in data.get("train", {}).items():
         action = keys.get(key)
         if action is None:
             valid = sorted(k for k, a in keys.items() if k == a.dest)
-            raise ConfigError(f"config file {path!r}: unknown [train] key {key!r}; valid keys: {', '.join(valid)}")
+            raise ConfigError(f"config file {path!r}: {unknown_key_message([key], valid, '[train] key')}")
         if action.dest in train:
             raise ConfigError(f"config file {path!r}: [train] sets {action.dest} twice (as {key!r} too)")
         train[action.dest] = _value(action, key, value, path)
@@ -90,3 +97,23 @@ def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{where}; choose one of {list(action.choices)}")
     return value
+
+
+# Options that are not settings of the run: the file itself, the output's shape, this very request.
+_NOT_PRINTED = ("command", "func", "amp_opt_level", "print_config", *NOT_FROM_FILE)
+
+
+def resolved_toml(inv: Any) -> str:
+    """``ampkit train --print_config``: the run's resolved settings as TOML -- ``[amp]``, the engine's
+    whole config (flags, the file's ``[amp]``, train's defaults, ``--amp_opt_level`` folded into
+    ``precision``) and ``[train]``, every other option's value (None left out). ``--config`` reads
+    it back to the same settings."""
+    from ..service.runfile import dumps_toml
+    from .flags import ENGINE_FIELDS, engine_config
+
+    notes: list[str] = []
+    config = engine_config(inv.args, inv.flags_given, inv.file.amp, notes)
+    train = {k: v for k, v in sorted(vars(inv.args).items()) if k not in (*_NOT_PRINTED, *ENGINE_FIELDS)}
+    head = ["# ampkit train --print_config: the resolved settings; `ampkit train --config FILE` reads them back"]
+    head += [f"# note: {n}" for n in notes]
+    return "\n".join(head) + "\n" + dumps_toml({"amp": config.to_dict(), "train": train})

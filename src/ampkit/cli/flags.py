@@ -19,8 +19,8 @@ from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, 
 from ..step.precision import CANONICAL
 from .common import data_flags, flag, positive_float, positive_int
 
-__all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags",
-           "engine_config", "model_flags", "precision_help"]
+__all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags", "debug_flags",
+           "engine_config", "model_flags", "precision_help", "with_opt_level"]
 
 # Older spellings of engine fields, from the tools users come from (torch.amp, apex, Accelerate,
 # Hugging Face's TrainingArguments, DeepSpeed); each also answers with hyphens.
@@ -103,24 +103,71 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         else:
             flag(g, f.name, *spellings, type=_value_type(f), choices=f.choices or None, **kwargs)
     flag(g, "amp_opt_level", default=None, choices=["O0", "O1", "O2"],
-         help="apex-style level: O0 = fp32, O1 = auto mixed, O2 = pure half weights (conflicts with --precision)")
+         help="apex-style level: O0 = fp32, O1 = autocast, O2 = half weights with fp32 masters; with --precision: "
+              "bf16 O2 = bf16-pure, bf16 O1 = bf16, any O0 = fp32")
     rows = "\n".join(f"  {k} = {v!r}: {why}" for k, (v, why) in TRAIN_DEFAULTS.items())
     p.epilog = ("ampkit train's defaults that differ from MixedPrecisionConfig's:\n" + rows.replace("%", "%%")
                 + "\nprecedence: command line > --config [train] > --config [amp] > these > the config's")
 
 
-def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Mapping[str, Any]) -> MixedPrecisionConfig:
+def debug_flags(p: argparse.ArgumentParser) -> None:
+    """``--debug`` and ``--print_config``: looking at a run rather than changing it (kept together)."""
+    g = p.add_argument_group("debugging")
+    flag(g, "debug", action="store_true",
+         help="debug lines from logging.getLogger('ampkit') on stderr (precision choice, scale changes, skipped "
+              "steps, fallbacks) and torch.autograd.set_detect_anomaly (NaN checks unless the loss is scaled); slow")
+    flag(g, "print_config", action="store_true",
+         help="print the resolved settings as TOML (an [amp] and a [train] table; --config reads it back) and exit")
+
+
+def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Mapping[str, Any],
+                  notes: Optional[list[str]] = None) -> MixedPrecisionConfig:
     """The engine's settings: a flag given (on the command line or in [train]) beats the file's
-    [amp] table, which beats ``ampkit train``'s defaults; the rest are the config's defaults."""
+    [amp] table, which beats ``ampkit train``'s defaults; the rest are the config's defaults.
+    ``--amp_opt_level`` combines with the precision (:func:`with_opt_level`); what it decided is
+    appended to ``notes``."""
     values = {**{k: v for k, (v, _) in TRAIN_DEFAULTS.items()}, **file_amp}
     values.update({name: getattr(args, name) for name in ENGINE_FIELDS if name in given})
     if args.amp_opt_level:
-        level = canonical_precision(args.amp_opt_level)
-        if "precision" in given and canonical_precision(args.precision) != level:
-            raise ValueError(f"conflicting flags: --amp_opt_level {args.amp_opt_level} means precision {level!r} but "
-                             f"--precision {args.precision} was given; pass one of them")
-        values["precision"] = level
+        chosen = values.get("precision") if "precision" in given or "precision" in file_amp else None
+        values["precision"], note = with_opt_level(chosen, args.amp_opt_level)
+        if note and notes is not None:
+            notes.append(note)
     return MixedPrecisionConfig.from_dict(values)
+
+
+# --amp_opt_level with a precision (the seed guides' `--mixed_precision bf16 --amp_opt_level O2`):
+# the level says the form (O0 fp32, O1 autocast over fp32 weights, O2 half weights with fp32
+# masters), the precision the half dtype.
+_LEVEL_FORMS = {
+    "O1": {"auto": "auto", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"},
+    "O2": {"auto": "O2", "O2": "O2", "bf16": "bf16-pure", "bf16-pure": "bf16-pure", "fp16": "fp16-pure",
+           "fp16-pure": "fp16-pure"},
+}
+
+
+def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[str]]:
+    """``(precision, note)`` for ``--amp_opt_level level`` with ``--precision precision`` (None: not given).
+
+    ``O0`` is fp32 whatever the precision (the note says that O0 wins); ``O1`` keeps an autocast
+    precision (``bf16 O1`` -> ``bf16``); ``O2`` makes it pure (``bf16 O2`` -> ``bf16-pure``).
+    Raises ``ValueError`` for a pair that contradicts itself (``fp32 O2``, ``bf16-pure O1``).
+    """
+    level = level.upper()
+    if precision is None:
+        return canonical_precision(level), None
+    name = canonical_precision(precision)
+    if level == "O0":
+        note = None if name == "fp32" else (f"--amp_opt_level O0 wins: training in fp32 (the precision {precision} "
+                                            "is not used; O0 means no mixed precision)")
+        return "fp32", note
+    form = _LEVEL_FORMS[level].get(name)
+    if form is None:
+        valid = ", ".join(k for k in _LEVEL_FORMS[level] if k != "O2")
+        raise ValueError(f"conflicting flags: --amp_opt_level {level} with precision {precision!r}: {level} means "
+                         f"{'autocast over fp32 weights' if level == 'O1' else 'half weights with fp32 masters'}, "
+                         f"which {name} is not; with {level} give one of: {valid}")
+    return form, f"--amp_opt_level {level} with precision {precision}: training in {form}"
 
 
 def _default(f: FieldInfo) -> tuple[Any, str]:

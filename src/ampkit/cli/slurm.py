@@ -20,8 +20,31 @@ def cmd_slurm(inv: Invocation) -> int:
     print(sbatch_script(flags, nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition,
                         time=args.time, job_name=args.job_name, account=args.account,
                         cpus_per_task=args.cpus_per_task, output=args.output, port=args.port,
-                        signal_seconds=args.signal_seconds), end="")
+                        signal_seconds=args.signal_seconds, env_flags=train_env_flags()), end="")
     return 0
+
+
+# Flags the script owns (the launch, the checkpoint directory), or whose upper-case names other
+# tools commonly set in a job's environment (CONFIG, DEVICE, DATA, PARALLEL).
+NOT_FROM_ENV = ("checkpoint_dir", "config", "device", "data", "parallel", "help")
+
+
+def train_env_flags() -> dict[str, tuple[str, ...]]:
+    """``ampkit train``'s value flags (name -> its spellings) that the script reads from the
+    environment at submission: ``BATCH_SIZE=512 sbatch job.sh`` is ``--batch_size 512``."""
+    from ..distributed.launch import LAUNCH_FLAGS
+    from . import train
+
+    parser = argparse.ArgumentParser(add_help=False)
+    train.add_parser(parser.add_subparsers())
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    out: dict[str, tuple[str, ...]] = {}
+    for a in sub._actions:
+        # exactly one value: not switches, nor --fallback / --deterministic (whose value is optional)
+        if a.option_strings and a.nargs is None and a.dest not in (*NOT_FROM_ENV, *LAUNCH_FLAGS) and a.dest not in out \
+                and a.const is None:
+            out[a.dest] = tuple(a.option_strings)
+    return out
 
 
 def add_parser(sub: Any) -> None:

@@ -22,9 +22,12 @@ from ..loop.seed import seed_everything
 from ..loop.summary import opt_level
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
+from ..step.logs import enable_debug
+from ..step.precision import PrecisionError
 from . import parallel
 from .common import estimate_inputs, flag, model_and_data, model_label, positive_float, positive_int
-from .flags import add_engine_flags, engine_config, model_flags
+from .config_file import resolved_toml
+from .flags import add_engine_flags, debug_flags, engine_config, model_flags
 from .interrupts import PeerFailed, sigterm_interrupts
 from .invocation import Invocation, TrainInvocation
 from .resume import apply_resume_flags, resume_hint
@@ -67,6 +70,9 @@ def choose_batch(args: argparse.Namespace, accumulation: int, device: torch.devi
 
 
 def cmd_train(inv: Invocation) -> int:
+    if inv.args.print_config:
+        print(resolved_toml(inv), end="")
+        return 0
     status = parallel.maybe_relaunch(inv.args, inv.argv)  # --nproc_per_node: torchrun runs this command N times
     if status is not None:
         return status
@@ -83,10 +89,20 @@ def _cmd_train(inv: Invocation) -> int:
         raise ValueError("--save_model writes one process's model; with several processes use --checkpoint_dir, "
                          "then `ampkit export CKPT OUT.pt`")
     console = Console(stderr=args.json, quiet=not is_main())  # keep stdout pure JSON with --json; rank 0 speaks
-    config = engine_config(args, inv.flags_given, inv.file.amp)
+    notes: list[str] = []
+    config = engine_config(args, inv.flags_given, inv.file.amp, notes)
+    if args.debug:
+        enable_debug(anomaly=False)  # before the engine: it logs its precision choice
     seed_everything(args.seed, config.deterministic)
     device = normalize_device(local_device(args.device) if several else args.device)
-    amp = MixedPrecision(device=device, config=config)
+    try:
+        amp = MixedPrecision(device=device, config=config)
+    except PrecisionError as e:  # the library's spelling of the way out, as the flag
+        raise PrecisionError(str(e).replace("fp8_emulate=True", "--fp8_emulate")) from None
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+    if args.debug:
+        console.print(debug_mode(amp))
     batch, accumulation, why = choose_batch(args, config.accumulation_steps, device, amp.precision.name)
     if why:
         console.print(why)
@@ -184,6 +200,9 @@ def _setup(args: argparse.Namespace, console: Any, device: torch.device, model: 
                   f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
     if amp.overridden_modules:
         console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
+    for e in amp.events:
+        if e.kind == "memory_efficient":
+            console.print("memory_efficient: " + "; ".join(e.data["levers"]))
     return model, optimizer
 
 
@@ -327,6 +346,15 @@ def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -
     return problem
 
 
+def debug_mode(amp: MixedPrecision) -> str:
+    """``--debug``: autograd's anomaly mode, with NaN checks unless the loss is scaled (its
+    overflows are expected and skipped, not errors). Returns what it turned on."""
+    check_nan = not amp.precision.needs_scaler
+    torch.autograd.set_detect_anomaly(True, check_nan=check_nan)
+    return ("debug: logging.getLogger('ampkit') at DEBUG on stderr; torch.autograd.set_detect_anomaly(True"
+            + (")" if check_nan else ", check_nan=False): fp16's overflows are handled by loss scaling"))
+
+
 def json_safe(value: Any) -> Any:
     """JSON has no NaN/inf: they become null (``json.dumps(allow_nan=False)`` then guards it)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -383,5 +411,6 @@ def add_parser(sub: Any) -> None:
     flag(p, "save_model", default=None, metavar="DIR",
          help="save the trained weights (fp32) to DIR at the end: save_pretrained for Hugging Face models, "
               "else DIR/model.pt")
+    debug_flags(p)
     parallel.add_flags(p)
     p.set_defaults(func=cmd_train)

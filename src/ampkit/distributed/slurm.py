@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 __all__ = ["sbatch_script"]
@@ -45,6 +45,48 @@ def _take(flags: list[str], name: str) -> Optional[str]:
             del flags[i:i + 2]
             return value
     return None
+
+
+def _env_flags(flags: list[str], env_flags: Mapping[str, Sequence[str]]) -> tuple[list[str], list[str], str]:
+    """Make ``ampkit train``'s value flags settable from the environment at submission.
+
+    A flag given in ``flags`` (any of its spellings) becomes the default of its variable, named
+    like the flag in upper case (``--batch_size 16`` -> ``BATCH_SIZE=${BATCH_SIZE:-16}`` and
+    ``--batch_size "$BATCH_SIZE"``; taken out of ``flags``). The others are read by a loop: a
+    variable that is set adds its flag. Returns ``(variable lines, loop lines, the train command's
+    words for them)``.
+    """
+    defaults, rest, words = [], [], ""
+    for name, spellings in env_flags.items():
+        var = name.upper()
+        value = _take_any(flags, spellings)
+        if value is None:
+            rest.append(name)
+            continue
+        defaults.append(f"{var}=${{{var}:-{shlex.quote(value)}}}")
+        words += f' --{name} "${var}"'
+    loop = [] if not rest else [
+        "# Any other `ampkit train` flag from the environment at submission: a variable named like the flag",
+        "# in upper case (BATCH_SIZE=512 sbatch job.sh -> --batch_size 512).",
+        "ENV_FLAGS=()",
+        f"for name in {' '.join(rest)}; do",
+        '    var=${name^^}',
+        '    if [ -n "${!var:-}" ]; then ENV_FLAGS+=("--$name" "${!var}"); fi',
+        "done",
+        'if [ ${#ENV_FLAGS[@]} -gt 0 ]; then echo "ampkit: from the environment: ${ENV_FLAGS[*]}"; fi',
+    ]
+    if loop:
+        words += ' ${ENV_FLAGS[@]+"${ENV_FLAGS[@]}"}'  # (an empty array under set -u, bash < 4.4)
+    return defaults, loop, words
+
+
+def _take_any(flags: list[str], spellings: Sequence[str]) -> Optional[str]:
+    """:func:`_take` for any of ``spellings`` (``--mixed_precision`` is ``--precision``); the last one given wins."""
+    value = None
+    for s in spellings:
+        while (v := _take(flags, s.lstrip("-"))) is not None:
+            value = v
+    return value
 
 
 def _has_switch(flags: Sequence[str], name: str) -> bool:
@@ -162,7 +204,8 @@ def _wait_then_requeue_or_exit(resubmit: str) -> list[str]:
 def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int, partition: Optional[str] = None,
                   time: Optional[str] = None, job_name: str = "ampkit", account: Optional[str] = None,
                   cpus_per_task: Optional[int] = None, output: str = "%x-%j.out", port: int = 29500,
-                  precision: str = "bf16", signal_seconds: int = 120) -> str:
+                  precision: str = "bf16", signal_seconds: int = 120,
+                  env_flags: Optional[Mapping[str, Sequence[str]]] = None) -> str:
     """An sbatch script running ``ampkit train <train_flags>`` on ``nodes`` x ``gpus_per_node`` workers.
 
     ``--precision`` in ``train_flags`` becomes the default of ``$PRECISION``; launch flags
@@ -176,6 +219,9 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
     ``SIGTERM`` (the workers checkpoint), waits for it and requeues the job (``scontrol requeue``,
     exit 0). On ``TERM`` (preemption, ``scancel``) it stops ``srun`` the same way and exits 143.
     Without a signal it exits with ``srun``'s status.
+
+    ``env_flags`` (flag name -> its spellings; ``ampkit slurm`` passes every value flag of ``ampkit
+    train``) are read from the environment at submission, like ``PRECISION`` (:func:`_env_flags`).
 
     Raises ``ValueError`` for a bad value, naming it.
     """
@@ -194,7 +240,8 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         where = f"[train] overwrite in --config {config}" if not _has_switch(flags, "overwrite") else "--overwrite"
         raise ValueError(f"{where}: the script resumes the run after a requeue, and --overwrite would delete its "
                          "checkpoints; remove it (or empty the --checkpoint_dir yourself before submitting)")
-    precision = _take(flags, "precision") or precision
+    precision = _take_any(flags, (env_flags or {}).get("precision", ("precision",))) or precision
+    env_defaults, env_loop, env_words = _env_flags(flags, {k: v for k, v in (env_flags or {}).items() if k != "precision"})
     own_dir = _take(list(flags), "checkpoint_dir") is None and "checkpoint_dir" not in file_train
     extra = [] if _has_switch(flags, "resume") else ["--resume"]
     extra += [] if _has_switch(flags, "allow_fresh") else ["--allow_fresh"]
@@ -219,6 +266,7 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         f"PRECISION=${{PRECISION:-{q(precision)}}}",
         f"NPROC_PER_NODE=${{NPROC_PER_NODE:-{gpus_per_node}}}",
         f"RDZV_PORT=${{RDZV_PORT:-{port}}}",
+        *env_defaults,
     ]
     if own_dir:
         lines.append("CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}  # the job id survives requeues")
@@ -229,6 +277,7 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         "  # torchrun's wait for checkpointing workers",
         "",
         *_SIGNAL_HANDLING,
+        *env_loop,
         "# Rendezvous on the job's first node; every node runs one torchrun, torchrun one worker per GPU.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'echo "ampkit: $SLURM_JOB_NUM_NODES node(s) x $NPROC_PER_NODE process(es), rendezvous $HEAD_NODE:$RDZV_PORT, '
@@ -241,7 +290,7 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         '    --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \\',
         '    --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" \\',
         '    -m ampkit train --precision "$PRECISION"' + "".join(f" {q(f)}" for f in flags)
-        + "".join(f" {f}" for f in extra) + (' --checkpoint_dir "$CHECKPOINT_DIR"' if own_dir else "") + " &",
+        + env_words + "".join(f" {f}" for f in extra) + (' --checkpoint_dir "$CHECKPOINT_DIR"' if own_dir else "") + " &",
         *_wait_then_requeue_or_exit(resubmit),
         "",
     ]

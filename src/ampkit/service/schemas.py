@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..loop.models import SIZES
-from ..step.config import MixedPrecisionConfig
+from ..step.config import MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
 from .checks import MAX_INT, MAX_KEYS, Bool, Int, Key, Name, OverrideValue, Text, shown
@@ -120,6 +120,7 @@ class RunSpec(BaseModel):
     @field_validator("amp")
     @classmethod
     def _amp(cls, v: dict[str, Any]) -> dict[str, Any]:
+        v = canonical_config_keys(v)  # aliases (min_loss_scale, dtype, ...) become fields: the one table
         clash = [k for k in ("precision", "accumulation_steps", "init_scale") if k in v]
         if clash:
             raise ValueError(f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp")

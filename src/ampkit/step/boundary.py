@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .profiling import phase
 from .scaler import LossScaler
 
 __all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
@@ -63,8 +64,9 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
     if not scaler.is_enabled():
         if clip is not None:
             grad_norm = clip_norm(params, clip)
-        for opt in opts:
-            opt.step()
+        with phase("ampkit.optimizer_step"):
+            for opt in opts:
+                opt.step()
         return grad_norm, None, None
     unit = scaler.is_unit
     live = scaler.scale_tensor
@@ -79,18 +81,21 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
         for opt in opts:
             scaler.set_found_inf(opt, found)
     elif clip is not None:
-        for opt in opts:
-            scaler.unscale_(opt)
+        with phase("ampkit.unscale_check"):
+            for opt in opts:
+                scaler.unscale_(opt)
         grad_norm = clip_norm(params, clip)
-    for opt in opts:
-        scaler.step(opt)
-    scaler.update()
+    with phase("ampkit.optimizer_step"):  # (without clipping, the unscale and check happen in scaler.step)
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
     return grad_norm, scale, scaler.found_inf
 
 
 def clip_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     """``clip_grad_norm_`` returning a plain tensor: under FSDP2 the gradients are DTensor shards
     and the total norm comes back as a replicated DTensor, the same value on every rank."""
-    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    with phase("ampkit.clip"):
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm

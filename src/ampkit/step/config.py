@@ -8,6 +8,7 @@ like it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -15,10 +16,11 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .aliases import UnknownKeyError, canonical_keys
 from .precision import CANONICAL, parse_precision
 
 __all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "ConfigError", "FieldInfo", "MixedPrecisionConfig",
-           "canonical_precision", "check_deterministic", "fields_help", "normalize_patterns", "read_toml"]
+           "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision", "check_deterministic", "fields_help", "normalize_patterns", "read_toml"]
 
 Pattern = Union[str, type]
 
@@ -30,6 +32,11 @@ _SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
 class ConfigError(ValueError):
     """An invalid config value: the message names the field, the value and the allowed range."""
+
+
+class UnknownConfigKeyError(ConfigError, UnknownKeyError):
+    """A key that is neither a field nor an alias (:mod:`ampkit.step.aliases`): the message has a
+    "did you mean" and the valid keys. Also a ``TypeError``, like an unexpected keyword argument."""
 
 
 def _f(default: Any, help: str, choices: tuple = ()) -> Any:
@@ -77,9 +84,14 @@ class MixedPrecisionConfig:
                                          "benchmark, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), 'warn' (the same, "
                                          "but ops without a deterministic kernel only warn), False (leave torch as is)",
                                          DETERMINISTIC_CHOICES)
+    memory_efficient: bool = _f(False, "turn on the memory levers that keep the numerics: activation checkpointing of "
+                                "the model's repeated blocks (every nn.ModuleList's elements) at setup, and "
+                                "autocast_cache off; setup() records which (a memory_efficient event)")
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.memory_efficient:  # a lever that keeps numerics: casts redone instead of kept
+            object.__setattr__(self, "autocast_cache", False)
         # Canonicalise the precision spelling once, at the edge.
         object.__setattr__(self, "precision", canonical_precision(self.precision))
         _require(self.init_scale >= _SCALE_FLOOR and math.isfinite(self.init_scale), "init_scale", self.init_scale,
@@ -140,8 +152,8 @@ class MixedPrecisionConfig:
                                   f"{expected.__name__}{' or None' if 'Optional' in str(f.type) else ''}")
 
     def replace(self, **changes: Any) -> MixedPrecisionConfig:
-        """A validated copy with ``changes`` applied (unknown names raise :class:`ConfigError`)."""
-        return MixedPrecisionConfig.from_dict({**self.to_dict(), **changes})
+        """A validated copy with ``changes`` applied (aliases accepted; unknown names raise :class:`ConfigError`)."""
+        return MixedPrecisionConfig.from_dict({**self.to_dict(), **canonical_config_keys(changes)})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON/TOML-serialisable dict; ``from_dict(to_dict())`` round-trips."""
@@ -151,20 +163,42 @@ class MixedPrecisionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MixedPrecisionConfig:
-        """Build from a dict; unknown keys raise :class:`ConfigError` listing the valid ones."""
+        """Build from a dict. Aliases from other tools are accepted (:data:`ampkit.step.aliases.KEY_ALIASES`:
+        ``min_loss_scale``, ``loss_scale_window``, ``dtype``, ``scaling_strategy``, ...); unknown keys
+        raise :class:`UnknownConfigKeyError` with a "did you mean" and the valid keys."""
         if not isinstance(data, dict):
             raise ConfigError(f"expected a dict of config values, got {type(data).__name__}")
-        names = [f.name for f in fields(cls)]
-        unknown = [k for k in data if k not in names]
-        if unknown:
-            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(names)}")
-        return cls(**data)
+        return cls(**data)  # aliases and unknown keys: the constructor's canonical_config_keys
 
     @classmethod
     def from_toml(cls, path: str) -> MixedPrecisionConfig:
         """Read a TOML file: top-level keys, or an ``[amp]`` table."""
         data = read_toml(path)
         return cls.from_dict(data.get("amp", data) if isinstance(data.get("amp"), dict) else data)
+
+
+def canonical_config_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with aliases renamed to :class:`MixedPrecisionConfig` fields (the one table:
+    :mod:`ampkit.step.aliases`); every config reader goes through it. Raises
+    :class:`UnknownConfigKeyError` / :class:`ConfigError`."""
+    try:
+        return canonical_keys(data, [f.name for f in fields(MixedPrecisionConfig)])
+    except UnknownKeyError as e:
+        raise UnknownConfigKeyError(str(e)) from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _accepting_aliases(init: Any) -> Any:
+    """The dataclass ``__init__``, with keyword names sent through :func:`canonical_config_keys` first."""
+    @functools.wraps(init)
+    def __init__(self: MixedPrecisionConfig, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **(canonical_config_keys(kwargs) if kwargs else kwargs))
+
+    return __init__
+
+
+MixedPrecisionConfig.__init__ = _accepting_aliases(MixedPrecisionConfig.__init__)  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

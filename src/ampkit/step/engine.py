@@ -46,13 +46,16 @@ from .fallback import (
 )
 from .hardware import DeviceInfo, device_info, normalize_device
 from .localize import NonFiniteReport, localize_nonfinite
+from .logs import watch
 from .losscheck import check_loss
+from .model_prep import before_setup
 from .overrides import Fp32Overrides, apply_fp32_overrides
 from .parallel import adapter_for
 from .parallel.base import Parallel
 from .policies import policy_for
 from .policies.base import PrecisionPolicy
 from .precision import Precision, resolve_precision
+from .profiling import ranged
 from .scaler import LossScaler
 from .validation import check_setup, stepped_optimizers
 
@@ -109,6 +112,7 @@ class MixedPrecision:
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
+        watch(self)  # logging.getLogger("ampkit"): subscribes only when enabled
 
     def _make_scaler(self, precision: Precision) -> LossScaler:
         if precision.needs_scaler:
@@ -140,6 +144,8 @@ class MixedPrecision:
         PyTorch to deterministic kernels (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
         """
         check_setup(model, optimizers, self.config.keep_fp32)  # before anything changes
+        if levers := before_setup(model, self.config):  # refuses nn.DataParallel; memory_efficient's levers
+            self._emit("memory_efficient", {"levers": levers})
         if self.config.deterministic is not False:
             apply_determinism(self.config.deterministic)
         if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
@@ -176,10 +182,10 @@ class MixedPrecision:
         """
         w = self._window
         no_sync = self._parallel.forward_context(w.micro + (not self._open_micro) >= w.current_size)
-        if no_sync is None:
-            return self._policy.forward_context()  # one torch.autocast: what a hand-written loop pays
+        if no_sync is None:  # one torch.autocast: what a hand-written loop pays (a range only while profiling)
+            return ranged("ampkit.forward", self._policy.forward_context())
         stack = contextlib.ExitStack()
-        stack.enter_context(self._policy.forward_context())
+        stack.enter_context(ranged("ampkit.forward", self._policy.forward_context()))
         stack.enter_context(no_sync)
         return stack
 
@@ -223,12 +229,8 @@ class MixedPrecision:
             self._window_loss = d if first or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
         self._parallel.before_backward(window.complete)
-        context = self._backward_context
         try:
-            if context is not None:
-                with context:
-                    scaled.backward(**kwargs)
-            else:
+            with ranged("ampkit.backward", self._backward_context):
                 scaled.backward(**kwargs)
         except BaseException:
             if not was_open:

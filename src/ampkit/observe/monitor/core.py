@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from ...step.engine import Event, MixedPrecision
-from .summary import summarize
+from .summary import state_memory_saved, summarize
 
 __all__ = ["SCHEMA_VERSION", "Monitor", "peak_memory_bytes"]
 
@@ -84,7 +84,9 @@ class Monitor:
         self.run_id = run_id  # stamped on every record, so a reused log file keeps runs apart
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
-        self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], Any]] = []
+        # (step, wall time, loss, scale, found_inf, grad norm, lr, precision, timer): the timer last
+        self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], str, Any]] = []
+        self._switched: tuple[int, str] = (-1, "")  # (step, precision before) of the last switch
         self._pending_events: list[dict[str, Any]] = []
         self._cuda = amp.device.type == "cuda"
         self._last_time = time.perf_counter()
@@ -107,14 +109,17 @@ class Monitor:
 
     def _on_event(self, event: Event) -> None:
         if event.kind != "step":
+            if event.kind in ("fallback", "precision_switch") and "from" in event.data:
+                self._switched = (event.step, str(event.data["from"]))  # that step ran before the switch
             self._pending_events.append(self._event_record(event.kind, event.step, event.data))
             return
         now = time.perf_counter()
         result = event.data["result"]
         timer: Any = self._cuda_event() if self._cuda else now - self._last_time
         self._last_time = now
+        ran_in = self._switched[1] if self._switched[0] == event.step else self.amp.precision.name
         self._pending.append((event.step, time.time(), event.data["loss"], result.scale, result.found_inf,
-                              result.grad_norm, self._lr(), timer))
+                              result.grad_norm, self._lr(), ran_in, timer))
         if len(self._pending) >= self.log_every:
             self.flush(wait=False)
 
@@ -202,7 +207,7 @@ class Monitor:
         scaled = self.amp.precision.needs_scaler
         live_scale = self.amp.scaler.scale_tensor if scaled else None
         flat: list[torch.Tensor] = []
-        for _, _, loss, scale, found, norm, _, _ in pending:
+        for _, _, loss, scale, found, norm, *_ in pending:
             flat += [loss if loss is not None else nan, scale if (scaled and scale is not None) else nan,
                      found if found is not None else nan, norm if norm is not None else nan]
         flat.append(live_scale if live_scale is not None else nan)
@@ -221,14 +226,13 @@ class Monitor:
             done.synchronize()  # recorded an interval ago, so this rarely waits
         values = stacked.tolist()  # on CPU: the one read of this interval
         step_ms = self._step_times(pending)
-        precision = self.amp.precision.name
         out: list[dict[str, Any]] = []
         for i, (step, wall, *_rest) in enumerate(pending):
             loss, scale, found, norm = values[4 * i: 4 * i + 4]
             ms = step_ms[i]
             rec: dict[str, Any] = {
                 "schema_version": SCHEMA_VERSION, "type": "step", "step": step, "time": wall,
-                "loss": _num(loss), "precision": precision, "scale": _num(scale),
+                "loss": _num(loss), "precision": pending[i][7], "scale": _num(scale),
                 "skipped": bool(found > 0) if not math.isnan(found) else False,
                 "grad_norm": _num(norm), "lr": pending[i][6], "step_time_ms": ms,
                 "peak_mem_bytes": int(peak) if peak is not None else None,
@@ -261,14 +265,15 @@ class Monitor:
 
     # ------------------------------------------------------------------ ending
     def summary(self) -> dict[str, Any]:
-        """Summary of everything recorded so far (flushes first): see :func:`ampkit.observe.monitor.summarize`."""
+        """Summary of everything recorded so far (flushes first): see :func:`ampkit.observe.monitor.summarize`;
+        plus ``memory_saved_bytes_predicted`` (:func:`~ampkit.observe.monitor.summary.state_memory_saved`)."""
         self.flush()
-        return summarize(self.records, self.events)
+        return {**summarize(self.records, self.events), "memory_saved_bytes_predicted": state_memory_saved(self.amp)}
 
     def close(self) -> dict[str, Any]:
         """Flush, write a ``summary`` event, close the sinks and unsubscribe. Returns the summary."""
         if self._closed:
-            return summarize(self.records, self.events)
+            return {**summarize(self.records, self.events), "memory_saved_bytes_predicted": state_memory_saved(self.amp)}
         summary = self.summary()
         if self._worker is not None:
             self._queue.put(None)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-__all__ = ["summarize", "summary_table"]
+__all__ = ["ERROR_EVENTS", "state_memory_saved", "summarize", "summary_table"]
+
+# Events that are numerical errors (the run could not go on as configured); skipped steps count too.
+ERROR_EVENTS = ("scale_exhausted", "fallback_exhausted")
 
 
 def _pct(values: list[float], q: float) -> Optional[float]:
@@ -18,7 +21,9 @@ def _pct(values: list[float], q: float) -> Optional[float]:
 
 
 def summarize(records: list[dict[str, Any]], events: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
-    """Step time median/p90, throughput, overflow rate, skipped steps, scale statistics, peak memory.
+    """Step time median/p90, throughput, overflow rate, skipped steps, scale statistics, peak memory;
+    usage per precision (``steps_by_precision``, ``precision_usage``: the share of steps), and the
+    error counts (``fallbacks``, ``errors``: skipped steps plus :data:`ERROR_EVENTS`).
 
     ``records`` are step records (``type == "step"``), e.g. ``Monitor.records`` or a JSONL log.
     The first step's time is left out of the timing figures (it includes warm-up).
@@ -58,7 +63,38 @@ def summarize(records: list[dict[str, Any]], events: Optional[list[dict[str, Any
         "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0 for r in steps), default=None),
         "events": {k: sum(1 for e in events if e.get("kind") == k)
                    for k in sorted({e.get("kind") for e in events if e.get("kind") != "summary"})},
+        **_usage(steps, events, skipped),
     }
+
+
+def _usage(steps: list[dict[str, Any]], events: list[dict[str, Any]], skipped: int) -> dict[str, Any]:
+    by: dict[str, int] = {}
+    for r in steps:
+        by[str(r.get("precision"))] = by.get(str(r.get("precision")), 0) + 1
+    return {
+        "steps_by_precision": by,
+        "precision_usage": {k: v / len(steps) for k, v in by.items()},
+        "fallbacks": sum(1 for e in events if e.get("kind") == "fallback"),
+        "errors": skipped + sum(1 for e in events if e.get("kind") in ERROR_EVENTS),
+    }
+
+
+def state_memory_saved(amp: Any) -> Optional[int]:
+    """Bytes of training state this run saves against the same run in fp32, predicted from the
+    model's parameters: each parameter and its gradient stored in a half dtype saves 2 bytes per
+    element, and fp32 master weights cost 4 (so the pure precisions' state is about even, and
+    autocast's saving is not here: it is in the activations, which only a measurement can tell
+    -- ``ampkit plan`` / :func:`ampkit.observe.memory.activations`). None before ``setup()``."""
+    model = getattr(amp, "model", None)
+    if model is None:
+        return None
+    saved = 0
+    for p in model.parameters():
+        if p.is_floating_point():
+            saved += 2 * p.numel() * (4 - p.element_size())  # the parameter and its gradient
+    masters = {id(p) for p in model.parameters()}
+    saved -= sum(4 * m.numel() for m in amp.master_params() if id(m) not in masters)
+    return saved
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -87,6 +123,13 @@ def summary_table(summary: dict[str, Any], title: str = "run summary") -> Any:
         ("scale changes", summary.get("scale_changes")),
         ("peak memory", f"{mem / 2**20:,.1f} MiB" if mem else "—"),
     ]
+    if summary.get("steps_by_precision"):
+        rows.append(("steps by precision", ", ".join(f"{k}: {v} ({summary['precision_usage'][k]:.0%})"
+                                                    for k, v in summary["steps_by_precision"].items())))
+    rows.append(("fallbacks / errors", f"{summary.get('fallbacks', 0)} / {summary.get('errors', 0)}"))
+    saved = summary.get("memory_saved_bytes_predicted")
+    if saved is not None:
+        rows.append(("state memory saved vs fp32 (predicted)", f"{saved / 2**20:,.1f} MiB"))
     if summary.get("events"):
         rows.append(("events", ", ".join(f"{k}: {v}" for k, v in summary["events"].items())))
     for k, v in rows:

@@ -1,0 +1,126 @@
+"""The config names users bring from other tools, mapped once onto :class:`MixedPrecisionConfig` fields.
+
+Every reader of a config -- ``MixedPrecisionConfig(...)`` and ``from_dict``, ``MixedPrecision(**kw)``,
+a ``--config`` TOML's ``[amp]`` table, the service's ``amp`` dict -- sends its keys through
+:func:`canonical_keys`: an alias becomes its field, ``scaling_strategy`` becomes the fields it means,
+and any other unknown key is refused with a "did you mean" and the valid keys.
+docs/guides/coming-from.md is the table for people; this module is the one for code (a leaf:
+it imports nothing from ampkit).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["KEY_ALIASES", "SCALING_STRATEGIES", "UnknownKeyError", "canonical_keys", "unknown_key_message"]
+
+#: alias -> field. Only unambiguous names: each means exactly the field it maps to.
+KEY_ALIASES: dict[str, str] = {
+    # loss-scale bounds and window (DeepSpeed, Megatron, the seed guides' AMPConfig)
+    "min_loss_scale": "min_scale",
+    "max_loss_scale": "max_scale",
+    "loss_scale_window": "growth_interval",
+    "initial_scale": "init_scale",
+    "initial_loss_scale": "init_scale",
+    # torch.autocast / the seed guides' mixed_precision_* knobs
+    "cache_enabled": "autocast_cache",
+    "mixed_precision_autocast_cache_enabled": "autocast_cache",
+    "mixed_precision_dtype": "precision",
+    "dtype": "precision",
+    "mixed_precision": "precision",
+    "mixed_precision_grad_scaler_init_scale": "init_scale",
+    "mixed_precision_grad_scaler_growth_factor": "growth_factor",
+    "mixed_precision_grad_scaler_backoff_factor": "backoff_factor",
+    "mixed_precision_grad_scaler_growth_interval": "growth_interval",
+    # ampkit train's older flag spellings (cli.flags.ALIASES), so a TOML may use them too
+    "grad_scaler_init": "init_scale",
+    "grad_scaler_growth_interval": "growth_interval",
+    "grad_scaler_backoff": "backoff_factor",
+    "grad_accum_steps": "accumulation_steps",
+    "gradient_accumulation_steps": "accumulation_steps",
+    "max_grad_norm": "clip_grad_norm",
+    "fallback_chain": "fallback",
+    "automatic_fallback": "fallback",
+}
+
+#: ``scaling_strategy`` (the seed guides' ``ScalingStrategy`` enum) -> the fields it means.
+#: ADAPTIVE ("dynamic, but tolerant of a lone overflow") is DeepSpeed's hysteresis: skip every
+#: overflowing step, back off only after 2 in a row.
+SCALING_STRATEGIES: dict[str, dict[str, Any]] = {
+    "constant": {"dynamic_scaling": False},
+    "dynamic": {"dynamic_scaling": True},
+    "adaptive": {"dynamic_scaling": True, "hysteresis": 2, "consecutive_hysteresis": True},
+}
+_STRATEGY_KEYS = ("scaling_strategy", "loss_scaling_strategy", "scaler_strategy")
+
+
+class UnknownKeyError(ValueError, TypeError):
+    """An unknown config key (a ``ConfigError`` subclass wraps it in ``ampkit.step.config``). Also a
+    ``TypeError``, what an unexpected keyword argument raised before aliases existed."""
+
+
+def unknown_key_message(keys: Iterable[str], valid: Iterable[str], what: str = "config key") -> str:
+    """``unknown config key 'min_scal' (did you mean 'min_scale'?); valid keys: ...``."""
+    valid = list(valid)
+    known = valid + list(KEY_ALIASES) + list(_STRATEGY_KEYS)
+    parts = []
+    for k in keys:
+        close = difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)
+        hint = ""
+        if close:
+            target = KEY_ALIASES.get(close[0])
+            hint = f" (did you mean {close[0]!r}{f', an alias of {target!r}' if target else ''}?)"
+        parts.append(f"{k!r}{hint}")
+    plural = "s" if len(parts) > 1 else ""
+    return f"unknown {what}{plural} {', '.join(parts)}; valid keys: {', '.join(valid)}"
+
+
+def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, Any]:
+    """``data`` with aliases renamed to their fields and ``scaling_strategy`` expanded.
+
+    Raises :class:`UnknownKeyError` for a key that is neither a field nor an alias (with a "did
+    you mean"), and ``ValueError`` when an alias and its field (or two aliases) give different
+    values, or for an unknown scaling strategy. Same values given twice are accepted.
+    """
+    valid = list(valid)
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # field -> the key that set it
+    unknown = []
+    for key, value in data.items():
+        if key in _STRATEGY_KEYS and key not in valid:
+            pairs = list(_strategy(key, value).items())
+        elif key in valid:
+            pairs = [(key, value)]
+        elif key in KEY_ALIASES and KEY_ALIASES[key] in valid:
+            pairs = [(KEY_ALIASES[key], value)]
+        else:
+            unknown.append(key)
+            continue
+        for name, v in pairs:
+            if name in out and not _same(out[name], v):
+                raise ValueError(f"{key}={value!r} and {given[name]}={out[name]!r} both set {name}, to different "
+                                 "values; give one of them")
+            out[name], given[name] = v, key
+    if unknown:
+        raise UnknownKeyError(unknown_key_message(unknown, valid))
+    return out
+
+
+def _strategy(key: str, value: Any) -> dict[str, Any]:
+    """``"DYNAMIC"``, ``"ScalingStrategy.DYNAMIC"``, ``"dynamic"`` or an enum member -> fields."""
+    name = getattr(value, "name", value)  # an enum member
+    text = str(name).rsplit(".", 1)[-1].strip().lower()
+    if text not in SCALING_STRATEGIES:
+        raise ValueError(f"invalid {key}={value!r}: must be one of {', '.join(s.upper() for s in SCALING_STRATEGIES)} "
+                         f"(CONSTANT: dynamic_scaling=False; DYNAMIC: dynamic_scaling=True; ADAPTIVE: "
+                         "dynamic_scaling=True, hysteresis=2, consecutive_hysteresis=True)")
+    return dict(SCALING_STRATEGIES[text])
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. tensors: ambiguous truth value
+        return a is b
