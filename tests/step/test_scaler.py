@@ -403,3 +403,21 @@ def test_loads_a_subnormal_torch_scale_at_the_floor():
     ls.load_state_dict({"scale": 2.0**-140, "growth_factor": 2.0, "backoff_factor": 0.5,
                         "growth_interval": 2000, "_growth_tracker": 0})
     assert ls.get_scale() == TINY
+
+
+def test_a_loaded_state_counts_its_skips_and_growth_before_first_use():
+    """stats() right after load_state_dict (no step yet) reports the saved skips, not 0."""
+    torch.manual_seed(0)
+    src = LossScaler(init_scale=2.0**20, growth_interval=100)
+    g = torch.randn(8)
+    for bad in (True, False, True, False, False):
+        p = torch.nn.Parameter(torch.randn(8))
+        opt = torch.optim.SGD([p], lr=0.1)
+        p.grad = g.clone() * (float("inf") if bad else 1.0)
+        src.step(opt)
+        src.update()
+    fresh = LossScaler()
+    assert fresh.overflow_count is None and fresh.growth_tracker is None
+    fresh.load_state_dict(src.state_dict())
+    assert fresh.overflow_count is not None and float(fresh.overflow_count) == 2.0
+    assert int(src.growth_tracker) == 2

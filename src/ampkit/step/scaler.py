@@ -64,8 +64,7 @@ class LossScaler:
         min_scale, max_scale: clamp the scale (None: unbounded, like torch, but see :attr:`floor`).
         dynamic: False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.
         enabled: False makes every method a pass-through (like ``GradScaler(enabled=False)``).
-        device: where the scale lives; default: the device of the first tensor given to ``scale``
-            or of the first gradient seen by ``unscale_``.
+        device: where the scale lives; default: that of the first tensor ``scale``d or gradient unscaled.
 
     A drop-in for ``torch.amp.GradScaler`` (every public method, disabled no-ops, pickling; pass the
     settings by keyword). Raises :class:`~ampkit.step.config.ConfigError` naming an invalid setting.
@@ -102,18 +101,12 @@ class LossScaler:
         self._enabled = bool(enabled)
         self._device = torch.device(device) if device is not None else None
         # Device state, created lazily (cheap, device-agnostic construction).
-        self._scale: Optional[torch.Tensor] = None
-        self._growth_tracker: Optional[torch.Tensor] = None
-        self._hysteresis_left: Optional[torch.Tensor] = None
-        self._overflows: Optional[torch.Tensor] = None
-        self._init_growth_tracker = 0
-        self._init_hysteresis_left = self._hysteresis
-        self._init_overflows = 0
+        self._scale = self._growth_tracker = self._hysteresis_left = self._overflows = None  # Optional[Tensor]
+        self._init_growth_tracker, self._init_hysteresis_left, self._init_overflows = 0, self._hysteresis, 0
         self._updates = 0
         self._last_found_inf: Optional[torch.Tensor] = None
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh)
-        #: called in place on every fresh ``found_inf`` before any optimizer sees it (data parallel:
-        #: an all-reduce with max, so all ranks make the same skip decision); None: nothing.
+        #: called on every fresh ``found_inf`` before any optimizer sees it (DDP: all-reduce max), or None
         self.found_inf_hook: Optional[Callable[[torch.Tensor], None]] = None
 
     @classmethod
@@ -151,8 +144,15 @@ class LossScaler:
 
     @property
     def overflow_count(self) -> Optional[torch.Tensor]:
-        """0-d fp32 device tensor: total overflowing (skipped) iterations. No sync."""
+        """0-d fp32 tensor: total overflowing (skipped) iterations, a loaded state's before first use. No sync."""
+        if self._overflows is None and self._init_overflows:
+            return torch.full((), float(self._init_overflows))
         return self._overflows
+
+    @property
+    def growth_tracker(self) -> Optional[torch.Tensor]:
+        """0-d int32 device tensor: consecutive finite steps since the last growth or overflow. No sync."""
+        return self._growth_tracker
 
     def device_tensors(self) -> tuple[torch.Tensor, ...]:
         """The scaler's device state (scale, growth tracker, hysteresis budget, overflow count, the
