@@ -124,6 +124,18 @@ def test_overflow_events_with_scale_before_after():
     assert (s["scale_min"], s["scale_max"], s["scale_last"]) == (256.0, 1024.0, 256.0)
     assert s["scale_changes"] == 2 and s["events"]["overflow"] == 2
 
+    # the interval's last record carries the scaler's growth tracker (finite steps since the last overflow)
+    assert [r.get("growth_tracker") for r in mon.records] == [None, None, 0, None, None, 0, None, None, 3]
+
+
+def test_growth_tracker_counts_up_to_the_interval_then_the_scale_grows():
+    model, opt, amp = setup("fp16", init_scale=256.0, growth_interval=4)
+    mon = Monitor(amp, log_every=3)
+    train(model, opt, amp, 6)
+    mon.flush()
+    assert [r.get("growth_tracker") for r in mon.records] == [None, None, 3, None, None, 2]
+    assert [r["scale"] for r in mon.records] == [256.0] * 4 + [512.0] * 2
+
 
 def test_switch_and_user_events_pass_through():
     model, opt, amp = setup("fp16")

@@ -300,6 +300,8 @@ def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summ
     for e in amp.events:
         if e.kind == "fallback":
             console.print(f"[yellow]fell back[/] {e.data['from']} → {e.data['to']} at step {e.step}: {e.data['reason']}")
+        elif e.kind == "fallback_retry":
+            console.print(f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}")
     console.print(f"ms/step {summary.ms_per_step:.1f}"
                   + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
                   + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")

@@ -210,7 +210,8 @@ class Monitor:
         for _, _, loss, scale, found, norm, *_ in pending:
             flat += [loss if loss is not None else nan, scale if (scaled and scale is not None) else nan,
                      found if found is not None else nan, norm if norm is not None else nan]
-        flat.append(live_scale if live_scale is not None else nan)
+        growth = self.amp.scaler.growth_tracker if scaled else None
+        flat += [live_scale if live_scale is not None else nan, growth if growth is not None else nan]
         flat = [t if (t.dtype is torch.float32 and t.dim() == 0) else t.detach().float().reshape(()) for t in flat]
         stacked = torch.stack(flat)
         done = None
@@ -244,8 +245,10 @@ class Monitor:
             if self.tokens_per_step and ms:
                 rec["tokens_per_s"] = self.tokens_per_step / (ms / 1e3)
             out.append(rec)
+            if i == len(pending) - 1 and not math.isnan(values[-1]):  # the scaler's state after the interval
+                rec["growth_tracker"] = int(values[-1])
             if rec["skipped"]:
-                after = values[4 * (i + 1) + 1] if i + 1 < len(pending) else values[-1]
+                after = values[4 * (i + 1) + 1] if i + 1 < len(pending) else values[-2]
                 out.append(self._event_record("overflow", step, {"scale_before": _num(scale), "scale_after": _num(after)})
                            | {"time": wall})
         return out

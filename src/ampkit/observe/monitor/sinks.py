@@ -190,6 +190,8 @@ class ConsoleSink:
             info = f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss nan"
             if r.get("scale") is not None:
                 info += f"  scale {r['scale']:g}"
+                if r.get("growth_tracker") is not None:
+                    info += f" (growth {r['growth_tracker']})"
             if r.get("tokens_per_s"):
                 info += f"  {r['tokens_per_s']:,.0f} tok/s"
             elif r.get("samples_per_s"):
@@ -200,7 +202,7 @@ class ConsoleSink:
                 self._progress.console.print(f"[yellow]diagnosis[/] (first skipped step): {e.get('message', '')}")
             if e["type"] == "event" and e["kind"] == "eval" and e.get("loss") is not None:
                 self._progress.console.print(f"eval at step {e['step']}: loss {e['loss']:.4f} ({e.get('precision', '')})")
-            if e["type"] == "event" and e["kind"] in ("fallback", "precision_switch"):
+            if e["type"] == "event" and e["kind"] in ("fallback", "fallback_retry", "precision_switch"):
                 self._progress.console.print(f"[yellow]{e['kind']}[/] at step {e['step']}: "
                                              f"{e.get('from', '')} → {e.get('to', '')} ({e.get('reason', '')})")
             if e["type"] == "event" and e["kind"] == "summary":
