@@ -34,6 +34,7 @@ from .checkpoint import (
 )
 from .data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
+from .rollback import SpikeGuard
 from .steps import LossFn, Steps, batch_loss
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
@@ -100,13 +101,13 @@ class Trainer:
         checkpoint: Optional[CheckpointConfig] = None,
         evaluation: Optional[EvalConfig] = None,
         log: Optional[LogConfig] = None,
-        batching: Optional[BatchConfig] = None,
+        batching: Optional[BatchConfig] = None, spike_rollback: Any = False,
         **settings: Any,
     ) -> None:
         self.settings: TrainerSettings = group_settings(
             {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching}, settings)
         self.model, self.optimizer, self.amp = model, optimizer, amp
-        self.batches, self.loss_fn = batches, loss_fn
+        self.batches, self.loss_fn, self.spike_rollback, self.spike_guard = batches, loss_fn, spike_rollback, None
         self.micro_index = 0  # the data position: index of the next micro-batch
         self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
         self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
@@ -182,8 +183,9 @@ class Trainer:
         stop = self._stop = GracefulStop(announce=is_main())
         try:
             stop.__enter__()  # SIGINT/SIGTERM handlers only while training; the user's come back in `finally`
-            run = Steps(self.model, self.optimizer, amp, self.loss_fn)
-            for _ in range(steps):
+            run, target = Steps(self.model, self.optimizer, amp, self.loss_fn), amp.optimizer_steps + steps
+            SpikeGuard.for_trainer(self)  # spike_rollback: snapshots now; on_step_end may roll back
+            while amp.optimizer_steps < target:  # (a rollback takes steps back)
                 self._train_step(run, accum, monitor, watch, stop)
             stop.drain()  # the last step's flag: its collective completes on every rank alike
         except BaseException:
