@@ -58,6 +58,10 @@ FLAGS = {
         --batch_size --block_size --data --help --json --max_length --memory --model --model_config
         --precisions --size -h
     """,
+    "explain": """
+        --accumulation_steps --all --batch_size --block_size --data --device --help --json --keep_fp32
+        --max_length --model --model_config --precision --seed --size -h
+    """,
     "report": """
         --compare --help --json --metrics --out -h
     """,
