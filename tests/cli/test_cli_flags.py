@@ -29,10 +29,10 @@ FLAGS = {
         --accumulation_steps --allow_fresh --amp_opt_level --autocast_cache --backoff_factor --batch_size
         --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
         --consecutive_hysteresis --data --deterministic --device --dynamic_scaling --epochs --eval_every
-        --eval_precision --fallback --fallback_chain --fallback_check_every --fallback_patience --manifest_check_every
+        --eval_precision --fallback --fallback_chain --fallback_check_every --fallback_patience
         --fp8_emulate --fp8_recipe --grad_accum_steps --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff
         --grad_scaler_growth_interval --grad_scaler_init --growth_factor --growth_interval --help
-        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --max_grad_norm
+        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --manifest_check_every --max_grad_norm
         --max_length --max_scale --memory_budget --min_scale --mixed_precision --model --model_config
         --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis --no_deterministic
         --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate --no_progress --no_skip_nonfinite
