@@ -157,3 +157,69 @@ def test_explain_prints_the_table(capsys):
 def test_config_knob_is_validated():
     with pytest.raises(ampkit.ConfigError, match="manifest_check_every"):
         ampkit.MixedPrecision("bf16", device="cpu", manifest_check_every=-1)
+
+
+def distributed_checks(rank: int, world: int) -> dict:
+    """Every precision under DDP and FSDP2 (2 steps, a check every step), the refusal of a pure
+    precision on a model fully_shard-ed without its policy, and FSDP2 half shards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ampkit.distributed import shard
+
+    out: dict = {"runs": {}}
+    for kind in ("ddp", "fsdp"):
+        for precision in PRECISIONS:
+            # FSDP2's pure forms reduce (and so accumulate) in the half dtype: one micro-step there
+            accum = 1 if kind == "fsdp" and precision.endswith("-pure") else 2
+            torch.manual_seed(0)
+            model: nn.Module = Net()
+            model = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else shard(model, precision)
+            try:
+                amp = ampkit.MixedPrecision(precision, device="cpu", fp8_emulate=True, accumulation_steps=accum,
+                                            manifest_check_every=1)
+                model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+                train(model, opt, amp, 2)
+            except (PrecisionError, ImportError, NotImplementedError) as e:  # (a combination torch cannot run)
+                out["runs"][kind, precision] = ("skipped", str(e)[:200])
+                continue
+            m = amp.manifest()
+            out["runs"][kind, precision] = (violations(amp), m.parallel, m.entry("fc1.weight"))
+    torch.manual_seed(0)
+    bare = fully_shard(Net())  # no MixedPrecisionPolicy
+    try:
+        ampkit.MixedPrecision("bf16-pure", device="cpu").setup(bare, torch.optim.AdamW(bare.parameters()))
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    ok = shard(Net(), "bf16-pure")  # the fix the message names
+    amp = ampkit.MixedPrecision("bf16-pure", device="cpu")
+    amp.setup(ok, torch.optim.AdamW(ok.parameters()))
+    out["fixed"] = violations(amp)
+    half = fully_shard(Net().bfloat16(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    amp = ampkit.MixedPrecision("bf16", device="cpu")
+    amp.setup(half, torch.optim.AdamW(half.parameters()))
+    out["half_shards"] = violations(amp)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_and_fsdp2_every_precision_clean_and_the_unsafe_sharding_refused():
+    from ..dist_helpers import run_ranks
+
+    for out in run_ranks(distributed_checks, world=2):
+        ran = {k: v for k, v in out["runs"].items() if v[0] != "skipped"}
+        assert {("ddp", p) for p in PRECISIONS} | {("fsdp", p) for p in ("fp32", "bf16", "fp16", "bf16-pure")} \
+            <= set(ran), out["runs"]
+        for (kind, precision), (found, parallel, _) in ran.items():
+            assert found == [], (kind, precision, found)
+            assert parallel == kind
+        ddp_pure, fsdp_pure = ran["ddp", "bf16-pure"][2], ran.get(("fsdp", "bf16-pure"), (0, 0, None))[2]
+        assert (ddp_pure.reduce, ddp_pure.master, ddp_pure.accumulation) == ("float32", "float32", "float32")
+        if fsdp_pure is not None:
+            assert (fsdp_pure.storage, fsdp_pure.compute, fsdp_pure.reduce) == ("float32", "bfloat16", "bfloat16")
+        assert out["refused"] is not None and "ampkit.distributed.shard(model, 'bf16-pure')" in out["refused"]
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in out["refused"]
+        assert out["fixed"] == []
+        found = {(v["param"], v["component"]) for v in out["half_shards"]}
+        assert ("fc1.weight", "compute") in found and ("fc1.weight", "master") in found
