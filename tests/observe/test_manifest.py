@@ -3,6 +3,8 @@ entries read from the live tensors, each injected downgrade reported, clean runs
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -185,12 +187,20 @@ def distributed_checks(rank: int, world: int) -> dict:
             m = amp.manifest()
             out["runs"][kind, precision] = (violations(amp), m.parallel, m.entry("fc1.weight"))
     torch.manual_seed(0)
-    bare = fully_shard(Net())  # no MixedPrecisionPolicy
+    other = fully_shard(Net(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     try:
-        ampkit.MixedPrecision("bf16-pure", device="cpu").setup(bare, torch.optim.AdamW(bare.parameters()))
+        ampkit.MixedPrecision("bf16-pure", device="cpu").setup(other, torch.optim.AdamW(other.parameters()))
         out["refused"] = None
     except ValueError as e:
         out["refused"] = str(e)
+    bare = fully_shard(Net())  # no MixedPrecisionPolicy: the precision's is applied, with a warning
+    amp = ampkit.MixedPrecision("bf16-pure", device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bare, opt = amp.setup(bare, torch.optim.AdamW(bare.parameters(), lr=1e-3))
+    out["applied_warning"] = [str(w.message) for w in caught if "applied" in str(w.message)]
+    train(bare, opt, amp, 1)
+    out["applied"] = (violations(amp), amp.manifest().entry("fc1.weight"))
     ok = shard(Net(), "bf16-pure")  # the fix the message names
     amp = ampkit.MixedPrecision("bf16-pure", device="cpu")
     amp.setup(ok, torch.optim.AdamW(ok.parameters()))
@@ -219,7 +229,10 @@ def test_ddp_and_fsdp2_every_precision_clean_and_the_unsafe_sharding_refused():
         if fsdp_pure is not None:
             assert (fsdp_pure.storage, fsdp_pure.compute, fsdp_pure.reduce) == ("float32", "bfloat16", "bfloat16")
         assert out["refused"] is not None and "ampkit.distributed.shard(model, 'bf16-pure')" in out["refused"]
-        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in out["refused"]
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in out["refused"] and "float16" in out["refused"]
+        assert len(out["applied_warning"]) == 1 and "ampkit.distributed.shard" in out["applied_warning"][0]
+        found, fc1 = out["applied"]
+        assert found == [] and (fc1.storage, fc1.compute, fc1.reduce) == ("float32", "bfloat16", "bfloat16")
         assert out["fixed"] == []
         found = {(v["param"], v["component"]) for v in out["half_shards"]}
         assert ("fc1.weight", "compute") in found and ("fc1.weight", "master") in found

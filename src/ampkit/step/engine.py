@@ -152,7 +152,7 @@ class MixedPrecision:
         self._scaler.found_inf_hook = self._parallel.found_inf_reducer()
         self._policy = policy_for(self.precision, self.config, self.device, shards_params=self._parallel.shards_params)
         self._prepare(model)  # before the overrides: fp8 conversion swaps modules
-        self._manifest.setup(self)  # refuses a pure precision on a model fully_shard-ed without its policy
+        self._manifest.setup(self)  # (a pure precision on a model fully_shard-ed without its policy: see there)
         if self._overrides is not None:
             self._overrides.remove()
         if self.config.keep_fp32:

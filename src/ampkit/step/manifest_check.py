@@ -22,12 +22,14 @@ component. Checks read dtypes only (host metadata): no device sync, and none on 
 checks (``manifest_check_every``).
 
 A pure precision on a model sharded by ``fully_shard`` *without* the matching
-``MixedPrecisionPolicy`` would train with fp32 weights and fp32 compute while claiming bf16: it is
-refused at setup (:func:`refuse_unsafe_sharding`), with the fix.
+``MixedPrecisionPolicy`` would train with fp32 weights and fp32 compute while claiming bf16: at
+setup the policy is applied (no policy given) or the setup refused with the fix (another one
+given); :func:`refuse_unsafe_sharding`.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -100,8 +102,13 @@ def _resume_diff(old: ParamEntry, new: ParamEntry) -> list[Violation]:
 
 
 def refuse_unsafe_sharding(model: torch.nn.Module, precision: Any) -> None:
-    """Raise ``ValueError`` when ``precision`` is a pure form and ``model`` was sharded by
-    ``fully_shard`` without the matching ``MixedPrecisionPolicy`` (module doc); otherwise nothing."""
+    """A pure ``precision`` on a model sharded by ``fully_shard`` without its ``MixedPrecisionPolicy``.
+
+    Left alone it would all-gather and compute in fp32 (the shards' dtype) while claiming bf16. A
+    model sharded with no policy at all (``param_dtype`` None) gets the precision's policy applied,
+    with a warning naming the explicit spelling; a policy with another ``param_dtype`` (the user
+    chose one) is refused with a ``ValueError`` naming the fix. Otherwise nothing happens.
+    """
     if precision.family != "pure":
         return
     policies = fsdp_policies(model)
@@ -109,13 +116,23 @@ def refuse_unsafe_sharding(model: torch.nn.Module, precision: Any) -> None:
     if not wrong:
         return
     half = str(precision.param_dtype).replace("torch.", "")
-    raise ValueError(
-        f"precision {precision.name!r} on a model sharded with fully_shard whose MixedPrecisionPolicy has "
-        f"param_dtype {', '.join(sorted(wrong))}: it would all-gather and compute in fp32 (the shards' dtype) "
-        f"while claiming {half}. Shard it with ampkit.distributed.shard(model, {precision.name!r}) instead of "
-        f"fully_shard, or pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{half}, "
-        f"reduce_dtype=torch.{half})) (= ampkit.distributed.policy_for({precision.name!r})) to every "
-        "fully_shard call; or train in 'bf16' (autocast over the fp32 shards)")
+    fix = (f"shard it with ampkit.distributed.shard(model, {precision.name!r}) instead of fully_shard, or pass "
+           f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{half}, reduce_dtype=torch.{half})) "
+           f"(= ampkit.distributed.policy_for({precision.name!r})) to every fully_shard call")
+    if wrong != {"None"}:
+        raise ValueError(f"precision {precision.name!r} on a model sharded with fully_shard whose "
+                         f"MixedPrecisionPolicy has param_dtype {', '.join(sorted(wrong))}: it would all-gather "
+                         f"and compute in that dtype while claiming {half}. To train in {precision.name}, {fix}; "
+                         "or train in 'bf16' (autocast over the fp32 shards)")
+    from .parallel.fsdp import FSDPParallel
+
+    adapter = FSDPParallel.of(model)
+    assert adapter is not None  # (fsdp_policies found FSDP modules)
+    adapter.retarget(precision)
+    warnings.warn(f"precision {precision.name!r} on a model sharded with fully_shard without a "
+                  f"MixedPrecisionPolicy: it would all-gather and compute in fp32; ampkit applied "
+                  f"{precision.name}'s policy (param_dtype={half}, reduce_dtype={half}). To say so "
+                  f"yourself, {fix}", UserWarning, stacklevel=4)
 
 
 class ManifestWatch:
