@@ -19,6 +19,7 @@ from .loop.checkpoint import (
     save_checkpoint,
 )
 from .loop.estimate import MemoryEstimate, estimate, largest_batch
+from .loop.rollback import SpikeGuard
 from .loop.stop import TrainingInterrupted
 from .loop.trainer import Trainer, TrainSummary
 from .loop.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
@@ -30,6 +31,7 @@ from .step.engine import Event, MixedPrecision, StepResult
 from .step.fallback import NumericsError
 from .step.hardware import DeviceInfo, device_info
 from .step.localize import NonFiniteReport, localize_nonfinite
+from .step.manifest import Manifest
 from .step.precision import Precision, PrecisionError, resolve_precision
 from .step.scaler import LossScaler
 
@@ -37,12 +39,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     # the engine
-    "MixedPrecision", "StepResult", "Event", "LossScaler", "NumericsError",
+    "MixedPrecision", "StepResult", "Event", "LossScaler", "NumericsError", "Manifest",
     # precision and configuration
     "Precision", "PrecisionError", "resolve_precision", "MixedPrecisionConfig", "ConfigError",
     "DeviceInfo", "device_info",
     # training loop and checkpoints
     "Trainer", "TrainSummary", "TrainingInterrupted", "CheckpointConfig", "EvalConfig", "LogConfig", "BatchConfig",
+    "SpikeGuard",
     "CheckpointManager", "CheckpointError", "CheckpointMismatch", "save_checkpoint", "load_checkpoint",
     # observing: monitor and sinks, memory
     "Monitor", "JSONLSink", "TensorBoardSink", "ConsoleSink", "read_jsonl",

@@ -19,13 +19,13 @@ from ..loop.stop import TrainingInterrupted
 from ..step.config import ConfigError
 from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
-from . import audit, bench, export, info, plan, report, serve, slurm, train
+from . import audit, bench, explain, export, info, plan, report, serve, slurm, train
 from .interrupts import PeerFailed
 from .invocation import parse_invocation
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = (info, train, audit, bench, plan, report, slurm, export, serve)  # each adds its parser(s)
+COMMANDS = (info, train, audit, bench, plan, explain, report, slurm, export, serve)  # each adds its parser(s)
 
 
 def build_parser() -> argparse.ArgumentParser:

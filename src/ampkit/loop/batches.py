@@ -288,3 +288,11 @@ class BatchSource:
         self._resume_rng = (rng or {}).get("data_pass")
         if self.in_epoch and self._resume_rng is None:
             self._resume_rng = {"cpu": torch.get_rng_state(), "generators": []}  # no saved states: skip only
+
+    def seek(self, micro_index: int) -> None:
+        """Move a function of the index to batch ``micro_index`` (a spike rollback goes back);
+        an iterable cannot be moved back in place."""
+        if not self.indexed:
+            raise ValueError("only batches given as a function of the index can be moved back (spike_rollback "
+                             "with an iterable: use SpikeGuard in your own loop, see docs/guides/when-training-goes-wrong.md)")
+        self.load_state_dict({"micro_index": micro_index})

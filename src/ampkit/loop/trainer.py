@@ -37,6 +37,7 @@ from .choices import choose_batch, confirm_auto_precision, rebatch
 from .data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
 from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
+from .rollback import SpikeGuard
 from .runlog import run_sinks, write_summary
 from .steps import LossFn, StepOutcome, Steps, batch_loss
 from .stop import GracefulStop, TrainingInterrupted, signal_name
@@ -105,13 +106,13 @@ class Trainer:
         checkpoint: Optional[CheckpointConfig] = None,
         evaluation: Optional[EvalConfig] = None,
         log: Optional[LogConfig] = None,
-        batching: Optional[BatchConfig] = None,
+        batching: Optional[BatchConfig] = None, spike_rollback: Any = False,
         **settings: Any,
     ) -> None:
         self.settings: TrainerSettings = group_settings(
             {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching}, settings)
         self.model, self.optimizer, self.amp = model, optimizer, amp
-        self.batches, self.loss_fn = batches, loss_fn
+        self.batches, self.loss_fn, self.spike_rollback, self.spike_guard = batches, loss_fn, spike_rollback, None
         self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
         self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
         self.notes: list[str] = []
@@ -149,8 +150,12 @@ class Trainer:
 
     @property
     def micro_index(self) -> int:
-        """The data position: batches taken so far (this rank)."""
+        """The data position: batches taken so far (this rank); set back by a spike rollback."""
         return self.source.micro_index
+
+    @micro_index.setter
+    def micro_index(self, value: int) -> None:
+        self.source.seek(value)
 
     def fit(self, steps: Optional[int] = None, *, epochs: Optional[int] = None) -> TrainSummary:
         """Run ``steps`` optimizer steps (each ``accumulation_steps`` micro-batches), or train until
@@ -173,25 +178,22 @@ class Trainer:
         raised -- ``fit`` does not return. :meth:`resume` then continues bitwise where it stopped.
         With several processes every rank stops after the same step. The handlers are installed
         for the length of ``fit`` only (main thread); the previous ones are restored."""
-        steps, epochs = self._count_steps(steps, epochs)
-        amp = self.amp
+        (steps, epochs), amp = self._count_steps(steps, epochs), self.amp
         if amp.optimizer_steps == 0:
             confirm_auto_precision(self)
         if self.settings.batching.size == "auto" and self.auto_batch is None and amp.optimizer_steps == 0:
             choose_batch(self)
-        accum = amp.config.accumulation_steps // self.split  # in batches of the data
-        watch = SkipWatch()
+        accum, watch = amp.config.accumulation_steps // self.split, SkipWatch()  # accum: in batches of the data
         monitor = self._open_monitor(steps, accum, [watch] if self.diagnose else [])
         self.model.train()
         self.epochs.start()
         stop = self._stop = GracefulStop(announce=is_main())
         try:
             stop.__enter__()  # SIGINT/SIGTERM handlers only while training; the user's come back in `finally`
-            run = Steps(self.model, self.optimizer, amp, self.loss_fn)
-            done = 0
-            while done < steps if epochs is None else self.source.epoch < epochs:
-                self._train_step(run, accum, monitor, watch, stop)
-                done += 1
+            run, target = Steps(self.model, self.optimizer, amp, self.loss_fn), amp.optimizer_steps + (steps or 0)
+            SpikeGuard.for_trainer(self)  # spike_rollback: snapshots now; on_step_end may roll back
+            while amp.optimizer_steps < target if epochs is None else self.source.epoch < epochs:
+                self._train_step(run, accum, monitor, watch, stop)  # (a rollback takes steps back)
             stop.drain()  # the last step's flag: its collective completes on every rank alike
         except BaseException:
             # Keep the original error (e.g. a full disk) rather than one from closing the logs.

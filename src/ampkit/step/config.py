@@ -76,6 +76,8 @@ class MixedPrecisionConfig:
     fallback_recover_after: Optional[int] = _f(None, "after a fallback, retry the faster precision once this many "
                                                "optimizer steps ran clean (counted at the checks); the interval "
                                                "doubles each time trouble returns (None: stay fallen back)")
+    manifest_check_every: int = _f(1000, "optimizer steps between checks of the precision manifest for silent "
+                                   "downgrades (dtypes only: no sync); 0 checks only at setup and resume")
     compile: bool = _f(False, "torch.compile the model at the end of setup (in place: state_dict keys unchanged)")
     fp8_recipe: str = _f("tensorwise", "torchao float8 recipe for precision fp8", FP8_RECIPES)
     fp8_emulate: bool = _f(False, "let fp8 run without fp8 tensor cores (CPU, older GPUs): torchao emulation, for tests")
@@ -105,6 +107,8 @@ class MixedPrecisionConfig:
         _require(self.accumulation_steps >= 1, "accumulation_steps", self.accumulation_steps, "an integer >= 1")
         _require(self.fallback_patience >= 1, "fallback_patience", self.fallback_patience, "an integer >= 1")
         _require(self.fp8_recipe in FP8_RECIPES, "fp8_recipe", self.fp8_recipe, f"one of: {', '.join(FP8_RECIPES)}")
+        _require(self.manifest_check_every >= 0, "manifest_check_every", self.manifest_check_every,
+                 "an integer >= 0 (0: only at setup and resume)")
         _require(self.fallback_check_every >= 1, "fallback_check_every", self.fallback_check_every, "an integer >= 1")
         _require(self.fallback_recover_after is None or self.fallback_recover_after >= 1, "fallback_recover_after",
                  self.fallback_recover_after, "None or an integer >= 1")

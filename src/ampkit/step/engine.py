@@ -49,6 +49,7 @@ from .localize import NonFiniteReport, localize_nonfinite
 from .logs import watch
 from .losscheck import check_loss
 from .model_prep import before_setup
+from .manifest_check import Manifest, ManifestWatch, build_manifest
 from .overrides import Fp32Overrides, apply_fp32_overrides
 from .parallel import adapter_for
 from .parallel.base import Parallel
@@ -104,7 +105,7 @@ class MixedPrecision:
         self._window = Window(cfg.accumulation_steps)
         self._clip_order: Optional[ClipOrder] = None
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
-        self._stream = EventStream()
+        self._stream, self._manifest = EventStream(), ManifestWatch()  # events; the manifest's checks
         self._window_loss: Optional[torch.Tensor] = None
         self._open_micro = False  # backward(micro_step_done=False) left the micro-step open
         self._normalized = False  # the window's losses are normalised over it (backward(normalized=True))
@@ -158,6 +159,7 @@ class MixedPrecision:
         self._scaler.found_inf_hook = self._parallel.found_inf_reducer()
         self._policy = policy_for(self.precision, self.config, self.device, shards_params=self._parallel.shards_params)
         self._prepare(model)  # before the overrides: fp8 conversion swaps modules
+        self._manifest.setup(self)  # (a pure precision on a model fully_shard-ed without its policy: see there)
         if self._overrides is not None:
             self._overrides.remove()
         if self.config.keep_fp32:
@@ -356,6 +358,7 @@ class MixedPrecision:
                     opt.zero_grad(set_to_none=True)
         if trigger is not None:
             self._act(trigger)  # switches precision, or raises NumericsError (chain end, scale exhausted)
+        self._manifest.after_step(self)  # every manifest_check_every steps: dtypes only, no sync
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None
@@ -423,6 +426,10 @@ class MixedPrecision:
     def fp8_report(self) -> list[dict[str, Any]]:
         """Each Linear of the model: converted to fp8 or skipped, with the reason (precision fp8)."""
         return list(self._policy.describe().get("modules", []))
+
+    def manifest(self, *, read_scale: bool = True) -> Manifest:
+        """Each parameter's dtypes and the loss scaling (:mod:`ampkit.step.manifest`); the scale **syncs**."""
+        return build_manifest(self, read_scale=read_scale)
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master weights (pure precisions; empty otherwise). They live in the optimizer."""
@@ -556,6 +563,7 @@ class MixedPrecision:
             "events": [e.to_dict() for e in self._stream.kept],
             "masters": self._policy.state_dict() or None,
             "fallback": self._fallback.state_dict(),
+            "manifest": self._manifest.saved(self),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -586,6 +594,7 @@ class MixedPrecision:
         fallback.load_state_dict(state.get("fallback"))
         if state.get("masters"):
             self._policy.load_state_dict(state["masters"])
+        self._manifest.resumed(self, state.get("manifest"))  # diffs against the saved manifest
 
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:

@@ -7,7 +7,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Event", "EventStream", "StepResult"]
+__all__ = ["KINDS", "Event", "EventStream", "StepResult"]
+
+#: Notable event kinds recorded by ampkit itself, and who records them (docs/reference/jsonl-schema.md
+#: lists their fields). Users may record any other kind with ``amp.record_event``.
+KINDS: dict[str, str] = {
+    "precision_switch": "amp.switch()",
+    "fallback": "the engine's fallback chain",
+    "fallback_exhausted": "the engine, at the end of the chain (before NumericsError)",
+    "scale_exhausted": "the engine with the fallback off (before NumericsError)",
+    "diagnosis": "amp.diagnose()",
+    "manifest_violation": "the precision manifest's check (ampkit.step.manifest_check): a silent downgrade",
+    "spike": "a SpikeGuard's rollback (ampkit.loop.rollback): the step, its batches and the cause",
+}
 
 
 @dataclass(frozen=True)
