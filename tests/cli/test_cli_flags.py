@@ -33,20 +33,13 @@ FLAGS = {
         --fallback_patience --fallback_recover_after --fp8_emulate --fp8_recipe --grad_accum_steps
         --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff --grad_scaler_growth_interval
         --grad_scaler_init --growth_factor --growth_interval --help --hysteresis --init_scale --json
-        --keep_fp32 --keep_last --log_dir --log_every --lr --max_grad_norm --max_length --max_scale
-        --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow --model --model_config
-        --consecutive_hysteresis --data --deterministic --device --dynamic_scaling --epochs --eval_every
-        --eval_precision --fallback --fallback_chain --fallback_check_every --fallback_patience
-        --fp8_emulate --fp8_recipe --grad_accum_steps --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff
-        --grad_scaler_growth_interval --grad_scaler_init --growth_factor --growth_interval --help
-        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --manifest_check_every --max_grad_norm
-        --max_length --max_scale --memory_budget --min_scale --mixed_precision --model --model_config
-        --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis --no_deterministic
-        --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate --no_memory_efficient
-        --no_progress --no_skip_nonfinite --node_rank --nproc_per_node --overwrite --parallel --precision
-        --print_config --rdzv_backend --rdzv_endpoint
-        --rdzv_id --resume --save_model --seed --size --skip_nonfinite --steps --target_effective_batch_size
-        --wandb -h
+        --keep_fp32 --keep_last --log_dir --log_every --lr --manifest_check_every --max_grad_norm
+        --max_length --max_scale --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow
+        --model --model_config --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis
+        --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate
+        --no_memory_efficient --no_progress --no_skip_nonfinite --node_rank --nproc_per_node --overwrite
+        --parallel --precision --print_config --rdzv_backend --rdzv_endpoint --rdzv_id --resume
+        --save_model --seed --size --skip_nonfinite --steps --target_effective_batch_size --wandb -h
     """,
     "audit": """
         --batch_size --block_size --data --device --help --json --max_length --model --model_config
@@ -81,8 +74,8 @@ FLAGS = {
         --help -h
     """,
     "serve": """
-        --data_dir --header_timeout --help --host --max_body --max_concurrent --max_gpu_temp --max_params --max_seconds
-        --port --private_docs --queue_cap -h
+        --data_dir --header_timeout --help --host --max_body --max_concurrent --max_gpu_temp --max_params
+        --max_seconds --port --private_docs --queue_cap -h
     """,
 }
 
