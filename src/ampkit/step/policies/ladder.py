@@ -322,19 +322,21 @@ class CastOnly:
         self.model, self.optimizers = model, list(optimizers)
         kept = kept_tensors(model, keep)
         self.params = [p for p in model.parameters() if id(p) not in kept and p.is_floating_point()]
-        with torch.no_grad():
-            for p in self.params:
-                p.data = p.data.to(dtype)
-            cast_buffers(model, dtype, lambda b: id(b) not in kept)
+        self._cast(dtype)
+        cast_buffers(model, dtype, lambda b: id(b) not in kept)
 
-    def release(self) -> None:
+    def _cast(self, dtype: torch.dtype) -> None:
+        """Parameters and their optimizer states (e.g. Adagrad's sums, made at construction) to ``dtype``."""
         with torch.no_grad():
             for p in self.params:
                 p.grad = None
-                p.data = p.data.float()
-                for opt in self.optimizers:  # the states follow their parameter's dtype
+                p.data = p.data.to(dtype)
+                for opt in self.optimizers:
                     state = opt.state.get(p, {})
                     for k, v in state.items():
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
-                            state[k] = v.float()
-            cast_buffers(self.model, torch.float32, lambda b: b.dtype != torch.float32)
+                            state[k] = v.to(dtype)
+
+    def release(self) -> None:
+        self._cast(torch.float32)
+        cast_buffers(self.model, torch.float32, lambda b: b.dtype != torch.float32)
