@@ -26,19 +26,19 @@ FLAGS = {
         --device --help --json --no_measure -h
     """,
     "train": """
-        --accumulation_steps --allow_fresh --amp_opt_level --autocast_cache --backoff_factor --batch_size
-        --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
+        --accumulation_steps --allow_fresh --allow_stall --amp_opt_level --autocast_cache --backoff_factor
+        --batch_size --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
         --consecutive_hysteresis --data --deterministic --device --dynamic_scaling --epochs --eval_every
         --eval_precision --fallback --fallback_chain --fallback_check_every --fallback_patience
         --fp8_emulate --fp8_recipe --grad_accum_steps --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff
         --grad_scaler_growth_interval --grad_scaler_init --growth_factor --growth_interval --help
-        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --max_grad_norm
+        --hysteresis --init_scale --json --keep_fp32 --keep_last --log_dir --log_every --lr --masters --max_grad_norm
         --max_length --max_scale --memory_budget --min_scale --mixed_precision --model --model_config
-        --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis --no_deterministic
+        --nnodes --no_allow_stall --no_autocast_cache --no_compile --no_consecutive_hysteresis --no_deterministic
         --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate --no_progress --no_skip_nonfinite
         --node_rank --nproc_per_node --overwrite --parallel --precision --rdzv_backend --rdzv_endpoint
-        --rdzv_id --resume --save_model --seed --size --skip_nonfinite --steps --target_effective_batch_size
-        -h
+        --rdzv_id --resume --save_model --seed --size --skip_nonfinite --state_dtype --steps
+        --target_effective_batch_size -h
     """,
     "audit": """
         --batch_size --block_size --data --device --help --json --max_length --model --model_config
