@@ -48,7 +48,7 @@ import torch
 from .pure import MasterWeights, cast_buffers, kept_tensors
 
 __all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
-           "split_fp32", "stochastic_round"]
+           "parse_rung", "split_fp32", "stochastic_round"]
 
 #: elements per chunk of the transient fp32 view (one chunk of extra memory: 16 MiB)
 CHUNK_NUMEL = 1 << 22
@@ -75,26 +75,44 @@ def bytes_per_param(masters: str = "fp32", state_dtype: str = "fp32", optimizer:
     return 2 + _MASTER_BYTES[masters] + slots * state
 
 
+def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
+    """A precision with an optional ladder rung, as ``ampkit plan --precisions`` takes it:
+    ``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"`` (bf16 states), ``"bf16-pure:none"`` ->
+    ``("bf16-pure", {"masters": ..., "state_dtype": ..., "allow_stall": ...})``; a plain name -> ``(name, {})``."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec, {}
+    base, _, rung = spec.partition(":")
+    masters, plus, states = rung.partition("+")
+    if masters not in _MASTER_BYTES or (plus and states != "bf16"):
+        raise ValueError(f"unknown ladder rung {spec!r}: write bf16-pure:<masters>[+bf16] with masters one of "
+                         f"{', '.join(_MASTER_BYTES)}, e.g. 'bf16-pure:split' or 'bf16-pure:stochastic+bf16'")
+    return base, {"masters": masters, "state_dtype": "bf16" if plus else "fp32", "allow_stall": masters == "none"}
+
+
 # ---------------------------------------------------------------------- the bit-level helpers
-def _pairs(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(low, high) int16 halves of a contiguous fp32 tensor's bits (little-endian)."""
-    p = x32.view(torch.int16).view(-1, 2)
-    return p[:, 0], p[:, 1]
-
-
+# Same-dtype, contiguous passes only: on CPU a mixed-dtype binary op (int32 += int16, fp32 += bf16)
+# takes a slow promotion path (~8x a conversion copy), a strided int16 pass ~4x, and an in-place
+# shift is an out-of-place shift plus a copy. A bf16 -> fp32 conversion is exactly ``bits << 16``,
+# and fp32 -> bf16 is exact on values whose low 16 bits are zero: conversions do the shifts.
 def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
-    """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder."""
-    lo, high = _pairs(x.reshape(-1))
-    rem.view(-1).copy_(lo)
-    torch.sub(high, lo >> 15, out=hi.view(torch.int16).view(-1))  # lo >> 15: -1 where lo >= 0x8000
+    """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder.
+
+    ``x`` is scratch (overwritten). The remainder is the low 16 bits read as a signed int16; the
+    weight is the high 16 bits plus one where the low bits are >= 0x8000.
+    """
+    bits = x.view(torch.int32)
+    rem.copy_(bits.view(rem.shape))  # int32 -> int16 keeps the low 16 bits (two's complement)
+    bits.add_(0x8000).bitwise_and_(-0x10000)  # the high 16 bits of the rounded value, low bits zero
+    hi.copy_(x.view(hi.shape))  # exact: x is a bf16 value now
 
 
-def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned)."""
-    lo, high = _pairs(out)
-    r = rem.view(-1)
-    lo.copy_(r)
-    torch.add(hi.view(torch.int16).view(-1), r >> 15, out=high)
+def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
+    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
+    out.view(-1).copy_(hi.view(-1))  # = hi's bits << 16
+    tmp = torch.empty(out.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
+    out.view(torch.int32).view(-1).add_(tmp.copy_(rem.view(-1)))
     return out
 
 
@@ -102,8 +120,8 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -
     """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
     bits = x.view(torch.int32)
     bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen))
-    _, high = _pairs(x.reshape(-1))
-    out.view(torch.int16).view(-1).copy_(high)
+    bits.bitwise_and_(-0x10000)
+    out.copy_(x.view(out.shape))  # exact: x is a bf16 value now
 
 
 # ---------------------------------------------------------------------- rungs with stand-ins
@@ -128,13 +146,16 @@ class LadderWeights(MasterWeights):
             self.gen = torch.Generator(device=dev)
             self.gen.manual_seed(torch.initial_seed())
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
+        self._tmp = torch.empty(0, device=dev)  # scratch (one chunk) once the chunks are known
         with torch.no_grad():
             for h, m in zip(self.halves, self.masters):
                 self.extra.append(self._compact(h, m.detach().contiguous()))
                 if masters != "fp32":
                     m.data = self._dummy.expand(m.shape)
         self._chunks = _chunk(self.masters)
-        self._buf = torch.empty(max([sum(m.numel() for m in c) for c in self._chunks] + [0]), device=dev)
+        size = max([sum(m.numel() for m in c) for c in self._chunks] + [0])
+        self._buf = torch.empty(size, device=dev)  # the chunk's fp32 values
+        self._tmp = torch.empty(size if masters in ("split", "kahan") else 0, device=dev)
         self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
         for opt in self.optimizers:
             self._wrap(opt)
@@ -149,7 +170,8 @@ class LadderWeights(MasterWeights):
         elif rung == "kahan":
             extra = torch.empty(h.shape, dtype=torch.bfloat16, device=h.device) if extra is None else extra
             h.data.copy_(x)
-            extra.copy_(x.sub_(h.data))  # the rounding error is exact in fp32
+            back = self._scratch(x).copy_(h.data.view(-1))  # bf16 -> fp32, exact
+            extra.view(-1).copy_(x.view(-1).sub_(back))  # the rounding error is exact in fp32
         elif rung == "stochastic":
             assert self.gen is not None
             stochastic_round(x, h.data, self.gen)
@@ -161,11 +183,18 @@ class LadderWeights(MasterWeights):
         h, extra = self.halves[i].data, self.extra[i]
         if self.rung == "split":
             assert extra is not None
-            return join_split(h, extra, out)
+            return join_split(h, extra, out, self._scratch(out).view(torch.int32))
         out.view(h.shape).copy_(h)
         if self.rung == "kahan":
-            out.view(h.shape).add_(extra)
+            out.add_(self._scratch(out).copy_(extra.view(-1)))
         return out
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """fp32 scratch of ``like``'s size: the chunk's slice of the second buffer, or a new tensor."""
+        n = like.numel()
+        if n <= self._tmp.numel():
+            return self._tmp[:n]
+        return torch.empty(n, device=like.device)
 
     def fp32_value(self, i: int) -> torch.Tensor:
         """The fp32 value of weight ``i`` (exact for ``split`` and ``fp32``), a new tensor."""
