@@ -44,7 +44,7 @@ def train(precision: str, masters, state_dtype, args: argparse.Namespace) -> lis
             loss = model(x, y)
         amp.backward(loss)
         amp.step(opt)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 

@@ -52,6 +52,8 @@ __all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_p
 
 #: elements per chunk of the transient fp32 view (one chunk of extra memory: 16 MiB)
 CHUNK_NUMEL = 1 << 22
+#: elements per block of the bit-level passes on CPU (a block's passes stay in the L2 cache)
+BLOCK = 1 << 17
 STALL_WARNING = ("bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
                  "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
                  "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)")
@@ -94,25 +96,37 @@ def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
 # takes a slow promotion path (~8x a conversion copy), a strided int16 pass ~4x, and an in-place
 # shift is an out-of-place shift plus a copy. A bf16 -> fp32 conversion is exactly ``bits << 16``,
 # and fp32 -> bf16 is exact on values whose low 16 bits are zero: conversions do the shifts.
+def _blocks(n: int, device: torch.device) -> range:
+    """Block starts: on CPU the passes over one block of :data:`BLOCK` elements stay in cache
+    (one trip to memory per tensor instead of one per pass); elsewhere one block."""
+    return range(0, n, BLOCK if device.type == "cpu" else max(n, 1))
+
+
 def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
     """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder.
 
     ``x`` is scratch (overwritten). The remainder is the low 16 bits read as a signed int16; the
     weight is the high 16 bits plus one where the low bits are >= 0x8000.
     """
-    bits = x.view(torch.int32)
-    rem.copy_(bits.view(rem.shape))  # int32 -> int16 keeps the low 16 bits (two's complement)
-    bits.add_(0x8000).bitwise_and_(-0x10000)  # the high 16 bits of the rounded value, low bits zero
-    hi.copy_(x.view(hi.shape))  # exact: x is a bf16 value now
+    xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
+    for o in _blocks(xf.numel(), x.device):
+        xb = xf[o:o + BLOCK]
+        bits = xb.view(torch.int32)
+        rf[o:o + BLOCK].copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement)
+        bits.add_(0x8000).bitwise_and_(-0x10000)  # the high 16 bits of the rounded value, low bits zero
+        hf[o:o + BLOCK].copy_(xb)  # exact: a bf16 value now
 
 
 def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None
                ) -> torch.Tensor:
     """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
     in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
-    out.view(-1).copy_(hi.view(-1))  # = hi's bits << 16
-    tmp = torch.empty(out.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
-    out.view(torch.int32).view(-1).add_(tmp.copy_(rem.view(-1)))
+    of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
+    tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
+    for o in _blocks(of.numel(), out.device):
+        ob = of[o:o + BLOCK]
+        ob.copy_(hf[o:o + BLOCK])  # = hi's bits << 16
+        ob.view(torch.int32).add_(tf[o:o + BLOCK].copy_(rf[o:o + BLOCK]))
     return out
 
 
