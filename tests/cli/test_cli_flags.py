@@ -26,20 +26,21 @@ FLAGS = {
         --device --help --json --no_measure -h
     """,
     "train": """
-        --accumulation_steps --allow_fresh --amp_opt_level --autocast_cache --backoff_factor --batch_size
-        --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
+        --accumulation_steps --allow_fresh --allow_stall --amp_opt_level --autocast_cache --backoff_factor
+        --batch_size --block_size --checkpoint_dir --checkpoint_every --clip_grad_norm --compile --config
         --consecutive_hysteresis --data --debug --deterministic --device --dynamic_scaling --epochs
         --eval_every --eval_precision --fallback --fallback_chain --fallback_check_every
         --fallback_patience --fallback_recover_after --fp8_emulate --fp8_recipe --grad_accum_steps
         --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff --grad_scaler_growth_interval
         --grad_scaler_init --growth_factor --growth_interval --help --hysteresis --init_scale --json
-        --keep_fp32 --keep_last --log_dir --log_every --lr --manifest_check_every --max_grad_norm
+        --keep_fp32 --keep_last --log_dir --log_every --lr --manifest_check_every --masters --max_grad_norm
         --max_length --max_scale --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow
-        --model --model_config --nnodes --no_autocast_cache --no_compile --no_consecutive_hysteresis
-        --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback --no_fp8_emulate
-        --no_memory_efficient --no_progress --no_skip_nonfinite --node_rank --nproc_per_node --overwrite
-        --parallel --precision --print_config --rdzv_backend --rdzv_endpoint --rdzv_id --resume
-        --save_model --seed --size --skip_nonfinite --steps --target_effective_batch_size --wandb -h
+        --model --model_config --nnodes --no_allow_stall --no_autocast_cache --no_compile
+        --no_consecutive_hysteresis --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback
+        --no_fp8_emulate --no_memory_efficient --no_progress --no_skip_nonfinite --node_rank
+        --nproc_per_node --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
+        --rdzv_id --resume --save_model --seed --size --skip_nonfinite --state_dtype --steps
+        --target_effective_batch_size --wandb -h
     """,
     "audit": """
         --batch_size --block_size --data --device --help --json --max_length --model --model_config

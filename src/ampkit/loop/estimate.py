@@ -27,6 +27,7 @@ import torch
 
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
+from ..step.policies.ladder import parse_rung
 from .steps import Steps
 
 __all__ = ["PLAN_PRECISIONS", "MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
@@ -128,7 +129,8 @@ def _estimate(model_or_factory: Any, batch: Any, optimizer: Any, precision: str,
             apply_activation_checkpointing(model, targets)
         fused = dev.type in ("cpu", "cuda")
         opt = _optimizer(optimizer, model.parameters(), fused)
-        amp = MixedPrecision(precision, device=dev, fp8_emulate=True)
+        base, rung = parse_rung(precision)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
+        amp = MixedPrecision(base, device=dev, fp8_emulate=True, **rung)
         model, opt = amp.setup(model, opt)
         fake_batch = _fake(real_batch, mode, dev)
         run = Steps(model, opt, amp)
@@ -152,7 +154,8 @@ def _estimate(model_or_factory: Any, batch: Any, optimizer: Any, precision: str,
     parts["temporaries"] = peak - sum(parts.values())
     shapes = [list(t.shape) for t in (real_batch if isinstance(real_batch, (tuple, list)) else [real_batch])
               if isinstance(t, torch.Tensor)]
-    return MemoryEstimate(precision=amp.precision.name, device=str(dev), peak_bytes=peak, parts=parts,
+    label = amp.precision.name + (precision[len(base):] if rung else "")
+    return MemoryEstimate(precision=label, device=str(dev), peak_bytes=peak, parts=parts,
                           by_dtype=dict(static.by_dtype), batch_shapes=shapes)
 
 

@@ -115,6 +115,9 @@ def breakdown(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if amp is not None:
         for t in masters:
             add("master_weights", t)
+        # bf16-pure's memory ladder: 16-bit remainders / bf16 compensations stand in for fp32 masters
+        for t in getattr(getattr(amp, "policy", None), "master_storage", list)():
+            add("master_weights", t)
         scaler = getattr(amp, "scaler", None)
         if scaler is not None:
             for t in scaler.device_tensors():

@@ -19,13 +19,16 @@ import torch
 from .aliases import UnknownKeyError, canonical_keys
 from .precision import CANONICAL, parse_precision
 
-__all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "ConfigError", "FieldInfo", "MixedPrecisionConfig",
-           "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision", "check_deterministic", "fields_help", "normalize_patterns", "read_toml"]
+__all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "STATE_DTYPES", "ConfigError", "FieldInfo",
+           "MixedPrecisionConfig", "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision",
+           "check_deterministic", "fields_help", "normalize_patterns", "read_toml"]
 
 Pattern = Union[str, type]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 DETERMINISTIC_CHOICES = (False, True, "warn")
+MASTERS_CHOICES = ("fp32", "split", "kahan", "stochastic", "none")  # bf16-pure's memory ladder (policies/ladder.py)
+STATE_DTYPES = ("fp32", "bf16")
 # The loss scale's floor, the smallest normal fp32 (ampkit.step.scale_rules.SCALE_FLOOR; this module is a leaf).
 _SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
@@ -90,6 +93,13 @@ class MixedPrecisionConfig:
                                 "the model's repeated blocks (every nn.ModuleList's elements) at setup, and "
                                 "autocast_cache off; setup() records which (a memory_efficient event)")
 
+    masters: str = _f("fp32", "bf16-pure's master weights (memory ladder): fp32 (14 B/param with AdamW), split "
+                      "(bf16 + int16 remainder, exact, 12), kahan (bf16 compensation, 12), stochastic (stochastic "
+                      "rounding, 10), none (weights stall; needs allow_stall)", MASTERS_CHOICES)
+    state_dtype: str = _f("fp32", "bf16-pure's optimizer-state storage between steps: fp32, or bf16 (stochastically "
+                          "rounded; with masters=stochastic 6 B/param)", STATE_DTYPES)
+    allow_stall: bool = _f(False, "accept masters=none: bf16 weights without masters, whose small updates round away")
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.memory_efficient:  # a lever that keeps numerics: casts redone instead of kept
@@ -109,6 +119,13 @@ class MixedPrecisionConfig:
         _require(self.fp8_recipe in FP8_RECIPES, "fp8_recipe", self.fp8_recipe, f"one of: {', '.join(FP8_RECIPES)}")
         _require(self.manifest_check_every >= 0, "manifest_check_every", self.manifest_check_every,
                  "an integer >= 0 (0: only at setup and resume)")
+        _require(self.masters in MASTERS_CHOICES, "masters", self.masters, f"one of: {', '.join(MASTERS_CHOICES)}")
+        _require(self.state_dtype in STATE_DTYPES, "state_dtype", self.state_dtype, f"one of: {', '.join(STATE_DTYPES)}")
+        if self.masters == "none" and not self.allow_stall:
+            raise ConfigError("masters='none' is refused: without masters bf16 weights stall (an update below half "
+                              "the bf16 spacing rounds away: AdamW lr 1e-3 never moves a weight of 1.0, norm weights "
+                              "freeze). Use masters='split' (exact, 12 B/param with AdamW) or 'stochastic' (10), or "
+                              "pass allow_stall=True to accept the stall")
         _require(self.fallback_check_every >= 1, "fallback_check_every", self.fallback_check_every, "an integer >= 1")
         _require(self.fallback_recover_after is None or self.fallback_recover_after >= 1, "fallback_recover_after",
                  self.fallback_recover_after, "None or an integer >= 1")

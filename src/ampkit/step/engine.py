@@ -443,7 +443,8 @@ class MixedPrecision:
         return self._policy.full_precision_state_dict(self._model)
 
     # ------------------------------------------------------------------ switching precision
-    def switch(self, precision: Union[str, torch.dtype, Precision], *, reason: str = "requested") -> Precision:
+    def switch(self, precision: Union[str, torch.dtype, Precision], *, reason: str = "requested",
+               **rung: Any) -> Precision:
         """Change the precision between optimizer steps (e.g. fp16 -> bf16 after overflows).
 
         The old precision's policy releases the model (fp32 weights back, fp8 modules reverted),
@@ -451,8 +452,12 @@ class MixedPrecision:
         The loss scaler is rebuilt from the config when the new precision needs one and the old
         did not. Records a ``precision_switch`` event. Raises inside an accumulation window
         (gradients from the old precision would mix with the new one) and for precisions the
-        device cannot run.
+        device cannot run. ``masters=``/``state_dtype=`` move along bf16-pure's memory ladder (via fp32).
         """
+        if rung:  # the ladder (step/policies/ladder.py): released to fp32, then prepared on the new rung
+            cfg = self.config.replace(**rung)  # validated before anything changes
+            self._switch("fp32", "precision_switch", {"reason": reason})
+            self.config = cfg.replace(precision=self.precision.name)
         return self._switch(precision, "precision_switch", {"reason": reason})
 
     def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:

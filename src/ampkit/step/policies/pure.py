@@ -39,7 +39,7 @@ import torch
 
 from .base import PrecisionPolicy
 
-__all__ = ["MasterWeights", "PurePolicy"]
+__all__ = ["MasterWeights", "PurePolicy", "cast_buffers", "kept_tensors"]
 
 
 class MasterWeights:
@@ -60,7 +60,7 @@ class MasterWeights:
                              "fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) and precision 'bf16'")
         self.dtype = dtype
         self.model = model
-        kept = _kept_tensors(model, keep)
+        kept = kept_tensors(model, keep)
         self.names: list[str] = []
         self.halves: list[torch.nn.Parameter] = []
         self.masters: list[torch.nn.Parameter] = []
@@ -77,7 +77,7 @@ class MasterWeights:
         with torch.no_grad():
             for p in self.halves:
                 p.data = p.data.to(dtype)
-            _cast_buffers(model, dtype, lambda b: id(b) not in kept)
+            cast_buffers(model, dtype, lambda b: id(b) not in kept)
 
     # ------------------------------------------------------------------ the per-step work
     def absorb_grads(self) -> None:
@@ -112,7 +112,7 @@ class MasterWeights:
             for h, m in zip(self.halves, self.masters):
                 h.grad = None
                 h.data = m.detach().clone()
-            _cast_buffers(self.model, torch.float32, _half)
+            cast_buffers(self.model, torch.float32, _half)
         self._swap(self.optimizers, {id(m): h for h, m in zip(self.halves, self.masters)})
 
     # ------------------------------------------------------------------ state
@@ -160,17 +160,51 @@ class PurePolicy(PrecisionPolicy):
 
     _masters: Optional[MasterWeights] = None
 
+    _cast: Any = None  # masters='none': the bf16 model stepped directly (ladder.CastOnly)
+
+    @property
+    def rung(self) -> tuple[str, str]:
+        """``(masters, state_dtype)`` of the memory ladder (:mod:`.ladder`); fp16-pure: fp32 masters only."""
+        rung = (getattr(self.config, "masters", "fp32"), getattr(self.config, "state_dtype", "fp32"))
+        if rung != ("fp32", "fp32") and self.precision.param_dtype != torch.bfloat16:
+            raise ValueError(f"masters={rung[0]!r}, state_dtype={rung[1]!r}: the memory ladder is for bf16-pure "
+                             f"(its 16-bit remainders and bf16 states); {self.precision.name} keeps fp32 masters "
+                             "and states (masters='fp32', state_dtype='fp32')")
+        return rung
+
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        masters, state_dtype = self.rung
         if self.shards_params:  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
+            if (masters, state_dtype) != ("fp32", "fp32"):
+                raise ValueError(f"masters={masters!r}/state_dtype={state_dtype!r} under FSDP2: the fp32 shards "
+                                 "are the masters there; use masters='fp32', state_dtype='fp32'")
             return
-        masters = self._masters = MasterWeights(model, optimizers, self.precision.param_dtype, self.kept_names(model))
-        self.after_backward = masters.absorb_grads  # half gradients summed into the fp32 masters' gradients
-        self.after_step = masters.copy_to_model  # unconditional: after a skipped step the masters did not move
+        dtype, keep = self.precision.param_dtype, self.kept_names(model)
+        if masters == "none":
+            from .ladder import CastOnly
+
+            self._cast = CastOnly(model, optimizers, dtype, keep)
+            return
+        if (masters, state_dtype) == ("fp32", "fp32"):
+            self._masters = MasterWeights(model, optimizers, dtype, keep)
+        else:
+            from .ladder import LadderWeights
+
+            self._masters = LadderWeights(model, optimizers, dtype, keep, masters, state_dtype)
+        self.after_backward = self._masters.absorb_grads  # half gradients summed into the fp32 masters' gradients
+        self.after_step = self._masters.copy_to_model  # unconditional: after a skipped step the masters did not move
 
     def release(self) -> None:
+        if self._cast is not None:
+            self._cast.release()
+            self._cast = None
         if self._masters is not None:
             self._masters.release()
             self._masters = self.after_backward = self.after_step = None
+
+    def master_storage(self) -> list[torch.Tensor]:
+        """The ladder rung's own tensors (16-bit remainders, bf16 compensations), for memory accounting."""
+        return list(getattr(self._masters, "storage", list)())
 
     @property
     def keeps_masters(self) -> bool:
@@ -202,15 +236,25 @@ class PurePolicy(PrecisionPolicy):
 
     def describe(self) -> dict[str, Any]:
         where = "the fp32 shards (FSDP2)" if self.shards_params else "fp32 copies in the optimizer"
-        return {**super().describe(), "grads": "float32 (half gradients summed into the masters')",
-                "masters": where}
+        masters, state_dtype = self.rung
+        if self.shards_params or masters == "fp32":
+            out = {"masters": where}
+        elif masters == "none":
+            return {**super().describe(), "masters": "none (updates below half a bf16 spacing round away)",
+                    "optimizer_steps": "bfloat16"}
+        else:
+            out = {"masters": {"split": "bf16 weight + int16 remainder (exact fp32)",
+                               "kahan": "bf16 weight + bf16 compensation",
+                               "stochastic": "none: updates rounded stochastically into bf16"}[masters]}
+        return {**super().describe(), "grads": "float32 (half gradients summed into the masters')", **out,
+                "optimizer_state": "bfloat16 (stochastic rounding)" if state_dtype == "bf16" else "float32"}
 
 
 def _half(buf: torch.Tensor) -> bool:
     return buf.dtype != torch.float32  # buffers kept in fp32 (keep_fp32 modules) stay as they are
 
 
-def _cast_buffers(model: torch.nn.Module, dtype: torch.dtype, select: Callable[[torch.Tensor], bool]) -> None:
+def cast_buffers(model: torch.nn.Module, dtype: torch.dtype, select: Callable[[torch.Tensor], bool]) -> None:
     """Cast the floating buffers that ``select`` picks to ``dtype``, in place in their modules."""
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
@@ -218,7 +262,7 @@ def _cast_buffers(model: torch.nn.Module, dtype: torch.dtype, select: Callable[[
                 module._buffers[name] = buf.to(dtype)
 
 
-def _kept_tensors(model: torch.nn.Module, keep: Iterable[str]) -> set[int]:
+def kept_tensors(model: torch.nn.Module, keep: Iterable[str]) -> set[int]:
     """ids of the parameters and buffers of the modules named in ``keep`` (and their children)."""
     out: set[int] = set()
     modules = dict(model.named_modules())

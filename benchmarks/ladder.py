@@ -1,0 +1,102 @@
+"""bf16-pure's memory ladder: optimizer-step time of each rung vs fp32 masters and torch's fused fp32 AdamW.
+
+One model per rung (4 x Linear(1024, 1024): 4.2M parameters), fused AdamW, the same fixed random
+gradients every step. Timed: ``amp.step(opt)`` (finite check, the optimizer step, the masters into
+the model, zero_grad) -- for the torch row ``opt.step(); opt.zero_grad()`` on the fp32 model. The
+half gradients are absorbed by ``amp.backward`` outside the timed region (the same for every
+rung). Rungs are interleaved round by round in one process; the table gives the median per step.
+
+    OMP_NUM_THREADS=1 python benchmarks/ladder.py                  # 4.2M params, 7 rounds x 10 steps
+    python benchmarks/ladder.py --width 512 --rounds 3 --steps 5   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+
+from ampkit import MixedPrecision
+from ampkit.observe.memory import breakdown
+from ampkit.step.hardware import device_info
+
+RUNGS = [("torch fused fp32 AdamW", None, None), ("fp32 masters", "fp32", "fp32"), ("split", "split", "fp32"),
+         ("kahan", "kahan", "fp32"), ("stochastic", "stochastic", "fp32"),
+         ("stochastic + bf16 states", "stochastic", "bf16"), ("none (forced)", "none", "fp32")]
+
+
+class Rung:
+    def __init__(self, label: str, masters, state_dtype, args: argparse.Namespace) -> None:
+        torch.manual_seed(args.seed)
+        self.label = label
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.amp = None
+        if masters is not None:
+            self.amp = MixedPrecision("bf16-pure", device="cpu", masters=masters, state_dtype=state_dtype,
+                                      allow_stall=masters == "none")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.model, self.opt = self.amp.setup(self.model, self.opt)
+        g = torch.Generator().manual_seed(args.seed + 1)
+        self.grads = [torch.randn(p.shape, generator=g).to(p.dtype) * 1e-2 for p in self.model.parameters()]
+        self.times: list[float] = []
+        self.step()  # creates the optimizer state
+        self.bytes = self._bytes()
+
+    def _prime(self) -> None:
+        """Gradients in place for the next step (untimed)."""
+        if self.amp is None:
+            for p, g in zip(self.model.parameters(), self.grads):
+                p.grad = g.clone()
+            return
+        params = list(self.model.parameters())
+        loss = sum((p * g).sum() for p, g in zip(params, self.grads))  # d loss / d p = g
+        self.amp.backward(loss)
+
+    def step(self) -> float:
+        self._prime()
+        t = time.perf_counter()
+        if self.amp is None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            self.amp.step(self.opt)
+        return time.perf_counter() - t
+
+    def _bytes(self) -> float:
+        cats = breakdown(self.model, self.opt, self.amp).by_category
+        n = sum(p.numel() for p in self.model.parameters())
+        return (cats["parameters"] + cats["optimizer_state"] + cats["master_weights"]) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rungs = [Rung(label, m, s, args) for label, m, s in RUNGS]
+    n = sum(p.numel() for p in rungs[0].model.parameters())
+    print(f"# {device_info('cpu').name} · torch {torch.__version__} · python {platform.python_version()} · "
+          f"{torch.get_num_threads()} thread(s) · {n / 1e6:.2f}M params · fused AdamW · {args.rounds} rounds x "
+          f"{args.steps} steps, interleaved")
+    for _ in range(args.rounds):
+        for r in rungs:
+            r.times += [r.step() for _ in range(args.steps)]
+    torch_ms = statistics.median(rungs[0].times) * 1e3
+    master_ms = statistics.median(rungs[1].times) * 1e3
+    print(f"{'rung':<26} {'B/param':>8} {'step ms':>8} {'vs fp32 masters':>16} {'vs torch fp32':>14}")
+    for r in rungs:
+        ms = statistics.median(r.times) * 1e3
+        print(f"{r.label:<26} {r.bytes:>8.2f} {ms:>8.2f} {ms / master_ms:>15.2f}x {ms / torch_ms:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""The memory ladder of ``bf16-pure``: what stands in for the fp32 master of each weight.
+
+=============  =======================================================  =========================
+``masters``    what is kept besides the model's bf16 weight             B/param with AdamW states
+=============  =======================================================  =========================
+``fp32``       an fp32 master (:class:`~.pure.MasterWeights`)           2 + 4 + 8 = 14
+``split``      a signed 16-bit remainder: bf16 + remainder = the exact  2 + 2 + 8 = 12
+               fp32 master (the same numerics as ``fp32``)
+``kahan``      a bf16 compensation: bf16 + compensation ~ the master    2 + 2 + 8 = 12
+``stochastic`` nothing: the update is rounded stochastically into bf16  2 + 0 + 8 = 10
+``none``       nothing (plain ``model.bfloat16()``): small updates      2 + 0 + 4 = 6
+               round away, the weights *stall* -- refused unless forced
+=============  =======================================================  =========================
+
+``state_dtype="bf16"`` keeps the optimizer's states in bf16 between steps (rounded
+stochastically): ``stochastic`` + bf16 states = 2 + 0 + 4 = 6 B/param.
+
+**Any torch optimizer, fast.** The user's optimizer steps fp32 *stand-ins* (parameters with the
+right shape and dtype whose storage between steps is one shared fp32 scalar): at the step, chunk
+by chunk, each chunk's fp32 values are rebuilt into a reusable buffer, the stand-ins view it, the
+optimizer's own ``step()`` runs with only that chunk's gradients set (torch's optimizers skip a
+parameter whose ``.grad`` is None), and the result goes back into the compact form. The fused
+kernels (AdamW ``fused=True``) do the arithmetic; the extra memory is one chunk of fp32 (plus one
+of states with ``state_dtype="bf16"``).
+
+The split (``split``): with ``u`` the fp32 bits and ``lo``/``hi`` their low/high 16 bits, the
+weight is ``hi + (lo >= 0x8000)`` (round to nearest, ties away from zero: the only rounding whose
+remainder always fits 16 signed bits) and the remainder is ``lo`` read as a signed int16; the
+fp32 bits come back as ``hi_weight - (remainder < 0)`` above ``remainder``. On little-endian
+machines both directions are two int16 passes over the fp32 buffer viewed as (low, high) pairs.
+
+Stochastic rounding adds 16 uniform random bits to the fp32 bits and keeps the top 16 (unbiased:
+rounds up with probability equal to the dropped fraction); the bits come from a
+``torch.Generator`` seeded with ``torch.initial_seed()`` whose state is checkpointed, so a resume
+draws the same bits.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+
+from .pure import MasterWeights, cast_buffers, kept_tensors
+
+__all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
+           "parse_rung", "split_fp32", "stochastic_round"]
+
+#: elements per chunk of the transient fp32 view (one chunk of extra memory: 16 MiB)
+CHUNK_NUMEL = 1 << 22
+#: elements per block of the bit-level passes on CPU (a block's passes stay in the L2 cache)
+BLOCK = 1 << 17
+STALL_WARNING = ("bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
+                 "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
+                 "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)")
+
+_MASTER_BYTES = {"fp32": 4, "split": 2, "kahan": 2, "stochastic": 0, "none": 0}
+_STATE_SLOTS = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
+
+
+def bytes_per_param(masters: str = "fp32", state_dtype: str = "fp32", optimizer: str = "adamw") -> int:
+    """Bytes per bf16-pure parameter of a rung between steps: weight + master part + optimizer states.
+
+    ``optimizer`` names the state slots per parameter (AdamW/Adam 2, SGD with momentum/Adagrad/RMSprop
+    1). ``masters='none'``: the optimizer steps the bf16 weights, so its states are bf16 too.
+    """
+    if masters not in _MASTER_BYTES:
+        raise ValueError(f"unknown masters={masters!r}; choose one of: {', '.join(_MASTER_BYTES)}")
+    slots = _STATE_SLOTS.get(str(optimizer).lower())
+    if slots is None:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(_STATE_SLOTS)}")
+    state = 2 if state_dtype == "bf16" or masters == "none" else 4
+    return 2 + _MASTER_BYTES[masters] + slots * state
+
+
+def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
+    """A precision with an optional ladder rung, as ``ampkit plan --precisions`` takes it:
+    ``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"`` (bf16 states), ``"bf16-pure:none"`` ->
+    ``("bf16-pure", {"masters": ..., "state_dtype": ..., "allow_stall": ...})``; a plain name -> ``(name, {})``."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec, {}
+    base, _, rung = spec.partition(":")
+    masters, plus, states = rung.partition("+")
+    if masters not in _MASTER_BYTES or (plus and states != "bf16"):
+        raise ValueError(f"unknown ladder rung {spec!r}: write bf16-pure:<masters>[+bf16] with masters one of "
+                         f"{', '.join(_MASTER_BYTES)}, e.g. 'bf16-pure:split' or 'bf16-pure:stochastic+bf16'")
+    return base, {"masters": masters, "state_dtype": "bf16" if plus else "fp32", "allow_stall": masters == "none"}
+
+
+# ---------------------------------------------------------------------- the bit-level helpers
+# Same-dtype, contiguous passes only: on CPU a mixed-dtype binary op (int32 += int16, fp32 += bf16)
+# takes a slow promotion path (~8x a conversion copy), a strided int16 pass ~4x, and an in-place
+# shift is an out-of-place shift plus a copy. A bf16 -> fp32 conversion is exactly ``bits << 16``,
+# and fp32 -> bf16 is exact on values whose low 16 bits are zero: conversions do the shifts.
+def _blocks(n: int, device: torch.device) -> range:
+    """Block starts: on CPU the passes over one block of :data:`BLOCK` elements stay in cache
+    (one trip to memory per tensor instead of one per pass); elsewhere one block."""
+    return range(0, n, BLOCK if device.type == "cpu" else max(n, 1))
+
+
+def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
+    """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder.
+
+    ``x`` is scratch (overwritten). The remainder is the low 16 bits read as a signed int16; the
+    weight is the high 16 bits plus one where the low bits are >= 0x8000.
+    """
+    xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
+    for o in _blocks(xf.numel(), x.device):
+        xb = xf[o:o + BLOCK]
+        bits = xb.view(torch.int32)
+        rf[o:o + BLOCK].copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement)
+        bits.add_(0x8000).bitwise_and_(-0x10000)  # the high 16 bits of the rounded value, low bits zero
+        hf[o:o + BLOCK].copy_(xb)  # exact: a bf16 value now
+
+
+def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
+    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
+    of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
+    tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
+    for o in _blocks(of.numel(), out.device):
+        ob = of[o:o + BLOCK]
+        ob.copy_(hf[o:o + BLOCK])  # = hi's bits << 16
+        ob.view(torch.int32).add_(tf[o:o + BLOCK].copy_(rf[o:o + BLOCK]))
+    return out
+
+
+def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
+    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
+    bits = x.view(torch.int32)
+    bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen))
+    bits.bitwise_and_(-0x10000)
+    out.copy_(x.view(out.shape))  # exact: x is a bf16 value now
+
+
+# ---------------------------------------------------------------------- rungs with stand-ins
+class LadderWeights(MasterWeights):
+    """``split``, ``kahan``, ``stochastic`` masters (and ``fp32`` masters with bf16 states) (module doc).
+
+    Builds on :class:`MasterWeights`: the optimizer's groups hold fp32 stand-ins, gradients are
+    absorbed into them the same way; the stand-ins' values live in the compact form and are
+    rebuilt chunk by chunk inside the optimizer's ``step`` (wrapped per optimizer instance).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
+                 keep: Sequence[str] = (), masters: str = "split", state_dtype: str = "fp32") -> None:
+        if sys.byteorder != "little":  # pragma: no cover - the int16 pair views assume it
+            raise RuntimeError("the bf16-pure ladder rungs need a little-endian machine; use masters='fp32'")
+        super().__init__(model, optimizers, dtype, keep)
+        self.rung, self.state_dtype = masters, state_dtype
+        self.extra: list[Optional[torch.Tensor]] = []  # remainder (int16) / compensation (bf16) per weight
+        self.gen: Optional[torch.Generator] = None
+        dev = self.masters[0].device if self.masters else torch.device("cpu")
+        if masters == "stochastic" or state_dtype == "bf16":
+            self.gen = torch.Generator(device=dev)
+            self.gen.manual_seed(torch.initial_seed())
+        self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
+        self._tmp = torch.empty(0, device=dev)  # scratch (one chunk) once the chunks are known
+        with torch.no_grad():
+            for h, m in zip(self.halves, self.masters):
+                self.extra.append(self._compact(h, m.detach().contiguous()))
+                if masters != "fp32":
+                    m.data = self._dummy.expand(m.shape)
+        self._chunks = _chunk(self.masters)
+        size = max([sum(m.numel() for m in c) for c in self._chunks] + [0])
+        self._buf = torch.empty(size, device=dev)  # the chunk's fp32 values
+        self._tmp = torch.empty(size if masters in ("split", "kahan") else 0, device=dev)
+        self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
+        for opt in self.optimizers:
+            self._wrap(opt)
+
+    # ------------------------------------------------------------------ compact form <-> fp32
+    def _compact(self, h: torch.Tensor, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Store fp32 ``x`` (scratch: may be overwritten) into ``h`` (+ the returned extra tensor)."""
+        rung = self.rung
+        if rung == "split":
+            extra = torch.empty(h.shape, dtype=torch.int16, device=h.device) if extra is None else extra
+            split_fp32(x, h.data, extra)
+        elif rung == "kahan":
+            extra = torch.empty(h.shape, dtype=torch.bfloat16, device=h.device) if extra is None else extra
+            h.data.copy_(x)
+            back = self._scratch(x).copy_(h.data.view(-1))  # bf16 -> fp32, exact
+            extra.view(-1).copy_(x.view(-1).sub_(back))  # the rounding error is exact in fp32
+        elif rung == "stochastic":
+            assert self.gen is not None
+            stochastic_round(x, h.data, self.gen)
+        else:  # fp32 masters (bf16 states only)
+            h.data.copy_(x)
+        return extra
+
+    def _expand(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        h, extra = self.halves[i].data, self.extra[i]
+        if self.rung == "split":
+            assert extra is not None
+            return join_split(h, extra, out, self._scratch(out).view(torch.int32))
+        out.view(h.shape).copy_(h)
+        if self.rung == "kahan":
+            out.add_(self._scratch(out).copy_(extra.view(-1)))
+        return out
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """fp32 scratch of ``like``'s size: the chunk's slice of the second buffer, or a new tensor."""
+        n = like.numel()
+        if n <= self._tmp.numel():
+            return self._tmp[:n]
+        return torch.empty(n, device=like.device)
+
+    def fp32_value(self, i: int) -> torch.Tensor:
+        """The fp32 value of weight ``i`` (exact for ``split`` and ``fp32``), a new tensor."""
+        if self.rung == "fp32":
+            return self.masters[i].detach().clone()
+        m = self.masters[i]
+        return self._expand(i, torch.empty(m.numel(), device=m.device)).view(m.shape)
+
+    # ------------------------------------------------------------------ the chunked step
+    def _wrap(self, opt: torch.optim.Optimizer) -> None:
+        inner = opt.step  # the bound method (or an LR scheduler's wrapper of it)
+        index = {id(m): i for i, m in enumerate(self.masters)}
+
+        def step(owner: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return self._step(owner, inner, index, args, kwargs)
+
+        self._orig.append((opt, opt.__dict__.get("step")))
+        # A bound method, as LR schedulers expect (they re-wrap ``opt.step.__func__``).
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+
+    def _step(self, opt: torch.optim.Optimizer, inner: Callable[..., Any], index: dict[int, int],
+              args: tuple, kwargs: dict) -> Any:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        mine = {id(p) for p in params}
+        chunks = [[m for m in c if id(m) in mine] for c in self._chunks]
+        chunks = [c for c in chunks if c] or [[]]
+        others = [p for p in params if id(p) not in index]  # keep_fp32 parameters: stepped with chunk 0
+        for p in params:
+            p.grad = None
+        by_id = dict(zip(map(id, params), grads))
+        ret = None
+        try:
+            for k, chunk in enumerate(chunks):
+                live = chunk + (others if k == 0 else [])
+                for p in live:
+                    p.grad = by_id[id(p)]
+                off = 0
+                with torch.no_grad():
+                    for m in chunk:
+                        if self.rung != "fp32":
+                            n = m.numel()
+                            m.data = self._expand(index[id(m)], self._buf[off:off + n]).view(m.shape)
+                            off += n
+                        self._states(opt, m, torch.float32)
+                ret = inner(*args, **kwargs)
+                with torch.no_grad():
+                    for m in chunk:
+                        i = index[id(m)]
+                        self._compact(self.halves[i], m.data, self.extra[i])
+                        if self.rung != "fp32":
+                            m.data = self._dummy.expand(m.shape)
+                        self._states(opt, m, torch.bfloat16)
+                for p in live:
+                    p.grad = None
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+        return ret
+
+    def _states(self, opt: torch.optim.Optimizer, m: torch.Tensor, dtype: torch.dtype) -> None:
+        """With ``state_dtype='bf16'``: the stand-in's state tensors to fp32 (before) or bf16 (after)."""
+        if self.state_dtype != "bf16":
+            return
+        state = opt.state.get(m)
+        if not state:
+            return
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape and v.dtype != dtype:
+                if dtype == torch.float32:
+                    state[k] = v.float()
+                else:
+                    out = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+                    assert self.gen is not None
+                    stochastic_round(v.contiguous(), out, self.gen)
+                    state[k] = out
+
+    # ------------------------------------------------------------------ MasterWeights' verbs
+    def copy_to_model(self) -> None:
+        """Nothing: the step already wrote the rounded weights into the model."""
+
+    def release(self) -> None:
+        for opt, orig in self._orig:
+            if orig is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = orig  # type: ignore[method-assign]
+        self._orig = []
+        with torch.no_grad():
+            for i, m in enumerate(self.masters):
+                m.data = self.fp32_value(i)
+                for opt in self.optimizers:
+                    self._states(opt, m, torch.float32)
+        super().release()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rung, its per-weight tensors by name (remainders / compensations) and the generator state."""
+        out: dict[str, Any] = {"rung": self.rung, "state_dtype": self.state_dtype,
+                               "extra": {n: e for n, e in zip(self.names, self.extra) if e is not None}}
+        if self.rung == "fp32":
+            out["masters"] = super().state_dict()
+        if self.gen is not None:
+            out["generator"] = self.gen.get_state()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("rung") != self.rung:
+            raise ValueError(f"this checkpoint's masters are {state.get('rung', 'fp32')!r} but the engine runs "
+                             f"masters={self.rung!r}; resume with the same masters, or switch after loading")
+        if self.rung == "fp32":
+            super().load_state_dict(state["masters"])
+        extra = state.get("extra", {})
+        missing = [n for n, e in zip(self.names, self.extra) if e is not None and n not in extra]
+        if missing:
+            raise ValueError(f"the ladder state lacks {missing[:5]}; nothing was loaded")
+        with torch.no_grad():
+            for n, e in zip(self.names, self.extra):
+                if e is not None:
+                    e.copy_(extra[n])
+        if self.gen is not None and "generator" in state:
+            self.gen.set_state(state["generator"])
+
+    def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {k: (v.float() if v.is_floating_point() else v) for k, v in self.model.state_dict().items()}
+        for i, n in enumerate(self.names):
+            out[n] = self.fp32_value(i)
+        return out
+
+    def storage(self) -> list[torch.Tensor]:
+        """The rung's own tensors (remainders / compensations), for memory accounting."""
+        return [e for e in self.extra if e is not None]
+
+
+def _chunk(masters: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive groups of at most :data:`CHUNK_NUMEL` elements (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = CHUNK_NUMEL
+    for m in masters:
+        if size + m.numel() > CHUNK_NUMEL:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += m.numel()
+    return out
+
+
+# ---------------------------------------------------------------------- the bottom rung
+class CastOnly:
+    """``masters='none'`` (forced): the model cast to bf16 in place, the optimizer steps it directly."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
+                 keep: Sequence[str] = ()) -> None:
+        warnings.warn(STALL_WARNING, UserWarning, stacklevel=4)
+        self.model, self.optimizers = model, list(optimizers)
+        kept = kept_tensors(model, keep)
+        self.params = [p for p in model.parameters() if id(p) not in kept and p.is_floating_point()]
+        self._cast(dtype)
+        cast_buffers(model, dtype, lambda b: id(b) not in kept)
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """Parameters and their optimizer states (e.g. Adagrad's sums, made at construction) to ``dtype``."""
+        with torch.no_grad():
+            for p in self.params:
+                p.grad = None
+                p.data = p.data.to(dtype)
+                for opt in self.optimizers:
+                    state = opt.state.get(p, {})
+                    for k, v in state.items():
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
+                            state[k] = v.to(dtype)
+
+    def release(self) -> None:
+        self._cast(torch.float32)
+        cast_buffers(self.model, torch.float32, lambda b: b.dtype != torch.float32)
