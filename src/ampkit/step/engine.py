@@ -9,13 +9,9 @@ The happy path is four calls::
     amp.backward(loss)
     amp.step(opt, clip_grad_norm=1.0)
 
-Order of operations at an optimizer step (the accumulation boundary), identical to the
-hand-written ``torch.autocast`` + ``torch.amp.GradScaler`` loop::
-
-    unscale_ (only if clipping) -> clip_grad_norm_ (model order) -> scaler.step (skip if
-    non-finite) -> scaler.update -> zero_grad(set_to_none=True)
-
-(see :mod:`ampkit.step.boundary`; window bookkeeping in :mod:`ampkit.step.accumulate`).
+At an optimizer step (the accumulation boundary) the order is the hand-written torch.amp loop's:
+unscale_ (if clipping) -> clip (model order) -> step, skipped if non-finite -> update -> zero_grad
+(:mod:`ampkit.step.boundary`; window bookkeeping: :mod:`ampkit.step.accumulate`).
 
 The engine knows nothing about logging, plots or the CLI: observers subscribe to its events
 (:meth:`MixedPrecision.subscribe`).
@@ -48,8 +44,8 @@ from .hardware import DeviceInfo, device_info, normalize_device
 from .localize import NonFiniteReport, localize_nonfinite
 from .logs import watch
 from .losscheck import check_loss
-from .model_prep import before_setup
 from .manifest_check import Manifest, ManifestWatch, build_manifest
+from .model_prep import before_setup
 from .overrides import Fp32Overrides, apply_fp32_overrides
 from .parallel import adapter_for
 from .parallel.base import Parallel
@@ -539,16 +535,12 @@ class MixedPrecision:
         if self._skipped_before is not None:
             skipped += int(self._skipped_before.item())
         return {
-            "precision": self.precision.name,
-            "device": str(self.device),
+            "precision": self.precision.name, "device": str(self.device),
             "scale": self._scaler.get_scale() if self.precision.needs_scaler else None,
-            "optimizer_steps": self._steps,
-            "skipped_steps": skipped,
+            "optimizer_steps": self._steps, "skipped_steps": skipped,
             "overflow_rate": skipped / self._steps if self._steps else 0.0,
-            "accumulation_steps": self.config.accumulation_steps,
-            "pending_micro_steps": self._window.micro,
-            "parallel": self._parallel.name,  # none / ddp / fsdp
-            "world_size": self._parallel.world_size,
+            "accumulation_steps": self.config.accumulation_steps, "pending_micro_steps": self._window.micro,
+            "parallel": self._parallel.name, "world_size": self._parallel.world_size,  # parallel: none / ddp / fsdp
             "events": [e.to_dict() for e in self._stream.kept],
         }
 
@@ -559,11 +551,8 @@ class MixedPrecision:
         Call between optimizer steps (not inside an accumulation window).
         """
         return {
-            "precision": self.precision.name,
-            "config": self.config.to_dict(),
-            "scaler": self._scaler.state_dict(),
-            "optimizer_steps": self._steps,
-            "micro_steps": self._window.micro,
+            "precision": self.precision.name, "config": self.config.to_dict(), "scaler": self._scaler.state_dict(),
+            "optimizer_steps": self._steps, "micro_steps": self._window.micro,
             "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
             "events": [e.to_dict() for e in self._stream.kept],
             "masters": self._policy.state_dict() or None,
@@ -587,10 +576,8 @@ class MixedPrecision:
             self.config = old_config
             raise
         self._become(new, scaler)
-        self._skipped_before = None
         before = int(state.get("skipped_before", 0))
-        if before:
-            self._skipped_before = torch.tensor(float(before), device=self.device)
+        self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._steps = int(state.get("optimizer_steps", 0))
         self._window, self._open_micro = Window(cfg.accumulation_steps), False
         self._window.micro = int(state.get("micro_steps", 0))
