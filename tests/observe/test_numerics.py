@@ -201,3 +201,26 @@ def test_audit_finds_overflows_hidden_behind_the_first():
     rep = audit(TwoBig(), torch.randn(4, 8), "fp16")
     assert rep.recommended_keep_fp32 == ["a", "b"]
     assert any("overflowed next" in n for n in rep.notes)
+
+
+def test_diagnose_under_a_pure_precision_runs_the_fp32_reference_on_an_fp32_copy():
+    """bf16-pure: the module's weights are bf16 and the reference re-run is fp32 (it used to crash with
+    'mat1 and mat2 must have the same dtype' in the Trainer's first-skip diagnosis)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = MixedPrecision("bf16-pure")
+    model, opt = amp.setup(model, opt)
+    x = torch.randn(4, 8)
+    x[0, 0] = math.inf  # bad data: non-finite in any precision
+
+    def closure():
+        with amp.autocast():
+            return model(x).float().pow(2).mean()
+
+    report = amp.diagnose(closure)
+    assert report.found and report.phase == "forward" and report.module == "0"
+    assert report.dtype == "bfloat16"
+    assert report.fp32_finite is False  # the fp32 re-run happened (None would mean it could not run)
+    assert "not a precision problem" in report.message or "fp32" in report.message
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the model itself is untouched

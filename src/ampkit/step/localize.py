@@ -154,8 +154,7 @@ def _findings(model: torch.nn.Module, names: dict[torch.nn.Module, str], inputs:
     """The report's fields from the first non-finite forward output or backward gradient."""
     if fwd:
         m, args, out = fwd[0]
-        with torch.no_grad(), torch.autocast(_device_type(model), enabled=False):
-            ref = m(*to_fp32(args)) if not isinstance(m, torch.nn.ModuleList) else None
+        ref = None if isinstance(m, torch.nn.ModuleList) else _forward_fp32(m, args)
         fp32_ok = ref is not None and not nonfinite(ref)
         rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="forward", dtype=_dtype(out),
                    input_max=_max_finite(args), output_max=_max_finite(out), fp32_finite=fp32_ok,
@@ -183,6 +182,17 @@ def _findings(model: torch.nn.Module, names: dict[torch.nn.Module, str], inputs:
 def _device_type(model: torch.nn.Module) -> str:
     p = next(model.parameters(), None)
     return p.device.type if p is not None else "cpu"
+
+
+def _forward_fp32(m: torch.nn.Module, args: Any) -> Any:
+    """The module's output in fp32: on an fp32 copy when its parameters are half (pure precisions);
+    None when it cannot run so."""
+    half = any(p.dtype != torch.float32 for p in m.parameters() if p.is_floating_point())
+    try:
+        with torch.no_grad(), torch.autocast(_device_type(model=m), enabled=False):
+            return (copy.deepcopy(m).float() if half else m)(*to_fp32(args))
+    except (RuntimeError, TypeError):
+        return None
 
 
 def _backward_fp32_finite(m: torch.nn.Module, args: Any, grad_out: Any) -> Optional[bool]:
