@@ -17,6 +17,7 @@ is ``max_t(a_t + b_t * batch)`` (:class:`Curve`), checked against a third measur
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activa
 LOCK = threading.RLock()
 
 
+@functools.lru_cache(maxsize=1)
 def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -47,6 +49,13 @@ def _tracker_class() -> type:
         def __init__(self) -> None:
             super().__init__()
             self.timeline: list[int] = []
+            self._meta_op = False
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            # metadata queries (prim.device, ...) allocate nothing, and the first step after the
+            # warm-up asks more of them: they are left out of the timeline, which must align
+            self._meta_op = getattr(func, "namespace", "") == "prim"
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             total = 0
@@ -55,7 +64,8 @@ def _tracker_class() -> type:
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
-            self.timeline.append(total)
+            if not self._meta_op and (not self.timeline or self.timeline[-1] != total):
+                self.timeline.append(total)
 
     return _Tracker
 
@@ -175,37 +185,37 @@ class Session:
 
 class Curve:
     """The peak as a function of the batch, from two measures at batches ``b1 < b2`` that ran the
-    same operations: every timeline point and the parts are ``a + b * batch`` exactly (integers).
-    :meth:`peak` is then the estimate's peak at any batch; :meth:`agrees` checks a third measure."""
+    same operations: every timeline point and the parts are ``a + b * batch``. :meth:`peak`
+    predicts the estimate's peak at any batch (exactly, where the step's tensors are affine in the
+    batch: batch 1 is not always on the line, a size-1 dimension can take another path, so ``fit``
+    draws its curves through batches >= 2); :meth:`agrees` checks a third measure."""
 
     def __init__(self, b1: int, m1: Measure, b2: int, m2: Measure) -> None:
         if not b1 < b2:
             raise ValueError(f"a curve needs two batch sizes b1 < b2, got {b1}, {b2}")
-        self.ok = len(m1.timeline) == len(m2.timeline) and m1.parts.keys() == m2.parts.keys()
-        self.b1, self.span = b1, b2 - b1
-        pairs = list(zip(m1.timeline, m2.timeline))
-        fixed = sum(m1.parts[k] for k in PARTS[:4])
-        pairs.append((fixed + m1.parts["activations"], sum(m2.parts[k] for k in PARTS[:4]) + m2.parts["activations"]))
-        self.ok = self.ok and all((y - x) % self.span == 0 for x, y in pairs)
-        self.points = [(x, (y - x) // self.span) for x, y in pairs]
+        self.ok = len(m1.timeline) == len(m2.timeline)
+        self.b1, span = b1, b2 - b1
+        pairs = list(zip(m1.timeline, m2.timeline)) if self.ok else []
+        pairs.append((m1.peak_bytes, m2.peak_bytes))  # the peak itself (parts included), as a last point
+        self.points = [(x, (y - x) / span) for x, y in pairs]
 
     def peak(self, batch: int) -> int:
         k = batch - self.b1
-        return max(x + d * k for x, d in self.points)
+        return int(round(max(x + d * k for x, d in self.points)))
 
     def agrees(self, batch: int, m: Measure) -> bool:
         """Whether the measure at ``batch`` is the curve's prediction at every timeline point."""
-        if len(m.timeline) + 1 != len(self.points):
+        if not self.ok or len(m.timeline) + 1 != len(self.points):
             return False
         k = batch - self.b1
-        return all(x + d * k == y for (x, d), y in zip(self.points, m.timeline)) and self.peak(batch) == m.peak_bytes
+        return all(round(x + d * k) == y for (x, d), y in zip(self.points, m.timeline)) and \
+            self.peak(batch) == m.peak_bytes
 
-    def largest(self, budget: int, limit: int) -> int:
-        """The largest batch in ``[1, limit]`` whose predicted peak fits ``budget`` (0: none). The
-        peak is a maximum of affine functions (convex), so the batches that fit are an interval."""
-        if self.peak(1) > budget:
-            return 0
-        lo, hi = 1, limit  # peak(lo) fits; find the last that fits
+    def largest(self, budget: int, lo: int, hi: int) -> int:
+        """The largest batch in ``[lo, hi]`` whose predicted peak fits ``budget`` (``lo - 1``: none).
+        The peak is a maximum of affine functions (convex), so the batches that fit are an interval."""
+        if self.peak(lo) > budget:
+            return lo - 1
         if self.peak(hi) <= budget:
             return hi
         while hi - lo > 1:
@@ -216,10 +226,11 @@ class Curve:
 
 def fit(session: Session, batch_of: Callable[[int], Any], budget: int, limit: int,
         first: Optional[tuple[int, Measure]] = None) -> tuple[int, Measure, dict[int, Measure]]:
-    """The largest batch ``B`` whose measured peak fits ``budget`` and ``B + 1``'s does not: two
-    measures give the :class:`Curve`, its answer is measured (with ``B + 1``) and, if the curve did
-    not predict them exactly, the search goes on by bisection over measures. Returns ``(B, measure
-    at B, every measure taken)``; ``(0, measure at 1, ...)`` when not even one sample fits."""
+    """The largest batch ``B <= limit`` whose measured peak fits ``budget`` while ``B + 1``'s does
+    not (B = ``limit`` when it fits): a :class:`Curve` through two measures predicts ``B``, which is
+    measured with ``B + 1``; a miss draws the next curve through the measures nearest the answer,
+    and after a few misses a bisection over measures finishes. Returns ``(B, measure at B, every
+    measure taken)``; ``(0, measure at 1, ...)`` when not even one sample fits."""
     seen: dict[int, Measure] = dict([first]) if first else {}
 
     def at(b: int) -> Measure:
@@ -229,31 +240,28 @@ def fit(session: Session, batch_of: Callable[[int], Any], budget: int, limit: in
 
     if at(1).peak_bytes > budget:
         return 0, seen[1], seen
-    lo = 1
-    b2 = next((b for b in sorted(seen) if b > 1), 2 if limit >= 2 else None)
-    if b2 is None:
-        return 1, seen[1], seen
-    curve = Curve(1, at(1), b2, at(b2))
-    guess = curve.largest(budget, limit) if curve.ok else min(limit, 2)
-    hi: Optional[int] = None  # smallest batch known not to fit
-    for b in (guess, guess + 1):
-        if b <= limit:
-            if at(b).peak_bytes <= budget:
-                lo = max(lo, b)
-            else:
-                hi = b if hi is None else min(hi, b)
-    if hi is None and lo < limit:  # both fitted: grow until one does not
-        b = lo
-        while hi is None and b < limit:
-            b = min(limit, 2 * b)
-            if at(b).peak_bytes <= budget:
-                lo = b
-            else:
-                hi = b
-    if hi is None:
-        return lo, seen[lo], seen
-    lo = max([b for b in seen if b < hi and seen[b].peak_bytes <= budget], default=lo)
-    while hi - lo > 1:  # bisection over measures: only when the curve missed
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if at(mid).peak_bytes <= budget else (lo, mid)
-    return lo, seen[lo], seen
+    for _ in range(4):
+        fits = [b for b in seen if seen[b].peak_bytes <= budget]
+        lo = max(fits)
+        hi = min([b for b in seen if b > lo], default=limit + 1)
+        if hi == lo + 1 or lo >= limit:
+            return lo, seen[lo], seen
+        near = sorted((b for b in seen if b >= 2), key=lambda b: abs(b - lo))[:2]
+        pair = sorted(near) if len(near) == 2 else [max(2, lo), max(2, lo) + 1]
+        if len(near) < 2:
+            at(pair[0]), at(pair[1])
+            continue
+        guess = Curve(pair[0], seen[pair[0]], pair[1], seen[pair[1]]).largest(budget, lo, hi - 1)
+        guess = min(max(guess, lo), hi - 1)
+        for b in (guess, guess + 1):
+            if lo < b < hi or b == guess + 1 == hi:
+                at(b)
+    while True:  # the curve missed a few times: bisection over measures
+        lo = max(b for b in seen if seen[b].peak_bytes <= budget)
+        hi = min([b for b in seen if b > lo], default=limit + 1)
+        if hi == lo + 1 or lo >= limit:
+            return lo, seen[lo], seen
+        if hi > limit:  # nothing measured above lo fails yet: grow
+            at(min(limit, 2 * lo))
+        else:
+            at((lo + hi) // 2)

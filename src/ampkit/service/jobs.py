@@ -61,6 +61,7 @@ class Jobs:
         self._thread: Optional[threading.Thread] = None
         self._proc: Any = None
         self._conn: Any = None
+        self._closed = False
 
     def cached(self, key: Any) -> Optional[tuple[str, Any]]:
         """``(status, result or error)`` of a finished identical request (succeeded or invalid)."""
@@ -122,10 +123,14 @@ class Jobs:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get(self._q.get())
+            job_id = self._q.get()
+            if job_id == "\0reopen":
+                self._reopen()
+                continue
+            job = self._jobs.get(job_id)
             if job is None or job["status"] in _DONE:
                 continue
-            hit = self.cached(job["key"])
+            hit = self.cached(job["key"]) or (("failed", "the server is shutting down") if self._closed else None)
             if hit is not None:
                 self._finish(job, *hit)
                 continue
@@ -156,15 +161,22 @@ class Jobs:
         return self._conn.recv()
 
     def _stop_worker(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        self._proc = self._conn = None
+        proc, self._proc, self._conn = self._proc, None, None
+        if proc is not None:
+            proc.kill()
+            proc.join(5)
 
     def close(self) -> None:
-        """Stop the worker process (tests; the server's exit ends it anyway: it is a daemon)."""
+        """Stop the worker process and fail the jobs still waiting (a server's shutdown; its exit
+        ends the worker anyway: it is a daemon process). Jobs submitted later run on a new worker."""
         with self._lock:
+            self._closed = True
             self._stop_worker()
+        self._q.put("")  # wake the loop: it fails what is queued, then takes new jobs again
+        self._q.put("\0reopen")
+
+    def _reopen(self) -> None:
+        self._closed = False
 
 
 _JOBS: Optional[Jobs] = None
