@@ -36,12 +36,18 @@ def test_the_curve_from_two_measures_predicts_every_batch_exactly():
     assert curve.peak(5) > curve.peak(3) > curve.peak(2)
 
 
-def exhaustive(factory, batch_of, budget, precision, top=40):
-    """The reference: fresh estimates at 1, 2, 3, ... until one does not fit."""
-    b = 0
-    while b < top and estimate(factory, batch_of(b + 1), precision=precision).peak_bytes <= budget:
-        b += 1
-    return b
+def exhaustive(factory, batch_of, budget, precision, top=64):
+    """The reference: a bisection over fresh estimates for the last batch in [1, top] that fits."""
+    def fits(b):
+        return estimate(factory, batch_of(b), precision=precision).peak_bytes <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, top + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
@@ -106,8 +112,8 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     monkeypatch.setattr(estimate_session.Session, "__enter__", counting_enter)
     monkeypatch.setattr(estimate_session.Session, "measure", counting_measure)
     args = argparse.Namespace(model="gpt", size="tiny", model_config=None, data=None, block_size=None,
-                              memory="24MiB", precisions="fp32,bf16", batch_size=4, json=True)
+                              memory="8MiB", precisions="fp32,bf16", batch_size=4, json=True)
     rows = plan_cli.plan_rows(args)
     assert counts["sessions"] == 4 and counts["measures"] <= 2 * (5 + 5)
     for r in rows:  # the answers are the exhaustive ones
-        assert r["largest_batch"] == exhaustive(gpt, gpt_batch, 24 * 2**20, r["precision"])
+        assert r["largest_batch"] == exhaustive(gpt, gpt_batch, 8 * 2**20, r["precision"])

@@ -24,12 +24,14 @@ from typing import Any, Optional
 __all__ = ["Jobs", "jobs"]
 
 _DONE = ("succeeded", "invalid", "failed")
+STARTUP_S = 300  # how long the worker process may take to start (import torch) before its job fails
 
 
 def _serve(conn: Any) -> None:  # the worker process's loop
     import torch
 
     torch.set_num_threads(1)
+    conn.send("ready")
     while True:
         try:
             msg = conn.recv()
@@ -155,6 +157,9 @@ class Jobs:
                 if env_threads is None:
                     os.environ.pop("OMP_NUM_THREADS", None)
             child.close()
+            # starting (importing torch) is not the job's time: a loaded machine takes a while
+            if not self._conn.poll(STARTUP_S) or self._conn.recv() != "ready":
+                raise RuntimeError(f"the worker process did not start within {STARTUP_S} s")
         self._conn.send((target, args))
         if not self._conn.poll(self.timeout_s):
             raise TimeoutError(f"the job ran past this server's limit of {self.timeout_s:g} s and was stopped")
