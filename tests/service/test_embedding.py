@@ -45,3 +45,25 @@ def test_create_app_mounted_in_another_app_serves_and_runs(tmp_path):
             time.sleep(0.2)
         assert run["status"] == "succeeded", run
     assert c.app is parent
+
+
+def test_optimized_honours_epochs_when_the_effective_batch_exceeds_the_data(tmp_path):
+    """2 texts, an effective batch of 8: `ampkit train --epochs 5` would count 5 * 1 // 4 = 1 step (4
+    passes); the route trains 2 steps (8 passes >= 5) and says so."""
+    pytest.importorskip("transformers")
+    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc")), tokens={"tok-alice": "alice"})
+    c = TestClient(app)  # no lifespan: the runner does not start, the runs stay queued
+    body = {"model_name": "gpt2", "model_overrides": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64},
+            "dataset_config": {"texts": ["first text", "second text"], "max_length": 32},
+            "training_config": {"batch_size": 2}, "target_effective_batch_size": 8, "use_mixed_precision": False}
+    got = {}
+    for epochs in (1, 5, 16):
+        r = c.post("/finetuning/optimized", json={**body, "training_config": {"batch_size": 2, "epochs": epochs}},
+                   headers=ALICE)
+        assert r.status_code == 201, r.text
+        out = r.json()
+        assert out["effective_batch_size"] == 8 and out["epochs"] == epochs
+        assert out["spec"]["steps"] == out["optimizer_steps"] and out["spec"]["epochs"] is None
+        assert out["data_passes"] == out["optimizer_steps"] * 8 / 2 >= epochs
+        got[epochs] = out["optimizer_steps"]
+    assert got == {1: 1, 5: 2, 16: 4}
