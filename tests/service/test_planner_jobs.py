@@ -110,6 +110,12 @@ def test_planner_route_answers_in_seconds_repeats_from_cache_and_others_stay_fas
 
     th = threading.Thread(target=hammer, daemon=True)
     try:
+        # a server's first Hugging Face request imports transformers and its GPT-2 (~10 s here, once):
+        # this one does, and is refused before any plan (a 175B config over the parameter cap)
+        huge = {"model_name": "gpt2", "gpu_memory_gb": 8, "model_overrides": {"n_layer": 96, "n_embd": 12288,
+                                                                              "n_head": 96}}
+        r = s.client.post("/finetuning/optimize-mixed-precision", json=huge, headers=ALICE, timeout=120)
+        assert r.status_code == 422 and "over this server's limit" in r.text, r.text
         th.start()
         body = {"model_name": "gpt2", "model_overrides": SMALL, "gpu_memory_gb": 0.02, "batch_size": 4,
                 "max_length": 64}

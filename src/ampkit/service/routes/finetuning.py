@@ -196,7 +196,7 @@ def stats(who: Owner, svc: Svc, run_id: Optional[str] = None) -> dict[str, Any]:
             "logged_steps": len(steps)}
 
 
-PLAN_WAIT_S = 10.0  # how long the planner route waits for its job before answering 202 with it
+PLAN_WAIT_S = 3.0  # how long the planner route waits for its job before answering 202 with it
 
 
 def _job_answer(job: dict[str, Any], status_code: int = 202) -> JSONResponse:
