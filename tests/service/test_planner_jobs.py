@@ -121,7 +121,8 @@ def test_planner_route_answers_in_seconds_repeats_from_cache_and_others_stay_fas
                 "max_length": 64}
         t = time.monotonic()
         r = s.client.post("/finetuning/optimize-mixed-precision", json=body, headers=ALICE)
-        assert time.monotonic() - t < 20 and r.status_code in (200, 202), r.text
+        first_s = time.monotonic() - t
+        assert first_s < 20 and r.status_code in (200, 202), r.text
         if r.status_code == 202:
             poll = r.json()["poll"]
             assert r.headers["Location"] == poll and int(r.headers["Retry-After"]) > 0
@@ -137,7 +138,10 @@ def test_planner_route_answers_in_seconds_repeats_from_cache_and_others_stay_fas
         assert set(rows) >= {"fp32", "bf16", "fp16"} and all(row["max_batch_size"] >= 1 for row in rows.values())
         t = time.monotonic()
         again = s.client.post("/finetuning/optimize-mixed-precision", json=body, headers=BOB)
-        assert time.monotonic() - t < 2 and again.status_code == 200, again.text
+        repeat_s = time.monotonic() - t
+        assert repeat_s < 2 and again.status_code == 200, again.text
+        print(f"planner route: first answer in {first_s:.2f} s, "
+              f"repeat 200 (cached) in {repeat_s:.3f} s")
         assert again.json()["cached"] is True and again.json()["recommendations"] == answer["recommendations"]
         # heavy work never in a request thread: the full 124M GPT-2 at 1024 tokens is a 202 at once
         # (after the route's short wait), two in flight per owner, the third a 429
@@ -147,6 +151,7 @@ def test_planner_route_answers_in_seconds_repeats_from_cache_and_others_stay_fas
             r = s.client.post("/finetuning/optimize-mixed-precision", json={**big, "batch_size": 8 + i},
                               headers=ALICE)
             assert r.status_code == code and time.monotonic() - t < 20, r.text
+            print(f"GPT-2 124M plan request {i}: {r.status_code} in {time.monotonic() - t:.2f} s")
         assert "Retry-After" in r.headers
     finally:
         stop.set()
