@@ -99,9 +99,16 @@ def _run_spec(body: TrainBody, precision: str, init_scale: Optional[float], ckpt
                        lr=body.training_config.learning_rate,
                        batch_size=batch, init_scale=init_scale, activation_checkpointing=ckpt, save_model=True,
                        user_id=body.user_id, device=body.device, max_seconds=body.max_seconds,
-                       **{"epochs": body.training_config.epochs, **extra}).model_dump()
+                       **{"epochs": body.training_config.epochs, **_weight_decay(body), **extra}).model_dump()
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
+
+
+def _weight_decay(body: TrainBody) -> dict[str, Any]:
+    """``training_config.weight_decay`` for the run's optimizer, once the schemas carry it (a
+    ``TrainingConfig`` and ``RunSpec`` field, and ``ampkit train --weight_decay``)."""
+    wd = getattr(body.training_config, "weight_decay", None)
+    return {} if wd is None else {"weight_decay": wd}
 
 
 @router.post("/setup-mixed-precision")
