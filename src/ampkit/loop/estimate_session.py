@@ -238,25 +238,32 @@ def fit(session: Session, batch_of: Callable[[int], Any], budget: int, limit: in
             seen[b] = session.measure(batch_of(b))
         return seen[b]
 
-    if at(1).peak_bytes > budget:
-        return 0, seen[1], seen
+    above = sorted(b for b in seen if b >= 2)
+    if limit >= 3 and len(above) < 2:  # the first curve's two points (batch 1 is measured only if needed)
+        base = above[0] if above else 2
+        at(base), at(base + 1 if base < limit else base - 1)
     for _ in range(4):
         fits = [b for b in seen if seen[b].peak_bytes <= budget]
+        if not fits:
+            if at(1).peak_bytes > budget:
+                return 0, seen[1], seen
+            continue
         lo = max(fits)
         hi = min([b for b in seen if b > lo], default=limit + 1)
         if hi == lo + 1 or lo >= limit:
             return lo, seen[lo], seen
-        near = sorted((b for b in seen if b >= 2), key=lambda b: abs(b - lo))[:2]
-        pair = sorted(near) if len(near) == 2 else [max(2, lo), max(2, lo) + 1]
+        near = sorted(sorted((b for b in seen if b >= 2), key=lambda b: abs(b - lo))[:2])
         if len(near) < 2:
-            at(pair[0]), at(pair[1])
+            at(max(2, lo)), at(max(2, lo) + 1)
             continue
-        guess = Curve(pair[0], seen[pair[0]], pair[1], seen[pair[1]]).largest(budget, lo, hi - 1)
+        guess = Curve(near[0], seen[near[0]], near[1], seen[near[1]]).largest(budget, lo, hi - 1)
         guess = min(max(guess, lo), hi - 1)
-        for b in (guess, guess + 1):
-            if lo < b < hi or b == guess + 1 == hi:
-                at(b)
+        at(guess)
+        if guess < limit:
+            at(guess + 1)
     while True:  # the curve missed a few times: bisection over measures
+        if at(1).peak_bytes > budget:
+            return 0, seen[1], seen
         lo = max(b for b in seen if seen[b].peak_bytes <= budget)
         hi = min([b for b in seen if b > lo], default=limit + 1)
         if hi == lo + 1 or lo >= limit:
