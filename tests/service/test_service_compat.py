@@ -4,6 +4,8 @@ built from ``GPT2Config`` on the given texts, and answered with the fields the b
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -141,6 +143,11 @@ def test_optimize_mixed_precision_answers_from_the_planner(server):
     body = OPTIMIZE | {"model_overrides": byte, "gpu_memory_gb": 0.05, "batch_size": 16, "max_length": 128}
     # 5 precisions x a batch search on fake tensors: minutes on a loaded 2-core machine
     r = c.post("/finetuning/optimize-mixed-precision", json=body, headers=ALICE, timeout=600)
+    deadline = time.monotonic() + 900
+    while r.status_code == 202:  # not ready within the route's wait: a job to poll
+        assert time.monotonic() < deadline, r.text
+        time.sleep(1)
+        r = c.get(r.json()["poll"], headers=ALICE)
     assert r.status_code == 200, r.text
     out = r.json()
     rows = {row["precision"]: row for row in out["recommendations"]}

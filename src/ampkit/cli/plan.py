@@ -6,12 +6,14 @@ import argparse
 import json
 from typing import Any
 
-from ..loop.estimate import PLAN_PRECISIONS, estimate, largest_batch, parse_bytes
+from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
+from ..loop.estimate_session import Session, fit
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags
 from .invocation import Invocation
 
 DEFAULT = ",".join(PLAN_PRECISIONS)  # and fp8 where torchao is installed
+LIMIT = 1 << 16  # the largest batch a plan reports
 
 
 def default_precisions() -> str:
@@ -20,23 +22,44 @@ def default_precisions() -> str:
     return DEFAULT + (",fp8" if importlib.util.find_spec("torchao") is not None else "")
 
 
-def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    budget = parse_bytes(args.memory)
-    factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
+def _model_only(args: argparse.Namespace, factory: Any) -> Any:
+    """A factory that builds the model and nothing else (``estimate_inputs``' factory also builds
+    the data, once per call): a Hugging Face config or a built-in model; a user's factory as is."""
+    import functools
 
-    rows = []
-    for precision in [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]:
-        at = estimate(factory, batch_of(args.batch_size), precision=precision)
+    from ..loop.hf import build_hf, is_hf, parse_overrides
+    from ..loop.models import MODELS, build
+
+    if is_hf(args.model):
+        return functools.partial(build_hf, args.model, parse_overrides(getattr(args, "model_config", None)))
+    return functools.partial(build, args.model, args.size) if args.model in MODELS else factory
+
+
+def _row(factory: Any, batch_of: Any, budget: int, precision: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One precision: the step measured at ``--batch_size`` and the largest batch with and without
+    activation checkpointing; each search builds and warms the model once (a session) and measures
+    a handful of batch sizes (:func:`ampkit.loop.estimate_session.fit`)."""
+    with Session(factory, "adamw", precision) as session:
+        at = session.measure(batch_of(args.batch_size))
         static = sum(v for k, v in at.parts.items() if k not in ("activations", "temporaries"))
         if static > budget:
             raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
                              f"parameters, gradients and optimizer state alone in {precision} "
                              f"({static / 2**30:.2f} GiB); no batch size fits")
-        best, _ = largest_batch(factory, batch_of, budget, precision)
-        best_ckpt, _ = largest_batch(factory, batch_of, budget, precision, activation_checkpointing=True)
-        rows.append({"precision": at.precision, "peak_bytes": at.peak_bytes, "parts": at.parts,
-                     "batch_size": args.batch_size, "fits": at.peak_bytes <= budget,
-                     "largest_batch": best, "largest_batch_activation_checkpointing": best_ckpt})
+        best, _, _ = fit(session, batch_of, budget, LIMIT, first=(args.batch_size, at))
+    with Session(factory, "adamw", precision, activation_checkpointing=True) as session:
+        best_ckpt, _, _ = fit(session, batch_of, budget, LIMIT)
+    return {"precision": at.precision, "peak_bytes": at.peak_bytes, "parts": dict(at.parts),
+            "batch_size": args.batch_size, "fits": at.peak_bytes <= budget,
+            "largest_batch": best, "largest_batch_activation_checkpointing": best_ckpt}
+
+
+def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    budget = parse_bytes(args.memory)
+    factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
+    factory = _model_only(args, factory)
+    rows = [_row(factory, batch_of, budget, precision, args)
+            for precision in [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]]
     ref = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:
         r["saving_vs_fp32"] = 1 - r["peak_bytes"] / ref["peak_bytes"] if ref else None

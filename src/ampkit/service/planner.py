@@ -9,15 +9,16 @@ batch -- predicted, not measured, since a run trains in one precision. Estimates
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, Callable, Optional
 
 from ..loop.estimate import PLAN_PRECISIONS
+from .jobs import jobs as _jobs
 from .schemas import OptimizeBody
 
-__all__ = ["plan_answer", "savings_gb"]
+__all__ = ["compute_plan", "peaks", "plan_answer", "plan_key", "savings_gb"]
 
 GiB = 2**30
+MAX_BATCH = 1 << 16  # the largest batch a plan reports
 _AUTOCAST = PLAN_PRECISIONS[1:3]  # the candidates for "mixed precision"
 
 
@@ -43,9 +44,10 @@ def _tokens(batch: int, length: int) -> tuple[Any, Any]:
     return x, x.clone()
 
 
-@functools.lru_cache(maxsize=256)
-def _peaks(model: str, overrides: Overrides, size: str, batch: int, length: int, precisions: tuple[str, ...]) -> dict[str, int]:
-    """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (cached)."""
+def peaks(model: str, overrides: Overrides, size: str, batch: int, length: int,
+          precisions: tuple[str, ...]) -> dict[str, int]:
+    """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (the
+    worker process runs this: :mod:`ampkit.service.jobs`)."""
     from ..loop.estimate import estimate
 
     factory, limit = _text_model(model, overrides, size)
@@ -53,34 +55,15 @@ def _peaks(model: str, overrides: Overrides, size: str, batch: int, length: int,
     return {p: estimate(factory, batch_tokens, precision=p).peak_bytes for p in precisions}
 
 
-@functools.lru_cache(maxsize=256)
-def _largest(model: str, overrides: Overrides, size: str, length: int, budget: int, precision: str) -> int:
-    """The largest batch whose predicted peak fits ``budget`` (:func:`ampkit.loop.estimate.largest_batch`; cached)."""
-    from ..loop.estimate import largest_batch
-
-    factory, limit = _text_model(model, overrides, size)
-    return largest_batch(factory, lambda b: _tokens(b, min(length, limit)), budget, precision)[0]
-
-
 def _overrides(d: dict[str, Any]) -> Overrides:
     """The overrides as they are, as a sorted tuple: what is estimated is what the request gave."""
     return tuple(sorted(d.items()))
 
 
-_LOCKS: dict[tuple[Any, ...], threading.Lock] = {}
-_LOCKS_GUARD = threading.Lock()
-
-
-def _one_at_a_time(key: tuple[Any, ...]) -> threading.Lock:
-    """One lock per estimate: the background estimate started at submit and the result route asking
-    for the same numbers compute them once (``_peaks`` caches; the lock makes the second caller wait)."""
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(key, threading.Lock())
-
-
-def savings_gb(spec: dict[str, Any], precision: Optional[str]) -> Optional[float]:
+def savings_gb(spec: dict[str, Any], precision: Optional[str], wait_s: float = 300.0) -> Optional[float]:
     """Predicted fp32 peak minus ``precision``'s for a run's spec, in GiB; None when no estimate can
-    be made (a model that is not a text model, ...): that is no reason to refuse a run."""
+    be made (a model that is not a text model, ...; or none within ``wait_s``): that is no reason
+    to refuse a run. The estimate runs in the worker process; this thread only waits."""
     if precision == "fp32":
         return 0.0
     try:
@@ -91,11 +74,44 @@ def savings_gb(spec: dict[str, Any], precision: Optional[str]) -> Optional[float
         batch = min(spec["batch_size"], len(texts)) if texts else spec["batch_size"]
         key = (spec["model"], _overrides(spec.get("model_overrides") or {}), spec.get("size", "small"),
                batch, max(1, length), ("fp32", precision))
-        with _one_at_a_time(key):  # a second asker waits for the first's estimate, then reads the cache
-            peaks = _peaks(*key)
+        got = _jobs().cached(("peaks", key))
+        if got is None:  # worked out by the worker process; identical asks share the job, then the cache
+            job = _jobs().wait(_jobs().submit("(server)", ("peaks", key), f"{__name__}:peaks", key), wait_s)
+            got = (job["status"], job["result"] if job["status"] == "succeeded" else job["error"])
+        if got[0] != "succeeded":
+            return None
+        peaks = got[1]
     except Exception:  # an estimate that cannot run is no reason to refuse the run
         return None
     return round((peaks["fp32"] - peaks[precision]) / GiB, 4) + 0.0  # (no -0.0)
+
+
+def plan_key(body: OptimizeBody, max_params: Optional[int]) -> tuple[Any, ...]:
+    """What a plan depends on: identical requests have the same key (and share the cached answer)."""
+    return ("plan", body.model_name, _overrides(body.model_overrides), body.size, body.batch_size, body.max_length,
+            float(body.gpu_memory_gb), max_params)
+
+
+def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, Any]:
+    """The worker process's job for ``POST /finetuning/optimize-mixed-precision``: the size check
+    (building a config of thousands of layers, even on the meta device, takes seconds), then
+    :func:`plan_answer`. A ValueError is the client's (a 422)."""
+    from .deps import check_size
+
+    b = OptimizeBody(**body)
+    check_size(b.model_name, b.model_overrides, max_params)
+    return plan_answer(b)
+
+
+def _plan_row(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, p: str) -> dict[str, Any]:
+    """One precision: one session measures ``batch_size`` and searches the largest batch from there."""
+    from ..loop.estimate_session import Session, fit
+
+    with Session(factory, "adamw", p) as session:
+        m = session.measure(_tokens(body.batch_size, length))
+        best = fit(session, lambda b: _tokens(b, length), budget, MAX_BATCH, first=(body.batch_size, m))[0]
+    at = m.peak_bytes
+    return {"precision": p, "predicted_peak_gb": round(at / GiB, 3), "fits": at <= budget, "max_batch_size": best}
 
 
 def plan_answer(body: OptimizeBody) -> dict[str, Any]:
@@ -103,11 +119,8 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     largest batch that fits ``gpu_memory_gb`` (``B`` fits by the estimate, ``B + 1`` does not)."""
     budget = int(body.gpu_memory_gb * GiB)
     overrides = _overrides(body.model_overrides)
-    rows = []
-    for p in PLAN_PRECISIONS:
-        at = _peaks(body.model_name, overrides, body.size, body.batch_size, body.max_length, (p,))[p]
-        rows.append({"precision": p, "predicted_peak_gb": round(at / GiB, 3), "fits": at <= budget,
-                     "max_batch_size": _largest(body.model_name, overrides, body.size, body.max_length, budget, p)})
+    factory, limit = _text_model(body.model_name, overrides, body.size)
+    rows = [_plan_row(factory, min(body.max_length, limit), body, budget, p) for p in PLAN_PRECISIONS]
     fp32 = rows[0]
     best_half = max((r for r in rows if r["precision"] in _AUTOCAST), key=lambda r: r["max_batch_size"])
     use = (not fp32["fits"] and best_half["fits"]) or best_half["max_batch_size"] > fp32["max_batch_size"]

@@ -23,14 +23,17 @@ import threading
 from typing import Any, Optional
 
 import torch
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from ...loop.hf import is_hf
 from ...step.config import MixedPrecisionConfig
 from ...step.precision import Precision, resolve_precision
 from ..checks import check_overrides
 from ..deps import OwnedRun, Owner, Svc, allowed_model, check_size, lookup, submit
-from ..planner import plan_answer, savings_gb
+from ..jobs import jobs
+from ..limits import limit
+from ..planner import compute_plan, plan_key, savings_gb
 from ..runner import read_log
 from ..schemas import (
     MixedPrecisionBody,
@@ -93,11 +96,19 @@ def _run_spec(body: TrainBody, precision: str, init_scale: Optional[float], ckpt
     try:
         return RunSpec(model=body.model_name, model_overrides=body.model_overrides, precision=precision,
                        texts=body.dataset_config.texts, max_length=body.dataset_config.max_length,
-                       epochs=body.training_config.epochs, lr=body.training_config.learning_rate,
+                       lr=body.training_config.learning_rate,
                        batch_size=batch, init_scale=init_scale, activation_checkpointing=ckpt, save_model=True,
-                       user_id=body.user_id, device=body.device, max_seconds=body.max_seconds, **extra).model_dump()
+                       user_id=body.user_id, device=body.device, max_seconds=body.max_seconds,
+                       **{"epochs": body.training_config.epochs, **_weight_decay(body), **extra}).model_dump()
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
+
+
+def _weight_decay(body: TrainBody) -> dict[str, Any]:
+    """``training_config.weight_decay`` for the run's optimizer, once the schemas carry it (a
+    ``TrainingConfig`` and ``RunSpec`` field, and ``ampkit train --weight_decay``)."""
+    wd = getattr(body.training_config, "weight_decay", None)
+    return {} if wd is None else {"weight_decay": wd}
 
 
 @router.post("/setup-mixed-precision")
@@ -136,12 +147,27 @@ def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
     if target:  # the largest micro-batch <= batch that divides the target (as `ampkit train` does)
         batch = max(b for b in range(1, min(batch, target) + 1) if target % b == 0)
     accumulation = target // batch if target else 1
-    spec = _run_spec(body, precision, None, False, batch, accumulation_steps=accumulation)
+    steps, passes = _steps_for_epochs(len(body.dataset_config.texts), batch, accumulation,
+                                      body.training_config.epochs)
+    spec = _run_spec(body, precision, None, False, batch, accumulation_steps=accumulation, steps=steps, epochs=None)
     run = submit(svc, who, "train", spec)
+    # the predicted saving, if the worker has it within a second; else with the result (GET /finetuning/runs/{id})
     return {**run_view(run), "run_id": run["id"], "precision": precision, "reason": reason,
             "mixed_precision_enabled": precision != "fp32", "gradient_accumulation_enabled": accumulation > 1,
             "batch_size": batch, "accumulation_steps": accumulation, "effective_batch_size": batch * accumulation,
-            "memory_savings_gb": savings_gb(spec, precision)}
+            "optimizer_steps": steps, "epochs": body.training_config.epochs, "data_passes": passes,
+            "memory_savings_gb": savings_gb(spec, precision, wait_s=1.0)}
+
+
+def _steps_for_epochs(samples: int, batch: int, accumulation: int, epochs: int) -> tuple[int, float]:
+    """Optimizer steps for ``epochs`` passes over ``samples`` texts, and the passes they make. As
+    ``ampkit train --epochs`` counts them (whole batches per epoch, then whole optimizer steps), but
+    never fewer than every text ``epochs`` times: an effective batch larger than the data (64 of 2
+    texts) still trains ``epochs`` passes or more, in as few steps as hold them, and says how many."""
+    effective = batch * accumulation
+    per_epoch = -(-samples // batch)
+    steps = max(1, epochs * per_epoch // accumulation, -(-epochs * samples // effective))
+    return steps, round(steps * effective / samples, 3)
 
 
 @router.get("/runs/{run_id}")
@@ -177,13 +203,58 @@ def stats(who: Owner, svc: Svc, run_id: Optional[str] = None) -> dict[str, Any]:
             "logged_steps": len(steps)}
 
 
+PLAN_WAIT_S = 3.0  # how long the planner route waits for its job before answering 202 with it
+
+
+def _job_answer(job: dict[str, Any], status_code: int = 202) -> JSONResponse:
+    """A job's answer: its result when it succeeded, a 422 when the request was bad, else its state."""
+    if job["status"] == "succeeded":
+        return JSONResponse({**job["result"], "job_id": job["id"]}, status_code=200)
+    if job["status"] == "invalid":
+        raise HTTPException(422, job["error"])
+    view = {"job_id": job["id"], "status": job["status"], "error": job["error"],
+            "poll": f"/finetuning/optimize-mixed-precision/jobs/{job['id']}"}
+    headers = {"Location": view["poll"], "Retry-After": "5"} if job["status"] != "failed" else None
+    return JSONResponse(view, status_code=status_code if job["status"] != "failed" else 200, headers=headers)
+
+
+def _deep(overrides: dict[str, Any]) -> bool:
+    """A config of more than 256 layers: even counting its parameters on the meta device takes
+    seconds (8000 layers: ~17 s), so its size check runs in the worker with the plan."""
+    return any("layer" in k and isinstance(v, int) and v > 256 for k, v in overrides.items())
+
+
 @router.post("/optimize-mixed-precision")
-def optimize(body: OptimizeBody, who: Owner, svc: Svc) -> dict[str, Any]:
+def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
+    """The planner's answer (200) when it is ready within seconds or cached; else 202 with a job to
+    poll. The estimates run in the worker process (``..jobs``), never in this thread; identical
+    requests are answered from the cache; per owner a rate limit and a cap on jobs in flight (429)."""
+    limits = limit(request, who, "planner")
     try:
         allowed_model(body.model_name, ())
         if body.model_overrides or is_hf(body.model_name):
             check_overrides(body.model_name, body.model_overrides)
-        check_size(body.model_name, body.model_overrides, svc.config.max_params)
-        return plan_answer(body)
+        if not _deep(body.model_overrides):  # a size check of a few dozen layers: here, a 422 at once
+            check_size(body.model_name, body.model_overrides, svc.config.max_params)
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
+    key = plan_key(body, svc.config.max_params)
+    hit = jobs().cached(key)
+    if hit is not None:
+        if hit[0] == "invalid":
+            raise HTTPException(422, hit[1])
+        return {**hit[1], "cached": True}
+    if not jobs().pending(who, key):  # a repeat of a job in flight follows that job; a new one counts
+        limits.check_in_flight(who, jobs().in_flight(who))
+    job = jobs().submit(who, key, f"{compute_plan.__module__}:compute_plan",
+                        (body.model_dump(), svc.config.max_params))
+    return _job_answer(jobs().wait(job, PLAN_WAIT_S))
+
+
+@router.get("/optimize-mixed-precision/jobs/{job_id}")
+def optimize_job(job_id: str, who: Owner) -> Any:
+    """A planner job: 202 while it is queued or running, then its answer (200, or 422)."""
+    job = jobs().get(job_id, who)
+    if job is None:
+        raise HTTPException(404, f"no planner job {job_id!r}")
+    return _job_answer(job)
