@@ -40,7 +40,7 @@ FLAGS = {
         --no_fp8_emulate --no_memory_efficient --no_progress --no_skip_nonfinite --node_rank
         --nproc_per_node --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
         --rdzv_id --resume --save_model --seed --size --skip_nonfinite --state_dtype --steps
-        --target_effective_batch_size --wandb -h
+        --target_effective_batch_size --wandb --weight_decay -h
     """,
     "audit": """
         --batch_size --block_size --data --device --help --json --max_length --model --model_config
@@ -229,7 +229,7 @@ def _sample(action: argparse.Action):
         return f'"{choice}"', choice
     if isinstance(action, Toggle):
         return "true", True
-    samples = {"positive_int": ("3", 3), "int": ("3", 3), "_batch_size_arg": ("3", 3), "positive_float": ("0.5", 0.5), "_patterns": ('"a,b"', ("a", "b"))}
+    samples = {"positive_int": ("3", 3), "int": ("3", 3), "_batch_size_arg": ("3", 3), "positive_float": ("0.5", 0.5), "unit_float": ("0.25", 0.25), "_patterns": ('"a,b"', ("a", "b"))}
     name = getattr(action.type, "__name__", None)
     return samples.get(name, ('"x"', "x"))
 
@@ -332,3 +332,12 @@ def test_serve_max_seconds_is_the_default_run_limit_and_bad_values_are_refused(c
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--max_seconds", bad])
         assert "--max_seconds" in capsys.readouterr().err
+
+
+def test_weight_decay_flag_reaches_train_and_is_checked(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["train"]).weight_decay == 0.01
+    assert parser.parse_args(["train", "--weight_decay", "0"]).weight_decay == 0.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--weight-decay", "-0.1"])
+    assert "between 0 and 1" in capsys.readouterr().err

@@ -40,6 +40,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def unit_float(text: str) -> float:
+    """A number in [0, 1] (e.g. a weight decay)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{v} must be between 0 and 1")
+    return v
+
+
 def model_and_data(args: argparse.Namespace, device: Optional[torch.device]) -> tuple[torch.nn.Module, Any]:
     """A built-in model with its local data, a Hugging Face config (``gpt2``,
     ``transformers.GPT2Config``) on byte-level text, or a user's ``module:factory``. ``--data``

@@ -25,7 +25,15 @@ from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
 from . import parallel
-from .common import estimate_inputs, flag, model_and_data, model_label, positive_float, positive_int
+from .common import (
+    estimate_inputs,
+    flag,
+    model_and_data,
+    model_label,
+    positive_float,
+    positive_int,
+    unit_float,
+)
 from .config_file import resolved_toml
 from .flags import add_engine_flags, debug_flags, engine_config, model_flags
 from .interrupts import PeerFailed, sigterm_interrupts
@@ -192,7 +200,7 @@ def _setup(args: argparse.Namespace, console: Any, device: torch.device, model: 
     several = world_size() > 1
     model = parallel.wrap(args, model, amp.precision, device)  # several processes: DDP or FSDP2
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{device} x {world_size()} processes ({args.parallel})" if several else str(device)
@@ -381,6 +389,7 @@ def add_parser(sub: Any) -> None:
     flag(p, "target_effective_batch_size", type=positive_int, default=None,
          help="derive --accumulation_steps so that batch_size x accumulation_steps equals this")
     flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    flag(p, "weight_decay", type=unit_float, default=0.01, help="AdamW weight decay (default: 0.01)")
     flag(p, "seed", type=int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
          "Python's random, numpy (default: 0)")
     flag(p, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps (default: 10)")

@@ -91,6 +91,7 @@ class RunSpec(BaseModel):
     batch_size: Int = Field(16, ge=1, le=65_536)
     accumulation_steps: Int = Field(1, ge=1, le=4096)
     lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.01, ge=0, le=1)
     seed: Int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)  # a signed 64-bit number (TOML's and torch's range)
     init_scale: Optional[float] = Field(None, gt=0, le=MAX_SCALE)
     device: Name = "cpu"
@@ -214,6 +215,7 @@ class DatasetConfig(_Body):
 class TrainingConfig(_Body):
     epochs: Int = Field(1, ge=1, le=100_000)
     learning_rate: float = Field(5e-5, gt=0, le=10)
+    weight_decay: float = Field(0.01, ge=0, le=1)
     batch_size: Int = Field(8, ge=1, le=65_536)
 
 

@@ -7,11 +7,12 @@ import json
 import os
 from typing import Any, Optional
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 
 from ... import __version__
 from ..deps import OwnedRun, Owner, Svc, lookup, submit
 from ..gpu import gpu_status
+from ..limits import limit
 from ..runner import read_log
 from ..schemas import RecommendSpec, RunSpec, run_view
 
@@ -109,7 +110,8 @@ def compare(ids: str, who: Owner, svc: Svc) -> dict[str, Any]:
 
 
 @router.post("/v1/recommend", status_code=201)
-def recommend(spec: RecommendSpec, who: Owner, svc: Svc) -> dict[str, Any]:
+def recommend(spec: RecommendSpec, who: Owner, svc: Svc, request: Request) -> dict[str, Any]:
+    limit(request, who, "recommend")  # per-owner rate limit (429 with Retry-After), as the planner route
     return run_view(submit(svc, who, "recommend", spec.model_dump()))
 
 
