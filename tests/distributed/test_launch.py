@@ -82,6 +82,7 @@ def test_the_trainer_interleaves_ranks_over_the_data():
 
     t = Trainer(model, opt, amp, batches, progress=False, loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
     t.world_size, t.rank = 2, 1  # what rank 1 of 2 sees
+    t.source.world_size, t.source.rank = 2, 1  # (the batch source reads its rank at construction)
     t.fit(3)
     assert seen == [1, 3, 5]
 
