@@ -37,6 +37,7 @@ def test_metrics_of_a_record():
     assert metrics_of(rec) == {"loss": 2.0, "skipped": 1.0, "lr": 1e-3}
 
 
+@pytest.mark.slow
 def test_mlflow_file_store_equals_the_jsonl_log(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient

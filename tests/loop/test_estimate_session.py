@@ -18,6 +18,7 @@ def gpt():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.slow
 def test_a_session_measures_what_fresh_estimates_report(precision):
     with Session(gpt, "adamw", precision) as s:
         measures = {b: s.measure(gpt_batch(b)) for b in (3, 1, 5)}  # any order: each step starts from the same state
@@ -26,6 +27,7 @@ def test_a_session_measures_what_fresh_estimates_report(precision):
         assert m.peak_bytes == e.peak_bytes and m.parts == e.parts, b
 
 
+@pytest.mark.slow
 def test_the_curve_from_two_measures_predicts_every_batch_exactly():
     with Session(gpt, "adamw", "bf16") as s:
         m2, m3, m7 = s.measure(gpt_batch(2)), s.measure(gpt_batch(3)), s.measure(gpt_batch(7))
@@ -51,6 +53,7 @@ def exhaustive(factory, batch_of, budget, precision, top=64):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+@pytest.mark.slow
 def test_largest_batch_is_the_exhaustive_answer(precision):
     one = estimate(gpt, gpt_batch(1), precision=precision).peak_bytes
     two = estimate(gpt, gpt_batch(2), precision=precision).peak_bytes
@@ -74,6 +77,7 @@ class AllPairs(torch.nn.Module):
         return sim.float().logsumexp(1).mean()
 
 
+@pytest.mark.slow
 def test_fit_still_answers_when_memory_is_not_affine():
     def batch_of(b):
         return (torch.randn(b, 64),)
@@ -90,6 +94,7 @@ def test_fit_still_answers_when_memory_is_not_affine():
     assert m.peak_bytes <= budget < seen[b + 1].peak_bytes
 
 
+@pytest.mark.slow
 def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(monkeypatch):
     """The cost of `ampkit plan` per precision: two sessions (with and without activation
     checkpointing), and when the memory is affine 4 measures each -- not a bisection of estimates."""

@@ -136,6 +136,7 @@ def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_auto_batch_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="choose 'auto'"):
         _gpt_trainer(tmp_path, batch_size=8)

@@ -281,6 +281,7 @@ def test_keep_fp32_that_matches_no_module_is_422(client, model, extra):
 
 # --- 5. listings without texts, the queue cap per owner, a default max_seconds ---------------------
 
+@pytest.mark.slow
 def test_listings_do_not_carry_the_training_texts(client):
     big = ["some training text " * 500] * 20
     r = post(client, "/v1/runs", {"model": "gpt", "texts": big})

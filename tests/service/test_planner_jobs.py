@@ -57,6 +57,7 @@ def jobs():
     j.close()
 
 
+@pytest.mark.slow
 def test_jobs_run_in_a_worker_process_and_identical_requests_hit_the_cache(jobs):
     job = jobs.wait(jobs.submit("alice", ("pid",), "os:getpid", ()), 120)
     assert job["status"] == "succeeded"
@@ -71,6 +72,7 @@ def test_jobs_run_in_a_worker_process_and_identical_requests_hit_the_cache(jobs)
     assert jobs.get(bad["id"], "bob") is None and jobs.get(bad["id"], "alice") is bad
 
 
+@pytest.mark.slow
 def test_a_job_past_the_time_limit_is_stopped_and_the_next_one_runs(jobs):
     jobs.timeout_s = 3
     first = jobs.wait(jobs.submit("alice", ("ping",), "os:getpid", ()), 120)
