@@ -97,6 +97,7 @@ def test_dataloader_epochs_bitwise_with_hand_loop_and_epoch_records(tmp_path, ac
         assert e["samples"] == 100 and e["steps"] == steps_per_epoch and e["seconds"] > 0
         mine = steps[e["epoch"] * steps_per_epoch:(e["epoch"] + 1) * steps_per_epoch]
         assert mine[-1]["step"] == e["step"]
+        assert [r["epoch"] for r in mine] == [e["epoch"]] * steps_per_epoch  # each step record carries its epoch
         assert e["loss"] == pytest.approx(sum(r["loss"] for r in mine) / steps_per_epoch, rel=1e-6)
     assert [e["epoch"] for e in summary.epochs] == [0, 1, 2] and summary.epochs[0]["samples_per_s"] > 0
     assert summary.samples_per_s > 0  # counted from the batches (16 per step)
@@ -163,3 +164,18 @@ def test_list_and_factory_and_one_shot_generator():
     assert s.optimizer_steps == 4 and [e["epoch"] for e in s.epochs] == [0]
     with pytest.raises(TypeError, match="neither a function of the batch index"):
         Trainer(model, opt, amp, 3)
+
+
+def test_step_records_of_indexed_data_carry_the_epoch_of_their_batches(tmp_path):
+    """A function of the index with batches_per_epoch=3: steps 1-3 are epoch 0, 4-6 epoch 1 (the
+    last batch of an epoch belongs to that epoch, though the index has already moved on)."""
+    x = torch.randn(6, 16, 8, generator=torch.Generator().manual_seed(2))
+
+    def batches(i):
+        return x[i % 6], x[i % 6].sum(1, keepdim=True).sin()
+
+    batches.batches_per_epoch = 3
+    model, opt, amp = setup("fp32")
+    Trainer(model, opt, amp, batches, log_dir=str(tmp_path), log_every=2).fit(6)
+    steps = [r for r in read(tmp_path / "log.jsonl") if r["type"] == "step"]
+    assert [r["epoch"] for r in steps] == [0, 0, 0, 1, 1, 1]

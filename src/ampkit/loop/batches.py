@@ -107,6 +107,14 @@ class BatchSource:
             return None
 
     @property
+    def batch_epoch(self) -> int:
+        """The epoch (from 0) of the last batch taken (a function of the index moves on at once)."""
+        per = self.per_epoch
+        if self.indexed and per and self.micro_index:
+            return (self.micro_index - 1) // per
+        return self.epoch
+
+    @property
     def samples_per_batch(self) -> Optional[int]:
         n = getattr(self.batches, "samples_per_batch", None)
         return int(n) if n is not None else None

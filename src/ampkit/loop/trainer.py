@@ -234,12 +234,12 @@ class Trainer:
     def _open_monitor(self, steps: int, accum: int, extra_sinks: list[Any]) -> Monitor:
         """The run's monitor; at step 0 it also logs what was chosen before it (auto precision, batch)."""
         amp = self.amp
-        samples = self.source.samples_per_batch  # per rank: throughput is for all ranks
-        tokens = self.source.tokens_per_batch
+        samples, tokens = self.source.samples_per_batch, self.source.tokens_per_batch  # per rank; throughput: all ranks
         per_step = accum * self.world_size
         monitor = Monitor(amp, run_sinks(self.settings.log, steps + self.amp.optimizer_steps, self.notes) + extra_sinks, log_every=self.settings.log.every,
                           run_id=self.run_id, samples_per_step=samples * per_step if samples else None,
-                          tokens_per_step=tokens * per_step if tokens else None, optimizer=self.optimizer)
+                          tokens_per_step=tokens * per_step if tokens else None, optimizer=self.optimizer,
+                          context=lambda: {"epoch": self.source.batch_epoch})
         if amp.optimizer_steps == 0:
             decision = auto_decision(amp)
             if decision is not None:

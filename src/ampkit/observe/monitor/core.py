@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,6 +49,8 @@ class Monitor:
         optimizer: whose learning rate to record (default: the engine's first optimizer).
         threaded: build records and write sinks on a background thread (default: on CUDA,
             where the training thread only launches kernels and should never wait).
+        context: called at each step (host values only, no sync); its dict joins that step's
+            record (the Trainer's gives ``epoch``).
 
     Record schema (``type == "step"``): ``schema_version, type, step, time, loss, precision,
     scale, skipped, grad_norm, lr, step_time_ms, samples_per_s, tokens_per_s, peak_mem_bytes`` and
@@ -69,6 +71,7 @@ class Monitor:
         optimizer: Optional[torch.optim.Optimizer] = None,
         threaded: Optional[bool] = None,
         run_id: Optional[str] = None,
+        context: Optional[Callable[[], dict[str, Any]]] = None,
     ) -> None:
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
@@ -82,10 +85,11 @@ class Monitor:
         self.tokens_per_step = tokens_per_step
         self._optimizer = optimizer
         self.run_id = run_id  # stamped on every record, so a reused log file keeps runs apart
+        self.context = context  # host-side fields for each step record, read at the step (e.g. the epoch)
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
-        # (step, wall time, loss, scale, found_inf, grad norm, lr, precision, timer): the timer last
-        self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], str, Any]] = []
+        # (step, wall time, loss, scale, found_inf, grad norm, lr, precision, context, timer): the timer last
+        self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], str, Any, Any]] = []
         self._switched: tuple[int, str] = (-1, "")  # (step, precision before) of the last switch
         self._pending_events: list[dict[str, Any]] = []
         self._cuda = amp.device.type == "cuda"
@@ -119,7 +123,7 @@ class Monitor:
         self._last_time = now
         ran_in = self._switched[1] if self._switched[0] == event.step else self.amp.precision.name
         self._pending.append((event.step, time.time(), event.data["loss"], result.scale, result.found_inf,
-                              result.grad_norm, self._lr(), ran_in, timer))
+                              result.grad_norm, self._lr(), ran_in, self.context() if self.context else None, timer))
         if len(self._pending) >= self.log_every:
             self.flush(wait=False)
 
@@ -240,6 +244,8 @@ class Monitor:
             }
             if self.run_id is not None:
                 rec["run_id"] = self.run_id
+            if pending[i][8]:
+                rec.update(pending[i][8])
             if self.samples_per_step and ms:
                 rec["samples_per_s"] = self.samples_per_step / (ms / 1e3)
             if self.tokens_per_step and ms:
