@@ -109,7 +109,8 @@ def test_slurm_script_is_valid_bash_with_overridable_settings(tmp_path, capsys):
     for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00",
                    "#SBATCH --ntasks-per-node=1", "PRECISION=${PRECISION:-fp16}", "NPROC_PER_NODE=${NPROC_PER_NODE:-8}",
                    "scontrol show hostnames", "srun ", "-m torch.distributed.run", "--rdzv_backend=c10d",
-                   '--rdzv_endpoint="$HEAD_NODE:$RDZV_PORT"', '-m ampkit train --precision "$PRECISION"', "--steps 1000"):
+                   '--rdzv_endpoint="$HEAD_NODE:$RDZV_PORT"', '-m ampkit train --precision "$PRECISION"',
+                   "STEPS=${STEPS:-1000}", '--steps "$STEPS"'):  # a given flag is its variable's default (issue 24)
         assert needle in script, needle
     assert script.count("--precision") == 1  # the flag became $PRECISION's default
     with pytest.raises(ValueError, match="--nproc_per_node belongs to the script"):
