@@ -1,6 +1,9 @@
 """Runs as processes: each run is ``python -m ampkit train --config run.toml --json ...`` in its
 own process group (``start_new_session``), with its log and checkpoint directories under the run's
-directory (``run.toml``: :mod:`ampkit.service.runfile`, written when the run was accepted).
+directory (``run.toml``: :mod:`ampkit.service.runfile`, written when the run was accepted). Its
+parent is a small supervisor (:mod:`ampkit.service.supervise`, in a session of its own) that
+writes how the run ended (exit code or signal) to ``exit-N.json`` in the run's directory; the
+run's ``pid`` is the training process's, which leads the run's process group.
 
 A scheduler thread ticks every ``poll_s``: it finishes runs whose process exited (the JSON
 summary on stdout; status ``succeeded`` or ``failed``), kills runs past their ``max_seconds``
@@ -9,10 +12,15 @@ kills the whole process group (SIGTERM, SIGKILL after 2 s). Status changes are c
 in SQLite, so a cancel and a finish cannot overwrite each other.
 
 Restart safety: on start, a ``running`` row whose process is still alive (checked by pid *and*
-its command line naming the run's directory) is re-adopted and watched by pid. One whose process
-is gone is judged by what it left: a complete JSON summary of its attempt makes it ``succeeded``
-(or ``failed``, if the summary says so) with that summary; only without one is it ``interrupted``
-(resumable from its last checkpoint).
+its command line naming the run's directory) is re-adopted and watched by pid; when it ends, its
+supervisor's exit record says how, so a re-adopted run killed by a signal fails with ``killed by
+signal N (SIGNAME)`` like a run this server started. One whose process is gone is judged by what it
+left: a complete JSON summary of its attempt (or a clean exit) makes it ``succeeded`` (or
+``failed``, if the summary says so) with that summary; an exit status without a summary fails it,
+as a running server would -- except a signal, and a run with no exit record at all: those are
+``interrupted`` (resumable from their last checkpoint), the signal named in the error. When the
+supervisor itself was killed, the run's process goes on and is watched by pid; if it then ends
+without a summary the run fails with ``ended, exit status unknown``.
 
 A run's process handle is kept until the database says how it ended: when that write fails (a
 full disk), the next tick tries again, so a run whose process ended is never left ``running``.
@@ -23,6 +31,7 @@ device is over ``max_gpu_temp`` no queued run starts (:class:`ampkit.service.gpu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +44,14 @@ from typing import Any, Callable, Optional
 from .gpu import TempHold
 from .runfile import RUN_FILE, private_dir, write_run_file
 from .store import Store
+from .supervise import (
+    exit_path,
+    launch_path,
+    read_record,
+    record_pid,
+    supervisor_command,
+    write_private,
+)
 
 __all__ = ["Runner", "command_for", "read_log"]
 
@@ -90,8 +107,9 @@ def _alive(pid: Optional[int], run_dir: str) -> bool:
 
 
 def _kill_group(pid: int, grace_s: float = 2.0) -> None:
-    """SIGTERM the process group led by ``pid``, then SIGKILL whatever is left after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+    """SIGTERM the process group led by ``pid``, then SIGKILL whatever is left after ``grace_s`` (and
+    wait up to 2 s more for it to go: a killed process takes a moment to exit)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
@@ -133,14 +151,17 @@ class Runner:
 
     def recover(self) -> None:
         for run in self.store.list(status="running", limit=1_000_000):
-            if _alive(run["pid"], run["run_dir"]):
+            ended, rc = _outcome(run)
+            if not ended:
                 self._adopted[run["id"]] = run["pid"]
-            elif _summary(run) is not None:  # it finished while the server was down
-                self._finish(run["id"], None)
+            elif (rc is not None and rc >= 0) or _summary(run) is not None:  # it ended while the server was down
+                self._finish(run["id"], rc)
             else:
+                why = (f"killed by signal {-rc} ({_signame(-rc)}) while the server was stopped" if rc is not None
+                       else "the server stopped while this run was running")
                 self.store.update(run["id"], expect=("running",), status="interrupted", ended=time.time(),
-                                  error="the server stopped while this run was running; POST "
-                                        f"/v1/runs/{run['id']}/resume continues it from its last checkpoint")
+                                  error=f"{why}; POST /v1/runs/{run['id']}/resume continues it from its last "
+                                        "checkpoint")
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -153,13 +174,10 @@ class Runner:
     def tick(self) -> None:
         with self._lock:
             for run_id, proc in list(self._procs.items()):
-                rc = proc.poll()
-                if rc is not None and self._finish_or_retry(run_id, rc):
-                    del self._procs[run_id]  # only once the database says how it ended
-            for run_id, pid in list(self._adopted.items()):
-                run = self.store.get(run_id)
-                if (run is None or not _alive(pid, run["run_dir"])) and self._finish_or_retry(run_id, None):
-                    del self._adopted[run_id]
+                if proc.poll() is not None:  # the supervisor has ended
+                    self._settle(run_id, proc.returncode)
+            for run_id in list(self._adopted):
+                self._settle(run_id, None)
             now = time.time()
             for run in self.store.list(status="running", limit=1_000_000):
                 limit = run["spec"].get("max_seconds")
@@ -172,6 +190,21 @@ class Runner:
                 queued = sorted(self.store.list(status="queued", limit=1_000_000), key=lambda r: r["created"])
                 for run in queued[: self.max_concurrent - running]:
                     self._launch_or_fail(run)
+
+    def _settle(self, run_id: str, supervisor_rc: Optional[int]) -> None:
+        """Record the end of a watched run whose process (or supervisor) has ended. The exit record
+        says how it ended; without one, the supervisor's own status (it exits the way the run did)
+        when this server is its parent. A supervisor killed while the run goes on: the run is
+        watched by pid from then on. Forgotten only once the database says how it ended."""
+        run = self.store.get(run_id)
+        ended, rc = (True, None) if run is None else _outcome(run)
+        if not ended:
+            if self._procs.pop(run_id, None) is not None and run is not None:
+                self._adopted[run_id] = run["pid"]
+            return
+        if self._finish_or_retry(run_id, rc if rc is not None else supervisor_rc):
+            self._procs.pop(run_id, None)
+            self._adopted.pop(run_id, None)
 
     def _launch_or_fail(self, run: dict[str, Any]) -> None:
         """Start ``run``; a launch that raises (a spec its process cannot be started with) fails that
@@ -189,15 +222,19 @@ class Runner:
         attempt = int(run.get("resumes") or 0)
         if run["kind"] == "train" and not os.path.exists(os.path.join(d, RUN_FILE)):
             write_run_file(run["spec"], d)  # a run queued by a server from before run.toml
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(exit_path(d, attempt))  # a record left by an earlier launch of this attempt
+        write_private(launch_path(d, attempt), json.dumps({"argv": command_for(run)}).encode())
         with _private(os.path.join(d, f"stdout-{attempt}.json")) as out, \
                 _private(os.path.join(d, f"stderr-{attempt}.log")) as err:
-            proc = subprocess.Popen(command_for(run), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(supervisor_command(d, attempt), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=d, umask=0o077)
-        if self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=proc.pid):
+        pid = _started_pid(proc, d, attempt)
+        if self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=pid):
             self._procs[run["id"]] = proc
         else:  # cancelled between the read and now
-            _kill_group(proc.pid)
-            proc.wait()
+            _kill_group(pid)
+            _reap(proc)
 
     def _finish_or_retry(self, run_id: str, rc: Optional[int]) -> bool:
         """Record how the run ended; False (try again next tick) when the database cannot be written."""
@@ -228,7 +265,11 @@ class Runner:
             error = f"killed by signal {-rc} ({_signame(-rc)})"
         elif not ok:
             tail = _tail(os.path.join(run["run_dir"], f"stderr-{attempt}.log"))
-            error = (summary or {}).get("failure") or tail or f"exit status {rc}"
+            failure = (summary or {}).get("failure")
+            if rc is not None:
+                error = failure or tail or f"exit status {rc}"
+            else:  # no exit record: its supervisor was killed (or an older server started it without one)
+                error = failure or "ended, exit status unknown" + (f"; its stderr ends: {tail}" if tail else "")
         fields = {"status": "succeeded" if ok else "failed", "ended": time.time(), "summary": summary, "error": error}
         self.unrecorded[run_id] = {**fields, "pid": None}  # shown until the row says so (a full disk)
         self.store.update(run_id, expect=("running",), **fields)
@@ -239,7 +280,7 @@ class Runner:
         if pid:
             _kill_group(pid)
         if proc is not None:
-            proc.wait()
+            _reap(proc)
 
     def cancel(self, run_id: str) -> bool:
         """Cancel a queued or running run; the process group is gone when this returns. False if it had ended."""
@@ -251,6 +292,48 @@ class Runner:
             if run["status"] == "running":
                 self._kill(run_id, run["pid"])
             return True
+
+
+def _outcome(run: dict[str, Any]) -> tuple[bool, Optional[int]]:
+    """``(ended, returncode)`` of a running row's current attempt: not ended while its process
+    lives, or while its supervisor lives to write the exit record; the returncode from that
+    record (negative: the signal that killed it), None when there is none."""
+    d, attempt = run["run_dir"], int(run.get("resumes") or 0)
+    if _alive(run["pid"], d):
+        return False, None
+    record = read_record(d, attempt)
+    rc = record.get("returncode")
+    if isinstance(rc, int) and not isinstance(rc, bool):
+        return True, rc
+    return (not _alive(record_pid(record, "supervisor"), d)), None
+
+
+def _started_pid(proc: subprocess.Popen[bytes], run_dir: str, attempt: int, timeout: float = 30.0) -> int:
+    """The pid of the run's process, once its supervisor ``proc`` has started it; raises
+    ``RuntimeError`` with the reason when it could not (the supervisor has ended)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = read_record(run_dir, attempt)
+        pid = record_pid(record, "pid")
+        if pid:
+            return pid
+        if proc.poll() is not None:
+            raise RuntimeError(record.get("error") or f"its supervisor exited with status {proc.returncode}: "
+                               + _tail(os.path.join(run_dir, f"stderr-{attempt}.log")))
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"its supervisor did not start it within {timeout:g} s")
+        time.sleep(0.01)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a supervisor whose run has ended (it writes the record and exits at once)."""
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _summary(run: dict[str, Any]) -> Optional[dict[str, Any]]:
