@@ -318,8 +318,9 @@ def _started_pid(proc: subprocess.Popen[bytes], run_dir: str, attempt: int, time
         if pid:
             return pid
         if proc.poll() is not None:
-            raise RuntimeError(record.get("error") or f"its supervisor exited with status {proc.returncode}: "
-                               + _tail(os.path.join(run_dir, f"stderr-{attempt}.log")))
+            tail = _tail(os.path.join(run_dir, f"stderr-{attempt}.log"))
+            raise RuntimeError(record.get("error")
+                               or f"its supervisor exited with status {proc.returncode} before starting it: {tail}")
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()

@@ -87,16 +87,25 @@ def write_private(path: str, data: bytes) -> None:
         raise
 
 
-def _record(path: str, record: dict[str, Any]) -> None:
+def _say(message: str) -> None:
+    """``message`` on stderr, unbuffered: on a full disk the write fails and nothing is left to flush
+    at exit (which would change the exit status to 120)."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"ampkit supervisor: {message}\n".encode(errors="backslashreplace"))
+
+
+def _record(path: str, record: dict[str, Any]) -> bool:
     try:
         write_private(path, json.dumps(record).encode())
+        return True
     except OSError as e:  # a full disk: the exit status still reaches a parent server (the module doc)
-        print(f"ampkit supervisor: cannot write {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        _say(f"cannot write {path}: {type(e).__name__}: {e}")
+        return False
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: supervise.py LAUNCH_JSON EXIT_JSON", file=sys.stderr)
+        _say("usage: supervise.py LAUNCH_JSON EXIT_JSON")
         return 2
     launch, out = argv
     record: dict[str, Any] = {"supervisor": os.getpid()}
@@ -106,11 +115,15 @@ def main(argv: list[str]) -> int:
         child = subprocess.Popen(cmd, start_new_session=True)
     except Exception as e:  # an unreadable launch file, a command that cannot start
         error = f"{type(e).__name__}: {e}"
-        print(f"ampkit supervisor: cannot start the run: {error}", file=sys.stderr, flush=True)
+        _say(f"cannot start the run: {error}")
         _record(out, {**record, "returncode": 127, "error": error, "ended": time.time()})
         return 127
     record.update(pid=child.pid, started=time.time())
-    _record(out, record)
+    if not _record(out, record):  # nobody could learn the run's pid: do not leave it running unwatched
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return 127
 
     def forward(signum: int, frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
