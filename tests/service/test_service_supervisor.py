@@ -210,3 +210,42 @@ def test_a_restarted_server_reports_how_readopted_runs_end(tmp_path):
                 os.killpg(pid, signal.SIGKILL)
         _end(proc)
         c.close()
+
+
+@pytest.mark.slow
+def test_health_answers_while_the_first_hugging_face_request_imports_transformers(tmp_path):
+    """The first Hugging Face request imports transformers (seconds to tens of seconds on a busy
+    machine) in a worker thread of the server, never on its event loop: /health answers meanwhile."""
+    pytest.importorskip("transformers")
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    proc, c = _serve(str(tmp_path / "svc"))
+    health = httpx.Client(base_url=str(c.base_url), timeout=60)
+    try:
+        done: dict[str, object] = {}
+
+        def first_hf_request() -> None:
+            t0 = time.monotonic()
+            # a field gpt2's config does not have: checked against transformers' GPT2Config, then 422
+            # (no run starts)
+            r = c.post("/v1/runs", json={"model": "gpt2", "steps": 1, "model_overrides": {"no_such_field": 1}},
+                       timeout=300)
+            done.update(status=r.status_code, seconds=time.monotonic() - t0)
+
+        thread = threading.Thread(target=first_hf_request)
+        thread.start()
+        worst, answered = 0.0, 0
+        while thread.is_alive():
+            t0 = time.monotonic()
+            assert health.get("/health").status_code == 200
+            worst, answered = max(worst, time.monotonic() - t0), answered + 1
+            time.sleep(0.05)
+        thread.join()
+        assert done["status"] == 422, done
+        assert worst < 3.0, f"/health took {worst:.2f} s while the first HF request took {done['seconds']:.1f} s"
+        assert answered >= 2 or done["seconds"] < 1.0  # /health was asked during the request
+    finally:
+        health.close()
+        _end(proc)
+        c.close()
