@@ -8,6 +8,7 @@ rung). Rungs are interleaved round by round in one process; the table gives the 
 
     OMP_NUM_THREADS=1 python benchmarks/ladder.py                  # 4.2M params, 7 rounds x 10 steps
     python benchmarks/ladder.py --width 512 --rounds 3 --steps 5   # quicker
+    python benchmarks/ladder.py --rungs split,kahan                # torch, fp32 masters and these
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Rung:
         g = torch.Generator().manual_seed(args.seed + 1)
         self.grads = [torch.randn(p.shape, generator=g).to(p.dtype) * 1e-2 for p in self.model.parameters()]
         self.times: list[float] = []
+        self.cpu: list[float] = []  # this thread's CPU time per step: blind to time slices lost to other load
         self.step()  # creates the optimizer state
         self.bytes = self._bytes()
 
@@ -60,13 +62,15 @@ class Rung:
 
     def step(self) -> float:
         self._prime()
-        t = time.perf_counter()
+        c, t = time.thread_time(), time.perf_counter()
         if self.amp is None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         else:
             self.amp.step(self.opt)
-        return time.perf_counter() - t
+        t = time.perf_counter() - t
+        self.cpu.append(time.thread_time() - c)
+        return t
 
     def _bytes(self) -> float:
         cats = breakdown(self.model, self.opt, self.amp).by_category
@@ -81,8 +85,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rungs", default="", help="comma-separated labels to time besides the first two "
+                    "(e.g. 'split,kahan'); default all")
     args = ap.parse_args()
-    rungs = [Rung(label, m, s, args) for label, m, s in RUNGS]
+    want = {w.strip() for w in args.rungs.split(",") if w.strip()}
+    rungs = [Rung(label, m, s, args) for i, (label, m, s) in enumerate(RUNGS) if i < 2 or not want or label in want]
     n = sum(p.numel() for p in rungs[0].model.parameters())
     print(f"# {device_info('cpu').name} · torch {torch.__version__} · python {platform.python_version()} · "
           f"{torch.get_num_threads()} thread(s) · {n / 1e6:.2f}M params · fused AdamW · {args.rounds} rounds x "
@@ -92,10 +99,13 @@ def main() -> None:
             r.times += [r.step() for _ in range(args.steps)]
     torch_ms = statistics.median(rungs[0].times) * 1e3
     master_ms = statistics.median(rungs[1].times) * 1e3
-    print(f"{'rung':<26} {'B/param':>8} {'step ms':>8} {'vs fp32 masters':>16} {'vs torch fp32':>14}")
+    torch_cpu, master_cpu = (statistics.median(r.cpu) * 1e3 for r in rungs[:2])
+    print(f"{'rung':<26} {'B/param':>8} {'step ms':>8} {'vs fp32 masters':>16} {'vs torch fp32':>14} "
+          f"{'CPU ms':>8} {'CPU vs masters':>15} {'CPU vs torch':>13}")
     for r in rungs:
-        ms = statistics.median(r.times) * 1e3
-        print(f"{r.label:<26} {r.bytes:>8.2f} {ms:>8.2f} {ms / master_ms:>15.2f}x {ms / torch_ms:>13.2f}x")
+        ms, cpu = statistics.median(r.times) * 1e3, statistics.median(r.cpu) * 1e3
+        print(f"{r.label:<26} {r.bytes:>8.2f} {ms:>8.2f} {ms / master_ms:>15.2f}x {ms / torch_ms:>13.2f}x "
+              f"{cpu:>8.2f} {cpu / master_cpu:>14.2f}x {cpu / torch_cpu:>12.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.observe.memory import breakdown
 from ampkit.step.config import ConfigError
-from ampkit.step.policies.ladder import bytes_per_param, join_split, split_fp32
+from ampkit.step.policies.ladder import (
+    BLOCK,
+    bytes_per_param,
+    join_split,
+    kahan_join,
+    kahan_split,
+    split_fp32,
+)
 
 RUNGS = [("fp32", "fp32", 14), ("split", "fp32", 12), ("kahan", "fp32", 12), ("stochastic", "fp32", 10),
          ("stochastic", "bf16", 6), ("none", "fp32", 6)]
@@ -55,6 +62,53 @@ def test_split_round_trip_is_exact_and_rounds_to_nearest() -> None:
     # round to nearest: within half a bf16 spacing; ties go away from zero
     assert torch.equal(hi[:-8], x[:-8].to(torch.bfloat16))  # random values: no ties, the same as RNE
     assert hi[-8:-4].float().tolist() == [1.0 + 2**-7, -(1.0 + 2**-7), 1.0 + 4 * 2**-8, 3.0 + 2**-6]
+
+
+def _ties_away_reference(x: torch.Tensor) -> torch.Tensor:
+    """bf16 of finite fp32 ``x`` rounded to nearest, ties away from zero, chosen in fp64 between the
+    two bf16 neighbours (toward zero / away from zero); a tie or an overflow past bf16's max goes away."""
+    bits = x.view(torch.int32)
+    down = (bits & -0x10000).view(torch.float32)  # the high 16 bits: toward zero
+    up = (down.view(torch.int32) + 0x10000).view(torch.float32)  # the next bf16 away from zero (maybe inf)
+    xd, dd = x.double(), down.double()
+    ud = torch.where(up.isinf(), torch.sign(xd) * 2.0**128, up.double())  # inf's place one spacing past max
+    pick_up = (xd - dd).abs() >= (ud - xd).abs()
+    return torch.where(pick_up, up, down).to(torch.bfloat16)
+
+
+def test_split_and_kahan_edge_cases_across_blocks() -> None:
+    """Several blocks of the bit-level passes; ties of both signs, values near bf16's max that round
+    to inf, infs, zeros of both signs, subnormals, random normals over 60 decades; vs an fp64 reference."""
+    g = torch.Generator().manual_seed(3)
+    n = 2 * BLOCK + 123
+    x = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
+    big = torch.tensor([3.3961776e38, 3.3895314e38, 3.4028235e38, 3.3963e38], dtype=torch.float32)  # max_bf16 ..
+    ties = (torch.randint(0x00800000, 0x7F000000, (64,), generator=g, dtype=torch.int32) & -0x10000 | 0x8000)
+    special = torch.cat([big, -big, ties.view(torch.float32), -ties.view(torch.float32),
+                         torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45, -1e-45, float("inf"), -float("inf")])])
+    k = special.numel() // 2  # the first half just before a block boundary, the rest at random after it
+    idx = torch.cat([torch.arange(BLOCK - k, BLOCK), BLOCK + torch.randperm(n - BLOCK, generator=g)[:special.numel() - k]])
+    x[idx] = special
+    hi, rem = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+    split_fp32(x.clone(), hi, rem)
+    back = join_split(hi, rem, torch.empty(n))
+    assert torch.equal(back.view(torch.int32), x.view(torch.int32))  # exact, -0.0/subnormals/inf included
+    finite = x.isfinite()
+    assert torch.equal(hi[finite].view(torch.int16), _ties_away_reference(x[finite]).view(torch.int16))
+    assert torch.equal(hi[~finite].float(), x[~finite])
+    assert hi[idx[:4]].isinf().tolist() == [True, False, True, True]  # a tie past max, max, above: inf, exact back
+    # kahan: the bf16 RNE weight + the bf16 of the exact rounding error
+    comp = torch.empty(n, dtype=torch.bfloat16)
+    kahan_split(x.clone(), hi, comp, torch.empty(n))
+    assert torch.equal(hi.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    ok = finite & hi.float().isfinite()
+    err = (x[ok].double() - hi[ok].double()).to(torch.bfloat16)
+    assert torch.equal(comp[ok].view(torch.int16), err.view(torch.int16))
+    joined = kahan_join(hi, comp, torch.empty(n), torch.empty(n))
+    assert torch.equal(joined[ok], hi[ok].float() + comp[ok].float())
+    normal = ok & (x.abs() > 1e-30)  # the compensation itself a normal number
+    rel = (joined[normal].double() - x[normal].double()).abs() / x[normal].double().abs()
+    assert rel.max() < 2.0**-15  # the compensation carries ~16 of the 24 bits
 
 
 @pytest.mark.parametrize("masters,state_dtype,expected", RUNGS)

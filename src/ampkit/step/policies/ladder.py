@@ -48,7 +48,7 @@ import torch
 from .pure import MasterWeights, cast_buffers, kept_tensors
 
 __all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
-           "parse_rung", "split_fp32", "stochastic_round"]
+           "kahan_join", "kahan_split", "parse_rung", "split_fp32", "stochastic_round"]
 
 #: elements per chunk of the transient fp32 view (one chunk of extra memory: 16 MiB)
 CHUNK_NUMEL = 1 << 22
@@ -130,6 +130,24 @@ def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Opti
     return out
 
 
+def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor) -> None:
+    """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 of the rounding error ``comp``
+    (the error is exact in fp32); ``tmp``: fp32 scratch of ``x``'s size. Blocked like the split."""
+    xf, hf, cf, tf = x.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
+    for o in _blocks(xf.numel(), x.device):
+        xb, hb = xf[o:o + BLOCK], hf[o:o + BLOCK]
+        hb.copy_(xb)
+        cf[o:o + BLOCK].copy_(xb.sub_(tf[o:o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
+
+
+def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
+    of, hf, cf, tf = out.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
+    for o in _blocks(of.numel(), out.device):
+        of[o:o + BLOCK].copy_(hf[o:o + BLOCK]).add_(tf[o:o + BLOCK].copy_(cf[o:o + BLOCK]))
+    return out
+
+
 def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
     """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
     bits = x.view(torch.int32)
@@ -183,9 +201,7 @@ class LadderWeights(MasterWeights):
             split_fp32(x, h.data, extra)
         elif rung == "kahan":
             extra = torch.empty(h.shape, dtype=torch.bfloat16, device=h.device) if extra is None else extra
-            h.data.copy_(x)
-            back = self._scratch(x).copy_(h.data.view(-1))  # bf16 -> fp32, exact
-            extra.view(-1).copy_(x.view(-1).sub_(back))  # the rounding error is exact in fp32
+            kahan_split(x, h.data, extra, self._scratch(x))
         elif rung == "stochastic":
             assert self.gen is not None
             stochastic_round(x, h.data, self.gen)
@@ -198,9 +214,10 @@ class LadderWeights(MasterWeights):
         if self.rung == "split":
             assert extra is not None
             return join_split(h, extra, out, self._scratch(out).view(torch.int32))
-        out.view(h.shape).copy_(h)
         if self.rung == "kahan":
-            out.add_(self._scratch(out).copy_(extra.view(-1)))
+            assert extra is not None
+            return kahan_join(h, extra, out, self._scratch(out))
+        out.view(h.shape).copy_(h)
         return out
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
