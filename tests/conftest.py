@@ -23,8 +23,10 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def _named_paths(config) -> bool:
-    """Whether the command line names test paths (``pytest tests/step``), not the testpaths default."""
-    return any(not a.startswith("-") and os.path.exists(a.split("::")[0]) for a in config.invocation_params.args)
+    """Whether the command line names test paths narrower than the whole suite (``pytest tests/step``)."""
+    whole = {os.path.realpath(config.rootpath / p) for p in [".", *config.getini("testpaths")]}
+    args = [a.split("::")[0] for a in config.invocation_params.args if not a.startswith("-")]
+    return any(os.path.exists(a) and os.path.realpath(a) not in whole for a in args)
 
 
 @pytest.hookimpl(tryfirst=True)
