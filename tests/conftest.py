@@ -3,17 +3,74 @@ import os
 import pytest
 import torch
 
-# Keep CPU tests deterministic and light on a 2-core CI machine.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Plain `pytest` (no test paths, no -n) runs on 2 pytest-xdist workers when pytest-xdist is installed
+# (the dev extra has it): most slow tests wait on subprocesses, servers and signals, so two workers
+# share 2 cores well. AMPKIT_TEST_WORKERS=N picks another count (0 or 1: serial); -n N, -p no:xdist,
+# --collect-only, --pdb or naming test paths keep pytest's own behaviour (serial unless -n is given).
+WORKERS_ENV = "AMPKIT_TEST_WORKERS"
+DEFAULT_WORKERS = 2
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... inside an xdist worker
+N_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+
+# Keep CPU tests deterministic and light on a 2-core CI machine: with several workers, each gets its
+# share of the cores (and so do the processes its tests start), so workers do not oversubscribe them.
+THREADS = max(1, min(2, (os.cpu_count() or 1) // max(1, N_WORKERS)))
+torch.set_num_threads(THREADS)
+if WORKER and N_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _named_paths(config) -> bool:
+    """Whether the command line names test paths narrower than the whole suite (``pytest tests/step``)."""
+    whole = {os.path.realpath(config.rootpath / p) for p in [".", *config.getini("testpaths")]}
+    args = [a.split("::")[0] for a in config.invocation_params.args if not a.startswith("-")]
+    return any(os.path.exists(a) and os.path.realpath(a) not in whole for a in args)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Turn plain `pytest` into `pytest -n 2 --dist loadgroup` when pytest-xdist is there (see the top)."""
+    if WORKER or not config.pluginmanager.hasplugin("xdist"):
+        return
+    opt = config.option
+    if opt.numprocesses is not None or getattr(opt, "tx", None) or opt.collectonly or opt.usepdb:
+        return
+    if _named_paths(config):
+        return
+    raw = os.environ.get(WORKERS_ENV, str(DEFAULT_WORKERS))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"{WORKERS_ENV}={raw!r} is not a number of workers "
+                                "(0 or 1: serial, N: N workers)") from None
+    if n > 1:
+        opt.numprocesses = n
+        if opt.dist == "no":
+            opt.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker turns xdist_group marks into groups
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+    if config.getoption("dist", "no") == "loadgroup":
+        _group_shared_fixtures(items)
+
+
+def _group_shared_fixtures(items):
+    """Tests that share a module- or session-scoped fixture of their own module run on one worker
+    (xdist's loadgroup), so that fixture (a trained reference run, a server) is built once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in (getattr(info, "name2fixturedefs", None) or {}).values():
+            d = defs[-1]
+            if d.scope in ("module", "package", "session") and d.baseid and d.baseid == item.nodeid.split("::")[0]:
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+                break
 
 
 @pytest.fixture

@@ -110,6 +110,63 @@ def train(rank: int, world: int, kind: str, precision: str, *, accum: int, steps
             "stats": amp.stats(), "parallel": type(amp._parallel).__name__}
 
 
+def several(rank: int, world: int, runs: list[tuple[tuple, dict]]) -> list[dict]:
+    """Several ``train`` runs in one set of processes (spawning costs seconds)."""
+    return [train(rank, world, *a, **k) for a, k in runs]
+
+
+def _fp16_inf_runs(kind: str) -> list[tuple[tuple, dict]]:
+    runs = [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": fused, "inject": (1, 1)}) for fused in (True, False)]
+    return runs + [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": True, "inject_grad": (2, 0)})]
+
+
+# Every distributed scenario of this module, by name: (function, args, kwargs), ``function(rank,
+# world, *args, **kwargs)`` on each rank. All of them run in ONE pair of spawned processes (the
+# ``_ranks`` fixture: spawning two processes that import torch costs seconds each time); each test
+# asserts on its own scenario's per-rank results (a scenario that raises fails them all, naming it).
+JOBS: dict[str, tuple] = {
+    "ddp-fp32": (train, ("ddp", "fp32"), {"accum": 2}),
+    "ddp-bf16": (train, ("ddp", "bf16"), {"accum": 2}),
+    "ddp-fp32-accum4": (train, ("ddp", "fp32"), {"accum": 4, "steps": 3}),
+    "fsdp-fp32-accum4": (train, ("fsdp", "fp32"), {"accum": 4, "steps": 3}),
+    "ddp-fp16-inf": (several, (_fp16_inf_runs("ddp"),), {}),
+    "fsdp-fp16-inf": (several, (_fp16_inf_runs("fsdp"),), {}),
+    "fsdp-fp32-clip": (train, ("fsdp", "fp32"), {"accum": 2, "clip": 0.05}),
+    **{f"fsdp-{p}-sgd": (train, ("fsdp", p), {"accum": 2, "steps": 3, "optim": "sgd"})
+       for p in ("bf16", "fp16", "bf16-pure")},
+    "ddp-pure-sgd": (several, ([(("ddp", p), {"accum": 2, "optim": "sgd"}) for p in ("bf16-pure", "fp16-pure")],), {}),
+    "ddp-flush": ("flushed", (3, 4), {}),
+    "fsdp-resume": ("trainer_resume", ("fsdp",), {}),  # + a checkpoint directory of its own
+    "ddp-resume": ("trainer_resume", ("ddp",), {}),
+}
+
+
+def all_jobs(rank: int, world: int, jobs: dict[str, tuple], ckroot: str) -> dict:
+    """Run every job on this rank, in order; their results by name."""
+    out = {}
+    for name, (fn, args, kwargs) in jobs.items():
+        if isinstance(fn, str):  # defined further down this module
+            fn = globals()[fn]
+        if fn.__name__ == "trainer_resume":
+            args = (*args, f"{ckroot}/{name}")
+        try:
+            out[name] = fn(rank, world, *args, **kwargs)
+        except Exception as e:
+            raise RuntimeError(f"distributed job {name!r} failed on rank {rank}") from e
+    return out
+
+
+@pytest.fixture(scope="module")
+def _ranks(tmp_path_factory):
+    return run_ranks(all_jobs, JOBS, str(tmp_path_factory.mktemp("dist-ck")))
+
+
+@pytest.fixture
+def ranks_of(_ranks):
+    """``ranks_of(name)``: the per-rank results of JOBS[name] (rank 0 first)."""
+    return lambda name: [r[name] for r in _ranks]
+
+
 def reference(precision: str, *, accum: int, **kw) -> dict:
     return train(0, 1, "none", precision, accum=accum, **kw)
 
@@ -120,29 +177,29 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_ddp_fp32_matches_one_process_and_bf16_ranks_agree_bitwise():
+def test_ddp_fp32_matches_one_process_and_bf16_ranks_agree_bitwise(ranks_of):
     ref = reference("fp32", accum=4)
-    ranks = run_ranks(train, "ddp", "fp32", accum=2)
+    ranks = ranks_of("ddp-fp32")
     assert ranks[0]["parallel"] == "DDPParallel"
     assert ranks[0]["stats"]["parallel"] == "ddp" and ranks[0]["stats"]["world_size"] == 2
     assert max_diff(ranks[0]["params"], ref["params"]) <= 1e-6
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
-    bf = run_ranks(train, "ddp", "bf16", accum=2)
+    bf = ranks_of("ddp-bf16")
     assert max_diff(bf[0]["params"], bf[1]["params"]) == 0.0
     # bf16 is a real change of arithmetic: close to fp32 for a bf16 tolerance, but not identical.
     assert 0.0 < max_diff(bf[0]["params"], ranks[0]["params"]) < 5e-2
 
 
 @pytest.mark.slow
-def test_ddp_communicates_once_per_optimizer_step():
-    ranks = run_ranks(train, "ddp", "fp32", accum=4, steps=3)
+def test_ddp_communicates_once_per_optimizer_step(ranks_of):
+    ranks = ranks_of("ddp-fp32-accum4")
     assert [r["comms"] for r in ranks] == [3, 3]  # not 12: no_sync on 3 of every 4 micro-steps
 
 
 @pytest.mark.slow
-def test_fsdp_reduces_once_per_step_per_group_and_matches_large_batch():
+def test_fsdp_reduces_once_per_step_per_group_and_matches_large_batch(ranks_of):
     ref = reference("fp32", accum=8)
-    ranks = run_ranks(train, "fsdp", "fp32", accum=4, steps=3)
+    ranks = ranks_of("fsdp-fp32-accum4")
     assert ranks[0]["parallel"] == "FSDPParallel"
     assert ranks[1]["stats"]["parallel"] == "fsdp" and ranks[1]["stats"]["world_size"] == 2
     groups = 3  # two blocks + the root (head)
@@ -151,18 +208,12 @@ def test_fsdp_reduces_once_per_step_per_group_and_matches_large_batch():
     assert max_diff(ranks[1]["params"], ref["params"]) <= 1e-6
 
 
-def several(rank: int, world: int, runs: list[tuple[tuple, dict]]) -> list[dict]:
-    """Several ``train`` runs in one set of processes (spawning costs seconds)."""
-    return [train(rank, world, *a, **k) for a, k in runs]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_fp16_inf_on_one_rank_skips_that_step_on_every_rank(kind):
-    runs = [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": fused, "inject": (1, 1)}) for fused in (True, False)]
-    # Only rank 0's own gradient goes non-finite, after the reduction: found_inf must still agree.
-    runs += [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": True, "inject_grad": (2, 0)})]
-    ranks = run_ranks(several, runs)
+def test_fp16_inf_on_one_rank_skips_that_step_on_every_rank(kind, ranks_of):
+    # Runs: inf in rank 1's loss at step 1 (fused AdamW, then foreach); only rank 0's own gradient
+    # going non-finite at step 2, after the reduction: found_inf must still agree (see JOBS).
+    ranks = ranks_of(f"{kind}-fp16-inf")
     for i, expect_skip in enumerate([1, 1, 2]):
         a, b = ranks[0][i], ranks[1][i]
         for r in (a, b):
@@ -174,9 +225,9 @@ def test_fp16_inf_on_one_rank_skips_that_step_on_every_rank(kind):
 
 
 @pytest.mark.slow
-def test_fsdp_clipping_returns_the_one_process_total_norm():
+def test_fsdp_clipping_returns_the_one_process_total_norm(ranks_of):
     ref = reference("fp32", accum=4, clip=0.05)
-    ranks = run_ranks(train, "fsdp", "fp32", accum=2, clip=0.05)
+    ranks = ranks_of("fsdp-fp32-clip")
     for r in ranks:
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5, abs=0)
         assert max(r["norms"]) > 0.05  # the clip was active
@@ -185,12 +236,12 @@ def test_fsdp_clipping_returns_the_one_process_total_norm():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16-pure"])
-def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision):
+def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision, ranks_of):
     # SGD: parameter differences are proportional to gradient differences (AdamW's normalised
     # update turns rounding in near-zero gradients into lr-sized steps).
     ref32 = reference("fp32", accum=4, optim="sgd")
     ref = reference(precision, accum=4, optim="sgd")
-    ranks = run_ranks(train, "fsdp", precision, accum=2, steps=3, optim="sgd")
+    ranks = ranks_of(f"fsdp-{precision}-sgd")
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
     d, d32 = max_diff(ranks[0]["params"], ref["params"]), max_diff(ranks[0]["params"], ref32["params"])
     assert d < 1e-3, d
@@ -200,10 +251,10 @@ def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision)
 
 
 @pytest.mark.slow
-def test_ddp_pure_precisions_average_the_fp32_master_gradients():
+def test_ddp_pure_precisions_average_the_fp32_master_gradients(ranks_of):
     # The masters live outside DDP's view: the adapter averages their fp32 gradients itself.
     refs = {p: reference(p, accum=4, optim="sgd") for p in ("bf16-pure", "fp16-pure")}
-    ranks = run_ranks(several, [(("ddp", p), {"accum": 2, "optim": "sgd"}) for p in refs])
+    ranks = ranks_of("ddp-pure-sgd")  # bf16-pure, then fp16-pure
     for i, p in enumerate(refs):
         a, b = ranks[0][i], ranks[1][i]
         assert max_diff(a["params"], b["params"]) == 0.0, p
@@ -230,9 +281,9 @@ def flushed(rank: int, world: int, micro: int, accum: int) -> dict:
 
 
 @pytest.mark.slow
-def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients():
+def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients(ranks_of):
     ref = flushed(0, 1, 6, 8)  # one process, 6 of a window of 8: the mean over 6
-    ranks = run_ranks(flushed, 3, 4)  # 2 ranks x 3 of a window of 4, all under no_sync
+    ranks = ranks_of("ddp-flush")  # 2 ranks x 3 of a window of 4, all under no_sync
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
     assert max_diff(ranks[0]["params"], ref["params"]) <= 1e-6
 
@@ -268,12 +319,11 @@ def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
-def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, tmp_path):
+def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, tmp_path, ranks_of):
     from ampkit.loop.checkpoint import export_single_file, load_checkpoint
     from ampkit.loop.trainer import Trainer
 
-    ckdir = str(tmp_path / "ck")
-    ranks = run_ranks(trainer_resume, kind, ckdir)
+    ranks = ranks_of(f"{kind}-resume")
     for r in ranks:
         assert r["world"] == 2 and r["steps"] == 5
         assert r["path"].endswith("ckpt-00000005")
