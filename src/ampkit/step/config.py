@@ -152,7 +152,8 @@ class MixedPrecisionConfig:
         if not isinstance(self.fallback, (bool, str)):
             raise ConfigError(f"fallback={self.fallback!r} must be True/False or a chain like 'fp16,bf16,fp32'")
         if isinstance(self.fallback, str):
-            chain = tuple(canonical_precision(x) for x in self.fallback.split(",") if x.strip())
+            chain = tuple(canonical_precision(b) + c + r.strip()  # "bf16-pure:split": a rung (step/fallback.py)
+                          for b, c, r in (x.partition(":") for x in self.fallback.split(",") if x.strip()))
             if not chain or any(c in ("auto", "O2") for c in chain):
                 raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
             object.__setattr__(self, "fallback", ",".join(chain))

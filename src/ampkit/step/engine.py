@@ -13,8 +13,7 @@ At an optimizer step (the accumulation boundary) the order is the hand-written t
 unscale_ (if clipping) -> clip (model order) -> step, skipped if non-finite -> update -> zero_grad
 (:mod:`ampkit.step.boundary`; window bookkeeping: :mod:`ampkit.step.accumulate`).
 
-The engine knows nothing about logging, plots or the CLI: observers subscribe to its events
-(:meth:`MixedPrecision.subscribe`).
+The engine knows nothing about logging, plots or the CLI: observers subscribe to its events (:meth:`MixedPrecision.subscribe`).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from .fallback import (
     fallback_data,
     make_fallback,
     recover_data,
+    rung_move,
     scale_exhausted,
 )
 from .hardware import DeviceInfo, device_info, normalize_device
@@ -457,17 +457,19 @@ class MixedPrecision:
         return self._switch(precision, "precision_switch", {"reason": reason})
 
     def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
-        new = resolve_precision(precision, self.device_info, emulate_fp8=self.config.fp8_emulate)
+        new, cfg, rungs = rung_move(self.config, self.precision.name, precision, self.device_info)  # or a rung
         if self._window.micro != 0:
             raise RuntimeError(f"switch() called inside an accumulation window ({self._window.micro} of "
                                f"{self._window.current_size} micro-steps done); switch after step()")
         old = self.precision
-        if new.name == old.name:
-            return old
-        self.config = self.config.replace(precision=new.name)
+        if new.name == old.name:  # the same rung: nothing to do; another rung: via fp32, as switch(masters=...)
+            if rungs.get("from_rung") == rungs.get("to_rung"):
+                return old
+            self._become(resolve_precision("fp32", self.device_info))
+        self.config = cfg.replace(precision=new.name)
         self._become(new)
         self._fallback.reset()
-        self._emit(kind, {"from": old.name, "to": new.name, **data})
+        self._emit(kind, {"from": old.name, "to": new.name, **rungs, **data})
         return new
 
     def _become(self, new: Precision, scaler: Optional[LossScaler] = None) -> None:
@@ -489,12 +491,9 @@ class MixedPrecision:
             self._prepare(self._model)
 
     def set_fallback(self, fallback: Union[bool, str]) -> None:
-        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps.
-
-        Validates the chain against the device first (``PrecisionError`` / ``ConfigError``)."""
+        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps; validated first."""
         cfg = self.config.replace(fallback=fallback)
-        self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
-        self.config = cfg
+        self._fallback, self.config = make_fallback(cfg, self.precision.name, self.device_info), cfg
 
     def _act(self, trigger: Trigger) -> None:
         """Fall back to the chain's next precision, or raise :class:`NumericsError` (end of the chain;
@@ -507,7 +506,7 @@ class MixedPrecision:
             data, error = scale_exhausted(trigger, name, diagnosis)
             self._emit("scale_exhausted", data)
             raise error
-        nxt = self._fallback.next_precision(name)
+        nxt = self._fallback.next_precision(name, self.config)
         if nxt is None:
             data, error = chain_exhausted(trigger, name, self._fallback.chain, diagnosis)
             self._emit("fallback_exhausted", data)
