@@ -37,6 +37,7 @@ from .fallback import (
     fallback_data,
     make_fallback,
     recover_data,
+    rung_label,
     rung_move,
     scale_exhausted,
 )
@@ -472,7 +473,7 @@ class MixedPrecision:
         self._emit(kind, {"from": old.name, "to": new.name, **rungs, **data})
         return new
 
-    def _become(self, new: Precision, scaler: Optional[LossScaler] = None) -> None:
+    def _become(self, new: Precision, scaler: Optional[LossScaler] = None, rerung: bool = False) -> None:
         """Train in ``new`` from here on: the old policy releases, the new one prepares (between steps)."""
         if scaler is None and new.needs_scaler != self.precision.needs_scaler:
             scaler = self._make_scaler(new)
@@ -482,8 +483,8 @@ class MixedPrecision:
                 self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
             self._scaler = scaler
         old, self.precision = self.precision, new
-        if new.name == old.name:
-            return  # (a resume in the same precision: the model keeps its form)
+        if new.name == old.name and not rerung:
+            return  # (a resume in the same precision and rung: the model keeps its form)
         self._policy.release()
         self._policy = policy_for(new, self.config, self.device, shards_params=self._parallel.shards_params)
         if self._model is not None:
@@ -574,7 +575,7 @@ class MixedPrecision:
         except Exception:
             self.config = old_config
             raise
-        self._become(new, scaler)
+        self._become(new, scaler, rerung=rung_label(new.name, cfg) != rung_label(new.name, old_config))
         before = int(state.get("skipped_before", 0))
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._steps = int(state.get("optimizer_steps", 0))
