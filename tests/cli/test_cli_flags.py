@@ -54,7 +54,7 @@ FLAGS = {
     "tune": """
         --accumulation_steps --batch_size --block_size --compile --data --device --fp8_emulate
         --grad_accum_steps --help --json --lr --max_length --model --model_config --out --precisions
-        --repeats --seed --size --steps --tolerance --warmup -h
+        --repeats --rungs --seed --size --steps --tolerance --warmup -h
     """,
     "plan": """
         --batch_size --block_size --data --help --json --max_length --memory --model --model_config

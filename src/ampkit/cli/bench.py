@@ -27,6 +27,10 @@ def _bench_report(args: argparse.Namespace) -> Any:
 
     device = normalize_device(args.device)
     precisions = [x.strip() for x in args.precisions.split(",") if x.strip()] if args.precisions else None
+    if getattr(args, "rungs", False):  # tune --rungs: every rung of bf16-pure's memory ladder is a candidate
+        from ..loop.bench import with_rungs
+
+        precisions = with_rungs(precisions)
 
     def factory() -> torch.nn.Module:
         return model_and_data(args, device)[0]
@@ -69,7 +73,10 @@ def cmd_tune(inv: Invocation) -> int:
         return 0
     console = wide_console()
     console.print(report.table())
-    console.print(f"[bold green]recommended: {rec.precision}[/] — {rec.speedup_vs_fp32:.2f}x fp32's speed, "
+    mem = f"{rec.bytes_per_param:.2f} B/param, " if rec.bytes_per_param is not None else ""
+    why = "the fewest bytes per parameter" if rec.prefer == "memory" else "the fastest"
+    console.print(f"[bold green]recommended: {rec.precision}[/] ({why} within the tolerance) — {mem}"
+                  f"{rec.speedup_vs_fp32:.2f}x fp32's speed, "
                   f"final-loss gap {100 * rec.loss_gap:+.2f}% (tolerance {100 * rec.tolerance:g}%), "
                   f"batch size {rec.batch_size}, accumulation {rec.accumulation_steps}")
     for name, why in rec.why_not.items():
@@ -103,4 +110,7 @@ def add_parser(sub: Any) -> None:
                   help="allowed final-loss gap to fp32, as a fraction of the fp32 loss (default: 0.01)")
             flag(p, "out", default="ampkit-tune.toml", help="where to write the recommended config")
             flag(p, "json", action="store_true", help="print the recommendation and measurements as JSON")
+            flag(p, "rungs", action="store_true",
+                 help="also measure every rung of bf16-pure's memory ladder (fp32, split, kahan, stochastic, "
+                      "stochastic+bf16 masters/states) and recommend the fewest bytes per parameter within the tolerance")
             p.set_defaults(func=cmd_tune)

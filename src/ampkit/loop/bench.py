@@ -5,6 +5,12 @@ in lockstep: blocks of steps rotate through the precisions (the order shifts eve
 drift of the machine hits all alike. fp32 is always included: it is the reference for speed-up
 and fidelity. ``tune`` picks the fastest precision whose final loss stays within a tolerance of
 fp32's and that needed no fallback, and says why every other candidate lost.
+
+Rungs of bf16-pure's memory ladder are candidates too, spelt as for ``estimate``/``plan``
+(``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"``; :data:`RUNGS` lists them). Each row then
+also carries ``bytes_per_param``: the resident weights, masters and optimizer state measured from
+the live tensors after training, per parameter. With rungs among the candidates ``tune`` prefers
+memory: the fewest bytes per parameter within the tolerance, ties to the faster step.
 """
 
 from __future__ import annotations
@@ -21,12 +27,25 @@ import torch
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
+from ..step.policies.ladder import parse_rung
 from ..step.precision import Precision, PrecisionError, resolve_precision
 from .steps import Steps
 
-__all__ = ["BenchReport", "BenchResult", "Recommendation", "compare", "tune"]
+__all__ = ["BenchReport", "BenchResult", "RUNGS", "Recommendation", "compare", "tune", "with_rungs"]
 
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+#: bf16-pure's rungs, most memory first (``masters="none"`` stalls and is left out)
+RUNGS = ("bf16-pure:fp32", "bf16-pure:split", "bf16-pure:kahan", "bf16-pure:stochastic", "bf16-pure:stochastic+bf16")
+
+
+def with_rungs(precisions: Optional[Sequence[str]]) -> list[str]:
+    """``precisions`` (default: :data:`DEFAULT_PRECISIONS`) with a plain ``bf16-pure`` replaced by
+    every rung of its ladder (:data:`RUNGS`), or the rungs appended when it is absent."""
+    names = list(precisions or DEFAULT_PRECISIONS)
+    if "bf16-pure" not in names:
+        return list(dict.fromkeys(names + list(RUNGS)))
+    i = names.index("bf16-pure")
+    return list(dict.fromkeys(names[:i] + list(RUNGS) + names[i + 1:]))
 
 
 @dataclass
@@ -44,6 +63,7 @@ class BenchResult:
     speedup_vs_fp32: Optional[float] = None
     activation_bytes: Optional[int] = None
     static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler), exact
+    bytes_per_param: Optional[float] = None  # weights + masters + optimizer state between steps, per parameter
     peak_mem_bytes: Optional[int] = None  # CUDA only: this run's resident state + one step's peak on top
     final_loss: Optional[float] = None  # mean of the last few steps' losses
     loss_gap: Optional[float] = None  # (final_loss - fp32 final_loss) / fp32 final_loss
@@ -81,7 +101,7 @@ class BenchReport:
 
         t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps")
         cols = ("precision", "ms/step", "p10–p90", "speed-up", "samples/s", "tokens/s", "activations",
-                "params+grads+opt", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
+                "params+grads+opt", "B/param", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
         for c in cols:
             t.add_column(c, justify="left" if c == "precision" else "right")
         for r in self.results:
@@ -90,7 +110,8 @@ class BenchReport:
                 continue
             t.add_row(r.precision, _f(r.step_ms, "{:.2f}"), f"{_f(r.step_ms_p10, '{:.2f}')}–{_f(r.step_ms_p90, '{:.2f}')}",
                       _f(r.speedup_vs_fp32, "{:.2f}x"), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
-                      _mib(r.activation_bytes), _mib(r.static_bytes), _mib(r.peak_mem_bytes),
+                      _mib(r.activation_bytes), _mib(r.static_bytes), _f(r.bytes_per_param, "{:.2f}"),
+                      _mib(r.peak_mem_bytes),
                       _f(r.final_loss, "{:.4f}"), _f(None if r.loss_gap is None else 100 * r.loss_gap, "{:+.2f}%"),
                       str(r.skipped_steps), str(r.fallbacks))
         return t
@@ -187,17 +208,22 @@ def compare(
     runs: dict[str, _Run] = {}
     for name in wanted:
         try:
-            p = resolve_precision(name, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
-        except PrecisionError as e:
+            base, rung = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's ladder
+            p = resolve_precision(base, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
+            if rung and p.name != "bf16-pure":
+                raise PrecisionError(f"{name!r}: only bf16-pure has a memory ladder (bf16-pure:<masters>[+bf16])")
+        except (PrecisionError, ValueError) as e:
             results[name] = BenchResult(precision=name, status="skipped",
                                         reason=str(e).split(": ", 1)[-1].split(". Choose")[0])
             continue
-        if p.name in results:  # e.g. "auto" resolved to one already listed
+        label = name if rung else p.name
+        if label in results:  # e.g. "auto" resolved to one already listed
             continue
-        results[p.name], run = _start(p, model_factory, batch_factory, dev, seed, lr, accumulation_steps, fallback,
-                                      amp_overrides)
+        results[label], run = _start(p, model_factory, batch_factory, dev, seed, lr, accumulation_steps, fallback,
+                                     {**amp_overrides, **rung})
+        results[label].precision = label
         if run is not None:
-            runs[p.name] = run
+            runs[label] = run
     for run in runs.values():
         run.train(batch_factory, warmup, accumulation_steps)
     _timed_blocks(runs, batch_factory, steps, min(repeats, steps), accumulation_steps, dev)
@@ -269,6 +295,7 @@ def _measurements(res: BenchResult, run: _Run, batch_factory: Callable[[int], An
     resident = breakdown(model, run.steps.optimizer, amp).total
     grads = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
     res.static_bytes = resident + grads
+    res.bytes_per_param = resident / max(1, sum(q.numel() for q in model.parameters()))
     if dev.type == "cuda":
         # The other precisions' models stay alive in this process: count only this run's
         # resident state plus what one of its steps allocates on top.
@@ -307,15 +334,32 @@ class Recommendation:
     why_not: dict[str, str]
     model: Optional[str] = None  # what was measured: the advice holds for this model, size and batch
     size: Optional[str] = None
+    prefer: str = "speed"  # speed: the fastest within the tolerance; memory: the fewest bytes per parameter
+    bytes_per_param: Optional[float] = None  # the pick's, measured from the live tensors
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The ``[amp]`` settings: the precision, and for a rung its ``masters`` and ``state_dtype``."""
+        base, rung = parse_rung(self.precision)
+        out: dict[str, Any] = {"precision": base}
+        if rung:
+            out.update(masters=rung["masters"], state_dtype=rung["state_dtype"])
+            if rung["allow_stall"]:
+                out["allow_stall"] = True
+        return {**out, "accumulation_steps": self.accumulation_steps}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def to_toml(self) -> str:
         """A config ``ampkit train --config`` and ``MixedPrecisionConfig.from_toml`` accept."""
-        lines = ["# written by `ampkit tune`", f"# fastest precision within {100 * self.tolerance:g}% of the fp32 loss: "
-                 f"{self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%", "",
-                 "[amp]", f'precision = "{self.precision}"', f"accumulation_steps = {self.accumulation_steps}"]
+        what = "fastest precision" if self.prefer == "speed" else "fewest bytes per parameter"
+        mem = f", {self.bytes_per_param:.2f} B/param" if self.bytes_per_param is not None else ""
+        amp = [f"{k} = " + ("true" if v is True else str(v) if isinstance(v, int) else f'"{v}"')
+               for k, v in self.config.items()]
+        lines = ["# written by `ampkit tune`", f"# {what} within {100 * self.tolerance:g}% of the fp32 loss: "
+                 f"{self.precision}, {self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%{mem}",
+                 "", "[amp]", *amp]
         train = [f'model = "{self.model}"'] if self.model else []
         train += [f'size = "{self.size}"'] if self.size else []
         train += [f"batch_size = {self.batch_size}"] if self.batch_size else []
@@ -324,11 +368,18 @@ class Recommendation:
         return "\n".join(lines) + "\n"
 
 
-def tune(report: BenchReport, tolerance: float = 0.01) -> Recommendation:
+def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = None) -> Recommendation:
     """The fastest precision whose final-loss gap to fp32 is within ``tolerance`` (a fraction of the
-    fp32 loss) and that had no fallback. fp32 always qualifies (its gap is 0 by definition)."""
+    fp32 loss) and that had no fallback. fp32 always qualifies (its gap is 0 by definition).
+
+    ``prefer="memory"`` (the default when a bf16-pure rung was measured) picks the fewest bytes per
+    parameter instead (weights + masters + optimizer state, measured), ties to the faster step."""
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction of the fp32 loss, e.g. 0.01)")
+    if prefer is None:
+        prefer = "memory" if any(":" in r.precision for r in report.results) else "speed"
+    if prefer not in ("speed", "memory"):
+        raise ValueError(f"prefer={prefer!r} is not a tune objective; choose one of: speed, memory")
     why: dict[str, str] = {}
     ok = []
     for r in report.results:
@@ -343,13 +394,29 @@ def tune(report: BenchReport, tolerance: float = 0.01) -> Recommendation:
             ok.append(r)
     if not ok:
         raise ValueError("no precision qualified, not even fp32; was fp32 measured?")
-    best = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
-    for r in ok:
-        if r is not best:
-            why[r.precision] = (f"slower: {r.step_ms:.2f} ms/step vs {best.step_ms:.2f} ms/step for {best.precision}"
-                                if r.step_ms > best.step_ms else f"as fast as {best.precision}; ties go to the earlier candidate")
+    if prefer == "memory":
+        best = min(ok, key=lambda r: (round(r.bytes_per_param or math.inf, 2), r.step_ms, r.precision != "fp32"))
+        for r in ok:
+            if r is not best:
+                why[r.precision] = _why_more_memory(r, best)
+    else:
+        best = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
+        for r in ok:
+            if r is not best:
+                why[r.precision] = (f"slower: {r.step_ms:.2f} ms/step vs {best.step_ms:.2f} ms/step for {best.precision}"
+                                    if r.step_ms > best.step_ms else f"as fast as {best.precision}; ties go to the earlier candidate")
     # "name/size" as the CLI labels it; a bare label from the Python API names no train model.
     model, _, size = (report.model or "").rpartition("/")
     return Recommendation(model=model or None, size=size or None, precision=best.precision, step_ms=best.step_ms, speedup_vs_fp32=best.speedup_vs_fp32 or 1.0,
                           loss_gap=best.loss_gap or 0.0, tolerance=tolerance, batch_size=report.batch_size,
-                          accumulation_steps=report.accumulation_steps, why_not=why)
+                          accumulation_steps=report.accumulation_steps, why_not=why, prefer=prefer,
+                          bytes_per_param=best.bytes_per_param)
+
+
+def _why_more_memory(r: BenchResult, best: BenchResult) -> str:
+    """Why ``r`` lost to ``best`` on memory: its bytes per parameter (then its time on a tie)."""
+    mine, theirs = r.bytes_per_param or math.inf, best.bytes_per_param or math.inf
+    if round(mine, 2) > round(theirs, 2):
+        return (f"more memory: {mine:.2f} B/param vs {theirs:.2f} for {best.precision} "
+                f"(gap {100 * (r.loss_gap or 0.0):+.2f}%, {r.step_ms:.2f} ms/step)")
+    return f"as small as {best.precision} ({mine:.2f} B/param) but slower: {r.step_ms:.2f} vs {best.step_ms:.2f} ms/step"

@@ -70,7 +70,8 @@ class MixedPrecisionConfig:
     accumulation_steps: int = _f(1, "micro-steps per optimizer step (the loss is divided by this)")
     clip_grad_norm: Optional[float] = _f(None, "clip the (unscaled) total gradient norm to this (None: no clipping)")
     keep_fp32: tuple = _f((), "modules to keep in fp32: qualified-name globs ('lm_head', '*.norm*') or types")
-    fallback: Union[bool, str] = _f(False, "fall back on numerical trouble: True (fp16 -> bf16 -> fp32) or a chain 'fp16,bf16,fp32'")
+    fallback: Union[bool, str] = _f(False, "fall back on numerical trouble: True (fp16 -> bf16 -> fp32) or a chain 'fp16,bf16,fp32' "
+                                       "(rungs too: 'bf16-pure:stochastic,bf16-pure:split,fp32')")
     fallback_patience: int = _f(8, "consecutive skipped (non-finite) steps that trigger a fallback, in every "
                                 "precision: overflowing fp16 steps, and non-finite bf16/tf32/fp32 steps (fewer are "
                                 "only skipped)")
@@ -152,7 +153,8 @@ class MixedPrecisionConfig:
         if not isinstance(self.fallback, (bool, str)):
             raise ConfigError(f"fallback={self.fallback!r} must be True/False or a chain like 'fp16,bf16,fp32'")
         if isinstance(self.fallback, str):
-            chain = tuple(canonical_precision(x) for x in self.fallback.split(",") if x.strip())
+            chain = tuple(canonical_precision(b) + c + r.strip()  # "bf16-pure:split": a rung (step/fallback.py)
+                          for b, c, r in (x.partition(":") for x in self.fallback.split(",") if x.strip()))
             if not chain or any(c in ("auto", "O2") for c in chain):
                 raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
             object.__setattr__(self, "fallback", ",".join(chain))

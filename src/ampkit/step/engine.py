@@ -13,8 +13,7 @@ At an optimizer step (the accumulation boundary) the order is the hand-written t
 unscale_ (if clipping) -> clip (model order) -> step, skipped if non-finite -> update -> zero_grad
 (:mod:`ampkit.step.boundary`; window bookkeeping: :mod:`ampkit.step.accumulate`).
 
-The engine knows nothing about logging, plots or the CLI: observers subscribe to its events
-(:meth:`MixedPrecision.subscribe`).
+The engine knows nothing about logging, plots or the CLI: observers subscribe to its events (:meth:`MixedPrecision.subscribe`).
 """
 
 from __future__ import annotations
@@ -38,6 +37,8 @@ from .fallback import (
     fallback_data,
     make_fallback,
     recover_data,
+    rung_label,
+    rung_move,
     scale_exhausted,
 )
 from .hardware import DeviceInfo, device_info, normalize_device
@@ -457,20 +458,22 @@ class MixedPrecision:
         return self._switch(precision, "precision_switch", {"reason": reason})
 
     def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
-        new = resolve_precision(precision, self.device_info, emulate_fp8=self.config.fp8_emulate)
+        new, cfg, rungs = rung_move(self.config, self.precision.name, precision, self.device_info)  # or a rung
         if self._window.micro != 0:
             raise RuntimeError(f"switch() called inside an accumulation window ({self._window.micro} of "
                                f"{self._window.current_size} micro-steps done); switch after step()")
         old = self.precision
-        if new.name == old.name:
-            return old
-        self.config = self.config.replace(precision=new.name)
+        if new.name == old.name:  # the same rung: nothing to do; another rung: via fp32, as switch(masters=...)
+            if rungs.get("from_rung") == rungs.get("to_rung"):
+                return old
+            self._become(resolve_precision("fp32", self.device_info))
+        self.config = cfg.replace(precision=new.name)
         self._become(new)
         self._fallback.reset()
-        self._emit(kind, {"from": old.name, "to": new.name, **data})
+        self._emit(kind, {"from": old.name, "to": new.name, **rungs, **data})
         return new
 
-    def _become(self, new: Precision, scaler: Optional[LossScaler] = None) -> None:
+    def _become(self, new: Precision, scaler: Optional[LossScaler] = None, rerung: bool = False) -> None:
         """Train in ``new`` from here on: the old policy releases, the new one prepares (between steps)."""
         if scaler is None and new.needs_scaler != self.precision.needs_scaler:
             scaler = self._make_scaler(new)
@@ -480,8 +483,8 @@ class MixedPrecision:
                 self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
             self._scaler = scaler
         old, self.precision = self.precision, new
-        if new.name == old.name:
-            return  # (a resume in the same precision: the model keeps its form)
+        if new.name == old.name and not rerung:
+            return  # (a resume in the same precision and rung: the model keeps its form)
         self._policy.release()
         self._policy = policy_for(new, self.config, self.device, shards_params=self._parallel.shards_params)
         if self._model is not None:
@@ -489,12 +492,9 @@ class MixedPrecision:
             self._prepare(self._model)
 
     def set_fallback(self, fallback: Union[bool, str]) -> None:
-        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps.
-
-        Validates the chain against the device first (``PrecisionError`` / ``ConfigError``)."""
+        """Turn the fallback chain on (``True`` or ``"fp16,bf16,fp32"``) or off, between steps; validated first."""
         cfg = self.config.replace(fallback=fallback)
-        self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
-        self.config = cfg
+        self._fallback, self.config = make_fallback(cfg, self.precision.name, self.device_info), cfg
 
     def _act(self, trigger: Trigger) -> None:
         """Fall back to the chain's next precision, or raise :class:`NumericsError` (end of the chain;
@@ -507,7 +507,7 @@ class MixedPrecision:
             data, error = scale_exhausted(trigger, name, diagnosis)
             self._emit("scale_exhausted", data)
             raise error
-        nxt = self._fallback.next_precision(name)
+        nxt = self._fallback.next_precision(name, self.config)
         if nxt is None:
             data, error = chain_exhausted(trigger, name, self._fallback.chain, diagnosis)
             self._emit("fallback_exhausted", data)
@@ -575,7 +575,7 @@ class MixedPrecision:
         except Exception:
             self.config = old_config
             raise
-        self._become(new, scaler)
+        self._become(new, scaler, rerung=rung_label(new.name, cfg) != rung_label(new.name, old_config))
         before = int(state.get("skipped_before", 0))
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._steps = int(state.get("optimizer_steps", 0))

@@ -11,6 +11,14 @@ Triggers, evaluated every ``check_every`` optimizer steps:
   scaling (bf16, tf32, fp32), where backing off a scale cannot help. The same patience as for
   fp16: a transient spike (fewer consecutive non-finite steps) is only skipped, as in fp16.
 
+**Rungs of bf16-pure's memory ladder** are chain entries too, spelt as for ``estimate``/``plan``:
+``fallback="bf16-pure:stochastic+bf16,bf16-pure:stochastic,bf16-pure:split,fp32"``. bf16-pure has no
+loss scaling, so a rung falls to the next entry on ``nonfinite_unscaled`` (``patience`` consecutive
+non-finite steps); the move is exactly ``switch("bf16-pure", masters=..., state_dtype=...)`` (via
+fp32: the old rung's exact weights, then the new rung's form). A stall (updates rounding away) is
+not a trigger: it is known up front (``masters="none"`` is refused unless forced) and measured by
+``ampkit tune``, not seen in the gradients. A plain ``bf16-pure`` entry keeps the configured rung.
+
 With the fallback off the same machinery is the **exhausted-scale guard** (a policy with an empty
 chain, precisions with loss scaling only): when the scale sat at its floor (``max(min_scale,
 2**-126)``) with an overflow at one check, and the step at the next check overflows at the floor
@@ -48,12 +56,14 @@ import torch
 from .config import ConfigError, MixedPrecisionConfig
 from .hardware import DeviceInfo
 from .localize import NonFiniteReport
-from .precision import NAMES, PrecisionError, parse_precision, resolve_precision
+from .policies.ladder import parse_rung
+from .precision import NAMES, Precision, PrecisionError, parse_precision, resolve_precision
 from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
 __all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "chain_exhausted", "fallback_data",
-           "make_fallback", "nonfinite_grads", "recover_data", "resolve_chain", "scale_exhausted"]
+           "make_fallback", "nonfinite_grads", "recover_data", "resolve_chain", "rung_label", "rung_move",
+           "scale_exhausted"]
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
@@ -75,9 +85,52 @@ class Trigger:
     recover_after: Optional[int] = None  # with fallback_recover_after: clean steps before the next retry
 
 
-def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple[str, ...]:
+def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
+    """The chain name of training in ``precision`` under ``config``: ``"bf16-pure:<masters>[+bf16]"``
+    for bf16-pure (its rung of the memory ladder), else the precision's name."""
+    if precision != "bf16-pure":
+        return precision
+    return f"bf16-pure:{config.masters}" + ("+bf16" if config.state_dtype == "bf16" else "")
+
+
+def rung_move(config: MixedPrecisionConfig, current: str, target: Any, info: DeviceInfo
+              ) -> tuple[Precision, MixedPrecisionConfig, dict[str, str]]:
+    """A switch to ``target`` (a precision, or a rung such as ``"bf16-pure:split"``) from ``current``:
+    the precision resolved on ``info``, the config with the target's rung (validated now, before
+    anything changes), and the ``from_rung``/``to_rung`` event fields when either side is a bf16-pure
+    rung. Raises ``PrecisionError`` / ``ConfigError``."""
+    name, rung = parse_rung(target)
+    new = resolve_precision(name, info, emulate_fp8=config.fp8_emulate)
+    if rung and new.name != "bf16-pure":
+        raise PrecisionError(f"{target!r} names a rung but only bf16-pure has a memory ladder; "
+                             "write bf16-pure:<masters>[+bf16]")
+    cfg = config.replace(**{k: v for k, v in rung.items() if k != "allow_stall" or v})
+    frm, to = rung_label(current, config), rung_label(new.name, cfg)
+    return new, cfg, ({"from_rung": frm, "to_rung": to} if ":" in frm + to else {})
+
+
+def _entry(spec: str, info: DeviceInfo) -> str:
+    """One chain entry, validated: a precision name or a bf16-pure rung (canonical spelling)."""
+    try:
+        name, rung = parse_rung(spec)
+    except ValueError as e:
+        raise PrecisionError(f"fallback chain entry {spec!r}: {e}") from None
+    name = parse_precision(name)
+    if name not in NAMES:
+        raise PrecisionError(f"fallback chain entry {spec!r} is not supported; use names from: {', '.join(NAMES)}, "
+                             "or a rung bf16-pure:<fp32|split|kahan|stochastic|none>[+bf16]")
+    if rung and name != "bf16-pure":
+        raise PrecisionError(f"fallback chain entry {spec!r}: only bf16-pure has a memory ladder; write "
+                             f"bf16-pure:{rung['masters']}" + ("+bf16" if rung["state_dtype"] == "bf16" else ""))
+    resolve_precision(name, info)  # raises PrecisionError naming the device and the reason
+    return name + (spec.strip()[spec.strip().index(":"):] if rung else "")
+
+
+def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo, label: Optional[str] = None
+                  ) -> tuple[str, ...]:
     """The precisions to try after ``start``. ``True``: the default chain, keeping only what the
-    device runs. A string: validated now (unknown or unsupported names raise ``PrecisionError``)."""
+    device runs. A string: validated now (unknown or unsupported names raise ``PrecisionError``);
+    its entries may name bf16-pure rungs (module doc). ``label``: ``start``'s rung (:func:`rung_label`)."""
     if spec is True:
         # Pure precisions fall back within the pure forms first (the masters carry over), then fp32.
         default = PURE_CHAIN if start.endswith("-pure") else DEFAULT_CHAIN
@@ -87,14 +140,14 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo) -> tuple
         elif start not in names:
             names = [start] + [n for n in names if n == "fp32"]
     else:
-        names = [parse_precision(n) for n in str(spec).split(",") if n.strip()]
-        for n in names:
-            if n not in NAMES:
-                raise PrecisionError(f"fallback chain entry {n!r} is not supported; use names from: {', '.join(NAMES)}")
-            resolve_precision(n, info)  # raises PrecisionError naming the device and the reason
-        if start not in names:
+        names = [_entry(n.strip(), info) for n in str(spec).split(",") if n.strip()]
+        if len(set(names)) != len(names):
+            raise PrecisionError(f"fallback chain {','.join(names)!r} names an entry twice; each precision or "
+                                 "rung may appear once")
+        label = label or start
+        if start not in names and label not in names:
             raise PrecisionError(f"fallback chain {','.join(names)!r} does not contain the training precision "
-                                 f"{start!r}; start the chain with it, e.g. '{start},fp32'")
+                                 f"{label!r}; start the chain with it, e.g. '{label},fp32'")
     return tuple(names)
 
 
@@ -114,7 +167,7 @@ def make_fallback(config: MixedPrecisionConfig, precision: str, info: DeviceInfo
     elif not config.skip_nonfinite:
         raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
     else:
-        chain = resolve_chain(config.fallback, precision, info)
+        chain = resolve_chain(config.fallback, precision, info, rung_label(precision, config))
     return FallbackPolicy(chain, config.fallback_patience, config.fallback_check_every, config.min_scale,
                           recover_after=config.fallback_recover_after if chain else None)
 
@@ -145,12 +198,15 @@ class FallbackPolicy:
         """True for a fallback chain; False for the exhausted-scale guard (fallback off)."""
         return bool(self.chain)
 
-    def next_precision(self, current: str) -> Optional[str]:
+    def next_precision(self, current: str, config: Optional[MixedPrecisionConfig] = None) -> Optional[str]:
         """The precision to fall back to from ``current`` (None at the chain's end). With
         ``recover_after``, remembers ``current`` for a retry and, if ``current`` was itself a retry,
-        doubles the wait before the next one."""
-        if current in self.chain:
-            i = self.chain.index(current)
+        doubles the wait before the next one. ``current`` may be a rung (``"bf16-pure:split"``): it
+        matches that entry, else a plain ``bf16-pure`` one; with ``config``, ``current``'s rung is read from it."""
+        current = rung_label(current, config) if config is not None else current
+        at = current if current in self.chain else current.partition(":")[0]
+        if at in self.chain:
+            i = self.chain.index(at)
             nxt = self.chain[i + 1] if i + 1 < len(self.chain) else None
         else:
             nxt = self.chain[-1] if self.chain and self.chain[-1] != current else None
