@@ -307,7 +307,8 @@ def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summ
         return
     for e in amp.events:
         if e.kind == "fallback":
-            console.print(f"[yellow]fell back[/] {e.data['from']} → {e.data['to']} at step {e.step}: {e.data['reason']}")
+            src, dst = e.data.get("from_rung") or e.data["from"], e.data.get("to_rung") or e.data["to"]
+            console.print(f"[yellow]fell back[/] {src} → {dst} at step {e.step}: {e.data['reason']}")
         elif e.kind == "fallback_retry":
             console.print(f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}")
     console.print(f"ms/step {summary.ms_per_step:.1f}"
