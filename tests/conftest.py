@@ -7,6 +7,8 @@ import torch
 # (the dev extra has it): most slow tests wait on subprocesses, servers and signals, so two workers
 # share 2 cores well. AMPKIT_TEST_WORKERS=N picks another count (0 or 1: serial); -n N, -p no:xdist,
 # --collect-only, --pdb or naming test paths keep pytest's own behaviour (serial unless -n is given).
+# --dist loadfile: a module's tests share one worker, so a module fixture (a trained run, a server, the
+# distributed spawn) is built once (loadgroup's xdist_group marks were ignored under pytest 9.2 + xdist 3.8).
 WORKERS_ENV = "AMPKIT_TEST_WORKERS"
 DEFAULT_WORKERS = 2
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... inside an xdist worker
@@ -31,7 +33,7 @@ def _named_paths(config) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """Turn plain `pytest` into `pytest -n 2 --dist loadgroup` when pytest-xdist is there (see the top)."""
+    """Turn plain `pytest` into `pytest -n 2 --dist loadfile` when pytest-xdist is there (see the top)."""
     if WORKER or not config.pluginmanager.hasplugin("xdist"):
         return
     opt = config.option
@@ -48,32 +50,19 @@ def pytest_cmdline_main(config):
     if n > 1:
         opt.numprocesses = n
         if opt.dist == "no":
-            opt.dist = "loadgroup"
+            opt.dist = "loadfile"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker turns xdist_group marks into groups
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
-    if config.getoption("dist", "no") == "loadgroup":
-        _group_shared_fixtures(items)
 
-
-def _group_shared_fixtures(items):
-    """Tests that share a module- or session-scoped fixture of their own module run on one worker
-    (xdist's loadgroup), so that fixture (a trained reference run, a server) is built once."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        for defs in (getattr(info, "name2fixturedefs", None) or {}).values():
-            d = defs[-1]
-            if d.scope in ("module", "package", "session") and d.baseid and d.baseid == item.nodeid.split("::")[0]:
-                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-                break
 
 
 @pytest.fixture
 def seed():
     torch.manual_seed(1234)
     return 1234
+
