@@ -28,7 +28,7 @@ import torch
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
-from .steps import Steps
+from .steps import Steps, batch_loss
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session"]
 
@@ -98,13 +98,15 @@ def _fake(obj: Any, mode: Any, dev: torch.device) -> Any:
 
 @dataclass(frozen=True)
 class Measure:
-    """One measured step: its peak, parts (bytes), bytes by dtype, and the total after each operation."""
+    """One measured step: its peak, parts (bytes), bytes by dtype, the total after each operation,
+    and where in the timeline the forward (the loss) and the backward ended (``phases``)."""
 
     precision: str
     peak_bytes: int
     parts: dict[str, int]
     by_dtype: dict[str, int]
     timeline: tuple[int, ...]
+    phases: tuple[int, ...] = ()
 
 
 class Session:
@@ -157,7 +159,14 @@ class Session:
         self.amp = MixedPrecision(base, device=self.dev, fp8_emulate=True, **rung)
         self.label = self.amp.precision.name + (precision[len(base):] if rung else "")
         self.model, self.opt = self.amp.setup(model, opt)
-        self.run = Steps(self.model, self.opt, self.amp)
+        self._tracker: Any = None
+        self.run = Steps(self.model, self.opt, self.amp, loss_fn=self._marked_loss)
+
+    def _marked_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = batch_loss(model, batch)
+        if self._tracker is not None:  # the forward ends here: a phase boundary of the timeline
+            self._marks.append(len(self._tracker.timeline))
+        return loss
 
     def measure(self, batch: Any) -> Measure:
         """The step's memory on ``batch`` (real or fake tensors; read only for their shapes)."""
@@ -168,10 +177,15 @@ class Session:
             self._warm = True
         tracker = _tracker_class()()
         tracker.track_external(model, opt, *amp.master_params())
-        with tracker:
-            self.run.forward_backward(fake_batch)
-            static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
-            amp.step(opt)
+        self._tracker, self._marks = tracker, []
+        try:
+            with tracker:
+                self.run.forward_backward(fake_batch)
+                self._marks.append(len(tracker.timeline))
+                static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
+                amp.step(opt)
+        finally:
+            self._tracker = None
         snapshot = tracker.get_tracker_snapshot("peak")
         if amp.precision.name == "fp8":  # activations() does not follow torchao's fp8 casts yet
             act_bytes = int(sum(d.get(k, 0) for d in snapshot.values() for k in d if str(k).endswith("ACT")))
@@ -183,7 +197,7 @@ class Session:
         parts["activations"] = act_bytes
         peak = max(peak, sum(parts.values()))
         parts["temporaries"] = peak - sum(parts.values())
-        return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(tracker.timeline))
+        return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(tracker.timeline), tuple(self._marks))
 
 
 class Curve:
