@@ -8,7 +8,7 @@ peak is affine in the depth, as each is affine in the batch (:class:`~ampkit.loo
 The step's peak is the largest of them -- which phase holds it can change with the depth, so the
 phases are extrapolated one by one, then the maximum taken (:class:`DepthFit`).
 
-So the model is built at two depths (1 and 2 blocks), each measured at two batch sizes (2 and 3):
+So the model is built at two depths (1 and 2 blocks), each measured at two batch sizes (3 and 4):
 four fake-tensor steps of a one- or two-block model instead of a dozen of the full one. A fit
 that does not reproduce its own four measures (the phases' maximum is not the peak measured) is
 refused (:class:`DepthError`) and the caller measures the full model instead. :func:`plan_precision`
@@ -30,7 +30,8 @@ __all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRo
            "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
-BATCHES = (2, 3)  # the batch sizes each is measured at (batch 1 can take other kernels; fit avoids it too)
+BATCHES = (3, 4)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
+# size-1 or size-2 dimension takes another path), which no line through them would foresee
 METHOD_NOTE = ("estimated by depth extrapolation from 1- and 2-block copies of the model (each phase's peak "
                "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3-12 layers and the "
                "built-in gpt medium/large, see docs/benchmarks.md); --verify measures the full model at the answer")
@@ -115,6 +116,9 @@ class DepthFit:
             if len(lo) != len(hi):
                 raise DepthError(f"the steps at batch {self.b1} and {self.b2} (depth {d}) have different phases")
             self.curves[d] = [Curve(self.b1, x, self.b2, y) for x, y in zip(lo, hi)]
+        if not all(c.ok for cs in self.curves.values() for c in cs):
+            raise DepthError(f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
+                             "not affine in the batch there")
         for (d, b), m in measures.items():  # the fit reproduces what it was fitted on, or it is refused
             if self.peak(d, b) != m.peak_bytes:
                 raise DepthError(f"the phases' maximum ({self.peak(d, b)}) is not the peak measured "
@@ -140,11 +144,13 @@ class DepthFit:
         return out
 
     def largest(self, depth: int, budget: int, limit: int) -> int:
-        """The largest batch in ``[2, limit]`` whose predicted peak fits ``budget`` (1: not even 2;
-        the caller decides batch 1 by a measure). The peak grows with the batch (bisection)."""
-        if self.peak(depth, 2) > budget:
-            return 1
-        lo, hi = 2, 4
+        """The largest batch in ``[b1, limit]`` whose predicted peak fits ``budget`` (``b1 - 1``: not
+        even ``b1``; the caller decides smaller batches by their own measures). The peak grows with
+        the batch (bisection)."""
+        lo = self.b1
+        if self.peak(depth, lo) > budget:
+            return lo - 1
+        hi = 2 * lo
         while hi <= limit and self.peak(depth, hi) <= budget:
             lo, hi = hi, 2 * hi
         if hi > limit:
@@ -192,15 +198,24 @@ class PlanRow:
 
 
 def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
-              ckpt: bool, optimizer: Any) -> tuple[DepthFit, int]:
-    """The depth fit and the largest batch it predicts (batch 1 decided by two more shallow measures)."""
+              ckpt: bool, optimizer: Any, at_batch: Optional[int]) -> tuple[int, Any]:
+    """The largest batch by depth extrapolation and ``(label, peak, parts)`` at ``at_batch`` (if given).
+    Batches below :data:`BATCHES` (an answer of 0-2, ``at_batch`` 1-2) come from a second fit
+    through batches 1 and 2, where those are measured themselves."""
     dfit = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt)
     best = dfit.largest(stack.depth, budget, limit)
-    if best < 2:
-        one = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt,
-                             batches=(1, 2))
-        best = 1 if one.peak(stack.depth, 1) <= budget else 0
-    return dfit, best
+    small = None
+    if best < dfit.b1 or (at_batch is not None and at_batch < dfit.b1):
+        small = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt,
+                               batches=(1, 2))
+    if best < dfit.b1:
+        assert small is not None
+        best = next((b for b in (2, 1) if small.peak(stack.depth, b) <= budget), 0)
+    if at_batch is None:
+        return best, None
+    use = small if small is not None and at_batch < dfit.b1 else dfit
+    label = use.measures[(use.d1, use.b1)].precision
+    return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch))
 
 
 def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
@@ -231,15 +246,14 @@ def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[i
     does not, by the estimate of the full model's step."""
     if stack is not None:
         try:
-            dfit, best = _by_depth(stack, precision, batch_of, budget, limit, False, optimizer)
-            best_ckpt = _by_depth(stack, precision, batch_of, budget, limit, True, optimizer)[1] \
+            best, at_b = _by_depth(stack, precision, batch_of, budget, limit, False, optimizer, batch_size)
+            best_ckpt = _by_depth(stack, precision, batch_of, budget, limit, True, optimizer, None)[0] \
                 if checkpointing else None
         except DepthError:
             stack = None
         else:
-            label = dfit.measures[(dfit.d1, dfit.b1)].precision
-            row = PlanRow(label, batch_size, dfit.peak(stack.depth, batch_size), dfit.parts(stack.depth, batch_size),
-                          best, best_ckpt, "depth")
+            assert at_b is not None
+            row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth")
             if not verify:
                 return row
             at, exact = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best)
