@@ -118,7 +118,20 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     monkeypatch.setattr(estimate_session.Session, "measure", counting_measure)
     args = argparse.Namespace(model="gpt", size="tiny", model_config=None, data=None, block_size=None,
                               memory="8MiB", precisions="fp32,bf16", batch_size=4, json=True)
+    monkeypatch.setattr(plan_cli, "_stack", lambda args: None)  # the full model measured (a user's model)
     rows = plan_cli.plan_rows(args)
     assert counts["sessions"] == 4 and counts["measures"] <= 2 * (5 + 5)
     for r in rows:  # the answers are the exhaustive ones
+        assert r["method"] == "measured"
         assert r["largest_batch"] == exhaustive(gpt, gpt_batch, 8 * 2**20, r["precision"])
+    monkeypatch.undo()
+    monkeypatch.setattr(estimate_session.Session, "__enter__", counting_enter)
+    depths = []
+    monkeypatch.setattr(estimate_session.Session, "measure", lambda self, batch: (
+        depths.append(len(self.model.blocks)), measure(self, batch))[1])
+    by_depth = plan_cli.plan_rows(args)  # gpt is a stack of blocks: 1- and 2-block copies only
+    assert max(depths) == 2 and len(depths) <= 2 * 2 * (2 * 2)
+    assert [r["largest_batch"] for r in by_depth] == [r["largest_batch"] for r in rows]
+    assert [r["largest_batch_activation_checkpointing"] for r in by_depth] == \
+        [r["largest_batch_activation_checkpointing"] for r in rows]
+    assert [r["peak_bytes"] for r in by_depth] == [r["peak_bytes"] for r in rows]

@@ -8,7 +8,7 @@ peak is affine in the depth, as each is affine in the batch (:class:`~ampkit.loo
 The step's peak is the largest of them -- which phase holds it can change with the depth, so the
 phases are extrapolated one by one, then the maximum taken (:class:`DepthFit`).
 
-So the model is built at two depths (1 and 2 blocks), each measured at two batch sizes (3 and 4):
+So the model is built at two depths (1 and 2 blocks), each measured at two batch sizes (4 and 5):
 four fake-tensor steps of a one- or two-block model instead of a dozen of the full one. A fit
 that does not reproduce its own four measures (the phases' maximum is not the peak measured) is
 refused (:class:`DepthError`) and the caller measures the full model instead. :func:`plan_precision`
@@ -30,8 +30,8 @@ __all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRo
            "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
-BATCHES = (3, 4)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
-# size-1 or size-2 dimension takes another path), which no line through them would foresee
+BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
+# size-1 or size-2 dimension takes another path; fp8's casts at batch 3), which no line through them would foresee
 METHOD_NOTE = ("estimated by depth extrapolation from 1- and 2-block copies of the model (each phase's peak "
                "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3-12 layers and the "
                "built-in gpt medium/large, see docs/benchmarks.md); --verify measures the full model at the answer")
@@ -99,43 +99,51 @@ def _phases(m: Measure) -> list[Measure]:
 
 
 class DepthFit:
-    """The peak (and parts) at any depth and batch from measures at two depths x two batches:
-    ``measures[(depth, batch)]``. Every phase is affine in the batch at each depth (a
-    :class:`Curve` over its timeline) and affine in the depth; the peak is the largest phase."""
+    """The peak (and parts) at any depth and batch from measures at two depths x two or more
+    batches: ``measures[(depth, batch)]``. At a measured batch each phase's peak is extrapolated
+    in the depth as measured; elsewhere every phase is affine in the batch at each depth (a
+    :class:`Curve` over its timeline, through the two largest batches) and affine in the depth.
+    The peak is the largest phase."""
 
     def __init__(self, measures: dict[tuple[int, int], Measure]) -> None:
         depths = sorted({d for d, _ in measures})
-        batches = sorted({b for _, b in measures})
-        if len(depths) != 2 or len(batches) != 2 or len(measures) != 4:
-            raise DepthError(f"a depth fit needs measures at 2 depths x 2 batches, got {sorted(measures)}")
-        (self.d1, self.d2), (self.b1, self.b2) = depths, batches
+        self.batches = sorted({b for _, b in measures})
+        if len(depths) != 2 or len(self.batches) < 2 or len(measures) != 2 * len(self.batches):
+            raise DepthError(f"a depth fit needs measures at 2 depths x 2 or more batches, got {sorted(measures)}")
+        (self.d1, self.d2), (self.b1, self.b2) = depths, self.batches[-2:]
         self.measures = measures
         self.curves: dict[int, list[Curve]] = {}
         for d in depths:
             lo, hi = _phases(measures[(d, self.b1)]), _phases(measures[(d, self.b2)])
-            if len(lo) != len(hi):
-                raise DepthError(f"the steps at batch {self.b1} and {self.b2} (depth {d}) have different phases")
             self.curves[d] = [Curve(self.b1, x, self.b2, y) for x, y in zip(lo, hi)]
         if not all(c.ok for cs in self.curves.values() for c in cs):
             raise DepthError(f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
                              "not affine in the batch there")
         for (d, b), m in measures.items():  # the fit reproduces what it was fitted on, or it is refused
-            if self.peak(d, b) != m.peak_bytes:
-                raise DepthError(f"the phases' maximum ({self.peak(d, b)}) is not the peak measured "
-                                 f"({m.peak_bytes}) at depth {d}, batch {b}")
+            got = max(math.ceil(v - 1e-6) for v in self._phase_peaks(d, b))
+            if got != m.peak_bytes:
+                raise DepthError(f"the phases' maximum ({got}) is not the peak measured ({m.peak_bytes}) at depth "
+                                 f"{d}, batch {b}")
 
     def _at(self, depth: int, f: Callable[[int], float]) -> float:
         v1, v2 = f(self.d1), f(self.d2)
         return v1 + (v2 - v1) * (depth - self.d1) / (self.d2 - self.d1)
 
+    def _phase_peaks(self, depth: int, batch: int) -> list[float]:
+        if batch in self.batches:  # measured: each phase's own peak, extrapolated in the depth
+            phases = {d: [p.peak_bytes for p in _phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
+            return [self._at(depth, lambda d, i=i: phases[d][i]) for i in range(len(phases[self.d1]))]
+        return [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
+
     def peak(self, depth: int, batch: int) -> int:
         """The predicted peak bytes of the ``depth``-block model at ``batch`` (rounded up)."""
-        n = len(self.curves[self.d1])
-        return max(math.ceil(self._at(depth, lambda d, i=i: self.curves[d][i].peak(batch)) - 1e-6) for i in range(n))
+        return max(math.ceil(v - 1e-6) for v in self._phase_peaks(depth, batch))
 
     def parts(self, depth: int, batch: int) -> dict[str, int]:
         """Every part of :data:`PARTS` at ``depth`` x ``batch`` (bilinear; temporaries: what the peak adds)."""
         def part(name: str, d: int) -> float:
+            if batch in self.batches:
+                return self.measures[(d, batch)].parts[name]
             x, y = self.measures[(d, self.b1)].parts[name], self.measures[(d, self.b2)].parts[name]
             return x + (y - x) * (batch - self.b1) / (self.b2 - self.b1)
 
@@ -165,7 +173,7 @@ class DepthFit:
 
 def measure_depths(stack: Stack, precision: str, batch_of: Callable[[int], Any], *, optimizer: Any = "adamw",
                    activation_checkpointing: bool = False, depths: tuple[int, int] = DEPTHS,
-                   batches: tuple[int, int] = BATCHES) -> DepthFit:
+                   batches: tuple[int, ...] = BATCHES) -> DepthFit:
     """Build ``stack`` at each of ``depths``, measure each at ``batches``: the :class:`DepthFit`."""
     measures = {}
     for d in depths:
@@ -200,17 +208,17 @@ class PlanRow:
 def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
               ckpt: bool, optimizer: Any, at_batch: Optional[int]) -> tuple[int, Any]:
     """The largest batch by depth extrapolation and ``(label, peak, parts)`` at ``at_batch`` (if given).
-    Batches below :data:`BATCHES` (an answer of 0-2, ``at_batch`` 1-2) come from a second fit
-    through batches 1 and 2, where those are measured themselves."""
+    Batches below :data:`BATCHES` (an answer of 0-3, ``at_batch`` 1-3) come from a second fit
+    that measures each of them too."""
     dfit = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt)
     best = dfit.largest(stack.depth, budget, limit)
     small = None
     if best < dfit.b1 or (at_batch is not None and at_batch < dfit.b1):
         small = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt,
-                               batches=(1, 2))
+                               batches=(*range(1, dfit.b1), *BATCHES))
     if best < dfit.b1:
         assert small is not None
-        best = next((b for b in (2, 1) if small.peak(stack.depth, b) <= budget), 0)
+        best = next((b for b in range(dfit.b1 - 1, 0, -1) if small.peak(stack.depth, b) <= budget), 0)
     if at_batch is None:
         return best, None
     use = small if small is not None and at_batch < dfit.b1 else dfit

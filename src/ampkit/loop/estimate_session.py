@@ -65,7 +65,7 @@ def _tracker_class() -> type:
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
-            if not self._meta_op and (not self.timeline or self.timeline[-1] != total):
+            if not self._meta_op:
                 self.timeline.append(total)
 
     return _Tracker
