@@ -135,3 +135,21 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     assert [r["largest_batch_activation_checkpointing"] for r in by_depth] == \
         [r["largest_batch_activation_checkpointing"] for r in rows]
     assert [r["peak_bytes"] for r in by_depth] == [r["peak_bytes"] for r in rows]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure", "fp8"])
+@pytest.mark.slow
+def test_checkpointing_switched_in_a_session_measures_what_a_fresh_session_does(precision):
+    if precision == "fp8":
+        pytest.importorskip("torchao")
+    with Session(gpt, "adamw", precision) as s:
+        plain = s.measure(gpt_batch(4))
+        s.checkpointing(True)
+        on = s.measure(gpt_batch(5))
+        s.checkpointing(False)
+        off = s.measure(gpt_batch(4))
+    with Session(gpt, "adamw", precision, activation_checkpointing=True) as s:
+        fresh = s.measure(gpt_batch(5))
+    assert (on.peak_bytes, on.parts, on.timeline) == (fresh.peak_bytes, fresh.parts, fresh.timeline)
+    assert on.parts["activations"] < plain.parts["activations"]
+    assert (off.peak_bytes, off.parts, off.timeline) == (plain.peak_bytes, plain.parts, plain.timeline)

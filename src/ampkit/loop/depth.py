@@ -26,7 +26,7 @@ import torch
 
 from .estimate_session import PARTS, Curve, Measure, Session, fit
 
-__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_depths", "plan_precision",
+__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both", "measure_depths", "plan_precision",
            "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
@@ -175,12 +175,24 @@ def measure_depths(stack: Stack, precision: str, batch_of: Callable[[int], Any],
                    activation_checkpointing: bool = False, depths: tuple[int, int] = DEPTHS,
                    batches: tuple[int, ...] = BATCHES) -> DepthFit:
     """Build ``stack`` at each of ``depths``, measure each at ``batches``: the :class:`DepthFit`."""
-    measures = {}
+    return measure_both(stack, precision, batch_of, (activation_checkpointing,), optimizer=optimizer, depths=depths,
+                        batches=batches)[activation_checkpointing]
+
+
+def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], checkpointing: tuple[bool, ...],
+                 *, optimizer: Any = "adamw", depths: tuple[int, int] = DEPTHS,
+                 batches: tuple[int, ...] = BATCHES) -> dict[bool, DepthFit]:
+    """:func:`measure_depths` for each activation checkpointing setting in ``checkpointing``, one
+    session (one build and warm-up) per depth: the setting is switched between measures."""
+    measures: dict[bool, dict[tuple[int, int], Measure]] = {c: {} for c in checkpointing}
     for d in depths:
-        with Session(stack.factory(d), optimizer, precision, activation_checkpointing=activation_checkpointing) as s:
-            for b in batches:  # the warm-up runs at the first batch: its shapes are the measure's
-                measures[(d, b)] = s.measure(batch_of(b))
-    return DepthFit(measures)
+        with Session(stack.factory(d), optimizer, precision, activation_checkpointing=checkpointing[0]) as s:
+            for i, ckpt in enumerate(checkpointing):
+                if i:
+                    s.checkpointing(ckpt)
+                for b in batches:  # the warm-up runs at the first batch: its shapes are the measure's
+                    measures[ckpt][(d, b)] = s.measure(batch_of(b))
+    return {c: DepthFit(m) for c, m in measures.items()}
 
 
 @dataclass(frozen=True)
@@ -206,22 +218,22 @@ class PlanRow:
 
 
 def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
-              ckpt: bool, optimizer: Any, at_batch: Optional[int]) -> tuple[int, Any]:
-    """The largest batch by depth extrapolation and ``(label, peak, parts)`` at ``at_batch`` (if given).
-    Batches below :data:`BATCHES` (an answer of 0-3, ``at_batch`` 1-3) come from a second fit
-    that measures each of them too."""
-    dfit = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt)
-    best = dfit.largest(stack.depth, budget, limit)
-    small = None
-    if best < dfit.b1 or (at_batch is not None and at_batch < dfit.b1):
-        small = measure_depths(stack, precision, batch_of, optimizer=optimizer, activation_checkpointing=ckpt,
-                               batches=(*range(1, dfit.b1), *BATCHES))
-    if best < dfit.b1:
-        assert small is not None
-        best = next((b for b in range(dfit.b1 - 1, 0, -1) if small.peak(stack.depth, b) <= budget), 0)
-    if at_batch is None:
-        return best, None
-    use = small if small is not None and at_batch < dfit.b1 else dfit
+              checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int) -> tuple[dict[bool, int], Any]:
+    """The largest batch by depth extrapolation per checkpointing setting, and ``(label, peak,
+    parts)`` at ``at_batch`` without checkpointing. Batches below :data:`BATCHES` (an answer of
+    0-3, ``at_batch`` 1-3) come from a second fit that measures each of them too."""
+    fits = measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
+    best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
+    b1 = fits[False].b1
+    redo = tuple(c for c in checkpointing if best[c] < b1 or (not c and at_batch < b1))
+    if redo:
+        small = measure_both(stack, precision, batch_of, redo, optimizer=optimizer, batches=(*range(1, b1), *BATCHES))
+        for c in redo:
+            if best[c] < b1:
+                best[c] = next((b for b in range(b1 - 1, 0, -1) if small[c].peak(stack.depth, b) <= budget), 0)
+        if False in redo and at_batch < b1:
+            fits = {**fits, False: small[False]}
+    use = fits[False]
     label = use.measures[(use.d1, use.b1)].precision
     return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch))
 
@@ -254,13 +266,12 @@ def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[i
     does not, by the estimate of the full model's step."""
     if stack is not None:
         try:
-            best, at_b = _by_depth(stack, precision, batch_of, budget, limit, False, optimizer, batch_size)
-            best_ckpt = _by_depth(stack, precision, batch_of, budget, limit, True, optimizer, None)[0] \
-                if checkpointing else None
+            found, at_b = _by_depth(stack, precision, batch_of, budget, limit,
+                                    (False, True) if checkpointing else (False,), optimizer, batch_size)
         except DepthError:
             stack = None
         else:
-            assert at_b is not None
+            best, best_ckpt = found[False], found.get(True)
             row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth")
             if not verify:
                 return row

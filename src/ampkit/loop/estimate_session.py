@@ -96,6 +96,14 @@ def _fake(obj: Any, mode: Any, dev: torch.device) -> Any:
     return obj
 
 
+def _checkpoint(model: torch.nn.Module, ckpt: Union[bool, Sequence[str]]) -> None:
+    from ..step.activation_checkpointing import apply_activation_checkpointing
+
+    targets = (list(ckpt) if not isinstance(ckpt, bool) else
+               [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)])
+    apply_activation_checkpointing(model, targets)
+
+
 @dataclass(frozen=True)
 class Measure:
     """One measured step: its peak, parts (bytes), bytes by dtype, the total after each operation,
@@ -149,11 +157,7 @@ class Session:
         else:
             model = model_or_factory()
         if ckpt:
-            from ..step.activation_checkpointing import apply_activation_checkpointing
-
-            targets = (list(ckpt) if not isinstance(ckpt, bool) else
-                       [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)])
-            apply_activation_checkpointing(model, targets)
+            _checkpoint(model, ckpt)
         opt = _optimizer(optimizer, model.parameters(), self.dev.type in ("cpu", "cuda"))
         base, rung = parse_rung(precision)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
         self.amp = MixedPrecision(base, device=self.dev, fp8_emulate=True, **rung)
@@ -167,6 +171,16 @@ class Session:
         if self._tracker is not None:  # the forward ends here: a phase boundary of the timeline
             self._marks.append(len(self._tracker.timeline))
         return loss
+
+    def checkpointing(self, on: Union[bool, Sequence[str]]) -> None:
+        """Turn activation checkpointing on (True: every element of a ``ModuleList``; or module
+        name globs / types) or off for the measures that follow, keeping the warmed-up state: a
+        measure then is what a fresh session with ``activation_checkpointing=on`` reports."""
+        from ..step.activation_checkpointing import remove_activation_checkpointing
+
+        remove_activation_checkpointing(self.model)
+        if on:
+            _checkpoint(self.model, on)
 
     def measure(self, batch: Any) -> Measure:
         """The step's memory on ``batch`` (real or fake tensors; read only for their shapes)."""
