@@ -153,3 +153,23 @@ def test_checkpointing_switched_in_a_session_measures_what_a_fresh_session_does(
     assert (on.peak_bytes, on.parts, on.timeline) == (fresh.peak_bytes, fresh.parts, fresh.timeline)
     assert on.parts["activations"] < plain.parts["activations"]
     assert (off.peak_bytes, off.parts, off.timeline) == (plain.peak_bytes, plain.parts, plain.timeline)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"])
+@pytest.mark.slow
+def test_the_cheap_warm_up_leaves_what_a_training_step_leaves(precision, monkeypatch):
+    """The warm-up that only sums the parameters measures the same steps as a real warm-up step."""
+    from ampkit.loop import estimate_session
+
+    if precision == "fp8":
+        pytest.importorskip("torchao")
+    got = {}
+    for mode in ("step", "cheap"):
+        monkeypatch.setattr(estimate_session, "WARM_UP", mode)
+        with Session(gpt, "adamw", precision) as s:
+            got[mode] = [s.measure(gpt_batch(b)) for b in (4, 2)]
+        with Session(gpt, "adamw", precision, activation_checkpointing=True) as s:
+            got[mode].append(s.measure(gpt_batch(3)))
+    for a, b in zip(got["step"], got["cheap"]):
+        assert (a.peak_bytes, a.parts, a.by_dtype, a.timeline, a.phases) == \
+            (b.peak_bytes, b.parts, b.by_dtype, b.timeline, b.phases)
