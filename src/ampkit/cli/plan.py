@@ -75,14 +75,17 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _method_line(rows: list[dict[str, Any]]) -> str:
+    """How the rows were found, for the caption and ``--json``'s ``"method"``."""
     methods = {r["method"] for r in rows}
     if methods == {"measured"}:
         return "measured: the full model's training step on fake tensors (B fits, B + 1 does not)"
     if methods == {"depth"}:
         return METHOD_NOTE
-    agreed = all(r["verified"] for r in rows if r["verified"] is not None)
-    return ("depth extrapolation, verified: the full model measured at the batch and at each answer B and B + 1 "
-            f"({'the extrapolation had every value' if agreed else 'the extrapolation missed somewhere; the measured values are shown'})")
+    if methods == {"depth, verified"}:
+        agreed = all(r["verified"] for r in rows)
+        return ("depth extrapolation, verified: the full model measured at the batch and at each answer B and "
+                f"B + 1 ({'the extrapolation had every value' if agreed else 'the extrapolation missed somewhere; the measured values are shown'})")
+    return f"per row (see each row's method): {', '.join(sorted(methods))}; depth: {METHOD_NOTE}"
 
 
 def cmd_plan(inv: Invocation) -> int:
