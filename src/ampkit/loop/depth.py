@@ -33,8 +33,9 @@ DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth fr
 BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
 # size-1 or size-2 dimension takes another path; fp8's casts at batch 3), which no line through them would foresee
 METHOD_NOTE = ("estimated by depth extrapolation from 1- and 2-block copies of the model (each phase's peak "
-               "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3-12 layers and the "
-               "built-in gpt medium/large, see docs/benchmarks.md); --verify measures the full model at the answer")
+               "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3, 6 and 12 layers and "
+               "the built-in gpt small/medium, see docs/benchmarks.md); --verify measures the full model at the "
+               "answer")
 
 
 class DepthError(ValueError):
