@@ -118,7 +118,58 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     monkeypatch.setattr(estimate_session.Session, "measure", counting_measure)
     args = argparse.Namespace(model="gpt", size="tiny", model_config=None, data=None, block_size=None,
                               memory="8MiB", precisions="fp32,bf16", batch_size=4, json=True)
+    monkeypatch.setattr(plan_cli, "_stack", lambda args: None)  # the full model measured (a user's model)
     rows = plan_cli.plan_rows(args)
     assert counts["sessions"] == 4 and counts["measures"] <= 2 * (5 + 5)
     for r in rows:  # the answers are the exhaustive ones
+        assert r["method"] == "measured"
         assert r["largest_batch"] == exhaustive(gpt, gpt_batch, 8 * 2**20, r["precision"])
+    monkeypatch.undo()
+    monkeypatch.setattr(estimate_session.Session, "__enter__", counting_enter)
+    depths = []
+    monkeypatch.setattr(estimate_session.Session, "measure", lambda self, batch: (
+        depths.append(len(self.model.blocks)), measure(self, batch))[1])
+    by_depth = plan_cli.plan_rows(args)  # gpt is a stack of blocks: 1- and 2-block copies only
+    assert max(depths) == 2 and len(depths) <= 2 * 2 * (2 * 2)
+    assert [r["largest_batch"] for r in by_depth] == [r["largest_batch"] for r in rows]
+    assert [r["largest_batch_activation_checkpointing"] for r in by_depth] == \
+        [r["largest_batch_activation_checkpointing"] for r in rows]
+    assert [r["peak_bytes"] for r in by_depth] == [r["peak_bytes"] for r in rows]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure", "fp8"])
+@pytest.mark.slow
+def test_checkpointing_switched_in_a_session_measures_what_a_fresh_session_does(precision):
+    if precision == "fp8":
+        pytest.importorskip("torchao")
+    with Session(gpt, "adamw", precision) as s:
+        plain = s.measure(gpt_batch(4))
+        s.checkpointing(True)
+        on = s.measure(gpt_batch(5))
+        s.checkpointing(False)
+        off = s.measure(gpt_batch(4))
+    with Session(gpt, "adamw", precision, activation_checkpointing=True) as s:
+        fresh = s.measure(gpt_batch(5))
+    assert (on.peak_bytes, on.parts, on.timeline) == (fresh.peak_bytes, fresh.parts, fresh.timeline)
+    assert on.parts["activations"] < plain.parts["activations"]
+    assert (off.peak_bytes, off.parts, off.timeline) == (plain.peak_bytes, plain.parts, plain.timeline)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"])
+@pytest.mark.slow
+def test_the_cheap_warm_up_leaves_what_a_training_step_leaves(precision, monkeypatch):
+    """The warm-up that only sums the parameters measures the same steps as a real warm-up step."""
+    from ampkit.loop import estimate_session
+
+    if precision == "fp8":
+        pytest.importorskip("torchao")
+    got = {}
+    for mode in ("step", "cheap"):
+        monkeypatch.setattr(estimate_session, "WARM_UP", mode)
+        with Session(gpt, "adamw", precision) as s:
+            got[mode] = [s.measure(gpt_batch(b)) for b in (4, 2)]
+        with Session(gpt, "adamw", precision, activation_checkpointing=True) as s:
+            got[mode].append(s.measure(gpt_batch(3)))
+    for a, b in zip(got["step"], got["cheap"]):
+        assert (a.peak_bytes, a.parts, a.by_dtype, a.timeline, a.phases) == \
+            (b.peak_bytes, b.parts, b.by_dtype, b.timeline, b.phases)

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from ..loop.depth import METHOD_NOTE, plan_precision
 from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
-from ..loop.estimate_session import Session, fit
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags
 from .invocation import Invocation
@@ -35,30 +35,38 @@ def _model_only(args: argparse.Namespace, factory: Any) -> Any:
     return functools.partial(build, args.model, args.size) if args.model in MODELS else factory
 
 
-def _row(factory: Any, batch_of: Any, budget: int, precision: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One precision: the step measured at ``--batch_size`` and the largest batch with and without
-    activation checkpointing; each search builds and warms the model once (a session) and measures
-    a handful of batch sizes (:func:`ampkit.loop.estimate_session.fit`)."""
-    with Session(factory, "adamw", precision) as session:
-        at = session.measure(batch_of(args.batch_size))
-        static = sum(v for k, v in at.parts.items() if k not in ("activations", "temporaries"))
-        if static > budget:
-            raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
-                             f"parameters, gradients and optimizer state alone in {precision} "
-                             f"({static / 2**30:.2f} GiB); no batch size fits")
-        best, _, _ = fit(session, batch_of, budget, LIMIT, first=(args.batch_size, at))
-    with Session(factory, "adamw", precision, activation_checkpointing=True) as session:
-        best_ckpt, _, _ = fit(session, batch_of, budget, LIMIT)
-    return {"precision": at.precision, "peak_bytes": at.peak_bytes, "parts": dict(at.parts),
-            "batch_size": args.batch_size, "fits": at.peak_bytes <= budget,
-            "largest_batch": best, "largest_batch_activation_checkpointing": best_ckpt}
+def _stack(args: argparse.Namespace) -> Any:
+    """The model as a stack of blocks (built-in gpt, Hugging Face configs), or None: measured whole."""
+    from ..loop.depth import stack_for
+    from ..loop.hf import is_hf, parse_overrides
+
+    overrides = parse_overrides(getattr(args, "model_config", None)) if is_hf(args.model) else None
+    return stack_for(args.model, args.size, overrides)
+
+
+def _row(factory: Any, batch_of: Any, budget: int, precision: str, args: argparse.Namespace,
+         stack: Any) -> dict[str, Any]:
+    """One precision: the step at ``--batch_size`` and the largest batch with and without activation
+    checkpointing (:func:`ampkit.loop.depth.plan_precision`: by depth extrapolation for a stack of
+    blocks, else each search builds the full model once and measures a handful of batch sizes)."""
+    r = plan_precision(factory, batch_of, budget, precision, args.batch_size, stack=stack,
+                       verify=getattr(args, "verify", False), limit=LIMIT)
+    if r.static_bytes > budget:
+        raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
+                         f"parameters, gradients and optimizer state alone in {precision} "
+                         f"({r.static_bytes / 2**30:.2f} GiB); no batch size fits")
+    return {"precision": r.precision, "peak_bytes": r.peak_bytes, "parts": dict(r.parts),
+            "batch_size": args.batch_size, "fits": r.peak_bytes <= budget,
+            "largest_batch": r.largest, "largest_batch_activation_checkpointing": r.largest_checkpointed,
+            "method": r.method, "verified": r.verified}
 
 
 def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     budget = parse_bytes(args.memory)
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
-    rows = [_row(factory, batch_of, budget, precision, args)
+    stack = _stack(args)
+    rows = [_row(factory, batch_of, budget, precision, args, stack)
             for precision in [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]]
     ref = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:
@@ -66,12 +74,26 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _method_line(rows: list[dict[str, Any]]) -> str:
+    """How the rows were found, for the caption and ``--json``'s ``"method"``."""
+    methods = {r["method"] for r in rows}
+    if methods == {"measured"}:
+        return "measured: the full model's training step on fake tensors (B fits, B + 1 does not)"
+    if methods == {"depth"}:
+        return METHOD_NOTE
+    if methods == {"depth, verified"}:
+        agreed = all(r["verified"] for r in rows)
+        return ("depth extrapolation, verified: the full model measured at the batch and at each answer B and "
+                f"B + 1 ({'the extrapolation had every value' if agreed else 'the extrapolation missed somewhere; the measured values are shown'})")
+    return f"per row (see each row's method): {', '.join(sorted(methods))}; depth: {METHOD_NOTE}"
+
+
 def cmd_plan(inv: Invocation) -> int:
     args = inv.args
     rows = plan_rows(args)
     if args.json:
         print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
-                          "rows": rows}, indent=2))
+                          "method": _method_line(rows), "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
@@ -82,6 +104,7 @@ def cmd_plan(inv: Invocation) -> int:
         saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
         table.add_row(r["precision"], f"{r['peak_bytes'] / 2**20:,.0f} MiB", "yes" if r["fits"] else "no",
                       str(r["largest_batch"]), str(r["largest_batch_activation_checkpointing"]), saving)
+    table.caption = _method_line(rows)
     wide_console().print(table)
     return 0
 
@@ -92,5 +115,8 @@ def add_parser(sub: Any) -> None:
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
     flag(p, "precisions", default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
+    flag(p, "verify", action="store_true",
+         help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "
+              "are otherwise extrapolated from 1- and 2-block copies: seconds instead of minutes)")
     flag(p, "json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -28,7 +28,7 @@ import torch
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
-from .steps import Steps
+from .steps import Steps, batch_loss
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session"]
 
@@ -36,6 +36,7 @@ PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activa
 
 # MemTracker and the module tracker install global hooks: estimates run one at a time per process.
 LOCK = threading.RLock()
+WARM_UP = "cheap"  # or "step": the warm-up runs the model's own training step
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,7 +66,7 @@ def _tracker_class() -> type:
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
-            if not self._meta_op and (not self.timeline or self.timeline[-1] != total):
+            if not self._meta_op:
                 self.timeline.append(total)
 
     return _Tracker
@@ -96,15 +97,25 @@ def _fake(obj: Any, mode: Any, dev: torch.device) -> Any:
     return obj
 
 
+def _checkpoint(model: torch.nn.Module, ckpt: Union[bool, Sequence[str]]) -> None:
+    from ..step.activation_checkpointing import apply_activation_checkpointing
+
+    targets = (list(ckpt) if not isinstance(ckpt, bool) else
+               [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)])
+    apply_activation_checkpointing(model, targets)
+
+
 @dataclass(frozen=True)
 class Measure:
-    """One measured step: its peak, parts (bytes), bytes by dtype, and the total after each operation."""
+    """One measured step: its peak, parts (bytes), bytes by dtype, the total after each operation,
+    and where in the timeline the forward (the loss) and the backward ended (``phases``)."""
 
     precision: str
     peak_bytes: int
     parts: dict[str, int]
     by_dtype: dict[str, int]
     timeline: tuple[int, ...]
+    phases: tuple[int, ...] = ()
 
 
 class Session:
@@ -147,31 +158,63 @@ class Session:
         else:
             model = model_or_factory()
         if ckpt:
-            from ..step.activation_checkpointing import apply_activation_checkpointing
-
-            targets = (list(ckpt) if not isinstance(ckpt, bool) else
-                       [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)])
-            apply_activation_checkpointing(model, targets)
+            _checkpoint(model, ckpt)
         opt = _optimizer(optimizer, model.parameters(), self.dev.type in ("cpu", "cuda"))
         base, rung = parse_rung(precision)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
         self.amp = MixedPrecision(base, device=self.dev, fp8_emulate=True, **rung)
         self.label = self.amp.precision.name + (precision[len(base):] if rung else "")
         self.model, self.opt = self.amp.setup(model, opt)
-        self.run = Steps(self.model, self.opt, self.amp)
+        self._tracker: Any = None
+        self.run = Steps(self.model, self.opt, self.amp, loss_fn=self._marked_loss)
+
+    def _marked_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = batch_loss(model, batch)
+        if self._tracker is not None:  # the forward ends here: a phase boundary of the timeline
+            self._marks.append(len(self._tracker.timeline))
+        return loss
+
+    def _warm_up(self, fake_batch: Any) -> None:
+        """One step that creates the optimizer state (and the masters' gradients). ``WARM_UP ==
+        "cheap"``: a loss that touches every parameter once (a sum), not the model's forward --
+        the same gradients, state and engine counters at a fraction of the operations (tested:
+        the measures that follow are the same, timelines included)."""
+        if WARM_UP == "step":
+            self.run.micro_step(fake_batch)
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with self.amp.autocast():
+            loss = sum((p.sum() * 0 for p in params), torch.zeros((), device=self.dev))
+        self.amp.backward(loss)
+        self.amp.step(self.opt)
+
+    def checkpointing(self, on: Union[bool, Sequence[str]]) -> None:
+        """Turn activation checkpointing on (True: every element of a ``ModuleList``; or module
+        name globs / types) or off for the measures that follow, keeping the warmed-up state: a
+        measure then is what a fresh session with ``activation_checkpointing=on`` reports."""
+        from ..step.activation_checkpointing import remove_activation_checkpointing
+
+        remove_activation_checkpointing(self.model)
+        if on:
+            _checkpoint(self.model, on)
 
     def measure(self, batch: Any) -> Measure:
         """The step's memory on ``batch`` (real or fake tensors; read only for their shapes)."""
         fake_batch = _fake(batch, self.mode, self.dev)
         model, opt, amp = self.model, self.opt, self.amp
         if not self._warm:
-            self.run.micro_step(fake_batch)  # creates the optimizer state (and masters' gradients)
+            self._warm_up(fake_batch)
             self._warm = True
         tracker = _tracker_class()()
         tracker.track_external(model, opt, *amp.master_params())
-        with tracker:
-            self.run.forward_backward(fake_batch)
-            static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
-            amp.step(opt)
+        self._tracker, self._marks = tracker, []
+        try:
+            with tracker:
+                self.run.forward_backward(fake_batch)
+                self._marks.append(len(tracker.timeline))
+                static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
+                amp.step(opt)
+        finally:
+            self._tracker = None
         snapshot = tracker.get_tracker_snapshot("peak")
         if amp.precision.name == "fp8":  # activations() does not follow torchao's fp8 casts yet
             act_bytes = int(sum(d.get(k, 0) for d in snapshot.values() for k in d if str(k).endswith("ACT")))
@@ -183,7 +226,7 @@ class Session:
         parts["activations"] = act_bytes
         peak = max(peak, sum(parts.values()))
         parts["temporaries"] = peak - sum(parts.values())
-        return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(tracker.timeline))
+        return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(tracker.timeline), tuple(self._marks))
 
 
 class Curve:

@@ -103,15 +103,16 @@ def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, A
     return plan_answer(b)
 
 
-def _plan_row(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, p: str) -> dict[str, Any]:
-    """One precision: one session measures ``batch_size`` and searches the largest batch from there."""
-    from ..loop.estimate_session import Session, fit
+def _plan_row(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, p: str,
+              stack: Any) -> dict[str, Any]:
+    """One precision (:func:`ampkit.loop.depth.plan_precision`, as ``ampkit plan``: by depth
+    extrapolation for a stack of blocks, else the full model measured)."""
+    from ..loop.depth import plan_precision
 
-    with Session(factory, "adamw", p) as session:
-        m = session.measure(_tokens(body.batch_size, length))
-        best = fit(session, lambda b: _tokens(b, length), budget, MAX_BATCH, first=(body.batch_size, m))[0]
-    at = m.peak_bytes
-    return {"precision": p, "predicted_peak_gb": round(at / GiB, 3), "fits": at <= budget, "max_batch_size": best}
+    r = plan_precision(factory, lambda b: _tokens(b, length), budget, p, body.batch_size, stack=stack,
+                       checkpointing=False, limit=MAX_BATCH)
+    return {"precision": p, "predicted_peak_gb": round(r.peak_bytes / GiB, 3), "fits": r.peak_bytes <= budget,
+            "max_batch_size": r.largest, "method": r.method}
 
 
 def plan_answer(body: OptimizeBody) -> dict[str, Any]:
@@ -120,7 +121,10 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     budget = int(body.gpu_memory_gb * GiB)
     overrides = _overrides(body.model_overrides)
     factory, limit = _text_model(body.model_name, overrides, body.size)
-    rows = [_plan_row(factory, min(body.max_length, limit), body, budget, p) for p in PLAN_PRECISIONS]
+    from ..loop.depth import stack_for
+
+    stack = stack_for(body.model_name, body.size, dict(overrides))
+    rows = [_plan_row(factory, min(body.max_length, limit), body, budget, p, stack) for p in PLAN_PRECISIONS]
     fp32 = rows[0]
     best_half = max((r for r in rows if r["precision"] in _AUTOCAST), key=lambda r: r["max_batch_size"])
     use = (not fp32["fits"] and best_half["fits"]) or best_half["max_batch_size"] > fp32["max_batch_size"]
@@ -130,5 +134,6 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     return {"model_name": body.model_name, "gpu_memory_gb": body.gpu_memory_gb, "batch_size": body.batch_size,
             "should_use_mixed_precision": bool(use), "reason": reason,
             "recommended_precision": best_half["precision"] if use else "fp32", "recommendations": rows,
-            "note": "predicted by ampkit.loop.estimate.estimate (a training step on fake tensors, AdamW) "
+            "note": "predicted by ampkit.loop.estimate.estimate (a training step on fake tensors, AdamW; rows with "
+                    "method 'depth': extrapolated from 1- and 2-block copies of the model, ampkit.loop.depth) "
                     "with this server's kernels"}

@@ -1,0 +1,44 @@
+"""`ampkit plan`: by depth extrapolation for gpt / Hugging Face stacks, said so in the output;
+--verify measures the full model at the answers; bad input is one clear line."""
+
+import json
+
+import pytest
+
+from ampkit.cli import main
+
+
+@pytest.mark.slow
+def test_plan_says_how_it_found_the_answers_and_verify_measures_them(capsys):
+    argv = ["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "fp32,bf16-pure",
+            "--batch_size", "4", "--json"]
+    assert main(argv) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["method"].startswith("estimated by depth extrapolation from 1- and 2-block copies")
+    assert all(r["method"] == "depth" and r["verified"] is None for r in fast["rows"])
+    assert main([*argv, "--verify"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert checked["method"].startswith("depth extrapolation, verified")
+    for a, b in zip(fast["rows"], checked["rows"]):
+        assert b["method"] == "depth, verified" and b["verified"] is True
+        for k in ("peak_bytes", "parts", "largest_batch", "largest_batch_activation_checkpointing"):
+            assert a[k] == b[k], k
+    assert main(["plan", "--model", "mlp", "--size", "tiny", "--memory", "8MiB", "--precisions", "fp32",
+                 "--batch_size", "4"]) == 0  # not a stack of blocks: the full model measured, and said so
+    assert "measured: the full model's training step" in capsys.readouterr().out.replace("\n", " ")
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--model_config", "n_layer=2"], "--model_config is for Hugging Face config models"),
+    (["--memory", "0GiB"], "memory size '0GiB' must be > 0"),
+    (["--memory", "100KiB"], "smaller than the parameters"),
+])
+@pytest.mark.slow
+def test_plan_bad_input_is_one_clear_line(argv, says, capsys):
+    base = {"--size": "tiny", "--memory": "24MiB"}
+    for k, v in zip(argv[::2], argv[1::2]):
+        base[k] = v
+    flat = [x for kv in base.items() for x in kv]
+    assert main(["plan", "--model", "gpt", "--precisions", "fp32", *flat]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
