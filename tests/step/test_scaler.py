@@ -421,3 +421,58 @@ def test_a_loaded_state_counts_its_skips_and_growth_before_first_use():
     fresh.load_state_dict(src.state_dict())
     assert fresh.overflow_count is not None and float(fresh.overflow_count) == 2.0
     assert int(src.growth_tracker) == 2
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad", ["finite-overflowing-sum", "inf", "-inf", "nan", "inf-and-minus-inf", "last-tensor"])
+def test_unit_scale_check_on_cpu_is_exact(opt, bad):
+    """A unit scale only checks; on the CPU the check is read-only sums decided on the host. A
+    gradient whose *sum* overflows while every element is finite must still step; any inf/NaN
+    anywhere must skip; a finite step must equal the plain loop's bitwise."""
+    torch.manual_seed(3)
+    ref, amp = make_model(3), make_model(3)
+    o_ref, o_amp = OPTIMIZERS[opt](ref.parameters()), OPTIMIZERS[opt](amp.parameters())
+    ls = LossScaler(1.0, dynamic=False)
+    x = torch.randn(5, 8)
+    for m in (ref, amp):
+        ls.scale(m(x).pow(2).mean()).backward() if m is amp else m(x).pow(2).mean().backward()
+    for m in (ref, amp):
+        grads = [p.grad for p in m.parameters()]
+        if bad == "finite-overflowing-sum":
+            grads[0].fill_(3e38)  # every element finite, their fp32 sum is inf
+        elif bad == "inf-and-minus-inf":
+            grads[0].view(-1)[0], grads[0].view(-1)[1] = math.inf, -math.inf
+        elif bad == "last-tensor":
+            grads[-1].view(-1)[-1] = math.nan
+        else:
+            grads[1].view(-1)[2] = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[bad]
+    grads_before = [p.grad.clone() for p in amp.parameters()]
+    before = [p.detach().clone() for p in amp.parameters()]
+    ls.step(o_amp)
+    ls.update()
+    for g, g0 in zip((p.grad for p in amp.parameters()), grads_before):
+        assert torch.equal(g, g0) or (g.isnan() == g0.isnan()).all()  # read-only
+    skipped = bad != "finite-overflowing-sum"
+    assert ls.found_inf.item() == float(skipped)
+    assert int(ls.overflow_count) == int(skipped)
+    if skipped:
+        assert all(torch.equal(p.detach(), b) for p, b in zip(amp.parameters(), before))
+    else:
+        o_ref.step()
+        for p, q in zip(ref.parameters(), amp.parameters()):
+            assert torch.equal(p.detach(), q.detach()) or (p.isnan() == q.isnan()).all()
+        assert not all(torch.equal(p.detach(), b) for p, b in zip(amp.parameters(), before))
+
+
+def test_unit_scale_check_on_cpu_reads_half_gradients_in_fp32():
+    """bf16 gradients of 3e38 sum past bf16's range in their own dtype; summed in fp32 the check
+    settles it exactly (a finite step), and one inf still skips."""
+    p = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([p], lr=1e-40)
+    ls = LossScaler(1.0, dynamic=False)
+    for value, skipped in ((1e30, False), (math.inf, True)):
+        p.grad = torch.full_like(p, 1e30)
+        p.grad[5] = value
+        ls.step(opt)
+        ls.update()
+        assert ls.found_inf.item() == float(skipped)

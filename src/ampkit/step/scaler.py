@@ -7,6 +7,9 @@ Semantics, written down before the code (per iteration, after all backward passe
 2. ``step(opt)`` skips ``opt.step()`` when ``found_inf``. With an optimizer that does its own
    AMP bookkeeping (fused Adam/AdamW/SGD: ``_step_supports_amp_scaling``) the decision is made on
    the device (no sync); otherwise reading ``found_inf`` is one device->host sync, as in torch.
+   A unit scale (a check only) with every gradient on the CPU is decided on the host, where a read
+   is free, by read-only sums (:func:`.gradcheck.cpu_all_finite`): the optimizer is then called
+   exactly as in a plain loop.
 3. ``update()``: if found_inf, the step was skipped; then back off, subject to hysteresis:
    ``hysteresis == 1`` (torch) backs off on every overflow; ``hysteresis == N > 1`` tolerates
    overflows as DeepSpeed's ``DynamicLossScaler`` does (:mod:`.scale_rules`).
@@ -37,7 +40,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .config import ConfigError, MixedPrecisionConfig
-from .gradcheck import check_and_unscale, first_grad_device
+from .gradcheck import check_and_unscale, cpu_all_finite, first_grad_device
 from .scale_rules import SCALE_FLOOR, hysteresis_update, scaling_problem
 from .scaler_state import host_state, loaded_attributes, saved_state
 
@@ -267,7 +270,18 @@ class LossScaler:
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update(); call update() first")
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if state["stage"] is _Stage.READY and self.is_unit and self.found_inf_hook is None:
+            # A check only, on the CPU: decide on the host (free there) and call the optimizer
+            # exactly as a plain loop would (gradcheck.cpu_all_finite).
+            finite = cpu_all_finite(optimizer, allow_fp16=fused)
+            if finite is not None:
+                scale = self._ensure(torch.device("cpu"))
+                state["found_inf_per_device"] = {scale.device: torch.full((), 0.0 if finite else 1.0,
+                                                                          device=scale.device)}
+                state["stage"] = _Stage.STEPPED
+                return optimizer.step(*args, **kwargs) if finite else None
+        if fused:
             scale = self._ensure(first_grad_device(optimizer))
             if state["stage"] is _Stage.READY:
                 # Only check here; the fused kernel unscales (torch's own protocol).
