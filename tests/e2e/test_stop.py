@@ -207,7 +207,7 @@ def test_a_script_calling_fit_stops_on_sigterm_with_143_and_resumes_bitwise(tmp_
     script.write_text(SCRIPT)
     ck = str(tmp_path / "ck")
     f = open(tmp_path / "a.out", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, str(script), "400", ck], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, str(script), "100", ck], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     wait_for_steps(Path(ck + "-log") / "log.jsonl", 10, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
@@ -216,11 +216,11 @@ def test_a_script_calling_fit_stops_on_sigterm_with_143_and_resumes_bitwise(tmp_
                   r"Resume with Trainer.resume\(\)", out)
     assert m and "Traceback" not in out, out[-2000:]
     assert sorted(Path(ck).glob("ckpt-*.pt"))[-1].name == f"ckpt-{int(m.group(1)):08d}.pt"
-    for args in (["400", ck], ["400", str(tmp_path / "ref")]):  # resume it; an uninterrupted reference
+    for args in (["100", ck], ["100", str(tmp_path / "ref")]):  # resume it; an uninterrupted reference
         r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
-    assert_same(trained_state(os.path.join(ck, "ckpt-00000400.pt")),
-                trained_state(str(tmp_path / "ref" / "ckpt-00000400.pt")))
+    assert_same(trained_state(os.path.join(ck, "ckpt-00000100.pt")),
+                trained_state(str(tmp_path / "ref" / "ckpt-00000100.pt")))
 
 
 def _trainer(tmp_path, name, **kwargs):

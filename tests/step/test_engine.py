@@ -155,9 +155,44 @@ def _train_counting(precision, fused, steps=6, warmup=3, clip=1.0, opt_factory=N
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.slow
-def test_no_host_sync_with_fused_optimizer(precision, clip):
+def test_no_host_sync_with_fused_optimizer(precision, clip, monkeypatch):
+    """The device path -- what runs on a GPU -- reads nothing on the host. On the CPU a unit-scale
+    check (bf16/fp32 without clipping) reads one sum per gradient instead, by design (a CPU read
+    waits for nothing; gradcheck.cpu_all_finite), so the device path is forced here to count it."""
+    import ampkit.step.scaler as scaler_module
+
+    monkeypatch.setattr(scaler_module, "cpu_all_finite", lambda *a, **k: None)
     counts = _train_counting(precision, fused=True, clip=clip)
     assert counts == [0] * len(counts)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_cpu_check_reads_one_sum_per_gradient_and_steps_like_the_device_path(precision, monkeypatch):
+    """On the CPU without clipping: one host read per gradient tensor on optimizer steps (none
+    between), and the same parameters as the device path, bitwise."""
+    import ampkit.step.scaler as scaler_module
+
+    n_grads = len(list(make_model().parameters()))
+    counts = _train_counting(precision, fused=True, clip=None)
+    assert counts == [0, n_grads] * (len(counts) // 2)
+
+    def trained(force_device_path):
+        if force_device_path:
+            monkeypatch.setattr(scaler_module, "cpu_all_finite", lambda *a, **k: None)
+        model = make_model()
+        opt = make_opt(model, True)
+        amp = MixedPrecision(precision, device="cpu")
+        model, opt = amp.setup(model, opt)
+        for x, y in batches(8):
+            with amp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            amp.backward(loss)
+            amp.step(opt)
+        monkeypatch.undo()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(trained(False), trained(True)):
+        assert torch.equal(a, b)
 
 
 def test_non_fused_optimizer_syncs_once_per_optimizer_step():

@@ -1,16 +1,19 @@
 """Passes over gradients: the finite check and unscaling, grouped the way torch's kernels need.
 
 ``found_inf`` is PyTorch's convention throughout: a 0-d fp32 tensor on the gradients' device,
-1.0 when some gradient holds inf/NaN, else 0.0. Nothing here synchronizes with the host.
+1.0 when some gradient holds inf/NaN, else 0.0. Nothing here synchronizes with a device (the CPU
+check reads its sums on the host, where that is free).
 
 The finite check is ``torch._amp_foreach_non_finite_check_and_unscale_`` with a unit scale:
 one fused multi-tensor kernel per (device, dtype) on CUDA -- the check ``torch.amp.GradScaler``
-makes -- and one call on CPU. It multiplies by 1.0, so it writes as well as reads. Read-only
-alternatives were measured inside the real training step (fused AdamW, no clipping, MLP
-512/1024/256 wide, batch 64, 2-core EPYC; docs/benchmarks.md "finite check"): a ``sum`` per
-gradient, ``_foreach_max`` and a size-split mix all cost *more* per step (1.063-1.262x the
-uncheck loop vs 1.046-1.160x) because each is several dispatched ops where this is one. Where
-a pass over the gradients already happens (clipping) the check rides on it instead
+makes. It multiplies by 1.0, so it writes as well as reads. On the CPU, where reading a value
+costs no sync, a unit-scale check is instead decided on the host by read-only sums
+(:func:`cpu_all_finite`), and the optimizer is then called exactly as a plain loop calls it (no
+``found_inf`` handed to a fused optimizer, no step-count correction after it): ampkit/raw in the
+default mode went from 1.035-1.043 to 1.008-1.009 (fp32 MLP small, fused AdamW, 1 thread, EPYC;
+docs/benchmarks.md section 18). (An earlier in-step measurement under load had found sums
+dearer than the fused call while the result still went to the optimizer as a device tensor.)
+Where a pass over the gradients already happens (clipping) the check rides on it instead
 (:mod:`ampkit.step.boundary`).
 """
 
