@@ -69,13 +69,12 @@ def main() -> None:
     print(f"# {device_info('cpu').name} · torch {torch.__version__} · python {platform.python_version()}"
           f" · GPT-2 blocks (768 wide, 12 heads), {BLOCK} tokens, batch 1, fused AdamW · budget {args.memory}\n")
     stack, batch_of = plan_inputs(args.memory)
-    print("| precision / rung | bytes at depth 1 → per block | largest depth L | parameters at L | "
+    print("| precision / rung | largest depth L | parameters at L | peak at L | its largest part | "
           "`ampkit plan`: fits at L / at L + 1 | seconds |")
-    print("| --- | ---: | ---: | ---: | --- | ---: |")
+    print("| --- | ---: | ---: | ---: | --- | --- | ---: |")
     for rung in [r.strip() for r in args.rungs.split(",") if r.strip()]:
         t0 = time.perf_counter()
         fit = measure_depths(stack, rung, batch_of, batches=(1, 4, 5))
-        base, per_block = fit.peak(1, 1), fit.peak(2, 1) - fit.peak(1, 1)
         lo, hi = 0, 1
         while fit.peak(hi, 1) <= budget:
             lo, hi = hi, 2 * hi
@@ -85,8 +84,10 @@ def main() -> None:
         params = 124_439_808 + (lo - 12) * 7_087_872  # GPT-2 124M: embeddings + 12 blocks of 7.09M (tied head)
         verdict = "—" if args.no_confirm else \
             f"{'yes' if plan_says_fits(rung, lo, args.memory) else 'NO'} / {'yes' if plan_says_fits(rung, lo + 1, args.memory) else 'no'}"
-        print(f"| {rung} | {base / 2**20:,.0f} MiB → {per_block / 2**20:,.1f} MiB | {lo} | {params / 1e9:.2f} B | "
-              f"{verdict} | {time.perf_counter() - t0:.0f} |", flush=True)
+        parts = fit.parts(lo, 1)
+        big = max(parts, key=lambda k: parts[k])
+        print(f"| {rung} | {lo} | {params / 1e9:.2f} B | {fit.peak(lo, 1) / 2**30:.2f} GiB | {big} "
+              f"{parts[big] / 2**30:.2f} GiB | {verdict} | {time.perf_counter() - t0:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

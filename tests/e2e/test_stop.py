@@ -126,7 +126,7 @@ def resume_args(command: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- one process, CLI
-CLI_RUN = [*SMALL, "--steps", "300", "--checkpoint_every", "300"]
+CLI_RUN = [*SMALL, "--steps", "150", "--checkpoint_every", "150"]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("uninterrupted")
     r = run(["train", *CLI_RUN, "--checkpoint_dir", str(d / "ck"), "--log_dir", str(d / "log")])
     assert r.returncode == 0, r.stderr[-3000:]
-    return str(d / "ck" / "ckpt-00000300.pt")
+    return str(d / "ck" / "ckpt-00000150.pt")
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_cli_stops_gracefully_and_resumes_bitwise(tmp_path, sig, uninterrupted):
     out = (tmp_path / "a.out").read_text()
     m = stop_line(out)
     stopped = int(m.group(2))
-    assert m.group(1) == signal.Signals(sig).name and 10 <= stopped < 300
+    assert m.group(1) == signal.Signals(sig).name and 10 <= stopped < 150
     newest = sorted((tmp_path / "ck").glob("ckpt-*.pt"))[-1]
     assert newest.name == f"ckpt-{stopped:08d}.pt" and m.group(3).endswith(newest.name)
     assert load_checkpoint(str(newest))["amp"]["optimizer_steps"] == stopped
@@ -160,7 +160,7 @@ def test_cli_stops_gracefully_and_resumes_bitwise(tmp_path, sig, uninterrupted):
     r = run(resume_args(m.group(4)))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {newest} at step {stopped}" in "".join((r.stdout + r.stderr).split("\n"))
-    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000300.pt")), trained_state(uninterrupted))
+    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000150.pt")), trained_state(uninterrupted))
 
 
 @pytest.mark.slow
@@ -311,7 +311,7 @@ TWO = ["--nproc_per_node", "2", *TINY]
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
-    common = ["--nproc_per_node", "2", *SMALL, "--steps", "300", "--checkpoint_every", "300"]
+    common = ["--nproc_per_node", "2", *SMALL, "--steps", "150", "--checkpoint_every", "150"]
     proc = spawn(["train", *common, "--checkpoint_dir", str(tmp_path / "ck"), "--log_dir", str(tmp_path / "a")],
                  tmp_path / "a.out")
     wait_for_steps(tmp_path / "a" / "log.jsonl", 10, proc)
@@ -335,8 +335,8 @@ def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     r = run(["train", *common, "--checkpoint_dir", str(tmp_path / "ref"), "--log_dir", str(tmp_path / "r")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000300")),
-                trained_state(str(tmp_path / "ref" / "ckpt-00000300")))
+    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000150")),
+                trained_state(str(tmp_path / "ref" / "ckpt-00000150")))
 
 
 @pytest.mark.slow

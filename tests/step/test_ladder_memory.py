@@ -44,3 +44,26 @@ def test_parse_rung() -> None:
     with pytest.raises(ValueError, match="bf16-pure:<masters>.*split"):
         parse_rung("bf16-pure:halves")
     assert bytes_per_param("split", optimizer="sgd") == 8 and bytes_per_param("none") == 6
+
+
+@pytest.mark.parametrize("rung", ["split", "kahan"])
+def test_the_estimate_runs_the_bit_passes_unblocked_and_counts_the_same_bytes(rung: str, monkeypatch) -> None:
+    """Under fake tensors the split/join passes run as one block (they are in place: blocking
+    changes no byte, only how many operations the estimate dispatches); the peak and every part
+    equal those of the blocked passes the CPU runs."""
+    from ampkit.step.policies import ladder
+
+    class Wide(torch.nn.Module):  # weights of 640*640 elements: several blocks of ladder.BLOCK
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(640, 640), torch.nn.Linear(640, 640)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.nn.functional.gelu(self.a(x))).float().pow(2).mean()
+
+    assert 2 * ladder.BLOCK < 640 * 640
+    x = (torch.randn(8, 640),)
+    one = estimate(Wide, x, precision=f"bf16-pure:{rung}")
+    monkeypatch.setattr(ladder, "_blocks", lambda t: range(0, t.numel(), ladder.BLOCK))
+    blocked = estimate(Wide, x, precision=f"bf16-pure:{rung}")
+    assert (one.peak_bytes, one.parts) == (blocked.peak_bytes, blocked.parts)

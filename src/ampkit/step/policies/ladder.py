@@ -96,10 +96,13 @@ def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
 # takes a slow promotion path (~8x a conversion copy), a strided int16 pass ~4x, and an in-place
 # shift is an out-of-place shift plus a copy. A bf16 -> fp32 conversion is exactly ``bits << 16``,
 # and fp32 -> bf16 is exact on values whose low 16 bits are zero: conversions do the shifts.
-def _blocks(n: int, device: torch.device) -> range:
-    """Block starts: on CPU the passes over one block of :data:`BLOCK` elements stay in cache
-    (one trip to memory per tensor instead of one per pass); elsewhere one block."""
-    return range(0, n, BLOCK if device.type == "cpu" else max(n, 1))
+def _blocks(x: torch.Tensor) -> range:
+    """Block starts over flat ``x``: on CPU the passes over one block of :data:`BLOCK` elements stay
+    in cache (one trip to memory per tensor instead of one per pass); elsewhere -- and for fake
+    tensors (``ampkit plan``: the passes are in place, so a block changes no byte, only the count
+    of dispatched operations) -- one block."""
+    n = x.numel()
+    return range(0, n, BLOCK if x.device.type == "cpu" and type(x) is torch.Tensor else max(n, 1))
 
 
 def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
@@ -109,7 +112,7 @@ def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
     weight is the high 16 bits plus one where the low bits are >= 0x8000.
     """
     xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
-    for o in _blocks(xf.numel(), x.device):
+    for o in _blocks(xf):
         xb = xf[o:o + BLOCK]
         bits = xb.view(torch.int32)
         rf[o:o + BLOCK].copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement)
@@ -123,7 +126,7 @@ def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Opti
     in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
     of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
     tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
-    for o in _blocks(of.numel(), out.device):
+    for o in _blocks(of):
         ob = of[o:o + BLOCK]
         ob.copy_(hf[o:o + BLOCK])  # = hi's bits << 16
         ob.view(torch.int32).add_(tf[o:o + BLOCK].copy_(rf[o:o + BLOCK]))
@@ -134,7 +137,7 @@ def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torc
     """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 of the rounding error ``comp``
     (the error is exact in fp32); ``tmp``: fp32 scratch of ``x``'s size. Blocked like the split."""
     xf, hf, cf, tf = x.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
-    for o in _blocks(xf.numel(), x.device):
+    for o in _blocks(xf):
         xb, hb = xf[o:o + BLOCK], hf[o:o + BLOCK]
         hb.copy_(xb)
         cf[o:o + BLOCK].copy_(xb.sub_(tf[o:o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
@@ -143,7 +146,7 @@ def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torc
 def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
     of, hf, cf, tf = out.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
-    for o in _blocks(of.numel(), out.device):
+    for o in _blocks(of):
         of[o:o + BLOCK].copy_(hf[o:o + BLOCK]).add_(tf[o:o + BLOCK].copy_(cf[o:o + BLOCK]))
     return out
 
