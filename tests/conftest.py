@@ -23,6 +23,18 @@ if WORKER and N_WORKERS > 1:
 
 HAS_CUDA = torch.cuda.is_available()
 
+# The modules that take longest (seconds of test time on the 2-core CI machine, docs/benchmarks.md
+# "Test suite time"), longest first. Under the automatic workers they are handed out first
+# (--dist loadfile gives whole modules; xdist's own order -- most tests first -- started the
+# one-test, 10-launch module last and left one core idle for its ~3 minutes).
+LONGEST_FIRST = [
+    "e2e/test_stop.py", "loop/test_depth.py", "loop/test_checkpoint.py", "distributed/test_launch_repeat.py",
+    "loop/test_estimate_session.py", "service/test_service_ops.py", "loop/test_estimate.py",
+    "distributed/test_launch.py", "service/test_service_compat.py", "service/test_service.py",
+    "service/test_planner_jobs.py", "e2e/test_newcomer.py", "distributed/test_slurm.py", "cli/test_plan.py",
+    "service/test_service_supervisor.py", "step/test_master.py", "loop/test_hf_models.py",
+]
+
 
 def _named_paths(config) -> bool:
     """Whether the command line names test paths narrower than the whole suite (``pytest tests/step``)."""
@@ -51,9 +63,17 @@ def pytest_cmdline_main(config):
         opt.numprocesses = n
         if opt.dist == "no":
             opt.dist = "loadfile"
+            opt.loadscopereorder = False  # keep the collection order: LONGEST_FIRST (pytest_collection_modifyitems)
+
+
+def _rank(item) -> int:
+    path = item.nodeid.split("::")[0].removeprefix("tests/")
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def pytest_collection_modifyitems(config, items):
+    if N_WORKERS > 1:  # an xdist worker: every worker sorts alike (the same collection is required)
+        items.sort(key=_rank)  # stable: the rest keep their order
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
