@@ -15,3 +15,16 @@ class SyncCounter(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+#: what a crash during a multi-process shutdown leaves on stderr (a rare race once did)
+CRASH_MARKERS = ("terminate called", "Aborted", "Traceback", "SIGABRT", "core dumped", "destroy_process_group")
+
+
+def assert_exits_cleanly(r, what: str = "") -> None:
+    """A finished ``subprocess.run`` of a multi-process job: status 0 and no crash output. Every
+    clean two-process launch in the suite makes this check (with tests/distributed/
+    test_launch_repeat.py's own launches, well over ten per run)."""
+    assert r.returncode == 0, (what, r.stderr[-3000:])
+    for bad in CRASH_MARKERS:
+        assert bad not in r.stderr, (what, bad, r.stderr[-3000:])

@@ -26,6 +26,7 @@ from ampkit.cli import main
 from ampkit.distributed.slurm import _time_seconds, sbatch_script
 
 from ..dist_helpers import free_port
+from ..helpers import assert_exits_cleanly
 
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress"]
 JOB_ID = "4242"
@@ -283,7 +284,7 @@ def test_real_run_completes_then_a_rerun_with_more_steps_resumes(tmp_path):
     # (a) a plain run: 2 processes, exit 0, the default checkpoint directory is per job id
     job, env, record = _torch_job(tmp_path, "--steps", "2", "--checkpoint_every", "2", "--json")
     r = subprocess.run(["bash", str(job)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_exits_cleanly(r, "first run")
     out = _json(r.stdout)
     assert out["world_size"] == 2 and out["precision"] == "fp32" and out["optimizer_steps"] == 2
     assert "starting fresh (--allow_fresh)" in r.stderr
@@ -294,7 +295,7 @@ def test_real_run_completes_then_a_rerun_with_more_steps_resumes(tmp_path):
     job, env, record = _torch_job(tmp_path, "--steps", "5", "--checkpoint_every", "2", "--json")
     r = subprocess.run(["bash", str(job)], cwd=tmp_path, capture_output=True, text=True,
                        env={**env, "SLURM_RESTART_COUNT": "1"}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_exits_cleanly(r, "requeued run")
     assert _json(r.stdout)["optimizer_steps"] == 5
     assert "resumed from" in r.stderr and "at step 2" in r.stderr
     assert f"ampkit: restart 1 of job {JOB_ID}" in r.stdout

@@ -27,6 +27,8 @@ from ampkit.distributed.launch import job_status
 from ampkit.loop.checkpoint import DirLock, load_checkpoint
 from ampkit.loop.trainer import Trainer
 
+from ..helpers import assert_exits_cleanly
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress", "--log_every", "5"]
 SMALL = ["--model", "mlp", "--size", "small", "--device", "cpu", "--no_progress", "--log_every", "5"]  # ~10 ms a step
@@ -332,9 +334,9 @@ def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
     assert {"rng.rank0", "rng.rank1"} <= keys  # both ranks wrote their part of the same step
     assert "--nproc_per_node 2" in m.group(4)
     r = run(resume_args(m.group(4)))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_exits_cleanly(r, "resumed")
     r = run(["train", *common, "--checkpoint_dir", str(tmp_path / "ref"), "--log_dir", str(tmp_path / "r")])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_exits_cleanly(r, "reference")
     assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000150")),
                 trained_state(str(tmp_path / "ref" / "ckpt-00000150")))
 
@@ -387,7 +389,7 @@ def test_sharded_dir_of_another_run_is_refused_and_a_mismatched_resume_changes_n
     ck = tmp_path / "ck"
     r = run(["train", *TWO, "--steps", "4", "--checkpoint_dir", str(ck), "--checkpoint_every", "2",
              "--log_dir", str(tmp_path / "a")])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_exits_cleanly(r)
     before = digest(ck)
     assert "ckpt-00000004/.metadata" in before
     r = run(["train", *TWO, "--steps", "4", "--checkpoint_dir", str(ck), "--log_dir", str(tmp_path / "b")])

@@ -125,7 +125,9 @@ COMMON = ["--model", "gpt", "--size", "tiny", "--batch-size", "2", "--device", "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+# (fp32 across processes: tests/e2e/test_stop.py resumes the CLI bitwise in fp32 where auto picks it,
+# the SIGKILL test below resumes --precision fp32 in fresh processes)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_exact_resume_across_processes(precision, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     r = run_cli(*COMMON, "--precision", precision, "--steps", "6", "--checkpoint_dir", str(full),
