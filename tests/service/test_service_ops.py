@@ -27,6 +27,8 @@ from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
 from ampkit.service.server import guarded_protocol  # noqa: E402
 
 from ..dist_helpers import free_port  # noqa: E402
+from .server_process import end as _end  # noqa: E402
+from .server_process import serve as _serve  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
@@ -81,29 +83,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve(data: str, *extra: str, env: dict | None = None, launcher: str = "") -> tuple:
-    """``ampkit serve`` as a process (its own session; ``launcher``: Python code that runs the CLI
-    instead of ``-m ampkit``); returns (process, client) once /health answers."""
-    port = free_port()
-    env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice", **(env or {})}
-    start = ["-c", launcher] if launcher else ["-m", "ampkit"]
-    proc = subprocess.Popen([sys.executable, *start, "serve", "--port", str(port), "--data_dir",
-                             data, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=ALICE)
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if client.get("/health").status_code == 200:
-                return proc, client
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _end(proc)
-            raise AssertionError(proc.stderr.read().decode()[-2000:])
-        time.sleep(0.2)
-
-
 def _pid_of(run_id: str) -> int | None:
     """The pid of the ``ampkit train`` process of ``run_id`` (its command line names the run's directory)."""
     for name in os.listdir("/proc"):
@@ -116,16 +95,6 @@ def _pid_of(run_id: str) -> int | None:
             if b"train" in words and any(f"/runs/{run_id}/".encode() in w for w in words):
                 return int(name)
     return None
-
-
-def _end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 # --- 3. restart recovery and resume ---------------------------------------------------------------

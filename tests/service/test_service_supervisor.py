@@ -19,7 +19,8 @@ import pytest
 
 from ampkit.service.supervise import launch_path, read_record, supervisor_command, write_private
 
-from ..dist_helpers import free_port
+from .server_process import end as _end
+from .server_process import serve as _serve
 
 LONG = {"model": "mlp", "steps": 1_000_000, "precision": "fp32", "checkpoint_every": 5}
 
@@ -104,36 +105,6 @@ def test_a_command_that_cannot_start_is_recorded_with_the_reason(tmp_path):
 
 
 # --- a restarted server and the runs it re-adopts -------------------------------------------------
-
-def _serve(data: str, *extra: str):
-    httpx = pytest.importorskip("httpx")
-    port = free_port()
-    env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice"}
-    proc = subprocess.Popen([sys.executable, "-m", "ampkit", "serve", "--port", str(port), "--data_dir", data,
-                             *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
-                          headers={"Authorization": "Bearer tok-alice"})
-    deadline = time.monotonic() + 90
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if client.get("/health").status_code == 200:
-                return proc, client
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _end(proc)
-            raise AssertionError(proc.stderr.read().decode()[-2000:])
-        time.sleep(0.2)
-
-
-def _end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
 
 def _wait(client, rid: str, statuses: tuple[str, ...], timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout

@@ -423,14 +423,27 @@ def test_a_loaded_state_counts_its_skips_and_growth_before_first_use():
     assert int(src.growth_tracker) == 2
 
 
+def make_wide_model(seed=0):
+    """Weights on both sides of gradcheck.SUM_FROM: the large one is checked by a read-only sum."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                               torch.nn.Linear(256, 4))
+
+
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("bad", ["finite-overflowing-sum", "inf", "-inf", "nan", "inf-and-minus-inf", "last-tensor"])
-def test_unit_scale_check_on_cpu_is_exact(opt, bad):
-    """A unit scale only checks; on the CPU the check is read-only sums decided on the host. A
-    gradient whose *sum* overflows while every element is finite must still step; any inf/NaN
-    anywhere must skip; a finite step must equal the plain loop's bitwise."""
+@pytest.mark.parametrize("wide", [False, True], ids=["small-tensors", "a-large-tensor"])
+def test_unit_scale_check_on_cpu_is_exact(opt, bad, wide):
+    """A unit scale only checks; on the CPU the check is decided on the host (large gradients by a
+    read-only sum, small ones by one fused call). A gradient whose *sum* overflows while every
+    element is finite must still step; any inf/NaN anywhere must skip; a finite step must equal the
+    plain loop's bitwise."""
+    from ampkit.step.gradcheck import SUM_FROM
+
+    build = make_wide_model if wide else make_model
     torch.manual_seed(3)
-    ref, amp = make_model(3), make_model(3)
+    ref, amp = build(3), build(3)
+    assert wide == any(p.numel() >= SUM_FROM for p in amp.parameters())
     o_ref, o_amp = OPTIMIZERS[opt](ref.parameters()), OPTIMIZERS[opt](amp.parameters())
     ls = LossScaler(1.0, dynamic=False)
     x = torch.randn(5, 8)
@@ -438,14 +451,15 @@ def test_unit_scale_check_on_cpu_is_exact(opt, bad):
         ls.scale(m(x).pow(2).mean()).backward() if m is amp else m(x).pow(2).mean().backward()
     for m in (ref, amp):
         grads = [p.grad for p in m.parameters()]
+        big = max(grads, key=lambda g: g.numel())  # with wide=True, the summed one
         if bad == "finite-overflowing-sum":
-            grads[0].fill_(3e38)  # every element finite, their fp32 sum is inf
+            big.fill_(3e38)  # every element finite, their fp32 sum is inf
         elif bad == "inf-and-minus-inf":
-            grads[0].view(-1)[0], grads[0].view(-1)[1] = math.inf, -math.inf
+            big.view(-1)[0], big.view(-1)[1] = math.inf, -math.inf
         elif bad == "last-tensor":
             grads[-1].view(-1)[-1] = math.nan
         else:
-            grads[1].view(-1)[2] = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[bad]
+            (big if wide else grads[1]).view(-1)[2] = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[bad]
     grads_before = [p.grad.clone() for p in amp.parameters()]
     before = [p.detach().clone() for p in amp.parameters()]
     ls.step(o_amp)
