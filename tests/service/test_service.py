@@ -16,6 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
 
 from ..dist_helpers import free_port  # noqa: E402
+from .server_process import end, serve  # noqa: E402
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
 ALICE = {"Authorization": "Bearer tok-alice"}
@@ -166,25 +167,10 @@ def test_timeout_fails_the_run(server):
 def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path):
     import signal
     import subprocess
-    import sys
 
     data = str(tmp_path / "svc")
-    env = {**os.environ, "AMPKIT_TOKEN": "tok-alice"}
-
     def start() -> tuple[subprocess.Popen, httpx.Client]:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "ampkit", "serve", "--port", str(port), "--data_dir", data,
-                                 "--max_concurrent", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers={"Authorization": "Bearer tok-alice"})
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if client.get("/health").status_code == 200:
-                    return proc, client
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-            time.sleep(0.2)
+        return serve(data, "--max_concurrent", "2")
 
     def wait(client: httpx.Client, rid: str, status: str) -> dict:
         deadline = time.monotonic() + 60
@@ -224,8 +210,7 @@ def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path
         assert not _alive(pids[keep])
         assert len(c.get("/v1/runs").json()["runs"]) == 2  # nothing lost from SQLite
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        end(proc)
 
 
 @pytest.mark.slow
