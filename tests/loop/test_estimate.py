@@ -10,27 +10,31 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.loop.estimate import estimate
 from ampkit.loop.models import build, builtin
-from ampkit.observe.memory import activations, breakdown
+from ampkit.observe.memory import activations, breakdown, saved_activations
 
 PRECISIONS = ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
 STATIC = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 def measured(name, size, precision, batch):
-    """A real run: two steps, gradients kept after the second backward, as the estimate counts them."""
+    """A real run: two steps, gradients kept after the second backward, as the estimate counts them;
+    the activations: what the second step's forward saved for backward (a pure precision's loss
+    saves its fp32 log-probabilities there, where a bare ``activations()`` forward saves half ones)."""
     torch.manual_seed(0)
     model = build(name, size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     amp = MixedPrecision(precision, device="cpu")
     model, opt = amp.setup(model, opt)
     for i in range(2):
-        with amp.autocast():
+        with amp.autocast(), saved_activations(model) as saved:
             loss = model(*batch)
         amp.backward(loss)
         if i == 1:
             static = breakdown(model, opt, amp).by_category
         amp.step(opt)
-    return static, activations(model, batch, precision).total
+    if not precision.endswith("-pure"):  # the same tensors, whichever forward saved them
+        assert saved.total == activations(model, batch, precision).total
+    return static, saved.total
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -117,7 +117,8 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     monkeypatch.setattr(estimate_session.Session, "__enter__", counting_enter)
     monkeypatch.setattr(estimate_session.Session, "measure", counting_measure)
     args = argparse.Namespace(model="gpt", size="tiny", model_config=None, data=None, block_size=None,
-                              memory="8MiB", precisions="fp32,bf16", batch_size=4, json=True)
+                              memory="8MiB", precisions="fp32,bf16", batch_size=4, json=True,
+                              workers=1)  # counted in this process (forked workers count in theirs)
     monkeypatch.setattr(plan_cli, "_stack", lambda args: None)  # the full model measured (a user's model)
     rows = plan_cli.plan_rows(args)
     assert counts["sessions"] == 4 and counts["measures"] <= 2 * (5 + 5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -51,10 +52,13 @@ def unit_float(text: str) -> float:
     return v
 
 
-def model_and_data(args: argparse.Namespace, device: Optional[torch.device]) -> tuple[torch.nn.Module, Any]:
+def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, meta: bool = False
+                   ) -> tuple[torch.nn.Module, Any]:
     """A built-in model with its local data, a Hugging Face config (``gpt2``,
     ``transformers.GPT2Config``) on byte-level text, or a user's ``module:factory``. ``--data``
-    replaces the text data of the GPTs: a ``.txt`` corpus, or ``.json``/``.jsonl`` texts."""
+    replaces the text data of the GPTs: a ``.txt`` corpus, or ``.json``/``.jsonl`` texts.
+    ``meta``: a built-in or Hugging Face model is built on the meta device (its shapes only, no
+    initialisation: the data's shapes is all the caller wants); a user's factory is called as is."""
     from ..loop.hf import build_hf, is_hf, max_positions, parse_overrides
     from ..loop.models import MODELS, builtin, user_model
 
@@ -64,10 +68,12 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device]) -> 
         raise ValueError(f"--model_config is for Hugging Face config models (gpt2, transformers.GPT2Config); "
                          f"--model {args.model} takes none")
     if is_hf(args.model):
-        model: torch.nn.Module = build_hf(args.model, parse_overrides(overrides))
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model: torch.nn.Module = build_hf(args.model, parse_overrides(overrides))
         limit = max_positions(model.config)
     elif args.model in MODELS:
-        model, data = builtin(args.model, args.size, batch_size=args.batch_size, seed=args.seed, device=device)
+        model, data = builtin(args.model, args.size, batch_size=args.batch_size, seed=args.seed, device=device,
+                              meta=meta)
         if data_path is None and block is None:
             return model, data
         if args.model != "gpt":
@@ -99,7 +105,7 @@ def estimate_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     fake tensors), ``batch_of(b)`` a batch of ``b`` samples shaped like the real data (the data is
     built once, at batch 1, and repeated: only shapes matter)."""
     one = argparse.Namespace(**{**vars(args), "batch_size": 1})
-    sample = model_and_data(one, None)[1](0)
+    sample = model_and_data(one, None, meta=True)[1](0)
 
     def batch_of(b: int) -> Any:
         def grow(t: Any) -> Any:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import os
+import threading
+from typing import Any, Optional
 
 from ..loop.depth import METHOD_NOTE, plan_precision
 from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
@@ -61,13 +63,53 @@ def _row(factory: Any, batch_of: Any, budget: int, precision: str, args: argpars
             "method": r.method, "verified": r.verified}
 
 
+_JOB: Any = None  # what a forked worker of _rows needs (set before the fork, read in the child)
+
+
+def _job_row(precision: str) -> dict[str, Any]:
+    return _row(*_JOB[:3], precision, *_JOB[3:])
+
+
+def workers(n_rows: int, asked: Optional[int] = None) -> int:
+    """How many processes measure the rows: ``asked`` (``--workers``), else one per core up to one
+    per row. Rows run in forked copies of this process, so only where forking is safe: a POSIX
+    ``fork``, and no other Python thread (a forked thread's locks could be held forever)."""
+    n = asked if asked is not None else min(n_rows, os.cpu_count() or 1)
+    if n < 2 or n_rows < 2 or not hasattr(os, "fork") or threading.active_count() > 1:
+        return 1
+    return min(n, n_rows)
+
+
+def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
+          stack: Any) -> list[dict[str, Any]]:
+    """Each precision's row; the rows are independent, so ``workers()`` forked processes share them
+    (the costlier rows first: measured, rows cost alike but for fp8's casts)."""
+    global _JOB
+    n = workers(len(precisions), getattr(args, "workers", None))
+    if n == 1:
+        return [_row(factory, batch_of, budget, p, args, stack) for p in precisions]
+    import multiprocessing
+
+    order = sorted(range(len(precisions)), key=lambda i: precisions[i] != "fp8")
+    _JOB = (factory, batch_of, budget, args, stack)
+    try:
+        with multiprocessing.get_context("fork").Pool(n) as pool:
+            done = pool.map(_job_row, [precisions[i] for i in order], chunksize=1)
+    finally:
+        _JOB = None
+    rows: list[Any] = [None] * len(precisions)
+    for i, r in zip(order, done):
+        rows[i] = r
+    return rows
+
+
 def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     budget = parse_bytes(args.memory)
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
     stack = _stack(args)
-    rows = [_row(factory, batch_of, budget, precision, args, stack)
-            for precision in [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]]
+    precisions = [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]
+    rows = _rows(factory, batch_of, budget, precisions, args, stack)
     ref = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:
         r["saving_vs_fp32"] = 1 - r["peak_bytes"] / ref["peak_bytes"] if ref else None
@@ -118,5 +160,8 @@ def add_parser(sub: Any) -> None:
     flag(p, "verify", action="store_true",
          help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "
               "are otherwise extrapolated from 1- and 2-block copies: seconds instead of minutes)")
+    flag(p, "workers", type=positive_int, default=None,
+         help="processes that measure the precisions side by side (default: one per CPU core, up to one per "
+              "precision; 1: one after another)")
     flag(p, "json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..observe.memory import activations, breakdown
+from ..observe.memory import breakdown, saved_activations
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
 from .steps import Steps, batch_loss
@@ -36,6 +36,7 @@ PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activa
 
 # MemTracker and the module tracker install global hooks: estimates run one at a time per process.
 LOCK = threading.RLock()
+_PRIM_DEVICE = torch.ops.prim.device.default
 WARM_UP = "cheap"  # or "step": the warm-up runs the model's own training step
 
 
@@ -54,8 +55,11 @@ def _tracker_class() -> type:
             self._meta_op = False
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            # metadata queries (prim.device, ...) allocate nothing, and the first step after the
-            # warm-up asks more of them: they are left out of the timeline, which must align
+            # metadata queries (prim.device: three in four of a fake step's dispatches) allocate
+            # nothing, and the first step after the warm-up asks more of them: they go straight to
+            # the fake mode, past the tracking (and out of the timeline, which must align)
+            if func is _PRIM_DEVICE:
+                return func(*args, **(kwargs or {}))
             self._meta_op = getattr(func, "namespace", "") == "prim"
             return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -168,9 +172,14 @@ class Session:
         self.run = Steps(self.model, self.opt, self.amp, loss_fn=self._marked_loss)
 
     def _marked_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        loss = batch_loss(model, batch)
-        if self._tracker is not None:  # the forward ends here: a phase boundary of the timeline
-            self._marks.append(len(self._tracker.timeline))
+        if self._tracker is None:
+            return batch_loss(model, batch)
+        if self.amp.precision.name == "fp8":  # saved_activations does not follow torchao's fp8 casts yet
+            loss = batch_loss(model, batch)
+        else:  # the activations: what this forward saves for backward (no second forward)
+            with saved_activations(model) as self._saved:
+                loss = batch_loss(model, batch)
+        self._marks.append(len(self._tracker.timeline))  # the forward ends here: a phase boundary
         return loss
 
     def _warm_up(self, fake_batch: Any) -> None:
@@ -219,7 +228,7 @@ class Session:
         if amp.precision.name == "fp8":  # activations() does not follow torchao's fp8 casts yet
             act_bytes = int(sum(d.get(k, 0) for d in snapshot.values() for k in d if str(k).endswith("ACT")))
         else:
-            act_bytes = int(activations(model, fake_batch, amp.precision).total)
+            act_bytes = self._saved.total
         peak = int(sum(d.get("Total", 0) for d in snapshot.values()))
         cats = static.by_category
         parts = {k: int(cats.get(k, 0)) for k in PARTS[:4]}

@@ -6,6 +6,7 @@ model-specific loss code. ``build(name, size)`` is what the CLI uses.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -259,11 +260,13 @@ def user_model(spec: str, **kwargs: Any) -> tuple[nn.Module, Any]:
 
 
 def builtin(name: str, size: str = "small", *, batch_size: int = 16, seed: int = 0,
-            device: Optional[torch.device] = None) -> tuple[nn.Module, Any]:
-    """A built-in model and its local data: ``(model, batch_fn)``, like a user factory."""
+            device: Optional[torch.device] = None, meta: bool = False) -> tuple[nn.Module, Any]:
+    """A built-in model and its local data: ``(model, batch_fn)``, like a user factory. ``meta``:
+    the model on the meta device (no storage, no initialisation: for its config and shapes)."""
     from .data import ClassificationBatches, ImageBatches, TextBatches
 
-    model = build(name, size)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build(name, size)
     cfg = model.config
     if name == "gpt":
         data: Any = TextBatches(batch_size=batch_size, block_size=cfg.block_size, seed=seed, device=device)

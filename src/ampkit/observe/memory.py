@@ -7,8 +7,10 @@ i.e. exactly what the allocator was asked for, not an estimate from shapes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -166,52 +168,75 @@ def activations(
     # A model set up for a pure precision already holds half weights; others run on a cast copy.
     cast = p.is_pure and not any(q.dtype == p.param_dtype for q in model.parameters())
     run_model = copy.deepcopy(model).to(p.param_dtype) if cast else model
-    own = {_key(t) for t in list(run_model.parameters()) + list(run_model.buffers())}
-    seen: set[tuple[str, int]] = set()
-    by_dtype: dict[str, int] = defaultdict(int)
-    by_module: dict[str, int] = defaultdict(int)
-    details: list[dict[str, Any]] = []
-    excluded = 0
-    current = ["(top)"]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal excluded
-        k = _key(t)
-        if k in seen:
-            return t
-        seen.add(k)
-        n = t.untyped_storage().nbytes()
-        if k in own:
-            excluded += n
-            return t
-        by_dtype[_dtype_name(t.dtype)] += n
-        by_module[current[-1]] += n
-        details.append({"module": current[-1], "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "bytes": n})
-        return t
-
-    handles = []
-    for name, child in _units(run_model):
-        handles.append(child.register_forward_pre_hook(lambda m, a, _n=name: current.append(_n)))
-        handles.append(child.register_forward_hook(lambda m, a, o: current.pop() and None))
     args, kwargs = (example_inputs, {}) if not isinstance(example_inputs, dict) else ((), example_inputs)
     if isinstance(args, torch.Tensor):
         args = (args,)
     if p.is_pure:
         args = tuple(a.to(p.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    with torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled), \
+            saved_activations(run_model, by_module=True) as saved:
+        out = run_model(*args, **kwargs)
+        if loss_fn is not None:
+            saved.current[:] = ["(loss)"]
+            out = loss_fn(out)
+    del out
+    return ActivationReport(precision=p.name, total=saved.total, by_dtype=dict(saved.by_dtype),
+                            by_module=dict(saved.by_module), tensors=len(saved.details),
+                            excluded_parameter_bytes=saved.excluded, details=saved.details)
+
+
+class SavedActivations:
+    """What :func:`saved_activations` counted: bytes by dtype and by module, each saved storage
+    once; parameters and buffers saved as they are in ``excluded``."""
+
+    def __init__(self, own: set[tuple[str, int]], details: bool) -> None:
+        self.own, self.keep_details = own, details
+        self.seen: set[tuple[str, int]] = set()
+        self.by_dtype: dict[str, int] = defaultdict(int)
+        self.by_module: dict[str, int] = defaultdict(int)
+        self.details: list[dict[str, Any]] = []
+        self.excluded = 0
+        self.current = ["(top)"]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_dtype.values())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        k = _key(t)
+        if k in self.seen:
+            return t
+        self.seen.add(k)
+        n = t.untyped_storage().nbytes()
+        if k in self.own:
+            self.excluded += n
+            return t
+        self.by_dtype[_dtype_name(t.dtype)] += n
+        self.by_module[self.current[-1]] += n
+        if self.keep_details:
+            self.details.append({"module": self.current[-1], "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
+                                 "bytes": n})
+        return t
+
+
+@contextlib.contextmanager
+def saved_activations(model: torch.nn.Module, *, by_module: bool = False) -> Iterator[SavedActivations]:
+    """Count the tensors autograd saves for backward while the block runs (``saved_tensors_hooks``):
+    :func:`activations` on a forward it runs itself, the memory estimate on the forward of the step
+    it measures (one forward instead of two). ``by_module``: attribute each to the top-level child
+    running at the time (forward hooks) and keep a line per tensor."""
+    saved = SavedActivations({_key(t) for t in list(model.parameters()) + list(model.buffers())}, by_module)
+    handles = []
+    if by_module:
+        for name, child in _units(model):
+            handles.append(child.register_forward_pre_hook(lambda m, a, _n=name: saved.current.append(_n)))
+            handles.append(child.register_forward_hook(lambda m, a, o: saved.current.pop() and None))
     try:
-        with torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run_model(*args, **kwargs)
-            if loss_fn is not None:
-                current[:] = ["(loss)"]
-                out = loss_fn(out)
-        del out
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            yield saved
     finally:
         for h in handles:
             h.remove()
-    return ActivationReport(precision=p.name, total=sum(by_dtype.values()), by_dtype=dict(by_dtype),
-                            by_module=dict(by_module), tensors=len(details), excluded_parameter_bytes=excluded,
-                            details=details)
 
 
 def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
