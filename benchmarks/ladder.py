@@ -9,11 +9,16 @@ rung). Rungs are interleaved round by round in one process; the table gives the 
     OMP_NUM_THREADS=1 python benchmarks/ladder.py                  # 4.2M params, 7 rounds x 10 steps
     python benchmarks/ladder.py --width 512 --rounds 3 --steps 5   # quicker
     python benchmarks/ladder.py --rungs split,kahan                # torch, fp32 masters and these
+    python benchmarks/ladder.py --rungs split,kahan --eager        # + each with AMPKIT_NO_NATIVE=1
+
+``--eager`` adds a row per split/kahan rung that steps with the eager passes (``AMPKIT_NO_NATIVE=1``
+set around its steps) next to the native one-pass kernels (step/policies/native.py), interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -24,6 +29,7 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.observe.memory import breakdown
 from ampkit.step.hardware import device_info
+from ampkit.step.policies import native
 
 RUNGS = [("torch fused fp32 AdamW", None, None), ("fp32 masters", "fp32", "fp32"), ("split", "split", "fp32"),
          ("kahan", "kahan", "fp32"), ("stochastic", "stochastic", "fp32"),
@@ -31,9 +37,9 @@ RUNGS = [("torch fused fp32 AdamW", None, None), ("fp32 masters", "fp32", "fp32"
 
 
 class Rung:
-    def __init__(self, label: str, masters, state_dtype, args: argparse.Namespace) -> None:
+    def __init__(self, label: str, masters, state_dtype, args: argparse.Namespace, eager: bool = False) -> None:
         torch.manual_seed(args.seed)
-        self.label = label
+        self.label, self.eager = label + (" (eager)" if eager else ""), eager
         self.model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.amp = None
@@ -62,6 +68,8 @@ class Rung:
 
     def step(self) -> float:
         self._prime()
+        if self.eager:
+            os.environ["AMPKIT_NO_NATIVE"] = "1"
         c, t = time.thread_time(), time.perf_counter()
         if self.amp is None:
             self.opt.step()
@@ -70,6 +78,8 @@ class Rung:
             self.amp.step(self.opt)
         t = time.perf_counter() - t
         self.cpu.append(time.thread_time() - c)
+        if self.eager:
+            del os.environ["AMPKIT_NO_NATIVE"]
         return t
 
     def _bytes(self) -> float:
@@ -87,13 +97,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rungs", default="", help="comma-separated labels to time besides the first two "
                     "(e.g. 'split,kahan'); default all")
+    ap.add_argument("--eager", action="store_true", help="also time split/kahan with AMPKIT_NO_NATIVE=1")
     args = ap.parse_args()
     want = {w.strip() for w in args.rungs.split(",") if w.strip()}
-    rungs = [Rung(label, m, s, args) for i, (label, m, s) in enumerate(RUNGS) if i < 2 or not want or label in want]
+    rungs = []
+    for i, (label, m, s) in enumerate(RUNGS):
+        if i < 2 or not want or label in want:
+            rungs.append(Rung(label, m, s, args))
+            if args.eager and m in ("split", "kahan"):
+                rungs.append(Rung(label, m, s, args, eager=True))
     n = sum(p.numel() for p in rungs[0].model.parameters())
     print(f"# {device_info('cpu').name} · torch {torch.__version__} · python {platform.python_version()} · "
           f"{torch.get_num_threads()} thread(s) · {n / 1e6:.2f}M params · fused AdamW · {args.rounds} rounds x "
-          f"{args.steps} steps, interleaved")
+          f"{args.steps} steps, interleaved · native split/kahan kernels: {'on' if native.enabled() else 'off'}")
     for _ in range(args.rounds):
         for r in rungs:
             r.times += [r.step() for _ in range(args.steps)]

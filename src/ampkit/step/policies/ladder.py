@@ -26,8 +26,9 @@ of states with ``state_dtype="bf16"``).
 The split (``split``): with ``u`` the fp32 bits and ``lo``/``hi`` their low/high 16 bits, the
 weight is ``hi + (lo >= 0x8000)`` (round to nearest, ties away from zero: the only rounding whose
 remainder always fits 16 signed bits) and the remainder is ``lo`` read as a signed int16; the
-fp32 bits come back as ``hi_weight - (remainder < 0)`` above ``remainder``. On little-endian
-machines both directions are two int16 passes over the fp32 buffer viewed as (low, high) pairs.
+fp32 bits come back as ``hi_weight - (remainder < 0)`` above ``remainder``. On CPU each direction
+(and ``kahan``'s) is one pass of a small C kernel (:mod:`.native`, compiled on first use); the
+eager torch passes below are the bitwise reference and the fallback.
 
 Stochastic rounding adds 16 uniform random bits to the fp32 bits and keeps the top 16 (unbiased:
 rounds up with probability equal to the dropped fraction); the bits come from a
@@ -45,6 +46,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import native as _native_kernels
 from .pure import MasterWeights, cast_buffers, kept_tensors
 
 __all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
@@ -105,12 +107,15 @@ def _blocks(x: torch.Tensor) -> range:
     return range(0, n, BLOCK if x.device.type == "cpu" and type(x) is torch.Tensor else max(n, 1))
 
 
-def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
+def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: bool = True) -> None:
     """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder.
 
     ``x`` is scratch (overwritten). The remainder is the low 16 bits read as a signed int16; the
-    weight is the high 16 bits plus one where the low bits are >= 0x8000.
+    weight is the high 16 bits plus one where the low bits are >= 0x8000. ``native``: one pass in C
+    where :mod:`.native` can (bitwise the same; ``x`` then unchanged), else -- or with False -- these.
     """
+    if native and _native_kernels.split(x, hi, rem):
+        return
     xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
     for o in _blocks(xf):
         xb = xf[o:o + BLOCK]
@@ -120,10 +125,12 @@ def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
         hf[o:o + BLOCK].copy_(xb)  # exact: a bf16 value now
 
 
-def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
+def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None,
+               native: bool = True) -> torch.Tensor:
     """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
-    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
+    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size. ``native``: as above."""
+    if native and _native_kernels.join(hi, rem, out):
+        return out
     of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
     tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
     for o in _blocks(of):
@@ -133,9 +140,12 @@ def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Opti
     return out
 
 
-def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor) -> None:
+def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor, native: bool = True
+                ) -> None:
     """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 of the rounding error ``comp``
     (the error is exact in fp32); ``tmp``: fp32 scratch of ``x``'s size. Blocked like the split."""
+    if native and _native_kernels.kahan_split(x, hi, comp):
+        return
     xf, hf, cf, tf = x.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
     for o in _blocks(xf):
         xb, hb = xf[o:o + BLOCK], hf[o:o + BLOCK]
@@ -143,8 +153,11 @@ def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torc
         cf[o:o + BLOCK].copy_(xb.sub_(tf[o:o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
 
 
-def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, native: bool = True
+               ) -> torch.Tensor:
     """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
+    if native and _native_kernels.kahan_join(hi, comp, out):
+        return out
     of, hf, cf, tf = out.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
     for o in _blocks(of):
         of[o:o + BLOCK].copy_(hf[o:o + BLOCK]).add_(tf[o:o + BLOCK].copy_(cf[o:o + BLOCK]))
