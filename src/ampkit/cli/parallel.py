@@ -35,6 +35,12 @@ def maybe_relaunch(args: argparse.Namespace, argv: Sequence[str]) -> Optional[in
 
     if not args.nproc_per_node or launched():
         return None
+    if args.checkpoint_dir and str(args.nnodes) == "1" and not (args.resume or args.overwrite):
+        # what rank 0 would refuse first, refused before any worker starts (no side effect here:
+        # --overwrite's removal and the directory lock stay with rank 0)
+        from .rundirs import claim_checkpoint_dir
+
+        claim_checkpoint_dir(args.checkpoint_dir, resume=False, overwrite=False)
     from ..distributed.launch import relaunch
 
     return relaunch(list(argv), nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
