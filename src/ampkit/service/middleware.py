@@ -79,19 +79,26 @@ class RequestLog:
     async def __call__(self, scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), [500]
+        start, status, logged = time.perf_counter(), [500], [False]
+
+        def write() -> None:
+            if logged[0] or not log.isEnabledFor(logging.INFO):
+                return
+            logged[0] = True
+            route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
+            log.info("request %s", json.dumps({
+                "owner": self.owner(scope), "method": scope.get("method"), "route": route,
+                "status": status[0], "ms": round((time.perf_counter() - start) * 1000, 2)},
+                ensure_ascii=True))
 
         async def sent(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                write()  # before the last byte leaves: a client that has its answer finds its line
             await send(message)
 
         try:
             await self.app(scope, receive, sent)
         finally:
-            if log.isEnabledFor(logging.INFO):
-                route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
-                log.info("request %s", json.dumps({
-                    "owner": self.owner(scope), "method": scope.get("method"), "route": route,
-                    "status": status[0], "ms": round((time.perf_counter() - start) * 1000, 2)},
-                    ensure_ascii=True))
+            write()  # no complete response (an error, a client gone): the line all the same
