@@ -93,7 +93,11 @@ def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args:
     order = sorted(range(len(precisions)), key=lambda i: precisions[i] != "fp8")
     _JOB = (factory, batch_of, budget, args, stack)
     try:
-        with multiprocessing.get_context("fork").Pool(n) as pool:
+        import torch
+
+        # one intra-op thread in each child: its measures run fake tensors (no kernels), and a forked
+        # child must not start the parent's OpenMP pool (what DataLoader workers do too)
+        with multiprocessing.get_context("fork").Pool(n, initializer=torch.set_num_threads, initargs=(1,)) as pool:
             done = pool.map(_job_row, [precisions[i] for i in order], chunksize=1)
     finally:
         _JOB = None
