@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..observe.memory import breakdown, saved_activations
+from ..observe.memory import activations, breakdown, saved_activations
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
 from .steps import Steps, batch_loss
@@ -215,7 +215,7 @@ class Session:
             self._warm = True
         tracker = _tracker_class()()
         tracker.track_external(model, opt, *amp.master_params())
-        self._tracker, self._marks = tracker, []
+        self._tracker, self._marks, self._saved = tracker, [], None
         try:
             with tracker:
                 self.run.forward_backward(fake_batch)
@@ -228,7 +228,8 @@ class Session:
         if amp.precision.name == "fp8":  # activations() does not follow torchao's fp8 casts yet
             act_bytes = int(sum(d.get(k, 0) for d in snapshot.values() for k in d if str(k).endswith("ACT")))
         else:
-            act_bytes = self._saved.total
+            saved = self._saved  # None only if the step never computed its loss here: count apart
+            act_bytes = saved.total if saved is not None else int(activations(model, fake_batch, amp.precision).total)
         peak = int(sum(d.get("Total", 0) for d in snapshot.values()))
         cats = static.by_category
         parts = {k: int(cats.get(k, 0)) for k in PARTS[:4]}
