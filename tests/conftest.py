@@ -28,7 +28,7 @@ HAS_CUDA = torch.cuda.is_available()
 # (--dist loadfile gives whole modules; xdist's own order -- most tests first -- started the
 # one-test, 10-launch module last and left one core idle for its ~3 minutes).
 LONGEST_FIRST = [
-    "e2e/test_stop.py", "loop/test_depth.py", "loop/test_checkpoint.py", "distributed/test_launch_repeat.py",
+    "e2e/test_stop.py", "loop/test_depth.py", "loop/test_checkpoint.py",
     "loop/test_estimate_session.py", "service/test_service_ops.py", "loop/test_estimate.py",
     "distributed/test_launch.py", "service/test_service_compat.py", "service/test_service.py",
     "service/test_planner_jobs.py", "e2e/test_newcomer.py", "distributed/test_slurm.py", "cli/test_plan.py",

@@ -22,9 +22,11 @@ CRASH_MARKERS = ("terminate called", "Aborted", "Traceback", "SIGABRT", "core du
 
 
 def assert_exits_cleanly(r, what: str = "") -> None:
-    """A finished ``subprocess.run`` of a multi-process job: status 0 and no crash output. Every
-    clean two-process launch in the suite makes this check (with tests/distributed/
-    test_launch_repeat.py's own launches, well over ten per run)."""
+    """A finished ``subprocess.run`` of a multi-process job: status 0 and no crash output (a rare
+    shutdown race once printed one). Every clean two-process launch in the suite makes this check:
+    eight per run (test_launch.py, test_stop.py, test_slurm.py), so the suite no longer launches
+    extra jobs only to repeat it (tests/distributed/test_launch_repeat.py, removed 2026-11-26: its
+    launches cost ~45 s of the CI's 15 minutes)."""
     assert r.returncode == 0, (what, r.stderr[-3000:])
     for bad in CRASH_MARKERS:
         assert bad not in r.stderr, (what, bad, r.stderr[-3000:])
