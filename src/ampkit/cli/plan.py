@@ -89,6 +89,7 @@ def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args:
     if n == 1:
         return [_row(factory, batch_of, budget, p, args, stack) for p in precisions]
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     order = sorted(range(len(precisions)), key=lambda i: precisions[i] != "fp8")
     _JOB = (factory, batch_of, budget, args, stack)
@@ -96,9 +97,11 @@ def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args:
         import torch
 
         # one intra-op thread in each child: its measures run fake tensors (no kernels), and a forked
-        # child must not start the parent's OpenMP pool (what DataLoader workers do too)
-        with multiprocessing.get_context("fork").Pool(n, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            done = pool.map(_job_row, [precisions[i] for i in order], chunksize=1)
+        # child must not start the parent's OpenMP pool (what DataLoader workers do too). An executor,
+        # not a Pool: a child killed from outside (the OOM killer) fails the plan instead of hanging it
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads,
+                                 initargs=(1,)) as pool:
+            done = list(pool.map(_job_row, [precisions[i] for i in order]))
     finally:
         _JOB = None
     rows: list[Any] = [None] * len(precisions)
