@@ -3,6 +3,7 @@ the eager passes of ladder.py, and the silent fallback to them."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import threading
@@ -12,7 +13,7 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.step.policies import native
-from ampkit.step.policies.ladder import BLOCK, join_split, kahan_join, kahan_split, split_fp32
+from ampkit.step.policies.rounding import BLOCK, join_split, kahan_join, kahan_split, split_fp32
 
 needs_native = pytest.mark.skipif(not native.enabled(), reason="native kernels off (no C compiler, or AMPKIT_NO_NATIVE=1)")
 
@@ -93,6 +94,34 @@ def test_split_round_trip_and_nan_quirk_match_eager() -> None:
     assert out[0][0].view(torch.int16)[:2].tolist() == [-0x8000, 0]  # -0.0 and +0.0: the wrap of the quirk
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rung", ["split", "kahan"])
+def test_many_tensors_in_one_call_on_several_threads_are_bitwise_the_eager_passes(rung: str, threads: int) -> None:
+    """One call over several tensors (empty ones, odd sizes, one cut between threads: the slices are
+    16-element aligned, the tensors are not) gives each tensor's eager bits, whatever the thread count."""
+    sizes = [0, 5, 65536 + 7, 0, 1, 33, 3 * 65536 + 11, 2]
+    n = sum(sizes)
+    x, h = _fp32_bits(n, seed=threads), _halves(n, seed=threads + 7)
+    dt = torch.int16 if rung == "split" else torch.bfloat16
+    eager_split, eager_join = (split_fp32, join_split) if rung == "split" else (kahan_split, kahan_join)
+    want = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
+    eager_split(x.clone(), *want, *([torch.empty(n)] if rung == "kahan" else []), native=False)
+    got = [[torch.empty(k, dtype=torch.bfloat16) for k in sizes], [torch.empty(k, dtype=dt) for k in sizes]]
+    x0 = x.clone()
+    assert native.compact(rung, x, *got, threads=threads)
+    assert _same(x, x0)  # the fp32 run is read only
+    assert _same(torch.cat(got[0]), want[0]) and _same(torch.cat(got[1]), want[1])
+    hi, extra = h[0].view(torch.bfloat16), h[1].view(dt)
+    joined = eager_join(hi, extra, torch.empty(n), torch.empty(n, dtype=torch.int32 if rung == "split" else torch.float32),
+                        native=False)
+    out = torch.full((n,), 7.0)
+    assert native.expand(rung, list(hi.split(sizes)), list(extra.split(sizes)), out, threads=threads)
+    assert _same(out, joined)
+    assert not native.expand(rung, list(hi.split(sizes)), list(extra.split(sizes)), torch.empty(n + 1))  # sizes differ
+    assert not native.compact(rung, x, got[0][:-1], got[1])  # one extra tensor short
+
+
 def _train(masters: str, steps: int = 4):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.LayerNorm(40), torch.nn.GELU(), torch.nn.Linear(40, 3))
@@ -113,12 +142,13 @@ def _train(masters: str, steps: int = 4):
 @pytest.mark.parametrize("masters", ["split", "kahan"])
 def test_training_is_bitwise_the_same_with_ampkit_no_native(masters: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    for name in ("split", "join", "kahan_split", "kahan_join"):
+    for name in ("split", "join", "kahan_split", "kahan_join", "compact", "expand"):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name: calls.append((_name, _real(*a))) or
                             calls[-1][1])
     fast = _train(masters)
     assert calls and all(done for _, done in calls)  # the native kernels did the work
+    assert {"compact", "expand"} <= {name for name, _ in calls}  # the step: one call per chunk each way
     monkeypatch.setenv("AMPKIT_NO_NATIVE", "1")
     calls.clear()
     slow = _train(masters)
@@ -193,3 +223,44 @@ def test_compiled_once_into_the_cache_concurrently(monkeypatch: pytest.MonkeyPat
     files = list((tmp_path / "native").iterdir())
     assert len(files) == 1 and files[0].suffix == ".so"  # one file: the temporary ones renamed or removed
     assert native.enabled()  # loads the cached file
+
+
+class _Replacing(torch.optim.SGD):
+    """Steps by giving each parameter new storage (``p.data = ...``), as some third-party optimizers do."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.data = p.data - g["lr"] * p.grad
+        return None
+
+
+@pytest.mark.parametrize("masters", ["split", "kahan"])
+def test_an_optimizer_that_replaces_the_parameter_storage_is_stepped_exactly(masters: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk's one-call re-split reads the chunk buffer; a stand-in moved to new storage by the
+    optimizer is re-split from where it now is (the per-tensor path), so nothing is lost: bitwise the
+    eager passes, and for ``split`` bitwise plain fp32 masters stepped the same way."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+
+    def run(rung: str) -> dict[str, torch.Tensor]:
+        model = copy.deepcopy(base)
+        amp = MixedPrecision("bf16-pure", masters=rung)
+        model, opt = amp.setup(model, _Replacing(model.parameters(), lr=0.1))
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            with amp.autocast():
+                loss = model(torch.randn(4, 64, generator=g)).float().square().mean()
+            amp.backward(loss)
+            amp.step(opt)
+        return amp.full_precision_state_dict()
+
+    fast = run(masters)
+    monkeypatch.setenv("AMPKIT_NO_NATIVE", "1")
+    slow = run(masters)
+    ref = run("fp32") if masters == "split" else slow
+    for k, v in ref.items():
+        assert _same(fast[k], slow[k]) and _same(fast[k], v), k

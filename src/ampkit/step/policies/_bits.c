@@ -5,9 +5,20 @@
    back to the eager passes otherwise. No torch headers: plain C99, compiled on first use.
 
    ``nan``: the bf16 bits torch's fp32 -> bf16 conversion gives every NaN (0xFFFF on x86 builds),
-   read from torch at load time. Integer arithmetic is unsigned (wraps like torch's int32 ops). */
+   read from torch at load time. Integer arithmetic is unsigned (wraps like torch's int32 ops).
+
+   Threads: compiled with -fopenmp where the compiler can, each kernel splits a large tensor into one
+   slice per thread (``nt``: torch.get_num_threads() of the caller). Torch's Linux wheels load
+   libgomp.so.1 already, so the dynamic loader resolves this library's libgomp to that one: the kernels
+   run on torch's own OpenMP threads. Without OpenMP the pragmas are ignored (one thread). */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* below this many elements a kernel runs on the calling thread (waking threads costs more) */
+#define GRAIN 65536
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(AMPKIT_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))
@@ -25,7 +36,7 @@ static inline uint16_t to_bf16(uint32_t u, uint16_t nan) {
 }
 
 /* split: weight = high half + (low half >= 0x8000), remainder = low half as int16 */
-CLONES void ampkit_split(const uint32_t *restrict x, uint16_t *restrict hi, uint16_t *restrict rem,
+static CLONES void split_range(const uint32_t *restrict x, uint16_t *restrict hi, uint16_t *restrict rem,
                          int64_t n, uint16_t nan) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t u = x[i], r = (u + 0x8000u) & 0xFFFF0000u;
@@ -35,14 +46,14 @@ CLONES void ampkit_split(const uint32_t *restrict x, uint16_t *restrict hi, uint
 }
 
 /* join: (weight << 16) + sign-extended remainder */
-CLONES void ampkit_join(const uint16_t *restrict hi, const int16_t *restrict rem, uint32_t *restrict out,
+static CLONES void join_range(const uint16_t *restrict hi, const int16_t *restrict rem, uint32_t *restrict out,
                         int64_t n) {
     for (int64_t i = 0; i < n; i++)
         out[i] = ((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)rem[i];
 }
 
 /* kahan split: weight = bf16(x), compensation = bf16(x - weight) (the difference exact in fp32) */
-CLONES void ampkit_kahan_split(const uint32_t *restrict x, uint16_t *restrict hi, uint16_t *restrict comp,
+static CLONES void kahan_split_range(const uint32_t *restrict x, uint16_t *restrict hi, uint16_t *restrict comp,
                                int64_t n, uint16_t nan) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t u = x[i];
@@ -54,7 +65,7 @@ CLONES void ampkit_kahan_split(const uint32_t *restrict x, uint16_t *restrict hi
 
 /* kahan join: weight + compensation in fp32; a NaN operand comes back quieted, the compensation's
    first (torch's add computes b * alpha + a) */
-CLONES void ampkit_kahan_join(const uint16_t *restrict hi, const uint16_t *restrict comp,
+static CLONES void kahan_join_range(const uint16_t *restrict hi, const uint16_t *restrict comp,
                               uint32_t *restrict out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t a = (uint32_t)hi[i] << 16, b = (uint32_t)comp[i] << 16;
@@ -62,4 +73,78 @@ CLONES void ampkit_kahan_join(const uint16_t *restrict hi, const uint16_t *restr
         uint32_t mb = 0u - (uint32_t)is_nan(b), ma = (0u - (uint32_t)is_nan(a)) & ~mb;  /* masks: branch-free */
         out[i] = (s & ~(ma | mb)) | ((b | 0x00400000u) & mb) | ((a | 0x00400000u) & ma);
     }
+}
+
+/* The exported kernels take k tensors at once: the fp32 side is one contiguous run (the chunk's
+   buffer: tensor s at offset n[0] + ... + n[s-1]), the 16-bit halves are k separate tensors. The
+   n[0] + ... + n[k-1] elements are cut into one equal slice per thread (16-element aligned); each
+   thread runs the one-tensor loop over the parts of the tensors its slice covers. */
+
+static int64_t total(int64_t k, const int64_t *n) {
+    int64_t t = 0;
+    for (int64_t s = 0; s < k; s++) t += n[s];
+    return t;
+}
+
+#ifdef _OPENMP
+/* the calling thread's [lo, hi) of N elements */
+static void slice(int64_t N, int64_t *lo, int64_t *hi) {
+    int64_t t = omp_get_thread_num(), k = omp_get_num_threads();
+    int64_t step = ((N + k - 1) / k + 15) & ~(int64_t)15, a = t * step, b = a + step;
+    *lo = a < N ? a : N;
+    *hi = b < N ? b : N;
+}
+#endif
+
+/* for each tensor s overlapping [lo, hi): i = its first element there, m = how many, f = i + its offset */
+#define SEGMENTS(k, n, lo, hi, body)                                          \
+    {                                                                         \
+        int64_t off_ = 0;                                                     \
+        for (int64_t s = 0; s < (k) && off_ < (hi); off_ += (n)[s], s++) {    \
+            int64_t a_ = (lo) > off_ ? (lo) : off_;                           \
+            int64_t b_ = (hi) < off_ + (n)[s] ? (hi) : off_ + (n)[s];         \
+            if (a_ < b_) { int64_t i = a_ - off_, m = b_ - a_, f = a_; body; } \
+        }                                                                     \
+    }
+
+#ifdef _OPENMP
+#define PARALLEL(nt, k, n, body)                                                    \
+    {                                                                               \
+        int64_t N = total(k, n);                                                    \
+        if ((nt) > 1 && N >= GRAIN) {                                               \
+            _Pragma("omp parallel num_threads(nt)")                                 \
+            { int64_t l_, h_; slice(N, &l_, &h_); SEGMENTS(k, n, l_, h_, body) }    \
+        } else SEGMENTS(k, n, 0, N, body)                                           \
+    }
+#else
+#define PARALLEL(nt, k, n, body) { (void)(nt); SEGMENTS(k, n, 0, total(k, n), body) }
+#endif
+
+void ampkit_split(int64_t k, const int64_t *n, const uint32_t *x, uint16_t *const *hi, uint16_t *const *rem,
+                  uint16_t nan, int nt) {
+    PARALLEL(nt, k, n, split_range(x + f, hi[s] + i, rem[s] + i, m, nan))
+}
+
+void ampkit_join(int64_t k, const int64_t *n, uint32_t *out, const uint16_t *const *hi,
+                 const int16_t *const *rem, int nt) {
+    PARALLEL(nt, k, n, join_range(hi[s] + i, rem[s] + i, out + f, m))
+}
+
+void ampkit_kahan_split(int64_t k, const int64_t *n, const uint32_t *x, uint16_t *const *hi,
+                        uint16_t *const *comp, uint16_t nan, int nt) {
+    PARALLEL(nt, k, n, kahan_split_range(x + f, hi[s] + i, comp[s] + i, m, nan))
+}
+
+void ampkit_kahan_join(int64_t k, const int64_t *n, uint32_t *out, const uint16_t *const *hi,
+                       const uint16_t *const *comp, int nt) {
+    PARALLEL(nt, k, n, kahan_join_range(hi[s] + i, comp[s] + i, out + f, m))
+}
+
+/* 1 when compiled with OpenMP (native.py reports it) */
+int ampkit_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -27,8 +27,9 @@ The split (``split``): with ``u`` the fp32 bits and ``lo``/``hi`` their low/high
 weight is ``hi + (lo >= 0x8000)`` (round to nearest, ties away from zero: the only rounding whose
 remainder always fits 16 signed bits) and the remainder is ``lo`` read as a signed int16; the
 fp32 bits come back as ``hi_weight - (remainder < 0)`` above ``remainder``. On CPU each direction
-(and ``kahan``'s) is one pass of a small C kernel (:mod:`.native`, compiled on first use); the
-eager torch passes below are the bitwise reference and the fallback.
+(and ``kahan``'s) is one pass of a small C kernel (:mod:`.native`, compiled on first use), one call
+per chunk on torch's intra-op threads; the eager torch passes below are the bitwise reference and the
+fallback (and the path for a stand-in the optimizer moved to new storage).
 
 Stochastic rounding adds 16 uniform random bits to the fp32 bits and keeps the top 16 (unbiased:
 rounds up with probability equal to the dropped fraction); the bits come from a
@@ -48,14 +49,15 @@ import torch
 
 from . import native as _native_kernels
 from .pure import MasterWeights, cast_buffers, kept_tensors
+from .rounding import join_split, kahan_join, kahan_split, split_fp32, stochastic_round
 
 __all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
            "kahan_join", "kahan_split", "parse_rung", "split_fp32", "stochastic_round"]
 
-#: elements per chunk of the transient fp32 view (one chunk of extra memory: 16 MiB)
-CHUNK_NUMEL = 1 << 22
-#: elements per block of the bit-level passes on CPU (a block's passes stay in the L2 cache)
-BLOCK = 1 << 17
+#: elements per chunk of the transient fp32 view (one chunk of extra memory: 4 MiB). Small enough for a
+#: chunk's rebuild, step and re-split to meet in the last-level cache: the ``split`` step on 4 x 1M
+#: weights was 1.39-1.44x the fp32-master step with 16 MiB chunks, 1.25-1.34x with these (2 threads)
+CHUNK_NUMEL = 1 << 20
 STALL_WARNING = ("bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
                  "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
                  "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)")
@@ -91,85 +93,6 @@ def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
         raise ValueError(f"unknown ladder rung {spec!r}: write bf16-pure:<masters>[+bf16] with masters one of "
                          f"{', '.join(_MASTER_BYTES)}, e.g. 'bf16-pure:split' or 'bf16-pure:stochastic+bf16'")
     return base, {"masters": masters, "state_dtype": "bf16" if plus else "fp32", "allow_stall": masters == "none"}
-
-
-# ---------------------------------------------------------------------- the bit-level helpers
-# Same-dtype, contiguous passes only: on CPU a mixed-dtype binary op (int32 += int16, fp32 += bf16)
-# takes a slow promotion path (~8x a conversion copy), a strided int16 pass ~4x, and an in-place
-# shift is an out-of-place shift plus a copy. A bf16 -> fp32 conversion is exactly ``bits << 16``,
-# and fp32 -> bf16 is exact on values whose low 16 bits are zero: conversions do the shifts.
-def _blocks(x: torch.Tensor) -> range:
-    """Block starts over flat ``x``: on CPU the passes over one block of :data:`BLOCK` elements stay
-    in cache (one trip to memory per tensor instead of one per pass); elsewhere -- and for fake
-    tensors (``ampkit plan``: the passes are in place, so a block changes no byte, only the count
-    of dispatched operations) -- one block."""
-    n = x.numel()
-    return range(0, n, BLOCK if x.device.type == "cpu" and type(x) is torch.Tensor else max(n, 1))
-
-
-def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: bool = True) -> None:
-    """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder.
-
-    ``x`` is scratch (overwritten). The remainder is the low 16 bits read as a signed int16; the
-    weight is the high 16 bits plus one where the low bits are >= 0x8000. ``native``: one pass in C
-    where :mod:`.native` can (bitwise the same; ``x`` then unchanged), else -- or with False -- these.
-    """
-    if native and _native_kernels.split(x, hi, rem):
-        return
-    xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
-    for o in _blocks(xf):
-        xb = xf[o:o + BLOCK]
-        bits = xb.view(torch.int32)
-        rf[o:o + BLOCK].copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement)
-        bits.add_(0x8000).bitwise_and_(-0x10000)  # the high 16 bits of the rounded value, low bits zero
-        hf[o:o + BLOCK].copy_(xb)  # exact: a bf16 value now
-
-
-def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None,
-               native: bool = True) -> torch.Tensor:
-    """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
-    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size. ``native``: as above."""
-    if native and _native_kernels.join(hi, rem, out):
-        return out
-    of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
-    tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
-    for o in _blocks(of):
-        ob = of[o:o + BLOCK]
-        ob.copy_(hf[o:o + BLOCK])  # = hi's bits << 16
-        ob.view(torch.int32).add_(tf[o:o + BLOCK].copy_(rf[o:o + BLOCK]))
-    return out
-
-
-def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor, native: bool = True
-                ) -> None:
-    """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 of the rounding error ``comp``
-    (the error is exact in fp32); ``tmp``: fp32 scratch of ``x``'s size. Blocked like the split."""
-    if native and _native_kernels.kahan_split(x, hi, comp):
-        return
-    xf, hf, cf, tf = x.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
-    for o in _blocks(xf):
-        xb, hb = xf[o:o + BLOCK], hf[o:o + BLOCK]
-        hb.copy_(xb)
-        cf[o:o + BLOCK].copy_(xb.sub_(tf[o:o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
-
-
-def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, native: bool = True
-               ) -> torch.Tensor:
-    """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
-    if native and _native_kernels.kahan_join(hi, comp, out):
-        return out
-    of, hf, cf, tf = out.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
-    for o in _blocks(of):
-        of[o:o + BLOCK].copy_(hf[o:o + BLOCK]).add_(tf[o:o + BLOCK].copy_(cf[o:o + BLOCK]))
-    return out
-
-
-def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
-    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
-    bits = x.view(torch.int32)
-    bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen))
-    bits.bitwise_and_(-0x10000)
-    out.copy_(x.view(out.shape))  # exact: x is a bf16 value now
 
 
 # ---------------------------------------------------------------------- rungs with stand-ins
@@ -236,6 +159,37 @@ class LadderWeights(MasterWeights):
         out.view(h.shape).copy_(h)
         return out
 
+    def _expand_chunk(self, ids: list[int]) -> list[Optional[torch.Tensor]]:
+        """The fp32 values of weights ``ids`` back to back in the chunk buffer (one native call for
+        ``split``/``kahan`` where it can), as views of their shapes; None each for ``fp32`` masters."""
+        if self.rung == "fp32":
+            return [None] * len(ids)
+        views, off = [], 0
+        for i in ids:
+            n = self.masters[i].numel()
+            views.append(self._buf[off:off + n].view(self.masters[i].shape))
+            off += n
+        if not (self.rung in ("split", "kahan") and _native_kernels.expand(
+                self.rung, [self.halves[i].data for i in ids], [self.extra[i] for i in ids], self._buf[:off])):
+            for i, v in zip(ids, views):
+                self._expand(i, v.view(-1))
+        return views
+
+    def _compact_chunk(self, ids: list[int], views: list[Optional[torch.Tensor]]) -> None:
+        """The stepped fp32 values back into the compact form; the stand-ins back onto the shared scalar.
+        One native call when every stand-in still views the chunk buffer where it was put."""
+        masters = [self.masters[i] for i in ids]
+        off = sum(m.numel() for m in masters)
+        if not (self.rung in ("split", "kahan") and all(m.data is v or (v is not None and _same(m.data, v))
+                                                        for m, v in zip(masters, views))
+                and _native_kernels.compact(self.rung, self._buf[:off], [self.halves[i].data for i in ids],
+                                            [self.extra[i] for i in ids])):
+            for i, m in zip(ids, masters):
+                self._compact(self.halves[i], m.data, self.extra[i])
+        if self.rung != "fp32":
+            for m in masters:
+                m.data = self._dummy.expand(m.shape)
+
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """fp32 scratch of ``like``'s size: the chunk's slice of the second buffer, or a new tensor."""
         n = like.numel()
@@ -279,21 +233,17 @@ class LadderWeights(MasterWeights):
                 live = chunk + (others if k == 0 else [])
                 for p in live:
                     p.grad = by_id[id(p)]
-                off = 0
+                ids = [index[id(m)] for m in chunk]
                 with torch.no_grad():
-                    for m in chunk:
-                        if self.rung != "fp32":
-                            n = m.numel()
-                            m.data = self._expand(index[id(m)], self._buf[off:off + n]).view(m.shape)
-                            off += n
+                    views = self._expand_chunk(ids)
+                    for m, v in zip(chunk, views):
+                        if v is not None:
+                            m.data = v
                         self._states(opt, m, torch.float32)
                 ret = inner(*args, **kwargs)
                 with torch.no_grad():
+                    self._compact_chunk(ids, views)
                     for m in chunk:
-                        i = index[id(m)]
-                        self._compact(self.halves[i], m.data, self.extra[i])
-                        if self.rung != "fp32":
-                            m.data = self._dummy.expand(m.shape)
                         self._states(opt, m, torch.bfloat16)
                 for p in live:
                     p.grad = None
@@ -373,6 +323,11 @@ class LadderWeights(MasterWeights):
     def storage(self) -> list[torch.Tensor]:
         """The rung's own tensors (remainders / compensations), for memory accounting."""
         return [e for e in self.extra if e is not None]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""
+    return type(a) is torch.Tensor and type(b) is torch.Tensor and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _chunk(masters: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

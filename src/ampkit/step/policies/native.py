@@ -1,7 +1,11 @@
 """One-pass native kernels for the ``split`` and ``kahan`` rungs (``_bits.c`` beside this file).
 
-The eager functions of :mod:`.ladder` (``split_fp32``, ``join_split``, ``kahan_split``,
-``kahan_join``) make 3--4 element-wise passes each; these kernels make one, bitwise the same. The
+The eager functions of :mod:`.rounding` (``split_fp32``, ``join_split``, ``kahan_split``,
+``kahan_join``) make 3--4 element-wise passes each; these kernels make one, bitwise the same, over
+every tensor of a step's chunk in one call (:func:`compact`, :func:`expand`), cut into one slice per
+thread of torch's intra-op pool: built with ``-fopenmp``, the library's ``libgomp.so.1`` is the one
+torch's Linux wheels already loaded, so the kernels run on torch's own threads (a compiler without
+OpenMP: the same kernels on one thread; :func:`threads` says which). The
 C source has no torch headers: on first use it is compiled with the system C compiler (``$CC``,
 else Python's ``sysconfig`` ``CC``, else ``cc``) in well under a second into a per-user cache
 (``native/`` under ``$AMPKIT_CACHE_DIR``, default ``~/.cache/ampkit``; the file name is a hash of
@@ -33,6 +37,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,11 +45,14 @@ import torch
 
 from ..logs import logger
 
-__all__ = ["FLAGS", "SOURCE", "cache_dir", "enabled", "join", "kahan_join", "kahan_split", "library", "split"]
+__all__ = ["FLAGS", "OPENMP", "SOURCE", "cache_dir", "compact", "enabled", "expand", "join", "kahan_join", "kahan_split",
+           "library", "split", "threads"]
 
 SOURCE = Path(__file__).with_name("_bits.c")
 #: no -ffast-math (the kernels are bitwise IEEE); -ffp-contract=off keeps x - h and h + c unfused
 FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off")
+#: tried first: the kernels on torch's OpenMP threads (a compiler without OpenMP: FLAGS alone, one thread)
+OPENMP = ("-fopenmp",)
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake tensors (``ampkit plan``) have no data
 _lock = threading.Lock()
@@ -88,7 +96,32 @@ def _load() -> ctypes.CDLL:
     if sys.byteorder != "little":
         raise RuntimeError("big-endian machine")
     cc, src = _compiler(), SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, *(a.encode() for a in cc + list(FLAGS)), platform.machine().encode(),
+    errors = []
+    for flags in (FLAGS + OPENMP, FLAGS):
+        try:
+            out = _build(cc, src, flags)
+            break
+        except RuntimeError as e:
+            errors.append(str(e))
+    else:
+        raise RuntimeError("; ".join(errors))
+    lib = ctypes.CDLL(str(out))
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    many = [n, ctypes.POINTER(n), p, ctypes.POINTER(p), ctypes.POINTER(p)]  # k, sizes, fp32 run, halves, extras
+    for name, extra in (("split", [ctypes.c_uint16]), ("join", []), ("kahan_split", [ctypes.c_uint16]),
+                        ("kahan_join", [])):
+        fn = getattr(lib, f"ampkit_{name}")
+        fn.argtypes, fn.restype = [*many, *extra, ctypes.c_int], None
+    lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
+    nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+    _state["nan"] = nan
+    _probe(lib, nan)
+    return lib
+
+
+def _build(cc: list[str], src: bytes, flags: tuple[str, ...]) -> Path:
+    """The compiled library for these flags (compiled now unless cached)."""
+    key = hashlib.sha256(b"\0".join([src, *(a.encode() for a in cc + list(flags)), platform.machine().encode(),
                                      sys.platform.encode()])).hexdigest()[:20]
     out = cache_dir() / "native" / f"ladder-bits-{key}.so"
     if not out.exists():
@@ -96,99 +129,132 @@ def _load() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cc)} failed: {r.stderr.strip()[-500:]}")
+                raise RuntimeError(f"{' '.join(cc + list(flags))} failed: {r.stderr.strip()[-500:]}")
             os.replace(tmp, out)  # atomic: another process sees the old state or the whole file
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
-    p, n = ctypes.c_void_p, ctypes.c_int64
-    for name, extra in (("split", [ctypes.c_uint16]), ("join", []), ("kahan_split", [ctypes.c_uint16]),
-                        ("kahan_join", [])):
-        fn = getattr(lib, f"ampkit_{name}")
-        fn.argtypes, fn.restype = [p, p, p, n, *extra], None
-    nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
-    _state["nan"] = nan
-    _probe(lib, nan)
-    return lib
+    return out
+
+
+def threads() -> int:
+    """How many threads a large kernel call uses: torch's intra-op count where the kernels were built
+    with OpenMP, else 1."""
+    lib = library()
+    return torch.get_num_threads() if lib is not None and lib.ampkit_openmp() else 1
 
 
 def _probe(lib: ctypes.CDLL, nan: int) -> None:
     """Raise unless every kernel is bitwise the eager function on edge cases and random bits."""
-    from . import ladder  # the references (imported here: ladder imports this module)
+    from . import rounding  # the references (imported here: rounding imports this module)
 
     g = torch.Generator().manual_seed(0)
     special = torch.tensor([0, -0x80000000, 1, -0x7FFFFFFF, 0x7F800000, -0x800000, 0x7FC00000, -0x400000,
                             0x7F800001, 0x7F808000, 0x7FFF8000, 0x7FFFFFFF, -0x7F8000, -1, 0x7F7F8000,
                             0x7F7F7FFF, 0x3F808000, -0x407F8000, 0x3F818000, 0x00008000, 0x0000FFFF],
                            dtype=torch.int32)
-    bits = torch.cat([special, torch.randint(-2**31, 2**31, (4133,), generator=g, dtype=torch.int32)])
+    bits = torch.cat([special, torch.randint(-2**31, 2**31, (2 * 65536 + 4133,), generator=g, dtype=torch.int32)])
     x = bits.view(torch.float32)
     n = x.numel()
     halves = torch.randint(-2**15, 2**15, (2, n), generator=g, dtype=torch.int16)  # (weight, remainder) bits
     halves[:, :special.numel()] = special.view(torch.int16).view(-1, 2).t().flip(0)  # the specials' halves
     scratch = {torch.int16: torch.empty(n, dtype=torch.int32), torch.bfloat16: torch.empty(n)}
-    for native, eager, dt in ((split, ladder.split_fp32, torch.int16), (kahan_split, ladder.kahan_split, torch.bfloat16)):
-        a = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
-        b = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
-        ok = native(x.clone(), *a, lib=lib)
-        eager(x.clone(), *b, *([scratch[dt].view(torch.float32)] if dt == torch.bfloat16 else []), native=False)
-        if not ok or any(not torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(a, b)):
-            raise RuntimeError(f"probe: the native {native.__name__} differs from the eager passes")
-    hi = halves[0].view(torch.bfloat16)
-    for native, eager, dt in ((join, ladder.join_split, torch.int16), (kahan_join, ladder.kahan_join, torch.bfloat16)):
-        a, b = torch.empty(n), torch.empty(n)
-        ok = native(hi, halves[1].view(dt), a, lib=lib)
-        eager(hi, halves[1].view(dt), b, scratch[dt], native=False)
-        if not ok or not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-            raise RuntimeError(f"probe: the native {native.__name__} differs from the eager passes")
+    sizes = [0, 1, 17, 1000, 65539]
+    sizes.append(n - sum(sizes))  # several tensors in one call, one of them cut between two threads
+    for rung, eager_split, eager_join in (("split", rounding.split_fp32, rounding.join_split),
+                                          ("kahan", rounding.kahan_split, rounding.kahan_join)):
+        dt = _EXTRA[rung]
+        want = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
+        eager_split(x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else []), native=False)
+        hi, extra = halves[0].view(torch.bfloat16), halves[1].view(dt)
+        joined = torch.empty(n)
+        eager_join(hi, extra, joined, scratch[dt], native=False)
+        for nt in (1, 2):
+            got = [[torch.empty(k, dtype=torch.bfloat16) for k in sizes], [torch.empty(k, dtype=dt) for k in sizes]]
+            ok = compact(rung, x.clone(), *got, lib=lib, threads=nt)
+            if not ok or any(not torch.equal(torch.cat(u).view(torch.int16), v.view(torch.int16))
+                             for u, v in zip(got, want)):
+                raise RuntimeError(f"probe: the native {rung} compaction differs from the eager passes")
+            out = torch.empty(n)
+            ok = expand(rung, list(hi.split(sizes)), list(extra.split(sizes)), out, lib=lib, threads=nt)
+            if not ok or not torch.equal(out.view(torch.int32), joined.view(torch.int32)):
+                raise RuntimeError(f"probe: the native {rung} expansion differs from the eager passes")
 
 
-def _ready(lib: Optional[ctypes.CDLL], tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]
-           ) -> Optional[ctypes.CDLL]:
-    """The library when every tensor is a plain contiguous CPU tensor of its dtype and the same size."""
+_EXTRA = {"split": torch.int16, "kahan": torch.bfloat16}
+
+
+def _args(lib: Optional[ctypes.CDLL], rung: str, fp32: torch.Tensor, his: Sequence[torch.Tensor],
+          extras: Sequence[torch.Tensor]) -> Optional[tuple[ctypes.CDLL, tuple[Any, ...]]]:
+    """The library and the leading arguments of a kernel call, or None: not every tensor is a plain
+    contiguous CPU tensor of its dtype, or ``fp32``'s size is not the halves' sizes summed."""
     if lib is None and os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
         return None
-    n = tensors[0].numel()
-    for t, dt in zip(tensors, dtypes):
-        if type(t) not in _PLAIN or not t.is_cpu or t.dtype != dt or t.numel() != n or not t.is_contiguous():
+    k, extra = len(his), _EXTRA[rung]
+    if len(extras) != k or not _plain(fp32, torch.float32):
+        return None
+    ns = []
+    for h, e in zip(his, extras):
+        if not (_plain(h, torch.bfloat16) and _plain(e, extra)) or e.numel() != h.numel():
             return None
-    return library() if lib is None else lib
+        ns.append(h.numel())
+    if sum(ns) != fp32.numel():
+        return None
+    lib = library() if lib is None else lib
+    if lib is None:
+        return None
+    ptrs = ctypes.c_void_p * k
+    return lib, (k, (ctypes.c_int64 * k)(*ns), fp32.data_ptr(), ptrs(*[h.data_ptr() for h in his]),
+                 ptrs(*[e.data_ptr() for e in extras]))
+
+
+def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return type(t) in _PLAIN and t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+
+def compact(rung: str, x: torch.Tensor, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor],
+            lib: Optional[ctypes.CDLL] = None, threads: Optional[int] = None) -> bool:
+    """fp32 ``x`` (the tensors' values back to back) into each bf16 weight of ``his`` and its remainder
+    (``rung="split"``, int16) or compensation (``"kahan"``, bf16) in ``extras``: :func:`.rounding.split_fp32`
+    / :func:`.rounding.kahan_split` of every tensor in one call, on torch's intra-op threads (``x`` is
+    left unchanged; ``threads``: how many, default torch's count). False: not done, run the eager passes."""
+    got = _args(lib, rung, x, his, extras)
+    if got is None:
+        return False
+    fn = got[0].ampkit_split if rung == "split" else got[0].ampkit_kahan_split
+    fn(*got[1], _state["nan"], threads or torch.get_num_threads())
+    return True
+
+
+def expand(rung: str, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor], out: torch.Tensor,
+           lib: Optional[ctypes.CDLL] = None, threads: Optional[int] = None) -> bool:
+    """The fp32 values of each (weight, extra) pair back to back into contiguous ``out``:
+    :func:`.rounding.join_split` / :func:`.rounding.kahan_join` of every tensor in one call. False: not done."""
+    got = _args(lib, rung, out, his, extras)
+    if got is None:
+        return False
+    fn = got[0].ampkit_join if rung == "split" else got[0].ampkit_kahan_join
+    fn(*got[1], threads or torch.get_num_threads())
+    return True
 
 
 def split(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.ladder.split_fp32` in one pass (``x`` is left unchanged); False: not done, run the eager one."""
-    lib = _ready(lib, (x, hi, rem), (torch.float32, torch.bfloat16, torch.int16))
-    if lib is None:
-        return False
-    lib.ampkit_split(x.data_ptr(), hi.data_ptr(), rem.data_ptr(), x.numel(), _state["nan"])
-    return True
+    """:func:`.rounding.split_fp32` in one pass (``x`` is left unchanged); False: not done, run the eager one."""
+    return compact("split", x, [hi], [rem], lib)
 
 
 def join(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.ladder.join_split` in one pass; False: not done."""
-    lib = _ready(lib, (out, hi, rem), (torch.float32, torch.bfloat16, torch.int16))
-    if lib is None:
-        return False
-    lib.ampkit_join(hi.data_ptr(), rem.data_ptr(), out.data_ptr(), out.numel())
-    return True
+    """:func:`.rounding.join_split` in one pass; False: not done."""
+    return expand("split", [hi], [rem], out, lib)
 
 
 def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.ladder.kahan_split` in one pass (``x`` is left unchanged); False: not done."""
-    lib = _ready(lib, (x, hi, comp), (torch.float32, torch.bfloat16, torch.bfloat16))
-    if lib is None:
-        return False
-    lib.ampkit_kahan_split(x.data_ptr(), hi.data_ptr(), comp.data_ptr(), x.numel(), _state["nan"])
-    return True
+    """:func:`.rounding.kahan_split` in one pass (``x`` is left unchanged); False: not done."""
+    return compact("kahan", x, [hi], [comp], lib)
 
 
 def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.ladder.kahan_join` in one pass; False: not done."""
-    lib = _ready(lib, (out, hi, comp), (torch.float32, torch.bfloat16, torch.bfloat16))
-    if lib is None:
-        return False
-    lib.ampkit_kahan_join(hi.data_ptr(), comp.data_ptr(), out.data_ptr(), out.numel())
-    return True
+    """:func:`.rounding.kahan_join` in one pass; False: not done."""
+    return expand("kahan", [hi], [comp], out, lib)
