@@ -4,7 +4,15 @@ several depths, batches and precisions; plan_precision's answers against the exa
 import pytest
 import torch
 
-from ampkit.loop.depth import DepthError, DepthFit, Stack, measure_depths, plan_precision, stack_for
+from ampkit.loop.depth import (
+    DepthError,
+    DepthFit,
+    Stack,
+    measure_depths,
+    plan_precision,
+    plan_precisions,
+    stack_for,
+)
 from ampkit.loop.estimate_session import Measure, Session
 
 TOLERANCE = 0.001  # stated: the extrapolated peak is within 0.1% of the full estimate (measured: 0 bytes)
@@ -80,6 +88,47 @@ def test_plan_by_depth_is_the_exact_search(precision):
     verified = plan_precision(factory, batch_of, budget, precision, 6, stack=st, verify=True)
     assert verified.method == "depth, verified" and verified.verified is True
     assert verified.largest == exact.largest
+
+
+@pytest.mark.slow
+def test_a_twin_takes_the_first_rows_answers_only_where_its_check_measure_agrees():
+    """plan_precisions: fp16 measured at one point equals bf16 there, so its row is bf16's (said in
+    its method) -- and those are fp16's own answers; fp32 after bf16 differs at the check and is
+    planned on its own."""
+    st, batch_of = gpt_small_at(4), tokens(128)
+    factory = st.factory(4)
+    with Session(factory, "adamw", "bf16") as s:
+        one, two = s.measure(batch_of(2)).peak_bytes, s.measure(batch_of(3)).peak_bytes
+    budget = one + int(9.5 * (two - one))
+    bf16, fp16, fp32 = plan_precisions(factory, batch_of, budget, ["bf16", "fp16", "fp32"], 6, stack=st)
+    assert (bf16.precision, bf16.method) == ("bf16", "depth")
+    assert (fp16.precision, fp16.method) == ("fp16", "depth, as bf16")
+    own = plan_precision(factory, batch_of, budget, "fp16", 6, stack=st)
+    assert (fp16.peak_bytes, fp16.parts, fp16.largest, fp16.largest_checkpointed) == \
+        (own.peak_bytes, own.parts, own.largest, own.largest_checkpointed)
+    assert (fp32.precision, fp32.method) == ("fp32", "depth")
+    assert fp32 == plan_precision(factory, batch_of, budget, "fp32", 6, stack=st)
+    assert fp32.largest < bf16.largest
+
+
+@pytest.mark.parametrize("first,twin", [("bf16", "fp16"), ("bf16-pure", "fp16-pure")])
+@pytest.mark.slow
+def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, twin):
+    """The twin's fits (the first's, shifted per phase by the difference measured on the 1-block copy)
+    predict exactly what its own 2 x 2 measures predict, at other depths and batches, with and without
+    checkpointing: the loss scaler's scalars are the same bytes everywhere."""
+    from ampkit.loop.depth import _twin_fits, measure_both
+
+    st, batch_of = gpt_small_at(4), tokens(128)
+    fits = measure_both(st, first, batch_of, (False, True))
+    own = measure_both(st, twin, batch_of, (False, True))
+    label, shifted = _twin_fits(st, twin, batch_of, fits, "adamw")
+    assert label == twin and any(any(f.offsets) for f in shifted.values())  # fp16 does differ, by a few bytes
+    for c in (False, True):
+        for depth in (1, 4, 12):
+            for b in (4, 5, 9, 40):
+                assert shifted[c].peak(depth, b) == own[c].peak(depth, b), (c, depth, b)
+                assert shifted[c].parts(depth, b) == own[c].parts(depth, b), (c, depth, b)
 
 
 def fake_measure(peak, timeline, phases, parts_total):

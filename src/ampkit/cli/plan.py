@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from ..loop.depth import METHOD_NOTE, plan_precision
+from ..loop.depth import METHOD_NOTE, TWINS, plan_precisions
 from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags
@@ -46,34 +46,52 @@ def _stack(args: argparse.Namespace) -> Any:
     return stack_for(args.model, args.size, overrides)
 
 
-def _row(factory: Any, batch_of: Any, budget: int, precision: str, args: argparse.Namespace,
-         stack: Any) -> dict[str, Any]:
-    """One precision: the step at ``--batch_size`` and the largest batch with and without activation
-    checkpointing (:func:`ampkit.loop.depth.plan_precision`: by depth extrapolation for a stack of
-    blocks, else each search builds the full model once and measures a handful of batch sizes)."""
-    r = plan_precision(factory, batch_of, budget, precision, args.batch_size, stack=stack,
-                       verify=getattr(args, "verify", False), limit=LIMIT)
-    if r.static_bytes > budget:
-        raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
-                         f"parameters, gradients and optimizer state alone in {precision} "
-                         f"({r.static_bytes / 2**30:.2f} GiB); no batch size fits")
-    return {"precision": r.precision, "peak_bytes": r.peak_bytes, "parts": dict(r.parts),
-            "batch_size": args.batch_size, "fits": r.peak_bytes <= budget,
-            "largest_batch": r.largest, "largest_batch_activation_checkpointing": r.largest_checkpointed,
-            "method": r.method, "verified": r.verified}
+def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
+           stack: Any) -> list[dict[str, Any]]:
+    """The rows of precisions planned together (:func:`ampkit.loop.depth.plan_precisions`: the first
+    by depth extrapolation for a stack of blocks, else each search builds the full model once and
+    measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference):
+    the step at ``--batch_size`` and the largest batch with and without activation checkpointing."""
+    out = []
+    for r in plan_precisions(factory, batch_of, budget, precisions, args.batch_size, stack=stack,
+                             verify=getattr(args, "verify", False), limit=LIMIT):
+        if r.static_bytes > budget:
+            raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
+                             f"parameters, gradients and optimizer state alone in {r.precision} "
+                             f"({r.static_bytes / 2**30:.2f} GiB); no batch size fits")
+        out.append({"precision": r.precision, "peak_bytes": r.peak_bytes, "parts": dict(r.parts),
+                    "batch_size": args.batch_size, "fits": r.peak_bytes <= budget,
+                    "largest_batch": r.largest, "largest_batch_activation_checkpointing": r.largest_checkpointed,
+                    "method": r.method, "verified": r.verified})
+    return out
+
+
+def groups(precisions: list[str], stack: Any, verify: bool = False) -> list[list[str]]:
+    """The precisions planned together: both of a :data:`~ampkit.loop.depth.TWINS` pair where both
+    are asked of a stack model (not with ``--verify``), else each alone."""
+    out: list[list[str]] = []
+    taken: set[str] = set()
+    for p in precisions:
+        if p in taken:
+            continue
+        twin = next((b if a == p else a for a, b in TWINS if p in (a, b)), None)
+        together = stack is not None and not verify and twin in precisions and twin not in taken
+        out.append([p, twin] if together else [p])
+        taken.update(out[-1])
+    return out
 
 
 _JOB: Any = None  # what a forked worker of _rows needs (set before the fork, read in the child)
 
 
-def _job_row(precision: str) -> dict[str, Any]:
-    return _row(*_JOB[:3], precision, *_JOB[3:])
+def _job_rows(group: list[str]) -> list[dict[str, Any]]:
+    return _group(*_JOB[:3], group, *_JOB[3:])
 
 
 def workers(n_rows: int, asked: Optional[int] = None) -> int:
     """How many processes measure the rows: ``asked`` (``--workers``), else one per core up to one
-    per row. Rows run in forked copies of this process, so only where forking is safe: a POSIX
-    ``fork``, and no other Python thread (a forked thread's locks could be held forever)."""
+    per group of rows. Rows run in forked copies of this process, so only where forking is safe: a
+    POSIX ``fork``, and no other Python thread (a forked thread's locks could be held forever)."""
     n = asked if asked is not None else min(n_rows, os.cpu_count() or 1)
     if n < 2 or n_rows < 2 or not hasattr(os, "fork") or threading.active_count() > 1:
         return 1
@@ -82,32 +100,32 @@ def workers(n_rows: int, asked: Optional[int] = None) -> int:
 
 def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
           stack: Any) -> list[dict[str, Any]]:
-    """Each precision's row; the rows are independent, so ``workers()`` forked processes share them
-    (the costlier rows first: measured, rows cost alike but for fp8's casts)."""
+    """Each precision's row, in the order asked; the groups are independent, so ``workers()`` forked
+    processes share them (the costlier first: fp8's casts, then the pairs)."""
     global _JOB
-    n = workers(len(precisions), getattr(args, "workers", None))
+    todo = groups(precisions, stack, getattr(args, "verify", False))
+    n = workers(len(todo), getattr(args, "workers", None))
     if n == 1:
-        return [_row(factory, batch_of, budget, p, args, stack) for p in precisions]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+        done = [_group(factory, batch_of, budget, g, args, stack) for g in todo]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    order = sorted(range(len(precisions)), key=lambda i: precisions[i] != "fp8")
-    _JOB = (factory, batch_of, budget, args, stack)
-    try:
-        import torch
+        todo.sort(key=lambda g: ("fp8" not in g, -len(g)))
+        _JOB = (factory, batch_of, budget, args, stack)
+        try:
+            import torch
 
-        # one intra-op thread in each child: its measures run fake tensors (no kernels), and a forked
-        # child must not start the parent's OpenMP pool (what DataLoader workers do too). An executor,
-        # not a Pool: a child killed from outside (the OOM killer) fails the plan instead of hanging it
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads,
-                                 initargs=(1,)) as pool:
-            done = list(pool.map(_job_row, [precisions[i] for i in order]))
-    finally:
-        _JOB = None
-    rows: list[Any] = [None] * len(precisions)
-    for i, r in zip(order, done):
-        rows[i] = r
-    return rows
+            # one intra-op thread in each child: its measures run fake tensors (no kernels), and a forked
+            # child must not start the parent's OpenMP pool (what DataLoader workers do too). An executor,
+            # not a Pool: a child killed from outside (the OOM killer) fails the plan instead of hanging it
+            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                done = list(pool.map(_job_rows, todo))
+        finally:
+            _JOB = None
+    by_name = {p: r for g, rs in zip(todo, done) for p, r in zip(g, rs)}
+    return [by_name[p] for p in precisions]
 
 
 def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -125,7 +143,13 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _method_line(rows: list[dict[str, Any]]) -> str:
     """How the rows were found, for the caption and ``--json``'s ``"method"``."""
-    methods = {r["method"] for r in rows}
+    twins = [f"{r['precision']} as {r['method'][len('depth, as '):]}" for r in rows
+             if r["method"].startswith("depth, as ")]
+    methods = {"depth" if r["method"].startswith("depth, as ") else r["method"] for r in rows}
+    if twins:  # e.g. fp16: byte for byte bf16's steps where both were measured (1 block, batch 4)
+        note = (f"{', '.join(twins)}: the same extrapolation plus its own difference in each phase's peak (the "
+                "loss scaler's few bytes), measured on a 1-block copy at batch 4 with and without checkpointing")
+        return f"{METHOD_NOTE}; {note}" if methods == {"depth"} else f"per row: {', '.join(sorted(methods))}; {note}"
     if methods == {"measured"}:
         return "measured: the full model's training step on fake tensors (B fits, B + 1 does not)"
     if methods == {"depth"}:

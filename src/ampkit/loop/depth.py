@@ -17,8 +17,10 @@ is what ``ampkit plan`` and the service's planner both call.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,8 +28,8 @@ import torch
 
 from .estimate_session import PARTS, Curve, Measure, Session, fit
 
-__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both", "measure_depths", "plan_precision",
-           "stack_for"]
+__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
+           "measure_depths", "plan_precision", "plan_precisions", "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
 BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
@@ -113,6 +115,7 @@ class DepthFit:
             raise DepthError(f"a depth fit needs measures at 2 depths x 2 or more batches, got {sorted(measures)}")
         (self.d1, self.d2), (self.b1, self.b2) = depths, self.batches[-2:]
         self.measures = measures
+        self.offsets: tuple[int, ...] = ()  # per phase, added to every peak (:meth:`shifted`)
         self.curves: dict[int, list[Curve]] = {}
         for d in depths:
             lo, hi = _phases(measures[(d, self.b1)]), _phases(measures[(d, self.b2)])
@@ -130,11 +133,19 @@ class DepthFit:
         v1, v2 = f(self.d1), f(self.d2)
         return v1 + (v2 - v1) * (depth - self.d1) / (self.d2 - self.d1)
 
+    def shifted(self, offsets: Sequence[int]) -> DepthFit:
+        """This fit with each phase's peak moved by ``offsets`` (bytes; one per phase of :func:`_phases`)."""
+        out = copy.copy(self)
+        out.offsets = tuple(offsets)
+        return out
+
     def _phase_peaks(self, depth: int, batch: int) -> list[float]:
         if batch in self.batches:  # measured: each phase's own peak, extrapolated in the depth
             phases = {d: [p.peak_bytes for p in _phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
-            return [self._at(depth, lambda d, i=i: phases[d][i]) for i in range(len(phases[self.d1]))]
-        return [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
+            out = [self._at(depth, lambda d, i=i: phases[d][i]) for i in range(len(phases[self.d1]))]
+        else:
+            out = [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
+        return [v + o for v, o in zip(out, self.offsets)] if self.offsets else out
 
     def peak(self, depth: int, batch: int) -> int:
         """The predicted peak bytes of the ``depth``-block model at ``batch`` (rounded up)."""
@@ -219,14 +230,18 @@ class PlanRow:
 
 
 def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
-              checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int) -> tuple[dict[bool, int], Any]:
-    """The largest batch by depth extrapolation per checkpointing setting, and ``(label, peak,
-    parts)`` at ``at_batch`` without checkpointing. Batches below :data:`BATCHES` (an answer of
+              checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
+              fits: Optional[dict[bool, DepthFit]] = None) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
+    """The largest batch by depth extrapolation per checkpointing setting, ``(label, peak,
+    parts)`` at ``at_batch`` without checkpointing, and the fits (per setting, the larger batches'). Batches below :data:`BATCHES` (an answer of
     0-3, ``at_batch`` 1-3) come from a second fit that measures each of them too."""
-    fits = measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
+    given = fits is not None
+    fits = fits if fits is not None else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
     best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
     b1 = fits[False].b1
     redo = tuple(c for c in checkpointing if best[c] < b1 or (not c and at_batch < b1))
+    if redo and given:
+        raise DepthError("the answer is below the measured batches: the twin is planned on its own")
     if redo:
         small = measure_both(stack, precision, batch_of, redo, optimizer=optimizer, batches=(*range(1, b1), *BATCHES))
         for c in redo:
@@ -236,7 +251,7 @@ def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
             fits = {**fits, False: small[False]}
     use = fits[False]
     label = use.measures[(use.d1, use.b1)].precision
-    return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch))
+    return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits
 
 
 def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
@@ -265,26 +280,90 @@ def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[i
     extrapolation had them. Without a stack -- or when the shallow measures do not make a
     consistent fit (:class:`DepthError`) -- the full model is measured: ``B`` fits and ``B + 1``
     does not, by the estimate of the full model's step."""
+    return _plan(factory, batch_of, budget, precision, batch_size, stack, checkpointing, verify, limit, optimizer)[0]
+
+
+def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int, precision: str,
+          batch_size: int, stack: Optional[Stack], checkpointing: bool, verify: bool, limit: int, optimizer: Any
+          ) -> tuple[PlanRow, Optional[dict[bool, DepthFit]]]:
+    """:func:`plan_precision`, and the depth fits its row came from (None: measured whole or verified)."""
     if stack is not None:
         try:
-            found, at_b = _by_depth(stack, precision, batch_of, budget, limit,
-                                    (False, True) if checkpointing else (False,), optimizer, batch_size)
+            found, at_b, fits = _by_depth(stack, precision, batch_of, budget, limit,
+                                          (False, True) if checkpointing else (False,), optimizer, batch_size)
         except DepthError:
             stack = None
         else:
             best, best_ckpt = found[False], found.get(True)
             row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth")
             if not verify:
-                return row
+                return row, fits
             at, exact = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best)
             exact_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None,
                                    best_ckpt)[1] if checkpointing else None
             assert at is not None
             agreed = (at.peak_bytes, exact, exact_ckpt) == (row.peak_bytes, best, best_ckpt)
             return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), exact, exact_ckpt,
-                           "depth, verified", agreed)
+                           "depth, verified", agreed), None
     at, best = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, None)
     assert at is not None
     best_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None, None)[1] \
         if checkpointing else None
-    return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), best, best_ckpt, "measured")
+    return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), best, best_ckpt, "measured"), None
+
+
+#: precisions whose steps differ only by the loss scaler's scalars (the same element sizes; fp16 adds a
+#: scaled loss held through the backward, the scale and found-inf scalars through the optimizer step)
+TWINS = (("bf16", "fp16"), ("bf16-pure", "fp16-pure"))
+
+
+def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
+               optimizer: Any) -> Optional[tuple[str, dict[bool, DepthFit]]]:
+    """``precision``'s label and fits as ``fits`` shifted by its own per-phase difference, measured on
+    the first depth's copy at the first batch with each checkpointing setting of ``fits``; None (plan
+    it on its own) unless its parameters, gradients, masters, optimizer state and activations there
+    are byte for byte the fitted precision's and it ran the same phases."""
+    out: dict[bool, DepthFit] = {}
+    settings = tuple(fits)
+    with Session(stack.factory(DEPTHS[0]), optimizer, precision, activation_checkpointing=settings[0]) as s:
+        for i, c in enumerate(settings):
+            if i:
+                s.checkpointing(c)
+            f = fits[c]
+            m, ref = s.measure(batch_of(f.b1)), f.measures[(f.d1, f.b1)]
+            same = {k: v for k, v in m.parts.items() if k != "temporaries"} == \
+                {k: v for k, v in ref.parts.items() if k != "temporaries"}
+            if not same or len(m.phases) != len(ref.phases):
+                return None
+            out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
+    return m.precision, out
+
+
+def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
+                    precisions: list[str], batch_size: int, *, stack: Optional[Stack] = None,
+                    checkpointing: bool = True, verify: bool = False, limit: int = 1 << 16,
+                    optimizer: Any = "adamw") -> list[PlanRow]:
+    """:func:`plan_precision` for each of ``precisions`` (in order). Where the first is planned by
+    depth extrapolation, each later one is measured on the 1-block copy at the first batch (each
+    checkpointing setting: one small session) and, where its parts there are the first's, takes the
+    first's fits shifted by its own difference in each phase's peak (:func:`_twin_fits`; method
+    ``"depth, as <first>"``) -- for :data:`TWINS` the loss scaler's scalars, the same at every depth
+    and batch (tested against their own fits). Anything else, or ``verify``: its own plan."""
+    first, fits = _plan(factory, batch_of, budget, precisions[0], batch_size, stack, checkpointing, verify, limit,
+                        optimizer)
+    rows = [first]
+    for p in precisions[1:]:
+        twin = _twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
+        if twin is not None:
+            try:
+                found, at_b, _ = _by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer, batch_size,
+                                           fits=twin[1])
+            except DepthError:
+                twin = None
+            else:
+                rows.append(PlanRow(twin[0], batch_size, at_b[1], at_b[2], found[False], found.get(True),
+                                    f"depth, as {first.precision}"))
+        if twin is None:
+            rows.append(plan_precision(factory, batch_of, budget, p, batch_size, stack=stack,
+                                       checkpointing=checkpointing, verify=verify, limit=limit, optimizer=optimizer))
+    return rows

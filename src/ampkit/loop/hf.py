@@ -94,10 +94,13 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM
+        from ..step.logs import quiet_imports
 
         self.config = config
-        self.hf = AutoModelForCausalLM.from_config(config)
+        with quiet_imports():  # transformers' quantizers import torchao (lazily: in from_config)
+            from transformers import AutoModelForCausalLM
+
+            self.hf = AutoModelForCausalLM.from_config(config)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         logits = self.hf(input_ids=idx).logits

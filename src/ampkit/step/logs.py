@@ -12,16 +12,43 @@ step's skip and scale syncs with the device, so the per-step lines (``DEBUG``) a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any, Optional, TextIO
 
 import torch
 
-__all__ = ["LOGGER_NAME", "enable_debug", "logger", "watch"]
+__all__ = ["LOGGER_NAME", "enable_debug", "logger", "quiet_imports", "watch"]
 
 LOGGER_NAME = "ampkit"
 logger = logging.getLogger(LOGGER_NAME)
+
+
+#: loggers whose import-time lines concern nothing ampkit does: on a CPU build of torch torchao logs
+#: "Failed to load ... .so" for each CUDA kernel library; torch's pytree a deprecation of torchao's enums
+NOISY_IMPORTS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_imports(names: tuple[str, ...] = NOISY_IMPORTS) -> Iterator[None]:
+    """Inside: the records of the loggers ``names`` go to ampkit's logger at ``DEBUG`` instead of the
+    user's terminal (torchao is imported by ampkit's fp8 and by transformers' quantizers)."""
+
+    class _ToDebug(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            logger.debug("while importing (%s): %s", record.name, record.getMessage())
+            return False
+
+    quiet, loggers = _ToDebug(), [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
 
 
 def watch(amp: Any) -> None:

@@ -71,10 +71,7 @@ def plan(model: torch.nn.Module, keep: Iterable[str] = (), skip_first_last: bool
 
 def convert(model: torch.nn.Module, recipe: str, *, emulate: bool, keep: Iterable[str] = ()) -> list[Fp8Decision]:
     """Convert ``model``'s eligible Linears in place; returns the decisions. Needs torchao."""
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise ImportError('precision fp8 needs torchao: pip install "ampkit[fp8]"') from e
+    Float8LinearConfig, convert_to_float8_training = _torchao_float8()
     decisions = plan(model, keep)
     chosen = {d.name for d in decisions if d.converted}
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
@@ -82,6 +79,18 @@ def convert(model: torch.nn.Module, recipe: str, *, emulate: bool, keep: Iterabl
     for name in chosen:
         model.get_submodule(name).register_forward_pre_hook(_to_autocast_dtype)
     return decisions
+
+
+def _torchao_float8() -> tuple[Any, Any]:
+    """torchao's float8 API, its import-time log lines kept off the terminal (:func:`..logs.quiet_imports`)."""
+    from ..logs import quiet_imports
+
+    try:
+        with quiet_imports():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError('precision fp8 needs torchao: pip install "ampkit[fp8]"') from e
+    return Float8LinearConfig, convert_to_float8_training
 
 
 def _to_autocast_dtype(module: torch.nn.Module, args: tuple) -> tuple:
