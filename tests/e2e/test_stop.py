@@ -313,7 +313,7 @@ TWO = ["--nproc_per_node", "2", *TINY]
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
-    common = ["--nproc_per_node", "2", *SMALL, "--steps", "150", "--checkpoint_every", "150"]
+    common = ["--nproc_per_node", "2", *SMALL, "--steps", "40", "--checkpoint_every", "40"]  # stops at ~11
     proc = spawn(["train", *common, "--checkpoint_dir", str(tmp_path / "ck"), "--log_dir", str(tmp_path / "a")],
                  tmp_path / "a.out")
     wait_for_steps(tmp_path / "a" / "log.jsonl", 10, proc)
@@ -337,8 +337,9 @@ def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
     assert_exits_cleanly(r, "resumed")
     r = run(["train", *common, "--checkpoint_dir", str(tmp_path / "ref"), "--log_dir", str(tmp_path / "r")])
     assert_exits_cleanly(r, "reference")
-    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000150")),
-                trained_state(str(tmp_path / "ref" / "ckpt-00000150")))
+    assert 10 <= stopped < 40
+    assert_same(trained_state(str(tmp_path / "ck" / "ckpt-00000040")),
+                trained_state(str(tmp_path / "ref" / "ckpt-00000040")))
 
 
 @pytest.mark.slow

@@ -168,7 +168,7 @@ def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path
         return max(steps) if steps else 0
 
     kills = 0
-    for _ in range(5):
+    for _ in range(3):
         before = newest()
         args = [sys.executable, "-m", "ampkit", "train", *COMMON, "--precision", "fp32", "--steps", "100000",
                 "--checkpoint_dir", str(ckpt), "--checkpoint_every", "1", "--keep_last", "2",
@@ -189,7 +189,7 @@ def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path
         assert set(state) >= {"model", "optimizer", "amp", "rng", "data"}
         for _, other in mgr.list():
             load_checkpoint(other)  # every complete file loads: none is ever partial
-    assert kills == 5 and newest() > 5
+    assert kills == 3 and newest() > 3
     lines = (tmp_path / "log" / "log.jsonl").read_text().splitlines()
     log = [json.loads(line) for line in lines if line.strip().endswith("}")]
     assert any(r.get("kind") == "checkpoint" for r in log)

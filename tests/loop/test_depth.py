@@ -92,9 +92,9 @@ def test_plan_by_depth_is_the_exact_search(precision):
 
 @pytest.mark.slow
 def test_a_twin_takes_the_first_rows_answers_only_where_its_check_measure_agrees():
-    """plan_precisions: fp16 measured at one point equals bf16 there, so its row is bf16's (said in
-    its method) -- and those are fp16's own answers; fp32 after bf16 differs at the check and is
-    planned on its own."""
+    """plan_precisions: fp16's parts on the 1-block copy are bf16's, so its row comes from bf16's fits
+    shifted by its own per-phase difference (said in its method; that those are fp16's own fits: the
+    test below); fp32 after bf16 differs there and is planned on its own."""
     st, batch_of = gpt_small_at(4), tokens(128)
     factory = st.factory(4)
     with Session(factory, "adamw", "bf16") as s:
@@ -103,12 +103,9 @@ def test_a_twin_takes_the_first_rows_answers_only_where_its_check_measure_agrees
     bf16, fp16, fp32 = plan_precisions(factory, batch_of, budget, ["bf16", "fp16", "fp32"], 6, stack=st)
     assert (bf16.precision, bf16.method) == ("bf16", "depth")
     assert (fp16.precision, fp16.method) == ("fp16", "depth, as bf16")
-    own = plan_precision(factory, batch_of, budget, "fp16", 6, stack=st)
-    assert (fp16.peak_bytes, fp16.parts, fp16.largest, fp16.largest_checkpointed) == \
-        (own.peak_bytes, own.parts, own.largest, own.largest_checkpointed)
-    assert (fp32.precision, fp32.method) == ("fp32", "depth")
-    assert fp32 == plan_precision(factory, batch_of, budget, "fp32", 6, stack=st)
-    assert fp32.largest < bf16.largest
+    assert (fp16.largest, fp16.largest_checkpointed) == (bf16.largest, bf16.largest_checkpointed)
+    assert 0 <= fp16.peak_bytes - bf16.peak_bytes <= 64  # the loss scaler's scalars, if at the peak
+    assert (fp32.precision, fp32.method) == ("fp32", "depth") and fp32.largest < bf16.largest
 
 
 @pytest.mark.parametrize("first,twin", [("bf16", "fp16"), ("bf16-pure", "fp16-pure")])
