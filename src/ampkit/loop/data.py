@@ -43,7 +43,12 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     if total < 10_000:
         raise RuntimeError(f"found only {total} bytes of Python source under {root!r}; cannot build the corpus")
     blob = b"".join(chunks)[:max_bytes]
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # cached for the whole process: made real even when the first call runs under a fake-tensor
+    # (or any dispatch) mode -- `ampkit plan` shapes its batches inside the estimate's fake mode
+    with _disable_current_modes():
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
 
 
 @dataclass
