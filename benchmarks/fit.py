@@ -102,7 +102,7 @@ def main() -> None:
                   f"{est.peak_bytes / measured:.3f} | {secs:.1f} |", flush=True)
     budget = parse_bytes(args.budget)
     total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(budget / total, dev)
+    torch.cuda.set_per_process_memory_fraction(budget / total, torch.cuda.current_device())
     print(f"\n# largest batch under a {args.budget} cap (set_per_process_memory_fraction)")
     print("| GPT | precision | estimate's largest | real largest |")
     print("| --- | --- | ---: | ---: |")

@@ -40,17 +40,18 @@ class Rung:
     def __init__(self, label: str, masters, state_dtype, args: argparse.Namespace, eager: bool = False) -> None:
         torch.manual_seed(args.seed)
         self.label, self.eager = label + (" (eager)" if eager else ""), eager
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        self.dev = torch.device(args.device)
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(self.dev)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.amp = None
         if masters is not None:
-            self.amp = MixedPrecision("bf16-pure", device="cpu", masters=masters, state_dtype=state_dtype,
+            self.amp = MixedPrecision("bf16-pure", device=self.dev, masters=masters, state_dtype=state_dtype,
                                       allow_stall=masters == "none")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.model, self.opt = self.amp.setup(self.model, self.opt)
         g = torch.Generator().manual_seed(args.seed + 1)
-        self.grads = [torch.randn(p.shape, generator=g).to(p.dtype) * 1e-2 for p in self.model.parameters()]
+        self.grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(self.dev, p.dtype) for p in self.model.parameters()]
         self.times: list[float] = []
         self.cpu: list[float] = []  # this thread's CPU time per step: blind to time slices lost to other load
         self.step()  # creates the optimizer state
@@ -70,12 +71,16 @@ class Rung:
         self._prime()
         if self.eager:
             os.environ["AMPKIT_NO_NATIVE"] = "1"
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
         c, t = time.thread_time(), time.perf_counter()
         if self.amp is None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         else:
             self.amp.step(self.opt)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
         t = time.perf_counter() - t
         self.cpu.append(time.thread_time() - c)
         if self.eager:
@@ -97,6 +102,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rungs", default="", help="comma-separated labels to time besides the first two "
                     "(e.g. 'split,kahan'); default all")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (the eager passes: the C kernels are CPU-only)")
     ap.add_argument("--eager", action="store_true", help="also time split/kahan with AMPKIT_NO_NATIVE=1")
     args = ap.parse_args()
     want = {w.strip() for w in args.rungs.split(",") if w.strip()}
@@ -107,7 +113,7 @@ def main() -> None:
             if args.eager and m in ("split", "kahan"):
                 rungs.append(Rung(label, m, s, args, eager=True))
     n = sum(p.numel() for p in rungs[0].model.parameters())
-    print(f"# {device_info('cpu').name} · torch {torch.__version__} · python {platform.python_version()} · "
+    print(f"# {device_info(args.device).name} · torch {torch.__version__} · python {platform.python_version()} · "
           f"{torch.get_num_threads()} thread(s) · {n / 1e6:.2f}M params · fused AdamW · {args.rounds} rounds x "
           f"{args.steps} steps, interleaved · native split/kahan kernels: {'on' if native.enabled() else 'off'}")
     for _ in range(args.rounds):

@@ -250,7 +250,9 @@ def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_fac
         model, opt = amp.setup(model, opt)
     except (PrecisionError, ValueError) as e:
         return BenchResult(precision=p.name, status="skipped", reason=str(e)), None
-    act = activations(model, batch_factory(0), p).total
+    # activations() cannot follow torchao's fp8 casts yet: the column stays empty for fp8 (it raised
+    # and lost the whole comparison on an H200, the first GPU where fp8 is not skipped)
+    act = None if p.name == "fp8" else activations(model, batch_factory(0), p).total
     return BenchResult(precision=p.name, activation_bytes=act), _Run(Steps(model, opt, amp))
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SUM_FROM", "check_and_unscale", "cpu_all_finite", "first_grad_device", "grads_of"]
+__all__ = ["SUM_FROM", "check_and_unscale", "cpu_all_finite", "first_grad_device", "foreach_check_and_unscale", "grads_of"]
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
@@ -75,8 +75,24 @@ def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
         # cache: it would leak across devices and fake-tensor modes).
         inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
         for same in _by_dtype(grads):
-            torch._amp_foreach_non_finite_check_and_unscale_(same, f, inv)
+            if same[0].dtype == torch.bfloat16 and dev.type != "cpu":
+                foreach_check_and_unscale(same, f, inv)  # torch's CUDA kernel has no bf16 variant
+            else:
+                torch._amp_foreach_non_finite_check_and_unscale_(same, f, inv)
     return found
+
+
+def foreach_check_and_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` from foreach operations, for the dtypes its
+    kernel lacks (bf16 on CUDA: "not implemented for 'BFloat16'", seen on an H200 with masters='none'
+    or a user's bf16 parameters): ``found_inf`` becomes 1.0 where any value is NaN or infinite (each
+    tensor's largest magnitude, which a NaN or an infinity makes non-finite), and every gradient is
+    multiplied by ``inv_scale`` in its own dtype, as the kernel does (the product in fp32, rounded
+    once). No host sync."""
+    peaks = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+    bad = torch.logical_not(torch.isfinite(peaks)).any().to(found_inf.dtype)
+    torch.maximum(found_inf, bad, out=found_inf)
+    torch._foreach_mul_(grads, inv_scale)
 
 
 #: gradients at least this large are checked by a read-only sum; smaller ones by one fused call
