@@ -180,7 +180,7 @@ class LadderWeights(MasterWeights):
         One native call when every stand-in still views the chunk buffer where it was put."""
         masters = [self.masters[i] for i in ids]
         off = sum(m.numel() for m in masters)
-        if not (self.rung in ("split", "kahan") and all(m.data is v or (v is not None and _same(m.data, v))
+        if not (self.rung in ("split", "kahan") and all(v is not None and _same(m.data, v)
                                                         for m, v in zip(masters, views))
                 and _native_kernels.compact(self.rung, self._buf[:off], [self.halves[i].data for i in ids],
                                             [self.extra[i] for i in ids])):
