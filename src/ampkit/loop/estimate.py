@@ -10,7 +10,9 @@ applied to the fake tensors, so they agree with :func:`ampkit.observe.memory.bre
 * parameters, gradients, master weights, optimizer state: :func:`breakdown` after the measured
   backward (gradients held, as at the step's peak);
 * activations: :func:`activations` (tensors saved for backward, each storage once);
-* the peak: PyTorch's ``torch.distributed._tools.mem_tracker.MemTracker`` over the measured step;
+* the peak: the live bytes after every operation of the measured step
+  (:class:`ampkit.loop.tracker.StepTracker`: PyTorch's ``MemTracker`` accounting, byte for byte,
+  without its per-module snapshots);
   ``temporaries`` is what the peak holds beyond the parts above (workspaces, gradients of
   activations in flight, the optimizer's intermediates).
 """
@@ -63,8 +65,8 @@ def estimate(
     read only for their shapes. ``optimizer``: ``"adamw"`` (fused, as ``ampkit train``),
     ``"adam"``, ``"sgd"`` or a callable. ``activation_checkpointing``: True (every module of a
     ``ModuleList``) or module name globs / types. Never syncs; allocates only fake tensors.
-    Estimates run one at a time per process (a lock): MemTracker and the module tracker install
-    global hooks, so two at once in threads would see each other's modules.
+    Estimates run one at a time per process (a lock): the tracker installs global module hooks and
+    the fake mode is per thread, so two at once in threads would see each other's modules.
     """
     real_batch = batch(0) if callable(batch) else batch
     with Session(model_or_factory, optimizer, precision, device, activation_checkpointing) as session:

@@ -17,7 +17,6 @@ is ``max_t(a_t + b_t * batch)`` (:class:`Curve`), checked against a third measur
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,51 +28,15 @@ from ..observe.memory import activations, breakdown, saved_activations
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
 from .steps import Steps, batch_loss
+from .tracker import StepTracker
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session", "cuda_workspace_bytes", "to_device"]
 
 PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporaries")
 
-# MemTracker and the module tracker install global hooks: estimates run one at a time per process.
+# the tracker installs global module hooks: estimates run one at a time per process.
 LOCK = threading.RLock()
-_PRIM_DEVICE = torch.ops.prim.device.default
 WARM_UP = "cheap"  # or "step": the warm-up runs the model's own training step
-
-
-@functools.lru_cache(maxsize=1)
-def _tracker_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _Tracker(MemTracker):
-        """MemTracker keeping only the whole step's peak (not every module's: that loop over all
-        modules after every operation was most of an estimate's time) and the total after every
-        operation. The peak and its snapshot are MemTracker's own."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.timeline: list[int] = []
-            self._meta_op = False
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            # metadata queries (prim.device: three in four of a fake step's dispatches) allocate
-            # nothing, and the first step after the warm-up asks more of them: they go straight to
-            # the fake mode, past the tracking (and out of the timeline, which must align)
-            if func is _PRIM_DEVICE:
-                return func(*args, **(kwargs or {}))
-            self._meta_op = getattr(func, "namespace", "") == "prim"
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            total = 0
-            for dev, snap in self._curr_mem_snap.items():
-                total += snap["Total"]
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-            if not self._meta_op:
-                self.timeline.append(total)
-
-    return _Tracker
 
 
 def _optimizer(spec: Union[str, Callable[..., torch.optim.Optimizer]], params: Any, fused: bool) -> torch.optim.Optimizer:
@@ -225,6 +188,7 @@ class Session:
             with saved_activations(model) as self._saved:
                 loss = batch_loss(model, batch)
         self._marks.append(len(self._tracker.timeline))  # the forward ends here: a phase boundary
+        self._tracker.backward()
         return loss
 
     def _warm_up(self, fake_batch: Any) -> None:
@@ -258,7 +222,7 @@ class Session:
         if not self._warm:
             self._warm_up(fake_batch)
             self._warm = True
-        tracker = _tracker_class()()
+        tracker = StepTracker()
         tracker.track_external(model, opt, *amp.master_params())
         self._tracker, self._marks, self._saved = tracker, [], None
         try:
@@ -266,17 +230,17 @@ class Session:
                 self.run.forward_backward(fake_batch)
                 self._marks.append(len(tracker.timeline))
                 static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
+                tracker.optimizer()
                 amp.step(opt)
         finally:
             self._tracker = None
-        snapshot = tracker.get_tracker_snapshot("peak")
         if amp.precision.name == "fp8":  # activations() does not follow torchao's fp8 casts yet
-            act_bytes = int(sum(d.get(k, 0) for d in snapshot.values() for k in d if str(k).endswith("ACT")))
+            act_bytes = tracker.peak_forward_bytes
         else:
             saved = self._saved  # None only if the step never computed its loss here: count apart
             act_bytes = saved.total if saved is not None else int(activations(model, fake_batch, amp.precision).total)
         ws = cuda_workspace_bytes(self.dev)  # held by the CUDA libraries, not by any tensor
-        peak = int(sum(d.get("Total", 0) for d in snapshot.values())) + ws
+        peak = tracker.peak + ws
         cats = static.by_category
         parts = {k: int(cats.get(k, 0)) for k in PARTS[:4]}
         parts["activations"] = act_bytes
