@@ -58,7 +58,7 @@ FLAGS = {
     """,
     "plan": """
         --batch_size --block_size --data --help --json --max_length --memory --model --model_config
-        --precisions --size --verify --workers -h
+        --no_cache --precisions --size --verify --workers -h
     """,
     "explain": """
         --accumulation_steps --all --batch_size --block_size --data --device --help --json --keep_fp32

@@ -57,10 +57,11 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, 
     """A built-in model with its local data, a Hugging Face config (``gpt2``,
     ``transformers.GPT2Config``) on byte-level text, or a user's ``module:factory``. ``--data``
     replaces the text data of the GPTs: a ``.txt`` corpus, or ``.json``/``.jsonl`` texts.
-    ``meta``: a built-in or Hugging Face model is built on the meta device (its shapes only, no
-    initialisation: the data's shapes is all the caller wants); a user's factory is called as is."""
+    ``meta``: the data's shapes is all the caller wants: a Hugging Face model is built on the meta
+    device (its shapes only, no initialisation), a built-in one not at all (None); a user's factory
+    is called as is."""
     from ..loop.hf import build_hf, is_hf, max_positions, parse_overrides
-    from ..loop.models import MODELS, builtin, user_model
+    from ..loop.models import MODELS, builtin, config_of, user_model
 
     data_path, block = getattr(args, "data", None), getattr(args, "block_size", None)
     overrides = getattr(args, "model_config", None)
@@ -79,7 +80,7 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, 
         if args.model != "gpt":
             raise ValueError(f"--data and --block_size are for text models (gpt, Hugging Face configs), "
                              f"not --model {args.model}")
-        limit = model.config.block_size
+        limit = config_of(args.model, args.size).block_size
     else:
         if data_path is not None or block is not None:
             raise ValueError("--data and --block_size are for built-in and Hugging Face models; a module:factory "

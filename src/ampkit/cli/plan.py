@@ -52,9 +52,13 @@ def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args
     by depth extrapolation for a stack of blocks, else each search builds the full model once and
     measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference):
     the step at ``--batch_size`` and the largest batch with and without activation checkpointing."""
+    from ..loop import plan_cache
+
     out = []
-    for r in plan_precisions(factory, batch_of, budget, precisions, args.batch_size, stack=stack,
-                             verify=getattr(args, "verify", False), limit=LIMIT):
+    with plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()):
+        rows = plan_precisions(factory, batch_of, budget, precisions, args.batch_size, stack=stack,
+                               verify=getattr(args, "verify", False), limit=LIMIT)
+    for r in rows:
         if r.static_bytes > budget:
             raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
                              f"parameters, gradients and optimizer state alone in {r.precision} "
@@ -199,5 +203,8 @@ def add_parser(sub: Any) -> None:
     flag(p, "workers", type=positive_int, default=None,
          help="processes that measure the precisions side by side (default: one per CPU core, up to one per "
               "precision; 1: one after another)")
+    flag(p, "no_cache", action="store_true",
+         help="measure every step afresh: by default a repeat plan of the same model (another --memory or "
+              "--batch_size) reads the steps measured before from $AMPKIT_CACHE_DIR or ~/.cache/ampkit")
     flag(p, "json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import plan_cache
 from .estimate_session import PARTS, Curve, Measure, Session, fit
 
 __all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
@@ -52,6 +54,7 @@ class Stack:
     name: str
     depth: int
     factory: Callable[[int], Callable[[], torch.nn.Module]]
+    spec: str = ""  # the configuration, as text: names its measures in the plan cache ("": not kept)
 
 
 def _gpt(cfg: dict[str, Any]) -> torch.nn.Module:
@@ -79,7 +82,8 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
 
     if model == "gpt" and size in SIZES["gpt"]:
         cfg = dict(SIZES["gpt"][size])
-        return Stack(f"gpt/{size}", int(cfg["n_layer"]), functools.partial(_gpt_at, cfg))
+        return Stack(f"gpt/{size}", int(cfg["n_layer"]), functools.partial(_gpt_at, cfg),
+                     json.dumps(["gpt", cfg], sort_keys=True, default=repr))
     if not is_hf(model):
         return None
     config = hf_config(model, overrides)
@@ -88,7 +92,8 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         return None
     rest = {k: v for k, v in (overrides or {}).items() if k not in (key, "num_hidden_layers")}
-    return Stack(model, depth, functools.partial(_hf_at, model, rest, key))
+    return Stack(model, depth, functools.partial(_hf_at, model, rest, key),
+                 json.dumps([model, rest, key], sort_keys=True, default=repr))
 
 
 def _phases(m: Measure) -> list[Measure]:
@@ -196,6 +201,15 @@ def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], c
                  batches: tuple[int, ...] = BATCHES) -> dict[bool, DepthFit]:
     """:func:`measure_depths` for each activation checkpointing setting in ``checkpointing``, one
     session (one build and warm-up) per depth: the setting is switched between measures."""
+    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(batches[0]), depths=depths, batches=batches,
+                          checkpointing=checkpointing)
+    kept = plan_cache.load(name)
+    try:  # a repeat plan (ampkit plan's cache): the measures made before
+        if kept is not None:
+            return {c: DepthFit({(d, b): kept[f"{int(c)},{d},{b}"] for d in depths for b in batches})
+                    for c in checkpointing}
+    except KeyError:
+        pass
     measures: dict[bool, dict[tuple[int, int], Measure]] = {c: {} for c in checkpointing}
     for d in depths:
         with Session(stack.factory(d), optimizer, precision, activation_checkpointing=checkpointing[0]) as s:
@@ -204,6 +218,7 @@ def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], c
                     s.checkpointing(ckpt)
                 for b in batches:  # the warm-up runs at the first batch: its shapes are the measure's
                     measures[ckpt][(d, b)] = s.measure(batch_of(b))
+    plan_cache.save(name, {f"{int(c)},{d},{b}": m for c, ms in measures.items() for (d, b), m in ms.items()})
     return {c: DepthFit(m) for c, m in measures.items()}
 
 
@@ -325,17 +340,28 @@ def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fit
     are byte for byte the fitted precision's and it ran the same phases."""
     out: dict[bool, DepthFit] = {}
     settings = tuple(fits)
-    with Session(stack.factory(DEPTHS[0]), optimizer, precision, activation_checkpointing=settings[0]) as s:
-        for i, c in enumerate(settings):
-            if i:
-                s.checkpointing(c)
-            f = fits[c]
-            m, ref = s.measure(batch_of(f.b1)), f.measures[(f.d1, f.b1)]
-            same = {k: v for k, v in m.parts.items() if k != "temporaries"} == \
-                {k: v for k, v in ref.parts.items() if k != "temporaries"}
-            if not same or len(m.phases) != len(ref.phases):
-                return None
-            out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
+    first = fits[settings[0]]
+    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(first.b1), depths=(first.d1,),
+                          batches=(first.b1,), checkpointing=settings, twin=True)
+    kept = plan_cache.load(name) or {}
+    if all(str(int(c)) in kept for c in settings):
+        measured = {c: kept[str(int(c))] for c in settings}
+    else:
+        measured = {}
+        with Session(stack.factory(DEPTHS[0]), optimizer, precision, activation_checkpointing=settings[0]) as s:
+            for i, c in enumerate(settings):
+                if i:
+                    s.checkpointing(c)
+                measured[c] = s.measure(batch_of(fits[c].b1))
+        plan_cache.save(name, {str(int(c)): m for c, m in measured.items()})
+    for c in settings:
+        f = fits[c]
+        m, ref = measured[c], f.measures[(f.d1, f.b1)]
+        same = {k: v for k, v in m.parts.items() if k != "temporaries"} == \
+            {k: v for k, v in ref.parts.items() if k != "temporaries"}
+        if not same or len(m.phases) != len(ref.phases):
+            return None
+        out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
     return m.precision, out
 
 

@@ -6,7 +6,6 @@ model-specific loss code. ``build(name, size)`` is what the CLI uses.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -197,19 +196,21 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 MODELS = tuple(SIZES)
 
 
-def build(name: str, size: str = "small") -> nn.Module:
-    """Build a built-in model by name (``gpt``, ``mlp``) and size (``tiny``/``small``/``medium``/``large``)."""
+def config_of(name: str, size: str = "small") -> Any:
+    """The configuration of a built-in model (``GPTConfig``, ``MLPConfig``, ``CNNConfig``) by name and size."""
     if name not in SIZES:
         raise ValueError(f"unknown built-in model {name!r}; choose one of: {', '.join(MODELS)} "
                          "(or give your own as module:factory)")
     if size not in SIZES[name]:
         raise ValueError(f"unknown size {size!r} for model {name!r}; choose one of: {', '.join(SIZES[name])}")
     kwargs = SIZES[name][size]
-    if name == "gpt":
-        return GPT(GPTConfig(**kwargs))
-    if name == "cnn":
-        return CNN(CNNConfig(**kwargs))
-    return MLP(MLPConfig(**kwargs))
+    return GPTConfig(**kwargs) if name == "gpt" else CNNConfig(**kwargs) if name == "cnn" else MLPConfig(**kwargs)
+
+
+def build(name: str, size: str = "small") -> nn.Module:
+    """Build a built-in model by name (``gpt``, ``mlp``) and size (``tiny``/``small``/``medium``/``large``)."""
+    cfg = config_of(name, size)
+    return GPT(cfg) if name == "gpt" else CNN(cfg) if name == "cnn" else MLP(cfg)
 
 
 def load_factory(spec: str) -> Any:
@@ -262,12 +263,11 @@ def user_model(spec: str, **kwargs: Any) -> tuple[nn.Module, Any]:
 def builtin(name: str, size: str = "small", *, batch_size: int = 16, seed: int = 0,
             device: Optional[torch.device] = None, meta: bool = False) -> tuple[nn.Module, Any]:
     """A built-in model and its local data: ``(model, batch_fn)``, like a user factory. ``meta``:
-    the model on the meta device (no storage, no initialisation: for its config and shapes)."""
+    the data only (the model is None: a caller that wants the data's shapes builds nothing)."""
     from .data import ClassificationBatches, ImageBatches, TextBatches
 
-    with torch.device("meta") if meta else contextlib.nullcontext():
-        model = build(name, size)
-    cfg = model.config
+    cfg = config_of(name, size)
+    model: Any = None if meta else build(name, size)
     if name == "gpt":
         data: Any = TextBatches(batch_size=batch_size, block_size=cfg.block_size, seed=seed, device=device)
     elif name == "cnn":
