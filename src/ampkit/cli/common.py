@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -57,10 +56,9 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, 
     """A built-in model with its local data, a Hugging Face config (``gpt2``,
     ``transformers.GPT2Config``) on byte-level text, or a user's ``module:factory``. ``--data``
     replaces the text data of the GPTs: a ``.txt`` corpus, or ``.json``/``.jsonl`` texts.
-    ``meta``: the data's shapes is all the caller wants: a Hugging Face model is built on the meta
-    device (its shapes only, no initialisation), a built-in one not at all (None); a user's factory
-    is called as is."""
-    from ..loop.hf import build_hf, is_hf, max_positions, parse_overrides
+    ``meta``: the data's shapes is all the caller wants: a built-in or Hugging Face model is not
+    built (None; its config gives the sequence length); a user's factory is called as is."""
+    from ..loop.hf import build_hf, hf_config, is_hf, max_positions, parse_overrides
     from ..loop.models import MODELS, builtin, config_of, user_model
 
     data_path, block = getattr(args, "data", None), getattr(args, "block_size", None)
@@ -69,9 +67,12 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, 
         raise ValueError(f"--model_config is for Hugging Face config models (gpt2, transformers.GPT2Config); "
                          f"--model {args.model} takes none")
     if is_hf(args.model):
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            model: torch.nn.Module = build_hf(args.model, parse_overrides(overrides))
-        limit = max_positions(model.config)
+        if meta:  # the config is enough (and needs none of the modelling code)
+            model: Any = None
+            limit = max_positions(hf_config(args.model, parse_overrides(overrides)))
+        else:
+            model = build_hf(args.model, parse_overrides(overrides))
+            limit = max_positions(model.config)
     elif args.model in MODELS:
         model, data = builtin(args.model, args.size, batch_size=args.batch_size, seed=args.seed, device=device,
                               meta=meta)
