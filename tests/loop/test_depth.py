@@ -91,6 +91,22 @@ def test_plan_by_depth_is_the_exact_search(precision):
 
 
 @pytest.mark.slow
+def test_answers_below_the_measured_batches_are_the_exact_search_too():
+    """A budget for 2 samples and the peak at batch 2: the batches under 4 are measured at both depths
+    (added to the fit's own batches 4 and 5, not measured again) -- the full model's answers."""
+    st, batch_of = gpt_small_at(4), tokens(128)
+    factory = st.factory(4)
+    with Session(factory, "adamw", "bf16") as s:
+        one, two = s.measure(batch_of(2)).peak_bytes, s.measure(batch_of(3)).peak_bytes
+    budget = one + (two - one) // 2  # batch 2 fits, 3 does not
+    by_depth = plan_precision(factory, batch_of, budget, "bf16", 2, stack=st)
+    exact = plan_precision(factory, batch_of, budget, "bf16", 2)
+    assert by_depth.method == "depth" and by_depth.largest == exact.largest == 2
+    assert by_depth.largest_checkpointed == exact.largest_checkpointed
+    assert by_depth.peak_bytes == exact.peak_bytes == one and by_depth.parts == exact.parts
+
+
+@pytest.mark.slow
 def test_a_twin_takes_the_first_rows_answers_only_where_its_check_measure_agrees():
     """plan_precisions: fp16's parts on the 1-block copy are bf16's, so its row comes from bf16's fits
     shifted by its own per-phase difference (said in its method; that those are fp16's own fits: the

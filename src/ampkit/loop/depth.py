@@ -201,13 +201,20 @@ def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], c
                  batches: tuple[int, ...] = BATCHES) -> dict[bool, DepthFit]:
     """:func:`measure_depths` for each activation checkpointing setting in ``checkpointing``, one
     session (one build and warm-up) per depth: the setting is switched between measures."""
+    measures = _measures(stack, precision, batch_of, checkpointing, optimizer, depths, batches)
+    return {c: DepthFit(m) for c, m in measures.items()}
+
+
+def _measures(stack: Stack, precision: str, batch_of: Callable[[int], Any], checkpointing: tuple[bool, ...],
+              optimizer: Any, depths: tuple[int, ...], batches: tuple[int, ...]
+              ) -> dict[bool, dict[tuple[int, int], Measure]]:
+    """The measures of :func:`measure_both` (read from ``ampkit plan``'s cache where it has them)."""
     name = plan_cache.key(stack.spec, precision, optimizer, batch_of(batches[0]), depths=depths, batches=batches,
                           checkpointing=checkpointing)
     kept = plan_cache.load(name)
-    try:  # a repeat plan (ampkit plan's cache): the measures made before
+    try:  # a repeat plan: the measures made before
         if kept is not None:
-            return {c: DepthFit({(d, b): kept[f"{int(c)},{d},{b}"] for d in depths for b in batches})
-                    for c in checkpointing}
+            return {c: {(d, b): kept[f"{int(c)},{d},{b}"] for d in depths for b in batches} for c in checkpointing}
     except KeyError:
         pass
     measures: dict[bool, dict[tuple[int, int], Measure]] = {c: {} for c in checkpointing}
@@ -219,7 +226,7 @@ def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], c
                 for b in batches:  # the warm-up runs at the first batch: its shapes are the measure's
                     measures[ckpt][(d, b)] = s.measure(batch_of(b))
     plan_cache.save(name, {f"{int(c)},{d},{b}": m for c, ms in measures.items() for (d, b), m in ms.items()})
-    return {c: DepthFit(m) for c, m in measures.items()}
+    return measures
 
 
 @dataclass(frozen=True)
@@ -258,7 +265,8 @@ def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
     if redo and given:
         raise DepthError("the answer is below the measured batches: the twin is planned on its own")
     if redo:
-        small = measure_both(stack, precision, batch_of, redo, optimizer=optimizer, batches=(*range(1, b1), *BATCHES))
+        below = _measures(stack, precision, batch_of, redo, optimizer, DEPTHS, tuple(range(1, b1)))
+        small = {c: DepthFit({**fits[c].measures, **below[c]}) for c in redo}  # the larger batches as measured
         for c in redo:
             if best[c] < b1:
                 best[c] = next((b for b in range(b1 - 1, 0, -1) if small[c].peak(stack.depth, b) <= budget), 0)
