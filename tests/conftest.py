@@ -24,8 +24,8 @@ if WORKER and N_WORKERS > 1:
 HAS_CUDA = torch.cuda.is_available()
 
 # `ampkit plan` keeps measured steps in a cache (loop/plan_cache.py): off for the suite (each test
-# measures, and nothing is written under ~/.cache); tests/loop/test_plan_cache.py turns it on itself.
-os.environ["AMPKIT_CACHE_DIR"] = "off"
+# measures what it checks); tests/loop/test_plan_cache.py turns it on itself.
+os.environ["AMPKIT_PLAN_CACHE"] = "off"
 
 # The modules that take longest (seconds of test time on the 2-core CI machine, docs/benchmarks.md
 # "Test suite time"), longest first. Under the automatic workers they are handed out first

@@ -19,6 +19,7 @@ def _args(**kw):
 @pytest.fixture
 def counted(monkeypatch, tmp_path):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AMPKIT_PLAN_CACHE")
     counts = {"sessions": 0}
     enter = estimate_session.Session.__enter__
 
@@ -65,10 +66,11 @@ def test_the_name_changes_with_what_the_measures_depend_on(monkeypatch, tmp_path
         assert plan_cache.key("gpt", "bf16", lambda p: torch.optim.SGD(p, lr=0.1), batch) is None  # a callable
         assert plan_cache.key("", "bf16", "adamw", batch) is None  # a model with no spec: not kept
     assert plan_cache.key("gpt", "bf16", "adamw", batch) is None  # outside use(): no cache
-    monkeypatch.setenv("AMPKIT_CACHE_DIR", "off")
+    monkeypatch.setenv("AMPKIT_PLAN_CACHE", "off")
     assert plan_cache.cache_dir() is None
+    monkeypatch.delenv("AMPKIT_PLAN_CACHE")
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    assert plan_cache.cache_dir() == tmp_path / "plan"
+    assert plan_cache.cache_dir() == tmp_path / "plan"  # beside the measured auto choices and the native kernels
     monkeypatch.delenv("AMPKIT_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert plan_cache.cache_dir() == tmp_path / "xdg" / "ampkit" / "plan"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert plan_cache.cache_dir() == tmp_path / "home" / ".cache" / "ampkit" / "plan"

@@ -205,6 +205,7 @@ def add_parser(sub: Any) -> None:
               "precision; 1: one after another)")
     flag(p, "no_cache", action="store_true",
          help="measure every step afresh: by default a repeat plan of the same model (another --memory or "
-              "--batch_size) reads the steps measured before from $AMPKIT_CACHE_DIR or ~/.cache/ampkit")
+              "--batch_size) reads the steps measured before from plan/ in $AMPKIT_CACHE_DIR (~/.cache/ampkit); "
+              "AMPKIT_PLAN_CACHE=off turns that off too")
     flag(p, "json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -8,8 +8,9 @@ the versions of torch, torchao and transformers, and the text of ampkit's own so
 change there is another name, so nothing stale is read. A file that does not parse is measured
 again and replaced (written atomically: a temporary file, then renamed).
 
-Where: ``$AMPKIT_CACHE_DIR`` (``off`` turns the cache off), else ``$XDG_CACHE_HOME/ampkit``, else
-``~/.cache/ampkit``; ``ampkit plan --no_cache`` measures everything afresh. Only the command line
+Where: ``plan/`` under ampkit's cache directory, ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``,
+where the measured ``auto`` choices and the compiled ladder kernels live too); ``AMPKIT_PLAN_CACHE=off``
+or ``ampkit plan --no_cache`` measures everything afresh. Only the command line
 uses it: the library's estimates and the service (which keeps its own cache) never write here.
 """
 
@@ -51,12 +52,11 @@ def current() -> Optional[Path]:
 
 
 def cache_dir() -> Optional[Path]:
-    """Where plans keep their measures (None: the cache is off)."""
-    env = os.environ.get("AMPKIT_CACHE_DIR")
-    if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env) / "plan"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ampkit" / "plan"
+    """Where plans keep their measures: ``plan/`` under ampkit's cache directory (None: turned off)."""
+    if os.environ.get("AMPKIT_PLAN_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
+    return Path(root) / "plan"
 
 
 @functools.lru_cache(maxsize=1)
