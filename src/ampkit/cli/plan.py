@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from ..loop.depth import METHOD_NOTE, TWINS, plan_precisions
+from ..loop.depth import METHOD_NOTE, plan_groups, plan_precisions
 from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags
@@ -70,21 +70,6 @@ def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args
     return out
 
 
-def groups(precisions: list[str], stack: Any, verify: bool = False) -> list[list[str]]:
-    """The precisions planned together: both of a :data:`~ampkit.loop.depth.TWINS` pair where both
-    are asked of a stack model (not with ``--verify``), else each alone."""
-    out: list[list[str]] = []
-    taken: set[str] = set()
-    for p in precisions:
-        if p in taken:
-            continue
-        twin = next((b if a == p else a for a, b in TWINS if p in (a, b)), None)
-        together = stack is not None and not verify and twin in precisions and twin not in taken
-        out.append([p, twin] if together else [p])
-        taken.update(out[-1])
-    return out
-
-
 _JOB: Any = None  # what a forked worker of _rows needs (set before the fork, read in the child)
 
 
@@ -107,7 +92,7 @@ def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args:
     """Each precision's row, in the order asked; the groups are independent, so ``workers()`` forked
     processes share them (the costlier first: fp8's casts, then the pairs)."""
     global _JOB
-    todo = groups(precisions, stack, getattr(args, "verify", False))
+    todo = plan_groups(precisions, stack, getattr(args, "verify", False))
     n = workers(len(todo), getattr(args, "workers", None))
     if n == 1:
         done = [_group(factory, batch_of, budget, g, args, stack) for g in todo]

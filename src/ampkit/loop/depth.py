@@ -31,7 +31,7 @@ from . import plan_cache
 from .estimate_session import PARTS, Curve, Measure, Session, fit
 
 __all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
-           "measure_depths", "plan_precision", "plan_precisions", "stack_for"]
+           "measure_depths", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
 BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
@@ -371,6 +371,21 @@ def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fit
             return None
         out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
     return m.precision, out
+
+
+def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
+    """The precisions :func:`plan_precisions` plans together: both of a :data:`TWINS` pair where both
+    are asked of a stack model (not with ``verify``: each is measured whole then), else each alone."""
+    out: list[list[str]] = []
+    taken: set[str] = set()
+    for p in precisions:
+        if p in taken:
+            continue
+        twin = next((b if a == p else a for a, b in TWINS if p in (a, b)), None)
+        together = stack is not None and not verify and twin in precisions and twin not in taken
+        out.append([p, twin] if together and twin is not None else [p])
+        taken.update(out[-1])
+    return out
 
 
 def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,

@@ -103,16 +103,21 @@ def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, A
     return plan_answer(b)
 
 
-def _plan_row(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, p: str,
-              stack: Any) -> dict[str, Any]:
-    """One precision (:func:`ampkit.loop.depth.plan_precision`, as ``ampkit plan``: by depth
-    extrapolation for a stack of blocks, else the full model measured)."""
-    from ..loop.depth import plan_precision
+def _plan_rows(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, stack: Any
+               ) -> list[dict[str, Any]]:
+    """Every precision's row (:func:`ampkit.loop.depth.plan_precisions`, as ``ampkit plan``: by depth
+    extrapolation for a stack of blocks, fp16 and fp16-pure as bf16's and bf16-pure's twins; else
+    the full model measured)."""
+    from ..loop.depth import plan_groups, plan_precisions
 
-    r = plan_precision(factory, lambda b: _tokens(b, length), budget, p, body.batch_size, stack=stack,
-                       checkpointing=False, limit=MAX_BATCH)
-    return {"precision": p, "predicted_peak_gb": round(r.peak_bytes / GiB, 3), "fits": r.peak_bytes <= budget,
-            "max_batch_size": r.largest, "method": r.method}
+    rows: dict[str, dict[str, Any]] = {}
+    for group in plan_groups(PLAN_PRECISIONS, stack):
+        found = plan_precisions(factory, lambda b: _tokens(b, length), budget, group, body.batch_size, stack=stack,
+                                checkpointing=False, limit=MAX_BATCH)
+        for p, r in zip(group, found):
+            rows[p] = {"precision": p, "predicted_peak_gb": round(r.peak_bytes / GiB, 3),
+                       "fits": r.peak_bytes <= budget, "max_batch_size": r.largest, "method": r.method}
+    return [rows[p] for p in PLAN_PRECISIONS]
 
 
 def plan_answer(body: OptimizeBody) -> dict[str, Any]:
@@ -124,7 +129,7 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     from ..loop.depth import stack_for
 
     stack = stack_for(body.model_name, body.size, dict(overrides))
-    rows = [_plan_row(factory, min(body.max_length, limit), body, budget, p, stack) for p in PLAN_PRECISIONS]
+    rows = _plan_rows(factory, min(body.max_length, limit), body, budget, stack)
     fp32 = rows[0]
     best_half = max((r for r in rows if r["precision"] in _AUTOCAST), key=lambda r: r["max_batch_size"])
     use = (not fp32["fits"] and best_half["fits"]) or best_half["max_batch_size"] > fp32["max_batch_size"]
