@@ -255,23 +255,23 @@ def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
               checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
               fits: Optional[dict[bool, DepthFit]] = None) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
     """The largest batch by depth extrapolation per checkpointing setting, ``(label, peak,
-    parts)`` at ``at_batch`` without checkpointing, and the fits (per setting, the larger batches'). Batches below :data:`BATCHES` (an answer of
-    0-3, ``at_batch`` 1-3) come from a second fit that measures each of them too."""
+    parts)`` at ``at_batch`` without checkpointing, and the fits. Batches below :data:`BATCHES` (an
+    answer of 0-3, ``at_batch`` 1-3) are measured too, at both depths, and added to that setting's
+    fit (returned so: a twin's shifted fits then answer there without measuring again)."""
     given = fits is not None
     fits = fits if fits is not None else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
     best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
     b1 = fits[False].b1
-    redo = tuple(c for c in checkpointing if best[c] < b1 or (not c and at_batch < b1))
+    redo = tuple(c for c in checkpointing
+                 if (best[c] < b1 or (not c and at_batch < b1)) and fits[c].batches[0] > 1)
     if redo and given:
         raise DepthError("the answer is below the measured batches: the twin is planned on its own")
     if redo:
         below = _measures(stack, precision, batch_of, redo, optimizer, DEPTHS, tuple(range(1, b1)))
-        small = {c: DepthFit({**fits[c].measures, **below[c]}) for c in redo}  # the larger batches as measured
-        for c in redo:
-            if best[c] < b1:
-                best[c] = next((b for b in range(b1 - 1, 0, -1) if small[c].peak(stack.depth, b) <= budget), 0)
-        if False in redo and at_batch < b1:
-            fits = {**fits, False: small[False]}
+        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}) for c in redo}}  # 4 and 5 as measured
+    for c in checkpointing:
+        if best[c] < b1:
+            best[c] = next((b for b in range(b1 - 1, 0, -1) if fits[c].peak(stack.depth, b) <= budget), 0)
     use = fits[False]
     label = use.measures[(use.d1, use.b1)].precision
     return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits
