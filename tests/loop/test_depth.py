@@ -104,11 +104,10 @@ def test_answers_below_the_measured_batches_are_the_exact_search_too():
     assert by_depth.method == "depth" and by_depth.largest == exact.largest == 2
     assert by_depth.largest_checkpointed == exact.largest_checkpointed
     assert by_depth.peak_bytes == exact.peak_bytes == one and by_depth.parts == exact.parts
-    rows = plan_precisions(factory, batch_of, budget, ["bf16", "fp16"], 2, stack=st)  # the twin too
-    twin_exact = plan_precision(factory, batch_of, budget, "fp16", 2)
-    assert rows[1].method == "depth, as bf16" and rows[1].largest == twin_exact.largest
-    assert rows[1].largest_checkpointed == twin_exact.largest_checkpointed
-    assert rows[1].peak_bytes == twin_exact.peak_bytes
+    rows = plan_precisions(factory, batch_of, budget, ["bf16", "fp16"], 2, stack=st)  # the twin from those fits
+    assert rows[0] == by_depth and rows[1].method == "depth, as bf16"  # (its shift at batches 1-3: the test below)
+    assert (rows[1].largest, rows[1].largest_checkpointed) == (2, by_depth.largest_checkpointed)
+    assert 0 <= rows[1].peak_bytes - by_depth.peak_bytes <= 64  # at most the loss scaler's scalars
 
 
 @pytest.mark.slow
@@ -147,6 +146,8 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
             for b in (4, 5, 9, 40):
                 assert shifted[c].peak(depth, b) == own[c].peak(depth, b), (c, depth, b)
                 assert shifted[c].parts(depth, b) == own[c].parts(depth, b), (c, depth, b)
+    if first != "bf16":
+        return
     # and at the batches under 4 (a small budget's answers), measured into both fits
     small = measure_both(st, first, batch_of, (False,), batches=(1, 2, 3, 4, 5))
     own_small = measure_both(st, twin, batch_of, (False,), batches=(1, 2, 3, 4, 5))
