@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go (run on a CUDA machine from the repository root):
-#   bash benchmarks/gpu_suite.sh [tests|fit|bench|train|all]   (results under $OUT, default ./gpu-out)
+#   bash benchmarks/gpu_suite.sh [tests|fit|bench|train|ladder|all]   (results under $OUT, default ./gpu-out)
 # Uses the machine's own torch; torchao from .whl/ if it was carried there.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -32,4 +32,10 @@ if [[ $what == train || $what == all ]]; then
   python3 -m ampkit train --model gpt --size large --batch_size auto --memory_budget 8GiB --precision bf16 \
     --steps 5 --device cuda --log_dir "$OUT/auto8" --json 2>"$OUT/auto8.err" | tail -40
   tail -5 "$OUT/auto8.err"
+fi
+if [[ $what == ladder || $what == all ]]; then
+  # the memory ladder: B/param, step peak and whole-step time per rung (GPT-2 124M, batch 8 x 1024), then
+  # the deepest GPT-2-block stack that really trains per rung on this GPU (docs/benchmarks.md)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${LADDER_SECONDS:-420}" python3 benchmarks/gpu_ladder.py \
+    --part all --batch 8 --seconds "${LARGEST_SECONDS:-230}" --json "$OUT/ladder.json" 2>&1 | tee "$OUT/ladder.txt"
 fi
