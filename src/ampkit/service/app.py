@@ -24,6 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from .. import __version__
+from . import lock
 from .auth import load_tokens
 from .checks import shown
 from .deps import Owner, Service
@@ -46,9 +47,13 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runner.start()
-        yield
-        runner.stop()
+        key = lock.hold(config.data_dir)  # one server per data directory (DataDirBusy names the holder)
+        try:
+            runner.start()
+            yield
+            runner.stop()
+        finally:
+            lock.release(key)
 
     hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.private_docs else {}
     app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
