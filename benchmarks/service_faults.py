@@ -86,7 +86,7 @@ def cut_run_file(tmp: str) -> str:
                           os.path.join(tmp, "log")], capture_output=True, text=True, timeout=300)
     if out.returncode == 0:
         summary = json.loads(out.stdout[out.stdout.find("{"):])
-        return f"asked 40 steps; trained {summary.get('steps')} (exit 0)"
+        return f"asked 40 steps; trained {summary.get('optimizer_steps')} (exit 0)"
     return f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1][:200]}"
 
 
@@ -131,8 +131,7 @@ def disk_full(tmp: str) -> str:
                         f.flush()
                 except OSError:
                     pass
-            _wait(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[-1]
-                  .split()[0] == "Z", 120)
+            _wait(lambda: not _running(pid), 120)
             time.sleep(3)  # a few scheduler ticks while the disk is full
             during = c.get("/health")
             os.unlink(filler)  # an operator frees space
@@ -149,6 +148,14 @@ def disk_full(tmp: str) -> str:
             _end(proc)
     finally:
         subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def two_servers(tmp: str) -> str:

@@ -24,6 +24,11 @@ without a summary the run fails with ``ended, exit status unknown``.
 
 A run's process handle is kept until the database says how it ended: when that write fails (a
 full disk), the next tick tries again, so a run whose process ended is never left ``running``.
+Nothing raised in a tick ends the scheduler thread -- not a failed write, not a log line that
+cannot be written to a full disk (:func:`_report` never raises); ``scheduler()`` says whether it
+is alive, for ``/health``. A run whose row cannot be set ``running`` is stopped again (it stays
+queued and is started once, later), and a run file that is cut short or changed fails its run
+before anything starts (:func:`ampkit.service.runfile.check_run_file`).
 A process killed by a signal fails its run with ``killed by signal N (SIGNAME)``. Runs and their
 files are private: the process starts with umask 077 (files 0600, directories 0700). While a
 device is over ``max_gpu_temp`` no queued run starts (:class:`ampkit.service.gpu.TempHold`).

@@ -70,6 +70,9 @@ class Store:
         self.path = os.path.join(data_dir, "ampkit.db")
         if os.path.exists(self.path):
             check_database(self.path)  # damaged: refused, never taken for a new one
+        elif os.path.exists(self.path + "-wal") and os.path.getsize(self.path + "-wal") > 0:
+            raise DamagedStore(errno.ENOENT, _damaged(self.path, "it is missing but its -wal file is there (the "
+                                                                 "database was deleted or moved)"))
         else:
             _create(self.path)  # only a missing file means a new service
         self._local = threading.local()
