@@ -147,6 +147,7 @@ class Runner:
         self._thread = threading.Thread(target=self._loop, name="ampkit-runner", daemon=True)
         self.heartbeat: Optional[float] = None  # time.time() of the scheduler's last tick
         self.last_error: Optional[str] = None  # the last tick's error, None once a tick succeeds
+        self._noted: Optional[str] = None  # an error this tick handled (and retries next tick)
 
     def start(self) -> None:
         self.recover()
@@ -178,8 +179,9 @@ class Runner:
         database, a log that cannot be written): the error is reported and the next tick retries."""
         while not self._stop.is_set():
             try:
+                self._noted = None
                 self.tick()
-                self.last_error = None
+                self.last_error = self._noted  # an error the tick handled itself (a write it retries)
             except BaseException as e:  # noqa: BLE001 - the scheduler outlives any one tick
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
                 _report(f"scheduler error (next tick retries): {self.last_error}")
@@ -274,7 +276,8 @@ class Runner:
             self.unrecorded.pop(run_id, None)
             return True
         except Exception as e:  # a full disk, a locked database: the run stays watched
-            _report(f"cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}")
+            self._noted = f"cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}"[:500]
+            _report(self._noted)
             return False
 
     def shown(self, run: dict[str, Any]) -> dict[str, Any]:
