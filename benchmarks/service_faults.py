@@ -132,7 +132,7 @@ def disk_full(tmp: str) -> str:
                 except OSError:
                     pass
             _wait(lambda: not _running(pid), 120)
-            time.sleep(3)  # a few scheduler ticks while the disk is full
+            time.sleep(20)  # ~100 scheduler ticks while the disk is full (each retry logs a line)
             during = c.get("/health")
             os.unlink(filler)  # an operator frees space
             done = _wait(lambda: c.get(f"/v1/runs/{b}").json()["status"] in ("succeeded", "failed"), 90)
@@ -140,7 +140,8 @@ def disk_full(tmp: str) -> str:
             with sqlite3.connect(os.path.join(data, "ampkit.db")) as db:
                 rows = dict(db.execute("SELECT id, status FROM runs").fetchall())
             sched = health.json().get("scheduler", "(not reported)")
-            return (f"health during {during.status_code}; after freeing: run a (failed while full) {rows[a]}, "
+            return (f"health during {during.status_code} scheduler={during.json().get('scheduler', '(not reported)')}; "
+                    f"after freeing: run a (failed while full) {rows[a]}, "
                     f"queued run b {rows[b]}{'' if done else ' (not started in 90 s)'}; health "
                     f"{health.status_code} scheduler={sched}")
         finally:
