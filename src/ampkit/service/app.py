@@ -7,6 +7,8 @@ gives (422 validation, 413 body too large, 429 queue full, 409 wrong state, 507 
 never a 500. The body cap holds while the body is read (:mod:`ampkit.service.middleware`), and
 every call is one line of the request log (logger ``ampkit.service``). With
 ``ServiceConfig.private_docs`` the API description (``/docs``, ``/openapi.json``) needs a token too.
+While the app's lifespan runs it holds its data directory's lock (:mod:`ampkit.service.lock`): a
+second server on the same directory is refused.
 """
 
 from __future__ import annotations
