@@ -3,7 +3,8 @@
 ``app.create_app`` wires the parts: ``schemas`` (settings and request bodies), ``deps`` (the
 caller and their runs as FastAPI dependencies), ``routes/`` (``runs``: ampkit's API;
 ``finetuning``: the brief's), ``store`` (SQLite), ``runner`` (one process group per run) and
-``runfile`` (the run's ``run.toml``, the one contract with ``ampkit train``), ``auth`` (tokens).
+``runfile`` (the run's ``run.toml``, the one contract with ``ampkit train``), ``auth`` (tokens),
+``lock`` (one server per data directory).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ gives (422 validation, 413 body too large, 429 queue full, 409 wrong state, 507 
 never a 500. The body cap holds while the body is read (:mod:`ampkit.service.middleware`), and
 every call is one line of the request log (logger ``ampkit.service``). With
 ``ServiceConfig.private_docs`` the API description (``/docs``, ``/openapi.json``) needs a token too.
+While the app's lifespan runs it holds its data directory's lock (:mod:`ampkit.service.lock`): a
+second server on the same directory is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from .. import __version__
+from . import lock
 from .auth import load_tokens
 from .checks import shown
 from .deps import Owner, Service
@@ -46,9 +49,13 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runner.start()
-        yield
-        runner.stop()
+        key = lock.hold(config.data_dir)  # one server per data directory (DataDirBusy names the holder)
+        try:
+            runner.start()
+            yield
+            runner.stop()
+        finally:
+            lock.release(key)
 
     hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.private_docs else {}
     app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,

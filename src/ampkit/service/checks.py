@@ -13,7 +13,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import AfterValidator, Field, Strict
 
-__all__ = ["MAX_INT", "MAX_KEYS", "MAX_STR", "Bool", "Int", "Key", "Name", "OverrideValue", "Text", "check_hf_class",
+__all__ = ["MAX_INT", "MAX_KEYS", "MAX_STR", "Bool", "Float", "Int", "Key", "Name", "OverrideValue", "Text", "check_hf_class",
            "check_overrides", "model_config_names", "plain", "shown"]
 
 MAX_STR = 256  # characters of a name, label or pattern
@@ -59,8 +59,9 @@ Name = Annotated[str, AfterValidator(plain)]
 Key = Annotated[str, AfterValidator(plain), Field(max_length=MAX_STR)]
 Text = Annotated[str, AfterValidator(_text)]
 Int = Annotated[int, Strict()]  # true and "12" are not integers
+Float = Annotated[float, Strict()]  # true and "0.1" are not numbers (an integer is: 1 -> 1.0)
 Bool = Annotated[bool, Strict()]  # 1 and "yes" are not booleans
-OverrideValue = Union[Annotated[bool, Strict()], Int, float, Name, None]
+OverrideValue = Union[Annotated[bool, Strict()], Int, Float, Name, None]
 
 
 @functools.lru_cache(maxsize=1)

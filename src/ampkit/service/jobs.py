@@ -11,7 +11,9 @@ the request was bad, ``error`` says why) or ``failed`` (``error``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import multiprocessing
 import os
 import queue
@@ -124,25 +126,35 @@ class Jobs:
             self._done.notify_all()
 
     def _loop(self) -> None:
+        """Run jobs until the process ends; nothing raised here ends the loop (a dead loop would
+        leave every later job queued, and every ``memory_savings_gb`` null)."""
         while True:
-            job_id = self._q.get()
-            if job_id == "\0reopen":
-                self._reopen()
-                continue
-            job = self._jobs.get(job_id)
-            if job is None or job["status"] in _DONE:
-                continue
-            hit = self.cached(job["key"]) or (("failed", "the server is shutting down") if self._closed else None)
-            if hit is not None:
-                self._finish(job, *hit)
-                continue
-            with self._lock:
-                job["status"], job["started"] = "running", time.time()
             try:
-                self._finish(job, *self._run(job["target"], job["args"]))
-            except Exception as e:  # noqa: BLE001 - the worker died or timed out: this job fails, the next gets a new one
+                self._step(self._q.get())
+            except BaseException as e:  # noqa: BLE001 - the loop outlives any one job
+                with contextlib.suppress(BaseException):
+                    logging.getLogger("ampkit.service").error("job loop error: %s: %s", type(e).__name__, e)
+
+    def _step(self, job_id: str) -> None:
+        if job_id == "\0reopen":
+            self._reopen()
+            return
+        job = self._jobs.get(job_id)
+        if job is None or job["status"] in _DONE:
+            return
+        hit = self.cached(job["key"]) or (("failed", "the server is shutting down") if self._closed else None)
+        if hit is not None:
+            self._finish(job, *hit)
+            return
+        with self._lock:
+            job["status"], job["started"] = "running", time.time()
+        try:
+            self._finish(job, *self._run(job["target"], job["args"]))
+        except BaseException as e:  # noqa: BLE001 - the worker died, timed out or never started: this job
+            try:  # fails, the next gets a new worker
                 self._stop_worker()
-                self._finish(job, "failed", str(e))
+            finally:
+                self._finish(job, "failed", str(e) or type(e).__name__)
 
     def _run(self, target: str, args: tuple[Any, ...]) -> tuple[str, Any]:
         if self._proc is None or not self._proc.is_alive():
@@ -167,7 +179,7 @@ class Jobs:
 
     def _stop_worker(self) -> None:
         proc, self._proc, self._conn = self._proc, None, None
-        if proc is not None:
+        if proc is not None and proc.pid is not None:  # a worker that never started has nothing to kill
             proc.kill()
             proc.join(5)
 

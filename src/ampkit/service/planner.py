@@ -94,8 +94,8 @@ def plan_key(body: OptimizeBody, max_params: Optional[int]) -> tuple[Any, ...]:
 
 def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, Any]:
     """The worker process's job for ``POST /finetuning/optimize-mixed-precision``: the size check
-    (building a config of thousands of layers, even on the meta device, takes seconds), then
-    :func:`plan_answer`. A ValueError is the client's (a 422)."""
+    (the route made it too; a job may come from another caller), then :func:`plan_answer`. A
+    ValueError is the client's (a 422)."""
     from .deps import check_size
 
     b = OptimizeBody(**body)

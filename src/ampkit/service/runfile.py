@@ -9,6 +9,11 @@ a resume reads the same file.
 
 TOML has no null: a ``None`` value is left out, which means the reader's default.
 
+The file proves it is whole: its first line says it is a run file and its last line is the sha256
+of the lines above it (:func:`ampkit.step.config.seal_run_file`). ``ampkit train --config`` refuses
+a run file that is cut short or changed (TOML cut at a line boundary is still TOML: 4 steps of 40),
+and so does the runner before it starts one (:func:`check_run_file`).
+
 The run's directory is 0700 and its files 0600 whatever the umask: a run's texts and settings
 are its owner's, not every local user's.
 """
@@ -21,8 +26,11 @@ import os
 import re
 from typing import Any
 
-__all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "dumps_toml", "private_dir", "run_tables", "train_key",
-           "write_run_file"]
+from ..step.config import check_run_file as _check_sealed
+from ..step.config import seal_run_file
+
+__all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "check_run_file", "dumps_toml", "private_dir", "run_tables",
+           "train_key", "write_run_file"]
 
 RUN_FILE = "run.toml"
 TEXTS_FILE = "texts.json"
@@ -62,7 +70,7 @@ def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
     Raises ``ValueError`` for a value TOML cannot carry (a lone surrogate, a nested dict), before
     anything is written."""
     tables = run_tables(spec, run_dir)
-    text = dumps_toml(tables)
+    text = seal_run_file(dumps_toml(tables))
     private_dir(run_dir)
     if spec.get("texts"):
         with _private_text(os.path.join(run_dir, TEXTS_FILE)) as f:
@@ -72,6 +80,17 @@ def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
         f.write(text)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
     return path
+
+
+def check_run_file(run_dir: str) -> None:
+    """``ValueError`` naming the file when ``run_dir``'s run file is missing, cut short or changed."""
+    path = os.path.join(run_dir, RUN_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"run file {path!r} cannot be read: {e.strerror or e}") from None
+    _check_sealed(data, path)
 
 
 def private_dir(path: str) -> str:

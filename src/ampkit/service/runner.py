@@ -24,6 +24,11 @@ without a summary the run fails with ``ended, exit status unknown``.
 
 A run's process handle is kept until the database says how it ended: when that write fails (a
 full disk), the next tick tries again, so a run whose process ended is never left ``running``.
+Nothing raised in a tick ends the scheduler thread -- not a failed write, not a log line that
+cannot be written to a full disk (:func:`_report` never raises); ``scheduler()`` says whether it
+is alive, for ``/health``. A run whose row cannot be set ``running`` is stopped again (it stays
+queued and is started once, later), and a run file that is cut short or changed fails its run
+before anything starts (:func:`ampkit.service.runfile.check_run_file`).
 A process killed by a signal fails its run with ``killed by signal N (SIGNAME)``. Runs and their
 files are private: the process starts with umask 077 (files 0600, directories 0700). While a
 device is over ``max_gpu_temp`` no queued run starts (:class:`ampkit.service.gpu.TempHold`).
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -42,7 +48,7 @@ import time
 from typing import Any, Callable, Optional
 
 from .gpu import TempHold
-from .runfile import RUN_FILE, private_dir, write_run_file
+from .runfile import RUN_FILE, check_run_file, private_dir, write_run_file
 from .store import Store
 from .supervise import (
     exit_path,
@@ -56,6 +62,7 @@ from .supervise import (
 __all__ = ["Runner", "command_for", "read_log"]
 
 TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")
+STALL_S = 300.0  # a scheduler that has not finished a tick for this long is reported not alive
 
 
 def command_for(run: dict[str, Any]) -> list[str]:
@@ -138,9 +145,13 @@ class Runner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ampkit-runner", daemon=True)
+        self.heartbeat: Optional[float] = None  # time.time() of the scheduler's last tick
+        self.last_error: Optional[str] = None  # the last tick's error, None once a tick succeeds
+        self._noted: Optional[str] = None  # an error this tick handled (and retries next tick)
 
     def start(self) -> None:
         self.recover()
+        self.heartbeat = time.time()
         self._thread.start()
 
     def stop(self) -> None:
@@ -164,12 +175,26 @@ class Runner:
                                         "checkpoint")
 
     def _loop(self) -> None:
+        """Tick until stopped. Nothing raised in a tick ends the loop (a full disk, a locked
+        database, a log that cannot be written): the error is reported and the next tick retries."""
         while not self._stop.is_set():
             try:
+                self._noted = None
                 self.tick()
-            except Exception as e:  # keep scheduling; the error is visible in the server log
-                print(f"ampkit serve: scheduler error: {type(e).__name__}: {e}", file=sys.stderr)
+                self.last_error = self._noted  # an error the tick handled itself (a write it retries)
+            except BaseException as e:  # noqa: BLE001 - the scheduler outlives any one tick
+                self.last_error = f"{type(e).__name__}: {e}"[:500]
+                _report(f"scheduler error (next tick retries): {self.last_error}")
+            self.heartbeat = time.time()
             self._stop.wait(self.poll_s)
+
+    def scheduler(self) -> dict[str, Any]:
+        """The scheduler's state for ``/health``: ``alive`` (its thread runs and has ticked within
+        ``STALL_S``: a tick may wait seconds for a run's process to start, never minutes), the
+        seconds since its last tick, and the last tick's error (None once a tick succeeds)."""
+        age = None if self.heartbeat is None else round(time.time() - self.heartbeat, 3)
+        alive = self._thread.is_alive() and age is not None and age < STALL_S
+        return {"alive": alive, "last_tick_s_ago": age, "error": self.last_error}
 
     def tick(self) -> None:
         with self._lock:
@@ -211,7 +236,7 @@ class Runner:
         run with the reason, so that the runs queued after it still start."""
         try:
             self._launch(run)
-        except Exception as e:
+        except Exception as e:  # the update may fail too (a full disk): the run stays queued, next tick retries
             self.store.update(run["id"], expect=("queued",), status="failed", ended=time.time(),
                               error=f"could not start: {type(e).__name__}: {e}"[:2000]
                               .encode("utf-8", "backslashreplace").decode("utf-8"))
@@ -222,6 +247,8 @@ class Runner:
         attempt = int(run.get("resumes") or 0)
         if run["kind"] == "train" and not os.path.exists(os.path.join(d, RUN_FILE)):
             write_run_file(run["spec"], d)  # a run queued by a server from before run.toml
+        if run["kind"] == "train":
+            check_run_file(d)  # cut short or changed: the run fails with why, it never trains on it
         with contextlib.suppress(FileNotFoundError):
             os.unlink(exit_path(d, attempt))  # a record left by an earlier launch of this attempt
         write_private(launch_path(d, attempt), json.dumps({"argv": command_for(run)}).encode())
@@ -230,11 +257,17 @@ class Runner:
             proc = subprocess.Popen(supervisor_command(d, attempt), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=d, umask=0o077)
         pid = _started_pid(proc, d, attempt)
-        if self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=pid):
-            self._procs[run["id"]] = proc
-        else:  # cancelled between the read and now
-            _kill_group(pid)
-            _reap(proc)
+        try:
+            started = self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=pid)
+        except BaseException:  # not recorded (a full disk): the run stays queued and must not run twice
+            started = False
+            raise
+        finally:
+            if started:
+                self._procs[run["id"]] = proc
+            else:  # cancelled between the read and now, or the row could not be written
+                _kill_group(pid)
+                _reap(proc)
 
     def _finish_or_retry(self, run_id: str, rc: Optional[int]) -> bool:
         """Record how the run ended; False (try again next tick) when the database cannot be written."""
@@ -243,8 +276,8 @@ class Runner:
             self.unrecorded.pop(run_id, None)
             return True
         except Exception as e:  # a full disk, a locked database: the run stays watched
-            print(f"ampkit serve: cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}",
-                  file=sys.stderr)
+            self._noted = f"cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}"[:500]
+            _report(self._noted)
             return False
 
     def shown(self, run: dict[str, Any]) -> dict[str, Any]:
@@ -326,6 +359,19 @@ def _started_pid(proc: subprocess.Popen[bytes], run_dir: str, attempt: int, time
             proc.wait()
             raise RuntimeError(f"its supervisor did not start it within {timeout:g} s")
         time.sleep(0.01)
+
+
+def _report(message: str) -> None:
+    """``message`` to the server's log (logger ``ampkit.service``, else stderr); never raises: the
+    log may live on the disk that just filled up."""
+    try:
+        log = logging.getLogger("ampkit.service")
+        if log.hasHandlers():
+            log.error("scheduler: %s", message)
+        else:
+            print(f"ampkit serve: {message}", file=sys.stderr, flush=True)
+    except BaseException:  # noqa: BLE001, S110 - nowhere left to report it
+        pass
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:

@@ -18,7 +18,7 @@ from ..loop.models import SIZES
 from ..step.config import MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
-from .checks import MAX_INT, MAX_KEYS, Bool, Int, Key, Name, OverrideValue, Text, shown
+from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
            "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
@@ -26,7 +26,7 @@ __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody
 # Every size name of the built-in models, in their order (all share tiny ... large today).
 SIZE_NAMES = tuple(dict.fromkeys(size for sizes in SIZES.values() for size in sizes))
 SizeName = Literal[SIZE_NAMES]  # type: ignore[valid-type]  # Literal of a tuple: one choice per name
-Scalar = Union[bool, int, float, Name, None]
+Scalar = Union[Bool, Int, Float, Name, None]  # checked as MixedPrecisionConfig fields too
 
 
 def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
 Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
 MAX_SCALE = 2.0**127  # an initial loss scale fp32 can hold
 MAX_SECONDS = 30 * 86_400.0  # a run's wall-clock limit: at most 30 days
-UserId = Optional[Union[Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
+UserId = Optional[Union[Annotated[Int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
 
 
 def _device(v: str) -> str:
@@ -71,11 +71,11 @@ class ServiceConfig(BaseModel):
     max_concurrent: int = Field(1, ge=1)
     queue_cap: int = Field(16, ge=1)  # queued runs per owner before that owner's new ones get 429
     body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
-    poll_s: float = Field(0.2, gt=0)
+    poll_s: Float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
     max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
-    max_seconds: Optional[float] = Field(86_400.0, gt=0, le=MAX_SECONDS)  # a run's limit when it gives none
-    max_gpu_temp: Optional[float] = Field(None, gt=0, le=150)  # °C: queued runs wait while a GPU is hotter
+    max_seconds: Optional[Float] = Field(86_400.0, gt=0, le=MAX_SECONDS)  # a run's limit when it gives none
+    max_gpu_temp: Optional[Float] = Field(None, gt=0, le=150)  # °C: queued runs wait while a GPU is hotter
     private_docs: bool = False  # /docs and /openapi.json need a token too
 
 
@@ -90,12 +90,12 @@ class RunSpec(BaseModel):
     steps: Int = Field(100, ge=1, le=1_000_000)
     batch_size: Int = Field(16, ge=1, le=65_536)
     accumulation_steps: Int = Field(1, ge=1, le=4096)
-    lr: float = Field(1e-3, gt=0, le=10)
-    weight_decay: float = Field(0.01, ge=0, le=1)
+    lr: Float = Field(1e-3, gt=0, le=10)
+    weight_decay: Float = Field(0.01, ge=0, le=1)
     seed: Int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)  # a signed 64-bit number (TOML's and torch's range)
-    init_scale: Optional[float] = Field(None, gt=0, le=MAX_SCALE)
+    init_scale: Optional[Float] = Field(None, gt=0, le=MAX_SCALE)
     device: Name = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
     checkpoint_every: Int = Field(10, ge=1, le=1_000_000)
     log_every: Int = Field(5, ge=1, le=1_000_000)
     model_overrides: Overrides = Field(default_factory=dict)  # a Hugging Face config's fields
@@ -157,7 +157,7 @@ class RecommendSpec(BaseModel):
     steps: Int = Field(10, ge=1, le=10_000)
     precisions: Name = "fp32,bf16,fp16"
     device: Name = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
 
     @field_validator("precisions")
     @classmethod
@@ -193,7 +193,7 @@ class _Body(BaseModel):
 class MixedPrecisionBody(_Body):
     enabled: Bool = True
     dtype: Name = "float16"  # any precision name or alias ampkit knows
-    init_scale: Optional[float] = Field(65536.0, gt=0, le=MAX_SCALE)
+    init_scale: Optional[Float] = Field(65536.0, gt=0, le=MAX_SCALE)
     memory_efficient: Bool = False  # -> activation checkpointing
 
     @field_validator("dtype")
@@ -214,8 +214,8 @@ class DatasetConfig(_Body):
 
 class TrainingConfig(_Body):
     epochs: Int = Field(1, ge=1, le=100_000)
-    learning_rate: float = Field(5e-5, gt=0, le=10)
-    weight_decay: float = Field(0.01, ge=0, le=1)
+    learning_rate: Float = Field(5e-5, gt=0, le=10)
+    weight_decay: Float = Field(0.01, ge=0, le=1)
     batch_size: Int = Field(8, ge=1, le=65_536)
 
 
@@ -227,7 +227,7 @@ class TrainBody(_Body):
     user_id: UserId = None
     mixed_precision_config: Optional[MixedPrecisionBody] = None
     device: Name = "cpu"
-    max_seconds: Optional[float] = Field(None, gt=0, le=MAX_SECONDS)
+    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
 
     _device = field_validator("device")(_device)
 
@@ -242,6 +242,6 @@ class OptimizeBody(_Body):
     model_name: Name = "gpt2"
     model_overrides: Overrides = Field(default_factory=dict)
     size: SizeName = "small"  # for model_name "gpt"
-    gpu_memory_gb: float = Field(gt=0, le=1_000_000)
+    gpu_memory_gb: Float = Field(gt=0, le=1_000_000)
     batch_size: Int = Field(16, ge=1, le=65_536)
     max_length: Int = Field(512, ge=2, le=8192)

@@ -20,6 +20,8 @@ import sqlite3
 import sys
 from typing import Any, Optional
 
+from . import lock
+
 __all__ = ["guarded_protocol", "preflight", "serve"]
 
 
@@ -74,7 +76,9 @@ def preflight(data_dir: str) -> None:
     """Raise ``OSError`` naming the data directory and the reason when the server could not keep
     its state there (it cannot create it, write to it, or the disk is full)."""
     try:
-        os.makedirs(data_dir, exist_ok=True)
+        if not os.path.isdir(data_dir):  # a new data directory is private (0700) whatever the umask;
+            os.makedirs(data_dir, mode=0o700)  # an existing one keeps the mode its operator gave it
+            os.chmod(data_dir, 0o700)
         probe = os.path.join(data_dir, f".write-test-{os.getpid()}")
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -92,16 +96,25 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, header_timeout: float = 
           **config: Any) -> None:
     """Run the service with uvicorn until interrupted (``config``: :class:`ServiceConfig` fields).
     Raises ``OSError`` (the CLI prints it and exits 2) when the data directory cannot hold its state."""
-    import uvicorn
-
-    from .app import create_app
     from .schemas import ServiceConfig
-    from .store import disk_full
 
     cfg = ServiceConfig(**config)
     preflight(cfg.data_dir)
+    key = lock.hold(cfg.data_dir)  # a second server on this directory: DataDirBusy (the CLI says it, exits 2)
     try:
-        app = create_app(cfg)
+        _serve(cfg, host, port, header_timeout, keep_alive)
+    finally:
+        lock.release(key)
+
+
+def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: int) -> None:
+    import uvicorn
+
+    from .app import create_app
+    from .store import disk_full
+
+    try:
+        app = create_app(cfg)  # a damaged database: DamagedStore (an OSError naming the file and the way back)
     except sqlite3.Error as e:  # opening the database: a full disk, a read-only or corrupt file
         code = errno.ENOSPC if disk_full(e) else errno.EIO
         raise OSError(code, f"cannot open the service's database in {os.path.abspath(cfg.data_dir)}: {e}") from None

@@ -7,10 +7,16 @@ the file; every write is one short transaction. Connections are per thread.
 The database is private whatever the umask: the file is created 0600 before SQLite opens it (its
 ``-wal`` and ``-shm`` files take the database's mode, and are set to 0600 too), a data directory
 this store creates is 0700, and ``runs/`` (the run directories' parent) is 0700.
+
+Only a missing ``ampkit.db`` means a new service: a new database is created whole (its schema
+written to a temporary file renamed into place), so a file that exists but is empty, is not
+SQLite or fails ``PRAGMA quick_check`` is damaged, and the store refuses it (:class:`DamagedStore`,
+naming the file and how to recover) instead of starting with every run forgotten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -19,7 +25,7 @@ import threading
 import time
 from typing import Any, Optional
 
-__all__ = ["STATUSES", "Store", "disk_full"]
+__all__ = ["STATUSES", "DamagedStore", "Store", "check_database", "disk_full"]
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 _JSON = ("spec", "summary")
@@ -62,7 +68,13 @@ class Store:
         os.makedirs(runs, mode=0o700, exist_ok=True)
         os.chmod(runs, 0o700)
         self.path = os.path.join(data_dir, "ampkit.db")
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        if os.path.exists(self.path):
+            check_database(self.path)  # damaged: refused, never taken for a new one
+        elif os.path.exists(self.path + "-wal") and os.path.getsize(self.path + "-wal") > 0:
+            raise DamagedStore(errno.ENOENT, _damaged(self.path, "it is missing but its -wal file is there (the "
+                                                                 "database was deleted or moved)"))
+        else:
+            _create(self.path)  # only a missing file means a new service
         self._local = threading.local()
         db = self._conn()
         db.execute("PRAGMA journal_mode=WAL")
@@ -157,6 +169,80 @@ class Store:
             return db.execute(sql, args).rowcount > 0
 
 
+_HEADER = b"SQLite format 3\0"
+
+
+class DamagedStore(OSError):
+    """The service's database exists but is not a whole SQLite database (the server refuses to start)."""
+
+
+def check_database(path: str) -> None:
+    """:class:`DamagedStore` naming ``path``, why and how to recover, when the file is empty, is not
+    SQLite, or fails SQLite's ``quick_check``. A 0-byte file is never a new database here: this
+    store creates a new one whole (:func:`_create`), so an empty file is one that lost its data."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_HEADER))
+    except OSError as e:
+        raise DamagedStore(e.errno or errno.EIO, _damaged(path, f"it cannot be read ({e.strerror or e})")) from None
+    if not head:
+        raise DamagedStore(errno.EIO, _damaged(path, "it is empty (0 bytes)"))
+    if head != _HEADER:
+        raise DamagedStore(errno.EIO, _damaged(path, "it is not an SQLite database (its header is wrong)"))
+    try:
+        db = sqlite3.connect(path, timeout=30)
+        try:
+            verdict = db.execute("PRAGMA quick_check").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        if disk_full(e):
+            raise
+        verdict = str(e)
+    if verdict != "ok":
+        raise DamagedStore(errno.EIO, _damaged(path, f"SQLite's quick_check says: {verdict}"))
+
+
+def _damaged(path: str, why: str) -> str:
+    path = os.path.abspath(path)
+    return (f"the service's database {path} is damaged: {why}. Refusing to start rather than forget every run. "
+            f"To recover: stop every server on this data directory, then restore {os.path.basename(path)} from a "
+            f"backup, or move it (and any -wal/-shm beside it) aside to start with an empty database "
+            f"(runs/ is kept, but the database will not list its runs)")
+
+
+def _create(path: str) -> None:
+    """A new database at ``path``, created whole: its schema is written to a private temporary file
+    that is renamed into place, so ``path`` never exists empty."""
+    tmp = f"{path}.new-{os.getpid()}"
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp + suffix)
+    os.close(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    try:
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.executescript(_SCHEMA)
+            db.execute("PRAGMA journal_mode=WAL")
+        finally:
+            db.close()  # the last connection: the WAL is checkpointed into the file and removed
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp + suffix)
+
+
 def disk_full(exc: BaseException) -> bool:
     """Is ``exc`` a full disk (or quota) from the filesystem or from SQLite?"""
     if isinstance(exc, OSError):
@@ -177,4 +263,9 @@ class _Tx:
         return self.db
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        try:
+            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            if self.db.in_transaction:  # a COMMIT that failed (a full disk) leaves it open: end it,
+                with contextlib.suppress(sqlite3.Error):  # or every later BEGIN on this connection fails
+                    self.db.execute("ROLLBACK")

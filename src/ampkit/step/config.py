@@ -21,7 +21,8 @@ from .precision import CANONICAL, parse_precision
 
 __all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "STATE_DTYPES", "ConfigError", "FieldInfo",
            "MixedPrecisionConfig", "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision",
-           "check_deterministic", "fields_help", "normalize_patterns", "read_toml"]
+           "check_deterministic", "check_run_file", "fields_help", "normalize_patterns", "read_toml",
+           "seal_run_file"]
 
 Pattern = Union[str, type]
 
@@ -276,16 +277,58 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"invalid {name}={value!r}: must be {allowed}")
 
 
+# A run file (the service's run.toml) proves it is whole: its first line is RUN_FILE_HEAD and its
+# last line the sha256 of every byte before that line. TOML cut at a line boundary is still TOML
+# (a run of 4 steps instead of 40); a sealed file cut or changed anywhere is refused. A file without
+# the head (a user's own config) is read as it is.
+RUN_FILE_HEAD = "# ampkit run file: written by ampkit serve; its last line is the sha256 of the lines above it\n"
+_SEAL = "# end sha256="
+
+
+def seal_run_file(text: str) -> str:
+    """``text`` (TOML) as a sealed run file: the head line, ``text``, then the digest line."""
+    import hashlib
+
+    body = RUN_FILE_HEAD + text + ("" if text.endswith("\n") else "\n")
+    return body + _SEAL + hashlib.sha256(body.encode("utf-8")).hexdigest() + "\n"
+
+
+def check_run_file(data: bytes, path: str) -> None:
+    """A sealed run file whose digest line is missing or does not match: ``ConfigError`` naming the
+    file; anything else (not a run file, or a whole one) passes."""
+    import hashlib
+
+    if not data.startswith(RUN_FILE_HEAD.encode()):
+        return
+    body, _, last = data.rstrip(b"\n").rpartition(b"\n")
+    body += b"\n"
+    seal = last.decode("ascii", "replace")
+    if not seal.startswith(_SEAL):
+        why = "its last line is not the digest line (the file was cut short)"
+    elif seal[len(_SEAL):] != hashlib.sha256(body).hexdigest():
+        why = "its digest does not match its content (the file was cut short or changed)"
+    else:
+        return
+    raise ConfigError(f"run file {path!r} is damaged: {why}; it is not used. The service keeps each run's "
+                      "request: submit the run again")
+
+
 def read_toml(path: str) -> dict[str, Any]:
+    """The TOML file at ``path`` (a damaged service run file is refused: :func:`check_run_file`)."""
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # pragma: no cover - older Pythons
         import tomli as tomllib  # type: ignore[no-redef]
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            data = fh.read()
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
+    check_run_file(data, path)
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: not UTF-8 ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
 

@@ -218,12 +218,6 @@ def _job_answer(job: dict[str, Any], status_code: int = 202) -> JSONResponse:
     return JSONResponse(view, status_code=status_code if job["status"] != "failed" else 200, headers=headers)
 
 
-def _deep(overrides: dict[str, Any]) -> bool:
-    """A config of more than 256 layers: even counting its parameters on the meta device takes
-    seconds (8000 layers: ~17 s), so its size check runs in the worker with the plan."""
-    return any("layer" in k and isinstance(v, int) and v > 256 for k, v in overrides.items())
-
-
 @router.post("/optimize-mixed-precision")
 def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
     """The planner's answer (200) when it is ready within seconds or cached; else 202 with a job to
@@ -234,8 +228,7 @@ def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
         allowed_model(body.model_name, ())
         if body.model_overrides or is_hf(body.model_name):
             check_overrides(body.model_name, body.model_overrides)
-        if not _deep(body.model_overrides):  # a size check of a few dozen layers: here, a 422 at once
-            check_size(body.model_name, body.model_overrides, svc.config.max_params)
+        check_size(body.model_name, body.model_overrides, svc.config.max_params)  # by depth: fast at 8000 layers
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
     key = plan_key(body, svc.config.max_params)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from typing import Any, Optional
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from ... import __version__
 from ..deps import OwnedRun, Owner, Svc, lookup, submit
@@ -22,11 +23,20 @@ router = APIRouter()
 
 
 @router.get("/health")
-def health(svc: Svc) -> dict[str, Any]:
-    """Liveness and the queue; where CUDA devices are present, ``gpus`` (temperature, memory) and,
-    while one is over ``--max_gpu_temp``, ``held`` (why queued runs wait)."""
-    out: dict[str, Any] = {"status": "ok", "version": __version__, "queued": svc.store.count("queued"),
-                           "running": svc.store.count("running")}
+def health(svc: Svc, response: Response) -> dict[str, Any]:
+    """Liveness, the scheduler's and the queue; where CUDA devices are present, ``gpus``
+    (temperature, memory) and, while one is over ``--max_gpu_temp``, ``held`` (why queued runs
+    wait). A scheduler that has stopped ticking is ``"status": "degraded"`` and a 503: no queued
+    run would start."""
+    scheduler = svc.runner.scheduler()
+    out: dict[str, Any] = {"status": "ok" if scheduler["alive"] else "degraded", "version": __version__,
+                           "scheduler": scheduler}
+    try:
+        out["queued"], out["running"] = svc.store.count("queued"), svc.store.count("running")
+    except sqlite3.Error as e:  # the database cannot be read: say so, still answer
+        out["status"], out["store_error"] = "degraded", f"{type(e).__name__}: {e}"
+    if out["status"] != "ok":
+        response.status_code = 503
     gpus = gpu_status()
     if gpus:
         out["gpus"] = gpus
