@@ -36,6 +36,21 @@ def flip_tensor_byte(path: str) -> None:
         f.write(bytes([byte ^ 0x04]))
 
 
+def flip_shard_byte(directory, fqn: str):
+    """Flip one bit in the middle of tensor ``fqn``'s bytes in its DCP shard file; returns the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(directory)).read_metadata()
+    [info] = [v for k, v in meta.storage_data.items() if k.fqn == fqn]
+    shard = directory / info.relative_path
+    with open(shard, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)[0]
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([byte ^ 0x04]))
+    return shard
+
+
 def make_trainer(directory, seed=0):
     torch.manual_seed(seed)
     model, data = builtin("gpt", "tiny", batch_size=2)
@@ -118,3 +133,75 @@ def test_digests_follow_their_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002.pt", "ckpt-00000002.pt.sha256", "ckpt-00000003.pt",
                                             "ckpt-00000003.pt.sha256"]
     assert mgr.load_latest()[1]["s"] == 33
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_checkpoint_with_a_flipped_byte_is_reported_and_the_previous_one_used(tmp_path):
+    """The sharded (DCP) form, in one process: every file of a checkpoint directory is listed with
+    its SHA-256 in ``.sha256`` inside it; a shard with a flipped byte makes the directory damaged."""
+    from ampkit.distributed import dcp
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import ShardedCheckpointManager, export_single_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    mgr = ShardedCheckpointManager(str(tmp_path), lambda: capture(model, opt))
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": {}})
+    newest = tmp_path / "ckpt-00000002"
+    listed = (newest / dcp.DIGESTS).read_text().splitlines()
+    assert sorted(line.split("  ")[1] for line in listed) == sorted(p.name for p in newest.iterdir()
+                                                                    if p.name != dcp.DIGESTS)
+    assert dcp.verify(str(newest)) is None
+    shard = flip_shard_byte(newest, "model.weight")
+    with pytest.warns(UserWarning, match=rf"ckpt-00000002' is damaged: the SHA-256 of {shard.name} does not match"
+                                         r".*falling back to the previous checkpoint '.*ckpt-00000001'"):
+        path, state = mgr.load_latest()
+    assert path == str(tmp_path / "ckpt-00000001") and torch.equal(state["model"]["weight"],
+                                                                   torch.full((64, 64), 1.0))
+    with pytest.raises(CheckpointError, match=rf"damaged: the SHA-256 of {shard.name} does not match"):
+        export_single_file(str(newest), str(tmp_path / "one.pt"))
+
+
+def _sharded_job(rank: int, world: int, directory: str) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import ShardedCheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    mgr = ShardedCheckpointManager(directory, lambda: capture(model, opt))
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": {}, "rng": {"r": rank}})
+    if rank == 0:
+        from pathlib import Path
+
+        flip_shard_byte(Path(directory) / "ckpt-00000002", "model.weight")
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, state = mgr.load_latest()
+    return {"path": path, "weight": state["model"]["weight"], "rng": state["rng"],
+            "warnings": [str(w.message) for w in caught if "falling back" in str(w.message)]}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sharded_checkpoint_damage_is_seen_by_every_rank_alike(tmp_path):
+    """Two ranks hash a share of the files each, at save and at load; both fall back together."""
+    from ..dist_helpers import run_ranks
+
+    ranks = run_ranks(_sharded_job, str(tmp_path))
+    for r, out in enumerate(ranks):
+        assert out["path"] == str(tmp_path / "ckpt-00000001") and out["rng"] == {"r": r}
+        assert torch.equal(out["weight"], torch.full((64, 64), 1.0))
+        assert len(out["warnings"]) == 1 and "ckpt-00000002' is damaged" in out["warnings"][0]

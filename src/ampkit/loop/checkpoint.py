@@ -328,7 +328,7 @@ class ShardedCheckpointManager(CheckpointManager):
     """Numbered **sharded** checkpoints (``ckpt-00000005/``, one DCP directory each) for runs of
     several processes: every rank writes its shards (:mod:`ampkit.distributed.dcp`); atomic, keep
     the last ``keep_last``; ``load_latest`` skips directories without metadata and falls back past
-    unreadable ones. ``template()`` returns the live ``(model_state, optimizer_state)`` to load
+    unreadable ones and ones whose files do not match their digests. ``template()`` returns the live ``(model_state, optimizer_state)`` to load
     into (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
 
     def __init__(self, directory: str, template: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *,
@@ -350,6 +350,9 @@ class ShardedCheckpointManager(CheckpointManager):
         from ..distributed import dcp
 
         template = self.template()
+        damage = dcp.verify(path)  # a collective: every rank gets the same answer, so all fall back alike
+        if damage is not None:
+            raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
         try:
             shapes = dcp.model_shapes(path)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file
