@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from ampkit.loop.checkpoint import file_sha256, load_checkpoint, save_checkpoint
+from ampkit.loop.checkpoint import load_checkpoint, save_checkpoint
+from ampkit.loop.digest import file_sha256
 
 
 def save_plain(state: dict, path: str) -> None:

@@ -117,18 +117,21 @@ def test_without_a_sidecar_a_checkpoint_loads_unverified_and_a_damaged_sidecar_r
     assert torch.equal(load_checkpoint(path)["w"], torch.ones(3))
     with open(sidecar, "w") as f:
         f.write("not a digest\n")
-    with pytest.raises(CheckpointError, match=r"digest file .*ckpt-00000001\.pt\.sha256' is damaged"):
+    with pytest.raises(CheckpointError, match=r"ckpt-00000001\.pt' has a damaged digest file "
+                                              r"\(ckpt-00000001\.pt\.sha256: no SHA-256 in it\)"):
         load_checkpoint(path)
 
 
 def test_digests_follow_their_checkpoints(tmp_path):
-    """keep_last removes a checkpoint's digest with it; orphaned digests and temporary ones are
-    cleaned; saving the same step again replaces the digest too."""
+    """keep_last removes a checkpoint's digest with it; temporary ones are cleaned; a digest left
+    without its checkpoint is never read (saving that step replaces it); saving the same step again
+    replaces the digest too."""
     mgr = CheckpointManager(str(tmp_path), keep_last=2)
     (tmp_path / ".tmp-dead.sha256").write_text("partial")
-    (tmp_path / "ckpt-00000009.pt.sha256").write_text("0" * 64 + "  ckpt-00000009.pt\n")
+    (tmp_path / "ckpt-00000001.pt.sha256").write_text("0" * 64 + "  ckpt-00000001.pt\n")  # an orphan
     for s in range(1, 4):
         mgr.save(s, {"s": s})
+        assert load_checkpoint(mgr.path(s))["s"] == s  # verified against its own digest
     mgr.save(3, {"s": 33})
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002.pt", "ckpt-00000002.pt.sha256", "ckpt-00000003.pt",
                                             "ckpt-00000003.pt.sha256"]

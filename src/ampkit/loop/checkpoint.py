@@ -7,20 +7,14 @@ one — also when the process is killed mid-write. Loading uses ``torch.load(wei
 a truncated or corrupt file raises :class:`CheckpointError` naming the file, and
 :meth:`CheckpointManager.load_latest` falls back to the previous good checkpoint.
 
-Digests: torch's zip archive keeps CRC-32s that ``torch.load`` does not check, so a flipped byte
-inside a tensor loads as a wrong weight. Each checkpoint therefore gets a sidecar
-``<file>.sha256`` (``sha256sum -c`` reads it), the SHA-256 of the file's bytes, hashed as they are
-written and itself written atomically *after* the checkpoint's rename (a stale one is removed
-first). Loading hashes the file (streaming) and refuses it on a mismatch. A checkpoint without a
-sidecar (written before ampkit recorded digests, copied without it, or a crash between the two
-renames -- the file is complete then: it was fsynced before its rename) loads unverified, as before.
+Each checkpoint file has its SHA-256 beside it (:mod:`ampkit.loop.digest`), checked before
+loading: a damaged file is reported and never used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import pickle
 import random
@@ -32,17 +26,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..step.logs import logger
+from .digest import DIGEST_SUFFIX, HashingWriter, check_digest, digest_path, write_digest
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatch", "DIGEST_SUFFIX", "DirLock",
-           "ShardedCheckpointManager", "capture_rng", "check_state", "digest_path", "export_single_file",
-           "file_sha256", "list_checkpoints", "load_checkpoint", "model_mismatch", "restore_rng",
-           "save_checkpoint", "torch_reason"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatch", "DirLock", "ShardedCheckpointManager",
+           "capture_rng", "check_state", "export_single_file", "list_checkpoints", "load_checkpoint", "model_mismatch",
+           "restore_rng", "save_checkpoint", "torch_reason"]
 
 FORMAT_VERSION = 1
-#: the sidecar beside each checkpoint file: ``<sha256 hex>  <file name>`` (``sha256sum`` format)
-DIGEST_SUFFIX = ".sha256"
-_CHUNK = 4 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -68,55 +58,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def digest_path(path: str) -> str:
-    """The digest sidecar of the checkpoint file ``path``."""
-    return path + DIGEST_SUFFIX
-
-
-def file_sha256(path: str) -> str:
-    """The SHA-256 (hex) of the file's bytes, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-class _Recording:
-    """A write-only file wrapper that hashes what is written and remembers the first OSError its
-    writes raised. (Given a file-like object, torch's zip writer writes sequentially, never seeks.)"""
-
-    def __init__(self, f: Any) -> None:
-        self._f, self.error, self.sha256 = f, None, hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        try:
-            n = self._f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-        self.sha256.update(data)
-        return n
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
-def _write_atomic(data: bytes, path: str, suffix: str) -> None:
-    """``data`` to ``path`` through a temporary file in its directory (fsync, rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def save_checkpoint(state: dict[str, Any], path: str) -> str:
     """Write ``state`` to ``path`` atomically (temp file + fsync + rename), then its digest sidecar
     ``path + ".sha256"`` (atomically too). Returns ``path``."""
@@ -126,7 +67,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
     sink = None
     try:
         with os.fdopen(fd, "wb") as f:
-            sink = _Recording(f)
+            sink = HashingWriter(f)
             torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, sink)
             f.flush()
             os.fsync(f.fileno())
@@ -135,7 +76,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             os.unlink(sidecar)
             _fsync_dir(directory)
         os.replace(tmp, path)
-        _write_atomic(f"{sink.sha256.hexdigest()}  {os.path.basename(path)}\n".encode(), sidecar, DIGEST_SUFFIX)
+        write_digest(path, sink.sha256.hexdigest())
         _fsync_dir(directory)
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
@@ -155,38 +96,14 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
     return path
 
 
-def _verify(path: str) -> None:
-    """Raise :class:`CheckpointError` unless ``path``'s bytes match its digest sidecar (when it has one)."""
-    sidecar = digest_path(path)
-    try:
-        with open(sidecar, "rb") as f:
-            recorded = f.read(4096)
-    except FileNotFoundError:
-        logger.info("checkpoint %r has no digest file (%s): loaded unverified", path, os.path.basename(sidecar))
-        return
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path!r}: its digest file {sidecar!r} cannot be read "
-                              f"({e.strerror or e}); it was not loaded") from None
-    want = recorded.split(maxsplit=1)[0].decode("ascii", "replace").lower() if recorded.strip() else ""
-    if not re.fullmatch(r"[0-9a-f]{64}", want):
-        raise CheckpointError(f"checkpoint {path!r} was not loaded: its digest file {sidecar!r} is damaged "
-                              "(no SHA-256 in it)")
-    try:
-        got = file_sha256(path)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path!r} cannot be read ({e.strerror or e})") from None
-    if got != want:
-        raise CheckpointError(f"checkpoint {path!r} is damaged: its SHA-256 ({got[:16]}...) does not match "
-                              f"the digest recorded in {os.path.basename(sidecar)} ({want[:16]}...); "
-                              "it was not loaded")
-
-
 def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:
     """Read a checkpoint with ``weights_only=True`` after checking its bytes against the digest
     sidecar (a file without one loads unverified); :class:`CheckpointError` names the file on failure."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
-    _verify(path)
+    damage = check_digest(path)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {path!r} {damage}; it was not loaded")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -283,22 +200,19 @@ class CheckpointManager:
         path = save_checkpoint({**state, "step": step}, self.path(step))
         if self.keep_last is not None:
             for _, old in self.list()[: -self.keep_last]:
-                for name in (old, digest_path(old)):  # the file first: a digest alone is never read
+                for name in (digest_path(old), old):  # killed between: the old file loads unverified
                     with contextlib.suppress(OSError):
                         os.unlink(name)
         self._clean_temp()
         return path
 
     def _clean_temp(self) -> None:
-        # Leftovers of a process killed mid-write (never valid, safe to remove), and the digests of
-        # checkpoints removed by a process killed between the two unlinks.
+        # Leftovers of a process killed mid-write: never valid, safe to remove. (A digest left without
+        # its checkpoint is never read: a new file of that name replaces it before its rename.)
         for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            orphan = name.endswith(DIGEST_SUFFIX) and not os.path.exists(full[: -len(DIGEST_SUFFIX)]) \
-                and self._pattern.match(name[: -len(DIGEST_SUFFIX)])
-            if (name.startswith(".tmp-") and name.endswith((".pt", DIGEST_SUFFIX))) or orphan:
+            if name.startswith(".tmp-") and name.endswith((".pt", DIGEST_SUFFIX)):
                 with contextlib.suppress(OSError):
-                    os.unlink(full)
+                    os.unlink(os.path.join(self.directory, name))
 
     def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
         """The newest checkpoint that loads and matches its digest; damaged ones are skipped, with
