@@ -37,9 +37,13 @@ def save_plain(state: dict, path: str) -> None:
     os.close(dfd)
 
 
-def timed(fn) -> float:
+def load_plain(path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def timed(fn, *args) -> float:
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t0
 
 
@@ -53,14 +57,17 @@ def main() -> None:
     out: dict[str, list[float]] = {k: [] for k in ("save plain", "save + digest", "load plain", "load + verify",
                                                     "sha256 of the file")}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
-        a, b = os.path.join(d, "a.pt"), os.path.join(d, "b.pt")
-        for _ in range(args.rounds):
-            out["save plain"].append(timed(lambda: save_plain(state, a)))
-            out["save + digest"].append(timed(lambda: save_checkpoint(state, b)))
-            out["load plain"].append(timed(lambda: torch.load(a, map_location="cpu", weights_only=True)))
-            out["load + verify"].append(timed(lambda: load_checkpoint(b)))
-            out["sha256 of the file"].append(timed(lambda: file_sha256(b)))
-        size = os.path.getsize(b) / 2**20
+        for i in range(args.rounds):
+            # a new name each round, as a run's checkpoints have (no stale digest to remove first)
+            a, b = os.path.join(d, f"a{i}.pt"), os.path.join(d, f"b{i}.pt")
+            out["save plain"].append(timed(save_plain, state, a))
+            out["save + digest"].append(timed(save_checkpoint, state, b))
+            out["load plain"].append(timed(load_plain, a))
+            out["load + verify"].append(timed(load_checkpoint, b))
+            out["sha256 of the file"].append(timed(file_sha256, b))
+            size = os.path.getsize(b) / 2**20
+            for f in (a, b, b + ".sha256"):
+                os.unlink(f)
     print(f"checkpoint of {size:.1f} MiB, median of {args.rounds} interleaved rounds "
           f"(torch {torch.__version__}, {os.cpu_count()} CPUs)")
     med = {k: statistics.median(v) * 1e3 for k, v in out.items()}
