@@ -48,14 +48,26 @@ def timed(fn, *args) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=int, default=100, help="state size in MiB (fp32 tensors of 1 MiB each)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--mb", type=int, default=100, help="state size in MiB (fp32 tensors of 1 MiB each)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.manual_seed(0)
     state = {"model": {f"w{i}": torch.randn(256, 1024) for i in range(args.mb)}}
-    out: dict[str, list[float]] = {k: [] for k in ("save plain", "save + digest", "load plain", "load + verify",
-                                                    "sha256 of the file")}
+    out: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "save plain",
+            "save + digest",
+            "load plain",
+            "load + verify",
+            "sha256 of the file",
+        )
+    }
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         for i in range(args.rounds):
             # a new name each round, as a run's checkpoints have (no stale digest to remove first)
@@ -68,13 +80,17 @@ def main() -> None:
             size = os.path.getsize(b) / 2**20
             for f in (a, b, b + ".sha256"):
                 os.unlink(f)
-    print(f"checkpoint of {size:.1f} MiB, median of {args.rounds} interleaved rounds "
-          f"(torch {torch.__version__}, {os.cpu_count()} CPUs)")
+    print(
+        f"checkpoint of {size:.1f} MiB, median of {args.rounds} interleaved rounds "
+        f"(torch {torch.__version__}, {os.cpu_count()} CPUs)"
+    )
     med = {k: statistics.median(v) * 1e3 for k, v in out.items()}
     for k, v in med.items():
         print(f"  {k:20s} {v:8.1f} ms   (min {min(out[k]) * 1e3:.1f})")
-    print(f"  added on save: {med['save + digest'] - med['save plain']:+.1f} ms; "
-          f"added on load: {med['load + verify'] - med['load plain']:+.1f} ms")
+    print(
+        f"  added on save: {med['save + digest'] - med['save plain']:+.1f} ms; "
+        f"added on load: {med['load + verify'] - med['load plain']:+.1f} ms"
+    )
 
 
 if __name__ == "__main__":

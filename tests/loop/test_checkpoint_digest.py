@@ -1,4 +1,4 @@
-"""Damaged checkpoint files are detected, never used (loop/checkpoint.py: the ``.sha256`` sidecar)."""
+"""Damaged checkpoint files are detected, never used (loop/digest.py: the ``.sha256`` sidecar)."""
 
 import hashlib
 import os
@@ -37,7 +37,7 @@ def flip_tensor_byte(path: str) -> None:
 
 
 def flip_shard_byte(directory, fqn: str):
-    """Flip one bit in the middle of tensor ``fqn``'s bytes in its DCP shard file; returns the file."""
+    """Flip one bit in the middle of tensor ``fqn``'s bytes in its DCP shard file; returns it."""
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(directory)).read_metadata()
@@ -57,8 +57,17 @@ def make_trainer(directory, seed=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     amp = MixedPrecision("fp16", device="cpu", init_scale=2.0**12, growth_interval=3)
     model, opt = amp.setup(model, opt)
-    return Trainer(model, opt, amp, data, progress=False, log_every=2, diagnose=False,
-                   checkpoint_dir=str(directory), checkpoint_every=2)
+    return Trainer(
+        model,
+        opt,
+        amp,
+        data,
+        progress=False,
+        log_every=2,
+        diagnose=False,
+        checkpoint_dir=str(directory),
+        checkpoint_every=2,
+    )
 
 
 def test_sidecar_is_the_files_sha256_in_sha256sum_format(tmp_path):
@@ -76,16 +85,21 @@ def test_flipped_byte_in_the_newest_checkpoint_is_reported_and_the_previous_one_
     first = make_trainer(tmp_path / "a")
     first.fit(4)
     a, b = tmp_path / "a", tmp_path / "b"
-    assert [os.path.basename(p) for _, p in CheckpointManager(str(a)).list()] == \
-        ["ckpt-00000002.pt", "ckpt-00000004.pt"]
+    assert [os.path.basename(p) for _, p in CheckpointManager(str(a)).list()] == [
+        "ckpt-00000002.pt",
+        "ckpt-00000004.pt",
+    ]
     b.mkdir()
     for f in a.glob("ckpt-00000002.pt*"):  # the file and its digest
         shutil.copy(f, b / f.name)
     flip_tensor_byte(str(a / "ckpt-00000004.pt"))
 
     damaged = make_trainer(a, seed=1)
-    with pytest.warns(UserWarning, match=r"ckpt-00000004\.pt' is damaged: its SHA-256 .* does not match .*"
-                                         r"falling back to the previous checkpoint '.*ckpt-00000002\.pt'"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ckpt-00000004\.pt' is damaged: its SHA-256 .* does not match .*"
+        r"falling back to the previous checkpoint '.*ckpt-00000002\.pt'",
+    ):
         assert damaged.resume() == str(a / "ckpt-00000002.pt")
     clean = make_trainer(b, seed=1)
     assert clean.resume() == str(b / "ckpt-00000002.pt")
@@ -95,17 +109,24 @@ def test_flipped_byte_in_the_newest_checkpoint_is_reported_and_the_previous_one_
     for (k, x), y in zip(damaged.model.state_dict().items(), clean.model.state_dict().values()):
         assert torch.equal(x, y), k
     assert damaged.amp.stats()["scale"] == clean.amp.stats()["scale"]
-    load_checkpoint(str(a / "ckpt-00000004.pt"))  # rewritten over the damaged one, with its own digest
+    load_checkpoint(
+        str(a / "ckpt-00000004.pt")
+    )  # rewritten over the damaged one, with its own digest
 
 
 def test_the_only_checkpoint_damaged_is_an_error_naming_it(tmp_path):
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(1, {"w": torch.arange(4096, dtype=torch.float32)})
     flip_tensor_byte(mgr.path(1))
-    with pytest.raises(CheckpointError, match=r"ckpt-00000001\.pt' is damaged: its SHA-256 .* does not match"):
+    with pytest.raises(
+        CheckpointError, match=r"ckpt-00000001\.pt' is damaged: its SHA-256 .* does not match"
+    ):
         load_checkpoint(mgr.path(1))
-    with pytest.raises(CheckpointError, match=r"damaged or unreadable \(1 file\(s\)\), so none was loaded: .*"
-                                              r"ckpt-00000001\.pt' is damaged"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"damaged or unreadable \(1 file\(s\)\), so none was loaded: .*"
+        r"ckpt-00000001\.pt' is damaged",
+    ):
         mgr.load_latest()  # never None: that would be a silent fresh start
 
 
@@ -113,12 +134,17 @@ def test_without_a_sidecar_a_checkpoint_loads_unverified_and_a_damaged_sidecar_r
     path = str(tmp_path / "ckpt-00000001.pt")
     save_checkpoint({"w": torch.ones(3)}, path)
     sidecar = digest_path(path)
-    os.unlink(sidecar)  # a checkpoint written before digests, copied alone, or a crash between the renames
+    os.unlink(
+        sidecar
+    )  # a checkpoint written before digests, copied alone, or a crash between the renames
     assert torch.equal(load_checkpoint(path)["w"], torch.ones(3))
     with open(sidecar, "w") as f:
         f.write("not a digest\n")
-    with pytest.raises(CheckpointError, match=r"ckpt-00000001\.pt' has a damaged digest file "
-                                              r"\(ckpt-00000001\.pt\.sha256: no SHA-256 in it\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt-00000001\.pt' has a damaged digest file "
+        r"\(ckpt-00000001\.pt\.sha256: no SHA-256 in it\)",
+    ):
         load_checkpoint(path)
 
 
@@ -128,20 +154,27 @@ def test_digests_follow_their_checkpoints(tmp_path):
     replaces the digest too."""
     mgr = CheckpointManager(str(tmp_path), keep_last=2)
     (tmp_path / ".tmp-dead.sha256").write_text("partial")
-    (tmp_path / "ckpt-00000001.pt.sha256").write_text("0" * 64 + "  ckpt-00000001.pt\n")  # an orphan
+    (tmp_path / "ckpt-00000001.pt.sha256").write_text(
+        "0" * 64 + "  ckpt-00000001.pt\n"
+    )  # an orphan
     for s in range(1, 4):
         mgr.save(s, {"s": s})
         assert load_checkpoint(mgr.path(s))["s"] == s  # verified against its own digest
     mgr.save(3, {"s": 33})
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002.pt", "ckpt-00000002.pt.sha256", "ckpt-00000003.pt",
-                                            "ckpt-00000003.pt.sha256"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "ckpt-00000002.pt",
+        "ckpt-00000002.pt.sha256",
+        "ckpt-00000003.pt",
+        "ckpt-00000003.pt.sha256",
+    ]
     assert mgr.load_latest()[1]["s"] == 33
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_sharded_checkpoint_with_a_flipped_byte_is_reported_and_the_previous_one_used(tmp_path):
     """The sharded (DCP) form, in one process: every file of a checkpoint directory is listed with
-    its SHA-256 in ``.sha256`` inside it; a shard with a flipped byte makes the directory damaged."""
+    its SHA-256 in ``.sha256`` inside it; a shard with a flipped byte makes the directory
+    damaged."""
     from ampkit.distributed import dcp
     from ampkit.distributed.states import capture
     from ampkit.loop.checkpoint import ShardedCheckpointManager, export_single_file
@@ -156,16 +189,23 @@ def test_sharded_checkpoint_with_a_flipped_byte_is_reported_and_the_previous_one
         mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": {}})
     newest = tmp_path / "ckpt-00000002"
     listed = (newest / dcp.DIGESTS).read_text().splitlines()
-    assert sorted(line.split("  ")[1] for line in listed) == sorted(p.name for p in newest.iterdir()
-                                                                    if p.name != dcp.DIGESTS)
+    assert sorted(line.split("  ")[1] for line in listed) == sorted(
+        p.name for p in newest.iterdir() if p.name != dcp.DIGESTS
+    )
     assert dcp.verify(str(newest)) is None
     shard = flip_shard_byte(newest, "model.weight")
-    with pytest.warns(UserWarning, match=rf"ckpt-00000002' is damaged: the SHA-256 of {shard.name} does not match"
-                                         r".*falling back to the previous checkpoint '.*ckpt-00000001'"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"ckpt-00000002' is damaged: the SHA-256 of {shard.name} does not match"
+        r".*falling back to the previous checkpoint '.*ckpt-00000001'",
+    ):
         path, state = mgr.load_latest()
-    assert path == str(tmp_path / "ckpt-00000001") and torch.equal(state["model"]["weight"],
-                                                                   torch.full((64, 64), 1.0))
-    with pytest.raises(CheckpointError, match=rf"damaged: the SHA-256 of {shard.name} does not match"):
+    assert path == str(tmp_path / "ckpt-00000001") and torch.equal(
+        state["model"]["weight"], torch.full((64, 64), 1.0)
+    )
+    with pytest.raises(
+        CheckpointError, match=rf"damaged: the SHA-256 of {shard.name} does not match"
+    ):
         export_single_file(str(newest), str(tmp_path / "one.pt"))
 
 
@@ -184,7 +224,15 @@ def _sharded_job(rank: int, world: int, directory: str) -> dict:
     for step in (1, 2):
         with torch.no_grad():
             model.weight.fill_(float(step))
-        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": {}, "rng": {"r": rank}})
+        mgr.save(
+            step,
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "amp": {},
+                "rng": {"r": rank},
+            },
+        )
     if rank == 0:
         from pathlib import Path
 
@@ -193,8 +241,12 @@ def _sharded_job(rank: int, world: int, directory: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         path, state = mgr.load_latest()
-    return {"path": path, "weight": state["model"]["weight"], "rng": state["rng"],
-            "warnings": [str(w.message) for w in caught if "falling back" in str(w.message)]}
+    return {
+        "path": path,
+        "weight": state["model"]["weight"],
+        "rng": state["rng"],
+        "warnings": [str(w.message) for w in caught if "falling back" in str(w.message)],
+    }
 
 
 @pytest.mark.slow

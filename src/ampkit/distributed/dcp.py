@@ -128,7 +128,7 @@ def _share(items: list[str]) -> list[str]:
 
 
 def _gather(mine: dict[str, str]) -> dict[str, str]:
-    """Every rank's ``mine`` merged, on every rank (a collective; ``mine`` itself in one process)."""
+    """Every rank's ``mine`` merged, on every rank (a collective; ``mine`` in one process)."""
     if not (dist.is_available() and dist.is_initialized()):
         return mine
     parts: list[Any] = [None] * dist.get_world_size()

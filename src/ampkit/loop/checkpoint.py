@@ -72,7 +72,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             f.flush()
             os.fsync(f.fileno())
         sidecar = digest_path(path)
-        if os.path.lexists(sidecar):  # never leave an old digest beside the new file, even for a moment
+        if os.path.lexists(sidecar):  # never an old digest beside the new file, even for a moment
             os.unlink(sidecar)
             _fsync_dir(directory)
         os.replace(tmp, path)
@@ -98,7 +98,8 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:
     """Read a checkpoint with ``weights_only=True`` after checking its bytes against the digest
-    sidecar (a file without one loads unverified); :class:`CheckpointError` names the file on failure."""
+    sidecar (a file without one loads unverified); :class:`CheckpointError` names the file on
+    failure."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     damage = check_digest(path)
@@ -200,15 +201,15 @@ class CheckpointManager:
         path = save_checkpoint({**state, "step": step}, self.path(step))
         if self.keep_last is not None:
             for _, old in self.list()[: -self.keep_last]:
-                for name in (digest_path(old), old):  # killed between: the old file loads unverified
+                for name in (digest_path(old), old):  # killed between: old file loads unverified
                     with contextlib.suppress(OSError):
                         os.unlink(name)
         self._clean_temp()
         return path
 
     def _clean_temp(self) -> None:
-        # Leftovers of a process killed mid-write: never valid, safe to remove. (A digest left without
-        # its checkpoint is never read: a new file of that name replaces it before its rename.)
+        # Leftovers of a process killed mid-write: never valid, safe to remove. (A digest left
+        # without its checkpoint is never read: a new file of that name replaces it first.)
         for name in os.listdir(self.directory):
             if name.startswith(".tmp-") and name.endswith((".pt", DIGEST_SUFFIX)):
                 with contextlib.suppress(OSError):
@@ -217,8 +218,8 @@ class CheckpointManager:
     def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
         """The newest checkpoint that loads and matches its digest; damaged ones are skipped, with
         one warning naming each and the checkpoint used instead. None when the directory holds no
-        checkpoint file; :class:`CheckpointError` when it holds only damaged or unreadable ones (each
-        named with its reason): never a silent fresh start."""
+        checkpoint file; :class:`CheckpointError` when it holds only damaged or unreadable ones
+        (each named with its reason): never a silent fresh start."""
         problems = []
         for _, path in reversed(self.list()):
             try:
@@ -229,12 +230,13 @@ class CheckpointManager:
                 problems.append(str(e))
                 continue
             if problems:
-                warnings.warn(f"{'; '.join(problems)}; falling back to the previous checkpoint {path!r}",
-                              stacklevel=2)
+                warnings.warn(f"{'; '.join(problems)}; falling back to the previous checkpoint "
+                              f"{path!r}", stacklevel=2)
             return path, state
         if problems:
-            raise CheckpointError(f"every checkpoint in {self.directory!r} is damaged or unreadable "
-                                  f"({len(problems)} file(s)), so none was loaded: " + "; ".join(problems))
+            raise CheckpointError(f"every checkpoint in {self.directory!r} is damaged or "
+                                  f"unreadable ({len(problems)} file(s)), so none was loaded: "
+                                  + "; ".join(problems))
         return None
 
 
@@ -242,8 +244,9 @@ class ShardedCheckpointManager(CheckpointManager):
     """Numbered **sharded** checkpoints (``ckpt-00000005/``, one DCP directory each) for runs of
     several processes: every rank writes its shards (:mod:`ampkit.distributed.dcp`); atomic, keep
     the last ``keep_last``; ``load_latest`` skips directories without metadata and falls back past
-    unreadable ones and ones whose files do not match their digests. ``template()`` returns the live ``(model_state, optimizer_state)`` to load
-    into (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
+    unreadable ones and ones whose files do not match their digests (``.sha256`` inside).
+    ``template()`` returns the live ``(model_state, optimizer_state)`` to load into
+    (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
 
     def __init__(self, directory: str, template: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *,
                  keep_last: Optional[int] = 3, prefix: str = "ckpt") -> None:
@@ -264,7 +267,7 @@ class ShardedCheckpointManager(CheckpointManager):
         from ..distributed import dcp
 
         template = self.template()
-        damage = dcp.verify(path)  # a collective: every rank gets the same answer, so all fall back alike
+        damage = dcp.verify(path)  # a collective: every rank gets the same answer, falls back alike
         if damage is not None:
             raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
         try:

@@ -21,7 +21,14 @@ from typing import Any, Optional
 
 from ..step.logs import logger
 
-__all__ = ["DIGEST_SUFFIX", "HashingWriter", "check_digest", "digest_path", "file_sha256", "write_digest"]
+__all__ = [
+    "DIGEST_SUFFIX",
+    "HashingWriter",
+    "check_digest",
+    "digest_path",
+    "file_sha256",
+    "write_digest",
+]
 
 #: the sidecar's suffix: ``ckpt-00000500.pt.sha256``
 DIGEST_SUFFIX = ".sha256"
@@ -100,5 +107,6 @@ def check_digest(path: str) -> Optional[str]:
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     if got != want:
-        return f"is damaged: its SHA-256 ({got[:16]}...) does not match the digest recorded in {name} ({want[:16]}...)"
+        return (f"is damaged: its SHA-256 ({got[:16]}...) does not match the digest recorded in "
+                f"{name} ({want[:16]}...)")
     return None

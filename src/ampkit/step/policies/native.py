@@ -17,8 +17,9 @@ library is loaded only when its size and SHA-256 match the record: a damaged cac
 ``dlopen`` would map pages past its end, and touching them kills the process with SIGBUS; a flipped
 byte: any behaviour) is reported with a ``WARNING`` naming it and rebuilt, a file without a record
 (built before ampkit recorded them, or a build interrupted between the two renames) is rebuilt
-quietly. Builders in several processes take turns (an ``flock`` on ``native/.lock``). On x86-64 Linux the kernels are
-built twice (AVX2 and baseline; the loader picks one for the CPU), so a shared cache stays safe.
+quietly. Builders in several processes take turns (an ``flock`` on ``native/.lock``). On x86-64
+Linux the kernels are built twice (AVX2 and baseline; the loader picks one for the CPU), so a
+shared cache stays safe.
 
 NaNs: torch's fp32 -> bf16 copy gives every NaN one bit pattern that depends on the layout (here
 0xFFFF when contiguous, 0x7FC0 when strided); the kernels take the contiguous one, read from torch
@@ -150,8 +151,9 @@ def _build(cc: list[str], src: bytes, flags: tuple[str, ...]) -> Path:
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc + list(flags))} failed: {r.stderr.strip()[-500:]}")
             record = f"{_sha256(tmp)}  {os.path.getsize(tmp)}\n"
-            os.replace(tmp, out)  # atomic: a process that mapped the old file keeps it; the next one reads the whole file
-            _write(_record(out), record)  # after the library: a record always describes a complete file
+            # atomic: a process that mapped the old file keeps it; the next one reads the whole file
+            os.replace(tmp, out)
+            _write(_record(out), record)  # after the library: it always describes a complete file
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
