@@ -189,7 +189,8 @@ def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path
         assert set(state) >= {"model", "optimizer", "amp", "rng", "data"}
         for _, other in mgr.list():
             load_checkpoint(other)  # every complete file loads: none is ever partial
-    assert kills == 3 and newest() > 3
+    # each round waited for a new checkpoint: >= 3 (more depends on where the random kills land)
+    assert kills == 3 and newest() >= 3
     lines = (tmp_path / "log" / "log.jsonl").read_text().splitlines()
     log = [json.loads(line) for line in lines if line.strip().endswith("}")]
     assert any(r.get("kind") == "checkpoint" for r in log)

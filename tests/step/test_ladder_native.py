@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,9 +223,62 @@ def test_compiled_once_into_the_cache_concurrently(monkeypatch: pytest.MonkeyPat
     for t in threads:
         t.join()
     assert not errors and len(libs) == 2
-    files = list((tmp_path / "native").iterdir())
-    assert len(files) == 1 and files[0].suffix == ".so"  # one file: the temporary ones renamed or removed
+    files = sorted(p.name for p in (tmp_path / "native").iterdir())
+    # one library and its record (the temporary files renamed or removed), the builders' lock
+    assert len(files) == 3 and files[0] == ".lock" and files[1].endswith(".so")
+    assert files[2] == files[1] + ".sha256"
     assert native.enabled()  # loads the cached file
+
+
+def _built(tmp_path) -> Path:
+    """Compile the kernels into the cache under ``tmp_path`` (not loading them); the library."""
+    flags = native.FLAGS + native.OPENMP
+    out = native._build(native._compiler(), native.SOURCE.read_bytes(), flags)
+    assert out.parent == tmp_path / "native"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_cached_library_is_reported_rebuilt_and_never_loaded(
+        damage: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A cache file truncated to 4096 bytes used to kill every split/kahan run with SIGBUS (dlopen
+    maps pages past its end); a flipped byte could do anything. Both are named in a warning, and
+    the library is rebuilt and used, in a fresh process."""
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AMPKIT_NO_NATIVE", raising=False)
+    lib = _built(tmp_path)
+    good = lib.read_bytes()
+    mid = len(good) // 2
+    flipped = good[:mid] + bytes([good[mid] ^ 0x10]) + good[mid + 1:]
+    data = good[:4096] if damage == "truncate" else flipped
+    lib.write_bytes(data)  # in place, as a full disk or a bad sector would leave it
+    code = "from ampkit.step.policies import native; print('enabled', native.enabled())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "enabled True" in r.stdout
+    assert f"the cached library {lib} is damaged" in r.stderr, r.stderr[-2000:]
+    assert "rebuilding it" in r.stderr
+    assert native._damage(lib) is None and len(lib.read_bytes()) == len(good)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_cached_library_without_its_record_is_rebuilt_quietly(
+        monkeypatch: pytest.MonkeyPatch, tmp_path, caplog) -> None:
+    """A library cached before records were written (or a build interrupted between the library's
+    rename and its record's) is never trusted: it is rebuilt, with an INFO line, no warning."""
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    lib = _built(tmp_path)
+    record = lib.with_name(lib.name + ".sha256")
+    assert record.is_file()
+    record.unlink()
+    before = lib.stat().st_ino
+    with caplog.at_level(logging.INFO, logger="ampkit"):
+        assert _built(tmp_path) == lib
+    assert lib.stat().st_ino != before  # a new file ...
+    assert native._damage(lib) is None  # ... matching its new record
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "no record" in caplog.text
 
 
 class _Replacing(torch.optim.SGD):

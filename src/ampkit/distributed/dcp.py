@@ -14,16 +14,25 @@ rank 0 renames it to ``<dir>`` once every rank's ``save`` returned, so a directo
 name is complete; :func:`is_complete` also demands ``.metadata``. Loading reads into *copies*
 of the live tensors and only then applies them, so a failed load changes nothing. Every
 non-tensor item is unpickled with ``weights_only=True`` (DCP's own planners do not).
+
+Digests: before the rename, the ranks hash the directory's files (each a share) and rank 0 writes
+``.sha256`` inside it (``sha256sum`` format: one ``<sha256>  <file>`` line per file, ``.metadata``
+included); :func:`verify` checks them (each rank a share again) before anything is read. DCP keeps
+no checksums of its own, so without this a flipped byte in a shard loads as a wrong weight. A
+directory without the list (written before ampkit recorded digests) loads unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import re
 import shutil
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
@@ -34,9 +43,11 @@ from torch.utils._pytree import tree_map_only
 
 from .env import barrier, is_main, rank
 
-__all__ = ["consolidate", "is_complete", "load", "model_shapes", "save"]
+__all__ = ["DIGESTS", "consolidate", "is_complete", "load", "model_shapes", "save", "verify"]
 
 _TENSORS = ("model", "optimizer")
+#: the digest list inside a checkpoint directory
+DIGESTS = ".sha256"
 
 
 def _blob(obj: Any) -> bytes:
@@ -87,13 +98,77 @@ def save(state: dict[str, Any], directory: str) -> str:
     payload["extra"] = _blob(rest)
     payload[f"rng.rank{rank()}"] = _blob(state.get("rng", {}))
     dcp.save(payload, checkpoint_id=partial)
-    barrier()  # every rank's shards are written before the rename makes the checkpoint visible
+    barrier()  # every rank's shards (and rank 0's .metadata) are written: hash them, then rename
+    files = sorted(n for n in os.listdir(partial) if os.path.isfile(os.path.join(partial, n)))
+    digests = _gather({n: _sha256(os.path.join(partial, n)) for n in _share(files)})
     if is_main():
+        with open(os.path.join(partial, DIGESTS), "w") as f:
+            f.writelines(f"{digests[n]}  {n}\n" for n in files)
+            f.flush()
+            os.fsync(f.fileno())
         if os.path.isdir(directory):
             shutil.rmtree(directory)
         os.replace(partial, directory)
     barrier()
     return directory
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _share(items: list[str]) -> list[str]:
+    """This rank's share of ``items`` (every ``world``-th one)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return items[rank()::world]
+
+
+def _gather(mine: dict[str, str]) -> dict[str, str]:
+    """Every rank's ``mine`` merged, on every rank (a collective; ``mine`` in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def verify(directory: str) -> Optional[str]:
+    """What is wrong with the files of the checkpoint ``directory`` against its digest list (each
+    rank hashes a share; every rank gets the same answer), or None when every file matches or the
+    directory has no list (written before ampkit recorded digests). A collective."""
+    listed: dict[str, str] = {}
+    problem = None
+    try:
+        with open(os.path.join(directory, DIGESTS), "rb") as f:
+            for line in f.read().decode("utf-8", "replace").splitlines():
+                m = re.fullmatch(r"([0-9a-f]{64})  (\S+)", line)
+                if m is None or "/" in m.group(2):
+                    problem = f"its digest list {DIGESTS} is damaged"
+                    break
+                listed[m.group(2)] = m.group(1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        problem = f"its digest list {DIGESTS} cannot be read ({e.strerror or e})"
+    if problem is None and ".metadata" not in listed:
+        problem = f"its digest list {DIGESTS} is damaged (no .metadata in it)"
+    mine: dict[str, str] = {}
+    for name in _share(sorted(listed)) if problem is None else []:
+        try:
+            got = _sha256(os.path.join(directory, name))
+        except OSError as e:
+            mine[name] = f"{name} cannot be read ({e.strerror or e})"
+            continue
+        if got != listed[name]:
+            mine[name] = f"the SHA-256 of {name} does not match its digest in {DIGESTS}"
+    bad = _gather(mine)  # collective on every rank, also when this rank found its own problem
+    if problem is None and bad:
+        problem = "; ".join(bad[k] for k in sorted(bad))
+    return problem
 
 
 def model_shapes(directory: str) -> dict[str, tuple[int, ...]]:
@@ -136,6 +211,9 @@ def consolidate(directory: str, rank_rng: int = 0) -> dict[str, Any]:
 
     if not is_complete(directory):
         raise FileNotFoundError(f"{directory!r} is not a complete DCP checkpoint (no .metadata)")
+    damage = verify(directory)
+    if damage is not None:
+        raise ValueError(f"it is damaged: {damage}")
     sd: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does, without the round trip through a pickle file.
     _load_state_dict(sd, storage_reader=dcp.FileSystemReader(directory), planner=_SafeEmptyLoadPlanner(),

@@ -6,6 +6,9 @@ is fsynced. A reader therefore sees either the previous checkpoint or the new on
 one — also when the process is killed mid-write. Loading uses ``torch.load(weights_only=True)``;
 a truncated or corrupt file raises :class:`CheckpointError` naming the file, and
 :meth:`CheckpointManager.load_latest` falls back to the previous good checkpoint.
+
+Each checkpoint file has its SHA-256 beside it (:mod:`ampkit.loop.digest`), checked before
+loading: a damaged file is reported and never used.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
+
+from .digest import DIGEST_SUFFIX, HashingWriter, check_digest, digest_path, write_digest
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatch", "DirLock", "ShardedCheckpointManager",
            "capture_rng", "check_state", "export_single_file", "list_checkpoints", "load_checkpoint", "model_mismatch",
@@ -53,36 +58,25 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class _Recording:
-    """A write-only file wrapper that remembers the first OSError its writes raised."""
-
-    def __init__(self, f: Any) -> None:
-        self._f, self.error = f, None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
 def save_checkpoint(state: dict[str, Any], path: str) -> str:
-    """Write ``state`` to ``path`` atomically (temp file + fsync + rename). Returns ``path``."""
+    """Write ``state`` to ``path`` atomically (temp file + fsync + rename), then its digest sidecar
+    ``path + ".sha256"`` (atomically too). Returns ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
     sink = None
     try:
         with os.fdopen(fd, "wb") as f:
-            sink = _Recording(f)
+            sink = HashingWriter(f)
             torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, sink)
             f.flush()
             os.fsync(f.fileno())
+        sidecar = digest_path(path)
+        if os.path.lexists(sidecar):  # never an old digest beside the new file, even for a moment
+            os.unlink(sidecar)
+            _fsync_dir(directory)
         os.replace(tmp, path)
+        write_digest(path, sink.sha256.hexdigest())
         _fsync_dir(directory)
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
@@ -103,9 +97,14 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
 
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``; :class:`CheckpointError` names the file on failure."""
+    """Read a checkpoint with ``weights_only=True`` after checking its bytes against the digest
+    sidecar (a file without one loads unverified); :class:`CheckpointError` names the file on
+    failure."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
+    damage = check_digest(path)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {path!r} {damage}; it was not loaded")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -202,33 +201,41 @@ class CheckpointManager:
         path = save_checkpoint({**state, "step": step}, self.path(step))
         if self.keep_last is not None:
             for _, old in self.list()[: -self.keep_last]:
-                with contextlib.suppress(OSError):
-                    os.unlink(old)
+                for name in (digest_path(old), old):  # killed between: old file loads unverified
+                    with contextlib.suppress(OSError):
+                        os.unlink(name)
         self._clean_temp()
         return path
 
     def _clean_temp(self) -> None:
-        # Leftovers of a process killed mid-write: never valid, safe to remove.
+        # Leftovers of a process killed mid-write: never valid, safe to remove. (A digest left
+        # without its checkpoint is never read: a new file of that name replaces it first.)
         for name in os.listdir(self.directory):
-            if name.startswith(".tmp-") and name.endswith(".pt"):
+            if name.startswith(".tmp-") and name.endswith((".pt", DIGEST_SUFFIX)):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.directory, name))
 
     def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[str, dict[str, Any]]]:
-        """The newest checkpoint that loads; corrupt ones are warned about and skipped. None when
-        the directory holds no checkpoint file; :class:`CheckpointError` when it holds only
-        unreadable ones (each named with its reason)."""
+        """The newest checkpoint that loads and matches its digest; damaged ones are skipped, with
+        one warning naming each and the checkpoint used instead. None when the directory holds no
+        checkpoint file; :class:`CheckpointError` when it holds only damaged or unreadable ones
+        (each named with its reason): never a silent fresh start."""
         problems = []
         for _, path in reversed(self.list()):
             try:
-                return path, self._load(path, map_location)
+                state = self._load(path, map_location)
             except CheckpointMismatch:
                 raise
             except CheckpointError as e:
                 problems.append(str(e))
-                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+                continue
+            if problems:
+                warnings.warn(f"{'; '.join(problems)}; falling back to the previous checkpoint "
+                              f"{path!r}", stacklevel=2)
+            return path, state
         if problems:
-            raise CheckpointError(f"every checkpoint in {self.directory!r} is unreadable ({len(problems)} file(s)): "
+            raise CheckpointError(f"every checkpoint in {self.directory!r} is damaged or "
+                                  f"unreadable ({len(problems)} file(s)), so none was loaded: "
                                   + "; ".join(problems))
         return None
 
@@ -237,8 +244,9 @@ class ShardedCheckpointManager(CheckpointManager):
     """Numbered **sharded** checkpoints (``ckpt-00000005/``, one DCP directory each) for runs of
     several processes: every rank writes its shards (:mod:`ampkit.distributed.dcp`); atomic, keep
     the last ``keep_last``; ``load_latest`` skips directories without metadata and falls back past
-    unreadable ones. ``template()`` returns the live ``(model_state, optimizer_state)`` to load
-    into (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
+    unreadable ones and ones whose files do not match their digests (``.sha256`` inside).
+    ``template()`` returns the live ``(model_state, optimizer_state)`` to load into
+    (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
 
     def __init__(self, directory: str, template: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *,
                  keep_last: Optional[int] = 3, prefix: str = "ckpt") -> None:
@@ -259,6 +267,9 @@ class ShardedCheckpointManager(CheckpointManager):
         from ..distributed import dcp
 
         template = self.template()
+        damage = dcp.verify(path)  # a collective: every rank gets the same answer, falls back alike
+        if damage is not None:
+            raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
         try:
             shapes = dcp.model_shapes(path)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file

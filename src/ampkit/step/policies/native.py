@@ -11,8 +11,15 @@ else Python's ``sysconfig`` ``CC``, else ``cc``) in well under a second into a p
 (``native/`` under ``$AMPKIT_CACHE_DIR``, default ``~/.cache/ampkit``; the file name is a hash of
 the source, compiler, flags and platform; written to a temporary file and renamed, so concurrent
 processes are safe), loaded with ctypes and checked bitwise against the eager functions on a probe
-of edge cases (NaNs, infinities, ties, subnormals, random bits). On x86-64 Linux the kernels are
-built twice (AVX2 and baseline; the loader picks one for the CPU), so a shared cache stays safe.
+of edge cases (NaNs, infinities, ties, subnormals, random bits). Beside each library a record
+``<name>.sha256`` (``<sha256>  <size>``) is written, atomically, once the library is complete; the
+library is loaded only when its size and SHA-256 match the record: a damaged cache file (truncated:
+``dlopen`` would map pages past its end, and touching them kills the process with SIGBUS; a flipped
+byte: any behaviour) is reported with a ``WARNING`` naming it and rebuilt, a file without a record
+(built before ampkit recorded them, or a build interrupted between the two renames) is rebuilt
+quietly. Builders in several processes take turns (an ``flock`` on ``native/.lock``). On x86-64
+Linux the kernels are built twice (AVX2 and baseline; the loader picks one for the CPU), so a
+shared cache stays safe.
 
 NaNs: torch's fp32 -> bf16 copy gives every NaN one bit pattern that depends on the layout (here
 0xFFFF when contiguous, 0x7FC0 when strided); the kernels take the contiguous one, read from torch
@@ -26,7 +33,9 @@ passes: ``AMPKIT_NO_NATIVE=1``, no compiler, a failed compile or probe (one ``DE
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -37,7 +46,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -120,23 +129,92 @@ def _load() -> ctypes.CDLL:
 
 
 def _build(cc: list[str], src: bytes, flags: tuple[str, ...]) -> Path:
-    """The compiled library for these flags (compiled now unless cached)."""
+    """The compiled library for these flags: the cached one when it matches its record, else
+    compiled now (a damaged cached one reported and replaced)."""
     key = hashlib.sha256(b"\0".join([src, *(a.encode() for a in cc + list(flags)), platform.machine().encode(),
                                      sys.platform.encode()])).hexdigest()[:20]
     out = cache_dir() / "native" / f"ladder-bits-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    if _damage(out) is None:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out.parent / ".lock"):
+        damage = _damage(out)  # another process may have built it while this one waited
+        if damage is None:
+            return out
+        if damage != "missing":
+            (logger.info if damage.startswith("has no record") else logger.warning)(
+                "ampkit native kernels: the cached library %s %s; rebuilding it", out, damage)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
             r = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc + list(flags))} failed: {r.stderr.strip()[-500:]}")
-            os.replace(tmp, out)  # atomic: another process sees the old state or the whole file
+            record = f"{_sha256(tmp)}  {os.path.getsize(tmp)}\n"
+            # atomic: a process that mapped the old file keeps it; the next one reads the whole file
+            os.replace(tmp, out)
+            _write(_record(out), record)  # after the library: it always describes a complete file
         finally:
-            if os.path.exists(tmp):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+    if (damage := _damage(out)) is not None:
+        raise RuntimeError(f"the library {out} just built {damage}")
     return out
+
+
+def _record(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _sha256(path: Any) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _damage(lib: Path) -> Optional[str]:
+    """None when ``lib`` matches its record (size, then SHA-256); else what is wrong, in words."""
+    if not lib.exists():
+        return "missing"
+    try:
+        want_sha, want_size = _record(lib).read_text().split()
+        size = lib.stat().st_size
+    except FileNotFoundError:
+        return "has no record of its size and digest beside it"
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"has a damaged record ({_record(lib).name})"
+    if str(size) != want_size:
+        return f"is damaged: {size} bytes where its record says {want_size}"
+    if _sha256(lib) != want_sha:
+        return "is damaged: its SHA-256 does not match its record"
+    return None
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` to ``path`` through a unique temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (builders in several processes take turns; the kernel
+    drops it when a process dies)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def threads() -> int:

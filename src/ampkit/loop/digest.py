@@ -1,0 +1,112 @@
+"""The SHA-256 beside each checkpoint file: how a damaged checkpoint is told from a good one.
+
+torch's zip archive keeps CRC-32s that ``torch.load`` does not check, so a flipped byte inside a
+tensor loads as a wrong weight. :func:`ampkit.loop.checkpoint.save_checkpoint` therefore writes a
+sidecar ``<file>.sha256`` (``<sha256>  <file name>``, which ``sha256sum -c`` reads): the SHA-256 of
+the file's bytes, hashed as they are written, the sidecar itself written atomically *after* the
+checkpoint's rename (a stale one is removed before it). :func:`check_digest` hashes the file
+(streaming) before it is loaded. A checkpoint without a sidecar -- written before ampkit recorded
+digests, copied without it, or a crash between the two renames (the file is complete then: it
+was fsynced before its rename) -- loads unverified, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+from typing import Any, Optional
+
+from ..step.logs import logger
+
+__all__ = [
+    "DIGEST_SUFFIX",
+    "HashingWriter",
+    "check_digest",
+    "digest_path",
+    "file_sha256",
+    "write_digest",
+]
+
+#: the sidecar's suffix: ``ckpt-00000500.pt.sha256``
+DIGEST_SUFFIX = ".sha256"
+_CHUNK = 4 << 20
+
+
+def digest_path(path: str) -> str:
+    """The digest sidecar of the checkpoint file ``path``."""
+    return path + DIGEST_SUFFIX
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 (hex) of the file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class HashingWriter:
+    """A write-only file wrapper for ``torch.save`` (whose zip writer writes a file-like object in
+    order, never seeking): hashes what is written (``.sha256``) and remembers the first OSError
+    its writes raised (``.error``: torch reports it as a RuntimeError about file positions)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self.error, self.sha256 = f, None, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.sha256.update(data)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_digest(path: str, sha256: str) -> None:
+    """The sidecar of ``path`` saying ``sha256``, through a temporary file (fsync, rename)."""
+    sidecar = digest_path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=DIGEST_SUFFIX, dir=os.path.dirname(sidecar))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(f"{sha256}  {os.path.basename(path)}\n".encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, sidecar)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_digest(path: str) -> Optional[str]:
+    """None when ``path``'s bytes match its sidecar, or when it has none (an ``INFO`` line says it
+    loads unverified); else what is wrong, as words that follow the file's name."""
+    sidecar = digest_path(path)
+    name = os.path.basename(sidecar)
+    try:
+        with open(sidecar, "rb") as f:
+            recorded = f.read(4096).split()
+    except FileNotFoundError:
+        logger.info("checkpoint %r has no digest file (%s): loaded unverified", path, name)
+        return None
+    except OSError as e:
+        return f"cannot be verified: its digest file {name} cannot be read ({e.strerror or e})"
+    want = recorded[0].decode("ascii", "replace").lower() if recorded else ""
+    if not re.fullmatch(r"[0-9a-f]{64}", want):
+        return f"has a damaged digest file ({name}: no SHA-256 in it)"
+    try:
+        got = file_sha256(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if got != want:
+        return (f"is damaged: its SHA-256 ({got[:16]}...) does not match the digest recorded in "
+                f"{name} ({want[:16]}...)")
+    return None
