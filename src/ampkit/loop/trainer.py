@@ -25,7 +25,7 @@ from ..observe.monitor import Monitor
 from ..step.engine import MixedPrecision
 from .autobatch import check_auto_args
 from .autoselect import auto_decision
-from .batches import BatchSource
+from .batches import BatchSource, held_out
 from .checkpoint import (
     CheckpointManager,
     ShardedCheckpointManager,
@@ -368,16 +368,18 @@ class Trainer:
                 fn(self, *args)
 
     def evaluate(self) -> float:
-        """Mean loss over ``eval_steps`` held-out batches, in the training precision or fp32
-        (``eval_precision``), without gradients; logged as an ``eval`` event. **Syncs** once."""
+        """Mean loss over ``eval_steps`` held-out batches (an iterable's first ones), in the training
+        precision or fp32 (``eval_precision``), without gradients; logged as an ``eval`` event.
+        **Syncs** once."""
         ev = self.settings.evaluation
         if ev.batches is None:
             raise RuntimeError("no eval_batches were given to the Trainer")
         ctx = self.amp.autocast if ev.precision == "train" else self.amp.disabled
-        value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(ev.batches, ev.steps, ctx))
+        batch_of, n = held_out(ev.batches, ev.steps)  # a DataLoader or list: its first eval_steps batches
+        value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(batch_of, n, ctx))
         if self._monitor is not None:
             self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
-                                    if ev.precision == "train" else "fp32", batches=ev.steps)
+                                    if ev.precision == "train" else "fp32", batches=n)
         self._call("on_eval", value)
         return value
 
