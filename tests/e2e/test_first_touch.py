@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import pathlib
+import re
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
 from ampkit import MixedPrecision, Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # 1 ------------------------------------------------------------------------- every API takes what the Trainer takes
@@ -75,3 +82,55 @@ def test_confirm_auto_takes_a_dataloader(tmp_path, monkeypatch):
     amp = MixedPrecision("auto", device="cpu")
     choice = ampkit.confirm_auto(amp, model, loader(), use_cache=False)
     assert choice.precision == amp.precision.name
+
+
+# 2 ------------------------------------------------------------------------- the seed guides' on/off switches
+@pytest.mark.parametrize("kwargs, precision", [
+    # the seed guides' first config examples, as written
+    ({"enabled": True, "dtype": torch.float16, "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+      "growth_interval": 2000}, "fp16"),
+    ({"use_mixed_precision": True, "mixed_precision_dtype": "bfloat16", "gradient_accumulation_steps": 4,
+      "max_grad_norm": 1.0}, "bf16"),
+    ({"use_mixed_precision": True}, "auto"),
+    ({"enabled": False, "dtype": "float16"}, "fp32"),  # off: fp32, whatever dtype comes with it
+    ({"use_mixed_precision": False}, "fp32"),
+])
+def test_seed_switches_turn_mixed_precision_on_and_off(kwargs, precision):
+    cfg = ampkit.MixedPrecisionConfig(**kwargs)
+    assert cfg.precision == precision
+    assert ampkit.MixedPrecisionConfig.from_dict(dict(kwargs)).precision == precision
+    assert MixedPrecision(device="cpu", **kwargs).config.precision == precision
+
+
+def test_switch_off_in_the_engine_and_a_toml_file(tmp_path):
+    assert MixedPrecision("bf16", device="cpu", enabled=False).precision.name == "fp32"
+    assert ampkit.MixedPrecisionConfig(precision="fp16").replace(use_mixed_precision=False).precision == "fp32"
+    path = tmp_path / "amp.toml"
+    path.write_text('[amp]\nenabled = true\ndtype = "float16"\ninit_scale = 65536\n')
+    assert ampkit.MixedPrecisionConfig.from_toml(str(path)).precision == "fp16"
+    from ampkit.cli import main
+
+    path.write_text('[amp]\nuse_mixed_precision = false\n[train]\nsteps = 1\n')
+    assert main(["train", "--config", str(path), "--model", "mlp", "--size", "tiny", "--device", "cpu",
+                 "--no_progress", "--log_dir", str(tmp_path / "run"), "--json"]) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"enabled": "yes"}, "invalid enabled='yes': must be true or false"),
+    ({"use_mixed_precision": 1}, "invalid use_mixed_precision=1: must be true or false"),
+    ({"enabled": True, "use_mixed_precision": False}, "contradict each other"),
+    ({"use_mixed_precison": True}, "did you mean 'use_mixed_precision'"),
+])
+def test_switch_errors_say_what_is_valid(kwargs, message):
+    with pytest.raises(ampkit.ConfigError, match=message):
+        ampkit.MixedPrecisionConfig(**kwargs)
+
+
+def test_coming_from_guide_config_example_prints_what_its_comments_say():
+    text = (ROOT / "docs" / "guides" / "coming-from.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "use_mixed_precision" in b)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "coming-from.md", "exec"), {})
+    said = re.findall(r"#\s*(\S+)\s*$", block, re.M)  # each print's value, as its comment says
+    assert out.getvalue().split() == said
