@@ -134,3 +134,25 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
         exec(compile(block, "coming-from.md", "exec"), {})
     said = re.findall(r"#\s*(\S+)\s*$", block, re.M)  # each print's value, as its comment says
     assert out.getvalue().split() == said
+
+
+# 4 ------------------------------------------------------------------------- typos: one line, the closest name
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--precison", "bf16"], "ampkit train: unknown flag '--precison' (did you mean '--precision'?)"),
+    (["train", "--precison=bf16", "--steps", "3"], "ampkit train: unknown flag '--precison' (did you mean "
+                                                   "'--precision'?)"),
+    (["bench", "--precisons", "fp32"], "ampkit bench: unknown flag '--precisons' (did you mean '--precisions'?)"),
+    (["trian"], "ampkit: unknown command 'trian' (did you mean 'train'?); choose one of: info, train"),
+    (["train", "--steps", "x"], "ampkit train: error: argument --steps: 'x' is not an integer"),
+    (["bench", "--precisions", "fp32,bf17"], "ampkit bench: error: argument --precisions: unknown precision "
+                                             "'bf17' (did you mean 'bf16'?)"),
+    (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
+    (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
+])
+def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys):
+    from ampkit.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and line in err, err

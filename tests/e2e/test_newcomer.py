@@ -138,7 +138,7 @@ def test_abbreviated_flags_are_refused(tmp_path, capsys):
     cfg.write_text('[amp]\nprecision = "fp16"\n')
     with pytest.raises(SystemExit):
         main(["train", "--config", str(cfg), "--prec", "fp32"])
-    assert "unrecognized arguments: --prec" in capsys.readouterr().err
+    assert "unknown flag '--prec' (did you mean '--precision'?)" in capsys.readouterr().err
 
 
 # 7 ------------------------------------------------------------------------- failed runs exit non-zero

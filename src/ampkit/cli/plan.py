@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ..loop.depth import METHOD_NOTE, plan_groups, plan_precisions
 from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
-from .flags import model_flags
+from .flags import model_flags, precision_list
 from .invocation import Invocation
 
 DEFAULT = ",".join(PLAN_PRECISIONS)  # and fp8 where torchao is installed
@@ -128,7 +128,8 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
     stack = _stack(args)
-    precisions = [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]
+    given = args.precisions or default_precisions()  # a list from --precisions (checked), or a string
+    precisions = precision_list(given) if isinstance(given, str) else list(given)
     rows = _rows(factory, batch_of, budget, precisions, args, stack)
     ref = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:
@@ -181,7 +182,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
     model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: no device
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
-    flag(p, "precisions", default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
+    flag(p, "precisions", type=precision_list, default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "verify", action="store_true",
          help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "
