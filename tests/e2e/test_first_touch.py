@@ -156,3 +156,36 @@ def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+
+
+# 3 ------------------------------------------------------------------------- names and headers say what runs
+MLP = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch_size", "8", "--no_progress"]
+
+
+def test_auto_that_measures_fp32_names_the_run_fp32(tmp_path, monkeypatch, capsys):
+    from ampkit.cli import main
+    from ampkit.loop import autoselect
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(autoselect, "measured_choice", lambda model, batches, candidate, *a, **k: autoselect.Choice(
+        "fp32", f"the hardware rule picks {candidate}, but it measured slower, so fp32", {}, False))
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
+    assert main([*MLP, "--steps", "1"]) == 0
+    err = " ".join(capsys.readouterr().out.split())
+    assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "runs").iterdir()] == ["fp32"]
+    assert " in fp32 (opt level O0)" in err
+
+
+def test_resumed_run_header_and_name_say_the_checkpoints_precision(tmp_path, monkeypatch, capsys):
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ck = ["--checkpoint_dir", "ck", "--checkpoint_every", "1"]
+    assert main([*MLP, "--precision", "fp32", "--steps", "1", *ck, "--log_dir", "first"]) == 0
+    capsys.readouterr()
+    assert main([*MLP, "--steps", "2", *ck, "--resume"]) == 0  # the default precision (auto) is not asked for
+    out = " ".join(capsys.readouterr().out.split())
+    header = out.split("ampkit train: ", 1)[1].split(" — ", 1)[0]
+    assert header.endswith("in fp32 (opt level O0)"), out
+    assert "at step 1 in fp32" in out
+    assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "runs").iterdir()] == ["fp32"]

@@ -15,7 +15,7 @@ import tempfile
 
 from ..loop.checkpoint import DirLock, list_checkpoints
 
-__all__ = ["RunDirError", "claim_checkpoint_dir", "prepare_dir"]
+__all__ = ["RunDirError", "check_writable", "claim_checkpoint_dir", "prepare_dir"]
 
 
 class RunDirError(ValueError):
@@ -24,6 +24,12 @@ class RunDirError(ValueError):
 
 def prepare_dir(path: str, flag: str) -> DirLock:
     """Create ``path`` if needed, prove it writable (a synced probe file) and lock it for this run."""
+    check_writable(path, flag)
+    return DirLock(path, what=flag).acquire()
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Create ``path`` if needed and prove it writable (a synced probe file); no lock."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"{flag} {path!r} is a file, not a directory; choose a directory")
     try:
@@ -37,7 +43,6 @@ def prepare_dir(path: str, flag: str) -> DirLock:
             os.fsync(f.fileno())
     except OSError as e:
         raise RunDirError(f"{flag} {path!r} is not writable: {e.strerror or e}") from None
-    return DirLock(path, what=flag).acquire()
 
 
 def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:

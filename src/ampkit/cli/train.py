@@ -8,11 +8,13 @@ receives one :class:`~ampkit.cli.invocation.Invocation` and resolves it into a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -39,7 +41,7 @@ from .flags import add_engine_flags, debug_flags, engine_config, model_flags
 from .interrupts import PeerFailed, sigterm_interrupts
 from .invocation import Invocation, TrainInvocation
 from .resume import apply_resume_flags, resume_hint
-from .rundirs import claim_checkpoint_dir, prepare_dir
+from .rundirs import check_writable, claim_checkpoint_dir, prepare_dir
 
 
 def _batch_size_arg(text: str) -> Any:
@@ -120,8 +122,8 @@ def _cmd_train(inv: Invocation) -> int:
     run = TrainInvocation(resolved, inv.argv, amp.config, inv.given, why)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
-    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
-    locks = []  # the run's directories, checked and locked (by rank 0) before anything is built
+    log_dir = args.log_dir  # None: runs/<stamp>-<precision>, named once the precision that runs is known
+    locks: list[Any] = []  # the run's directories, checked and locked (by rank 0) before anything is built
     try:
         problem = None
         if is_main():
@@ -129,35 +131,64 @@ def _cmd_train(inv: Invocation) -> int:
                 if args.checkpoint_dir:
                     locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
                     claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
-                if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
+                if log_dir is None:
+                    check_writable(RUNS, "--log_dir")  # the default's parent; the run's own dir comes later
+                elif os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
                     locks.append(prepare_dir(log_dir, "--log_dir"))
             except Exception as e:
                 problem = e
-        # The first collective: every rank learns rank 0's directory checks (and the log dir), so
-        # a refused directory ends all of them with status 2 instead of leaving some waiting.
-        log_dir, failed = broadcast_object((log_dir, problem is not None))
+        # The first collective: every rank learns rank 0's directory checks (and the run's time
+        # stamp), so a refused directory ends all of them with status 2 instead of leaving some waiting.
+        stamp, failed = broadcast_object((time.strftime("%Y%m%d-%H%M%S"), problem is not None))
         if problem is not None:
             raise problem
         if failed:
             raise PeerFailed(2)
-        return _train(run, console, device, amp, log_dir)
+        return _train(run, console, device, amp, RunDir(log_dir, stamp, locks))
     finally:
         for lock in locks:
             lock.release()
 
 
-def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision, log_dir: str) -> int:
+RUNS = "runs"  # where runs go without --log_dir
+
+
+@dataclass
+class RunDir:
+    """The run's log directory: ``--log_dir``, or ``runs/<stamp>-<precision>`` once the precision
+    that runs is known (after ``auto``'s measurement and a resume), then created and locked."""
+
+    given: Optional[str]
+    stamp: str
+    locks: list[Any]
+
+    def settle(self, precision: str) -> str:
+        if self.given is not None:
+            return self.given
+        path = os.path.join(RUNS, f"{self.stamp}-{precision}")
+        if is_main():
+            self.locks.append(prepare_dir(path, "--log_dir"))
+        return path
+
+
+def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision, where: RunDir) -> int:
     """Build, train, report: the run's steps top to bottom."""
     args = run.args
     model, batches, amp, why = _model_and_engine(args, console, device, amp)
-    model, optimizer = _setup(args, console, device, model, amp, why)
-    trainer = _trainer(args, console, model, optimizer, amp, batches, log_dir)
+    model, optimizer, setup_lines = _setup(args, device, model, amp)
+    trainer = _trainer(args, console, model, optimizer, amp, batches)
+    trainer.resume_hint = resume_hint(args, run.argv)  # printed with a graceful stop's checkpoint
+    resumed = _resume(run, trainer, amp, optimizer) if args.resume else []
+    # Now the precision that runs is known (auto measured, a checkpoint's fallback restored): the
+    # header and the run directory's name say it.
+    log_dir = where.settle(amp.precision.name)
+    trainer.settings = dataclasses.replace(trainer.settings, log=dataclasses.replace(trainer.settings.log, dir=log_dir))
+    console.print(_header(args, device, model, amp, why if not args.resume else amp.precision.reason))
+    for line in setup_lines + resumed:
+        console.print(line)
     trackers = _trackers(args, amp, log_dir) if is_main() else None
     if trackers is not None:
         trainer.callbacks.append(trackers)
-    trainer.resume_hint = resume_hint(args, run.argv)  # printed with a graceful stop's checkpoint
-    if args.resume:
-        _resume(run, console, trainer, amp, optimizer)
     steps = _total_steps(args, batches, amp)
     remaining = steps - amp.optimizer_steps
     if remaining < 1:
@@ -193,29 +224,35 @@ def _model_and_engine(args: argparse.Namespace, console: Any, device: torch.devi
     return model, batches, amp, why
 
 
-def _setup(args: argparse.Namespace, console: Any, device: torch.device, model: torch.nn.Module,
-           amp: MixedPrecision, why: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """Activation checkpointing, DDP/FSDP2, the optimizer, ``amp.setup``; says what it built."""
-    _activation_checkpointing(args, model, console)
-    several = world_size() > 1
+def _setup(args: argparse.Namespace, device: torch.device, model: torch.nn.Module,
+           amp: MixedPrecision) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[str]]:
+    """Activation checkpointing, DDP/FSDP2, the optimizer, ``amp.setup``; the lines saying what it built."""
+    lines = _activation_checkpointing(args, model)
     model = parallel.wrap(args, model, amp.precision, device)  # several processes: DDP or FSDP2
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    where = f"{device} x {world_size()} processes ({args.parallel})" if several else str(device)
-    console.print(f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-                  f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
     if amp.overridden_modules:
-        console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
+        lines.append(f"kept in fp32: {', '.join(amp.overridden_modules)}")
     for e in amp.events:
         if e.kind == "memory_efficient":
-            console.print("memory_efficient: " + "; ".join(e.data["levers"]))
-    return model, optimizer
+            lines.append("memory_efficient: " + "; ".join(e.data["levers"]))
+    return model, optimizer, lines
+
+
+def _header(args: argparse.Namespace, device: torch.device, model: torch.nn.Module, amp: MixedPrecision,
+            why: str) -> str:
+    """The run's first line: the model, where, and the precision that runs (after a resume: the
+    checkpoint's, after its fallbacks) with why."""
+    n_params = sum(p.numel() for p in model.parameters())
+    where = f"{device} x {world_size()} processes ({args.parallel})" if world_size() > 1 else str(device)
+    return (f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
+            f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
 
 
 def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             amp: MixedPrecision, batches: Any, log_dir: str) -> Any:
+             amp: MixedPrecision, batches: Any) -> Any:
+    """The Trainer, its log directory still unset (:meth:`RunDir.settle` names it after a resume)."""
     from ..loop.trainer import Trainer
 
     eval_batches = None
@@ -223,8 +260,6 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
         from ..loop.models import MODELS
 
         if args.model in MODELS and hasattr(batches, "split"):
-            import dataclasses
-
             eval_batches = dataclasses.replace(batches, split="val")
         else:
             eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
@@ -232,7 +267,7 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
 
     trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
                       fallback=False,  # the engine above is already configured from the flags
-                      log=LogConfig(dir=log_dir, every=args.log_every, console=console,
+                      log=LogConfig(dir=None, every=args.log_every, console=console,
                                     progress=not args.no_progress and not args.json),
                       checkpoint=CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
                                                   keep_last=args.keep_last),
@@ -263,9 +298,9 @@ def _total_steps(args: argparse.Namespace, batches: Any, amp: MixedPrecision) ->
     return max(1, args.epochs * per_epoch // amp.config.accumulation_steps)
 
 
-def _resume(run: TrainInvocation, console: Any, trainer: Any, amp: MixedPrecision,
-            optimizer: torch.optim.Optimizer) -> None:
-    """Load the newest good checkpoint, then apply the settings given for this run (or start fresh)."""
+def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Load the newest good checkpoint, then apply the settings given for this run (or start
+    fresh); the lines saying what it did."""
     args = run.args
     requested = amp.config  # before the checkpoint's config replaces it
     path = trainer.resume()
@@ -273,12 +308,10 @@ def _resume(run: TrainInvocation, console: Any, trainer: Any, amp: MixedPrecisio
         if not args.allow_fresh:
             raise ValueError(f"--resume: no checkpoint in {args.checkpoint_dir!r}; pass --allow_fresh to start "
                              "from scratch instead")
-        console.print(f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)")
-        return
+        return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
-    console.print(f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]")
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+    return ([f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]"]
+            + [f"[yellow]note:[/] {note}" for note in notes])
 
 
 def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, amp: MixedPrecision,
@@ -319,7 +352,7 @@ def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summ
     console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
 
 
-def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, console: Any) -> None:
+def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> list[str]:
     targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
     if args.grad_ckpt and not targets:
         from ..loop.hf import is_hf
@@ -332,15 +365,15 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, 
         else:
             targets = ["blocks.*"]
     if not targets:
-        return
+        return []
     from ..step.activation_checkpointing import apply_activation_checkpointing
 
     try:
         done = apply_activation_checkpointing(model, targets)
     except (ValueError, TypeError) as e:
         raise ValueError(f"--grad_ckpt_modules {args.grad_ckpt_modules or ','.join(targets)!r}: {e}") from None
-    console.print(f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
-                  f"{', ...' if len(done) > 4 else ''})")
+    return [f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
+            f"{', ...' if len(done) > 4 else ''})"]
 
 
 def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -> Optional[str]:
