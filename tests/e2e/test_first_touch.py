@@ -189,3 +189,24 @@ def test_resumed_run_header_and_name_say_the_checkpoints_precision(tmp_path, mon
     assert header.endswith("in fp32 (opt level O0)"), out
     assert "at step 1 in fp32" in out
     assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "runs").iterdir()] == ["fp32"]
+
+
+# 5 ------------------------------------------------------------------------- what a run says
+def test_epochs_print_a_line_per_epoch_and_the_total_time(tmp_path, capsys):
+    from ampkit.cli import main
+
+    argv = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--precision", "fp32", "--no_progress",
+            "--batch_size", "2048", "--epochs", "2"]
+    assert main([*argv, "--log_dir", str(tmp_path / "a")]) == 0
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [line.split(" · ")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], lines
+    assert all(" steps · mean loss " in line and line.endswith(("s", "samples/s")) for line in epochs)
+    total = next(line for line in lines if " steps in " in line)
+    steps = sum(int(line.split(" · ")[1].split()[0]) for line in epochs)
+    assert total.startswith(f"{steps} steps in ")
+    import json
+
+    assert main([*argv, "--log_dir", str(tmp_path / "b"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seconds"] > 0 and [e["epoch"] for e in out["epochs"]] == [0, 1]

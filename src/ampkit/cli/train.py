@@ -194,6 +194,8 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     if remaining < 1:
         raise ValueError(f"nothing to do: already at step {amp.optimizer_steps} of --steps {steps}")
     start_skipped = amp.stats()["skipped_steps"]
+    trainer.callbacks.append(EpochLines(console, args.epochs))
+    started = time.perf_counter()
     try:
         summary = trainer.fit(remaining)
     finally:
@@ -202,8 +204,9 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
+    seconds = time.perf_counter() - started
     model_path = _save_model(args, console, model, amp, summary)
-    _print_summary(run, console, amp, summary, log_dir, why, failure, model_path)
+    _print_summary(run, console, amp, summary, log_dir, why, failure, model_path, seconds)
     if failure:
         if is_main():
             print(f"ampkit train: training failed numerically: {failure}", file=sys.stderr)
@@ -327,15 +330,32 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
     return path
 
 
+class EpochLines:
+    """A Trainer callback that prints each completed epoch on one line (the Trainer closes an
+    epoch's record before ``on_step_end``); ``total``: ``--epochs``, shown as ``epoch i/N``."""
+
+    def __init__(self, console: Any, total: Optional[int]) -> None:
+        self.console, self.total, self.shown = console, total, 0
+
+    def on_step_end(self, trainer: Any, step: int, result: Any) -> None:
+        records = trainer.epochs.records
+        for r in records[self.shown:]:
+            loss = f"{r['loss']:.4f}" if r["loss"] is not None else "—"
+            speed = f" · {r['samples_per_s']:,.0f} samples/s" if r["samples_per_s"] else ""
+            self.console.print(f"epoch {r['epoch'] + 1}{f'/{self.total}' if self.total else ''} · {r['steps']} "
+                               f"steps · mean loss {loss} · {r['seconds']:.1f} s{speed}")
+        self.shown = len(records)
+
+
 def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summary: Any, log_dir: str, why: str,
-                   failure: Optional[str], model_path: Optional[str]) -> None:
+                   failure: Optional[str], model_path: Optional[str], seconds: float) -> None:
     args = run.args
     if args.json:
         if is_main():
             out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
             out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=run.batch_reason,
                        accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure,
-                       model_path=model_path)
+                       model_path=model_path, seconds=seconds)
             print(json.dumps(json_safe(out), indent=2, allow_nan=False))
         return
     for e in amp.events:
@@ -344,12 +364,20 @@ def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summ
             console.print(f"[yellow]fell back[/] {src} → {dst} at step {e.step}: {e.data['reason']}")
         elif e.kind == "fallback_retry":
             console.print(f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}")
-    console.print(f"ms/step {summary.ms_per_step:.1f}"
+    console.print(f"{summary.optimizer_steps} steps in {_duration(seconds)} · ms/step {summary.ms_per_step:.1f}"
                   + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
                   + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
     if summary.eval_losses:
         console.print("eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses))
     console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
+
+
+def _duration(seconds: float) -> str:
+    """``42.1 s``, ``3 min 05 s``, ``2 h 03 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
 
 
 def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> list[str]:
