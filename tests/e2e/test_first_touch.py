@@ -210,3 +210,45 @@ def test_epochs_print_a_line_per_epoch_and_the_total_time(tmp_path, capsys):
     assert main([*argv, "--log_dir", str(tmp_path / "b"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["seconds"] > 0 and [e["epoch"] for e in out["epochs"]] == [0, 1]
+
+
+def readme_commands() -> list[str]:
+    """The README's ``ampkit ...`` command lines: its bash blocks and the quick start's table."""
+    text = (ROOT / "README.md").read_text()
+    lines = [ln.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines()]
+    lines += [c for row in text.splitlines() if row.startswith("| ") for c in re.findall(r"`(ampkit [^`]*)`", row)]
+    out = []
+    for line in lines:
+        for part in line.split("&&"):
+            if part.strip().startswith("ampkit "):
+                out.append(part.strip())
+    return list(dict.fromkeys(out))
+
+
+def test_readme_ampkit_commands_parse_as_typed():
+    import shlex
+
+    from ampkit.cli import build_parser
+
+    commands = readme_commands()
+    assert "ampkit report runs/" in commands and len(commands) >= 10
+    for command in commands:
+        assert not set(command) & set("<>|;$"), command  # nothing the shell would take for itself
+        build_parser().parse_args(shlex.split(command)[1:])  # SystemExit(2) on anything argparse refuses
+
+
+def test_report_of_a_directory_of_runs_is_its_latest_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("runs/a", "runs/b"):
+        assert main([*MLP, "--precision", "fp32", "--steps", "2", "--log_every", "1", "--log_dir", name]) == 0
+    capsys.readouterr()
+    assert main(["report", "runs/"]) == 0  # as the README types it
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the latest run in runs/: runs/b" in out and (tmp_path / "runs/b/report/report.md").is_file()
+    assert not (tmp_path / "runs/a/report").exists()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "does not exist" in capsys.readouterr().err
