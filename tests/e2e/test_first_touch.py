@@ -252,3 +252,18 @@ def test_report_of_a_directory_of_runs_is_its_latest_run(tmp_path, monkeypatch, 
     assert not (tmp_path / "runs/a/report").exists()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_plan_says_which_device_its_figures_are_for(capsys):
+    import json
+
+    from ampkit.cli import main
+    from ampkit.step.hardware import device_info
+
+    name = device_info("cpu").name
+    argv = ["plan", "--model", "mlp", "--size", "tiny", "--memory", "1GiB", "--precisions", "fp32", "--no_cache"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["device"], out["device_name"]) == ("cpu", name)
+    assert main(argv) == 0
+    assert f"figures for cpu ({name})" in " ".join(capsys.readouterr().out.split())

@@ -157,12 +157,21 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
     return f"per row (see each row's method): {', '.join(sorted(methods))}; depth: {METHOD_NOTE}"
 
 
+def figures_device() -> tuple[str, str]:
+    """``(device, its name)`` the plan's figures are for. The estimate runs on fake CPU tensors,
+    so it counts what the CPU's kernels keep (a GPU's fused attention keeps less)."""
+    from ..step.hardware import device_info, normalize_device
+
+    return "cpu", device_info(normalize_device("cpu")).name
+
+
 def cmd_plan(inv: Invocation) -> int:
     args = inv.args
     rows = plan_rows(args)
+    device, name = figures_device()
     if args.json:
-        print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
-                          "method": _method_line(rows), "rows": rows}, indent=2))
+        print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory), "device": device,
+                          "device_name": name, "method": _method_line(rows), "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
@@ -173,7 +182,7 @@ def cmd_plan(inv: Invocation) -> int:
         saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
         table.add_row(r["precision"], f"{r['peak_bytes'] / 2**20:,.0f} MiB", "yes" if r["fits"] else "no",
                       str(r["largest_batch"]), str(r["largest_batch_activation_checkpointing"]), saving)
-    table.caption = _method_line(rows)
+    table.caption = f"figures for {device} ({name}), its kernels' memory; {_method_line(rows)}"
     wide_console().print(table)
     return 0
 
