@@ -267,3 +267,51 @@ def test_plan_says_which_device_its_figures_are_for(capsys):
     assert (out["device"], out["device_name"]) == ("cpu", name)
     assert main(argv) == 0
     assert f"figures for cpu ({name})" in " ".join(capsys.readouterr().out.split())
+
+
+# 6 ------------------------------------------------------------------------- the quick start
+EXTRAS = ("tensorboard", "matplotlib", "torchao", "transformers", "accelerate", "lightning", "lightning_fabric",
+          "pytorch_lightning", "mlflow", "wandb", "fastapi", "uvicorn", "httpx", "numpy", "pandas", "hypothesis")
+_CORE_ONLY = f"""
+import sys
+from importlib.machinery import PathFinder
+
+class Extras:  # the path finder, blind to what `pip install -e .` does not install (as on a fresh machine)
+    def find_spec(self, name, path=None, target=None):
+        return None if name.split(".")[0] in {EXTRAS!r} else PathFinder.find_spec(name, path, target)
+
+    def invalidate_caches(self):
+        PathFinder.invalidate_caches()
+
+sys.meta_path[:] = [Extras() if f is PathFinder else f for f in sys.meta_path]
+import importlib.util
+assert importlib.util.find_spec("matplotlib") is None
+from ampkit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_ampkit_train_runs_with_the_core_dependencies_only(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AMPKIT_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", _CORE_ONLY, "train", "--size", "tiny", "--steps", "1", "--no_progress",
+                        "--precision", "fp32"],  # the default model and data; auto's timing would add steps
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "ampkit train: gpt/tiny" in " ".join(r.stdout.split()) and list((tmp_path / "runs").iterdir())
+
+
+def test_quick_start_is_two_lines_and_ci_runs_exactly_them():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    line1, line2 = [ln.split("  #")[0].strip() for ln in block.strip().splitlines()]
+    assert line1 == ("pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e . "
+                     "&& ampkit train")  # what the main job needs, then the main job: no extra
+    assert line2 == 'pip install -e ".[dev]" && pytest'
+    ci = (ROOT / ".ci" / "run").read_text()
+    for line in (line1, line2):
+        assert line in ci.splitlines() or any(ln.startswith(line + " ") for ln in ci.splitlines()), line
