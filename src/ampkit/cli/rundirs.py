@@ -12,10 +12,13 @@ import contextlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from ..distributed import is_main
 from ..loop.checkpoint import DirLock, list_checkpoints
 
-__all__ = ["RunDirError", "check_writable", "claim_checkpoint_dir", "prepare_dir"]
+__all__ = ["RUNS", "RunDir", "RunDirError", "check_writable", "claim_checkpoint_dir", "prepare_dir"]
 
 
 class RunDirError(ValueError):
@@ -61,3 +64,24 @@ def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+
+
+RUNS = "runs"  # where runs go without --log_dir
+
+
+@dataclass
+class RunDir:
+    """The run's log directory: ``--log_dir``, or ``runs/<stamp>-<precision>`` once the precision
+    that runs is known (after ``auto``'s measurement and a resume), then created and locked."""
+
+    given: Optional[str]
+    stamp: str
+    locks: list[Any]
+
+    def settle(self, precision: str) -> str:
+        if self.given is not None:
+            return self.given
+        path = os.path.join(RUNS, f"{self.stamp}-{precision}")
+        if is_main():
+            self.locks.append(prepare_dir(path, "--log_dir"))
+        return path

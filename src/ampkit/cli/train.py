@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -41,7 +38,8 @@ from .flags import add_engine_flags, debug_flags, engine_config, model_flags
 from .interrupts import PeerFailed, sigterm_interrupts
 from .invocation import Invocation, TrainInvocation
 from .resume import apply_resume_flags, resume_hint
-from .rundirs import check_writable, claim_checkpoint_dir, prepare_dir
+from .rundirs import RUNS, RunDir, check_writable, claim_checkpoint_dir, prepare_dir
+from .train_summary import EpochLines, numerical_failure, print_summary
 
 
 def _batch_size_arg(text: str) -> Any:
@@ -150,27 +148,6 @@ def _cmd_train(inv: Invocation) -> int:
             lock.release()
 
 
-RUNS = "runs"  # where runs go without --log_dir
-
-
-@dataclass
-class RunDir:
-    """The run's log directory: ``--log_dir``, or ``runs/<stamp>-<precision>`` once the precision
-    that runs is known (after ``auto``'s measurement and a resume), then created and locked."""
-
-    given: Optional[str]
-    stamp: str
-    locks: list[Any]
-
-    def settle(self, precision: str) -> str:
-        if self.given is not None:
-            return self.given
-        path = os.path.join(RUNS, f"{self.stamp}-{precision}")
-        if is_main():
-            self.locks.append(prepare_dir(path, "--log_dir"))
-        return path
-
-
 def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision, where: RunDir) -> int:
     """Build, train, report: the run's steps top to bottom."""
     args = run.args
@@ -201,12 +178,12 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     finally:
         if trackers is not None:
             trackers.close()  # (after on_train_end already closed it: nothing left)
-    failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
+    failure = numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {note}")
     seconds = time.perf_counter() - started
     model_path = _save_model(args, console, model, amp, summary)
-    _print_summary(run, console, amp, summary, log_dir, why, failure, model_path, seconds)
+    print_summary(run, console, amp, summary, log_dir, why, failure, model_path, seconds)
     if failure:
         if is_main():
             print(f"ampkit train: training failed numerically: {failure}", file=sys.stderr)
@@ -330,56 +307,6 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
     return path
 
 
-class EpochLines:
-    """A Trainer callback that prints each completed epoch on one line (the Trainer closes an
-    epoch's record before ``on_step_end``); ``total``: ``--epochs``, shown as ``epoch i/N``."""
-
-    def __init__(self, console: Any, total: Optional[int]) -> None:
-        self.console, self.total, self.shown = console, total, 0
-
-    def on_step_end(self, trainer: Any, step: int, result: Any) -> None:
-        records = trainer.epochs.records
-        for r in records[self.shown:]:
-            loss = f"{r['loss']:.4f}" if r["loss"] is not None else "—"
-            speed = f" · {r['samples_per_s']:,.0f} samples/s" if r["samples_per_s"] else ""
-            self.console.print(f"epoch {r['epoch'] + 1}{f'/{self.total}' if self.total else ''} · {r['steps']} "
-                               f"steps · mean loss {loss} · {r['seconds']:.1f} s{speed}")
-        self.shown = len(records)
-
-
-def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summary: Any, log_dir: str, why: str,
-                   failure: Optional[str], model_path: Optional[str], seconds: float) -> None:
-    args = run.args
-    if args.json:
-        if is_main():
-            out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
-            out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=run.batch_reason,
-                       accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure,
-                       model_path=model_path, seconds=seconds)
-            print(json.dumps(json_safe(out), indent=2, allow_nan=False))
-        return
-    for e in amp.events:
-        if e.kind == "fallback":
-            src, dst = e.data.get("from_rung") or e.data["from"], e.data.get("to_rung") or e.data["to"]
-            console.print(f"[yellow]fell back[/] {src} → {dst} at step {e.step}: {e.data['reason']}")
-        elif e.kind == "fallback_retry":
-            console.print(f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}")
-    console.print(f"{summary.optimizer_steps} steps in {_duration(seconds)} · ms/step {summary.ms_per_step:.1f}"
-                  + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
-                  + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
-    if summary.eval_losses:
-        console.print("eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses))
-    console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
-
-
-def _duration(seconds: float) -> str:
-    """``42.1 s``, ``3 min 05 s``, ``2 h 03 min``."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    m, s = divmod(round(seconds), 60)
-    return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
-
-
 def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> list[str]:
     targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
     if args.grad_ckpt and not targets:
@@ -404,20 +331,6 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) 
             f"{', ...' if len(done) > 4 else ''})"]
 
 
-def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -> Optional[str]:
-    """Why this run cannot count as a success (every step skipped, or a non-finite final loss)."""
-    problem = None
-    if steps and skipped >= steps:
-        problem = f"all {steps} optimizer steps of this run were skipped (non-finite gradients)"
-    elif not math.isfinite(summary.final_loss):
-        problem = f"the final loss is {summary.final_loss} after {summary.optimizer_steps} steps"
-    if problem and diagnosis:
-        problem += f"; diagnosis: {diagnosis}"
-    elif problem:
-        problem += "; run with the diagnosis on (no --no_diagnose) or `ampkit audit` to find the layer"
-    return problem
-
-
 def debug_mode(amp: MixedPrecision) -> str:
     """``--debug``: autograd's anomaly mode, with NaN checks unless the loss is scaled (its
     overflows are expected and skipped, not errors). Returns what it turned on."""
@@ -425,17 +338,6 @@ def debug_mode(amp: MixedPrecision) -> str:
     torch.autograd.set_detect_anomaly(True, check_nan=check_nan)
     return ("debug: logging.getLogger('ampkit') at DEBUG on stderr; torch.autograd.set_detect_anomaly(True"
             + (")" if check_nan else ", check_nan=False): fp16's overflows are handled by loss scaling"))
-
-
-def json_safe(value: Any) -> Any:
-    """JSON has no NaN/inf: they become null (``json.dumps(allow_nan=False)`` then guards it)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def add_parser(sub: Any) -> None:

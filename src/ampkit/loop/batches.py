@@ -61,7 +61,9 @@ def held_out(batches: Any, count: int) -> tuple[Callable[[int], Any], int]:
     """``(batch_of, n)``: evaluation's batches, ``batch_of(0 .. n-1)``. A function of the index is
     itself, ``n = count``; an iterable gives the first ``count`` batches of a fresh pass (``n`` is
     fewer when it has fewer), read at each call, the random states left as they were (an
-    evaluation does not change what training draws next)."""
+    evaluation does not change what training draws next). ``RuntimeError`` when ``batches`` is None."""
+    if batches is None:
+        raise RuntimeError("no eval_batches were given to the Trainer")
     source = BatchSource(batches)
     if source.indexed:
         return batches, count

@@ -368,14 +368,11 @@ class Trainer:
                 fn(self, *args)
 
     def evaluate(self) -> float:
-        """Mean loss over ``eval_steps`` held-out batches (an iterable's first ones), in the training
-        precision or fp32 (``eval_precision``), without gradients; logged as an ``eval`` event.
-        **Syncs** once."""
+        """Mean loss over ``eval_steps`` held-out batches, in the training precision or fp32
+        (``eval_precision``), without gradients; logged as an ``eval`` event. **Syncs** once."""
         ev = self.settings.evaluation
-        if ev.batches is None:
-            raise RuntimeError("no eval_batches were given to the Trainer")
+        batch_of, n = held_out(ev.batches, ev.steps)  # an iterable: its first eval_steps batches
         ctx = self.amp.autocast if ev.precision == "train" else self.amp.disabled
-        batch_of, n = held_out(ev.batches, ev.steps)  # a DataLoader or list: its first eval_steps batches
         value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(batch_of, n, ctx))
         if self._monitor is not None:
             self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
