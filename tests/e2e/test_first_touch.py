@@ -302,7 +302,9 @@ def test_ampkit_train_runs_with_the_core_dependencies_only(tmp_path):
                         "--precision", "fp32"],  # the default model and data; auto's timing would add steps
                        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
-    assert "ampkit train: gpt/tiny" in " ".join(r.stdout.split()) and list((tmp_path / "runs").iterdir())
+    out = " ".join(r.stdout.split())
+    assert "ampkit train: gpt/tiny" in out and list((tmp_path / "runs").iterdir())
+    assert 'pip install "ampkit[tensorboard]"' in out  # the note says how to get TensorBoard, in full
 
 
 def test_quick_start_is_two_lines_and_ci_runs_exactly_them():

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any, Optional
 
+from rich.markup import escape
+
 from .common import flag
 from .invocation import Invocation
 
@@ -47,7 +49,7 @@ def cmd_report(inv: Invocation) -> int:
         if out["evals"].get(label):
             console.print("eval loss: " + ", ".join(f"step {st}: {v:.4f}" for st, v in out["evals"][label]))
     for note in out["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(f"wrote {len(out['pngs'])} plots and {out['markdown']}")
     return 0
 

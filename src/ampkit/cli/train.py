@@ -15,6 +15,7 @@ import time
 from typing import Any, Optional
 
 import torch
+from rich.markup import escape
 
 from ..distributed import broadcast_object, init, is_main, local_device, world_size
 from ..loop.seed import seed_everything
@@ -108,7 +109,7 @@ def _cmd_train(inv: Invocation) -> int:
     except PrecisionError as e:  # the library's spelling of the way out, as the flag
         raise PrecisionError(str(e).replace("fp8_emulate=True", "--fp8_emulate")) from None
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     if args.debug:
         console.print(debug_mode(amp))
     batch, accumulation, why = choose_batch(args, config.accumulation_steps, device, amp.precision.name)
@@ -180,7 +181,7 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
             trackers.close()  # (after on_train_end already closed it: nothing left)
     failure = numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     seconds = time.perf_counter() - started
     model_path = _save_model(args, console, model, amp, summary)
     print_summary(run, console, amp, summary, log_dir, why, failure, model_path, seconds)
@@ -291,7 +292,7 @@ def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision, optimizer: 
         return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
     return ([f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]"]
-            + [f"[yellow]note:[/] {note}" for note in notes])
+            + [f"[yellow]note:[/] {escape(note)}" for note in notes])
 
 
 def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, amp: MixedPrecision,
