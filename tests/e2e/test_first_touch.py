@@ -271,7 +271,7 @@ def test_plan_says_which_device_its_figures_are_for(capsys):
 
 # 6 ------------------------------------------------------------------------- the quick start
 EXTRAS = ("tensorboard", "matplotlib", "torchao", "transformers", "accelerate", "lightning", "lightning_fabric",
-          "pytorch_lightning", "mlflow", "wandb", "fastapi", "uvicorn", "httpx", "numpy", "pandas", "hypothesis")
+          "pytorch_lightning", "mlflow", "wandb", "fastapi", "uvicorn", "httpx", "pandas", "hypothesis")
 _CORE_ONLY = f"""
 import sys
 from importlib.machinery import PathFinder
@@ -301,7 +301,7 @@ def test_ampkit_train_runs_with_the_core_dependencies_only(tmp_path):
     r = subprocess.run([sys.executable, "-c", _CORE_ONLY, "train", "--size", "tiny", "--steps", "1", "--no_progress",
                         "--precision", "fp32"],  # the default model and data; auto's timing would add steps
                        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr  # (torch warns without numpy: a core dependency)
     out = " ".join(r.stdout.split())
     assert "ampkit train: gpt/tiny" in out and list((tmp_path / "runs").iterdir())
     assert 'pip install "ampkit[tensorboard]"' in out  # the note says how to get TensorBoard, in full
