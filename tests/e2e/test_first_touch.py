@@ -149,8 +149,10 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
     (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
     (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
 ])
-def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys):
+def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp_path, monkeypatch):
     from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)  # (before the fix, tune ran and wrote its file here)
 
     with pytest.raises(SystemExit) as e:
         main(argv)
