@@ -32,7 +32,7 @@ class CommandParser(argparse.ArgumentParser):
 
 
 class TopParser(argparse.ArgumentParser):
-    """The ``ampkit`` parser: a flag no command knows is one line with the closest flag of that command."""
+    """The ``ampkit`` parser: a flag the command does not know is one line with its closest flag."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["allow_abbrev"] = False
@@ -51,7 +51,8 @@ class TopParser(argparse.ArgumentParser):
         if extras:
             command = getattr(ns, "command", None)
             parser = self.commands.get(command) if command else None
-            self.exit(2, unknown_argument_line(f"ampkit {command}" if parser else "ampkit", extras, parser or self) + "\n")
+            who = f"ampkit {command}" if parser else "ampkit"
+            self.exit(2, unknown_argument_line(who, extras, parser or self) + "\n")
         return ns
 
     def error(self, message: str) -> NoReturn:
@@ -70,7 +71,8 @@ def unknown_argument_line(who: str, extras: Sequence[str], parser: argparse.Argu
     if not flags:
         return f"{who}: unexpected argument {extras[0]!r} ({who} {_HELP})"
     typed = flags[0].split("=", 1)[0]
-    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]  # argparse has no public list
+    # every long spelling the parser knows (argparse has no public list of its actions)
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else f" ({who} {_HELP})"
     return f"{who}: unknown flag {typed!r}{hint}"
