@@ -56,7 +56,8 @@ def precision_list(text: str) -> list[str]:
     reports the ``ArgumentTypeError`` as one line naming the flag)."""
     names = [x.strip() for x in str(text).split(",") if x.strip()]
     if not names:
-        raise argparse.ArgumentTypeError(f"{text!r} names no precision; give a comma-separated list, e.g. fp32,bf16")
+        raise argparse.ArgumentTypeError(f"{text!r} names no precision; give a comma-separated list, "
+                                         "e.g. fp32,bf16")
     for name in names:
         try:
             base, _ = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder

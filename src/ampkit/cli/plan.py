@@ -128,7 +128,7 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
     stack = _stack(args)
-    given = args.precisions or default_precisions()  # a list from --precisions (checked), or a string
+    given = args.precisions or default_precisions()  # --precisions' list (checked), or a string
     precisions = precision_list(given) if isinstance(given, str) else list(given)
     rows = _rows(factory, batch_of, budget, precisions, args, stack)
     ref = next((r for r in rows if r["precision"] == "fp32"), None)
@@ -170,8 +170,9 @@ def cmd_plan(inv: Invocation) -> int:
     rows = plan_rows(args)
     device, name = figures_device()
     if args.json:
-        print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory), "device": device,
-                          "device_name": name, "method": _method_line(rows), "rows": rows}, indent=2))
+        print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
+                          "device": device, "device_name": name, "method": _method_line(rows),
+                          "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
@@ -191,7 +192,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
     model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: no device
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
-    flag(p, "precisions", type=precision_list, default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
+    flag(p, "precisions", type=precision_list, default=None,
+         help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "verify", action="store_true",
          help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "

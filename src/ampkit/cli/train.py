@@ -121,8 +121,8 @@ def _cmd_train(inv: Invocation) -> int:
     run = TrainInvocation(resolved, inv.argv, amp.config, inv.given, why)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
-    log_dir = args.log_dir  # None: runs/<stamp>-<precision>, named once the precision that runs is known
-    locks: list[Any] = []  # the run's directories, checked and locked (by rank 0) before anything is built
+    log_dir = args.log_dir  # None: runs/<stamp>-<precision>, once the precision that runs is known
+    locks: list[Any] = []  # the run's directories, checked and locked (rank 0) before anything is built
     try:
         problem = None
         if is_main():
@@ -149,7 +149,8 @@ def _cmd_train(inv: Invocation) -> int:
             lock.release()
 
 
-def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision, where: RunDir) -> int:
+def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision,
+           where: RunDir) -> int:
     """Build, train, report: the run's steps top to bottom."""
     args = run.args
     model, batches, amp, why = _model_and_engine(args, console, device, amp)
@@ -160,8 +161,9 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     # Now the precision that runs is known (auto measured, a checkpoint's fallback restored): the
     # header and the run directory's name say it.
     log_dir = where.settle(amp.precision.name)
-    trainer.settings = dataclasses.replace(trainer.settings, log=dataclasses.replace(trainer.settings.log, dir=log_dir))
-    console.print(_header(args, device, model, amp, why if not args.resume else amp.precision.reason))
+    settings = trainer.settings
+    trainer.settings = dataclasses.replace(settings, log=dataclasses.replace(settings.log, dir=log_dir))
+    console.print(_header(args, device, model, amp, amp.precision.reason if args.resume else why))
     for line in setup_lines + resumed:
         console.print(line)
     trackers = _trackers(args, amp, log_dir) if is_main() else None
@@ -279,7 +281,8 @@ def _total_steps(args: argparse.Namespace, batches: Any, amp: MixedPrecision) ->
     return max(1, args.epochs * per_epoch // amp.config.accumulation_steps)
 
 
-def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision, optimizer: torch.optim.Optimizer) -> list[str]:
+def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision,
+            optimizer: torch.optim.Optimizer) -> list[str]:
     """Load the newest good checkpoint, then apply the settings given for this run (or start
     fresh); the lines saying what it did."""
     args = run.args

@@ -50,11 +50,12 @@ def check_batches(batches: Any, what: str = "batches", *, reiterable: bool = Fal
     ``reiterable``: a one-shot iterator (a generator object), which gives one pass only, is refused too.
     ``what`` names the argument in the message (``"eval_batches"``)."""
     if not callable(batches) and not hasattr(batches, "__iter__"):
-        raise TypeError(f"{what}={type(batches).__name__!r} is neither a function of the batch index, an iterable "
-                        "of batches (a DataLoader, a list) nor a function returning an iterator")
+        raise TypeError(f"{what}={type(batches).__name__!r} is neither a function of the batch index, "
+                        "an iterable of batches (a DataLoader, a list) nor a function returning an "
+                        "iterator")
     if reiterable and hasattr(batches, "__iter__") and iter(batches) is batches:
-        raise TypeError(f"{what} is a one-shot iterator ({type(batches).__name__}), which can be read only once: "
-                        "pass a list, a DataLoader or a function returning a fresh iterator")
+        raise TypeError(f"{what} is a one-shot iterator ({type(batches).__name__}), which can be read "
+                        "only once: pass a list, a DataLoader or a function returning a fresh iterator")
 
 
 def held_out(batches: Any, count: int) -> tuple[Callable[[int], Any], int]:

@@ -97,12 +97,13 @@ def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, A
     out: dict[str, Any] = {}
     given: dict[str, str] = {}  # field -> the key that set it
     unknown = []
-    switches = {k: v for k, v in data.items() if k in SWITCH_KEYS and k not in valid and "precision" in valid}
+    switches = {k: v for k, v in data.items()
+                if k in SWITCH_KEYS and k not in valid and "precision" in valid}
     for key, value in data.items():
         if key in switches:
             if value is not True and value is not False:  # `is`: 1, "no" and None are not the bools
-                raise ValueError(f"invalid {key}={value!r}: must be true or false (true: mixed precision, the "
-                                 "precision given or auto; false: fp32)")
+                raise ValueError(f"invalid {key}={value!r}: must be true or false (true: mixed "
+                                 "precision, the precision given or auto; false: fp32)")
             continue
         if key in _STRATEGY_KEYS and key not in valid:
             pairs = list(_strategy(key, value).items())
@@ -122,7 +123,8 @@ def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, A
         raise UnknownKeyError(unknown_key_message(unknown, valid))
     if False in switches.values():
         if True in switches.values():
-            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in switches.items())} contradict each other; give one")
+            both = ", ".join(f"{k}={v}" for k, v in switches.items())
+            raise ValueError(f"{both} contradict each other; give one")
         out["precision"] = "fp32"  # switched off: whatever precision or dtype came with it
     return out
 
