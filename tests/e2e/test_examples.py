@@ -64,3 +64,14 @@ def test_hf_gpt2_with_mixed_precision_and_cli(tmp_path, capsys, monkeypatch):
                  "GPT2Block"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["optimizer_steps"] == 4 and math.isfinite(s["final_loss"])
+
+
+def test_unstable_gpt_as_a_script_shows_the_layer_that_overflows(capsys):
+    import runpy
+
+    runpy.run_path(str(ROOT / "examples" / "unstable_gpt.py"), run_name="__main__")  # python examples/unstable_gpt.py
+    out = capsys.readouterr().out
+    assert "fp16 overflows in blocks.0.mlp.0" in out
+    losses = {ln.split(":")[0]: ln.rsplit(" ", 1)[1] for ln in out.splitlines() if "loss of one batch" in ln}
+    assert set(losses) == {"fp32", "bf16", "fp16"} and losses["fp16"] == "nan"
+    assert math.isfinite(float(losses["fp32"])) and math.isfinite(float(losses["bf16"]))

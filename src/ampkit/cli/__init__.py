@@ -22,28 +22,21 @@ from ..step.precision import PrecisionError
 from . import audit, bench, explain, export, info, plan, report, serve, slurm, train
 from .interrupts import PeerFailed
 from .invocation import parse_invocation
+from .parser import TopParser
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 COMMANDS = (info, train, audit, bench, plan, explain, report, slurm, export, serve)  # each adds its parser(s)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ampkit", allow_abbrev=False,
-                                     description="Mixed-precision training for PyTorch: fast, safe and visible.")
+def build_parser() -> TopParser:
+    """Every command's parser; usage errors are one line (:mod:`ampkit.cli.parser`)."""
+    parser = TopParser(prog="ampkit", description="Mixed-precision training for PyTorch: fast, safe and visible.")
     parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_commands(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
-
-
-class _Parser(argparse.ArgumentParser):
-    """Sub-command parsers: no abbreviations (``--prec`` must not quietly mean ``--precision``)."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from ..step.hardware import normalize_device
 from .common import flag, model_and_data, positive_int, wide_console
@@ -35,7 +36,7 @@ def cmd_audit(inv: Invocation) -> int:
         console.print(f"[bold]recommended init_scale:[/] {report.recommended_init_scale:g} "
                       f"(largest reference gradient {report.max_grad:.3g})")
     for note in report.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
     return 0
 
 

@@ -18,7 +18,7 @@ from .common import (
     positive_int,
     wide_console,
 )
-from .flags import model_flags
+from .flags import model_flags, precision_list
 from .invocation import Invocation
 
 
@@ -26,7 +26,7 @@ def _bench_report(args: argparse.Namespace) -> Any:
     from ..loop.bench import compare
 
     device = normalize_device(args.device)
-    precisions = [x.strip() for x in args.precisions.split(",") if x.strip()] if args.precisions else None
+    precisions = args.precisions  # checked by flags.precision_list
     if getattr(args, "rungs", False):  # tune --rungs: every rung of bf16-pure's memory ladder is a candidate
         from ..loop.bench import with_rungs
 
@@ -90,7 +90,7 @@ def add_parser(sub: Any) -> None:
                           ("tune", "measure, then recommend a precision within a fidelity tolerance")):
         p = sub.add_parser(cmd, help=helptext)
         model_flags(p, size="tiny")
-        flag(p, "precisions", default=None,
+        flag(p, "precisions", type=precision_list, default=None,
              help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)})")
         flag(p, "steps", type=positive_int, default=30, help="timed optimizer steps per precision (default: 30)")
         flag(p, "warmup", type=int, default=5, help="untimed steps first (default: 5)")

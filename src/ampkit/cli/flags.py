@@ -16,11 +16,12 @@ from typing import Any, Optional
 
 from ..loop.models import MODELS, SIZES
 from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
-from ..step.precision import CANONICAL
+from ..step.policies.ladder import parse_rung
+from ..step.precision import CANONICAL, PrecisionError
 from .common import data_flags, flag, positive_float, positive_int
 
 __all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags", "debug_flags",
-           "engine_config", "model_flags", "precision_help", "with_opt_level"]
+           "engine_config", "model_flags", "precision_help", "precision_list", "with_opt_level"]
 
 # Older spellings of engine fields, from the tools users come from (torch.amp, apex, Accelerate,
 # Hugging Face's TrainingArguments, DeepSpeed); each also answers with hyphens.
@@ -47,6 +48,23 @@ SIZE_CHOICES: tuple[str, ...] = tuple(dict.fromkeys(s for sizes in SIZES.values(
 
 def precision_help(default: str) -> str:
     return f"one of {', '.join(CANONICAL)}, or an alias such as 16-mixed or O2 (default: {default})"
+
+
+def precision_list(text: str) -> list[str]:
+    """``--precisions fp32,bf16,bf16-pure:split`` (bench, tune, plan): the names as typed, each
+    checked as ``--precision`` checks one, so a typo is refused with its "did you mean" (argparse
+    reports the ``ArgumentTypeError`` as one line naming the flag)."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no precision; give a comma-separated list, "
+                                         "e.g. fp32,bf16")
+    for name in names:
+        try:
+            base, _ = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
+            canonical_precision(base)
+        except (PrecisionError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
 
 
 def model_flags(p: argparse.ArgumentParser, *, size: str, device: bool = True) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ..loop.depth import METHOD_NOTE, plan_groups, plan_precisions
 from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
-from .flags import model_flags
+from .flags import model_flags, precision_list
 from .invocation import Invocation
 
 DEFAULT = ",".join(PLAN_PRECISIONS)  # and fp8 where torchao is installed
@@ -128,7 +128,8 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
     stack = _stack(args)
-    precisions = [p.strip() for p in (args.precisions or default_precisions()).split(",") if p.strip()]
+    given = args.precisions or default_precisions()  # --precisions' list (checked), or a string
+    precisions = precision_list(given) if isinstance(given, str) else list(given)
     rows = _rows(factory, batch_of, budget, precisions, args, stack)
     ref = next((r for r in rows if r["precision"] == "fp32"), None)
     for r in rows:
@@ -156,12 +157,22 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
     return f"per row (see each row's method): {', '.join(sorted(methods))}; depth: {METHOD_NOTE}"
 
 
+def figures_device() -> tuple[str, str]:
+    """``(device, its name)`` the plan's figures are for. The estimate runs on fake CPU tensors,
+    so it counts what the CPU's kernels keep (a GPU's fused attention keeps less)."""
+    from ..step.hardware import device_info, normalize_device
+
+    return "cpu", device_info(normalize_device("cpu")).name
+
+
 def cmd_plan(inv: Invocation) -> int:
     args = inv.args
     rows = plan_rows(args)
+    device, name = figures_device()
     if args.json:
         print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
-                          "method": _method_line(rows), "rows": rows}, indent=2))
+                          "device": device, "device_name": name, "method": _method_line(rows),
+                          "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
@@ -172,7 +183,7 @@ def cmd_plan(inv: Invocation) -> int:
         saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
         table.add_row(r["precision"], f"{r['peak_bytes'] / 2**20:,.0f} MiB", "yes" if r["fits"] else "no",
                       str(r["largest_batch"]), str(r["largest_batch_activation_checkpointing"]), saving)
-    table.caption = _method_line(rows)
+    table.caption = f"figures for {device} ({name}), its kernels' memory; {_method_line(rows)}"
     wide_console().print(table)
     return 0
 
@@ -181,7 +192,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
     model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: no device
     flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
-    flag(p, "precisions", default=None, help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
+    flag(p, "precisions", type=precision_list, default=None,
+         help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "verify", action="store_true",
          help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "

@@ -12,10 +12,13 @@ import contextlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from ..distributed import is_main
 from ..loop.checkpoint import DirLock, list_checkpoints
 
-__all__ = ["RunDirError", "claim_checkpoint_dir", "prepare_dir"]
+__all__ = ["RUNS", "RunDir", "RunDirError", "check_writable", "claim_checkpoint_dir", "prepare_dir"]
 
 
 class RunDirError(ValueError):
@@ -24,6 +27,12 @@ class RunDirError(ValueError):
 
 def prepare_dir(path: str, flag: str) -> DirLock:
     """Create ``path`` if needed, prove it writable (a synced probe file) and lock it for this run."""
+    check_writable(path, flag)
+    return DirLock(path, what=flag).acquire()
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Create ``path`` if needed and prove it writable (a synced probe file); no lock."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"{flag} {path!r} is a file, not a directory; choose a directory")
     try:
@@ -37,7 +46,6 @@ def prepare_dir(path: str, flag: str) -> DirLock:
             os.fsync(f.fileno())
     except OSError as e:
         raise RunDirError(f"{flag} {path!r} is not writable: {e.strerror or e}") from None
-    return DirLock(path, what=flag).acquire()
 
 
 def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
@@ -56,3 +64,24 @@ def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+
+
+RUNS = "runs"  # where runs go without --log_dir
+
+
+@dataclass
+class RunDir:
+    """The run's log directory: ``--log_dir``, or ``runs/<stamp>-<precision>`` once the precision
+    that runs is known (after ``auto``'s measurement and a resume), then created and locked."""
+
+    given: Optional[str]
+    stamp: str
+    locks: list[Any]
+
+    def settle(self, precision: str) -> str:
+        if self.given is not None:
+            return self.given
+        path = os.path.join(RUNS, f"{self.stamp}-{precision}")
+        if is_main():
+            self.locks.append(prepare_dir(path, "--log_dir"))
+        return path

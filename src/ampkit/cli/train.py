@@ -8,14 +8,14 @@ receives one :class:`~ampkit.cli.invocation.Invocation` and resolves it into a
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import dataclasses
 import os
 import sys
 import time
 from typing import Any, Optional
 
 import torch
+from rich.markup import escape
 
 from ..distributed import broadcast_object, init, is_main, local_device, world_size
 from ..loop.seed import seed_everything
@@ -39,7 +39,8 @@ from .flags import add_engine_flags, debug_flags, engine_config, model_flags
 from .interrupts import PeerFailed, sigterm_interrupts
 from .invocation import Invocation, TrainInvocation
 from .resume import apply_resume_flags, resume_hint
-from .rundirs import claim_checkpoint_dir, prepare_dir
+from .rundirs import RUNS, RunDir, check_writable, claim_checkpoint_dir, prepare_dir
+from .train_summary import EpochLines, numerical_failure, print_summary
 
 
 def _batch_size_arg(text: str) -> Any:
@@ -108,7 +109,7 @@ def _cmd_train(inv: Invocation) -> int:
     except PrecisionError as e:  # the library's spelling of the way out, as the flag
         raise PrecisionError(str(e).replace("fp8_emulate=True", "--fp8_emulate")) from None
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     if args.debug:
         console.print(debug_mode(amp))
     batch, accumulation, why = choose_batch(args, config.accumulation_steps, device, amp.precision.name)
@@ -120,8 +121,8 @@ def _cmd_train(inv: Invocation) -> int:
     run = TrainInvocation(resolved, inv.argv, amp.config, inv.given, why)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
-    log_dir = args.log_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{amp.precision.name}")
-    locks = []  # the run's directories, checked and locked (by rank 0) before anything is built
+    log_dir = args.log_dir  # None: runs/<stamp>-<precision>, once the precision that runs is known
+    locks: list[Any] = []  # the run's directories, checked and locked (rank 0) before anything is built
     try:
         problem = None
         if is_main():
@@ -129,50 +130,63 @@ def _cmd_train(inv: Invocation) -> int:
                 if args.checkpoint_dir:
                     locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
                     claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
-                if os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
+                if log_dir is None:
+                    check_writable(RUNS, "--log_dir")  # the default's parent; the run's own dir comes later
+                elif os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
                     locks.append(prepare_dir(log_dir, "--log_dir"))
             except Exception as e:
                 problem = e
-        # The first collective: every rank learns rank 0's directory checks (and the log dir), so
-        # a refused directory ends all of them with status 2 instead of leaving some waiting.
-        log_dir, failed = broadcast_object((log_dir, problem is not None))
+        # The first collective: every rank learns rank 0's directory checks (and the run's time
+        # stamp), so a refused directory ends all of them with status 2 instead of leaving some waiting.
+        stamp, failed = broadcast_object((time.strftime("%Y%m%d-%H%M%S"), problem is not None))
         if problem is not None:
             raise problem
         if failed:
             raise PeerFailed(2)
-        return _train(run, console, device, amp, log_dir)
+        return _train(run, console, device, amp, RunDir(log_dir, stamp, locks))
     finally:
         for lock in locks:
             lock.release()
 
 
-def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision, log_dir: str) -> int:
+def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision,
+           where: RunDir) -> int:
     """Build, train, report: the run's steps top to bottom."""
     args = run.args
     model, batches, amp, why = _model_and_engine(args, console, device, amp)
-    model, optimizer = _setup(args, console, device, model, amp, why)
-    trainer = _trainer(args, console, model, optimizer, amp, batches, log_dir)
+    model, optimizer, setup_lines = _setup(args, device, model, amp)
+    trainer = _trainer(args, console, model, optimizer, amp, batches)
+    trainer.resume_hint = resume_hint(args, run.argv)  # printed with a graceful stop's checkpoint
+    resumed = _resume(run, trainer, amp, optimizer) if args.resume else []
+    # Now the precision that runs is known (auto measured, a checkpoint's fallback restored): the
+    # header and the run directory's name say it.
+    log_dir = where.settle(amp.precision.name)
+    settings = trainer.settings
+    trainer.settings = dataclasses.replace(settings, log=dataclasses.replace(settings.log, dir=log_dir))
+    console.print(_header(args, device, model, amp, amp.precision.reason if args.resume else why))
+    for line in setup_lines + resumed:
+        console.print(line)
     trackers = _trackers(args, amp, log_dir) if is_main() else None
     if trackers is not None:
         trainer.callbacks.append(trackers)
-    trainer.resume_hint = resume_hint(args, run.argv)  # printed with a graceful stop's checkpoint
-    if args.resume:
-        _resume(run, console, trainer, amp, optimizer)
     steps = _total_steps(args, batches, amp)
     remaining = steps - amp.optimizer_steps
     if remaining < 1:
         raise ValueError(f"nothing to do: already at step {amp.optimizer_steps} of --steps {steps}")
     start_skipped = amp.stats()["skipped_steps"]
+    trainer.callbacks.append(EpochLines(console, args.epochs))
+    started = time.perf_counter()
     try:
         summary = trainer.fit(remaining)
     finally:
         if trackers is not None:
             trackers.close()  # (after on_train_end already closed it: nothing left)
-    failure = _numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
+    failure = numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    seconds = time.perf_counter() - started
     model_path = _save_model(args, console, model, amp, summary)
-    _print_summary(run, console, amp, summary, log_dir, why, failure, model_path)
+    print_summary(run, console, amp, summary, log_dir, why, failure, model_path, seconds)
     if failure:
         if is_main():
             print(f"ampkit train: training failed numerically: {failure}", file=sys.stderr)
@@ -193,29 +207,35 @@ def _model_and_engine(args: argparse.Namespace, console: Any, device: torch.devi
     return model, batches, amp, why
 
 
-def _setup(args: argparse.Namespace, console: Any, device: torch.device, model: torch.nn.Module,
-           amp: MixedPrecision, why: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """Activation checkpointing, DDP/FSDP2, the optimizer, ``amp.setup``; says what it built."""
-    _activation_checkpointing(args, model, console)
-    several = world_size() > 1
+def _setup(args: argparse.Namespace, device: torch.device, model: torch.nn.Module,
+           amp: MixedPrecision) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[str]]:
+    """Activation checkpointing, DDP/FSDP2, the optimizer, ``amp.setup``; the lines saying what it built."""
+    lines = _activation_checkpointing(args, model)
     model = parallel.wrap(args, model, amp.precision, device)  # several processes: DDP or FSDP2
     fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     model, optimizer = amp.setup(model, optimizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    where = f"{device} x {world_size()} processes ({args.parallel})" if several else str(device)
-    console.print(f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-                  f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
     if amp.overridden_modules:
-        console.print(f"kept in fp32: {', '.join(amp.overridden_modules)}")
+        lines.append(f"kept in fp32: {', '.join(amp.overridden_modules)}")
     for e in amp.events:
         if e.kind == "memory_efficient":
-            console.print("memory_efficient: " + "; ".join(e.data["levers"]))
-    return model, optimizer
+            lines.append("memory_efficient: " + "; ".join(e.data["levers"]))
+    return model, optimizer, lines
+
+
+def _header(args: argparse.Namespace, device: torch.device, model: torch.nn.Module, amp: MixedPrecision,
+            why: str) -> str:
+    """The run's first line: the model, where, and the precision that runs (after a resume: the
+    checkpoint's, after its fallbacks) with why."""
+    n_params = sum(p.numel() for p in model.parameters())
+    where = f"{device} x {world_size()} processes ({args.parallel})" if world_size() > 1 else str(device)
+    return (f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
+            f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
 
 
 def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             amp: MixedPrecision, batches: Any, log_dir: str) -> Any:
+             amp: MixedPrecision, batches: Any) -> Any:
+    """The Trainer, its log directory still unset (:meth:`RunDir.settle` names it after a resume)."""
     from ..loop.trainer import Trainer
 
     eval_batches = None
@@ -223,8 +243,6 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
         from ..loop.models import MODELS
 
         if args.model in MODELS and hasattr(batches, "split"):
-            import dataclasses
-
             eval_batches = dataclasses.replace(batches, split="val")
         else:
             eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
@@ -232,7 +250,7 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
 
     trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
                       fallback=False,  # the engine above is already configured from the flags
-                      log=LogConfig(dir=log_dir, every=args.log_every, console=console,
+                      log=LogConfig(dir=None, every=args.log_every, console=console,
                                     progress=not args.no_progress and not args.json),
                       checkpoint=CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
                                                   keep_last=args.keep_last),
@@ -263,9 +281,10 @@ def _total_steps(args: argparse.Namespace, batches: Any, amp: MixedPrecision) ->
     return max(1, args.epochs * per_epoch // amp.config.accumulation_steps)
 
 
-def _resume(run: TrainInvocation, console: Any, trainer: Any, amp: MixedPrecision,
-            optimizer: torch.optim.Optimizer) -> None:
-    """Load the newest good checkpoint, then apply the settings given for this run (or start fresh)."""
+def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision,
+            optimizer: torch.optim.Optimizer) -> list[str]:
+    """Load the newest good checkpoint, then apply the settings given for this run (or start
+    fresh); the lines saying what it did."""
     args = run.args
     requested = amp.config  # before the checkpoint's config replaces it
     path = trainer.resume()
@@ -273,12 +292,10 @@ def _resume(run: TrainInvocation, console: Any, trainer: Any, amp: MixedPrecisio
         if not args.allow_fresh:
             raise ValueError(f"--resume: no checkpoint in {args.checkpoint_dir!r}; pass --allow_fresh to start "
                              "from scratch instead")
-        console.print(f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)")
-        return
+        return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
-    console.print(f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]")
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+    return ([f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]"]
+            + [f"[yellow]note:[/] {escape(note)}" for note in notes])
 
 
 def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, amp: MixedPrecision,
@@ -294,32 +311,7 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
     return path
 
 
-def _print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summary: Any, log_dir: str, why: str,
-                   failure: Optional[str], model_path: Optional[str]) -> None:
-    args = run.args
-    if args.json:
-        if is_main():
-            out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
-            out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=run.batch_reason,
-                       accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure,
-                       model_path=model_path)
-            print(json.dumps(json_safe(out), indent=2, allow_nan=False))
-        return
-    for e in amp.events:
-        if e.kind == "fallback":
-            src, dst = e.data.get("from_rung") or e.data["from"], e.data.get("to_rung") or e.data["to"]
-            console.print(f"[yellow]fell back[/] {src} → {dst} at step {e.step}: {e.data['reason']}")
-        elif e.kind == "fallback_retry":
-            console.print(f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}")
-    console.print(f"ms/step {summary.ms_per_step:.1f}"
-                  + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
-                  + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
-    if summary.eval_losses:
-        console.print("eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses))
-    console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
-
-
-def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, console: Any) -> None:
+def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> list[str]:
     targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
     if args.grad_ckpt and not targets:
         from ..loop.hf import is_hf
@@ -332,29 +324,15 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module, 
         else:
             targets = ["blocks.*"]
     if not targets:
-        return
+        return []
     from ..step.activation_checkpointing import apply_activation_checkpointing
 
     try:
         done = apply_activation_checkpointing(model, targets)
     except (ValueError, TypeError) as e:
         raise ValueError(f"--grad_ckpt_modules {args.grad_ckpt_modules or ','.join(targets)!r}: {e}") from None
-    console.print(f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
-                  f"{', ...' if len(done) > 4 else ''})")
-
-
-def _numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) -> Optional[str]:
-    """Why this run cannot count as a success (every step skipped, or a non-finite final loss)."""
-    problem = None
-    if steps and skipped >= steps:
-        problem = f"all {steps} optimizer steps of this run were skipped (non-finite gradients)"
-    elif not math.isfinite(summary.final_loss):
-        problem = f"the final loss is {summary.final_loss} after {summary.optimizer_steps} steps"
-    if problem and diagnosis:
-        problem += f"; diagnosis: {diagnosis}"
-    elif problem:
-        problem += "; run with the diagnosis on (no --no_diagnose) or `ampkit audit` to find the layer"
-    return problem
+    return [f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
+            f"{', ...' if len(done) > 4 else ''})"]
 
 
 def debug_mode(amp: MixedPrecision) -> str:
@@ -364,17 +342,6 @@ def debug_mode(amp: MixedPrecision) -> str:
     torch.autograd.set_detect_anomaly(True, check_nan=check_nan)
     return ("debug: logging.getLogger('ampkit') at DEBUG on stderr; torch.autograd.set_detect_anomaly(True"
             + (")" if check_nan else ", check_nan=False): fp16's overflows are handled by loss scaling"))
-
-
-def json_safe(value: Any) -> Any:
-    """JSON has no NaN/inf: they become null (``json.dumps(allow_nan=False)`` then guards it)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def add_parser(sub: Any) -> None:

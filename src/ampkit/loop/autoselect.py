@@ -29,6 +29,7 @@ import torch
 from ..distributed import world_size
 from ..step.engine import MixedPrecision
 from ..step.hardware import cpu_features
+from .batches import BatchSource
 from .checkpoint import capture_rng, restore_rng
 from .steps import LossFn, Steps, batch_loss
 
@@ -164,7 +165,7 @@ def auto_decision(amp: MixedPrecision) -> Optional[dict[str, Any]]:
     return next((dict(e.data) for e in amp.events if e.kind == "auto_precision"), None)
 
 
-def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Callable[[int], Any], *,
+def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
                  loss_fn: LossFn = batch_loss, label: Optional[str] = None, use_cache: bool = True,
                  announce: Optional[Callable[[str], None]] = None) -> Choice:
     """Settle ``auto`` by measurement: the one check that ``MixedPrecision("auto")`` users, the
@@ -172,7 +173,8 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Callable[
 
     When ``amp`` was asked for ``"auto"`` on a CPU, the hardware rule picked a reduced precision,
     the run has not stepped yet and runs in one process, :func:`measured_choice` times that pick
-    against fp32 on copies of ``model`` (with ``loss_fn`` on ``batches(i)``; cached) and, if fp32
+    against fp32 on copies of ``model`` (with ``loss_fn`` on ``batches``, what the Trainer takes:
+    ``batches(i)``, or an iterable's first batches, cycled, its random states untouched; cached) and, if fp32
     is faster, ``amp`` switches to fp32 in place (:meth:`MixedPrecision.switch`, its fallback chain
     rebuilt for fp32, as a new engine's would be). Either way the verdict is recorded as an
     ``auto_precision`` event with its reason. Callable before or after ``amp.setup``; a second
@@ -190,11 +192,13 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Callable[
     if (amp.config.precision != "auto" or amp.device.type != "cpu" or amp.precision.name == "fp32"
             or amp.optimizer_steps > 0 or world_size() > 1):  # several processes: the hardware rule, alike on all
         return current
+    size = getattr(batches, "batch_size", None)
+    batches = BatchSource(batches).as_function()  # a DataLoader, a list: its first batches, cycled
     if announce is not None and not (use_cache and _key(model_signature(model, batches(0)), amp.precision.name)
                                      in _read_cache()):
         announce(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
     choice = measured_choice(model, batches, amp.precision.name, amp.device, label=label, loss_fn=loss_fn,
-                             batch_size=getattr(batches, "batch_size", None), use_cache=use_cache)
+                             batch_size=size, use_cache=use_cache)
     if choice.precision != amp.precision.name:
         amp.switch(choice.precision, reason=choice.reason)
         amp.set_fallback(amp.config.fallback)  # the chain from the new precision, as a new engine builds it

@@ -30,7 +30,7 @@ import torch
 
 from .data import batch_size
 
-__all__ = ["BatchSource"]
+__all__ = ["BatchSource", "IndexedBatches", "check_batches", "held_out"]
 
 
 def _is_index_function(batches: Any) -> bool:
@@ -43,6 +43,64 @@ def _is_index_function(batches: Any) -> bool:
         return True  # a builtin we cannot inspect: today's contract, a function of the index
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return bool(required) or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def check_batches(batches: Any, what: str = "batches", *, reiterable: bool = False) -> None:
+    """Raise ``TypeError`` unless ``batches`` is data the Trainer takes (see the module docstring);
+    ``reiterable``: a one-shot iterator (a generator object), which gives one pass only, is refused too.
+    ``what`` names the argument in the message (``"eval_batches"``)."""
+    if not callable(batches) and not hasattr(batches, "__iter__"):
+        raise TypeError(f"{what}={type(batches).__name__!r} is neither a function of the batch index, "
+                        "an iterable of batches (a DataLoader, a list) nor a function returning an "
+                        "iterator")
+    if reiterable and hasattr(batches, "__iter__") and iter(batches) is batches:
+        raise TypeError(f"{what} is a one-shot iterator ({type(batches).__name__}), which can be read "
+                        "only once: pass a list, a DataLoader or a function returning a fresh iterator")
+
+
+def held_out(batches: Any, count: int) -> tuple[Callable[[int], Any], int]:
+    """``(batch_of, n)``: evaluation's batches, ``batch_of(0 .. n-1)``. A function of the index is
+    itself, ``n = count``; an iterable gives the first ``count`` batches of a fresh pass (``n`` is
+    fewer when it has fewer), read at each call, the random states left as they were (an
+    evaluation does not change what training draws next). ``RuntimeError`` when ``batches`` is None."""
+    if batches is None:
+        raise RuntimeError("no eval_batches were given to the Trainer")
+    source = BatchSource(batches)
+    if source.indexed:
+        return batches, count
+    first = source.sample(count)
+    if not first:
+        raise ValueError("the evaluation data yielded no batches")
+    return first.__getitem__, len(first)
+
+
+class IndexedBatches:
+    """Batch ``i`` of any data the Trainer takes, for code that reads ``batches(i)`` (``compare``).
+
+    An iterable is read in order, pass after pass as the Trainer walks its epochs (``set_epoch``
+    included), and every batch read is kept so that several runs read the same batches: memory
+    grows with the number of batches read. ``batch_size``, ``samples_per_batch`` (else counted
+    from the first batch) and ``tokens_per_batch`` are the data's.
+    """
+
+    def __init__(self, batches: Any) -> None:
+        check_batches(batches)
+        self.source = BatchSource(batches)
+        self._read: list[Any] = []
+        self.batch_size = getattr(batches, "batch_size", None)
+        self.tokens_per_batch = getattr(batches, "tokens_per_batch", None)
+        n = getattr(batches, "samples_per_batch", None)
+        self.samples_per_batch = n if n is not None else BatchSource.samples_in(self(0))
+
+    def __call__(self, i: int) -> Any:
+        while len(self._read) <= i:
+            self._read.append(self.source.next())
+        return self._read[i]
+
+    @staticmethod
+    def of(batches: Any) -> Callable[[int], Any]:
+        """``batches`` itself when it is a function of the index, else an :class:`IndexedBatches`."""
+        return batches if _is_index_function(batches) else IndexedBatches(batches)
 
 
 def _generators(batches: Any) -> list[torch.Generator]:
@@ -77,10 +135,8 @@ class BatchSource:
 
     def __init__(self, batches: Any, *, rank: int = 0, world_size: int = 1) -> None:
         self.batches = batches
+        check_batches(batches)
         self.indexed = _is_index_function(batches)
-        if not self.indexed and not callable(batches) and not hasattr(batches, "__iter__"):
-            raise TypeError(f"batches={type(batches).__name__!r} is neither a function of the batch index, "
-                            "an iterable of batches (a DataLoader, a list) nor a function returning an iterator")
         self.rank, self.world_size = rank, world_size
         self.micro_index = 0  # batches taken in all (this rank)
         self.epoch = 0  # epochs completed

@@ -29,6 +29,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.policies.ladder import parse_rung
 from ..step.precision import Precision, PrecisionError, resolve_precision
+from .batches import IndexedBatches
 from .steps import Steps
 
 __all__ = ["BenchReport", "BenchResult", "RUNGS", "Recommendation", "compare", "tune", "with_rungs"]
@@ -175,7 +176,7 @@ class _Run:
 
 def compare(
     model_factory: Callable[[], torch.nn.Module],
-    batch_factory: Callable[[int], Any],
+    batch_factory: Any,
     precisions: Optional[Sequence[str]] = None,
     *,
     steps: int = 30,
@@ -190,8 +191,11 @@ def compare(
     loss_window: int = 5,
     **amp_overrides: Any,
 ) -> BenchReport:
-    """Train ``model_factory()`` once per precision on ``batch_factory(i)`` and measure each.
+    """Train ``model_factory()`` once per precision on ``batch_factory``'s batches and measure each.
 
+    ``batch_factory`` is what the Trainer takes: a function of the batch index, a DataLoader, a
+    list, a function returning a fresh iterator (read in order, epoch after epoch, each batch kept
+    for the other precisions: :class:`~ampkit.loop.batches.IndexedBatches`).
     ``model(*batch)`` must return the scalar loss. Every precision starts from the same weights
     (``torch.manual_seed(seed)`` before each ``model_factory()`` call) and sees the same batches.
     After ``warmup`` steps, ``steps`` optimizer steps run in ``repeats`` blocks per precision,
@@ -203,6 +207,7 @@ def compare(
                          f"accumulation_steps={accumulation_steps} >= 1")
     dev = normalize_device(device)
     info = device_info(dev)
+    batch_factory = IndexedBatches.of(batch_factory)
     wanted = list(dict.fromkeys(["fp32", *(precisions or DEFAULT_PRECISIONS)]))
     results: dict[str, BenchResult] = {}
     runs: dict[str, _Run] = {}

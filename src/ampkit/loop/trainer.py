@@ -25,7 +25,7 @@ from ..observe.monitor import Monitor
 from ..step.engine import MixedPrecision
 from .autobatch import check_auto_args
 from .autoselect import auto_decision
-from .batches import BatchSource
+from .batches import BatchSource, held_out
 from .checkpoint import (
     CheckpointManager,
     ShardedCheckpointManager,
@@ -371,13 +371,12 @@ class Trainer:
         """Mean loss over ``eval_steps`` held-out batches, in the training precision or fp32
         (``eval_precision``), without gradients; logged as an ``eval`` event. **Syncs** once."""
         ev = self.settings.evaluation
-        if ev.batches is None:
-            raise RuntimeError("no eval_batches were given to the Trainer")
+        batch_of, n = held_out(ev.batches, ev.steps)  # an iterable: its first eval_steps batches
         ctx = self.amp.autocast if ev.precision == "train" else self.amp.disabled
-        value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(ev.batches, ev.steps, ctx))
+        value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(batch_of, n, ctx))
         if self._monitor is not None:
             self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
-                                    if ev.precision == "train" else "fp32", batches=ev.steps)
+                                    if ev.precision == "train" else "fp32", batches=n)
         self._call("on_eval", value)
         return value
 

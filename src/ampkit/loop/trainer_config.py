@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
+
+from .batches import check_batches
 
 __all__ = ["FLAT", "BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainerSettings", "group_settings"]
 
@@ -34,15 +36,20 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Periodic evaluation: the mean loss of ``steps`` held-out batches ``batches(i)`` every
-    ``every`` optimizer steps, in the training precision (``"train"``) or strict ``"fp32"``."""
+    """Periodic evaluation: the mean loss of ``steps`` held-out batches every ``every`` optimizer
+    steps, in the training precision (``"train"``) or strict ``"fp32"``. ``batches`` is what the
+    Trainer's own batches may be: a function of the index (``batches(0 .. steps-1)``), or a
+    DataLoader, a list, a function returning a fresh iterator (its first ``steps`` batches, read
+    anew at each evaluation; see :func:`ampkit.loop.batches.held_out`)."""
 
-    batches: Optional[Callable[[int], Any]] = None
+    batches: Any = None
     every: Optional[int] = None
     steps: int = 4
     precision: str = "train"
 
     def __post_init__(self) -> None:
+        if self.batches is not None:
+            check_batches(self.batches, "eval_batches", reiterable=True)
         if self.precision not in ("train", "fp32"):
             raise ValueError(f"eval_precision={self.precision!r}; choose 'train' (the training precision) or 'fp32'")
         if self.every is not None and (self.every < 1 or self.batches is None):

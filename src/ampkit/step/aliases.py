@@ -14,7 +14,8 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["KEY_ALIASES", "SCALING_STRATEGIES", "UnknownKeyError", "canonical_keys", "unknown_key_message"]
+__all__ = ["KEY_ALIASES", "SCALING_STRATEGIES", "SWITCH_KEYS", "UnknownKeyError", "canonical_keys",
+           "unknown_key_message"]
 
 #: alias -> field. Only unambiguous names: each means exactly the field it maps to.
 KEY_ALIASES: dict[str, str] = {
@@ -55,6 +56,10 @@ SCALING_STRATEGIES: dict[str, dict[str, Any]] = {
 }
 _STRATEGY_KEYS = ("scaling_strategy", "loss_scaling_strategy", "scaler_strategy")
 
+#: The seed guides' on/off switches of mixed precision (``enabled=True``, ``use_mixed_precision=False``):
+#: ``True`` keeps the precision (the one given, else ``auto``), ``False`` means fp32 whatever else is given.
+SWITCH_KEYS = ("enabled", "use_mixed_precision")
+
 
 class UnknownKeyError(ValueError, TypeError):
     """An unknown config key (a ``ConfigError`` subclass wraps it in ``ampkit.step.config``). Also a
@@ -64,7 +69,7 @@ class UnknownKeyError(ValueError, TypeError):
 def unknown_key_message(keys: Iterable[str], valid: Iterable[str], what: str = "config key") -> str:
     """``unknown config key 'min_scal' (did you mean 'min_scale'?); valid keys: ...``."""
     valid = list(valid)
-    known = valid + list(KEY_ALIASES) + list(_STRATEGY_KEYS)
+    known = valid + list(KEY_ALIASES) + list(_STRATEGY_KEYS) + list(SWITCH_KEYS)
     parts = []
     for k in keys:
         close = difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)
@@ -80,15 +85,26 @@ def unknown_key_message(keys: Iterable[str], valid: Iterable[str], what: str = "
 def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, Any]:
     """``data`` with aliases renamed to their fields and ``scaling_strategy`` expanded.
 
+    An on/off switch (:data:`SWITCH_KEYS`) set to ``False`` makes ``precision`` fp32; ``True``
+    changes nothing.
+
     Raises :class:`UnknownKeyError` for a key that is neither a field nor an alias (with a "did
     you mean"), and ``ValueError`` when an alias and its field (or two aliases) give different
-    values, or for an unknown scaling strategy. Same values given twice are accepted.
+    values, for an unknown scaling strategy, or for a switch that is not a bool. Same values given
+    twice are accepted.
     """
     valid = list(valid)
     out: dict[str, Any] = {}
     given: dict[str, str] = {}  # field -> the key that set it
     unknown = []
+    switches = {k: v for k, v in data.items()
+                if k in SWITCH_KEYS and k not in valid and "precision" in valid}
     for key, value in data.items():
+        if key in switches:
+            if value is not True and value is not False:  # `is`: 1, "no" and None are not the bools
+                raise ValueError(f"invalid {key}={value!r}: must be true or false (true: mixed "
+                                 "precision, the precision given or auto; false: fp32)")
+            continue
         if key in _STRATEGY_KEYS and key not in valid:
             pairs = list(_strategy(key, value).items())
         elif key in valid:
@@ -105,6 +121,11 @@ def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, A
             out[name], given[name] = v, key
     if unknown:
         raise UnknownKeyError(unknown_key_message(unknown, valid))
+    if False in switches.values():
+        if True in switches.values():
+            both = ", ".join(f"{k}={v}" for k, v in switches.items())
+            raise ValueError(f"{both} contradict each other; give one")
+        out["precision"] = "fp32"  # switched off: whatever precision or dtype came with it
     return out
 
 

@@ -1,0 +1,78 @@
+"""argparse as the ``ampkit`` command uses it: no abbreviations, and every usage error one line.
+
+argparse answers a mistyped flag with the usage and ``unrecognized arguments``, and a bad value
+with the sub-command's whole usage (dozens of lines). Here each is one line naming the command,
+and a flag that does not exist gets the closest one that does::
+
+    ampkit train: unknown flag '--precison' (did you mean '--precision'?)
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Sequence
+from typing import Any, NoReturn, Optional
+
+__all__ = ["CommandParser", "TopParser", "unknown_argument_line"]
+
+_HELP = "--help lists the flags"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser: no abbreviations (``--prec`` must not quietly mean ``--precision``),
+    errors on one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class TopParser(argparse.ArgumentParser):
+    """The ``ampkit`` parser: a flag the command does not know is one line with its closest flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def add_commands(self, **kwargs: Any) -> Any:
+        """``add_subparsers`` whose parsers are :class:`CommandParser`\\ s, remembered by name."""
+        sub = self.add_subparsers(parser_class=CommandParser, **kwargs)
+        self.commands = sub.choices
+        return sub
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(ns, "command", None)
+            parser = self.commands.get(command) if command else None
+            who = f"ampkit {command}" if parser else "ampkit"
+            self.exit(2, unknown_argument_line(who, extras, parser or self) + "\n")
+        return ns
+
+    def error(self, message: str) -> NoReturn:
+        if "invalid choice:" in message and "argument COMMAND" in message:
+            word = message.split("invalid choice: ", 1)[1].split(" ", 1)[0].strip("'")
+            close = difflib.get_close_matches(word, list(self.commands), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            self.exit(2, f"ampkit: unknown command {word!r}{hint}; choose one of: {', '.join(self.commands)}\n")
+        self.exit(2, f"ampkit: error: {message}\n")
+
+
+def unknown_argument_line(who: str, extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """``ampkit train: unknown flag '--precison' (did you mean '--precision'?)``, for the first of
+    ``extras`` (what ``parser`` did not recognise) that looks like a flag, else the first."""
+    flags = [x for x in extras if x.startswith("-") and len(x) > 1]
+    if not flags:
+        return f"{who}: unexpected argument {extras[0]!r} ({who} {_HELP})"
+    typed = flags[0].split("=", 1)[0]
+    # every long spelling the parser knows (argparse has no public list of its actions)
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" ({who} {_HELP})"
+    return f"{who}: unknown flag {typed!r}{hint}"
