@@ -10,10 +10,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from fastapi import HTTPException
 
-from ampkit.service.jobs import Jobs
-from ampkit.service.limits import Limits, limits_of
+HTTPException = pytest.importorskip("fastapi").HTTPException  # the serve extra (service.limits uses it)
+
+from ampkit.service.jobs import Jobs  # noqa: E402
+from ampkit.service.limits import Limits, limits_of  # noqa: E402
 
 
 class Clock:
@@ -96,8 +97,8 @@ def test_planner_route_answers_in_seconds_repeats_from_cache_and_others_stay_fas
 
     from .test_service import ALICE, BOB, Server
 
+    httpx = pytest.importorskip("httpx")
     s = Server(str(tmp_path / "svc"))
-    import httpx
 
     other = httpx.Client(base_url=s.client.base_url, timeout=30)
     lat: list[float] = []
