@@ -104,7 +104,8 @@ def train(rank: int, world: int, kind: str, precision: str, *, accum: int, steps
                 g.view(-1)[0] = float("inf")
             if kind == "none" and j == accum - 1:  # the step's largest gradient, for sgd_bound
                 scale = amp.scaler.get_scale()
-                grads = [p.grad for p in [*model.parameters(), *amp.master_params()] if p.grad is not None]
+                params = [*model.parameters(), *amp.master_params()]
+                grads = [p.grad for p in params if p.grad is not None]
                 gmax.append(max(float(g.abs().max()) for g in grads) / scale)
             r = amp.step(opt, clip_grad_norm=clip)
         scales.append(amp.scaler.get_scale())

@@ -206,8 +206,8 @@ def batches(i):
     return x, (x @ w).argmax(1)
 
 trainer = Trainer(model, opt, amp, batches, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
-                  progress=False, log_every=5, log_dir=ck + "-log", checkpoint_dir=ck, checkpoint_every=steps,
-                  callbacks=[Hold()])
+                  progress=False, log_every=5, log_dir=ck + "-log", checkpoint_dir=ck,
+                  checkpoint_every=steps, callbacks=[Hold()])
 trainer.resume()
 trainer.fit(steps - amp.optimizer_steps)   # not caught: a graceful stop exits 130/143 by itself
 """
@@ -232,7 +232,7 @@ def test_a_script_calling_fit_stops_on_sigterm_with_143_and_resumes_bitwise(tmp_
     assert m and "Traceback" not in out, out[-2000:]
     assert 5 <= int(m.group(1)) <= 10
     assert sorted(Path(ck).glob("ckpt-*.pt"))[-1].name == f"ckpt-{int(m.group(1)):08d}.pt"
-    for args in (["20", ck], ["20", str(tmp_path / "ref")]):  # resume it; an uninterrupted reference
+    for args in (["20", ck], ["20", str(tmp_path / "ref")]):  # resume it; the uninterrupted one
         r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     assert_same(trained_state(os.path.join(ck, "ckpt-00000020.pt")),
@@ -373,7 +373,7 @@ def test_two_processes_sigkill_of_the_launcher_leaves_no_worker(tmp_path):
 def test_two_processes_an_error_on_one_rank_ends_the_job(tmp_path, rank, where):
     r = run(["train", "--nproc_per_node", "2", "--model", "tests.rank_fault:factory", "--device", "cpu",
              "--no_progress", "--steps", "50", "--log_dir", str(tmp_path / "a")],
-            env={"AMPKIT_TEST_FAIL_RANK": str(rank), "AMPKIT_TEST_FAIL_AT": where})  # a hang: run's timeout
+            env={"AMPKIT_TEST_FAIL_RANK": str(rank), "AMPKIT_TEST_FAIL_AT": where})
     assert r.returncode not in (0, None)
     text = r.stdout + r.stderr
     what = "user factory failed" if where == "build" else "user model failed"
@@ -386,7 +386,8 @@ def test_two_processes_an_error_on_one_rank_ends_the_job(tmp_path, rank, where):
 def test_two_processes_locked_checkpoint_dir_exits_2_on_every_rank(tmp_path):
     ck = tmp_path / "ck"
     with DirLock(str(ck), what="--checkpoint_dir"):  # another run holds it
-        r = run(["train", *TWO, "--steps", "2", "--checkpoint_dir", str(ck), "--log_dir", str(tmp_path / "a")])
+        r = run(["train", *TWO, "--steps", "2", "--checkpoint_dir", str(ck),
+                 "--log_dir", str(tmp_path / "a")])
     assert r.returncode == 2, r.stderr[-3000:]
     assert "in use by another ampkit run" in r.stderr and r.stderr.count("in use by another ampkit run") == 1
 

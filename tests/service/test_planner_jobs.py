@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-HTTPException = pytest.importorskip("fastapi").HTTPException  # the serve extra (service.limits uses it)
+HTTPException = pytest.importorskip("fastapi").HTTPException  # the serve extra (as service.limits)
 
 from ampkit.service.jobs import Jobs  # noqa: E402
 from ampkit.service.limits import Limits, limits_of  # noqa: E402
@@ -128,7 +128,7 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
         t = time.monotonic()
         r = s.client.post("/finetuning/optimize-mixed-precision", json=body, headers=ALICE)
         first_s = time.monotonic() - t
-        assert r.status_code in (200, 202), r.text  # a 202 when the plan takes longer than the route waits
+        assert r.status_code in (200, 202), r.text  # 202: a plan longer than the route waits
         if r.status_code == 202:
             poll = r.json()["poll"]
             assert r.headers["Location"] == poll and int(r.headers["Retry-After"]) > 0
@@ -168,4 +168,4 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
     lat.sort()
     p99 = lat[int(0.99 * (len(lat) - 1))]
     print(f"other client: {len(lat)} requests, p50 {lat[len(lat) // 2] * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms")
-    assert codes and all(code == 200 for code in codes), codes  # answered all along (latency: docs, not here)
+    assert codes and all(code == 200 for code in codes), codes  # answered all along (latency: docs)

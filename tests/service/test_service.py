@@ -239,7 +239,7 @@ def test_bounded_load_on_the_list_route(server):
     store = server.server.config.app.state.store
     seed_runs(store, 30, str(server.data_dir), owner="alice")
     r = load(str(server.client.base_url).rstrip("/"), requests=200, clients=4, timeout_s=60, token="tok-alice")
-    assert r["requests"] == 200 and r["errors"] == 0, r  # (its latency: docs/benchmarks.md, not a test)
+    assert r["requests"] == 200 and r["errors"] == 0, r  # (its latency: docs/benchmarks.md)
 
 
 @pytest.mark.slow
