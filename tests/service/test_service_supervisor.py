@@ -206,16 +206,17 @@ def test_health_answers_while_the_first_hugging_face_request_imports_transformer
 
         thread = threading.Thread(target=first_hf_request)
         thread.start()
-        worst, answered = 0.0, 0
+        during = 0  # /health answers that came back while the HF request was still waiting
         while thread.is_alive():
-            t0 = time.monotonic()
             assert health.get("/health").status_code == 200
-            worst, answered = max(worst, time.monotonic() - t0), answered + 1
+            during += thread.is_alive()
             time.sleep(0.05)
         thread.join()
         assert done["status"] == 422, done
-        assert worst < 3.0, f"/health took {worst:.2f} s while the first HF request took {done['seconds']:.1f} s"
-        assert answered >= 2 or done["seconds"] < 1.0  # /health was asked during the request
+        # An event loop blocked by the import would answer /health only after it, next to the HF
+        # request's own answer (at most the one /health already sent); a free loop answers all
+        # along.
+        assert during >= 2, f"/health answered {during} times in {done['seconds']:.1f} s"
     finally:
         health.close()
         _end(proc)
