@@ -41,7 +41,9 @@ without blocking and decides at the *next* check, when the copy has long landed:
 ever waits for the device; a trigger is acted on at most ``2 * check_every`` steps after it
 happened (the steps in between are skipped anyway, so nothing non-finite is trained on). Only once
 a trigger fires does the engine sync, to confirm the guard and to name the non-finite gradients
-(:func:`nonfinite_grads`).
+(:func:`nonfinite_grads`). The checks fall on the run's optimizer steps (``step % check_every``),
+and the counters and the reading not yet decided on are part of the engine's ``state_dict``: a
+resumed run falls back at the same step as one that was never stopped.
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class FallbackPolicy:
         self._consec: Optional[torch.Tensor] = None
         self._max: Optional[torch.Tensor] = None
         self._inflight: Optional[tuple[torch.Tensor, Any]] = None
+        self._restored: tuple[float, ...] = (0.0, 0.0)  # the counters' values when they are made
 
     @property
     def falls_back(self) -> bool:
@@ -233,18 +236,37 @@ class FallbackPolicy:
                        recover_after=self.interval)
 
     def state_dict(self) -> dict[str, Any]:
-        """The retry state (``fallback_recover_after``): precisions fallen from, interval, clean steps."""
-        return {"fell_from": list(self.fell_from), "interval": self.interval, "clean": self.clean,
-                "retried": self.retried}
+        """The counters (the run of consecutive non-finite steps and its maximum since the last check),
+        the reading launched at the last check and not yet decided on, and the retry state
+        (``fallback_recover_after``: precisions fallen from, interval, clean steps): a resumed run
+        decides at the same steps as an uninterrupted one. **Syncs** (reads the counters)."""
+        out: dict[str, Any] = {"fell_from": list(self.fell_from), "interval": self.interval, "clean": self.clean,
+                               "retried": self.retried}
+        out["counters"] = (list(self._restored) if self._consec is None  # (none made yet: the restored values)
+                           else [float(self._consec.item()), float(self._max.item())])  # type: ignore[union-attr]
+        if self._inflight is not None:
+            vals, done = self._inflight
+            if done is not None:
+                done.synchronize()
+            out["reading"] = [float(v) for v in vals.tolist()]
+        return out
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
-        if not state or self.recover_after is None:
+        """Restore :meth:`state_dict` (a state without counters, from before they were saved, starts
+        them at 0). The device counters are made at the next :meth:`observe`, on its device."""
+        state = state or {}
+        self._consec = self._max = None
+        self._restored = tuple(float(v) for v in state.get("counters", (0.0, 0.0)))
+        reading = state.get("reading")
+        self._inflight = (torch.tensor([float(v) for v in reading]), None) if reading else None
+        if self.recover_after is None:
             return
         self.fell_from = [str(p) for p in state.get("fell_from", [])]
         self.interval = int(state.get("interval") or self.recover_after)
         self.clean, self.retried = int(state.get("clean", 0)), bool(state.get("retried", False))
 
     def reset(self) -> None:
+        self._restored = (0.0, 0.0)
         if self._consec is not None:
             self._consec.zero_()
             self._max.zero_()  # type: ignore[union-attr]
@@ -254,9 +276,10 @@ class FallbackPolicy:
         """Per optimizer step: update the device counters (three in-place ops, no sync)."""
         if found_inf is None:
             return
-        if self._consec is None:
-            self._consec = torch.zeros((), dtype=torch.float32, device=found_inf.device)
-            self._max = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        if self._consec is None:  # (resumed: from the checkpoint's counters)
+            consec, high = self._restored
+            self._consec = torch.full((), consec, dtype=torch.float32, device=found_inf.device)
+            self._max = torch.full((), high, dtype=torch.float32, device=found_inf.device)
         # consecutive = (consecutive + 1) if found else 0, with found in {0., 1.}
         self._consec.add_(1.0).mul_(found_inf)
         torch.maximum(self._max, self._consec, out=self._max)  # type: ignore[arg-type]
