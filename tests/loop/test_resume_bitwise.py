@@ -11,13 +11,18 @@ RNG, the data position -- must equal the uninterrupted run's, bitwise (same mach
 * a graceful stop (SIGTERM/SIGINT) is ``request_stop()`` at step ``k`` -- what the signal handler
   records -- with no checkpoint but the stop's own.
 
-Real signals to real processes: ``benchmarks/kill_campaign.py --configs rollback,fp16-fallback``
-and the slow test at the end.
+Real signals to real processes: the slow test at the end (a SIGTERM after the spike, a SIGKILL
+before the fallback's decision, each resumed by a new process) and ``benchmarks/kill_campaign.py
+--points 3 --configs rollback,fp16-fallback``.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,8 @@ import torch
 from torch import nn
 
 import ampkit
+from ampkit.loop.checkpoint import load_checkpoint
+from ampkit.loop.seed import seed_everything
 from ampkit.loop.trainer import Trainer, TrainingInterrupted
 
 from .test_rollback import Net, data
@@ -50,7 +57,7 @@ def trainer(case: str, ckdir: Path, every: int | None, callbacks: tuple = ()) ->
     rolls back to step 6 and drops the first; the replay meets the second, so step 9's read rolls
     back from that snapshot again, which is then suspect: to step 3) or ``fallback`` (fp16 with ``init_scale=1e9``: step 3's check reads 3 consecutive overflows, step
     6 acts on that reading and falls back to bf16): stops before, between and after the reads."""
-    torch.manual_seed(0)
+    seed_everything(0)  # torch, Python, numpy: all checkpointed, so all compared (across processes too)
     if case == "rollback":
         model, amp = Net(), ampkit.MixedPrecision("bf16", device="cpu")
         batches, extra = data(bad=True, corrupt=CORRUPT, nan=()), {"spike_rollback": GUARD, "fallback": False}
@@ -149,3 +156,43 @@ def test_a_graceful_stop_at_any_step_resumes_bitwise(run):
         assert stop.value.checkpoint is not None
         bad[f"stop at step {k} (checkpoint of step {stop.value.step})"] = differences(finish(case, ckdir), end)[:4]
     assert not {k: v for k, v in bad.items() if v}
+
+
+# ---------------------------------------------------------------------------- real processes, real signals
+CHILD = """
+import os, signal, sys
+from pathlib import Path
+from tests.loop.test_resume_bitwise import STEPS, trainer
+
+case, ckdir, at, sig = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+class Signal:  # a real signal to this process after step `at`: SIGTERM stops after it, SIGKILL before its checkpoint
+    def on_step_end(self, trainer, step, result):
+        if step == at:
+            os.kill(os.getpid(), sig)
+
+t = trainer(case, ckdir, every=1, callbacks=(Signal(),) if at else ())
+t.resume()
+t.fit(STEPS[case] - t.amp.optimizer_steps)
+"""
+
+
+REAL = {"rollback": (8, signal.SIGTERM), "fallback": (5, signal.SIGKILL)}  # after the spike; before the decision
+
+
+@pytest.mark.slow
+def test_a_real_signal_then_a_new_process_resumes_bitwise(run, tmp_path):
+    """rollback: SIGTERM after the spike's step, before the read that catches it; fallback: SIGKILL
+    (before step 5's checkpoint) while step 3's reading waits for step 6's decision."""
+    case = run[0]
+    at, sig = REAL[case]
+    root = Path(__file__).resolve().parents[2]
+    child = [sys.executable, "-c", CHILD, case, str(tmp_path / "ck")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    first = subprocess.run([*child, str(at), str(int(sig))], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == (143 if sig == signal.SIGTERM else -9), first.stderr[-2000:]
+    second = subprocess.run([*child, "0", "0"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    final = load_checkpoint(str(tmp_path / "ck" / f"ckpt-{STEPS[case]:08d}.pt"))
+    assert not differences({k: final[k] for k in run[3]}, run[3])
