@@ -296,14 +296,29 @@ class SpikeGuard:
         """As a :class:`~ampkit.loop.trainer.Trainer` callback: check, and move its data position back on a rollback."""
         trainer.micro_index = self.check(trainer.micro_index)
 
+    @staticmethod
+    def trainer_state(trainer: Any) -> dict[str, Any]:
+        """``{"spike_guard": state}`` for a :class:`~ampkit.loop.trainer.Trainer`'s checkpoint (its
+        guard's :meth:`state_dict`), ``{}`` for a trainer without a guard."""
+        return {"spike_guard": trainer.spike_guard.state_dict()} if trainer.spike_guard is not None else {}
+
     @classmethod
-    def for_trainer(cls, trainer: Any) -> Optional[SpikeGuard]:
+    def load_trainer_state(cls, trainer: Any, state: Optional[dict[str, Any]]) -> None:
+        """A trainer's checkpoint was loaded: with a guard state, the trainer's guard (made now, with
+        ``spike_rollback``) takes it; without one, a live guard snapshots what was loaded."""
+        if state is not None:
+            cls.for_trainer(trainer, state)
+        elif trainer.spike_guard is not None:
+            trainer.spike_guard.start(trainer.micro_index)
+
+    @classmethod
+    def for_trainer(cls, trainer: Any, saved: Optional[dict[str, Any]] = None) -> Optional[SpikeGuard]:
         """The guard of a :class:`~ampkit.loop.trainer.Trainer` with ``spike_rollback`` set (``True``, or a
         dict of :class:`SpikeGuard` keywords; None otherwise), snapshotted at its data position. The first
         call wraps ``trainer.batches`` and joins ``trainer.callbacks`` (``on_step_end`` runs after the
-        scheduler's step). A resumed trainer's guard takes the checkpoint's guard state
-        (``trainer.spike_guard_state``: the interval in progress, the snapshots), so a stop or a kill
-        before a spike is read still rolls it back, at the step an uninterrupted run does. Dropped
+        scheduler's step). ``saved``: a checkpoint's guard state (:meth:`state_dict`: the interval in
+        progress, the snapshots), so a stop or a kill before a spike is read still rolls it back,
+        after the resume, at the step an uninterrupted run does. Dropped
         batches are also read back from the engine's ``spike`` events (a checkpoint without a guard
         state), so a resumed run keeps skipping them."""
         option = trainer.spike_rollback
@@ -318,7 +333,7 @@ class SpikeGuard:
         if not trainer.source.indexed:
             raise ValueError("spike_rollback in the Trainer needs batches as a function of the index (an iterable "
                              "cannot be moved back in place); with a DataLoader, use SpikeGuard in your own loop")
-        guard, saved = trainer.spike_guard, trainer.spike_guard_state
+        guard = trainer.spike_guard
         if guard is None:
             kwargs = dict(option) if isinstance(option, dict) else {}
             guard = cls(trainer.model, trainer.optimizer, trainer.amp, scheduler=trainer.scheduler,
@@ -328,9 +343,8 @@ class SpikeGuard:
             trainer.spike_guard = guard
         if saved is not None:  # resumed: the checkpointed guard goes on (its interval, its snapshots)
             guard.load_state_dict(saved)
-            trainer.spike_guard_state = None
         elif not guard.follows(trainer.amp.optimizer_steps, trainer.micro_index):
-            guard.start(trainer.micro_index)  # resumed from a checkpoint without a guard: a snapshot of now
+            guard.start(trainer.micro_index)  # the run was moved elsewhere: a snapshot of now
         for e in trainer.amp.events:
             if e.kind == "spike":
                 guard.skipped.update(e.data.get("skipped", []))

@@ -113,7 +113,6 @@ class Trainer:
             {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching}, settings)
         self.model, self.optimizer, self.amp = model, optimizer, amp
         self.batches, self.loss_fn, self.spike_rollback, self.spike_guard = batches, loss_fn, spike_rollback, None
-        self.spike_guard_state: Optional[dict[str, Any]] = None  # a checkpoint's, until the guard exists
         self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
         self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
         self.notes: list[str] = []
@@ -311,9 +310,7 @@ class Trainer:
 
     def _stop_now(self, signum: int, saved: Optional[str], monitor: Monitor) -> None:
         """After a signal: checkpoint this step (unless just done), record a ``stop`` event, raise."""
-        path = saved
-        if path is None and self.checkpoints is not None:
-            path = self._checkpoint(monitor)
+        path = saved if saved is not None or self.checkpoints is None else self._checkpoint(monitor)
         monitor.log_event("stop", signal=signal_name(signum), checkpoint=path, **self._progress())
         stop = TrainingInterrupted(signum, self.amp.optimizer_steps, path)
         if is_main():
@@ -385,8 +382,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The whole training state: model, optimizer, scheduler, engine (precision after fallbacks,
-        scaler, counters, events), RNG states, the data position and, with ``spike_rollback``, the
-        spike guard (its interval in progress and its snapshots). **Syncs**."""
+        scaler, counters, events), RNG states, the data position, the spike guard's. **Syncs**."""
         return {
             **dict(zip(("model", "optimizer"), capture(self.model, self.optimizer))),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -394,14 +390,8 @@ class Trainer:
             "rng": {**capture_rng(), **self.source.rng_state()},  # the data pass's too: ranks differ
             "data": {**self.source.state_dict(), "split": self.split, "epoch_log": self.epochs.state_dict()},
             "run": {"id": self.run_id, **self._progress()},
-            **self._guard_state(),
+            **SpikeGuard.trainer_state(self),
         }
-
-    def _guard_state(self) -> dict[str, Any]:
-        """``spike_rollback``: the guard's state (:meth:`SpikeGuard.state_dict`), or a loaded one not yet handed over."""
-        if self.spike_guard is not None:
-            return {"spike_guard": self.spike_guard.state_dict()}
-        return {"spike_guard": self.spike_guard_state} if self.spike_guard_state is not None else {}
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
         """Restore :meth:`state_dict`. Everything is checked before anything is loaded: the keys,
@@ -421,12 +411,7 @@ class Trainer:
         self._last_loss = torch.tensor(loss) if loss is not None else None
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
         self.diagnosis = saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
-        guard, self.spike_guard_state = self.spike_guard, state.get("spike_guard")
-        if guard is not None and self.spike_guard_state is not None:
-            guard.load_state_dict(self.spike_guard_state)
-            self.spike_guard_state = None
-        elif guard is not None:
-            guard.start(self.micro_index)  # a checkpoint without a guard: snapshot what was loaded
+        SpikeGuard.load_trainer_state(self, state.get("spike_guard"))  # (spike_rollback)
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:
