@@ -39,6 +39,10 @@ re-run without the bad batch. A run that met bad batches thus ends with the para
 that never saw them (bitwise on CPU). Two triggers in a row from the same snapshot mean the
 snapshot may itself be bad: the guard drops it and goes one further back (while ``keep`` allows).
 
+**Checkpoints.** :meth:`SpikeGuard.state_dict` (in the Trainer's checkpoints) holds the detector,
+the interval not read yet and the snapshot ring: a run stopped or killed between a spike and the
+read that catches it rolls it back after the resume, at the same step (bitwise on CPU).
+
 Positions are *logical*: position ``i`` is the ``i``-th batch not dropped (``index(i)``, and
 ``wrap`` fetches through it). One process only (the flags would differ between ranks).
 """
