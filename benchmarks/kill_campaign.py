@@ -26,6 +26,22 @@ checkpoint with an uninterrupted run of the same configuration (one per configur
 ``--checkpoint_every`` = the total).
 
     python benchmarks/kill_campaign.py --kills 36 --seed 0 --out kill_campaign.json --verbose
+
+**Kill points** (issue 34: stops of runs whose state goes beyond weights): ``--points 3`` kills at
+every 3rd step instead of at random moments (``--points 1``: every step), SIGTERM with the stop's
+checkpoint only and SIGKILL with ``--checkpoint_every 1`` (``--kill_every``), for
+
+* ``fp16-fallback``: fp16 with ``--init_scale 1e9``: every step overflows until the check at step 20
+  falls back to bf16 (the checks read at steps 10, 20, ...; a reading is decided on at the next);
+* ``rollback``: ``benchmarks/rollback_run.py`` (a Trainer with ``spike_rollback``, a x1000 spike at
+  step 14 read at step 16 and rolled back to step 12);
+
+and the table counts the bitwise-equal resumes and the largest parameter difference from the
+uninterrupted run (the training decisions -- ``spike``, ``fallback`` events with their steps -- are
+compared too)::
+
+    python benchmarks/kill_campaign.py --points 3 --configs rollback,fp16-fallback --kinds SIGTERM,SIGKILL \
+        --steps 30 --verbose
 """
 
 from __future__ import annotations
@@ -64,7 +80,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "bf16-pure": (1, ["--precision", "bf16-pure"]),
     "ddp-2proc": (2, ["--precision", "fp32", "--nproc_per_node", "2", "--parallel", "ddp"]),
     "fsdp-2proc": (2, ["--precision", "fp32", "--nproc_per_node", "2", "--parallel", "fsdp"]),
+    "fp16-fallback": (1, ["--precision", "fp16", "--init_scale", "1e9", "--batch_size", "4"]),
+    "rollback": (1, []),  # benchmarks/rollback_run.py (a Trainer with spike_rollback), not `ampkit train`
 }
+STEPS_OF = {"rollback": 20}  # runs of a fixed length (the rollback run's spike is at step 14)
 KINDS = ["SIGINT", "SIGTERM", "SIGKILL", "SIGINT@write", "SIGTERM@write", "SIGKILL@write"]
 EVERY = 5  # --checkpoint_every for the SIGKILL and @write kinds
 GONE_WAIT = 20.0  # seconds after the signal for every process of the run to be gone
@@ -74,7 +93,9 @@ RESUMED_RE = re.compile(r"resumed from (\S+) at step (\d+)")
 
 
 # ---------------------------------------------------------------------------- processes
-def ampkit(args: list[str]) -> list[str]:
+def ampkit(args: list[str], config: str = "") -> list[str]:
+    if config == "rollback":
+        return [sys.executable, str(ROOT / "benchmarks" / "rollback_run.py"), *args]
     return [sys.executable, "-m", "ampkit", *args]
 
 
@@ -156,8 +177,20 @@ def final_path(ckdir: Path, steps: int, nproc: int) -> Path:
     return ckdir / (f"ckpt-{steps:08d}" if nproc > 1 else f"ckpt-{steps:08d}.pt")
 
 
+DECISIONS = ("spike", "fallback", "fallback_retry", "precision_switch")  # events that change the training
+
+
+def _no_clock(obj: Any) -> Any:
+    """``obj`` without wall-clock fields (an epoch's ``seconds``) and the first-skip diagnosis (an
+    observation made at the monitor's reads, attached to the next fallback event)."""
+    if isinstance(obj, dict):
+        return {k: _no_clock(v) for k, v in obj.items() if k not in ("seconds", "diagnosis")}
+    return obj
+
+
 def trained_state(path: Path) -> dict[str, Any]:
-    """What training computed: weights, optimizer state, loss scaler, step count, data position."""
+    """What training computed: weights, optimizer state, loss scaler, step count, data position, and
+    the training decisions (spike rollbacks, fallbacks: kind, step, data)."""
     if path.is_dir():
         from ampkit.distributed import dcp
 
@@ -168,7 +201,16 @@ def trained_state(path: Path) -> dict[str, Any]:
         state = load_checkpoint(str(path))
     return {"model": state["model"], "optimizer": state["optimizer"]["state"], "scaler": state["amp"]["scaler"],
             "precision": state["amp"]["precision"], "steps": state["amp"]["optimizer_steps"],
-            "data": state["data"]}
+            "data": _no_clock(state["data"]),
+            "decisions": [_no_clock(e) for e in state["amp"].get("events", []) if e.get("kind") in DECISIONS]}
+
+
+def max_param_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The largest absolute difference between two trained states' model tensors (fp32)."""
+    diffs = [(x.float() - b["model"][k].float()).abs().max().item() for k, x in a["model"].items()
+             if isinstance(x, torch.Tensor) and x.is_floating_point() and k in b["model"]
+             and b["model"][k].shape == x.shape and x.numel()]
+    return max(diffs, default=0.0)
 
 
 def differences(a: Any, b: Any, where: str = "state") -> list[str]:
@@ -219,6 +261,7 @@ class Kill:
     left_after_resume: list[int] = field(default_factory=list)
     debris_after_resume: list[str] = field(default_factory=list)
     bitwise_equal: Optional[bool] = None
+    max_param_diff: Optional[float] = None
     differs: list[str] = field(default_factory=list)
     note: str = ""
 
@@ -264,12 +307,22 @@ def plan(n: int, seed: int, configs: list[str], kinds: list[str], steps: int) ->
     return kills
 
 
-def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, timeout: float) -> Kill:
+def points(every: int, configs: list[str], kinds: list[str], steps: int) -> list[Kill]:
+    """Kills at steps ``every``, ``2 * every``, ... before the end, for each configuration and kind."""
+    kills = [Kill(0, c, kind, CONFIGS[c][0], k) for c in configs for kind in kinds
+             for k in range(every, STEPS_OF.get(c, steps), every)]
+    for i, k in enumerate(kills):
+        k.index = i
+    return kills
+
+
+def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, timeout: float,
+             kill_every: int = EVERY) -> Kill:
     run = work / f"k{k.index:02d}-{k.config}-{k.kind.replace('@', '-at-')}"
     ckdir, logdir = run / "ck", run / "log"
     run.mkdir(parents=True)
     nproc, extra = CONFIGS[k.config]
-    every = steps if k.kind in ("SIGINT", "SIGTERM") else EVERY
+    every = steps if k.kind in ("SIGINT", "SIGTERM") else kill_every
     args = ["train", *BASE, *extra, "--steps", str(steps), "--checkpoint_every", str(every),
             "--checkpoint_dir", str(ckdir), "--log_dir", str(logdir)]
     k.command = shlex.join(["ampkit", *args])
@@ -277,7 +330,7 @@ def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, tim
     out = run / "run.out"
     marker = str(run)
     with open(out, "w") as f:
-        proc = subprocess.Popen(ampkit(args), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(ampkit(args, k.config), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     log = logdir / "log.jsonl"
     try:
         # --- the random moment
@@ -342,7 +395,7 @@ def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, tim
             k.resume_command = shlex.join(["ampkit", *rargs])
         t1 = time.monotonic()
         try:
-            r = subprocess.run(ampkit(rargs), capture_output=True, text=True, cwd=ROOT, timeout=600)
+            r = subprocess.run(ampkit(rargs, k.config), capture_output=True, text=True, cwd=ROOT, timeout=600)
             k.resume_status, rtext = r.returncode, r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:
             k.resume_status, rtext = None, f"timed out: {e}"
@@ -355,8 +408,10 @@ def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, tim
         k.resume_ok = k.resume_status == 0 and final.exists()
         k.debris_after_resume = debris(ckdir)
         if k.resume_ok:
-            k.differs = differences(trained_state(final), trained_state(ref))
+            mine, theirs = trained_state(final), trained_state(ref)
+            k.differs = differences(mine, theirs)
             k.bitwise_equal = not k.differs
+            k.max_param_diff = max_param_diff(mine, theirs)
         else:
             k.note += f" resume failed: {rtext.strip()[-600:]}"
         return k
@@ -372,7 +427,7 @@ def reference(cfg: str, work: Path, steps: int) -> Path:
     nproc, extra = CONFIGS[cfg]
     args = ["train", *BASE, *extra, "--steps", str(steps), "--checkpoint_every", str(steps),
             "--checkpoint_dir", str(run / "ck"), "--log_dir", str(run / "log")]
-    r = subprocess.run(ampkit(args), capture_output=True, text=True, cwd=ROOT, timeout=900)
+    r = subprocess.run(ampkit(args, cfg), capture_output=True, text=True, cwd=ROOT, timeout=900)
     final = final_path(run / "ck", steps, nproc)
     if r.returncode != 0 or not final.exists():
         raise SystemExit(f"reference run failed ({r.returncode}): {shlex.join(['ampkit', *args])}\n"
@@ -431,6 +486,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def points_table(kills: list[Kill]) -> str:
+    """``--points``: per configuration and kind, the bitwise-equal resumes, the largest parameter
+    difference, and the kill points (the step logged when the signal went) whose resume differs."""
+    lines = ["| config | signal | kill points | resumes failed | bitwise equal | max parameter difference "
+             "| differing at steps |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    groups: dict[tuple[str, str], list[Kill]] = {}
+    for k in kills:
+        groups.setdefault((k.config, k.kind), []).append(k)
+    for (cfg, kind), ks in groups.items():
+        diffs = [k.max_param_diff for k in ks if k.max_param_diff is not None]
+        differ = [str(k.signalled_at_step) for k in ks if k.bitwise_equal is False]
+        lines.append(f"| {cfg} | {kind} | {len(ks)} | {sum(not k.resume_ok for k in ks)} | "
+                     f"{sum(bool(k.bitwise_equal) for k in ks)}/{len(ks)} | {'-' if not diffs else f'{max(diffs):.2g}'} | "
+                     f"{', '.join(differ) or '-'} |")
+    return "\n".join(lines)
+
+
 def anomalies(k: Kill, steps: int) -> list[str]:
     out = []
     if k.exit_status is None:
@@ -483,9 +555,14 @@ def main() -> None:
     ap.add_argument("--out", help="write every kill and the table as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (printed)")
     ap.add_argument("--verbose", action="store_true", help="one line per kill")
+    ap.add_argument("--points", type=int, help="kill at every N-th step of each configuration and kind (instead "
+                    "of --kills at random moments); the table then has one row per configuration and kind")
+    ap.add_argument("--kill_every", type=int, help="--checkpoint_every of the SIGKILL and @write kinds "
+                    f"(default {EVERY}; 1 with --points)")
     args = ap.parse_args()
-    if args.steps % EVERY:
-        ap.error(f"--steps must be a multiple of {EVERY}")
+    kill_every = args.kill_every or (1 if args.points else EVERY)
+    if args.steps % kill_every or any(n % kill_every for n in STEPS_OF.values()):
+        ap.error(f"--steps must be a multiple of {kill_every} (the SIGKILL kinds' --checkpoint_every)")
     configs = [c for c in args.configs.split(",") if c]
     kinds = [k for k in args.kinds.split(",") if k]
     for c in configs:
@@ -497,24 +574,26 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (the `finally`s) when stopped
     rng = random.Random(args.seed + 1)
-    kills = plan(args.kills, args.seed, configs, kinds, args.steps)
+    kills = points(args.points, configs, kinds, args.steps) if args.points else \
+        plan(args.kills, args.seed, configs, kinds, args.steps)
     work = Path(tempfile.mkdtemp(prefix="ampkit-kill-"))
     print(f"# torch {torch.__version__} · Python {platform.python_version()} · {os.cpu_count()} cores · "
-          f"{args.kills} kills · {args.steps} steps per run · seed {args.seed} · work dir {work}", flush=True)
+          f"{len(kills)} kills · {args.steps} steps per run · seed {args.seed} · work dir {work}", flush=True)
     t_start = time.monotonic()
     refs: dict[str, Path] = {}
     ref_s: dict[str, float] = {}
     try:
         for k in kills:
+            steps = STEPS_OF.get(k.config, args.steps)
             if k.config not in refs:
                 t = time.monotonic()
-                refs[k.config] = reference(k.config, work, args.steps)
+                refs[k.config] = reference(k.config, work, steps)
                 ref_s[k.config] = time.monotonic() - t
                 if args.verbose:
                     print(f"reference {k.config}: {ref_s[k.config]:.1f} s", flush=True)
-            run_kill(k, work, args.steps, refs[k.config], rng, args.timeout)
+            run_kill(k, work, steps, refs[k.config], rng, args.timeout, kill_every)
             if args.verbose:
-                print(line(k, args.steps), flush=True)
+                print(line(k, steps), flush=True)
             if not args.keep:
                 for d in work.glob(f"k{k.index:02d}-*"):
                     shutil.rmtree(d, ignore_errors=True)
@@ -525,6 +604,9 @@ def main() -> None:
     rows = summarize(kills)
     print()
     print(table(rows))
+    if args.points:
+        print()
+        print(points_table(kills))
     bad = [(k, anomalies(k, args.steps)) for k in sorted(kills, key=lambda k: k.index)]
     bad = [(k, a) for k, a in bad if a]
     print()

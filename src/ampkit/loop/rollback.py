@@ -39,6 +39,10 @@ re-run without the bad batch. A run that met bad batches thus ends with the para
 that never saw them (bitwise on CPU). Two triggers in a row from the same snapshot mean the
 snapshot may itself be bad: the guard drops it and goes one further back (while ``keep`` allows).
 
+**Checkpoints.** :meth:`SpikeGuard.state_dict` (in the Trainer's checkpoints) holds the detector,
+the interval not read yet and the snapshot ring: a run stopped or killed between a spike and the
+read that catches it rolls it back after the resume, at the same step (bitwise on CPU).
+
 Positions are *logical*: position ``i`` is the ``i``-th batch not dropped (``index(i)``, and
 ``wrap`` fetches through it). One process only (the flags would differ between ranks).
 """
@@ -244,6 +248,49 @@ class SpikeGuard:
         self._stats.copy_(s["stats"])
         self._seen = s["seen"]
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The detector and the rollback state, for a checkpoint: the moving averages, the steps seen,
+        the current interval's flags, losses and data indices (steps not read yet), the dropped batches
+        and every snapshot of the ring (each a model + optimizer state in host memory: a checkpoint of
+        a guarded run is ``1 + keep`` times the size). A run resumed from it checks, rolls back and
+        snapshots at the same steps as an uninterrupted one. **Syncs** (copies the device buffers)."""
+        ring = list(self._ring)
+        return {
+            "every": self.every, "position": self.position, "start_step": self._start_step, "n": self._n,
+            "seen": self._seen, "stats": _host(self._stats), "flags": _host(self._flags[:self._n]),
+            "losses": _host(self._losses[:self._n]), "ranges": [list(r) for r in self._ranges],
+            "skipped": sorted(self.skipped), "rollbacks": self.rollbacks,
+            "ring": [{"step": x.step, "position": x.position, "state": x.state} for x in ring],
+            "last_restored": next((i for i, x in enumerate(ring) if x is self._last_restored), None),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the guard goes on where the checkpointed one was). The guard's
+        ``every`` must be the saved one (the interval in progress is that long)."""
+        if int(state["every"]) != self.every:
+            raise ValueError(f"this checkpoint's spike guard reads every {state['every']} steps, this one every "
+                             f"{self.every}; resume with the same spike_rollback settings")
+        n, dev = int(state["n"]), self._flags.device
+        self._ring = deque((_Snapshot(int(x["step"]), int(x["position"]), x["state"]) for x in state["ring"]),
+                           maxlen=self.keep)
+        i = state.get("last_restored")
+        self._last_restored = self._ring[i] if i is not None and i < len(self._ring) else None
+        self._stats.copy_(state["stats"])
+        self._flags.zero_()
+        self._losses.zero_()
+        self._flags[:n] = state["flags"].to(dev)
+        self._losses[:n] = state["losses"].to(dev)
+        self._ranges = [[int(j) for j in r] for r in state["ranges"]]
+        self._n, self._seen, self._start_step = n, int(state["seen"]), int(state["start_step"])
+        self.position, self.rollbacks = int(state["position"]), int(state["rollbacks"])
+        self.skipped = {int(j) for j in state["skipped"]}
+
+    def follows(self, step: int, position: int) -> bool:
+        """Whether the guard's state is that of optimizer step ``step`` at data ``position``: the run
+        went on from where the guard left it (a later ``fit``, a resume that restored the guard)."""
+        return self._start_step + self._n == step and self.position == position
+
     def close(self) -> None:
         """Stop watching the engine (the snapshots are freed)."""
         self._unsubscribe()
@@ -253,13 +300,31 @@ class SpikeGuard:
         """As a :class:`~ampkit.loop.trainer.Trainer` callback: check, and move its data position back on a rollback."""
         trainer.micro_index = self.check(trainer.micro_index)
 
+    @staticmethod
+    def trainer_state(trainer: Any) -> dict[str, Any]:
+        """``{"spike_guard": state}`` for a :class:`~ampkit.loop.trainer.Trainer`'s checkpoint (its
+        guard's :meth:`state_dict`), ``{}`` for a trainer without a guard."""
+        return {"spike_guard": trainer.spike_guard.state_dict()} if trainer.spike_guard is not None else {}
+
     @classmethod
-    def for_trainer(cls, trainer: Any) -> Optional[SpikeGuard]:
+    def load_trainer_state(cls, trainer: Any, state: Optional[dict[str, Any]]) -> None:
+        """A trainer's checkpoint was loaded: with a guard state, the trainer's guard (made now, with
+        ``spike_rollback``) takes it; without one, a live guard snapshots what was loaded."""
+        if state is not None:
+            cls.for_trainer(trainer, state)
+        elif trainer.spike_guard is not None:
+            trainer.spike_guard.start(trainer.micro_index)
+
+    @classmethod
+    def for_trainer(cls, trainer: Any, saved: Optional[dict[str, Any]] = None) -> Optional[SpikeGuard]:
         """The guard of a :class:`~ampkit.loop.trainer.Trainer` with ``spike_rollback`` set (``True``, or a
         dict of :class:`SpikeGuard` keywords; None otherwise), snapshotted at its data position. The first
         call wraps ``trainer.batches`` and joins ``trainer.callbacks`` (``on_step_end`` runs after the
-        scheduler's step). Dropped batches are read back from the engine's ``spike`` events, so a
-        resumed run keeps skipping them."""
+        scheduler's step). ``saved``: a checkpoint's guard state (:meth:`state_dict`: the interval in
+        progress, the snapshots), so a stop or a kill before a spike is read still rolls it back,
+        after the resume, at the step an uninterrupted run does. Dropped
+        batches are also read back from the engine's ``spike`` events (a checkpoint without a guard
+        state), so a resumed run keeps skipping them."""
         option = trainer.spike_rollback
         if not option:
             return None
@@ -280,8 +345,10 @@ class SpikeGuard:
             trainer.batches = trainer.source.batches = guard.wrap(trainer.batches)
             trainer.callbacks.append(guard)
             trainer.spike_guard = guard
-        else:
-            guard.start(trainer.micro_index)  # a later fit(), or after a resume: a snapshot of now
+        if saved is not None:  # resumed: the checkpointed guard goes on (its interval, its snapshots)
+            guard.load_state_dict(saved)
+        elif not guard.follows(trainer.amp.optimizer_steps, trainer.micro_index):
+            guard.start(trainer.micro_index)  # the run was moved elsewhere: a snapshot of now
         for e in trainer.amp.events:
             if e.kind == "spike":
                 guard.skipped.update(e.data.get("skipped", []))

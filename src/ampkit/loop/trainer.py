@@ -310,9 +310,7 @@ class Trainer:
 
     def _stop_now(self, signum: int, saved: Optional[str], monitor: Monitor) -> None:
         """After a signal: checkpoint this step (unless just done), record a ``stop`` event, raise."""
-        path = saved
-        if path is None and self.checkpoints is not None:
-            path = self._checkpoint(monitor)
+        path = saved if saved is not None or self.checkpoints is None else self._checkpoint(monitor)
         monitor.log_event("stop", signal=signal_name(signum), checkpoint=path, **self._progress())
         stop = TrainingInterrupted(signum, self.amp.optimizer_steps, path)
         if is_main():
@@ -383,7 +381,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The whole training state: model, optimizer, scheduler, engine (precision after fallbacks,
-        scaler, counters, events), RNG states and the data position. **Syncs**."""
+        scaler, counters, events), RNG states, the data position, the spike guard's. **Syncs**."""
         return {
             **dict(zip(("model", "optimizer"), capture(self.model, self.optimizer))),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -391,6 +389,7 @@ class Trainer:
             "rng": {**capture_rng(), **self.source.rng_state()},  # the data pass's too: ranks differ
             "data": {**self.source.state_dict(), "split": self.split, "epoch_log": self.epochs.state_dict()},
             "run": {"id": self.run_id, **self._progress()},
+            **SpikeGuard.trainer_state(self),
         }
 
     def load_state_dict(self, state: dict[str, Any], source: str = "checkpoint") -> None:
@@ -411,6 +410,7 @@ class Trainer:
         self._last_loss = torch.tensor(loss) if loss is not None else None
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
         self.diagnosis = saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
+        SpikeGuard.load_trainer_state(self, state.get("spike_guard"))  # (spike_rollback)
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:

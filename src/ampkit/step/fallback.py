@@ -41,21 +41,30 @@ without blocking and decides at the *next* check, when the copy has long landed:
 ever waits for the device; a trigger is acted on at most ``2 * check_every`` steps after it
 happened (the steps in between are skipped anyway, so nothing non-finite is trained on). Only once
 a trigger fires does the engine sync, to confirm the guard and to name the non-finite gradients
-(:func:`nonfinite_grads`).
+(:func:`nonfinite_grads`; what a trigger reports: :mod:`.fallback_report`). The checks fall on the run's optimizer steps (``step % check_every``),
+and the counters and the reading not yet decided on are part of the engine's ``state_dict``: a
+resumed run falls back at the same step as one that was never stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .config import ConfigError, MixedPrecisionConfig
+from .fallback_report import (
+    NumericsError,
+    Trigger,
+    chain_exhausted,
+    fallback_data,
+    nonfinite_grads,
+    recover_data,
+    scale_exhausted,
+)
 from .hardware import DeviceInfo
-from .localize import NonFiniteReport
 from .policies.ladder import parse_rung
 from .precision import NAMES, Precision, PrecisionError, parse_precision, resolve_precision
 from .scale_rules import SCALE_FLOOR
@@ -67,22 +76,6 @@ __all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "chain
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
-
-
-class NumericsError(RuntimeError):
-    """Training stays non-finite: in the last precision of the fallback chain, or (fallback off)
-    with the loss scale exhausted at its floor."""
-
-
-@dataclass(frozen=True)
-class Trigger:
-    reason: str  # consecutive_skips | min_scale | scale_floor | nonfinite_unscaled | scale_exhausted (guard)
-    detail: str
-    consecutive_skips: int
-    scale: Optional[float]
-    nonfinite: tuple[str, ...] = ()  # parameters with non-finite gradients when it fired (model order)
-    target: Optional[str] = None  # ``recover``: the precision to retry
-    recover_after: Optional[int] = None  # with fallback_recover_after: clean steps before the next retry
 
 
 def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
@@ -192,6 +185,7 @@ class FallbackPolicy:
         self._consec: Optional[torch.Tensor] = None
         self._max: Optional[torch.Tensor] = None
         self._inflight: Optional[tuple[torch.Tensor, Any]] = None
+        self._restored: tuple[float, ...] = (0.0, 0.0)  # the counters' values when they are made
 
     @property
     def falls_back(self) -> bool:
@@ -233,18 +227,37 @@ class FallbackPolicy:
                        recover_after=self.interval)
 
     def state_dict(self) -> dict[str, Any]:
-        """The retry state (``fallback_recover_after``): precisions fallen from, interval, clean steps."""
-        return {"fell_from": list(self.fell_from), "interval": self.interval, "clean": self.clean,
-                "retried": self.retried}
+        """The counters (the run of consecutive non-finite steps and its maximum since the last check),
+        the reading launched at the last check and not yet decided on, and the retry state
+        (``fallback_recover_after``: precisions fallen from, interval, clean steps): a resumed run
+        decides at the same steps as an uninterrupted one. **Syncs** (reads the counters)."""
+        out: dict[str, Any] = {"fell_from": list(self.fell_from), "interval": self.interval, "clean": self.clean,
+                               "retried": self.retried}
+        out["counters"] = (list(self._restored) if self._consec is None  # (none made yet: the restored values)
+                           else [float(self._consec.item()), float(self._max.item())])  # type: ignore[union-attr]
+        if self._inflight is not None:
+            vals, done = self._inflight
+            if done is not None:
+                done.synchronize()
+            out["reading"] = [float(v) for v in vals.tolist()]
+        return out
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
-        if not state or self.recover_after is None:
+        """Restore :meth:`state_dict` (a state without counters, from before they were saved, starts
+        them at 0). The device counters are made at the next :meth:`observe`, on its device."""
+        state = state or {}
+        self._consec = self._max = None
+        self._restored = tuple(float(v) for v in state.get("counters", (0.0, 0.0)))
+        reading = state.get("reading")
+        self._inflight = (torch.tensor([float(v) for v in reading]), None) if reading else None
+        if self.recover_after is None:
             return
         self.fell_from = [str(p) for p in state.get("fell_from", [])]
         self.interval = int(state.get("interval") or self.recover_after)
         self.clean, self.retried = int(state.get("clean", 0)), bool(state.get("retried", False))
 
     def reset(self) -> None:
+        self._restored = (0.0, 0.0)
         if self._consec is not None:
             self._consec.zero_()
             self._max.zero_()  # type: ignore[union-attr]
@@ -254,9 +267,10 @@ class FallbackPolicy:
         """Per optimizer step: update the device counters (three in-place ops, no sync)."""
         if found_inf is None:
             return
-        if self._consec is None:
-            self._consec = torch.zeros((), dtype=torch.float32, device=found_inf.device)
-            self._max = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        if self._consec is None:  # (resumed: from the checkpoint's counters)
+            consec, high = self._restored
+            self._consec = torch.full((), consec, dtype=torch.float32, device=found_inf.device)
+            self._max = torch.full((), high, dtype=torch.float32, device=found_inf.device)
         # consecutive = (consecutive + 1) if found else 0, with found in {0., 1.}
         self._consec.add_(1.0).mul_(found_inf)
         torch.maximum(self._max, self._consec, out=self._max)  # type: ignore[arg-type]
@@ -341,87 +355,3 @@ class FallbackPolicy:
         if self.min_scale is not None and self.min_scale >= SCALE_FLOOR:
             return f"min_scale={self.min_scale:g}"
         return "2**-126 (the smallest normal fp32)"
-
-
-def nonfinite_grads(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names, in the given order, of the tensors whose ``.grad`` holds inf/NaN.
-
-    ``named`` is e.g. ``model.named_parameters()`` (with fp32 masters: each name paired with the
-    tensor the optimizer steps). Sharded (DTensor) gradients are checked on this process's shard.
-    **Syncs** once: for error messages and fallback events, never per step.
-    """
-    names, flags = [], []
-    for name, t in named:
-        g = t.grad
-        if g is None:
-            continue
-        if g.is_sparse:
-            g = g.coalesce()._values()
-        local = getattr(g, "to_local", None)
-        g = local() if local is not None else g
-        names.append(name)
-        flags.append(torch.isfinite(g).all())
-    if not flags:
-        return []
-    dev = flags[0].device
-    bad = torch.stack([f.to(dev) for f in flags]).logical_not().tolist()
-    return [n for n, b in zip(names, bad) if b]
-
-
-def fallback_data(trigger: Trigger, diagnosis: Optional[NonFiniteReport]) -> dict[str, Any]:
-    """The data of the ``fallback`` event a trigger causes."""
-    data: dict[str, Any] = {"reason": f"{trigger.reason}: {trigger.detail}", "trigger": trigger.reason,
-                            "detail": trigger.detail, "consecutive_skips": trigger.consecutive_skips,
-                            "scale": trigger.scale, "nonfinite_params": list(trigger.nonfinite)}
-    if trigger.recover_after is not None:
-        data["recover_after"] = trigger.recover_after  # the wait before the next retry (doubled after a retry)
-    if diagnosis is not None:
-        data["diagnosis"] = diagnosis.to_dict()
-    return data
-
-
-def recover_data(trigger: Trigger) -> dict[str, Any]:
-    """The data of the ``fallback_retry`` event a ``recover`` trigger causes."""
-    return {"reason": f"recover: {trigger.detail}", "trigger": "recover", "detail": trigger.detail,
-            "recover_after": trigger.recover_after}
-
-
-def chain_exhausted(trigger: Trigger, precision: str, chain: tuple[str, ...],
-                    diagnosis: Optional[NonFiniteReport]) -> tuple[dict[str, Any], NumericsError]:
-    """The ``fallback_exhausted`` event's data and the error: the chain's last precision stays non-finite."""
-    data = fallback_data(trigger, diagnosis)
-    del data["reason"]
-    culprit = f"; {_culprit(list(trigger.nonfinite))}" if trigger.nonfinite else ""
-    error = NumericsError(f"training stays non-finite in {precision}, the last precision of the fallback chain "
-                          f"{','.join(chain)}: {trigger.detail}{culprit}"
-                          + (f"; diagnosis: {diagnosis}" if diagnosis else ""))
-    return {"precision": precision, **data}, error
-
-
-def scale_exhausted(trigger: Trigger, precision: str,
-                    diagnosis: Optional[NonFiniteReport]) -> tuple[dict[str, Any], NumericsError]:
-    """The ``scale_exhausted`` event's data and the error (fallback off, the scale at its floor)."""
-    bad = list(trigger.nonfinite)
-    data: dict[str, Any] = {"precision": precision, "scale": trigger.scale,
-                            "consecutive_skips": trigger.consecutive_skips, "nonfinite_params": bad,
-                            "detail": trigger.detail}
-    if diagnosis is not None:
-        data["diagnosis"] = diagnosis.to_dict()
-    module = bad[0].rpartition(".")[0] if bad else ""
-    keep = f"keep_fp32=[{module!r}]" if module else "keep_fp32=[...]"
-    error = NumericsError(
-        f"the loss scale is exhausted in {precision}: {trigger.detail}, after {trigger.consecutive_skips} "
-        f"consecutive skipped steps; backing the scale off cannot help any more. {_culprit(bad)}. Turn on "
-        f"fallback=True (fp16 -> bf16 -> fp32), keep the culprit in fp32 ({keep}) or train in bf16"
-        + (f"; diagnosis: {diagnosis}" if diagnosis else ""))
-    return data, error
-
-
-def _culprit(names: list[str]) -> str:
-    """'first non-finite layer: ...' from parameter names in model order."""
-    if not names:
-        return "No gradient on this process is non-finite now (the overflow is on another rank, or passed)"
-    module = names[0].rpartition(".")[0]
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    where = f"{module!r}" if module else "the model's own parameters"
-    return f"First non-finite layer: {where} (non-finite gradients in {shown})"

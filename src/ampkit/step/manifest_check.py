@@ -16,6 +16,11 @@ compute           FSDP2's ``param_dtype`` equals the stored dtype of a pure prec
                   shard: the all-gather "cast" does nothing
 ================  =====================================================================================
 
+What the configuration itself asked for is no violation: bf16-pure's bottom rung (``masters='none'``,
+refused unless forced with ``allow_stall``, and warned about at setup) has no master and sums gradients
+in bf16 by definition. The other rungs keep their optimizer states' dtype across a resume
+(:mod:`~ampkit.step.policies.ladder`), so a bitwise-equal resume reports nothing.
+
 The engine records each as a ``manifest_violation`` event (``param``, ``component``, ``expected``,
 ``found``, ``detail``, ``when``: ``setup`` / ``step`` / ``resume``), once per parameter and
 component. Checks read dtypes only (host metadata): no device sync, and none on the steps between
@@ -30,6 +35,7 @@ given); :func:`refuse_unsafe_sharding`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -37,7 +43,8 @@ import torch
 
 from .manifest import HALF, Manifest, ParamEntry, build_manifest, fsdp_policies
 
-__all__ = ["Manifest", "ManifestWatch", "Violation", "build_manifest", "find_violations", "refuse_unsafe_sharding"]
+__all__ = ["Manifest", "ManifestWatch", "Violation", "build_manifest", "declared_components", "find_violations",
+           "refuse_unsafe_sharding"]
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,24 @@ class Violation:
 
 
 def find_violations(manifest: Manifest, *, baseline: Optional[dict[str, str]] = None,
-                    saved: Optional[Manifest] = None) -> list[Violation]:
+                    saved: Optional[Manifest] = None, declared: Collection[str] = ()) -> list[Violation]:
     """The violations in ``manifest`` (model order). ``baseline``: each parameter's storage dtype at
-    setup; ``saved``: the manifest saved with the checkpoint being resumed."""
+    setup; ``saved``: the manifest saved with the checkpoint being resumed; ``declared``: components
+    the configuration itself chose and announced (:func:`declared_components`), not reported."""
+    found = _violations(manifest, baseline, saved)
+    return [v for v in found if v.component not in declared]
+
+
+def declared_components(precision: str, config: Any) -> tuple[str, ...]:
+    """Components whose half precision the configuration asked for: bf16-pure's bottom rung
+    (``masters='none'``, forced with ``allow_stall`` and warned about at setup) keeps no master and
+    sums gradients in bf16 -- what it promises, so no silent downgrade."""
+    if precision == "bf16-pure" and getattr(config, "masters", "fp32") == "none":
+        return ("master", "accumulation")
+    return ()
+
+
+def _violations(manifest: Manifest, baseline: Optional[dict[str, str]], saved: Optional[Manifest]) -> list[Violation]:
     out: list[Violation] = []
     before = {e.name: e for e in saved.params} if saved is not None else {}
     pure = manifest.precision.endswith("-pure")
@@ -175,7 +197,8 @@ class ManifestWatch:
         if self._baseline is None or self._precision != amp.precision.name:  # setup, or after a switch
             self._baseline = {e.name: e.storage for e in manifest.params}
             self._precision = amp.precision.name
-        found = find_violations(manifest, baseline=self._baseline, saved=self._pending)
+        found = find_violations(manifest, baseline=self._baseline, saved=self._pending,
+                                declared=declared_components(amp.precision.name, amp.config))
         if self._pending is not None and (when == "step" or all(e.optimizer_state for e in manifest.params
                                                                  if e.optimizer_state is not None)):
             self._pending = None  # compared with live optimizer state (or after the first step)

@@ -13,7 +13,9 @@
 =============  =======================================================  =========================
 
 ``state_dtype="bf16"`` keeps the optimizer's states in bf16 between steps (rounded
-stochastically): ``stochastic`` + bf16 states = 2 + 0 + 4 = 6 B/param.
+stochastically): ``stochastic`` + bf16 states = 2 + 0 + 4 = 6 B/param. They stay bf16 across
+``optimizer.load_state_dict`` too (torch casts loaded states to the fp32 stand-ins' dtype; a
+post-load hook casts them back, exactly).
 
 **Any torch optimizer, fast.** The user's optimizer steps fp32 *stand-ins* (parameters with the
 right shape and dtype whose storage between steps is one shared fp32 scalar): at the step, chunk
@@ -128,8 +130,11 @@ class LadderWeights(MasterWeights):
         self._buf = torch.empty(size, device=dev)  # the chunk's fp32 values
         self._tmp = torch.empty(size if masters in ("split", "kahan") else 0, device=dev)
         self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
+        self._hooks: list[Any] = []
         for opt in self.optimizers:
             self._wrap(opt)
+            if state_dtype == "bf16":
+                self._hooks.append(opt.register_load_state_dict_post_hook(self._loaded))
 
     # ------------------------------------------------------------------ compact form <-> fp32
     def _compact(self, h: torch.Tensor, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -269,6 +274,17 @@ class LadderWeights(MasterWeights):
                     stochastic_round(v.contiguous(), out, self.gen)
                     state[k] = out
 
+    def _loaded(self, opt: torch.optim.Optimizer) -> None:
+        """After ``opt.load_state_dict``: torch cast the loaded states to the fp32 stand-ins' dtype;
+        they go back to bf16, as kept between steps. Saved in bf16, their values are bf16 numbers, so
+        the cast is exact (no stochastic rounding: the generator's state stays the checkpoint's)."""
+        with torch.no_grad():
+            for m in self.masters:
+                state = opt.state.get(m)
+                for k, v in (state or {}).items():
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape:
+                        state[k] = v.to(torch.bfloat16)  # type: ignore[index]
+
     # ------------------------------------------------------------------ MasterWeights' verbs
     def copy_to_model(self) -> None:
         """Nothing: the step already wrote the rounded weights into the model."""
@@ -280,6 +296,9 @@ class LadderWeights(MasterWeights):
             else:
                 opt.step = orig  # type: ignore[method-assign]
         self._orig = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         with torch.no_grad():
             for i, m in enumerate(self.masters):
                 m.data = self.fp32_value(i)
