@@ -41,6 +41,7 @@ from .fallback import (
     rung_move,
     scale_exhausted,
 )
+from .gradcheck import HotReads
 from .hardware import DeviceInfo, device_info, normalize_device
 from .localize import NonFiniteReport, localize_nonfinite
 from .logs import watch
@@ -110,6 +111,8 @@ class MixedPrecision:
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
+        self._reads = HotReads()  # the CPU finite check's sums, read while the gradients are hot
+        self._scaler.grad_reads = self._reads
         watch(self)  # logging.getLogger("ampkit"): subscribes only when enabled
 
     def _make_scaler(self, precision: Precision) -> LossScaler:
@@ -118,6 +121,7 @@ class MixedPrecision:
         else:  # no scaling arithmetic at all; still finite-checks when skip_nonfinite is on
             scaler = LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
         scaler.found_inf_hook = self._parallel.found_inf_reducer()  # data parallel: same skips on all ranks
+        scaler.grad_reads = getattr(self, "_reads", None)  # (None while __init__ makes the first)
         return scaler
 
     # ------------------------------------------------------------------ set-up
@@ -172,6 +176,7 @@ class MixedPrecision:
         self._backward_context = policy.backward_context()  # reusable: asked once, not per step
         self._parallel.use_masters(policy.keeps_masters)
         self._clip_order = ClipOrder(model, policy.stepped if policy.keeps_masters else None)
+        self._reads.attach(model.parameters() if self.device.type == "cpu" and not policy.keeps_masters else ())
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -227,6 +232,7 @@ class MixedPrecision:
             first = window.micro == 1 and not was_open
             self._window_loss = d if first or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
+        self._reads.armed = window.complete and self._reads_wanted()
         self._parallel.before_backward(window.complete)
         try:
             with ranged("ampkit.backward", self._backward_context):
@@ -239,6 +245,13 @@ class MixedPrecision:
         hook = self._policy.after_backward  # pure precisions: half gradients summed into the fp32 masters'
         if hook is not None:
             hook()
+
+    def _reads_wanted(self) -> bool:
+        """Whether the step will run the CPU check that :class:`HotReads` serves: a unit scale
+        that checks, without clipping (the clip norm is the check then) or data parallel."""
+        s = self._scaler
+        return (s.is_enabled() and s.is_unit and s.found_inf_hook is None
+                and self.config.clip_grad_norm is None)
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor or a nested list/tuple of them) times the loss scale, for gradients
@@ -338,8 +351,11 @@ class MixedPrecision:
         assert self._clip_order is not None
         params = self._clip_order.params(opts)
         self._parallel.before_step(params)
-        grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
-                                                    None if self._normalized else window.flush_factor())
+        try:
+            grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
+                                                        None if self._normalized else window.flush_factor())
+        finally:
+            self._reads.clear()
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
@@ -482,6 +498,7 @@ class MixedPrecision:
             if count is not None:
                 self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
             self._scaler = scaler
+            scaler.grad_reads = self._reads
         old, self.precision = self.precision, new
         if new.name == old.name and not rerung:
             return  # (a resume in the same precision and rung: the model keeps its form)
