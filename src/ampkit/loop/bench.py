@@ -4,7 +4,12 @@
 in lockstep: blocks of steps rotate through the precisions (the order shifts every round), so
 drift of the machine hits all alike. fp32 is always included: it is the reference for speed-up
 and fidelity. ``tune`` picks the fastest precision whose final loss stays within a tolerance of
-fp32's and that needed no fallback, and says why every other candidate lost.
+fp32's and that needed no fallback, and says why every other candidate lost. What was timed is
+a whole training step (forward, backward, optimizer) on the process's threads, in ``repeats``
+blocks; each speed-up carries the spread of its blocks' paired ratios, and one inside it reads
+"within noise" (:mod:`.speed`). ``tune`` does not pick a precision it cannot tell apart from
+fp32: a speed-up within noise loses to fp32 (nothing gained that the measurement can show, and
+fp32 carries no numerics risk).
 
 Rungs of bf16-pure's memory ladder are candidates too, spelt as for ``estimate``/``plan``
 (``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"``; :data:`RUNGS` lists them). Each row then
@@ -29,6 +34,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.policies.ladder import parse_rung
 from ..step.precision import Precision, PrecisionError, resolve_precision
+from .speed import paired_ratio, speed_words, within_noise
 from .steps import Steps
 
 __all__ = ["BenchReport", "BenchResult", "RUNGS", "Recommendation", "compare", "tune", "with_rungs"]
@@ -61,6 +67,7 @@ class BenchResult:
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     speedup_vs_fp32: Optional[float] = None
+    speedup_spread: Optional[float] = None  # spread of the blocks' paired speed-ups (a fraction; inf: one block)
     activation_bytes: Optional[int] = None
     static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler), exact
     bytes_per_param: Optional[float] = None  # weights + masters + optimizer state between steps, per parameter
@@ -85,6 +92,15 @@ class BenchReport:
     batch_size: Optional[int]
     accumulation_steps: int
     torch_version: str = torch.__version__
+    threads: Optional[int] = None  # torch's intra-op threads while timing
+    repeats: Optional[int] = None  # timed blocks per precision
+
+    @property
+    def timed(self) -> str:
+        """What the times are: "whole training step, 2 threads, 5 repeats" (spreads per row)."""
+        threads = f", {self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else ""
+        repeats = f", {self.repeats} repeat{'s' if self.repeats != 1 else ''}" if self.repeats else ""
+        return f"whole training step{threads}{repeats}"
 
     def result(self, precision: str) -> Optional[BenchResult]:
         return next((r for r in self.results if r.precision == precision), None)
@@ -99,7 +115,8 @@ class BenchReport:
     def table(self) -> Any:
         from rich.table import Table
 
-        t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps")
+        t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps",
+                  caption=f"timed: {self.timed}; a speed-up inside its repeats' spread says 'within noise'")
         cols = ("precision", "ms/step", "p10–p90", "speed-up", "samples/s", "tokens/s", "activations",
                 "params+grads+opt", "B/param", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
         for c in cols:
@@ -109,7 +126,7 @@ class BenchReport:
                 t.add_row(r.precision, "[yellow]skipped[/]", *[""] * (len(cols) - 2))
                 continue
             t.add_row(r.precision, _f(r.step_ms, "{:.2f}"), f"{_f(r.step_ms_p10, '{:.2f}')}–{_f(r.step_ms_p90, '{:.2f}')}",
-                      _f(r.speedup_vs_fp32, "{:.2f}x"), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
+                      _speedup_cell(r), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
                       _mib(r.activation_bytes), _mib(r.static_bytes), _f(r.bytes_per_param, "{:.2f}"),
                       _mib(r.peak_mem_bytes),
                       _f(r.final_loss, "{:.4f}"), _f(None if r.loss_gap is None else 100 * r.loss_gap, "{:+.2f}%"),
@@ -144,6 +161,15 @@ class BenchReport:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def _speedup_cell(r: BenchResult) -> str:
+    if r.speedup_vs_fp32 is None:
+        return "—"
+    if r.precision == "fp32" or r.speedup_spread is None or not within_noise(r.speedup_vs_fp32, r.speedup_spread):
+        return f"{r.speedup_vs_fp32:.2f}x"
+    noise = f"±{100 * r.speedup_spread:.0f}%" if math.isfinite(r.speedup_spread) else "one repeat"
+    return f"{r.speedup_vs_fp32:.2f}x within noise ({noise})"
 
 
 def _f(v: Optional[float], fmt: str) -> str:
@@ -230,9 +256,14 @@ def compare(
     for name, run in runs.items():
         _measurements(results[name], run, batch_factory, accumulation_steps, loss_window, dev)
     _relative_to_fp32(results)
+    ref = runs.get("fp32")
+    for name, run in runs.items():
+        if ref is not None and run.times and len(run.times) == len(ref.times):
+            results[name].speedup_spread = paired_ratio(ref.times, run.times)[1]
     return BenchReport(results=list(results.values()), device=str(dev), device_name=info.name,
                        model=model_name, steps=steps, batch_size=getattr(batch_factory, "batch_size", None),
-                       accumulation_steps=accumulation_steps)
+                       accumulation_steps=accumulation_steps, threads=torch.get_num_threads(),
+                       repeats=min(repeats, steps))
 
 
 def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_factory: Callable[[int], Any],
@@ -338,6 +369,8 @@ class Recommendation:
     size: Optional[str] = None
     prefer: str = "speed"  # speed: the fastest within the tolerance; memory: the fewest bytes per parameter
     bytes_per_param: Optional[float] = None  # the pick's, measured from the live tensors
+    timed: str = ""  # what the speeds are: "whole training step, 2 threads, 5 repeats"
+    note: str = ""  # e.g. why fp32 won: the fastest candidate was within noise of it
 
     @property
     def config(self) -> dict[str, Any]:
@@ -361,6 +394,8 @@ class Recommendation:
                for k, v in self.config.items()]
         lines = ["# written by `ampkit tune`", f"# {what} within {100 * self.tolerance:g}% of the fp32 loss: "
                  f"{self.precision}, {self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%{mem}",
+                 *([f"# timed: {self.timed}"] if self.timed else []),
+                 *([f"# {self.note}"] if self.note else []),
                  "", "[amp]", *amp]
         train = [f'model = "{self.model}"'] if self.model else []
         train += [f'size = "{self.size}"'] if self.size else []
@@ -375,7 +410,11 @@ def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = N
     fp32 loss) and that had no fallback. fp32 always qualifies (its gap is 0 by definition).
 
     ``prefer="memory"`` (the default when a bf16-pure rung was measured) picks the fewest bytes per
-    parameter instead (weights + masters + optimizer state, measured), ties to the faster step."""
+    parameter instead (weights + masters + optimizer state, measured), ties to the faster step.
+
+    For speed, a candidate whose speed-up over fp32 is within its measured spread
+    (:func:`.speed.within_noise`) is not picked: the measurement cannot tell it from fp32, so fp32
+    wins (``note`` says so, and the candidate's ``why_not`` gives the figure)."""
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction of the fp32 loss, e.g. 0.01)")
     if prefer is None:
@@ -396,14 +435,23 @@ def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = N
             ok.append(r)
     if not ok:
         raise ValueError("no precision qualified, not even fp32; was fp32 measured?")
+    note = ""
     if prefer == "memory":
         best = min(ok, key=lambda r: (round(r.bytes_per_param or math.inf, 2), r.step_ms, r.precision != "fp32"))
         for r in ok:
             if r is not best:
                 why[r.precision] = _why_more_memory(r, best)
     else:
-        best = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
-        for r in ok:
+        noisy = [r for r in ok if r.precision != "fp32" and _noisy(r)]
+        for r in noisy:
+            why[r.precision] = f"not clearly faster than fp32: {_speed(r)} ({r.step_ms:.2f} ms/step)"
+        clear = [r for r in ok if r not in noisy]
+        best = min(clear, key=lambda r: (r.step_ms, r.precision != "fp32"))
+        fastest = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
+        if fastest is not best:
+            note = (f"{fastest.precision} timed fastest, but at {_speed(fastest)} the measurement "
+                    f"cannot tell it from fp32, so {best.precision}")
+        for r in clear:
             if r is not best:
                 why[r.precision] = (f"slower: {r.step_ms:.2f} ms/step vs {best.step_ms:.2f} ms/step for {best.precision}"
                                     if r.step_ms > best.step_ms else f"as fast as {best.precision}; ties go to the earlier candidate")
@@ -412,7 +460,17 @@ def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = N
     return Recommendation(model=model or None, size=size or None, precision=best.precision, step_ms=best.step_ms, speedup_vs_fp32=best.speedup_vs_fp32 or 1.0,
                           loss_gap=best.loss_gap or 0.0, tolerance=tolerance, batch_size=report.batch_size,
                           accumulation_steps=report.accumulation_steps, why_not=why, prefer=prefer,
-                          bytes_per_param=best.bytes_per_param)
+                          bytes_per_param=best.bytes_per_param, timed=report.timed, note=note)
+
+
+def _speed(r: BenchResult) -> str:
+    return speed_words(r.speedup_vs_fp32 or 1.0, math.inf if r.speedup_spread is None else r.speedup_spread)
+
+
+def _noisy(r: BenchResult) -> bool:
+    """Whether ``r``'s speed-up over fp32 is within its spread (unknown spread: taken as exact)."""
+    return (r.speedup_vs_fp32 is not None and r.speedup_spread is not None
+            and within_noise(r.speedup_vs_fp32, r.speedup_spread))
 
 
 def _why_more_memory(r: BenchResult, best: BenchResult) -> str:
