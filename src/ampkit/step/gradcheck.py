@@ -14,7 +14,10 @@ default mode went from 1.035-1.043 to 1.008-1.009 (fp32 MLP small, fused AdamW, 
 docs/benchmarks.md section 18). (An earlier in-step measurement under load had found sums
 dearer than the fused call while the result still went to the optimizer as a device tensor.)
 Where a pass over the gradients already happens (clipping) the check rides on it instead
-(:mod:`ampkit.step.boundary`).
+(:mod:`ampkit.step.boundary`). Without clipping, the large gradients' sums are taken in a
+post-accumulate-grad hook at the window's last backward, while each gradient is still in cache
+(:class:`HotReads`), and the step reuses a sum only for the very tensor it was taken from,
+unchanged since (weak reference and version counter); docs/benchmarks.md section 23.
 """
 
 from __future__ import annotations
