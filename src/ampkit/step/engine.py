@@ -97,6 +97,7 @@ class MixedPrecision:
         self._parallel: Parallel = Parallel()
         self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device)
         self._backward_context: Optional[contextlib.AbstractContextManager[Any]] = None
+        self._reads = HotReads()  # the CPU finite check's sums, read while the gradients are hot
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -111,8 +112,6 @@ class MixedPrecision:
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
-        self._reads = HotReads()  # the CPU finite check's sums, read while the gradients are hot
-        self._scaler.grad_reads = self._reads
         watch(self)  # logging.getLogger("ampkit"): subscribes only when enabled
 
     def _make_scaler(self, precision: Precision) -> LossScaler:
@@ -120,8 +119,8 @@ class MixedPrecision:
             scaler = LossScaler.from_config(self.config, device=self.device)
         else:  # no scaling arithmetic at all; still finite-checks when skip_nonfinite is on
             scaler = LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
-        scaler.found_inf_hook = self._parallel.found_inf_reducer()  # data parallel: same skips on all ranks
-        scaler.grad_reads = getattr(self, "_reads", None)  # (None while __init__ makes the first)
+        # data parallel: the same skips on all ranks; the CPU check's hot sums
+        scaler.found_inf_hook, scaler.grad_reads = self._parallel.found_inf_reducer(), self._reads
         return scaler
 
     # ------------------------------------------------------------------ set-up
@@ -232,7 +231,7 @@ class MixedPrecision:
             first = window.micro == 1 and not was_open
             self._window_loss = d if first or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
-        self._reads.armed = window.complete and self._reads_wanted()
+        self._reads.arm(window.complete and self.config.clip_grad_norm is None, self._scaler)
         self._parallel.before_backward(window.complete)
         try:
             with ranged("ampkit.backward", self._backward_context):
@@ -245,13 +244,6 @@ class MixedPrecision:
         hook = self._policy.after_backward  # pure precisions: half gradients summed into the fp32 masters'
         if hook is not None:
             hook()
-
-    def _reads_wanted(self) -> bool:
-        """Whether the step will run the CPU check that :class:`HotReads` serves: a unit scale
-        that checks, without clipping (the clip norm is the check then) or data parallel."""
-        s = self._scaler
-        return (s.is_enabled() and s.is_unit and s.found_inf_hook is None
-                and self.config.clip_grad_norm is None)
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor or a nested list/tuple of them) times the loss scale, for gradients
@@ -351,11 +343,8 @@ class MixedPrecision:
         assert self._clip_order is not None
         params = self._clip_order.params(opts)
         self._parallel.before_step(params)
-        try:
-            grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
-                                                        None if self._normalized else window.flush_factor())
-        finally:
-            self._reads.clear()
+        grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
+                                                    None if self._normalized else window.flush_factor())
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
@@ -497,8 +486,7 @@ class MixedPrecision:
             count = self._scaler.overflow_count  # keep the replaced scaler's skips (a device add, no sync)
             if count is not None:
                 self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
-            self._scaler = scaler
-            scaler.grad_reads = self._reads
+            self._scaler, scaler.grad_reads = scaler, self._reads
         old, self.precision = self.precision, new
         if new.name == old.name and not rerung:
             return  # (a resume in the same precision and rung: the model keeps its form)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -140,8 +140,16 @@ class HotReads:
         self._handles.clear()
         self.clear()
 
+    def arm(self, boundary: bool, scaler: object) -> None:
+        """Read in the coming backward if it ends a window whose step will run the CPU check: a
+        unit scale that checks (``scaler``: a :class:`~ampkit.step.scaler.LossScaler`), not
+        data parallel, and ``boundary`` (the caller's: the window's last backward, no clipping --
+        the clip norm is the check then)."""
+        s: Any = scaler
+        self.armed = bool(boundary and s.is_enabled() and s.is_unit and s.found_inf_hook is None)
+
     def clear(self) -> None:
-        """Drop the sums and disarm (after each step)."""
+        """Drop the sums and disarm (the scaler's ``update()``: the iteration is over)."""
         self.armed = False
         self._sums.clear()
 

@@ -276,7 +276,8 @@ class LossScaler:
         if state["stage"] is _Stage.READY and self.is_unit and self.found_inf_hook is None:
             # A check only, on the CPU: decide on the host (free there) and call the optimizer
             # exactly as a plain loop would (gradcheck.cpu_all_finite).
-            finite = cpu_all_finite(optimizer, allow_fp16=fused, reads=getattr(self, "grad_reads", None))  # (older pickles lack it)
+            reads = getattr(self, "grad_reads", None)  # (older pickles lack it)
+            finite = cpu_all_finite(optimizer, allow_fp16=fused, reads=reads)
             if finite is not None:
                 scale = self._ensure(torch.device("cpu"))
                 state["found_inf_per_device"] = {scale.device: torch.full((), 0.0 if finite else 1.0,
@@ -317,6 +318,8 @@ class LossScaler:
         """
         if not self._enabled:
             return
+        if getattr(self, "grad_reads", None) is not None:
+            self.grad_reads.clear()  # the iteration's hot sums are spent
         if self._scale is None:
             raise RuntimeError("update() called before any scale()/unscale_()/step(); nothing to update")
         if new_scale is not None:
