@@ -38,8 +38,7 @@ LARGE = {
     # engine's dozen fields; split into mixins they were read as attributes typed Any. The precision
     # specifics live in step/policies/, fallback decisions in step/fallback.py. torch keeps
     # GradScaler in one ~700-line file for the same reason.
-    # (+5: the CPU finite check's hot reads are armed per backward, issue 34 section 6)
-    "step/engine.py": 605,
+    "step/engine.py": 600,
     # A drop-in for torch.amp.GradScaler: every public method of it (knobs, pickling, state) plus
     # hysteresis, bounds and the CPU host-decided check; torch's own class is one ~700-line file.
     "step/scaler.py": 460,

@@ -27,14 +27,16 @@ MATMUL_REPEATS = 5
 
 
 def _matmul_seconds(device: torch.device, dtypes: dict[str, torch.dtype], n: int,
-                    repeats: int = MATMUL_REPEATS, budget_s: float = 0.03) -> dict[str, list[float]]:
+                    repeats: int = MATMUL_REPEATS, budget_s: float = 0.03,
+                    ) -> dict[str, list[float]]:
     """Seconds per n x n matmul for each dtype that runs here, one figure per repeat, the dtypes
     interleaved repeat by repeat (drift hits all alike); a rough, quick measurement."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pairs = {}
     for name, dtype in dtypes.items():
         with contextlib.suppress(RuntimeError):
-            a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
             for _ in range(2):
                 a @ b
             pairs[name] = (a, b)
@@ -64,12 +66,13 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
     timed = ""
     if measure:
         n = 2048 if dev.type == "cuda" else 512
-        secs = _matmul_seconds(dev, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}, n)
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        secs = _matmul_seconds(dev, dtypes, n)
         speeds = {k: 2 * n**3 / statistics.median(v) / 1e12 for k, v in secs.items()}
         ratios = {k: paired_ratio(secs["fp32"], v) for k, v in secs.items() if "fp32" in secs}
         spread = max((s for k, (_, s) in ratios.items() if k != "fp32"), default=0.0)
-        timed = Timing(f"one {n}x{n} matmul (not a training step)", torch.get_num_threads(), MATMUL_REPEATS,
-                       spread).describe()
+        timed = Timing(f"one {n}x{n} matmul (not a training step)", torch.get_num_threads(),
+                       MATMUL_REPEATS, spread).describe()
     precisions = []
     for name in CANONICAL[1:]:
         try:
@@ -120,7 +123,8 @@ def cmd_info(inv: Invocation) -> int:
     if report["matmul_tflops"]:
         console.print("matmul TFLOP/s on " + report["device"] + ": "
                       + ", ".join(f"{k} {v:.3g}" for k, v in report["matmul_tflops"].items())
-                      + f" (timed: {report['matmul_timed']}; `ampkit bench` times whole training steps)")
+                      + f" (timed: {report['matmul_timed']}; "
+                      "`ampkit bench` times whole training steps)")
     table = Table(title=f"precisions on {report['device']}")
     for col in ("precision", "runs here", "matmul vs fp32", "what it is", "here"):
         table.add_column(col)

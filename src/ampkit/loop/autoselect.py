@@ -135,7 +135,8 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
 
     Interleaved blocks of ``steps`` steps each (``blocks`` per precision), median per precision;
     ``candidate`` wins only if it is faster than fp32 by more than the blocks' spread
-    (:func:`.speed.within_noise`); the reason says what was timed. The verdict is cached under the model's and
+    (:func:`.speed.within_noise`); the reason says what was timed.
+    The verdict is cached under the model's and
     batch's :func:`model_signature` (module doc); ``label`` (default: the model's class) only names
     the model in the reason, ``batch_size`` is kept with the cached verdict for a reader. The model
     and the RNG states are not changed. Costs ~``2 * (blocks * steps + 1)`` training steps on a
@@ -153,15 +154,17 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
         spread = math.inf if kept is None else float(kept)
         timed = str(hit.get("timed", ""))
     else:
-        (speedup, spread), cached = _measure(model, batches, candidate, device, steps, blocks, loss_fn), False
+        speedup, spread = _measure(model, batches, candidate, device, steps, blocks, loss_fn)
+        cached = False
         timed = Timing("whole training step", torch.get_num_threads(), blocks, spread,
                        f"{steps} step{'s' if steps != 1 else ''}").describe()
         if use_cache:
-            cache[key] = {"speedup": speedup, "spread": spread if math.isfinite(spread) else None, "timed": timed,
-                          "label": label, "batch_size": batch_size, "candidate": candidate,
+            kept = spread if math.isfinite(spread) else None
+            cache[key] = {"speedup": speedup, "spread": kept, "timed": timed, "label": label, "batch_size": batch_size, "candidate": candidate,
                           "cpu": cpu_features().model, "torch": torch.__version__, "measured": time.time()}
             _write_cache(cache)
-    how = ("cached measurement" if cached else "measured just now") + (f": {timed}" if timed else "")
+    how = "cached measurement" if cached else "measured just now"
+    how += f": {timed}" if timed else ""
     speeds = {"fp32": 1.0, candidate: speedup}
     if speedup > 1.0 and not within_noise(speedup, spread):
         return Choice(candidate, f"{candidate} trains {label} {speedup:.2f}x as fast as fp32 here ({how})",

@@ -68,7 +68,7 @@ class BenchResult:
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     speedup_vs_fp32: Optional[float] = None
-    speedup_spread: Optional[float] = None  # spread of the blocks' paired speed-ups (a fraction; inf: one block)
+    speedup_spread: Optional[float] = None  # the blocks' paired speed-ups' spread (inf: one block)
     activation_bytes: Optional[int] = None
     static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler), exact
     bytes_per_param: Optional[float] = None  # weights + masters + optimizer state between steps, per parameter
@@ -99,9 +99,12 @@ class BenchReport:
     @property
     def timed(self) -> str:
         """What the times are: "whole training step, 2 threads, 5 repeats" (spreads per row)."""
-        threads = f", {self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else ""
-        repeats = f", {self.repeats} repeat{'s' if self.repeats != 1 else ''}" if self.repeats else ""
-        return f"whole training step{threads}{repeats}"
+        text = "whole training step"
+        if self.threads:
+            text += f", {self.threads} thread{'s' if self.threads != 1 else ''}"
+        if self.repeats:
+            text += f", {self.repeats} repeat{'s' if self.repeats != 1 else ''}"
+        return text
 
     def result(self, precision: str) -> Optional[BenchResult]:
         return next((r for r in self.results if r.precision == precision), None)
@@ -117,7 +120,8 @@ class BenchReport:
         from rich.table import Table
 
         t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps",
-                  caption=f"timed: {self.timed}; a speed-up inside its repeats' spread says 'within noise'")
+                  caption=f"timed: {self.timed}; a speed-up inside its repeats' spread says "
+                          "'within noise'")
         cols = ("precision", "ms/step", "p10–p90", "speed-up", "samples/s", "tokens/s", "activations",
                 "params+grads+opt", "B/param", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
         for c in cols:
@@ -167,7 +171,8 @@ class BenchReport:
 def _speedup_cell(r: BenchResult) -> str:
     if r.speedup_vs_fp32 is None:
         return "—"
-    if r.precision == "fp32" or r.speedup_spread is None or not within_noise(r.speedup_vs_fp32, r.speedup_spread):
+    spread = r.speedup_spread
+    if r.precision == "fp32" or spread is None or not within_noise(r.speedup_vs_fp32, spread):
         return f"{r.speedup_vs_fp32:.2f}x"
     noise = f"±{100 * r.speedup_spread:.0f}%" if math.isfinite(r.speedup_spread) else "one repeat"
     return f"{r.speedup_vs_fp32:.2f}x within noise ({noise})"

@@ -132,7 +132,8 @@ def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = N
 
 
 def _speed(r: BenchResult) -> str:
-    return speed_words(r.speedup_vs_fp32 or 1.0, math.inf if r.speedup_spread is None else r.speedup_spread)
+    spread = math.inf if r.speedup_spread is None else r.speedup_spread
+    return speed_words(r.speedup_vs_fp32 or 1.0, spread)
 
 
 def _noisy(r: BenchResult) -> bool:

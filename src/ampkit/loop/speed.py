@@ -39,7 +39,8 @@ class Timing:
         repeats = f"{self.repeats} repeat{'s' if self.repeats != 1 else ''}"
         if self.per_repeat:
             repeats += f" of {self.per_repeat}"
-        noise = "no spread from one repeat" if not math.isfinite(self.spread) else f"±{100 * self.spread:.0f}%"
+        finite = math.isfinite(self.spread)
+        noise = f"±{100 * self.spread:.0f}%" if finite else "no spread from one repeat"
         return f"{self.what}, {threads}, {repeats}, {noise}"
 
 

@@ -41,7 +41,6 @@ from .fallback import (
     rung_move,
     scale_exhausted,
 )
-from .gradcheck import HotReads
 from .hardware import DeviceInfo, device_info, normalize_device
 from .localize import NonFiniteReport, localize_nonfinite
 from .logs import watch
@@ -97,7 +96,6 @@ class MixedPrecision:
         self._parallel: Parallel = Parallel()
         self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device)
         self._backward_context: Optional[contextlib.AbstractContextManager[Any]] = None
-        self._reads = HotReads()  # the CPU finite check's sums, read while the gradients are hot
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -119,8 +117,7 @@ class MixedPrecision:
             scaler = LossScaler.from_config(self.config, device=self.device)
         else:  # no scaling arithmetic at all; still finite-checks when skip_nonfinite is on
             scaler = LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
-        # data parallel: the same skips on all ranks; the CPU check's hot sums
-        scaler.found_inf_hook, scaler.grad_reads = self._parallel.found_inf_reducer(), self._reads
+        scaler.found_inf_hook = self._parallel.found_inf_reducer()  # data parallel: same skips on all ranks
         return scaler
 
     # ------------------------------------------------------------------ set-up
@@ -175,7 +172,6 @@ class MixedPrecision:
         self._backward_context = policy.backward_context()  # reusable: asked once, not per step
         self._parallel.use_masters(policy.keeps_masters)
         self._clip_order = ClipOrder(model, policy.stepped if policy.keeps_masters else None)
-        self._reads.attach(model.parameters() if self.device.type == "cpu" and not policy.keeps_masters else ())
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -231,7 +227,6 @@ class MixedPrecision:
             first = window.micro == 1 and not was_open
             self._window_loss = d if first or self._window_loss is None else self._window_loss + d
         scaled = self._scaler.scale(loss)
-        self._reads.arm(window.complete and self.config.clip_grad_norm is None, self._scaler)
         self._parallel.before_backward(window.complete)
         try:
             with ranged("ampkit.backward", self._backward_context):
@@ -486,7 +481,7 @@ class MixedPrecision:
             count = self._scaler.overflow_count  # keep the replaced scaler's skips (a device add, no sync)
             if count is not None:
                 self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
-            self._scaler, scaler.grad_reads = scaler, self._reads
+            self._scaler = scaler
         old, self.precision = self.precision, new
         if new.name == old.name and not rerung:
             return  # (a resume in the same precision and rung: the model keeps its form)

@@ -14,23 +14,18 @@ default mode went from 1.035-1.043 to 1.008-1.009 (fp32 MLP small, fused AdamW, 
 docs/benchmarks.md section 18). (An earlier in-step measurement under load had found sums
 dearer than the fused call while the result still went to the optimizer as a device tensor.)
 Where a pass over the gradients already happens (clipping) the check rides on it instead
-(:mod:`ampkit.step.boundary`). Without clipping, the large gradients' sums are taken in a
-post-accumulate-grad hook at the window's last backward, while each gradient is still in cache
-(:class:`HotReads`), and the step reuses a sum only for the very tensor it was taken from,
-unchanged since (weak reference and version counter); docs/benchmarks.md section 23.
+(:mod:`ampkit.step.boundary`).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
-__all__ = ["SUM_FROM", "HotReads", "check_and_unscale", "cpu_all_finite", "first_grad_device",
-           "foreach_check_and_unscale", "grads_of"]
+__all__ = ["SUM_FROM", "check_and_unscale", "cpu_all_finite", "first_grad_device", "foreach_check_and_unscale", "grads_of"]
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
@@ -104,73 +99,7 @@ def foreach_check_and_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor
 SUM_FROM = 1 << 15
 
 
-def _fp32_sum(g: torch.Tensor) -> torch.Tensor:
-    # (fp32 accumulation for half gradients: their own sum would overflow at 65504 / lose range)
-    return g.sum() if g.dtype == torch.float32 else g.sum(dtype=torch.float32)
-
-
-class HotReads:
-    """The sums :func:`cpu_all_finite` needs, read in a post-accumulate-grad hook while each large
-    gradient is still in cache (it was written a moment before), instead of in a cold pass after
-    backward.
-
-    :meth:`attach` hooks the large CPU parameters once; the hooks only read while armed (the
-    engine arms them for a window's last backward when the check will run: unit scale, no
-    clipping, no data parallel). A sum is used only for the very gradient it was taken from,
-    unchanged since: the entry keeps a weak reference to the tensor and its version counter, so a
-    gradient replaced, accumulated into or edited in place after the hook (clipping, a user's
-    ``p.grad.mul_``, a data-parallel reduction) is summed afresh at the step. No host sync.
-    """
-
-    def __init__(self) -> None:
-        self.armed = False
-        self._sums: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def attach(self, params: Iterable[torch.Tensor]) -> None:
-        """Hook every CPU parameter of at least :data:`SUM_FROM` elements (replacing earlier hooks)."""
-        self.detach()
-        for p in params:
-            if p.requires_grad and p.device.type == "cpu" and p.numel() >= SUM_FROM and type(p.data) is torch.Tensor:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._read))
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.clear()
-
-    def arm(self, boundary: bool, scaler: object) -> None:
-        """Read in the coming backward if it ends a window whose step will run the CPU check: a
-        unit scale that checks (``scaler``: a :class:`~ampkit.step.scaler.LossScaler`), not
-        data parallel, and ``boundary`` (the caller's: the window's last backward, no clipping --
-        the clip norm is the check then)."""
-        s: Any = scaler
-        self.armed = bool(boundary and s.is_enabled() and s.is_unit and s.found_inf_hook is None)
-
-    def clear(self) -> None:
-        """Drop the sums and disarm (the scaler's ``update()``: the iteration is over)."""
-        self.armed = False
-        self._sums.clear()
-
-    def _read(self, p: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        g = p.grad
-        if g is None or type(g) is not torch.Tensor or g.is_sparse or g.requires_grad:
-            return  # (checked at the step instead)
-        self._sums[id(g)] = (weakref.ref(g), g._version, _fp32_sum(g))
-
-    def take(self, g: torch.Tensor) -> Optional[torch.Tensor]:
-        """The sum read for ``g`` if ``g`` is that very tensor, unchanged since; else None."""
-        entry = self._sums.get(id(g))
-        if entry is None or entry[0]() is not g or entry[1] != g._version:
-            return None
-        return entry[2]
-
-
-def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool,
-                   reads: Optional[HotReads] = None) -> Optional[bool]:
+def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Optional[bool]:
     """Whether every gradient of ``optimizer`` is finite, decided on the host, for gradients that
     all live on the CPU as plain tensors; None where that does not hold (the caller then uses
     :func:`check_and_unscale`).
@@ -182,8 +111,7 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool,
     cost more in dispatch than it saves. Measured (2-core EPYC, 1 thread, per check): MLP small (8
     tensors, 2.37M elements) 1021 us fused-only -> 202 us; GPT small (53 tensors, 0.88M) 199 -> 153;
     GPT tiny (29 tensors) 79 -> 77. The caller then calls a fused optimizer exactly as a plain loop
-    does, without a ``found_inf`` to correct afterwards. ``reads``: sums already taken while the
-    gradients were hot (:class:`HotReads`), used where still valid.
+    does, without a ``found_inf`` to correct afterwards.
     """
     by_device = grads_of(optimizer, allow_fp16=allow_fp16)
     if not by_device:
@@ -206,9 +134,8 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool,
         if found.item():
             return False
     for g in large:
-        s = reads.take(g) if reads is not None else None
-        if s is None:
-            s = _fp32_sum(g)
+        # (fp32 accumulation for half gradients: their own sum would overflow at 65504 / lose range)
+        s = g.sum() if g.dtype == torch.float32 else g.sum(dtype=torch.float32)
         if not math.isfinite(s.item()):
             found = torch.zeros((), dtype=torch.float32)
             torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.ones((), dtype=torch.float32))

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .config import ConfigError, MixedPrecisionConfig
-from .gradcheck import HotReads, check_and_unscale, cpu_all_finite, first_grad_device
+from .gradcheck import check_and_unscale, cpu_all_finite, first_grad_device
 from .scale_rules import SCALE_FLOOR, hysteresis_update, scaling_problem
 from .scaler_state import host_state, loaded_attributes, saved_state
 
@@ -111,8 +111,6 @@ class LossScaler:
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh)
         #: called on every fresh ``found_inf`` before any optimizer sees it (DDP: all-reduce max), or None
         self.found_inf_hook: Optional[Callable[[torch.Tensor], None]] = None
-        #: gradient sums read while hot, for the CPU unit-scale check (:class:`.gradcheck.HotReads`), or None
-        self.grad_reads: Optional[HotReads] = None
 
     @classmethod
     def from_config(cls, config: MixedPrecisionConfig, *, enabled: bool = True,
@@ -276,8 +274,7 @@ class LossScaler:
         if state["stage"] is _Stage.READY and self.is_unit and self.found_inf_hook is None:
             # A check only, on the CPU: decide on the host (free there) and call the optimizer
             # exactly as a plain loop would (gradcheck.cpu_all_finite).
-            reads = getattr(self, "grad_reads", None)  # (older pickles lack it)
-            finite = cpu_all_finite(optimizer, allow_fp16=fused, reads=reads)
+            finite = cpu_all_finite(optimizer, allow_fp16=fused)
             if finite is not None:
                 scale = self._ensure(torch.device("cpu"))
                 state["found_inf_per_device"] = {scale.device: torch.full((), 0.0 if finite else 1.0,
@@ -318,8 +315,6 @@ class LossScaler:
         """
         if not self._enabled:
             return
-        if getattr(self, "grad_reads", None) is not None:
-            self.grad_reads.clear()  # the iteration's hot sums are spent
         if self._scale is None:
             raise RuntimeError("update() called before any scale()/unscale_()/step(); nothing to update")
         if new_scale is not None:

@@ -39,7 +39,7 @@ _DEVICE_STATE = (("_scale", float), ("_growth_tracker", int), ("_hysteresis_left
 def host_state(attributes: dict[str, Any]) -> dict[str, Any]:
     """A copy of a scaler's attributes with its device state read into host values (**syncs**) and
     what cannot travel dropped: the cached 1.0, the last ``found_inf``, the ``found_inf_hook``
-    (a process-local all-reduce), the ``grad_reads`` (hooks on this process's parameters)."""
+    (a process-local all-reduce)."""
     state = dict(attributes)
     for name, cast in _DEVICE_STATE:
         tensor = state.get(name)
@@ -47,7 +47,7 @@ def host_state(attributes: dict[str, Any]) -> dict[str, Any]:
             state["_init" + name] = cast(tensor.item())
         state[name] = None
     state.pop("_one", None)
-    state.update(_last_found_inf=None, found_inf_hook=None, grad_reads=None)
+    state.update(_last_found_inf=None, found_inf_hook=None)
     return state
 
 

@@ -1,11 +1,11 @@
-"""The CPU finite check's hot reads (:class:`ampkit.step.gradcheck.HotReads`, issue 34 §6): large
-gradients are summed in a post-accumulate-grad hook at the window's last backward; the step uses
-a sum only for the very tensor it was taken from, unchanged since. A non-finite value in any
-gradient -- first, last, a tiny one, one written after backward, one from an earlier micro-step --
-still skips the step, and a finite run matches the hand-written torch.amp loop bit for bit."""
+"""The CPU finite check without a scaler (bf16, issue 34 §6: read-only sums of the large
+gradients, one fused check of the small ones; with clipping, the clip norm): a non-finite value in
+any gradient -- first, last, a tiny one, one written after backward, one from an earlier
+micro-step -- skips the step, and a finite run matches the hand-written torch.amp loop bit for
+bit. (A post-accumulate-grad hook reading each gradient while hot was measured and not kept:
+docs/benchmarks.md section 23.)"""
 
 import copy
-import pickle
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from ampkit.step.gradcheck import SUM_FROM
 
 def net():
     torch.manual_seed(0)
-    # 65536 and 32768 elements: summed by the hooks; the last layer (and the biases) are small
+    # 65536 and 32768 elements: checked by sums; the last layer (and the biases) are small
     return nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 4))
 
 
@@ -48,7 +48,7 @@ def poison(param, value, where=0):
     return param.register_hook(hook)
 
 
-def test_the_model_has_hooked_and_unhooked_gradients():
+def test_the_model_has_large_and_small_gradients():
     sizes = [p.numel() for p in net().parameters()]
     assert sum(n >= SUM_FROM for n in sizes) == 2 and sum(n < SUM_FROM for n in sizes) == 4
 
@@ -66,8 +66,6 @@ def test_a_nonfinite_value_in_any_gradient_skips_the_step(index, value):
     with amp.autocast():
         loss = loss_of(model, batch(1))
     amp.backward(loss)
-    if params[index].numel() >= SUM_FROM:
-        assert amp.scaler.grad_reads.take(params[index].grad) is not None  # read while hot, and then used
     result = amp.step(opt)
     handle.remove()
     assert result.found_inf.item() == 1.0
@@ -80,9 +78,8 @@ def test_a_gradient_changed_after_backward_is_read_again(how):
     amp, model, opt = engine()
     with amp.autocast():
         loss = loss_of(model, batch(0))
-    amp.backward(loss)  # the hooks read finite sums
+    amp.backward(loss)  # finite gradients
     w = model[0].weight
-    assert amp.scaler.grad_reads.take(w.grad) is not None
     before = w.detach().clone()
     if how == "in place":
         w.grad[3, 7] = float("nan")
@@ -90,7 +87,6 @@ def test_a_gradient_changed_after_backward_is_read_again(how):
         g = w.grad.clone()
         g[3, 7] = float("inf")
         w.grad = g
-    assert amp.scaler.grad_reads.take(w.grad) is None  # stale: summed afresh at the step
     assert amp.step(opt).found_inf.item() == 1.0
     assert torch.equal(w, before)
 
@@ -112,7 +108,7 @@ def test_accumulation_a_nonfinite_micro_step_skips_the_window(bad_micro):
     assert torch.equal(w, before)
 
 
-def test_with_clipping_the_norm_is_the_check_and_no_hook_reads():
+def test_with_clipping_the_norm_is_the_check():
     amp, model, opt = engine(clip_grad_norm=1.0)
     w = model[0].weight
     before = w.detach().clone()
@@ -120,7 +116,6 @@ def test_with_clipping_the_norm_is_the_check_and_no_hook_reads():
     with amp.autocast():
         loss = loss_of(model, batch(0))
     amp.backward(loss)
-    assert amp.scaler.grad_reads.take(w.grad) is None  # not armed: clipping's norm checks instead
     handle.remove()
     assert amp.step(opt).found_inf.item() == 1.0 and torch.equal(w, before)
 
@@ -152,13 +147,3 @@ def test_bitwise_the_hand_written_loop(accumulation, clip):
     ref = raw_loop(3, accumulation, clip)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     assert amp.stats()["skipped_steps"] == 0
-
-
-def test_the_scaler_pickles_without_its_hooks():
-    amp, model, opt = engine()
-    with amp.autocast():
-        loss = loss_of(model, batch(0))
-    amp.backward(loss)
-    amp.step(opt)
-    copy_ = pickle.loads(pickle.dumps(amp.scaler))
-    assert copy_.grad_reads is None and amp.scaler.grad_reads is not None
