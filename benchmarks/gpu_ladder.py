@@ -163,7 +163,7 @@ def part_largest(args: argparse.Namespace, device: torch.device, out: dict) -> N
     bpp = {label: row.get("bytes_per_param") for label, row in out.get("step", {}).get("rows", {}).items()}
     default_bpp = {"bf16 autocast": 16, "bf16-pure, fp32 masters": 14, "split": 12, "kahan": 12, "stochastic": 10,
                    "stochastic + bf16 states": 6}
-    print(f"\n| rung | largest depth that trained | parameters | next depth tried (out of memory) | attempts | s |")
+    print("\n| rung | largest depth that trained | parameters | next depth tried (out of memory) | attempts | s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = {}
     for rung in RUNGS:

@@ -11,6 +11,13 @@ per-step time of each and their ratio. A last table gives the bf16-vs-fp32 speed
 
     python benchmarks/overhead.py                      # CPU defaults
     python benchmarks/overhead.py --device cuda --gpt-size medium --mlp-size medium
+    python benchmarks/overhead.py --cpu-check          # bf16 step cost: clip/no clip x 1/2 threads
+
+``--cpu-check`` records the CPU step's cost (issue 34 §6; targets ampkit/raw <= 1.03 without
+clipping, <= 1.01 with it): bf16, without and with clipping, on 1 and 2 threads, for an MLP of
+width 512 at batch 64 and the built-in mlp/small at batch 128, fused AdamW, each against the
+hand-written loop; without clipping it also times ampkit with ``skip_nonfinite=False``, so the
+finite check's own share shows. The machine is named by ``ampkit info``'s CPU line.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.loop.data import ClassificationBatches, TextBatches
 from ampkit.loop.models import MLP, MLPConfig, build
-from ampkit.step.hardware import device_info
+from ampkit.step.hardware import cpu_features, device_info
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,8 +62,8 @@ def raw_stepper(model, opt, precision, device, clip):
     return step
 
 
-def ampkit_stepper(model, opt, precision, device, clip):
-    amp = MixedPrecision(precision, device=device, clip_grad_norm=clip)
+def ampkit_stepper(model, opt, precision, device, clip, **overrides):
+    amp = MixedPrecision(precision, device=device, clip_grad_norm=clip, **overrides)
     model, opt = amp.setup(model, opt)
 
     def step(batch):
@@ -90,14 +97,18 @@ def measure(model_name, size, precision, device, args):
     batches = [data(i) for i in range(16)]
     fused = device.type in ("cpu", "cuda")
     steppers = {}
-    for kind, make in (("raw", raw_stepper), ("ampkit", ampkit_stepper)):
+    clip = 1.0 if args.mode == "clip" else None
+    kinds = [("raw", raw_stepper, {}), ("ampkit", ampkit_stepper, {})]
+    if getattr(args, "no_check_too", False) and clip is None and precision != "fp16":
+        kinds.append(("nocheck", ampkit_stepper, {"skip_nonfinite": False}))
+    for kind, make, overrides in kinds:
         m = copy.deepcopy(base)
         o = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)
-        steppers[kind] = make(m, o, precision, device, 1.0 if args.mode == "clip" else None)
+        steppers[kind] = make(m, o, precision, device, clip, **overrides)
     for s in steppers.values():  # warm-up
         time_block(s, batches, 0, args.warmup, device)
-    times = {"raw": [], "ampkit": []}
-    order = ["raw", "ampkit"]
+    times = {kind: [] for kind in steppers}
+    order = list(steppers)
     for b in range(args.blocks):
         for kind in (order if b % 2 == 0 else order[::-1]):
             times[kind].append(time_block(steppers[kind], batches, b * args.steps, args.steps, device))
@@ -105,9 +116,51 @@ def measure(model_name, size, precision, device, args):
     # Adjacent blocks form pairs; the median of the paired ratios is robust to slow drift.
     ratios = sorted(a / r for a, r in zip(times["ampkit"], times["raw"]))
     label = f"mlp/w{args.mlp_width}" if model_name == "mlp" and args.mlp_width else f"{model_name}/{size}"
-    return {"model": label, "precision": precision, "raw_ms": raw * 1e3, "ampkit_ms": amp * 1e3,
-            "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
-            "ratio_p90": ratios[(9 * len(ratios)) // 10]}
+    row = {"model": label, "precision": precision, "raw_ms": raw * 1e3, "ampkit_ms": amp * 1e3,
+           "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
+           "ratio_p90": ratios[(9 * len(ratios)) // 10],
+           "ratio_min": min(times["ampkit"]) / min(times["raw"])}
+    if "nocheck" in times:
+        row["nocheck_ratio"] = statistics.median(sorted(a / r for a, r in zip(times["nocheck"], times["raw"])))
+    return row
+
+
+def machine_line(device):
+    """The machine, as ``ampkit info`` names it: the device and its CPU line."""
+    info = device_info(device)
+    cpu = cpu_features()
+    return (f"{info.name} ({device}) · CPU ISA: {', '.join(cpu.flags) or 'none of interest'} "
+            f"(ATen dispatch: {cpu.capability}) · torch {torch.__version__} · python {platform.python_version()}")
+
+
+def cpu_check(args):
+    """bf16, clip and no clip, 1 and 2 threads, MLP w512/b64 and mlp/small/b128 (module doc)."""
+    device = torch.device("cpu")
+    print(f"# {machine_line(device)}")
+    cases = [("mlp/w512, batch 64", 512, 64), ("mlp/small, batch 128", 0, 128)]
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for label, width, batch in cases:
+            for mode in ("default", "clip"):
+                sub = argparse.Namespace(**{**vars(args), "mode": mode, "mlp_width": width, "mlp_batch": batch,
+                                            "no_check_too": True})
+                r = measure("mlp", "small", "bf16", device, sub)
+                r.update(case=label, threads=threads, mode="clip 1.0" if mode == "clip" else "no clip")
+                rows.append(r)
+                print(f"  measured {label:<22} {r['mode']:<8} {threads} thread(s): ratio {r['ratio']:.3f}", flush=True)
+    print()
+    print("| case | threads | clipping | raw ms/step | ampkit/raw (median of paired blocks) | p10–p90 | "
+          "min/min | skip_nonfinite=False / raw | target |")
+    print("| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for r in rows:
+        target = "≤ 1.01" if r["mode"].startswith("clip") else "≤ 1.03"
+        nocheck = f"{r['nocheck_ratio']:.3f}" if "nocheck_ratio" in r else "—"
+        print(f"| {r['case']} | {r['threads']} | {r['mode']} | {r['raw_ms']:.2f} | {r['ratio']:.3f} | "
+              f"{r['ratio_p10']:.3f}–{r['ratio_p90']:.3f} | {r['ratio_min']:.3f} | {nocheck} | {target} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_line(device), "rows": rows}, f, indent=2)
 
 
 def main():
@@ -127,7 +180,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave)")
     ap.add_argument("--json", default=None, help="also write results to this file")
+    ap.add_argument("--cpu-check", action="store_true",
+                    help="bf16 without/with clipping on 1 and 2 threads, MLP w512/b64 and mlp/small (module doc)")
     args = ap.parse_args()
+    if args.cpu_check:
+        return cpu_check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

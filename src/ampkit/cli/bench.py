@@ -79,8 +79,11 @@ def cmd_tune(inv: Invocation) -> int:
                   f"{rec.speedup_vs_fp32:.2f}x fp32's speed, "
                   f"final-loss gap {100 * rec.loss_gap:+.2f}% (tolerance {100 * rec.tolerance:g}%), "
                   f"batch size {rec.batch_size}, accumulation {rec.accumulation_steps}")
+    if rec.note:
+        console.print(f"[yellow]{rec.note}[/]")
     for name, why in rec.why_not.items():
         console.print(f"  {name}: {why}")
+    console.print(f"timed: {rec.timed}")
     console.print(f"wrote {args.out}: use it with [bold]ampkit train --config {args.out}[/]")
     return 0
 

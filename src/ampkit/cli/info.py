@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from typing import Any, Optional
 
 import torch
 
 from .. import __version__
+from ..loop.speed import Timing, paired_ratio, speed_words
 from ..step.hardware import cpu_features, device_info, normalize_device
 from ..step.precision import (
     CANONICAL,
@@ -21,24 +23,37 @@ from ..step.precision import (
 from .common import flag
 from .invocation import Invocation
 
+MATMUL_REPEATS = 5
 
-def _measure_matmul(device: torch.device, dtype: torch.dtype, n: int, budget_s: float = 0.15) -> float:
-    """TFLOP/s of an n x n matmul in ``dtype`` on ``device`` (a rough, quick figure)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(2):
-        a @ b
+
+def _matmul_seconds(device: torch.device, dtypes: dict[str, torch.dtype], n: int,
+                    repeats: int = MATMUL_REPEATS, budget_s: float = 0.03,
+                    ) -> dict[str, list[float]]:
+    """Seconds per n x n matmul for each dtype that runs here, one figure per repeat, the dtypes
+    interleaved repeat by repeat (drift hits all alike); a rough, quick measurement."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        a @ b
-        reps += 1
-        if reps % 4 == 0:
+    pairs = {}
+    for name, dtype in dtypes.items():
+        with contextlib.suppress(RuntimeError):
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            for _ in range(2):
+                a @ b
+            pairs[name] = (a, b)
+    out: dict[str, list[float]] = {name: [] for name in pairs}
+    for _ in range(repeats):
+        for name, (a, b) in pairs.items():
             sync()
-            if time.perf_counter() - t0 > budget_s:
-                break
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+            reps, t0 = 0, time.perf_counter()
+            while True:
+                a @ b
+                reps += 1
+                if reps % 4 == 0:
+                    sync()
+                    if time.perf_counter() - t0 > budget_s:
+                        break
+            out[name].append((time.perf_counter() - t0) / reps)
+    return out
 
 
 def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str, Any]:
@@ -47,11 +62,17 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
     info = device_info(dev)
     auto = resolve_precision("auto", info)
     speeds: dict[str, float] = {}
+    ratios: dict[str, tuple[float, float]] = {}  # dtype -> (speed-up vs fp32, spread)
+    timed = ""
     if measure:
         n = 2048 if dev.type == "cuda" else 512
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            with contextlib.suppress(RuntimeError):
-                speeds[name] = _measure_matmul(dev, dtype, n)
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        secs = _matmul_seconds(dev, dtypes, n)
+        speeds = {k: 2 * n**3 / statistics.median(v) / 1e12 for k, v in secs.items()}
+        ratios = {k: paired_ratio(secs["fp32"], v) for k, v in secs.items() if "fp32" in secs}
+        spread = max((s for k, (_, s) in ratios.items() if k != "fp32"), default=0.0)
+        timed = Timing(f"one {n}x{n} matmul (not a training step)", torch.get_num_threads(),
+                       MATMUL_REPEATS, spread).describe()
     precisions = []
     for name in CANONICAL[1:]:
         try:
@@ -62,8 +83,9 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
             why = str(e).split(": ", 1)[-1].split(". Choose")[0]
             row = {"name": name, "runs": False, "reason": why, "what": DESCRIPTIONS[name], "note": why}
         key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp16-pure": "fp16"}.get(name)
-        if key in speeds and "fp32" in speeds and speeds["fp32"] > 0:
-            row["matmul_speedup_vs_fp32"] = round(speeds[key] / speeds["fp32"], 2)
+        if key in ratios:
+            row["matmul_speedup_vs_fp32"] = round(ratios[key][0], 2)
+            row["matmul_speedup_words"] = speed_words(*ratios[key])
         precisions.append(row)
     devices = [info.to_dict()]
     if dev.type != "cpu":
@@ -74,6 +96,7 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "device": str(dev), "devices": devices, "cpu": cpu_features().to_dict(),
         "matmul_tflops": {k: round(v, 3) for k, v in speeds.items()},
+        "matmul_timed": timed,
         "precisions": precisions,
         "auto": {"precision": auto.name, "reason": auto.reason},
     }
@@ -99,13 +122,15 @@ def cmd_info(inv: Invocation) -> int:
                   f"native bf16: {'yes' if cpu['native_bf16'] else 'no'}, native fp16: {'yes' if cpu['native_fp16'] else 'no'}")
     if report["matmul_tflops"]:
         console.print("matmul TFLOP/s on " + report["device"] + ": "
-                      + ", ".join(f"{k} {v:.3g}" for k, v in report["matmul_tflops"].items()))
+                      + ", ".join(f"{k} {v:.3g}" for k, v in report["matmul_tflops"].items())
+                      + f" (timed: {report['matmul_timed']}; "
+                      "`ampkit bench` times whole training steps)")
     table = Table(title=f"precisions on {report['device']}")
     for col in ("precision", "runs here", "matmul vs fp32", "what it is", "here"):
         table.add_column(col)
     for row in report["precisions"]:
         runs = "[green]yes[/]" if row["runs"] else "[red]no[/]"
-        speed = f"{row['matmul_speedup_vs_fp32']:.2f}x" if "matmul_speedup_vs_fp32" in row else ""
+        speed = row.get("matmul_speedup_words", "").replace(" fp32's speed", "")
         table.add_row(row["name"], runs, speed, row["what"], row["note"])
     console.print(table)
     console.print(f"[bold]auto → {report['auto']['precision']}[/]: {report['auto']['reason']}")

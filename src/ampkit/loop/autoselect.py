@@ -5,7 +5,9 @@ is not enough: for small models casts and element-wise work dominate and bf16 ca
 fp32 (0.69x-0.92x for the built-in tiny/small models on an AMX Xeon). So before a run whose
 precision is ``auto`` takes its first step, :func:`confirm_auto` has :func:`measured_choice` time
 a few training steps of the real model in fp32 and in the hardware pick, interleaved, keeps the
-faster (switching the engine to fp32 if that wins), and caches the verdict per (CPU, torch,
+pick only if it is faster by more than the repeats' own spread (else fp32: no numerics risk for
+a gain it cannot show; the reason says "within noise"), switching the engine to fp32 if that
+wins, and caches the verdict per (CPU, torch,
 threads, model, batch) in ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), so later runs start
 at once. The :class:`~ampkit.loop.trainer.Trainer` calls it before its first step, and ``ampkit
 train`` before it prints the run's header: ``MixedPrecision("auto")`` with a Trainer, a user's
@@ -18,8 +20,8 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
@@ -31,6 +33,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import cpu_features
 from .batches import BatchSource
 from .checkpoint import capture_rng, restore_rng
+from .speed import Timing, paired_ratio, speed_words, within_noise
 from .steps import LossFn, Steps, batch_loss
 
 __all__ = ["Choice", "auto_decision", "cache_path", "confirm_auto", "measured_choice", "model_signature"]
@@ -44,6 +47,7 @@ class Choice:
     reason: str
     speedups: dict[str, float]  # candidate -> speed relative to fp32 (> 1 is faster)
     cached: bool
+    timed: str = ""  # what was timed: "whole training step, 1 thread, 3 repeats of 2 steps, ±4%"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,9 +113,10 @@ def _time_steps(model: torch.nn.Module, batches: Callable[[int], Any], precision
 
 
 def _measure(model: torch.nn.Module, batches: Callable[[int], Any], candidate: str, device: torch.device,
-             steps: int, blocks: int, loss_fn: LossFn) -> float:
-    """fp32's median step time over ``candidate``'s, in interleaved blocks. The RNG states (torch,
-    numpy, Python) are put back afterwards: measuring leaves the run's random stream where it was."""
+             steps: int, blocks: int, loss_fn: LossFn) -> tuple[float, float]:
+    """fp32's median step time over ``candidate``'s, in interleaved blocks, and the spread of the
+    blocks' paired ratios (:func:`.speed.paired_ratio`). The RNG states (torch, numpy, Python) are
+    put back afterwards: measuring leaves the run's random stream where it was."""
     rng = capture_rng()
     try:
         times: dict[str, list[float]] = {"fp32": [], candidate: []}
@@ -121,7 +126,7 @@ def _measure(model: torch.nn.Module, batches: Callable[[int], Any], candidate: s
                 times[name] += _time_steps(model, batches, name, device, steps, 1, loss_fn)
     finally:
         restore_rng(rng)
-    return statistics.median(times["fp32"]) / statistics.median(times[candidate])
+    return paired_ratio(times["fp32"], times[candidate])
 
 
 def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candidate: str, device: torch.device, *,
@@ -130,7 +135,9 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
     """Train ``candidate`` (the hardware pick) against fp32 on copies of ``model`` and choose.
 
     Interleaved blocks of ``steps`` steps each (``blocks`` per precision), median per precision;
-    ``candidate`` wins only if it is faster than fp32. The verdict is cached under the model's and
+    ``candidate`` wins only if it is faster than fp32 by more than the blocks' spread
+    (:func:`.speed.within_noise`); the reason says what was timed.
+    The verdict is cached under the model's and
     batch's :func:`model_signature` (module doc); ``label`` (default: the model's class) only names
     the model in the reason, ``batch_size`` is kept with the cached verdict for a reader. The model
     and the RNG states are not changed. Costs ~``2 * (blocks * steps + 1)`` training steps on a
@@ -144,18 +151,31 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
     hit = cache.get(key)
     if isinstance(hit, dict) and isinstance(hit.get("speedup"), (int, float)):
         speedup, cached = float(hit["speedup"]), True
+        kept = hit.get("spread", 0.0)  # (verdicts cached before spreads were kept: taken as exact)
+        spread = math.inf if kept is None else float(kept)
+        timed = str(hit.get("timed", ""))
     else:
-        speedup, cached = _measure(model, batches, candidate, device, steps, blocks, loss_fn), False
+        speedup, spread = _measure(model, batches, candidate, device, steps, blocks, loss_fn)
+        cached = False
+        timed = Timing("whole training step", torch.get_num_threads(), blocks, spread,
+                       f"{steps} step{'s' if steps != 1 else ''}").describe()
         if use_cache:
-            cache[key] = {"speedup": speedup, "label": label, "batch_size": batch_size, "candidate": candidate,
+            kept = spread if math.isfinite(spread) else None
+            cache[key] = {"speedup": speedup, "spread": kept, "timed": timed, "label": label, "batch_size": batch_size, "candidate": candidate,
                           "cpu": cpu_features().model, "torch": torch.__version__, "measured": time.time()}
             _write_cache(cache)
     how = "cached measurement" if cached else "measured just now"
-    if speedup > 1.0:
+    how += f": {timed}" if timed else ""
+    speeds = {"fp32": 1.0, candidate: speedup}
+    if speedup > 1.0 and not within_noise(speedup, spread):
         return Choice(candidate, f"{candidate} trains {label} {speedup:.2f}x as fast as fp32 here ({how})",
-                      {"fp32": 1.0, candidate: speedup}, cached)
+                      speeds, cached, timed)
+    if speedup > 1.0:
+        return Choice("fp32", f"the hardware rule picks {candidate}, but {candidate} trains {label} at "
+                              f"{speed_words(speedup, spread)} here ({how}): not clearly faster, so fp32",
+                      speeds, cached, timed)
     return Choice("fp32", f"the hardware rule picks {candidate}, but {candidate} trains {label} at {speedup:.2f}x "
-                          f"fp32's speed here ({how}), so fp32", {"fp32": 1.0, candidate: speedup}, cached)
+                          f"fp32's speed here ({how}), so fp32", speeds, cached, timed)
 
 
 def auto_decision(amp: MixedPrecision) -> Optional[dict[str, Any]]:
@@ -187,7 +207,7 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
     done = auto_decision(amp)
     if done is not None:
         return Choice(str(done["precision"]), str(done["reason"]), dict(done.get("speedups", {})),
-                      bool(done.get("cached", False)))
+                      bool(done.get("cached", False)), str(done.get("timed", "")))
     current = Choice(amp.precision.name, amp.precision.reason, {}, False)
     if (amp.config.precision != "auto" or amp.device.type != "cpu" or amp.precision.name == "fp32"
             or amp.optimizer_steps > 0 or world_size() > 1):  # several processes: the hardware rule, alike on all
@@ -203,5 +223,5 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
         amp.switch(choice.precision, reason=choice.reason)
         amp.set_fallback(amp.config.fallback)  # the chain from the new precision, as a new engine builds it
     amp.record_event("auto_precision", precision=choice.precision, reason=choice.reason,
-                     speedups=dict(choice.speedups), cached=choice.cached)
+                     speedups=dict(choice.speedups), cached=choice.cached, timed=choice.timed)
     return choice

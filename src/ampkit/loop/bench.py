@@ -4,7 +4,12 @@
 in lockstep: blocks of steps rotate through the precisions (the order shifts every round), so
 drift of the machine hits all alike. fp32 is always included: it is the reference for speed-up
 and fidelity. ``tune`` picks the fastest precision whose final loss stays within a tolerance of
-fp32's and that needed no fallback, and says why every other candidate lost.
+fp32's and that needed no fallback, and says why every other candidate lost. What was timed is
+a whole training step (forward, backward, optimizer) on the process's threads, in ``repeats``
+blocks; each speed-up carries the spread of its blocks' paired ratios, and one inside it reads
+"within noise" (:mod:`.speed`). ``tune`` does not pick a precision it cannot tell apart from
+fp32: a speed-up within noise loses to fp32 (nothing gained that the measurement can show, and
+fp32 carries no numerics risk).
 
 Rungs of bf16-pure's memory ladder are candidates too, spelt as for ``estimate``/``plan``
 (``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"``; :data:`RUNGS` lists them). Each row then
@@ -30,6 +35,8 @@ from ..step.hardware import device_info, normalize_device
 from ..step.policies.ladder import parse_rung
 from ..step.precision import Precision, PrecisionError, resolve_precision
 from .batches import IndexedBatches
+from .recommend import Recommendation, tune
+from .speed import paired_ratio, within_noise
 from .steps import Steps
 
 __all__ = ["BenchReport", "BenchResult", "RUNGS", "Recommendation", "compare", "tune", "with_rungs"]
@@ -62,6 +69,7 @@ class BenchResult:
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     speedup_vs_fp32: Optional[float] = None
+    speedup_spread: Optional[float] = None  # the blocks' paired speed-ups' spread (inf: one block)
     activation_bytes: Optional[int] = None
     static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler), exact
     bytes_per_param: Optional[float] = None  # weights + masters + optimizer state between steps, per parameter
@@ -86,6 +94,18 @@ class BenchReport:
     batch_size: Optional[int]
     accumulation_steps: int
     torch_version: str = torch.__version__
+    threads: Optional[int] = None  # torch's intra-op threads while timing
+    repeats: Optional[int] = None  # timed blocks per precision
+
+    @property
+    def timed(self) -> str:
+        """What the times are: "whole training step, 2 threads, 5 repeats" (spreads per row)."""
+        text = "whole training step"
+        if self.threads:
+            text += f", {self.threads} thread{'s' if self.threads != 1 else ''}"
+        if self.repeats:
+            text += f", {self.repeats} repeat{'s' if self.repeats != 1 else ''}"
+        return text
 
     def result(self, precision: str) -> Optional[BenchResult]:
         return next((r for r in self.results if r.precision == precision), None)
@@ -100,7 +120,9 @@ class BenchReport:
     def table(self) -> Any:
         from rich.table import Table
 
-        t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps")
+        t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps",
+                  caption=f"timed: {self.timed}; a speed-up inside its repeats' spread says "
+                          "'within noise'")
         cols = ("precision", "ms/step", "p10–p90", "speed-up", "samples/s", "tokens/s", "activations",
                 "params+grads+opt", "B/param", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
         for c in cols:
@@ -110,7 +132,7 @@ class BenchReport:
                 t.add_row(r.precision, "[yellow]skipped[/]", *[""] * (len(cols) - 2))
                 continue
             t.add_row(r.precision, _f(r.step_ms, "{:.2f}"), f"{_f(r.step_ms_p10, '{:.2f}')}–{_f(r.step_ms_p90, '{:.2f}')}",
-                      _f(r.speedup_vs_fp32, "{:.2f}x"), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
+                      _speedup_cell(r), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
                       _mib(r.activation_bytes), _mib(r.static_bytes), _f(r.bytes_per_param, "{:.2f}"),
                       _mib(r.peak_mem_bytes),
                       _f(r.final_loss, "{:.4f}"), _f(None if r.loss_gap is None else 100 * r.loss_gap, "{:+.2f}%"),
@@ -145,6 +167,16 @@ class BenchReport:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def _speedup_cell(r: BenchResult) -> str:
+    if r.speedup_vs_fp32 is None:
+        return "—"
+    spread = r.speedup_spread
+    if r.precision == "fp32" or spread is None or not within_noise(r.speedup_vs_fp32, spread):
+        return f"{r.speedup_vs_fp32:.2f}x"
+    noise = f"±{100 * r.speedup_spread:.0f}%" if math.isfinite(r.speedup_spread) else "one repeat"
+    return f"{r.speedup_vs_fp32:.2f}x within noise ({noise})"
 
 
 def _f(v: Optional[float], fmt: str) -> str:
@@ -235,9 +267,14 @@ def compare(
     for name, run in runs.items():
         _measurements(results[name], run, batch_factory, accumulation_steps, loss_window, dev)
     _relative_to_fp32(results)
+    ref = runs.get("fp32")
+    for name, run in runs.items():
+        if ref is not None and run.times and len(run.times) == len(ref.times):
+            results[name].speedup_spread = paired_ratio(ref.times, run.times)[1]
     return BenchReport(results=list(results.values()), device=str(dev), device_name=info.name,
                        model=model_name, steps=steps, batch_size=getattr(batch_factory, "batch_size", None),
-                       accumulation_steps=accumulation_steps)
+                       accumulation_steps=accumulation_steps, threads=torch.get_num_threads(),
+                       repeats=min(repeats, steps))
 
 
 def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_factory: Callable[[int], Any],
@@ -325,105 +362,3 @@ def _relative_to_fp32(results: dict[str, BenchResult]) -> None:
         res.speedup_vs_fp32 = ref.step_ms / res.step_ms if res.step_ms else None
         if ref.final_loss and math.isfinite(ref.final_loss) and res.final_loss is not None:
             res.loss_gap = (res.final_loss - ref.final_loss) / abs(ref.final_loss)
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """What ``tune`` picked, with every other candidate's reason for losing."""
-
-    precision: str
-    step_ms: float
-    speedup_vs_fp32: float
-    loss_gap: float
-    tolerance: float
-    batch_size: Optional[int]
-    accumulation_steps: int
-    why_not: dict[str, str]
-    model: Optional[str] = None  # what was measured: the advice holds for this model, size and batch
-    size: Optional[str] = None
-    prefer: str = "speed"  # speed: the fastest within the tolerance; memory: the fewest bytes per parameter
-    bytes_per_param: Optional[float] = None  # the pick's, measured from the live tensors
-
-    @property
-    def config(self) -> dict[str, Any]:
-        """The ``[amp]`` settings: the precision, and for a rung its ``masters`` and ``state_dtype``."""
-        base, rung = parse_rung(self.precision)
-        out: dict[str, Any] = {"precision": base}
-        if rung:
-            out.update(masters=rung["masters"], state_dtype=rung["state_dtype"])
-            if rung["allow_stall"]:
-                out["allow_stall"] = True
-        return {**out, "accumulation_steps": self.accumulation_steps}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_toml(self) -> str:
-        """A config ``ampkit train --config`` and ``MixedPrecisionConfig.from_toml`` accept."""
-        what = "fastest precision" if self.prefer == "speed" else "fewest bytes per parameter"
-        mem = f", {self.bytes_per_param:.2f} B/param" if self.bytes_per_param is not None else ""
-        amp = [f"{k} = " + ("true" if v is True else str(v) if isinstance(v, int) else f'"{v}"')
-               for k, v in self.config.items()]
-        lines = ["# written by `ampkit tune`", f"# {what} within {100 * self.tolerance:g}% of the fp32 loss: "
-                 f"{self.precision}, {self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%{mem}",
-                 "", "[amp]", *amp]
-        train = [f'model = "{self.model}"'] if self.model else []
-        train += [f'size = "{self.size}"'] if self.size else []
-        train += [f"batch_size = {self.batch_size}"] if self.batch_size else []
-        if train:
-            lines += ["", "# measured on this model, size and batch: the advice is for them", "[train]", *train]
-        return "\n".join(lines) + "\n"
-
-
-def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = None) -> Recommendation:
-    """The fastest precision whose final-loss gap to fp32 is within ``tolerance`` (a fraction of the
-    fp32 loss) and that had no fallback. fp32 always qualifies (its gap is 0 by definition).
-
-    ``prefer="memory"`` (the default when a bf16-pure rung was measured) picks the fewest bytes per
-    parameter instead (weights + masters + optimizer state, measured), ties to the faster step."""
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction of the fp32 loss, e.g. 0.01)")
-    if prefer is None:
-        prefer = "memory" if any(":" in r.precision for r in report.results) else "speed"
-    if prefer not in ("speed", "memory"):
-        raise ValueError(f"prefer={prefer!r} is not a tune objective; choose one of: speed, memory")
-    why: dict[str, str] = {}
-    ok = []
-    for r in report.results:
-        if r.status != "ok":
-            why[r.precision] = f"could not run here: {r.reason}"
-        elif r.fallbacks:
-            why[r.precision] = f"fell back to {r.final_precision} during the measurement"
-        elif r.loss_gap is None or not math.isfinite(r.loss_gap) or abs(r.loss_gap) > tolerance:
-            gap = "non-finite" if r.loss_gap is None or not math.isfinite(r.loss_gap) else f"{100 * abs(r.loss_gap):.2f}%"
-            why[r.precision] = f"final-loss gap to fp32 {gap} exceeds the tolerance {100 * tolerance:g}%"
-        else:
-            ok.append(r)
-    if not ok:
-        raise ValueError("no precision qualified, not even fp32; was fp32 measured?")
-    if prefer == "memory":
-        best = min(ok, key=lambda r: (round(r.bytes_per_param or math.inf, 2), r.step_ms, r.precision != "fp32"))
-        for r in ok:
-            if r is not best:
-                why[r.precision] = _why_more_memory(r, best)
-    else:
-        best = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
-        for r in ok:
-            if r is not best:
-                why[r.precision] = (f"slower: {r.step_ms:.2f} ms/step vs {best.step_ms:.2f} ms/step for {best.precision}"
-                                    if r.step_ms > best.step_ms else f"as fast as {best.precision}; ties go to the earlier candidate")
-    # "name/size" as the CLI labels it; a bare label from the Python API names no train model.
-    model, _, size = (report.model or "").rpartition("/")
-    return Recommendation(model=model or None, size=size or None, precision=best.precision, step_ms=best.step_ms, speedup_vs_fp32=best.speedup_vs_fp32 or 1.0,
-                          loss_gap=best.loss_gap or 0.0, tolerance=tolerance, batch_size=report.batch_size,
-                          accumulation_steps=report.accumulation_steps, why_not=why, prefer=prefer,
-                          bytes_per_param=best.bytes_per_param)
-
-
-def _why_more_memory(r: BenchResult, best: BenchResult) -> str:
-    """Why ``r`` lost to ``best`` on memory: its bytes per parameter (then its time on a tie)."""
-    mine, theirs = r.bytes_per_param or math.inf, best.bytes_per_param or math.inf
-    if round(mine, 2) > round(theirs, 2):
-        return (f"more memory: {mine:.2f} B/param vs {theirs:.2f} for {best.precision} "
-                f"(gap {100 * (r.loss_gap or 0.0):+.2f}%, {r.step_ms:.2f} ms/step)")
-    return f"as small as {best.precision} ({mine:.2f} B/param) but slower: {r.step_ms:.2f} vs {best.step_ms:.2f} ms/step"

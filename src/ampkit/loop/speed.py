@@ -1,0 +1,74 @@
+"""What a speed figure timed, and whether a speed ratio is within its own noise.
+
+``auto``'s check, ``ampkit info``, ``ampkit bench`` and ``ampkit tune`` each time something
+different (a whole training step, or one matmul), on however many threads, so their ratios can
+disagree. Each says what it timed with :meth:`Timing.describe` -- "whole training step, 1 thread,
+5 repeats, ±4%" -- and words a ratio with :func:`speed_words`, which says "within noise" instead
+of faster or slower when the ratio is inside the spread the repeats themselves showed.
+
+The spread is half the p10-p90 range (the whole range for under ten repeats) of the paired
+ratios -- each repeat's reference time over its candidate time, timed back to back -- relative
+to their median. With one repeat there is no spread to measure: every ratio is then "within
+noise", since nothing says it is not.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Timing", "paired_ratio", "speed_words", "within_noise"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How a speed was measured: ``what`` was timed, on how many ``threads``, how many ``repeats``
+    (each of ``per_repeat`` steps or calls), and the ``spread`` they showed (a fraction; inf for
+    one repeat)."""
+
+    what: str
+    threads: int
+    repeats: int
+    spread: float
+    per_repeat: str = ""
+
+    def describe(self) -> str:
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        repeats = f"{self.repeats} repeat{'s' if self.repeats != 1 else ''}"
+        if self.per_repeat:
+            repeats += f" of {self.per_repeat}"
+        finite = math.isfinite(self.spread)
+        noise = f"±{100 * self.spread:.0f}%" if finite else "no spread from one repeat"
+        return f"{self.what}, {threads}, {repeats}, {noise}"
+
+
+def paired_ratio(reference: Sequence[float], candidate: Sequence[float]) -> tuple[float, float]:
+    """``median(reference) / median(candidate)`` (> 1: the candidate is faster) and the spread of
+    the paired ratios ``reference[i] / candidate[i]`` (module doc). Times in any one unit."""
+    if not reference or len(reference) != len(candidate):
+        raise ValueError(f"paired_ratio needs two equally long, non-empty lists of times "
+                         f"(got {len(reference)} and {len(candidate)})")
+    ratio = statistics.median(reference) / statistics.median(candidate)
+    if len(reference) < 2:
+        return ratio, math.inf
+    pairs = sorted(r / c for r, c in zip(reference, candidate))
+    n = len(pairs)
+    lo, hi = pairs[int(0.1 * (n - 1))], pairs[math.ceil(0.9 * (n - 1))]
+    return ratio, (hi - lo) / 2 / statistics.median(pairs)
+
+
+def within_noise(ratio: float, spread: float) -> bool:
+    """Whether ``ratio`` (a speed relative to 1.0) is inside the measured ``spread``."""
+    return not math.isfinite(spread) or abs(ratio - 1.0) <= spread
+
+
+def speed_words(ratio: float, spread: float, reference: str = "fp32") -> str:
+    """``ratio`` in words: "1.15x fp32's speed", "0.90x fp32's speed" or, inside the spread,
+    "1.02x fp32's speed, within noise (±4%)"."""
+    text = f"{ratio:.2f}x {reference}'s speed"
+    if within_noise(ratio, spread):
+        noise = "one repeat, no spread" if not math.isfinite(spread) else f"±{100 * spread:.0f}%"
+        text += f", within noise ({noise})"
+    return text
