@@ -152,6 +152,9 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
         # heavy work never in a request thread: the full 124M GPT-2 at 1024 tokens is a 202 at once
         # (after the route's short wait), two in flight per owner, the third a 429
         big = {"model_name": "gpt2", "gpu_memory_gb": 8, "max_length": 1024}
+        # the worker held busy first (another owner's job), so alice's plans are still in flight when
+        # the third comes, however fast this machine plans (a fast one had finished two in 6 s)
+        server_jobs().submit("(blocker)", ("sleep", 120), "time:sleep", (120,))
         for i, code in enumerate((202, 202, 429)):
             t = time.monotonic()
             r = s.client.post("/finetuning/optimize-mixed-precision", json={**big, "batch_size": 8 + i},

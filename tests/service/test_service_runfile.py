@@ -120,7 +120,7 @@ def test_recommend_command_uses_tune_options():
     cmd = command_for({"kind": "recommend", "spec": spec, "run_dir": "/d", "resumes": 0})
     assert cmd[3] == "tune"
     args = _subparser("tune").parse_args(cmd[4:])
-    assert (args.model, args.size, args.precisions, args.batch_size) == ("mlp", "tiny", "fp32,bf16", 16)
+    assert (args.model, args.size, args.precisions, args.batch_size) == ("mlp", "tiny", ["fp32", "bf16"], 16)
 
 
 # --- the TOML writer ------------------------------------------------------------------------------

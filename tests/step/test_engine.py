@@ -167,21 +167,27 @@ def test_no_host_sync_with_fused_optimizer(precision, clip, monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_the_cpu_check_reads_on_the_host_and_steps_like_the_device_path(precision, monkeypatch):
-    """On the CPU without clipping: on optimizer steps (none between) one host read for the small
-    gradients' fused check and one per large gradient's sum; the same parameters as the device
-    path, bitwise."""
+@pytest.mark.parametrize("path", ["native", "sums"])
+def test_the_cpu_check_reads_on_the_host_and_steps_like_the_device_path(precision, path, monkeypatch):
+    """On the CPU without clipping: on optimizer steps (none between) no host read where the native
+    kernel reads every gradient in one C call; else one for the small gradients' fused check and one
+    per large gradient's sum; the same parameters as the device path, bitwise."""
     import ampkit.step.scaler as scaler_module
     from ampkit.step.gradcheck import SUM_FROM
+    from ampkit.step.policies import native
 
+    if path == "native" and native.library() is None:
+        pytest.skip("no C compiler here: the native kernels are not built")
+    monkeypatch.setenv("AMPKIT_NO_NATIVE", "0" if path == "native" else "1")
     sizes = [p.numel() for p in make_model().parameters()]
-    reads = any(n < SUM_FROM for n in sizes) + sum(n >= SUM_FROM for n in sizes)  # one for the small ones
+    reads = 0 if path == "native" else any(n < SUM_FROM for n in sizes) + sum(n >= SUM_FROM for n in sizes)
     counts = _train_counting(precision, fused=True, clip=None)
     assert counts == [0, reads] * (len(counts) // 2)
 
     def trained(force_device_path):
         if force_device_path:
             monkeypatch.setattr(scaler_module, "cpu_all_finite", lambda *a, **k: None)
+        monkeypatch.setenv("AMPKIT_NO_NATIVE", "0" if path == "native" else "1")
         model = make_model()
         opt = make_opt(model, True)
         amp = MixedPrecision(precision, device="cpu")

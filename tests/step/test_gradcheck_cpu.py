@@ -1,5 +1,6 @@
-"""The CPU finite check without a scaler (bf16, issue 34 §6: read-only sums of the large
-gradients, one fused check of the small ones; with clipping, the clip norm): a non-finite value in
+"""The CPU finite check without a scaler (bf16, issue 34 §6: one C call over every gradient where the
+native kernels are in use, else read-only sums of the large gradients and one fused check of the small
+ones; with clipping, the clip norm): a non-finite value in
 any gradient -- first, last, a tiny one, one written after backward, one from an earlier
 micro-step -- skips the step, and a finite run matches the hand-written torch.amp loop bit for
 bit. (A post-accumulate-grad hook reading each gradient while hot was measured and not kept:
@@ -12,7 +13,20 @@ import torch
 from torch import nn
 
 from ampkit import MixedPrecision
-from ampkit.step.gradcheck import SUM_FROM
+from ampkit.step.gradcheck import SUM_FROM, cpu_all_finite
+from ampkit.step.policies import native
+
+
+@pytest.fixture(autouse=True, params=["native", "sums"])
+def check_path(request, monkeypatch):
+    """Every test runs on both forms of the check: the C kernel and the sums (AMPKIT_NO_NATIVE=1)."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip("no C compiler here: the native kernels are not built")
+        monkeypatch.delenv("AMPKIT_NO_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("AMPKIT_NO_NATIVE", "1")
+    return request.param
 
 
 def net():
@@ -147,3 +161,23 @@ def test_bitwise_the_hand_written_loop(accumulation, clip):
     ref = raw_loop(3, accumulation, clip)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     assert amp.stats()["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_native_check_agrees_with_isfinite(dtype, check_path):
+    """Random tensors of many sizes (block edges of the kernel's loops) with the dtype's edge values
+    -- largest finite, subnormal, +-inf, NaN -- at random places: the C kernel says non-finite exactly
+    where torch.isfinite does, and cpu_all_finite gives the same verdict on either path."""
+    g = torch.Generator().manual_seed(1)
+    info = torch.finfo(dtype)
+    for size in (1, 7, 511, 512, 513, 1023, 1024, 1025, 4096 + 3, 70_000):
+        for value in (info.max, -info.max, info.tiny / 8, float("inf"), -float("inf"), float("nan"), None):
+            t = torch.randn(size, generator=g).to(dtype)
+            if value is not None:
+                t[int(torch.randint(0, size, (1,), generator=g))] = value
+            want = not bool(torch.isfinite(t).all())
+            if check_path == "native":
+                assert native.any_nonfinite([torch.zeros(5, dtype=dtype), t]) is want
+            p = nn.Parameter(torch.zeros(size, dtype=dtype))
+            p.grad = t
+            assert cpu_all_finite(torch.optim.SGD([p], lr=0.1), allow_fp16=True) is (not want)

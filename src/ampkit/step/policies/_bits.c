@@ -140,6 +140,43 @@ void ampkit_kahan_join(int64_t k, const int64_t *n, uint32_t *out, const uint16_
     PARALLEL(nt, k, n, kahan_join_range(hi[s] + i, comp[s] + i, out + f, m))
 }
 
+/* The CPU finite check (step/gradcheck.py): 1 if any element is inf or NaN, i.e. has every exponent
+   bit set (fp32 0x7F800000, bf16 0x7F80, fp16 0x7C00), else 0. Each tensor is read once, in blocks
+   whose flags are OR-ed branch-free (so the loop vectorizes) with an early exit between blocks. */
+static CLONES int nonfinite32(const uint32_t *restrict x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 512 <= n; i += 512) {
+        uint32_t a = 0;
+        for (int j = 0; j < 512; j++) a |= (x[i + j] & 0x7F800000u) == 0x7F800000u;
+        if (a) return 1;
+    }
+    uint32_t a = 0;
+    for (; i < n; i++) a |= (x[i] & 0x7F800000u) == 0x7F800000u;
+    return a != 0;
+}
+
+static CLONES int nonfinite16(const uint16_t *restrict x, int64_t n, uint16_t e) {
+    int64_t i = 0;
+    for (; i + 1024 <= n; i += 1024) {
+        uint16_t a = 0;
+        for (int j = 0; j < 1024; j++) a |= (uint16_t)((x[i + j] & e) == e);
+        if (a) return 1;
+    }
+    uint16_t a = 0;
+    for (; i < n; i++) a |= (uint16_t)((x[i] & e) == e);
+    return a != 0;
+}
+
+/* k tensors: x[s] holds n[s] elements of width[s] (0: fp32, 1: bf16, 2: fp16) */
+int ampkit_nonfinite(int64_t k, const int64_t *n, const void *const *x, const int32_t *width) {
+    for (int64_t s = 0; s < k; s++) {
+        int bad = width[s] == 0 ? nonfinite32((const uint32_t *)x[s], n[s])
+                                : nonfinite16((const uint16_t *)x[s], n[s], width[s] == 1 ? 0x7F80u : 0x7C00u);
+        if (bad) return 1;
+    }
+    return 0;
+}
+
 /* 1 when compiled with OpenMP (native.py reports it) */
 int ampkit_openmp(void) {
 #ifdef _OPENMP

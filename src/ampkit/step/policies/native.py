@@ -122,6 +122,8 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, f"ampkit_{name}")
         fn.argtypes, fn.restype = [*many, *extra, ctypes.c_int], None
     lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
+    lib.ampkit_nonfinite.argtypes = [n, ctypes.POINTER(n), ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int32)]
+    lib.ampkit_nonfinite.restype = ctypes.c_int
     nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
     _state["nan"] = nan
     _probe(lib, nan)
@@ -259,9 +261,53 @@ def _probe(lib: ctypes.CDLL, nan: int) -> None:
             ok = expand(rung, list(hi.split(sizes)), list(extra.split(sizes)), out, lib=lib, threads=nt)
             if not ok or not torch.equal(out.view(torch.int32), joined.view(torch.int32)):
                 raise RuntimeError(f"probe: the native {rung} expansion differs from the eager passes")
+    _probe_nonfinite(lib, g)
+
+
+def _probe_nonfinite(lib: ctypes.CDLL, g: torch.Generator) -> None:
+    """Raise unless the finite check agrees with ``torch.isfinite`` on every dtype's edge values (the
+    largest finite, infinities, NaNs, subnormals) at the start, middle and tail of several sizes."""
+    for dtype in _WIDTH:
+        info = torch.finfo(dtype)
+        edges = [info.max, -info.max, info.tiny / 4, float("inf"), float("-inf"), float("nan")]
+        for size in (1, 511, 512, 1537, 5000):
+            base = torch.randn(size, generator=g).to(dtype)
+            cases = [base]
+            for v in edges:
+                for at in {0, size // 2, size - 1}:
+                    t = base.clone()
+                    t[at] = v
+                    cases.append(t)
+            for t in cases:
+                if any_nonfinite([torch.ones(3, dtype=dtype), t], lib=lib) != (not bool(torch.isfinite(t).all())):
+                    raise RuntimeError(f"probe: the native finite check is wrong for {dtype}")
 
 
 _EXTRA = {"split": torch.int16, "kahan": torch.bfloat16}
+_WIDTH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = None) -> Optional[bool]:
+    """Whether any element of ``tensors`` (plain contiguous CPU tensors, fp32/bf16/fp16) is inf or
+    NaN, every tensor read once in one C call (the CPU finite check, :func:`ampkit.step.gradcheck.
+    cpu_all_finite`); None where the kernels are not in use or a tensor does not qualify. No sync
+    (the CPU is the device)."""
+    if lib is None:
+        if os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
+            return None
+        lib = library()
+        if lib is None:
+            return None
+    k = len(tensors)
+    widths = []
+    for t in tensors:
+        w = _WIDTH.get(t.dtype)
+        if w is None or type(t) not in _PLAIN or not t.is_cpu or not t.is_contiguous():
+            return None
+        widths.append(w)
+    return bool(lib.ampkit_nonfinite(k, (ctypes.c_int64 * k)(*[t.numel() for t in tensors]),
+                                     (ctypes.c_void_p * k)(*[t.data_ptr() for t in tensors]),
+                                     (ctypes.c_int32 * k)(*widths)))
 
 
 def _args(lib: Optional[ctypes.CDLL], rung: str, fp32: torch.Tensor, his: Sequence[torch.Tensor],
