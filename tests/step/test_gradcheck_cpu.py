@@ -4,7 +4,7 @@ ones; with clipping, the clip norm): a non-finite value in
 any gradient -- first, last, a tiny one, one written after backward, one from an earlier
 micro-step -- skips the step, and a finite run matches the hand-written torch.amp loop bit for
 bit. (A post-accumulate-grad hook reading each gradient while hot was measured and not kept:
-docs/benchmarks.md section 23.)"""
+docs/benchmarks.md section 24, "The CPU finite check".)"""
 
 import copy
 

@@ -124,7 +124,8 @@ class Monitor:
         ran_in = self._switched[1] if self._switched[0] == event.step else self.amp.precision.name
         self._pending.append((event.step, time.time(), event.data["loss"], result.scale, result.found_inf,
                               result.grad_norm, self._lr(), ran_in, self.context() if self.context else None, timer))
-        if len(self._pending) >= self.log_every:
+        # read on the run's own steps (a resumed run reads, and so diagnoses, where an uninterrupted one does)
+        if event.step % self.log_every == 0 or len(self._pending) >= self.log_every:
             self.flush(wait=False)
 
     def _lr(self) -> Optional[float]:
