@@ -24,7 +24,15 @@ from .loop.stop import TrainingInterrupted
 from .loop.trainer import Trainer, TrainSummary
 from .loop.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
 from .observe.memory import MemoryBreakdown, breakdown
-from .observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink, read_jsonl
+from .observe.monitor import (
+    ConsoleSink,
+    JSONLSink,
+    MLflowSink,
+    Monitor,
+    TensorBoardSink,
+    WandbSink,
+    read_jsonl,
+)
 from .observe.numerics import AuditReport, audit
 from .step.config import ConfigError, MixedPrecisionConfig
 from .step.engine import Event, MixedPrecision, StepResult
@@ -48,7 +56,7 @@ __all__ = [
     "SpikeGuard",
     "CheckpointManager", "CheckpointError", "CheckpointMismatch", "save_checkpoint", "load_checkpoint",
     # observing: monitor and sinks, memory
-    "Monitor", "JSONLSink", "TensorBoardSink", "ConsoleSink", "read_jsonl",
+    "Monitor", "JSONLSink", "TensorBoardSink", "ConsoleSink", "MLflowSink", "WandbSink", "read_jsonl",
     "MemoryBreakdown", "breakdown", "MemoryEstimate", "estimate", "largest_batch",
     # numerics
     "audit", "AuditReport", "localize_nonfinite", "NonFiniteReport",

@@ -161,14 +161,13 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     # Now the precision that runs is known (auto measured, a checkpoint's fallback restored): the
     # header and the run directory's name say it.
     log_dir = where.settle(amp.precision.name)
-    settings = trainer.settings
-    trainer.settings = dataclasses.replace(settings, log=dataclasses.replace(settings.log, dir=log_dir))
     console.print(_header(args, device, model, amp, amp.precision.reason if args.resume else why))
     for line in setup_lines + resumed:
         console.print(line)
-    trackers = _trackers(args, amp, log_dir) if is_main() else None
-    if trackers is not None:
-        trainer.callbacks.append(trackers)
+    trackers = _trackers(args, amp, log_dir) if is_main() else []
+    settings = trainer.settings  # the trackers are the monitor's sinks beside log.jsonl, in-process
+    trainer.settings = dataclasses.replace(settings, log=dataclasses.replace(settings.log, dir=log_dir,
+                                                                             sinks=trackers))
     steps = _total_steps(args, batches, amp)
     remaining = steps - amp.optimizer_steps
     if remaining < 1:
@@ -179,8 +178,8 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     try:
         summary = trainer.fit(remaining)
     finally:
-        if trackers is not None:
-            trackers.close()  # (after on_train_end already closed it: nothing left)
+        for sink in trackers:
+            sink.close()  # (the monitor closed them unless fit failed before opening it: no-op)
     failure = numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
@@ -258,9 +257,9 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
     return trainer
 
 
-def _trackers(args: argparse.Namespace, amp: MixedPrecision, log_dir: str) -> Any:
-    """--mlflow URI / --wandb PROJECT: sinks fed with the run's log.jsonl as it grows, or None."""
-    from ..observe.monitor.trackers import JSONLFollower, MLflowSink, WandbSink
+def _trackers(args: argparse.Namespace, amp: MixedPrecision, log_dir: str) -> list[Any]:
+    """--mlflow URI / --wandb PROJECT: the tracker sinks the Trainer's monitor writes to."""
+    from ..observe.monitor import MLflowSink, WandbSink
 
     sinks: list[Any] = []
     name = os.path.basename(os.path.normpath(log_dir))
@@ -268,7 +267,7 @@ def _trackers(args: argparse.Namespace, amp: MixedPrecision, log_dir: str) -> An
         sinks.append(MLflowSink(args.mlflow, run_name=name, params=amp.config.to_dict()))
     if args.wandb:
         sinks.append(WandbSink(args.wandb, run_name=name, dir=log_dir, config=amp.config.to_dict()))
-    return JSONLFollower(os.path.join(log_dir, "log.jsonl"), sinks) if sinks else None
+    return sinks
 
 
 def _total_steps(args: argparse.Namespace, batches: Any, amp: MixedPrecision) -> int:

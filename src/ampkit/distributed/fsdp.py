@@ -3,7 +3,7 @@
 Under FSDP2 each rank holds fp32 *shards* of the parameters. A forward all-gathers them in the
 policy's ``param_dtype`` and a backward reduce-scatters gradients in its ``reduce_dtype`` into
 fp32 sharded gradients, so for a pure precision the fp32 shards already are the master weights:
-the engine keeps no second copy. The mapping (:func:`policy_for`):
+the engine keeps no second copy. The mapping (:func:`fsdp_policy`):
 
 ============  ===============  ================  ==========================================
 precision     param_dtype      reduce_dtype      compute
@@ -37,18 +37,24 @@ from ..step.precision import Precision, parse_precision, precision_dtypes, resol
 if TYPE_CHECKING:  # torch.distributed.fsdp takes about a second to import: only where used
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-__all__ = ["fsdp_modules", "policy_for", "shard"]
+__all__ = ["fsdp_modules", "fsdp_policy", "policy_for", "shard"]
 
 
-def policy_for(precision: Union[str, Precision]) -> MixedPrecisionPolicy:
-    """The ``MixedPrecisionPolicy`` that runs ``precision`` under FSDP2 (module doc's table)."""
+def fsdp_policy(precision: Union[str, Precision]) -> MixedPrecisionPolicy:
+    """The FSDP2 ``MixedPrecisionPolicy`` that runs ``precision`` (module doc's table): what to
+    pass as ``fully_shard(..., mp_policy=...)``. (The engine's own per-family policy object is
+    :func:`ampkit.step.policies.policy_for`'s, a different thing.)"""
     name = precision.name if isinstance(precision, Precision) else parse_precision(precision)
     if name == "auto":
-        raise ValueError("policy_for('auto'): resolve the precision for a device first "
+        raise ValueError("fsdp_policy('auto'): resolve the precision for a device first "
                          "(ampkit.resolve_precision('auto', ampkit.device_info(device)))")
     from ..step.parallel.fsdp import mixed_precision_policy
 
     return mixed_precision_policy(*precision_dtypes(name))
+
+
+#: The name of earlier releases, kept working: :func:`fsdp_policy`.
+policy_for = fsdp_policy
 
 
 def _default_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -77,7 +83,7 @@ def shard(model: torch.nn.Module, precision: Union[str, Precision] = "auto", *,
         precision = resolve_precision("auto", device_info(dev))
     from torch.distributed.fsdp import fully_shard
 
-    policy = policy_for(precision)
+    policy = fsdp_policy(precision)
     if blocks is None:
         chosen = _default_blocks(model)
     elif callable(blocks):

@@ -15,11 +15,14 @@ __all__ = ["run_sinks", "write_summary"]
 
 
 def run_sinks(log: LogConfig, total_steps: int, notes: list[str]) -> list[Any]:
-    """The sinks ``log`` asks for (none off rank 0); a missing optional one is a line in ``notes``.
-    ``total_steps`` sizes the progress bar (0: unknown)."""
+    """The sinks ``log`` asks for, then its own ``sinks`` (none off rank 0, where those are closed
+    unused); a missing optional one is a line in ``notes``. ``total_steps`` sizes the progress bar
+    (0: unknown)."""
     sinks: list[Any] = []
-    if not is_main():
-        return sinks  # one process prints and writes logs
+    if not is_main():  # one process prints and writes logs
+        for sink in log.sinks:
+            sink.close()
+        return sinks
     if log.dir:
         os.makedirs(log.dir, exist_ok=True)
         sinks.append(JSONLSink(os.path.join(log.dir, "log.jsonl")))
@@ -30,7 +33,7 @@ def run_sinks(log: LogConfig, total_steps: int, notes: list[str]) -> list[Any]:
                 notes.append(str(e))
     if log.progress:
         sinks.append(ConsoleSink(total_steps=total_steps or None, console=log.console))
-    return sinks
+    return sinks + list(log.sinks)
 
 
 def write_summary(log_dir: str, summary: dict[str, Any]) -> None:

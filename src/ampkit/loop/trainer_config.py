@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
 from .batches import check_batches
@@ -62,17 +63,31 @@ class EvalConfig:
 class LogConfig:
     """What the run shows and writes: metrics read to the host every ``every`` optimizer steps (the
     loop's only syncs); ``log.jsonl``, ``summary.json`` and TensorBoard events (``tensorboard``, when
-    installed) under ``dir``; a live progress bar (``progress``) on ``console`` (a rich Console)."""
+    installed) under ``dir``; a live progress bar (``progress``) on ``console`` (a rich Console).
+
+    ``sinks``: more monitor sinks (anything with ``write(records)`` and ``close()``, e.g.
+    :class:`~ampkit.observe.monitor.MLflowSink`, :class:`~ampkit.observe.monitor.WandbSink`), given
+    the same record batches as ``log.jsonl``, in-process. The Trainer owns them: the monitor closes
+    them when ``fit`` ends (normally or by an error), so they serve one ``fit``. Rank 0 alone
+    writes: on other ranks they are closed unused at the start of ``fit``."""
 
     dir: Optional[str] = None
     every: int = 10
     tensorboard: bool = True
     progress: bool = True
     console: Any = None
+    sinks: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"log_every={self.every} must be >= 1")
+        if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Iterable):
+            raise TypeError(f"sinks={self.sinks!r} must be a list of sinks (objects with write(records) "
+                            "and close())")
+        object.__setattr__(self, "sinks", tuple(self.sinks))  # frozen: a tuple, not the caller's list
+        for s in self.sinks:
+            if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
+                raise TypeError(f"sink {s!r} must have write(records) and close() methods")
 
 
 @dataclass(frozen=True)

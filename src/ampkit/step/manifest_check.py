@@ -140,7 +140,7 @@ def refuse_unsafe_sharding(model: torch.nn.Module, precision: Any) -> None:
     half = str(precision.param_dtype).replace("torch.", "")
     fix = (f"shard it with ampkit.distributed.shard(model, {precision.name!r}) instead of fully_shard, or pass "
            f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{half}, reduce_dtype=torch.{half})) "
-           f"(= ampkit.distributed.policy_for({precision.name!r})) to every fully_shard call")
+           f"(= ampkit.distributed.fsdp_policy({precision.name!r})) to every fully_shard call")
     if wrong != {"None"}:
         raise ValueError(f"precision {precision.name!r} on a model sharded with fully_shard whose "
                          f"MixedPrecisionPolicy has param_dtype {', '.join(sorted(wrong))}: it would all-gather "

@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import Any, Optional
 
-__all__ = ["ConsoleSink", "JSONLSink", "TensorBoardSink", "read_jsonl"]
+__all__ = ["ConsoleSink", "JSONLSink", "TensorBoardSink", "finite_json", "read_jsonl"]
 
 
 class JSONLSink:
@@ -74,21 +74,22 @@ def _line(record: dict[str, Any]) -> str:
                 if isinstance(v, str):
                     text = json.dumps(v)
                 else:
-                    return json.dumps(_finite(record), allow_nan=False)
+                    return json.dumps(finite_json(record), allow_nan=False)
             parts.append(f'"{k}":{text}')
         return "{" + ",".join(parts) + "}"
-    return json.dumps(_finite(record), allow_nan=False)
+    return json.dumps(finite_json(record), allow_nan=False)
 
 
-def _finite(record: dict[str, Any]) -> dict[str, Any]:
-    """JSON has no inf/NaN: write them as null (a NaN loss is the event, and is logged as such)."""
+def finite_json(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as the JSONL log writes it: JSON has no inf/NaN, so they become null and their keys
+    are listed under ``nonfinite`` (a NaN loss is the event, and is logged as such)."""
     out = {}
     for k, v in record.items():
         if isinstance(v, float) and not math.isfinite(v):
             out[k] = None
             out.setdefault("nonfinite", []).append(k)
         elif isinstance(v, dict):
-            out[k] = _finite(v)
+            out[k] = finite_json(v)
         else:
             out[k] = v
     return out

@@ -1,6 +1,8 @@
 """Experiment trackers as Monitor sinks: MLflow and Weights & Biases.
 
-Each receives exactly the records the JSONL log gets, batch by batch: a step record's numbers
+Each receives exactly the records the JSONL log gets, batch by batch, in-process: give them to the
+Monitor beside :class:`~ampkit.observe.monitor.JSONLSink`, or to a Trainer as
+``LogConfig(sinks=[...])`` (what ``ampkit train --mlflow/--wandb`` does). a step record's numbers
 become metrics at its ``step`` (``skipped`` as 0/1; non-finite values, written ``null`` in the
 JSONL, are left out, as TensorBoard's sink does), its ``precision`` a tag / config value, and
 events (fallbacks, overflows, checkpoints, the summary) a JSONL artifact (MLflow) or the run
@@ -18,6 +20,8 @@ import math
 import os
 import time
 from typing import Any, Optional
+
+from .sinks import finite_json
 
 __all__ = ["JSONLFollower", "MLflowSink", "WandbSink", "metrics_of"]
 
@@ -44,7 +48,8 @@ def metrics_of(record: dict[str, Any]) -> dict[str, float]:
 
 
 def _event_details(record: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(record, default=str))  # plain JSON (tensors, paths -> text)
+    """The event as ``log.jsonl`` holds it: plain JSON (tensors, paths -> text; inf/NaN -> null)."""
+    return json.loads(json.dumps(finite_json(record), default=str, allow_nan=False))
 
 
 class MLflowSink:
@@ -77,6 +82,7 @@ class MLflowSink:
             experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
             run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
         self.run_id: str = run_id
+        self._closed = False
         self._events: list[dict[str, Any]] = []
         self._precision: Optional[str] = None
         if params:
@@ -101,7 +107,9 @@ class MLflowSink:
             self._client.log_text(self.run_id, text, "ampkit/events.jsonl")
 
     def close(self) -> None:
-        if self.run_id is not None:
+        """Mark the run finished (idempotent)."""
+        if not self._closed:
+            self._closed = True
             self._client.set_terminated(self.run_id)
 
 
@@ -144,12 +152,15 @@ class WandbSink:
             self.run.summary["ampkit_events"] = list(self._events)
 
     def close(self) -> None:
+        """Finish the run if this sink started it (idempotent)."""
         if self._own:
+            self._own = False
             self.run.finish()
 
 
 class JSONLFollower:
-    """Send a JSONL log's new records to sinks as the log grows: ``ampkit train --mlflow/--wandb``.
+    """Send a JSONL log's new records to sinks as the log grows, e.g. a log another process writes
+    (a run in the same process gives its sinks to the Monitor / ``LogConfig(sinks=...)`` instead).
 
     A :class:`ampkit.Trainer` callback: ``on_step_end`` forwards the complete lines written since
     the last call (the log grows once per ``log_every`` steps, so most calls only compare a file
