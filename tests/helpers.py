@@ -1,32 +1,3 @@
-"""Shared test helpers."""
+"""Moved to tests/support/helpers.py; this re-export keeps imports from before the move working."""
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts device->host reads (``aten._local_scalar_dense``: ``.item()``, ``bool(tensor)``, ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-#: what a crash during a multi-process shutdown leaves on stderr (a rare race once did)
-CRASH_MARKERS = ("terminate called", "Aborted", "Traceback", "SIGABRT", "core dumped", "destroy_process_group")
-
-
-def assert_exits_cleanly(r, what: str = "") -> None:
-    """A finished ``subprocess.run`` of a multi-process job: status 0 and no crash output (a rare
-    shutdown race once printed one). Every clean two-process launch in the suite makes this check:
-    eight per run (test_launch.py, test_stop.py, test_slurm.py), so the suite no longer launches
-    extra jobs only to repeat it (tests/distributed/test_launch_repeat.py, removed 2026-11-26: its
-    launches cost ~45 s of the CI's 15 minutes)."""
-    assert r.returncode == 0, (what, r.stderr[-3000:])
-    for bad in CRASH_MARKERS:
-        assert bad not in r.stderr, (what, bad, r.stderr[-3000:])
+from .support.helpers import CRASH_MARKERS, SyncCounter, assert_exits_cleanly  # noqa: F401

@@ -14,7 +14,7 @@ from torch import nn
 
 from ampkit import MixedPrecision
 
-from ..dist_helpers import run_ranks
+from ..support.dist_helpers import run_ranks
 
 pytestmark = pytest.mark.distributed
 

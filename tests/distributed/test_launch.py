@@ -15,7 +15,7 @@ from ampkit.cli import main
 from ampkit.distributed.launch import strip_flags, torchrun_command
 from ampkit.distributed.slurm import sbatch_script
 
-from ..helpers import assert_exits_cleanly
+from ..support.helpers import assert_exits_cleanly
 
 pytestmark = pytest.mark.distributed
 

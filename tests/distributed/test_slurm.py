@@ -25,8 +25,8 @@ import pytest
 from ampkit.cli import main
 from ampkit.distributed.slurm import _time_seconds, sbatch_script
 
-from ..dist_helpers import free_port
-from ..helpers import assert_exits_cleanly
+from ..support.dist_helpers import free_port
+from ..support.helpers import assert_exits_cleanly
 
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress"]
 JOB_ID = "4242"

@@ -27,7 +27,7 @@ from ampkit.distributed.launch import job_status
 from ampkit.loop.checkpoint import DirLock, load_checkpoint
 from ampkit.loop.trainer import Trainer
 
-from ..helpers import assert_exits_cleanly
+from ..support.helpers import assert_exits_cleanly
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--no_progress", "--log_every", "5"]

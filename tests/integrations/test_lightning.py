@@ -11,7 +11,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from ampkit import MixedPrecision  # noqa: E402
 from ampkit.integrations.lightning import AmpkitFabricPrecision, AmpkitPrecision  # noqa: E402
-from tests.unstable_model import Unstable, data  # noqa: E402
+from tests.support.unstable_model import Unstable, data  # noqa: E402
 
 
 class Net(nn.Module):

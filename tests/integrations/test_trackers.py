@@ -10,7 +10,7 @@ from ampkit import JSONLSink, LogConfig, MixedPrecision, Monitor, Trainer, read_
 from ampkit.observe.monitor import MLflowSink, WandbSink, trackers
 from ampkit.observe.monitor.sinks import finite_json
 from ampkit.observe.monitor.trackers import metrics_of
-from tests.unstable_model import Unstable, data
+from tests.support.unstable_model import Unstable, data
 
 
 def train(sink, tmp_path, steps=12):
@@ -180,7 +180,7 @@ def test_trainer_wandb_offline_sink_equals_its_jsonl(tmp_path, monkeypatch):
     assert summary["ampkit_events"] == [r for r in records if r["type"] == "event"]
 
 
-def _no_replay(self):
+def _no_replay(self, *args, **kwargs):
     raise AssertionError("the run's log.jsonl was re-read: trackers must be fed in-process")
 
 

@@ -253,7 +253,7 @@ def _sharded_job(rank: int, world: int, directory: str) -> dict:
 @pytest.mark.distributed
 def test_sharded_checkpoint_damage_is_seen_by_every_rank_alike(tmp_path):
     """Two ranks hash a share of the files each, at save and at load; both fall back together."""
-    from ..dist_helpers import run_ranks
+    from ..support.dist_helpers import run_ranks
 
     ranks = run_ranks(_sharded_job, str(tmp_path))
     for r, out in enumerate(ranks):

@@ -15,7 +15,7 @@ from ampkit.loop.models import builtin
 from ampkit.loop.steps import Steps, batch_loss
 from ampkit.loop.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
 
-from ..reference_loop import torch_amp_loop
+from ..support.reference_loop import torch_amp_loop
 
 ACCUM, STEPS = 2, 12
 
@@ -37,7 +37,7 @@ def data(n, seed=1):
 
 
 def hand_loop(precision, batches):
-    """The hand-written torch.autocast + torch.amp.GradScaler loop (tests/reference_loop.py), with
+    """The hand-written torch.autocast + torch.amp.GradScaler loop (tests/support/reference_loop.py), with
     ampkit's semantics: clip on unscaled gradients, skip non-finite steps in every precision."""
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)

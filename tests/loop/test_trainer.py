@@ -149,7 +149,7 @@ def test_fit_epochs():
 
 @pytest.mark.slow
 def test_trainer_turns_fallback_on_by_default():
-    from tests.unstable_model import Unstable, data
+    from tests.support.unstable_model import Unstable, data
 
     torch.manual_seed(0)
     model = Unstable()

@@ -219,7 +219,7 @@ def distributed_checks(rank: int, world: int) -> dict:
 def test_ddp_and_fsdp2_every_precision_clean_and_the_unsafe_sharding_refused():
     import importlib.util
 
-    from ..dist_helpers import run_ranks
+    from ..support.dist_helpers import run_ranks
 
     ddp = [p for p in PRECISIONS if p != "fp8" or importlib.util.find_spec("torchao")]  # fp8: extra
     fsdp = ("fp32", "bf16", "fp16", "bf16-pure")

@@ -19,7 +19,7 @@ from ampkit.observe.monitor import (
     summarize,
 )
 
-from ..helpers import SyncCounter
+from ..support.helpers import SyncCounter
 
 
 def setup(precision="fp16", fused=True, **kw):

@@ -7,7 +7,7 @@ from torch import nn
 
 from ampkit import MixedPrecision, audit, localize_nonfinite
 
-from ..unstable_model import Unstable, data
+from ..support.unstable_model import Unstable, data
 
 
 def fp16_closure(model, x, y):

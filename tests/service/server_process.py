@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ..dist_helpers import free_port
+from ..support.dist_helpers import free_port
 
 ALICE = {"Authorization": "Bearer tok-alice"}
 

@@ -15,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
 
-from ..dist_helpers import free_port  # noqa: E402
+from ..support.dist_helpers import free_port  # noqa: E402
 from .server_process import end, serve  # noqa: E402
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}

@@ -214,7 +214,7 @@ def test_health_says_whether_the_scheduler_is_alive(tmp_path):
 
 
 def _start_serve(data: str) -> subprocess.Popen:
-    from tests.dist_helpers import free_port
+    from tests.support.dist_helpers import free_port
 
     env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice"}
     return subprocess.Popen([sys.executable, "-m", "ampkit", "serve", "--port", str(free_port()), "--data_dir", data],

@@ -26,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from ampkit.service.app import ServiceConfig, create_app  # noqa: E402
 from ampkit.service.server import guarded_protocol  # noqa: E402
 
-from ..dist_helpers import free_port  # noqa: E402
+from ..support.dist_helpers import free_port  # noqa: E402
 from .server_process import end as _end  # noqa: E402
 from .server_process import serve as _serve  # noqa: E402
 

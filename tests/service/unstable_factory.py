@@ -1,7 +1,7 @@
 """A ``module:factory`` for the service tests: the engineered model that cannot train in fp16
-(tests/unstable_model.py), so an fp16 run with a fallback chain falls back to bf16."""
+(tests/support/unstable_model.py), so an fp16 run with a fallback chain falls back to bf16."""
 
-from ..unstable_model import Unstable, data
+from ..support.unstable_model import Unstable, data
 
 
 def make(batch_size: int = 32, seed: int = 0):

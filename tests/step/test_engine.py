@@ -10,8 +10,8 @@ import ampkit
 from ampkit import MixedPrecision, PrecisionError
 from ampkit.step.fallback import NumericsError
 
-from ..helpers import SyncCounter
-from ..reference_loop import torch_amp_loop
+from ..support.helpers import SyncCounter
+from ..support.reference_loop import torch_amp_loop
 from .test_config import saved_determinism
 
 ACCUM, STEPS = 4, 50
@@ -34,7 +34,7 @@ def make_opt(model, fused):
 
 
 def reference_loop(precision, fused, data):
-    """The hand-written torch.autocast + torch.amp.GradScaler loop users write today (tests/reference_loop.py)."""
+    """The hand-written torch.autocast + torch.amp.GradScaler loop users write today (tests/support/reference_loop.py)."""
     model = make_model()
     model, scaler, _ = torch_amp_loop(model, make_opt(model, fused), data, precision, steps=STEPS, accum=ACCUM,
                                       clip=1.0, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),

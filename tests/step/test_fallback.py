@@ -7,8 +7,8 @@ from ampkit import MixedPrecision, PrecisionError
 from ampkit.step.fallback import NumericsError, resolve_chain
 from ampkit.step.hardware import CpuFeatures, DeviceInfo
 
-from ..helpers import SyncCounter
-from ..unstable_model import Unstable, data, train_unstable
+from ..support.helpers import SyncCounter
+from ..support.unstable_model import Unstable, data, train_unstable
 
 run = train_unstable
 

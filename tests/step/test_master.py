@@ -13,7 +13,7 @@ from ampkit.loop.trainer import Trainer
 from ampkit.observe.memory import breakdown
 from ampkit.step.policies.pure import MasterWeights
 
-from ..helpers import SyncCounter
+from ..support.helpers import SyncCounter
 
 HALF = {"bf16-pure": torch.bfloat16, "fp16-pure": torch.float16}
 

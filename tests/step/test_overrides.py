@@ -4,7 +4,7 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.step.overrides import apply_fp32_overrides, match_modules
 
-from ..unstable_model import Unstable, train_unstable
+from ..support.unstable_model import Unstable, train_unstable
 
 
 def train(amp_kwargs, steps=40):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ampkit import MixedPrecision
 
-from ..reference_loop import DTYPES
+from ..support.reference_loop import DTYPES
 
 PRECISIONS = ["fp32", "bf16", "fp16"]
 

@@ -383,7 +383,7 @@ def test_floor_with_min_scale_and_new_scale():
 
 
 def test_floor_adds_no_sync():
-    from ..helpers import SyncCounter
+    from ..support.helpers import SyncCounter
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), fused=True)

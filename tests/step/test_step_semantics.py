@@ -16,7 +16,7 @@ from ampkit import MixedPrecision
 from ampkit.loop.data import TextBatches
 from ampkit.loop.models import build
 
-from ..reference_loop import torch_amp_loop
+from ..support.reference_loop import torch_amp_loop
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACCUM, STEPS, CLIP = 4, 5, 0.5
@@ -38,7 +38,7 @@ def gpt_and_data():
 
 
 def nanogpt_loop(model, data, precision, fused):
-    """nanoGPT train.py's inner loop: the shared hand-written loop (tests/reference_loop.py) with its optimizer."""
+    """nanoGPT train.py's inner loop: the shared hand-written loop (tests/support/reference_loop.py) with its optimizer."""
     return torch_amp_loop(model, nanogpt_optimizer(model, fused), data, precision, steps=STEPS, accum=ACCUM,
                           clip=CLIP)[0]
 

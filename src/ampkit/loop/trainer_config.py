@@ -9,8 +9,8 @@ maps them onto the groups through one table, :data:`FLAT`, so both spellings tak
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .batches import check_batches
