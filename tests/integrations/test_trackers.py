@@ -130,6 +130,20 @@ def test_trainer_hands_its_sinks_the_jsonl_records(tmp_path):
     assert got[-1]["kind"] == "summary"
 
 
+def test_only_rank_0_writes_to_the_sinks(monkeypatch, tmp_path):
+    """Off rank 0 the Trainer's own sinks are closed unused (one process writes, as for log.jsonl)."""
+    from ampkit.loop import runlog
+
+    sink = Recording()
+    log = LogConfig(dir=str(tmp_path), progress=False, sinks=[sink])
+    *own, last = runlog.run_sinks(log, 5, [])
+    for other in own:
+        other.close()  # log.jsonl's
+    assert last is sink and not sink.closed
+    monkeypatch.setattr(runlog, "is_main", lambda: False)
+    assert runlog.run_sinks(log, 5, []) == [] and sink.closed and not sink.batches
+
+
 def test_log_config_refuses_a_non_sink():
     with pytest.raises(TypeError, match="write.records. and close"):
         LogConfig(sinks=[object()])
