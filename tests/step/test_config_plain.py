@@ -112,3 +112,36 @@ def test_bad_toml_is_a_config_error_naming_the_file(tmp_path):
     bad.write_bytes(b"\xff\xfe")
     with pytest.raises(ConfigError, match="not UTF-8"):
         read_toml(str(bad))
+
+
+# A run file as the service wrote it before ampkit.step.tomlio (the hand-written writer), sealed.
+OLD_RUN_FILE = ('# ampkit run file: written by ampkit serve; its last line is the sha256 of the lines above it\n'
+                '[train]\nmodel = "gpt"\nsteps = 4\ndata = "/r/texts.json"\nlr = 0.0003\n\n[amp]\n'
+                'precision = "fp16"\nkeep_fp32 = ["lm_head", "a\\"b"]\nclip_grad_norm = 1.0\n'
+                '# end sha256=b0351b0b691522468aa52dea9115e2c41e80bb9b76c85cd8a685e647fe69081c\n')
+
+
+def test_run_files_written_before_still_load_and_new_ones_seal_the_same_way(tmp_path):
+    from ampkit.service.runfile import check_run_file, write_run_file
+
+    old = tmp_path / "old.toml"
+    old.write_text(OLD_RUN_FILE)
+    data = read_toml(str(old))
+    assert data["train"]["lr"] == 3e-4 and data["amp"]["keep_fp32"] == ["lm_head", 'a"b']
+    assert MixedPrecisionConfig.from_toml(str(old)).keep_fp32 == ("lm_head", 'a"b')
+    old.write_text(OLD_RUN_FILE.replace("steps = 4", "steps = 5"))
+    with pytest.raises(ConfigError, match="damaged"):
+        read_toml(str(old))
+    path = write_run_file({"model": "gpt", "steps": 4, "amp": {"precision": "fp16"}}, str(tmp_path / "run"))
+    check_run_file(str(tmp_path / "run"))
+    assert read_toml(path)["train"]["steps"] == 4 and (tmp_path / "run" / "run.toml").stat().st_mode & 0o777 == 0o600
+
+
+def test_tune_recommendation_with_quotes_reads_back():
+    """The tune file's values are written by the TOML writer (a model spelling with quotes once broke it)."""
+    from ampkit.loop.recommend import Recommendation
+
+    rec = Recommendation(precision="bf16-pure:split", step_ms=1.0, speedup_vs_fp32=1.5, loss_gap=0.0, tolerance=0.01,
+                         batch_size=8, accumulation_steps=1, why_not={}, model='pkg.mod:make"it"', size="tiny")
+    back = tomlio.loads(rec.to_toml().encode())
+    assert back["amp"] == rec.config and back["train"] == {"model": 'pkg.mod:make"it"', "size": "tiny", "batch_size": 8}

@@ -24,8 +24,8 @@ import json
 import os
 from typing import Any
 
-from ..step.config import check_run_file as _check_sealed
 from ..step import tomlio
+from ..step.config import check_run_file as _check_sealed
 from ..step.config import seal_run_file
 
 __all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "check_run_file", "dumps_toml", "private_dir", "run_tables",
