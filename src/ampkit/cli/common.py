@@ -22,7 +22,7 @@ def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: An
 
 
 def bounded(kind: type, *, gt: Optional[float] = None, ge: Optional[float] = None, le: Optional[float] = None,
-            unit: str = "") -> Any:
+            unit: str = "", name: str = "") -> Any:
     """An argparse type for a finite ``kind`` (int or float) within the bounds; the error names the
     value and the range (``'1e9' must be > 0 and at most 2.592e+06 seconds``). Every number flag
     with bounds is one of these."""
@@ -41,12 +41,12 @@ def bounded(kind: type, *, gt: Optional[float] = None, ge: Optional[float] = Non
             raise argparse.ArgumentTypeError(f"{v} must be {allowed}")
         return v
 
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    parse.__name__ = name or kind.__name__  # messages name the type ("is not a valid positive_int")
     return parse
 
 
-positive_int = bounded(int, ge=1)
-positive_float = bounded(float, gt=0)
+positive_int = bounded(int, ge=1, name="positive_int")
+positive_float = bounded(float, gt=0, name="positive_float")
 
 
 def unit_float(text: str) -> float:
