@@ -24,6 +24,12 @@ def test_init_is_written_in_the_class_not_patched_on():
     assert "MixedPrecisionConfig.__init__ =" not in inspect.getsource(config_module)
 
 
+def test_help_shows_every_field_then_the_aliases():
+    params = list(inspect.signature(MixedPrecisionConfig).parameters.values())
+    assert [p.name for p in params[:-1]] == [f.name for f in dataclasses.fields(MixedPrecisionConfig)]
+    assert params[0].default == "auto" and params[-1].kind is inspect.Parameter.VAR_KEYWORD
+
+
 def test_constructor_keywords_positions_aliases_and_errors_unchanged():
     assert MixedPrecisionConfig("fp16", 1024.0) == MixedPrecisionConfig(precision="fp16", init_scale=1024.0)
     assert MixedPrecisionConfig(min_loss_scale=2.0).min_scale == 2.0

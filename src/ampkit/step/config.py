@@ -9,6 +9,7 @@ like it.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import typing
 from collections.abc import Iterable
@@ -220,6 +221,18 @@ class MixedPrecisionConfig:
         """Read a TOML file: top-level keys, or an ``[amp]`` table."""
         data = read_toml(path)
         return cls.from_dict(data.get("amp", data) if isinstance(data.get("amp"), dict) else data)
+
+
+def _signature() -> inspect.Signature:
+    """What ``help()`` and editors show for ``MixedPrecisionConfig(...)``: every field with its
+    default and type, then ``**aliases`` (the ``__init__`` itself takes ``*args, **settings``)."""
+    P = inspect.Parameter
+    params = [P(f.name, P.POSITIONAL_OR_KEYWORD, default=f.default, annotation=f.type)
+              for f in fields(MixedPrecisionConfig)]
+    return inspect.Signature([*params, P("aliases", P.VAR_KEYWORD, annotation="Any")])
+
+
+MixedPrecisionConfig.__signature__ = _signature()  # type: ignore[attr-defined]  # documentation only
 
 
 def canonical_config_keys(data: dict[str, Any]) -> dict[str, Any]:
