@@ -104,3 +104,18 @@ def test_plain_public_api():
 def test_python_dash_m_ampkit():
     r = subprocess.run([sys.executable, "-m", "ampkit", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("ampkit ")
+
+
+TOML_LIBRARIES = {"tomllib", "tomli", "tomli_w"}
+
+
+@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_only_the_toml_module_imports_a_toml_library(path):
+    """Every TOML read and write goes through ``ampkit.step.tomlio`` (one reader, one writer, atomic writes)."""
+    if path.relative_to(SRC).as_posix() == "step/tomlio.py":
+        return
+    tree = ast.parse(path.read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and not n.level and n.module}
+    assert not names & TOML_LIBRARIES, f"{path.relative_to(SRC)} imports {names & TOML_LIBRARIES}: use ampkit.step.tomlio"

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..loop.bench import DEFAULT_PRECISIONS
+from ..step import tomlio
 from ..step.hardware import normalize_device
 from .common import (
     flag,
@@ -66,8 +67,7 @@ def cmd_tune(inv: Invocation) -> int:
 
     report = _bench_report(args)
     rec = tune(report, tolerance=args.tolerance)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(rec.to_toml())
+    tomlio.write(args.out, rec.to_toml())
     if args.json:
         print(json.dumps({"recommendation": rec.to_dict(), "bench": report.to_dict(losses=False)}, indent=2))
         return 0

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["data_flags", "estimate_inputs", "flag", "model_label", "model_and_data", "positive_float", "positive_int", "wide_console"]
+__all__ = ["bounded", "data_flags", "estimate_inputs", "flag", "model_label", "model_and_data", "positive_float", "positive_int", "wide_console"]
 
 
 def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any) -> None:
@@ -20,24 +21,32 @@ def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: An
     parser.add_argument(*spellings, **{"dest": name, **kwargs})
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
+def bounded(kind: type, *, gt: Optional[float] = None, ge: Optional[float] = None, le: Optional[float] = None,
+            unit: str = "", name: str = "") -> Any:
+    """An argparse type for a finite ``kind`` (int or float) within the bounds; the error names the
+    value and the range (``'1e9' must be > 0 and at most 2.592e+06 seconds``). Every number flag
+    with bounds is one of these."""
+    noun = "an integer" if kind is int else "a number"
+    parts = [f"> {gt:g}" if gt is not None else "", f">= {ge:g}" if ge is not None else "",
+             f"at most {le:g}" if le is not None else ""]
+    allowed = " and ".join(x for x in parts if x) + (f" {unit}" if unit else "")
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}{f' of {unit}' if unit else ''}") from None
+        if not math.isfinite(v) or (gt is not None and not v > gt) or (ge is not None and not v >= ge) \
+                or (le is not None and not v <= le):
+            raise argparse.ArgumentTypeError(f"{v} must be {allowed}")
+        return v
+
+    parse.__name__ = name or kind.__name__  # messages name the type ("is not a valid positive_int")
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{v} must be > 0")
-    return v
+positive_int = bounded(int, ge=1, name="positive_int")
+positive_float = bounded(float, gt=0, name="positive_float")
 
 
 def unit_float(text: str) -> float:

@@ -108,7 +108,7 @@ def resolved_toml(inv: Any) -> str:
     whole config (flags, the file's ``[amp]``, train's defaults, ``--amp_opt_level`` folded into
     ``precision``) and ``[train]``, every other option's value (None left out). ``--config`` reads
     it back to the same settings."""
-    from ..service.runfile import dumps_toml
+    from ..step import tomlio
     from .flags import ENGINE_FIELDS, engine_config
 
     notes: list[str] = []
@@ -116,4 +116,4 @@ def resolved_toml(inv: Any) -> str:
     train = {k: v for k, v in sorted(vars(inv.args).items()) if k not in (*_NOT_PRINTED, *ENGINE_FIELDS)}
     head = ["# ampkit train --print_config: the resolved settings; `ampkit train --config FILE` reads them back"]
     head += [f"# note: {n}" for n in notes]
-    return "\n".join(head) + "\n" + dumps_toml({"amp": config.to_dict(), "train": train})
+    return "\n".join(head) + "\n" + tomlio.dumps({"amp": config.to_dict(), "train": train})

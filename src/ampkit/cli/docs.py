@@ -75,7 +75,7 @@ def config_reference() -> str:
            "| field | type | default | help | `ampkit train` |", "| --- | --- | --- | --- | --- |"]
     for f in fields_help():
         flags = [f"--{f.name}", *(f"--{a}" for a in ALIASES.get(f.name, ()))]
-        if f.kind is bool or "Union[bool" in f.annotation:
+        if f.kind is bool or f.toggle:
             flags.append(f"--no_{f.name}")
         here = f" (train: `{TRAIN_DEFAULTS[f.name][0]!r}`)" if f.name in TRAIN_DEFAULTS else ""
         choices = f" Choices: {', '.join(f'`{c!r}`' for c in f.choices)}." if f.choices else ""

@@ -112,9 +112,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         spellings = ALIASES.get(f.name, ())
         kwargs: dict[str, Any] = {"default": default, "help": f"{_escape(f.help)} (default: {note})",
                                   "metavar": _metavar(f)}
-        if f.kind is bool and "Union" not in f.annotation:
+        if f.kind is bool and not f.toggle:
             flag(g, f.name, *spellings, f"no_{f.name}", action=Switch, **{**kwargs, "metavar": None})
-        elif "Union[bool" in f.annotation:  # fallback, deterministic: on, off, or a value
+        elif f.toggle:  # fallback, deterministic: on, off, or a value
             flag(g, f.name, *spellings, action=Toggle, type=_union_value(f), **kwargs)
             flag(g, f"no_{f.name}", dest=f.name, action="store_const", const=False, default=default,
                  help=f"the same as --{f.name} false")
@@ -203,9 +203,9 @@ def _show(value: Any) -> str:
 
 
 def _metavar(f: FieldInfo) -> Optional[str]:
-    if f.choices and "Union" not in f.annotation:
+    if f.choices and not f.toggle:
         return None  # argparse shows the choices
-    if "Union[bool" in f.annotation:
+    if f.toggle:
         return "VALUE"
     base = {int: "N", float: "X", str: "NAME"}.get(f.kind, "GLOB,...")
     return f"{base}|none" if f.optional else base

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
-from .common import flag, positive_int
+from ..service.settings import SERVE_NUMBERS
+from .common import bounded, flag
 from .invocation import Invocation
 
 
@@ -35,54 +35,23 @@ def cmd_serve(inv: Invocation) -> int:
     return 0
 
 
-def _celsius(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a temperature in °C (e.g. 83)") from None
-    if not 0 < value <= 150:
-        raise argparse.ArgumentTypeError(f"{text} °C is not a GPU temperature limit: give one in (0, 150]")
-    return value
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0 and at most 3600 seconds")
-    return value
-
-
-def _seconds(text: str) -> float:
-    from ..service.schemas import MAX_SECONDS
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0 and at most {MAX_SECONDS:g} seconds (30 days)")
-    return value
+def number(p: Any, name: str) -> None:
+    """``--name``, a bounded number: type, bounds, default and help from :data:`SERVE_NUMBERS`."""
+    b = SERVE_NUMBERS[name]
+    flag(p, name, type=bounded(b.kind, unit=b.unit, **b.bounds()), default=b.default, help=b.help)
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="the REST service: launch, watch, compare runs (FastAPI + uvicorn)")
     flag(p, "host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    flag(p, "port", type=positive_int, default=8000, help="port (default: 8000)")
+    number(p, "port")
     flag(p, "data_dir", default="ampkit-service", help="SQLite database, tokens and run directories (default: ./ampkit-service)")
-    flag(p, "max_concurrent", type=positive_int, default=1, help="runs at a time (default: 1)")
-    flag(p, "queue_cap", type=positive_int, default=16,
-         help="queued runs per owner before that owner's new ones get 429 (default: 16)")
-    flag(p, "max_seconds", type=_seconds, default=86_400.0,
-         help="a run's time limit when its request gives none, in seconds (default: 86400; at most 30 days)")
-    flag(p, "max_params", type=positive_int, default=2_000_000_000,
-         help="refuse Hugging Face config models with more parameters (default: 2e9)")
+    number(p, "max_concurrent")
+    number(p, "queue_cap")
+    number(p, "max_seconds")
+    number(p, "max_params")
     flag(p, "max_body", default="1MiB", help="largest request body; larger ones get 413 (default: 1MiB)")
-    flag(p, "max_gpu_temp", type=_celsius, default=None,
-         help="hold queued runs while a GPU is hotter than this many °C (default: no hold)")
-    flag(p, "header_timeout", type=_timeout, default=10.0,
-         help="close a connection whose request head, or a pause in its body, takes longer (seconds; default: 10)")
+    number(p, "max_gpu_temp")
+    number(p, "header_timeout")
     flag(p, "private_docs", action="store_true", help="require the token for /docs and /openapi.json too")
     p.set_defaults(func=cmd_serve)

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..step import tomlio
 from ..step.policies.ladder import parse_rung
 from .speed import speed_words, within_noise
 
@@ -58,19 +59,15 @@ class Recommendation:
         """A config ``ampkit train --config`` and ``MixedPrecisionConfig.from_toml`` accept."""
         what = "fastest precision" if self.prefer == "speed" else "fewest bytes per parameter"
         mem = f", {self.bytes_per_param:.2f} B/param" if self.bytes_per_param is not None else ""
-        amp = [f"{k} = " + ("true" if v is True else str(v) if isinstance(v, int) else f'"{v}"')
-               for k, v in self.config.items()]
         lines = ["# written by `ampkit tune`", f"# {what} within {100 * self.tolerance:g}% of the fp32 loss: "
                  f"{self.precision}, {self.speedup_vs_fp32:.2f}x fp32's speed, loss gap {100 * self.loss_gap:+.2f}%{mem}",
                  *([f"# timed: {self.timed}"] if self.timed else []),
-                 *([f"# {self.note}"] if self.note else []),
-                 "", "[amp]", *amp]
-        train = [f'model = "{self.model}"'] if self.model else []
-        train += [f'size = "{self.size}"'] if self.size else []
-        train += [f"batch_size = {self.batch_size}"] if self.batch_size else []
-        if train:
-            lines += ["", "# measured on this model, size and batch: the advice is for them", "[train]", *train]
-        return "\n".join(lines) + "\n"
+                 *([f"# {self.note}"] if self.note else []), ""]
+        text = "\n".join(lines) + "\n" + tomlio.dumps({"amp": self.config})
+        train = {"model": self.model or None, "size": self.size or None, "batch_size": self.batch_size or None}
+        if any(v is not None for v in train.values()):
+            text += "\n# measured on this model, size and batch: the advice is for them\n" + tomlio.dumps({"train": train})
+        return text
 
 
 def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = None) -> Recommendation:

@@ -21,11 +21,10 @@ are its owner's, not every local user's.
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from typing import Any
 
+from ..step import tomlio
 from ..step.config import check_run_file as _check_sealed
 from ..step.config import seal_run_file
 
@@ -33,6 +32,8 @@ __all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "check_run_file", "dumps_to
            "train_key", "write_run_file"]
 
 RUN_FILE = "run.toml"
+#: TOML text of ``{table: {key: value}}``, ``None`` left out (:func:`ampkit.step.tomlio.dumps`).
+dumps_toml = tomlio.dumps
 TEXTS_FILE = "texts.json"
 
 # RunSpec fields whose ``ampkit train`` option has another name (the REST names came first).
@@ -75,11 +76,7 @@ def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
     if spec.get("texts"):
         with _private_text(os.path.join(run_dir, TEXTS_FILE)) as f:
             json.dump(spec["texts"], f)
-    path = os.path.join(run_dir, RUN_FILE)
-    with _private_text(path + ".tmp") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
-    return path
+    return tomlio.write(os.path.join(run_dir, RUN_FILE), text, mode=0o600)  # atomic: never half a file
 
 
 def check_run_file(run_dir: str) -> None:
@@ -106,60 +103,3 @@ def _private_text(path: str) -> Any:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     return os.fdopen(fd, "w", encoding="utf-8")
-
-
-# --- a small TOML writer: tables of str, bool, int, float and (nested) lists of those -------------
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def dumps_toml(tables: dict[str, dict[str, Any]]) -> str:
-    """TOML text of ``{table: {key: value}}``; ``None`` values are left out (TOML has no null).
-
-    ``tomllib.loads(dumps_toml(t))`` equals ``t`` without its ``None`` values (tuples read back as
-    lists). Raises ``TypeError`` for other value types and ``ValueError`` for strings that are not
-    valid Unicode (lone surrogates)."""
-    out = []
-    for name, values in tables.items():
-        out.append(f"[{_key(name)}]")
-        out += [f"{_key(k)} = {_value(v)}" for k, v in values.items() if v is not None]
-        out.append("")
-    return "\n".join(out)
-
-
-def _key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _string(key)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):  # before int: a bool is an int
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        return repr(v)  # '1e-05', '65536.0', 'inf', '-inf': all TOML floats
-    if isinstance(v, str):
-        return _string(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} {v!r} to TOML (str, bool, int, float or a list of them)")
-
-
-def _string(s: str) -> str:
-    """A TOML basic string: quote, backslash and every control character (U+0000-U+001F, U+007F)
-    escaped; everything else written as is (the file is UTF-8)."""
-    out = []
-    for ch in s:
-        code = ord(ch)
-        if ch in _SHORT_ESCAPES:
-            out.append(_SHORT_ESCAPES[ch])
-        elif code < 0x20 or code == 0x7F:
-            out.append(f"\\u{code:04X}")
-        elif 0xD800 <= code <= 0xDFFF:
-            raise ValueError(f"{s!r} holds a lone surrogate (U+{code:04X}), which is not valid Unicode")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'

@@ -19,6 +19,7 @@ from ..step.config import MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
+from .settings import MAX_SECONDS, SERVE_NUMBERS
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
            "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
@@ -46,7 +47,6 @@ def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
 # a Hugging Face config's fields
 Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
 MAX_SCALE = 2.0**127  # an initial loss scale fp32 can hold
-MAX_SECONDS = 30 * 86_400.0  # a run's wall-clock limit: at most 30 days
 UserId = Optional[Union[Annotated[Int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
 
 
@@ -66,16 +66,24 @@ def _precision(v: str) -> str:
     return v
 
 
+def _serve_field(name: str) -> Any:
+    """A ServiceConfig field whose default and bounds are ``ampkit serve``'s flag's (:mod:`.settings`)."""
+    b = SERVE_NUMBERS[name]
+    return Field(b.default, **b.bounds())
+
+
 class ServiceConfig(BaseModel):
     data_dir: str = "ampkit-service"
-    max_concurrent: int = Field(1, ge=1)
-    queue_cap: int = Field(16, ge=1)  # queued runs per owner before that owner's new ones get 429
+    max_concurrent: int = _serve_field("max_concurrent")
+    queue_cap: int = _serve_field("queue_cap")  # queued runs per owner before 429
     body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
     poll_s: Float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
-    max_params: Optional[int] = Field(2_000_000_000, ge=1)  # Hugging Face configs larger than this: 422
-    max_seconds: Optional[Float] = Field(86_400.0, gt=0, le=MAX_SECONDS)  # a run's limit when it gives none
-    max_gpu_temp: Optional[Float] = Field(None, gt=0, le=150)  # °C: queued runs wait while a GPU is hotter
+    # Hugging Face configs larger than max_params: 422; max_seconds: a run's limit when it gives none;
+    # max_gpu_temp (°C): queued runs wait while a GPU is hotter. Bounds: ampkit serve's flags' (settings.py).
+    max_params: Optional[int] = _serve_field("max_params")
+    max_seconds: Optional[Float] = _serve_field("max_seconds")
+    max_gpu_temp: Optional[Float] = _serve_field("max_gpu_temp")
     private_docs: bool = False  # /docs and /openapi.json need a token too
 
 

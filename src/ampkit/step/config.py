@@ -9,19 +9,22 @@ like it.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional, Union
 
 import torch
 
+from . import tomlio
 from .aliases import UnknownKeyError, canonical_keys
 from .precision import CANONICAL, parse_precision
 
 __all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "STATE_DTYPES", "ConfigError", "FieldInfo",
            "MixedPrecisionConfig", "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision",
-           "check_deterministic", "check_run_file", "fields_help", "normalize_patterns", "read_toml",
+           "check_deterministic", "check_run_file", "fields_help", "hint_kind", "normalize_patterns", "read_toml",
            "seal_run_file"]
 
 Pattern = Union[str, type]
@@ -48,7 +51,7 @@ def _f(default: Any, help: str, choices: tuple = ()) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)  # the __init__ below: aliases first, then the fields
 class MixedPrecisionConfig:
     """All settings of :class:`ampkit.MixedPrecision`. Validated on construction.
 
@@ -102,7 +105,27 @@ class MixedPrecisionConfig:
                           "rounded; with masters=stochastic 6 B/param)", STATE_DTYPES)
     allow_stall: bool = _f(False, "accept masters=none: bf16 weights without masters, whose small updates round away")
 
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        """Every field by name (or in order); the names other tools use are accepted too
+        (:func:`canonical_config_keys`: ``min_loss_scale=``, ``enabled=``, ``scaling_strategy=``).
+        An unknown name raises :class:`UnknownConfigKeyError` (a ``TypeError`` too, as an
+        unexpected keyword is), naming the closest valid key."""
+        names = [f.name for f in fields(self)]
+        if len(args) > len(names):
+            raise TypeError(f"MixedPrecisionConfig takes at most {len(names)} positional arguments "
+                            f"({len(args)} given)")
+        values = canonical_config_keys(settings) if settings else {}
+        for name, value in zip(names, args):
+            if name in values:
+                raise TypeError(f"MixedPrecisionConfig got multiple values for argument {name!r}")
+            values[name] = value
+        for f in fields(self):
+            default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+            object.__setattr__(self, f.name, values.get(f.name, default))
+        self.__post_init__()
+
     def __post_init__(self) -> None:
+        """Type checks, canonical spellings and range checks (called last by ``__init__``)."""
         self._check_types()
         if self.memory_efficient:  # a lever that keeps numerics: casts redone instead of kept
             object.__setattr__(self, "autocast_cache", False)
@@ -159,21 +182,20 @@ class MixedPrecisionConfig:
             if not chain or any(c in ("auto", "O2") for c in chain):
                 raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
             object.__setattr__(self, "fallback", ",".join(chain))
-        for f in fields(self):
-            if f.name in ("keep_fp32", "fallback", "deterministic"):
+        for info in fields_help():
+            if info.name in ("keep_fp32", "fallback", "deterministic"):
                 continue
-            v = getattr(self, f.name)
-            expected = _expected_type(f.type)
-            if v is None and "Optional" in str(f.type):
+            v, expected = getattr(self, info.name), info.kind
+            if v is None and info.optional:
                 continue
             if expected is float and isinstance(v, int) and not isinstance(v, bool):
-                object.__setattr__(self, f.name, float(v))
+                object.__setattr__(self, info.name, float(v))
                 continue
-            if expected is str and f.name == "precision" and isinstance(v, torch.dtype):
+            if expected is str and info.name == "precision" and isinstance(v, torch.dtype):
                 continue
             if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
-                raise ConfigError(f"{f.name}={v!r} has type {type(v).__name__}; expected "
-                                  f"{expected.__name__}{' or None' if 'Optional' in str(f.type) else ''}")
+                raise ConfigError(f"{info.name}={v!r} has type {type(v).__name__}; expected "
+                                  f"{expected.__name__}{' or None' if info.optional else ''}")
 
     def replace(self, **changes: Any) -> MixedPrecisionConfig:
         """A validated copy with ``changes`` applied (aliases accepted; unknown names raise :class:`ConfigError`)."""
@@ -201,6 +223,18 @@ class MixedPrecisionConfig:
         return cls.from_dict(data.get("amp", data) if isinstance(data.get("amp"), dict) else data)
 
 
+def _signature() -> inspect.Signature:
+    """What ``help()`` and editors show for ``MixedPrecisionConfig(...)``: every field with its
+    default and type, then ``**aliases`` (the ``__init__`` itself takes ``*args, **settings``)."""
+    P = inspect.Parameter
+    params = [P(f.name, P.POSITIONAL_OR_KEYWORD, default=f.default, annotation=f.type)
+              for f in fields(MixedPrecisionConfig)]
+    return inspect.Signature([*params, P("aliases", P.VAR_KEYWORD, annotation="Any")])
+
+
+MixedPrecisionConfig.__signature__ = _signature()  # type: ignore[attr-defined]  # documentation only
+
+
 def canonical_config_keys(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with aliases renamed to :class:`MixedPrecisionConfig` fields (the one table:
     :mod:`ampkit.step.aliases`); every config reader goes through it. Raises
@@ -213,48 +247,55 @@ def canonical_config_keys(data: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(str(e)) from None
 
 
-def _accepting_aliases(init: Any) -> Any:
-    """The dataclass ``__init__``, with keyword names sent through :func:`canonical_config_keys` first."""
-    @functools.wraps(init)
-    def __init__(self: MixedPrecisionConfig, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **(canonical_config_keys(kwargs) if kwargs else kwargs))
-
-    return __init__
-
-
-MixedPrecisionConfig.__init__ = _accepting_aliases(MixedPrecisionConfig.__init__)  # type: ignore[method-assign]
-
-
 @dataclass(frozen=True)
 class FieldInfo:
-    """One :class:`MixedPrecisionConfig` field as the CLI and the reference docs see it."""
+    """One :class:`MixedPrecisionConfig` field as the CLI and the reference docs see it, read from
+    its resolved type hint (``typing.get_type_hints``), not from the annotation's text."""
 
     name: str
-    annotation: str  # as written in the class, e.g. "Optional[float]", "Union[bool, str]"
+    annotation: str  # for people (the reference docs): as written in the class, e.g. "Optional[float]"
     kind: type  # the value's base type: bool, int, float, str, or object (keep_fp32)
     optional: bool  # None is a valid value
     help: str
     default: Any
     choices: tuple = ()  # a closed set of values, where there is one
+    toggle: bool = False  # Union[bool, X]: on, off, or a value (fallback, deterministic)
+    hint: Any = None  # the resolved type hint, e.g. typing.Optional[float]
 
 
 def fields_help() -> list[FieldInfo]:
     """Every field of :class:`MixedPrecisionConfig`, in order: the CLI's engine flags and
     ``docs/reference/config.md`` are generated from this."""
+    return list(_field_infos())
+
+
+@functools.cache
+def _field_infos() -> tuple[FieldInfo, ...]:
+    hints = typing.get_type_hints(MixedPrecisionConfig)
     out = []
     for f in fields(MixedPrecisionConfig):
+        hint = hints[f.name]
+        kind, optional, toggle = hint_kind(hint)
         default = f.default if f.default is not MISSING else None
-        out.append(FieldInfo(f.name, str(f.type), _expected_type(f.type), "Optional" in str(f.type),
-                             f.metadata.get("help", ""), default, tuple(f.metadata.get("choices", ()))))
-    return out
+        out.append(FieldInfo(f.name, _written(f.type), kind, optional, f.metadata.get("help", ""), default,
+                             tuple(f.metadata.get("choices", ())), toggle, hint))
+    return tuple(out)
 
 
-def _expected_type(annotation: Union[str, type]) -> type:
-    text = str(annotation)
-    for t in (bool, int, float, str):
-        if t.__name__ in text:
-            return t
-    return object
+def hint_kind(hint: Any) -> tuple[type, bool, bool]:
+    """``(kind, optional, toggle)`` of a resolved type hint: ``Optional[float]`` -> ``(float, True,
+    False)``, ``Union[bool, str]`` -> ``(bool, False, True)``, ``tuple`` -> ``(object, False, False)``."""
+    args = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)]
+    toggle = len(kinds) > 1 and kinds[0] is bool
+    kind = kinds[0] if len(kinds) >= 1 and kinds[0] in (bool, int, float, str) else object
+    return kind, optional, toggle
+
+
+def _written(annotation: Any) -> str:
+    """The annotation as the class spells it (a string under ``from __future__ import annotations``)."""
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
 
 
 def check_deterministic(value: Any) -> None:
@@ -316,20 +357,14 @@ def check_run_file(data: bytes, path: str) -> None:
 def read_toml(path: str) -> dict[str, Any]:
     """The TOML file at ``path`` (a damaged service run file is refused: :func:`check_run_file`)."""
     try:
-        import tomllib  # Python 3.11+
-    except ModuleNotFoundError:  # pragma: no cover - older Pythons
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
         with open(path, "rb") as fh:
             data = fh.read()
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
     check_run_file(data, path)
     try:
-        return tomllib.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path!r} is not valid TOML: not UTF-8 ({e})") from None
-    except tomllib.TOMLDecodeError as e:
+        return tomlio.loads(data)
+    except tomlio.TomlError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
 
 

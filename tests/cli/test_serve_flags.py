@@ -1,0 +1,74 @@
+"""``ampkit serve``'s number flags come from one table (ampkit.service.settings), parsed by one
+bounded-number parser; ServiceConfig takes the same bounds, so both refuse the same values."""
+
+import argparse
+import math
+
+import pytest
+
+from ampkit.cli import build_parser
+from ampkit.cli.common import bounded, positive_float, positive_int
+from ampkit.service.settings import SERVE_NUMBERS
+
+
+def _serve():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def _outside(b):
+    """Values just outside the setting's bounds, and ones that are no finite number."""
+    out = ["soon", "inf", "nan"]
+    if b.gt is not None:
+        out.append(str(b.gt))
+    if b.ge is not None:
+        out.append(str(b.ge - 1) if b.kind is int else str(b.ge - 1e-3))
+    if b.le is not None:
+        out.append(str(b.le + 1))
+    return out
+
+
+@pytest.mark.parametrize("name", list(SERVE_NUMBERS))
+def test_each_number_flag_is_the_settings_row(name, capsys):
+    b, p = SERVE_NUMBERS[name], _serve()
+    action = next(a for a in p._actions if a.dest == name)
+    assert action.default == b.default and action.help == b.help
+    inside = b.le if b.le is not None else (b.ge if b.ge is not None else b.gt + 1)
+    assert getattr(p.parse_args([f"--{name}", str(b.kind(inside))]), name) == b.kind(inside)
+    for bad in _outside(b):
+        with pytest.raises(SystemExit):
+            p.parse_args([f"--{name}", bad])
+        assert f"--{name}" in capsys.readouterr().err, bad
+
+
+def test_service_config_takes_the_same_bounds_and_defaults():
+    pytest.importorskip("pydantic")
+    from pydantic import ValidationError
+
+    from ampkit.service.schemas import ServiceConfig
+
+    shared = [n for n in SERVE_NUMBERS if n in ServiceConfig.model_fields]
+    assert set(shared) == {"max_concurrent", "queue_cap", "max_params", "max_seconds", "max_gpu_temp"}
+    for name in shared:
+        b = SERVE_NUMBERS[name]
+        assert ServiceConfig.model_fields[name].default == b.default
+        for bad in _outside(b)[1:]:  # the numbers (the text is the CLI's to refuse)
+            with pytest.raises(ValidationError):
+                ServiceConfig(**{name: b.kind(float(bad)) if math.isfinite(float(bad)) else float(bad)})
+
+
+def test_bounded_names_the_value_and_the_range():
+    seconds = bounded(float, gt=0, le=3600, unit="seconds")
+    assert seconds("1e-3") == 1e-3 and seconds("3600") == 3600.0
+    with pytest.raises(argparse.ArgumentTypeError, match="3601.0 must be > 0 and at most 3600 seconds"):
+        seconds("3601")
+    with pytest.raises(argparse.ArgumentTypeError, match="'soon' is not a number of seconds"):
+        seconds("soon")
+    with pytest.raises(argparse.ArgumentTypeError, match="must be > 0"):
+        seconds("inf")
+    with pytest.raises(argparse.ArgumentTypeError, match="'2.5' is not an integer"):
+        positive_int("2.5")
+    with pytest.raises(argparse.ArgumentTypeError, match="0 must be >= 1"):
+        positive_int("0")
+    with pytest.raises(argparse.ArgumentTypeError, match="0.0 must be > 0"):
+        positive_float("0")
