@@ -119,3 +119,24 @@ def test_fp8_rowwise_trains_on_cpu_and_its_recipe_reaches_torchao():
     # the same training as fp8 with fp8_recipe="rowwise", bit for bit (same process, same seed)
     _, _, same = _train("fp8", steps=4, fp8_recipe="rowwise")
     assert losses == same
+
+
+def test_fp8_rowwise_reaches_every_surface_that_takes_a_name():
+    from ampkit import MixedPrecisionConfig
+    from ampkit.cli import build_parser
+    from ampkit.cli.flags import with_opt_level
+
+    assert MixedPrecisionConfig(precision="fp8_rowwise").precision == "fp8-rowwise"
+    assert build_parser().parse_args(["train", "--precision", "fp8-rowwise"]).precision == "fp8-rowwise"
+    assert with_opt_level("fp8-rowwise", "O1")[0] == "fp8-rowwise" == with_opt_level("fp8", "O1")[0].replace("fp8", "fp8-rowwise")
+    with pytest.raises(ValueError, match="conflicting flags"):
+        with_opt_level("fp8-rowwise", "O2")
+
+
+def test_lightning_reads_fp8_rowwise_as_bf16_mixed_not_fp32():
+    pytest.importorskip("lightning")
+    pytest.importorskip("torchao.float8")
+    from ampkit.integrations.lightning import AmpkitPrecision
+
+    assert AmpkitPrecision("fp8-rowwise", fp8_emulate=True).precision == "bf16-mixed"
+    assert AmpkitPrecision("bf16-true").precision == "bf16-true"
