@@ -72,24 +72,27 @@ PRECISION_NAMES = set(NAMES)
 
 def _precision_branches(tree):
     """(line, text) of each branch on a precision's name: a comparison with a name (``== "fp8"``,
-    ``in ("bf16", "fp16")``), a ``-pure`` suffix test, a table keyed by names, a slice of PLAN_PRECISIONS."""
+    ``in ("bf16", "fp16")``), a ``-pure`` suffix test, a table keyed by names, a slice of
+    PLAN_PRECISIONS."""
     def names_in(node):
         elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
         return [e.value for e in elts if isinstance(e, ast.Constant) and e.value in PRECISION_NAMES]
 
     for node in ast.walk(tree):
         hit = False
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                 for op in node.ops):
+        equality = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+        if isinstance(node, ast.Compare) and any(isinstance(op, equality) for op in node.ops):
             sides = [node.left, *node.comparators]
             # state_dtype == "bf16", masters == "fp32": a dtype's spelling, not a precision's
             dtype = any(w in ast.unparse(side) for side in sides for w in ("dtype", "masters"))
             hit = not dtype and any(names_in(side) for side in sides)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr in ("endswith", "startswith"):
-            hit = any(isinstance(a, ast.Constant) and a.value in {"-pure", *PRECISION_NAMES} for a in node.args)
+            suffixes = {"-pure", *PRECISION_NAMES}
+            hit = any(isinstance(a, ast.Constant) and a.value in suffixes for a in node.args)
         elif isinstance(node, ast.Dict):
-            hit = sum(isinstance(k, ast.Constant) and k.value in PRECISION_NAMES for k in node.keys) >= 2
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            hit = len(PRECISION_NAMES.intersection(keys)) >= 2
         elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
             hit = "PLAN_PRECISIONS" in ast.unparse(node.value)
         if hit:
@@ -107,8 +110,8 @@ def test_precision_names_are_branched_on_only_in_their_row_and_policy():
 
 def test_the_name_branch_rule_sees_the_usual_spellings():
     """The rule above is not vacuous: each spelling the issue found is caught."""
-    for code in ('p.name == "fp8"', 'x.endswith("-pure")', 'n in ("bf16", "fp16")', 'PLAN_PRECISIONS[1:3]',
-                 '{"fp32": 1, "bf16": 2}', 'name != "bf16-pure"'):
+    for code in ('p.name == "fp8"', 'x.endswith("-pure")', 'n in ("bf16", "fp16")',
+                 'PLAN_PRECISIONS[1:3]', '{"fp32": 1, "bf16": 2}', 'name != "bf16-pure"'):
         assert list(_precision_branches(ast.parse(code))), code
     assert not list(_precision_branches(ast.parse('p.row.fp8_recipe is not None')))
 

@@ -58,7 +58,9 @@ def test_every_row_is_frozen_named_and_consistent():
 
 def test_precision_carries_its_row_and_the_old_api_still_answers():
     p = resolve_precision("bf16-true", CPU)
-    assert p.row is REGISTRY["bf16-pure"] and p.is_pure and p.family == "pure" and not p.reduced_matmul
+    assert (
+        p.row is REGISTRY["bf16-pure"] and p.is_pure and p.family == "pure" and not p.reduced_matmul
+    )
     assert resolve_precision("tf32", CPU).reduced_matmul
     assert precision_row("16-mixed").lightning_name == "16-mixed"
     with pytest.raises(PrecisionError, match="depends on the device"):
@@ -76,7 +78,11 @@ def test_fp8_rowwise_is_a_name_with_its_own_row():
         resolve_precision("fp8-rowwise", CPU)
     assert "fp8_emulate=True" in str(e.value)
     p = resolve_precision("fp8-rowwise", CPU, emulate_fp8=True)
-    assert (p.param_dtype, p.compute_dtype, p.needs_scaler) == (torch.float32, torch.bfloat16, False)
+    assert (p.param_dtype, p.compute_dtype, p.needs_scaler) == (
+        torch.float32,
+        torch.bfloat16,
+        False,
+    )
 
 
 def test_activations_refuses_an_fp8_row_naming_it():
@@ -115,7 +121,10 @@ def test_fp8_rowwise_trains_on_cpu_and_its_recipe_reaches_torchao():
     for name in converted:
         got = model.get_submodule(name).config
         assert got == want and got.cast_config_input != tensorwise.cast_config_input
-    assert amp.state_dict()["precision"] == "fp8-rowwise" and amp.policy.describe()["recipe"] == "rowwise"
+    assert (
+        amp.state_dict()["precision"] == "fp8-rowwise"
+        and amp.policy.describe()["recipe"] == "rowwise"
+    )
     # the same training as fp8 with fp8_recipe="rowwise", bit for bit (same process, same seed)
     _, _, same = _train("fp8", steps=4, fp8_recipe="rowwise")
     assert losses == same
@@ -127,7 +136,10 @@ def test_fp8_rowwise_reaches_every_surface_that_takes_a_name():
     from ampkit.cli.flags import with_opt_level
 
     assert MixedPrecisionConfig(precision="fp8_rowwise").precision == "fp8-rowwise"
-    assert build_parser().parse_args(["train", "--precision", "fp8-rowwise"]).precision == "fp8-rowwise"
+    assert (
+        build_parser().parse_args(["train", "--precision", "fp8-rowwise"]).precision
+        == "fp8-rowwise"
+    )
     assert with_opt_level("fp8-rowwise", "O1")[0] == "fp8-rowwise"
     with pytest.raises(ValueError, match="conflicting flags"):
         with_opt_level("fp8-rowwise", "O2")

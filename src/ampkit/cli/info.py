@@ -85,8 +85,10 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
         except PrecisionError as e:
             why = str(e).split(": ", 1)[-1].split(". Choose")[0]
             row = {"name": name, "runs": False, "reason": why, "what": DESCRIPTIONS[name], "note": why}
-        spec = REGISTRY[name]  # a half dtype's plain matmul speed-up says something about it (not fp8's)
-        key = parse_precision(spec.compute_dtype) if spec.hardware is None and not spec.reduced_matmul else None
+        # a half dtype's plain matmul speed-up says something about it (not about fp8 or tf32)
+        spec = REGISTRY[name]
+        plain = spec.hardware is None and not spec.reduced_matmul
+        key = parse_precision(spec.compute_dtype) if plain else None
         key = None if key == REFERENCE else key
         if key in ratios:
             row["matmul_speedup_vs_fp32"] = round(ratios[key][0], 2)

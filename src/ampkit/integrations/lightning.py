@@ -49,7 +49,8 @@ class _Engine:
             name = make_engine(precision, None, "cpu", overrides).precision.name  # validates the name and settings now
         self._spec = (precision, overrides)
         self.last_step_skipped = False
-        self.precision = precision_row(name).lightning_name  # for code that reads ``trainer.precision``
+        # Lightning's name for the same kind of training, for code that reads ``trainer.precision``
+        self.precision = precision_row(name).lightning_name
 
     def _engine_for(self, model: torch.nn.Module) -> MixedPrecision:
         if self.amp is None:

@@ -20,7 +20,8 @@ __all__ = ["compute_plan", "peaks", "plan_answer", "plan_key", "savings_gb"]
 
 GiB = 2**30
 MAX_BATCH = 1 << 16  # the largest batch a plan reports
-_AUTOCAST = tuple(n for n in PLAN_PRECISIONS if REGISTRY[n].opt_level == "O1")  # "mixed precision": bf16, fp16
+# the candidates for "mixed precision": bf16, fp16
+_AUTOCAST = tuple(n for n in PLAN_PRECISIONS if REGISTRY[n].opt_level == "O1")
 
 
 Overrides = tuple[tuple[str, Any], ...]  # a config's overrides, hashable for the caches; never a joined string

@@ -132,8 +132,8 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo, label: O
     device runs. A string: validated now (unknown or unsupported names raise ``PrecisionError``);
     its entries may name bf16-pure rungs (module doc). ``label``: ``start``'s rung (:func:`rung_label`)."""
     if spec is True:
-        # Each row names its successor: pure forms fall back within the pure forms first (the masters
-        # carry over), fp8 to bf16 (same autocast, plain Linears), everything ends in fp32.
+        # Each row names its successor: pure forms fall back within the pure forms first (the
+        # masters carry over), fp8 to bf16 (same autocast, plain Linears); all end in fp32.
         names, nxt = [start], REGISTRY[start].successor
         while nxt is not None:
             names += [nxt] if _runs(nxt, info) else []

@@ -75,7 +75,8 @@ def declared_components(precision: str, config: Any) -> tuple[str, ...]:
     """Components whose half precision the configuration asked for: bf16-pure's bottom rung
     (``masters='none'``, forced with ``allow_stall`` and warned about at setup) keeps no master and
     sums gradients in bf16 -- what it promises, so no silent downgrade."""
-    if precision in REGISTRY and REGISTRY[precision].has_ladder and getattr(config, "masters", "fp32") == "none":
+    ladder = precision in REGISTRY and REGISTRY[precision].has_ladder
+    if ladder and getattr(config, "masters", "fp32") == "none":
         return ("master", "accumulation")
     return ()
 

@@ -14,8 +14,9 @@ import torch
 
 from .hardware import DeviceInfo, device_info
 
-__all__ = ["CANONICAL", "NAMES", "PLAN_PRECISIONS", "REFERENCE", "REGISTRY", "Precision", "PrecisionError",
-           "PrecisionRow", "parse_precision", "precision_dtypes", "precision_row", "resolve_precision"]
+__all__ = ["CANONICAL", "NAMES", "PLAN_PRECISIONS", "REFERENCE", "REGISTRY", "Precision",
+           "PrecisionError", "PrecisionRow", "parse_precision", "precision_dtypes", "precision_row",
+           "resolve_precision"]
 
 
 class PrecisionError(ValueError):
@@ -84,30 +85,41 @@ _FP8_GPU = "an NVIDIA GPU with fp8 tensor cores (Ada/Hopper, compute capability 
 
 #: The one list of precisions, in the order of the table in DESIGN.md; every one runs in the engine.
 REGISTRY: dict[str, PrecisionRow] = {r.name: r for r in (
-    PrecisionRow("fp32", _F32, _F32, "full", "full fp32 weights and compute; reduced-precision matmul internals off",
+    PrecisionRow("fp32", _F32, _F32, "full",
+                 "full fp32 weights and compute; reduced-precision matmul internals off",
                  opt_level="O0", successor=None, planned=True),
-    PrecisionRow("tf32", _F32, _F32, "full", "fp32 weights; fp32 matmuls with reduced-precision internals "
-                 "(TF32 on CUDA, bf16 on AMX CPUs)", reduced_matmul=True, min_capability=(8, 0),
-                 requirement="compute capability >= 8.0 (Ampere) for TF32"),
-    PrecisionRow("bf16", _F32, _BF16, "autocast", "fp32 weights; autocast to bfloat16; no loss scaling needed",
-                 opt_level="O1", o1_form="bf16", o2_form="bf16-pure", lightning_name="bf16-mixed", accelerate_name="bf16",
-                 planned=True, twin="fp16"),
-    PrecisionRow("fp16", _F32, _F16, "autocast", "fp32 weights; autocast to float16; dynamic loss scaling",
-                 needs_scaler=True, opt_level="O1", o1_form="fp16", o2_form="fp16-pure", lightning_name="16-mixed",
+    PrecisionRow("tf32", _F32, _F32, "full", "fp32 weights; fp32 matmuls with reduced-precision "
+                 "internals (TF32 on CUDA, bf16 on AMX CPUs)", reduced_matmul=True,
+                 min_capability=(8, 0), requirement="compute capability >= 8.0 (Ampere) for TF32"),
+    PrecisionRow("bf16", _F32, _BF16, "autocast",
+                 "fp32 weights; autocast to bfloat16; no loss scaling needed",
+                 opt_level="O1", o1_form="bf16", o2_form="bf16-pure",
+                 lightning_name="bf16-mixed", accelerate_name="bf16", planned=True, twin="fp16"),
+    PrecisionRow("fp16", _F32, _F16, "autocast",
+                 "fp32 weights; autocast to float16; dynamic loss scaling", needs_scaler=True,
+                 opt_level="O1", o1_form="fp16", o2_form="fp16-pure", lightning_name="16-mixed",
                  accelerate_name="fp16", successor="bf16", planned=True, twin="bf16"),
-    PrecisionRow("bf16-pure", _BF16, _BF16, "pure", "bfloat16 weights and compute; fp32 master weights",
-                 opt_level="O2", o2_form="bf16-pure", lightning_name="bf16-true", accelerate_name="bf16",
-                 planned=True, twin="fp16-pure", keeps_masters=True, has_ladder=True),
-    PrecisionRow("fp16-pure", _F16, _F16, "pure", "float16 weights and compute; fp32 master weights; dynamic "
-                 "loss scaling", needs_scaler=True, opt_level="O2", o2_form="fp16-pure", lightning_name="16-true",
-                 accelerate_name="fp16", successor="bf16-pure", planned=True, twin="bf16-pure", keeps_masters=True),
-    PrecisionRow("fp8", _F32, _BF16, "fp8", "fp8 matmuls through torchao; bf16 autocast elsewhere",
-                 hardware="fp8", requirement=_FP8_GPU, emulable=True, o1_form="fp8", lightning_name="bf16-mixed",
-                 accelerate_name="fp8", successor="bf16", measures_activations=False),
-    PrecisionRow("fp8-rowwise", _F32, _BF16, "fp8", "fp8 matmuls through torchao with a scale per row "
-                 "(recipe rowwise: more accurate than fp8's tensorwise); bf16 autocast elsewhere",
-                 hardware="fp8", requirement=_FP8_GPU, emulable=True, fp8_recipe="rowwise", o1_form="fp8-rowwise",
-                 lightning_name="bf16-mixed", accelerate_name="fp8", successor="bf16", measures_activations=False),
+    PrecisionRow("bf16-pure", _BF16, _BF16, "pure",
+                 "bfloat16 weights and compute; fp32 master weights",
+                 opt_level="O2", o2_form="bf16-pure", lightning_name="bf16-true",
+                 accelerate_name="bf16", planned=True, twin="fp16-pure", keeps_masters=True,
+                 has_ladder=True),
+    PrecisionRow("fp16-pure", _F16, _F16, "pure",
+                 "float16 weights and compute; fp32 master weights; dynamic loss scaling",
+                 needs_scaler=True, opt_level="O2", o2_form="fp16-pure", lightning_name="16-true",
+                 accelerate_name="fp16", successor="bf16-pure", planned=True, twin="bf16-pure",
+                 keeps_masters=True),
+    PrecisionRow("fp8", _F32, _BF16, "fp8",
+                 "fp8 matmuls through torchao; bf16 autocast elsewhere",
+                 hardware="fp8", requirement=_FP8_GPU, emulable=True, o1_form="fp8",
+                 lightning_name="bf16-mixed", accelerate_name="fp8", successor="bf16",
+                 measures_activations=False),
+    PrecisionRow("fp8-rowwise", _F32, _BF16, "fp8",
+                 "fp8 matmuls through torchao with a scale per row (recipe rowwise: more "
+                 "accurate than fp8's tensorwise); bf16 autocast elsewhere",
+                 hardware="fp8", requirement=_FP8_GPU, emulable=True, fp8_recipe="rowwise",
+                 o1_form="fp8-rowwise", lightning_name="bf16-mixed", accelerate_name="fp8",
+                 successor="bf16", measures_activations=False),
 )}
 #: The concrete precisions, in the order of the table in DESIGN.md; every one runs in the engine.
 NAMES: tuple[str, ...] = tuple(REGISTRY)
@@ -135,7 +147,7 @@ DESCRIPTIONS = {n: r.description for n, r in REGISTRY.items()}
 
 
 def precision_row(spec: Union[str, torch.dtype, Precision]) -> PrecisionRow:
-    """The registry row of a precision (any accepted spelling but ``auto``/``O2``, which depend on the device).
+    """The :data:`REGISTRY` row of any accepted spelling but ``auto``/``O2`` (device-dependent).
 
     Raises :class:`PrecisionError` for unknown names and for ``auto``/``O2``."""
     name = parse_precision(spec)
@@ -150,7 +162,7 @@ class Precision:
     """A resolved precision: what to cast, what to autocast to, and whether to scale the loss.
 
     Attributes:
-        name: canonical name (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``bf16-pure``, ``fp16-pure``, ``fp8``).
+        name: canonical name (a key of :data:`REGISTRY`: ``fp32``, ``bf16``, ``fp8-rowwise``, ...).
         param_dtype: dtype the model's weights are stored in while training.
         compute_dtype: dtype matmuls and convolutions run in (the autocast dtype).
         needs_scaler: whether dynamic loss scaling is required (fp16 forms).
@@ -278,9 +290,11 @@ def _unsupported(name: str, info: DeviceInfo) -> Optional[str]:
     where += f", compute capability {info.capability[0]}.{info.capability[1]})" if info.capability else ")"
     if row.hardware is not None:
         if not getattr(info, row.hardware):
-            return f"{name} needs {row.requirement}; {where} {'is older' if info.type == 'cuda' else 'has none'}"
+            lacks = "is older" if info.type == "cuda" else "has none"
+            return f"{name} needs {row.requirement}; {where} {lacks}"
         return None
-    if row.min_capability and info.type == "cuda" and info.capability and info.capability < row.min_capability:
+    cap = info.capability if info.type == "cuda" else None
+    if row.min_capability and cap and cap < row.min_capability:
         return f"{name} needs {row.requirement}; {where} is older"
     if dtype == torch.bfloat16 and not info.bf16:
         return f"bf16 is not supported on {where}"
@@ -334,7 +348,8 @@ def resolve_precision(
     else:
         why_not = _unsupported(name, info)
         if why_not:
-            hint = " (or fp8_emulate=True to emulate it, for tests)" if REGISTRY[name].emulable else ""
+            emulable = REGISTRY[name].emulable
+            hint = " (or fp8_emulate=True to emulate it, for tests)" if emulable else ""
             raise PrecisionError(f"precision {name!r} cannot run here: {why_not}. "
                                  f"Choose one this device supports, or 'auto'{hint}.")
         reason = DESCRIPTIONS[name]

@@ -9,8 +9,10 @@ filter is ampkit's own, and every decision is reported (:func:`plan`):
   output head are where fp8's 3-4 significant bits hurt most; torchtitan skips the head too);
 * modules kept in fp32 (``keep_fp32``) are never converted.
 
-Recipes (``fp8_recipe``, or the precision ``fp8-rowwise`` for ``rowwise``): ``tensorwise`` (one scale per tensor, fastest), ``rowwise`` (a scale per
-row, more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision).
+Recipes (``fp8_recipe``): ``tensorwise`` (one scale per tensor, fastest), ``rowwise`` (a scale per
+row, more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision). A
+precision row may fix its recipe (``fp8-rowwise``: ``rowwise``); :attr:`Fp8Policy.recipe`
+says which.
 ``Float8Linear`` keeps its parameters' names, so state dicts keep the unconverted model's keys
 and hold plain tensors (``weights_only=True`` loads them). :func:`revert` swaps the modules back
 to ``nn.Linear`` (sharing the same parameters) for a fallback to bf16.
@@ -135,7 +137,7 @@ class Fp8Policy(PrecisionPolicy):
 
     @property
     def recipe(self) -> str:
-        """The torchao recipe: the precision row's own (``fp8-rowwise``: rowwise), else ``fp8_recipe``."""
+        """The torchao recipe: the precision row's own (``fp8-rowwise``), else ``fp8_recipe``."""
         return self.precision.row.fp8_recipe or self.config.fp8_recipe
 
     def release(self) -> None:
