@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from ampkit.step.precision import NAMES
+
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "ampkit"
 ORDER = ["step", "observe", "distributed", "loop", "integrations", "service", "cli"]  # a layer may import its own and earlier layers only
 
@@ -60,6 +62,58 @@ def test_engine_is_one_class_without_precision_branches():
     for branch in ('.name == "tf32"', '.name == "fp32"', '.name == "fp8"', "is_pure", "self._masters", "self._matmul"):
         assert branch not in text, f"engine.py branches on the precision kind: {branch}"
     assert not (SRC / "step" / "switching.py").exists() and not (SRC / "step" / "state.py").exists()
+
+
+# Where a precision may be named in a branch: its row and its policy. Everything else asks the row
+# (``precision_row(name).lightning_name``, ``p.row.measures_activations``) or the policy (issue 35).
+NAME_BRANCHES_ALLOWED = ("step/precision.py", "step/policies/")
+PRECISION_NAMES = set(NAMES)
+
+
+def _precision_branches(tree):
+    """(line, text) of each branch on a precision's name: a comparison with a name (``== "fp8"``,
+    ``in ("bf16", "fp16")``), a ``-pure`` suffix test, a table keyed by names, a slice of
+    PLAN_PRECISIONS."""
+    def names_in(node):
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [e.value for e in elts if isinstance(e, ast.Constant) and e.value in PRECISION_NAMES]
+
+    for node in ast.walk(tree):
+        hit = False
+        equality = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+        if isinstance(node, ast.Compare) and any(isinstance(op, equality) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            # state_dtype == "bf16", masters == "fp32": a dtype's spelling, not a precision's
+            dtype = any(w in ast.unparse(side) for side in sides for w in ("dtype", "masters"))
+            hit = not dtype and any(names_in(side) for side in sides)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("endswith", "startswith"):
+            suffixes = {"-pure", *PRECISION_NAMES}
+            hit = any(isinstance(a, ast.Constant) and a.value in suffixes for a in node.args)
+        elif isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            hit = len(PRECISION_NAMES.intersection(keys)) >= 2
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
+            hit = "PLAN_PRECISIONS" in ast.unparse(node.value)
+        if hit:
+            yield node.lineno, ast.unparse(node)[:80]
+
+
+def test_precision_names_are_branched_on_only_in_their_row_and_policy():
+    """Adding a precision is adding a row: no module outside step/precision.py and step/policies/
+    tests a precision by its name (the rows and policies answer instead)."""
+    found = [f"{path.relative_to(SRC)}:{line}: {text}" for path in sorted(SRC.rglob("*.py"))
+             if not str(path.relative_to(SRC)).startswith(NAME_BRANCHES_ALLOWED)
+             for line, text in _precision_branches(ast.parse(path.read_text()))]
+    assert not found, "precision-name branches outside the registry:\n" + "\n".join(found)
+
+
+def test_the_name_branch_rule_sees_the_usual_spellings():
+    """The rule above is not vacuous: each spelling the issue found is caught."""
+    for code in ('p.name == "fp8"', 'x.endswith("-pure")', 'n in ("bf16", "fp16")',
+                 'PLAN_PRECISIONS[1:3]', '{"fp32": 1, "bf16": 2}', 'name != "bf16-pure"'):
+        assert list(_precision_branches(ast.parse(code))), code
+    assert not list(_precision_branches(ast.parse('p.row.fp8_recipe is not None')))
 
 
 def test_nothing_patched_at_import():

@@ -12,7 +12,7 @@ def test_info_json(capsys):
     assert main(["info", "--json", "--no-measure"]) == 0
     report = json.loads(capsys.readouterr().out)
     names = [p["name"] for p in report["precisions"]]
-    assert names == ["fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"]
+    assert names == ["fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8", "fp8-rowwise"]
     assert report["auto"]["precision"] in ("fp32", "bf16", "fp16")
     assert report["auto"]["reason"]
     assert isinstance(report["cpu"]["flags"], list)

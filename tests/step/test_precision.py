@@ -127,7 +127,8 @@ def test_one_list_of_names_each_with_a_family():
     assert ("auto", *NAMES) == CANONICAL
     families = {n: resolve_precision(n, cuda((9, 0))).family for n in NAMES}
     assert families == {"fp32": "full", "tf32": "full", "bf16": "autocast", "fp16": "autocast",
-                        "bf16-pure": "pure", "fp16-pure": "pure", "fp8": "fp8"}
+                        "bf16-pure": "pure", "fp16-pure": "pure", "fp8": "fp8",
+                        "fp8-rowwise": "fp8"}
     assert precision_dtypes("bf16-true") == (torch.bfloat16, torch.bfloat16)
     assert precision_dtypes("16-mixed") == (torch.float32, torch.float16)
     for device_dependent in ("auto", "O2", "O1"):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ..loop.models import MODELS, SIZES
 from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
 from ..step.policies.ladder import parse_rung
-from ..step.precision import CANONICAL, PrecisionError
+from ..step.precision import CANONICAL, REFERENCE, REGISTRY, PrecisionError
 from .common import data_flags, flag, positive_float, positive_int
 
 __all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags", "debug_flags",
@@ -158,9 +158,8 @@ def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Map
 # the level says the form (O0 fp32, O1 autocast over fp32 weights, O2 half weights with fp32
 # masters), the precision the half dtype.
 _LEVEL_FORMS = {
-    "O1": {"auto": "auto", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"},
-    "O2": {"auto": "O2", "O2": "O2", "bf16": "bf16-pure", "bf16-pure": "bf16-pure", "fp16": "fp16-pure",
-           "fp16-pure": "fp16-pure"},
+    "O1": {"auto": "auto", **{n: r.o1_form for n, r in REGISTRY.items() if r.o1_form}},
+    "O2": {"auto": "O2", "O2": "O2", **{n: r.o2_form for n, r in REGISTRY.items() if r.o2_form}},
 }
 
 
@@ -176,9 +175,9 @@ def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[
         return canonical_precision(level), None
     name = canonical_precision(precision)
     if level == "O0":
-        note = None if name == "fp32" else (f"--amp_opt_level O0 wins: training in fp32 (the precision {precision} "
+        note = None if name == REFERENCE else (f"--amp_opt_level O0 wins: training in fp32 (the precision {precision} "
                                             "is not used; O0 means no mixed precision)")
-        return "fp32", note
+        return REFERENCE, note
     form = _LEVEL_FORMS[level].get(name)
     if form is None:
         valid = ", ".join(k for k in _LEVEL_FORMS[level] if k != "O2")

@@ -16,8 +16,11 @@ from ..step.hardware import cpu_features, device_info, normalize_device
 from ..step.precision import (
     CANONICAL,
     DESCRIPTIONS,
+    REFERENCE,
+    REGISTRY,
     PrecisionError,
     cpu_emulation_note,
+    parse_precision,
     resolve_precision,
 )
 from .common import flag
@@ -66,11 +69,11 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
     timed = ""
     if measure:
         n = 2048 if dev.type == "cuda" else 512
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        dtypes = {parse_precision(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
         secs = _matmul_seconds(dev, dtypes, n)
         speeds = {k: 2 * n**3 / statistics.median(v) / 1e12 for k, v in secs.items()}
-        ratios = {k: paired_ratio(secs["fp32"], v) for k, v in secs.items() if "fp32" in secs}
-        spread = max((s for k, (_, s) in ratios.items() if k != "fp32"), default=0.0)
+        ratios = {k: paired_ratio(secs[REFERENCE], v) for k, v in secs.items() if REFERENCE in secs}
+        spread = max((s for k, (_, s) in ratios.items() if k != REFERENCE), default=0.0)
         timed = Timing(f"one {n}x{n} matmul (not a training step)", torch.get_num_threads(),
                        MATMUL_REPEATS, spread).describe()
     precisions = []
@@ -82,7 +85,11 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
         except PrecisionError as e:
             why = str(e).split(": ", 1)[-1].split(". Choose")[0]
             row = {"name": name, "runs": False, "reason": why, "what": DESCRIPTIONS[name], "note": why}
-        key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp16-pure": "fp16"}.get(name)
+        # a half dtype's plain matmul speed-up says something about it (not about fp8 or tf32)
+        spec = REGISTRY[name]
+        plain = spec.hardware is None and not spec.reduced_matmul
+        key = parse_precision(spec.compute_dtype) if plain else None
+        key = None if key == REFERENCE else key
         if key in ratios:
             row["matmul_speedup_vs_fp32"] = round(ratios[key][0], 2)
             row["matmul_speedup_words"] = speed_words(*ratios[key])

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..step.engine import MixedPrecision
-from ..step.precision import Precision
+from ..step.precision import Precision, precision_row
 from .common import SkipAwareScheduler, make_engine, require, skipped, stepped_params
 
 _pl = require("lightning.pytorch", "lightning", "ampkit.integrations.lightning")
@@ -34,9 +34,6 @@ _fabric_precision = require("lightning.fabric.plugins.precision", "lightning", "
 
 __all__ = ["AmpkitFabricPrecision", "AmpkitPrecision"]
 
-# Lightning's name for the same kind of training, for code that reads ``trainer.precision``.
-_LIGHTNING_NAMES = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed",
-                    "bf16-pure": "bf16-true", "fp16-pure": "16-true", "fp8": "bf16-mixed"}
 
 
 class _Engine:
@@ -52,13 +49,14 @@ class _Engine:
             name = make_engine(precision, None, "cpu", overrides).precision.name  # validates the name and settings now
         self._spec = (precision, overrides)
         self.last_step_skipped = False
-        self.precision = _LIGHTNING_NAMES.get(name, "32-true")
+        # Lightning's name for the same kind of training, for code that reads ``trainer.precision``
+        self.precision = precision_row(name).lightning_name
 
     def _engine_for(self, model: torch.nn.Module) -> MixedPrecision:
         if self.amp is None:
             device = next((t.device for t in model.parameters()), torch.device("cpu"))
             self.amp = make_engine(self._spec[0], None, device, dict(self._spec[1]))
-            self.precision = _LIGHTNING_NAMES.get(self.amp.precision.name, "32-true")
+            self.precision = self.amp.precision.row.lightning_name
         return self.amp
 
     def _require(self) -> MixedPrecision:

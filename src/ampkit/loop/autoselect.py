@@ -31,6 +31,7 @@ import torch
 from ..distributed import world_size
 from ..step.engine import MixedPrecision
 from ..step.hardware import cpu_features
+from ..step.precision import REFERENCE
 from .batches import BatchSource
 from .checkpoint import capture_rng, restore_rng
 from .speed import Timing, paired_ratio, speed_words, within_noise
@@ -143,7 +144,7 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
     and the RNG states are not changed. Costs ~``2 * (blocks * steps + 1)`` training steps on a
     cache miss.
     """
-    if candidate == "fp32":
+    if candidate == REFERENCE:
         return Choice("fp32", "fp32 is the hardware rule's pick; nothing to measure", {"fp32": 1.0}, False)
     label = label or type(model).__name__
     key = _key(model_signature(model, batches(0)), candidate)
@@ -209,7 +210,7 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
         return Choice(str(done["precision"]), str(done["reason"]), dict(done.get("speedups", {})),
                       bool(done.get("cached", False)), str(done.get("timed", "")))
     current = Choice(amp.precision.name, amp.precision.reason, {}, False)
-    if (amp.config.precision != "auto" or amp.device.type != "cpu" or amp.precision.name == "fp32"
+    if (amp.config.precision != "auto" or amp.device.type != "cpu" or amp.precision.name == REFERENCE
             or amp.optimizer_steps > 0 or world_size() > 1):  # several processes: the hardware rule, alike on all
         return current
     size = getattr(batches, "batch_size", None)

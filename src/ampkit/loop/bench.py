@@ -33,7 +33,7 @@ from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.policies.ladder import parse_rung
-from ..step.precision import Precision, PrecisionError, resolve_precision
+from ..step.precision import REFERENCE, REGISTRY, Precision, PrecisionError, resolve_precision
 from .batches import IndexedBatches
 from .recommend import Recommendation, tune
 from .speed import paired_ratio, within_noise
@@ -50,9 +50,10 @@ def with_rungs(precisions: Optional[Sequence[str]]) -> list[str]:
     """``precisions`` (default: :data:`DEFAULT_PRECISIONS`) with a plain ``bf16-pure`` replaced by
     every rung of its ladder (:data:`RUNGS`), or the rungs appended when it is absent."""
     names = list(precisions or DEFAULT_PRECISIONS)
-    if "bf16-pure" not in names:
+    at = [i for i, n in enumerate(names) if n in REGISTRY and REGISTRY[n].has_ladder]
+    if not at:
         return list(dict.fromkeys(names + list(RUNGS)))
-    i = names.index("bf16-pure")
+    i = at[0]
     return list(dict.fromkeys(names[:i] + list(RUNGS) + names[i + 1:]))
 
 
@@ -173,7 +174,7 @@ def _speedup_cell(r: BenchResult) -> str:
     if r.speedup_vs_fp32 is None:
         return "—"
     spread = r.speedup_spread
-    if r.precision == "fp32" or spread is None or not within_noise(r.speedup_vs_fp32, spread):
+    if r.precision == REFERENCE or spread is None or not within_noise(r.speedup_vs_fp32, spread):
         return f"{r.speedup_vs_fp32:.2f}x"
     noise = f"±{100 * r.speedup_spread:.0f}%" if math.isfinite(r.speedup_spread) else "one repeat"
     return f"{r.speedup_vs_fp32:.2f}x within noise ({noise})"
@@ -247,7 +248,7 @@ def compare(
         try:
             base, rung = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's ladder
             p = resolve_precision(base, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
-            if rung and p.name != "bf16-pure":
+            if rung and not p.row.has_ladder:
                 raise PrecisionError(f"{name!r}: only bf16-pure has a memory ladder (bf16-pure:<masters>[+bf16])")
         except (PrecisionError, ValueError) as e:
             results[name] = BenchResult(precision=name, status="skipped",
@@ -294,7 +295,7 @@ def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_fac
         return BenchResult(precision=p.name, status="skipped", reason=str(e)), None
     # activations() cannot follow torchao's fp8 casts yet: the column stays empty for fp8 (it raised
     # and lost the whole comparison on an H200, the first GPU where fp8 is not skipped)
-    act = None if p.name == "fp8" else activations(model, batch_factory(0), p).total
+    act = activations(model, batch_factory(0), p).total if p.row.measures_activations else None
     return BenchResult(precision=p.name, activation_bytes=act), _Run(Steps(model, opt, amp))
 
 

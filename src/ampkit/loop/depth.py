@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..step.precision import REGISTRY
 from . import plan_cache
 from .estimate_session import PARTS, Curve, Measure, Session, fit
 
@@ -337,7 +338,8 @@ def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any]
 
 #: precisions whose steps differ only by the loss scaler's scalars (the same element sizes; fp16 adds a
 #: scaled loss held through the backward, the scale and found-inf scalars through the optimizer step)
-TWINS = (("bf16", "fp16"), ("bf16-pure", "fp16-pure"))
+#: ((bf16, fp16), (bf16-pure, fp16-pure)), from the registry's ``twin``
+TWINS = tuple((n, r.twin) for n, r in REGISTRY.items() if r.twin and n < r.twin)
 
 
 def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],

@@ -25,14 +25,13 @@ from typing import Any, Callable, Union
 
 import torch
 
+# PLAN_PRECISIONS, the rows of a plan (``ampkit plan``, the service's planner): the registry rows
+# marked ``planned`` -- fp32, bf16, fp16 and their pure forms. Not tf32 (fp32's memory); fp8 only
+# where torchao is installed (the CLI adds it). Re-exported here, its historical home.
+from ..step.precision import PLAN_PRECISIONS
 from .estimate_session import PARTS, Measure, Session, fit  # noqa: F401  (PARTS: re-exported)
 
 __all__ = ["PLAN_PRECISIONS", "MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
-
-# The rows of a plan (``ampkit plan``, the service's planner): fp32, the two autocast precisions and
-# their pure forms. Not tf32 (fp32's memory); fp8 only where torchao is installed (the CLI adds it).
-PLAN_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp16-pure")
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:

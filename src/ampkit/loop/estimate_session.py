@@ -182,7 +182,8 @@ class Session:
     def _marked_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         if self._tracker is None:
             return batch_loss(model, batch)
-        if self.amp.precision.name == "fp8":  # saved_activations does not follow torchao's fp8 casts yet
+        # saved_activations does not follow torchao's fp8 casts yet
+        if not self.amp.precision.row.measures_activations:
             loss = batch_loss(model, batch)
         else:  # the activations: what this forward saves for backward (no second forward)
             with saved_activations(model) as self._saved:
@@ -234,7 +235,8 @@ class Session:
                 amp.step(opt)
         finally:
             self._tracker = None
-        if amp.precision.name == "fp8":  # activations() does not follow torchao's fp8 casts yet
+        # activations() does not follow torchao's fp8 casts yet
+        if not amp.precision.row.measures_activations:
             act_bytes = tracker.peak_forward_bytes
         else:
             saved = self._saved  # None only if the step never computed its loss here: count apart

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..step import tomlio
 from ..step.policies.ladder import parse_rung
+from ..step.precision import REFERENCE
 from .speed import speed_words, within_noise
 
 if TYPE_CHECKING:
@@ -102,17 +103,17 @@ def tune(report: BenchReport, tolerance: float = 0.01, prefer: Optional[str] = N
         raise ValueError("no precision qualified, not even fp32; was fp32 measured?")
     note = ""
     if prefer == "memory":
-        best = min(ok, key=lambda r: (round(r.bytes_per_param or math.inf, 2), r.step_ms, r.precision != "fp32"))
+        best = min(ok, key=lambda r: (round(r.bytes_per_param or math.inf, 2), r.step_ms, r.precision != REFERENCE))
         for r in ok:
             if r is not best:
                 why[r.precision] = _why_more_memory(r, best)
     else:
-        noisy = [r for r in ok if r.precision != "fp32" and _noisy(r)]
+        noisy = [r for r in ok if r.precision != REFERENCE and _noisy(r)]
         for r in noisy:
             why[r.precision] = f"not clearly faster than fp32: {_speed(r)} ({r.step_ms:.2f} ms/step)"
         clear = [r for r in ok if r not in noisy]
-        best = min(clear, key=lambda r: (r.step_ms, r.precision != "fp32"))
-        fastest = min(ok, key=lambda r: (r.step_ms, r.precision != "fp32"))
+        best = min(clear, key=lambda r: (r.step_ms, r.precision != REFERENCE))
+        fastest = min(ok, key=lambda r: (r.step_ms, r.precision != REFERENCE))
         if fastest is not best:
             note = (f"{fastest.precision} timed fastest, but at {_speed(fastest)} the measurement "
                     f"cannot tell it from fp32, so {best.precision}")

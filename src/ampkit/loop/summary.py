@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from ..step.precision import REGISTRY
+
 __all__ = ["TrainSummary", "opt_level"]
 
 
@@ -56,11 +58,7 @@ class TrainSummary:
 def opt_level(precision: str) -> str:
     """The apex opt level a precision amounts to, for run headers: ``O0`` (fp32), ``O1`` (autocast:
     bf16, fp16), ``O2`` (half weights with fp32 masters: ``*-pure``); tf32 and fp8 have none (``-``)."""
-    if precision == "fp32":
-        return "O0"
-    if precision in ("bf16", "fp16"):
-        return "O1"
-    return "O2" if precision.endswith("-pure") else "-"
+    return REGISTRY[precision].opt_level if precision in REGISTRY else "-"
 
 
 _EPOCH = ("epoch", "step", "loss", "steps", "samples", "seconds", "samples_per_s")

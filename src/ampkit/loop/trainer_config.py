@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from ..step.precision import REFERENCE
 from .batches import check_batches
 
 __all__ = ["FLAT", "BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainerSettings", "group_settings"]
@@ -51,7 +52,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.batches is not None:
             check_batches(self.batches, "eval_batches", reiterable=True)
-        if self.precision not in ("train", "fp32"):
+        if self.precision not in ("train", REFERENCE):
             raise ValueError(f"eval_precision={self.precision!r}; choose 'train' (the training precision) or 'fp32'")
         if self.every is not None and (self.every < 1 or self.batches is None):
             raise ValueError("eval_every must be >= 1 and needs eval_batches")

@@ -163,8 +163,9 @@ def activations(
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     p = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
-    if p.name == "fp8":
-        raise PrecisionError("activations() does not measure fp8 yet; choose fp32, tf32, bf16, fp16 or a pure form")
+    if not p.row.measures_activations:
+        raise PrecisionError(f"activations() does not measure {p.name} yet (torchao's fp8 casts "
+                             "are not followed); choose fp32, tf32, bf16, fp16 or a pure form")
     # A model set up for a pure precision already holds half weights; others run on a cast copy.
     cast = p.is_pure and not any(q.dtype == p.param_dtype for q in model.parameters())
     run_model = copy.deepcopy(model).to(p.param_dtype) if cast else model

@@ -12,6 +12,7 @@ import functools
 from typing import Any, Callable, Optional
 
 from ..loop.estimate import PLAN_PRECISIONS
+from ..step.precision import REFERENCE, REGISTRY
 from .jobs import jobs as _jobs
 from .schemas import OptimizeBody
 
@@ -19,7 +20,8 @@ __all__ = ["compute_plan", "peaks", "plan_answer", "plan_key", "savings_gb"]
 
 GiB = 2**30
 MAX_BATCH = 1 << 16  # the largest batch a plan reports
-_AUTOCAST = PLAN_PRECISIONS[1:3]  # the candidates for "mixed precision"
+# the candidates for "mixed precision": bf16, fp16
+_AUTOCAST = tuple(n for n in PLAN_PRECISIONS if REGISTRY[n].opt_level == "O1")
 
 
 Overrides = tuple[tuple[str, Any], ...]  # a config's overrides, hashable for the caches; never a joined string
@@ -64,7 +66,7 @@ def savings_gb(spec: dict[str, Any], precision: Optional[str], wait_s: float = 3
     """Predicted fp32 peak minus ``precision``'s for a run's spec, in GiB; None when no estimate can
     be made (a model that is not a text model, ...; or none within ``wait_s``): that is no reason
     to refuse a run. The estimate runs in the worker process; this thread only waits."""
-    if precision == "fp32":
+    if precision == REFERENCE:
         return 0.0
     try:
         length = spec.get("max_length") or 512

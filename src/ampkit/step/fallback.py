@@ -66,7 +66,14 @@ from .fallback_report import (
 )
 from .hardware import DeviceInfo
 from .policies.ladder import parse_rung
-from .precision import NAMES, Precision, PrecisionError, parse_precision, resolve_precision
+from .precision import (
+    NAMES,
+    REGISTRY,
+    Precision,
+    PrecisionError,
+    parse_precision,
+    resolve_precision,
+)
 from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
@@ -81,7 +88,7 @@ PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
 def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
     """The chain name of training in ``precision`` under ``config``: ``"bf16-pure:<masters>[+bf16]"``
     for bf16-pure (its rung of the memory ladder), else the precision's name."""
-    if precision != "bf16-pure":
+    if precision not in REGISTRY or not REGISTRY[precision].has_ladder:
         return precision
     return f"bf16-pure:{config.masters}" + ("+bf16" if config.state_dtype == "bf16" else "")
 
@@ -94,7 +101,7 @@ def rung_move(config: MixedPrecisionConfig, current: str, target: Any, info: Dev
     rung. Raises ``PrecisionError`` / ``ConfigError``."""
     name, rung = parse_rung(target)
     new = resolve_precision(name, info, emulate_fp8=config.fp8_emulate)
-    if rung and new.name != "bf16-pure":
+    if rung and not new.row.has_ladder:
         raise PrecisionError(f"{target!r} names a rung but only bf16-pure has a memory ladder; "
                              "write bf16-pure:<masters>[+bf16]")
     cfg = config.replace(**{k: v for k, v in rung.items() if k != "allow_stall" or v})
@@ -112,7 +119,7 @@ def _entry(spec: str, info: DeviceInfo) -> str:
     if name not in NAMES:
         raise PrecisionError(f"fallback chain entry {spec!r} is not supported; use names from: {', '.join(NAMES)}, "
                              "or a rung bf16-pure:<fp32|split|kahan|stochastic|none>[+bf16]")
-    if rung and name != "bf16-pure":
+    if rung and not REGISTRY[name].has_ladder:
         raise PrecisionError(f"fallback chain entry {spec!r}: only bf16-pure has a memory ladder; write "
                              f"bf16-pure:{rung['masters']}" + ("+bf16" if rung["state_dtype"] == "bf16" else ""))
     resolve_precision(name, info)  # raises PrecisionError naming the device and the reason
@@ -125,13 +132,12 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo, label: O
     device runs. A string: validated now (unknown or unsupported names raise ``PrecisionError``);
     its entries may name bf16-pure rungs (module doc). ``label``: ``start``'s rung (:func:`rung_label`)."""
     if spec is True:
-        # Pure precisions fall back within the pure forms first (the masters carry over), then fp32.
-        default = PURE_CHAIN if start.endswith("-pure") else DEFAULT_CHAIN
-        names = [n for n in default if _runs(n, info)]
-        if start == "fp8":  # fp8 -> bf16 (same autocast, plain Linears) -> fp32
-            names = ["fp8"] + [n for n in names if n in ("bf16", "fp32")]
-        elif start not in names:
-            names = [start] + [n for n in names if n == "fp32"]
+        # Each row names its successor: pure forms fall back within the pure forms first (the
+        # masters carry over), fp8 to bf16 (same autocast, plain Linears); all end in fp32.
+        names, nxt = [start], REGISTRY[start].successor
+        while nxt is not None:
+            names += [nxt] if _runs(nxt, info) else []
+            nxt = REGISTRY[nxt].successor
     else:
         names = [_entry(n.strip(), info) for n in str(spec).split(",") if n.strip()]
         if len(set(names)) != len(names):

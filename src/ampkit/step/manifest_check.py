@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from .manifest import HALF, Manifest, ParamEntry, build_manifest, fsdp_policies
+from .precision import REGISTRY
 
 __all__ = ["Manifest", "ManifestWatch", "Violation", "build_manifest", "declared_components", "find_violations",
            "refuse_unsafe_sharding"]
@@ -74,7 +75,8 @@ def declared_components(precision: str, config: Any) -> tuple[str, ...]:
     """Components whose half precision the configuration asked for: bf16-pure's bottom rung
     (``masters='none'``, forced with ``allow_stall`` and warned about at setup) keeps no master and
     sums gradients in bf16 -- what it promises, so no silent downgrade."""
-    if precision == "bf16-pure" and getattr(config, "masters", "fp32") == "none":
+    ladder = precision in REGISTRY and REGISTRY[precision].has_ladder
+    if ladder and getattr(config, "masters", "fp32") == "none":
         return ("master", "accumulation")
     return ()
 
@@ -82,7 +84,7 @@ def declared_components(precision: str, config: Any) -> tuple[str, ...]:
 def _violations(manifest: Manifest, baseline: Optional[dict[str, str]], saved: Optional[Manifest]) -> list[Violation]:
     out: list[Violation] = []
     before = {e.name: e for e in saved.params} if saved is not None else {}
-    pure = manifest.precision.endswith("-pure")
+    pure = manifest.precision in REGISTRY and REGISTRY[manifest.precision].keeps_masters
     for e in manifest.params:
         optimized = e.trainable and e.optimizer_state is not None
         if optimized and e.storage in HALF and e.master is None:

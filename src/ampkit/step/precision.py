@@ -14,7 +14,8 @@ import torch
 
 from .hardware import DeviceInfo, device_info
 
-__all__ = ["CANONICAL", "NAMES", "Precision", "PrecisionError", "parse_precision", "precision_dtypes",
+__all__ = ["CANONICAL", "NAMES", "PLAN_PRECISIONS", "REFERENCE", "REGISTRY", "Precision",
+           "PrecisionError", "PrecisionRow", "parse_precision", "precision_dtypes", "precision_row",
            "resolve_precision"]
 
 
@@ -22,21 +23,111 @@ class PrecisionError(ValueError):
     """An unknown precision name, or one the device cannot run. The message names the valid choices."""
 
 
-# The one list of precisions. name -> (param dtype, compute dtype, needs loss scaling,
-# reduced-precision fp32 matmuls, family). The family names the policy that runs it
-# (:mod:`ampkit.step.policies`): full, autocast, pure or fp8.
-_TABLE: dict[str, tuple[torch.dtype, torch.dtype, bool, bool, str]] = {
-    "fp32": (torch.float32, torch.float32, False, False, "full"),
-    "tf32": (torch.float32, torch.float32, False, True, "full"),
-    "bf16": (torch.float32, torch.bfloat16, False, False, "autocast"),
-    "fp16": (torch.float32, torch.float16, True, False, "autocast"),
-    "bf16-pure": (torch.bfloat16, torch.bfloat16, False, False, "pure"),
-    "fp16-pure": (torch.float16, torch.float16, True, False, "pure"),
-    "fp8": (torch.float32, torch.bfloat16, False, False, "fp8"),
-}
+@dataclass(frozen=True)
+class PrecisionRow:
+    """Everything ampkit knows about one precision, in one frozen row of :data:`REGISTRY`.
+
+    Other modules ask the row (``precision_row(name).lightning_name``) or the policy, never the
+    name: adding a precision is adding a row (and, for a new family, a policy file).
+
+    Attributes:
+        name: canonical name.
+        param_dtype / compute_dtype: the weights' storage dtype and the matmul (autocast) dtype.
+        family: the policy that runs it (:mod:`ampkit.step.policies`): full, autocast, pure or fp8.
+        description: one sentence for ``ampkit info`` and ``reason``.
+        needs_scaler: dynamic loss scaling is required (fp16 forms).
+        reduced_matmul: fp32 matmuls may use reduced-precision internals (tf32).
+        hardware: the :class:`~ampkit.step.hardware.DeviceInfo` flag that must be true (``"fp8"``).
+        min_capability: the CUDA compute capability it needs, where older GPUs cannot run it.
+        requirement: the hardware requirement as a sentence (``"<name> needs <requirement>"``).
+        emulable: ``fp8_emulate=True`` lets it run without the hardware (numerics, no speed).
+        fp8_recipe: the torchao float8 recipe the row fixes; ``None``: the config's ``fp8_recipe``.
+        opt_level: the apex opt level it amounts to (``O0``, ``O1``, ``O2``, ``-`` for none).
+        o1_form / o2_form: what ``--amp_opt_level O1`` / ``O2`` make of it (``bf16`` O2 ->
+            ``bf16-pure``); ``None``: the pair contradicts itself.
+        lightning_name / accelerate_name: the same kind of training in Lightning / Accelerate.
+        successor: the next precision of the default fallback chain (``None``: the end).
+        measures_activations: the activation estimate can follow its forward (torchao's fp8
+            casts are not followed yet).
+        planned: one of the default precisions of ``ampkit plan`` (:data:`PLAN_PRECISIONS`).
+        twin: the precision whose steps differ only by the loss scaler's scalars.
+        keeps_masters: half weights with fp32 master copies kept by ampkit (the pure forms).
+        has_ladder: the memory ladder (``masters``, ``state_dtype``) applies.
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    family: str
+    description: str
+    needs_scaler: bool = False
+    reduced_matmul: bool = False
+    hardware: Optional[str] = None
+    min_capability: Optional[tuple[int, int]] = None
+    requirement: str = ""
+    emulable: bool = False
+    fp8_recipe: Optional[str] = None
+    opt_level: str = "-"
+    o1_form: Optional[str] = None
+    o2_form: Optional[str] = None
+    lightning_name: str = "32-true"
+    accelerate_name: str = "no"
+    successor: Optional[str] = "fp32"
+    measures_activations: bool = True
+    planned: bool = False
+    twin: Optional[str] = None
+    keeps_masters: bool = False
+    has_ladder: bool = False
+
+
+_F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
+_FP8_GPU = "an NVIDIA GPU with fp8 tensor cores (Ada/Hopper, compute capability >= 8.9)"
+
+#: The one list of precisions, in the order of the table in DESIGN.md; every one runs in the engine.
+REGISTRY: dict[str, PrecisionRow] = {r.name: r for r in (
+    PrecisionRow("fp32", _F32, _F32, "full",
+                 "full fp32 weights and compute; reduced-precision matmul internals off",
+                 opt_level="O0", successor=None, planned=True),
+    PrecisionRow("tf32", _F32, _F32, "full", "fp32 weights; fp32 matmuls with reduced-precision "
+                 "internals (TF32 on CUDA, bf16 on AMX CPUs)", reduced_matmul=True,
+                 min_capability=(8, 0), requirement="compute capability >= 8.0 (Ampere) for TF32"),
+    PrecisionRow("bf16", _F32, _BF16, "autocast",
+                 "fp32 weights; autocast to bfloat16; no loss scaling needed",
+                 opt_level="O1", o1_form="bf16", o2_form="bf16-pure",
+                 lightning_name="bf16-mixed", accelerate_name="bf16", planned=True, twin="fp16"),
+    PrecisionRow("fp16", _F32, _F16, "autocast",
+                 "fp32 weights; autocast to float16; dynamic loss scaling", needs_scaler=True,
+                 opt_level="O1", o1_form="fp16", o2_form="fp16-pure", lightning_name="16-mixed",
+                 accelerate_name="fp16", successor="bf16", planned=True, twin="bf16"),
+    PrecisionRow("bf16-pure", _BF16, _BF16, "pure",
+                 "bfloat16 weights and compute; fp32 master weights",
+                 opt_level="O2", o2_form="bf16-pure", lightning_name="bf16-true",
+                 accelerate_name="bf16", planned=True, twin="fp16-pure", keeps_masters=True,
+                 has_ladder=True),
+    PrecisionRow("fp16-pure", _F16, _F16, "pure",
+                 "float16 weights and compute; fp32 master weights; dynamic loss scaling",
+                 needs_scaler=True, opt_level="O2", o2_form="fp16-pure", lightning_name="16-true",
+                 accelerate_name="fp16", successor="bf16-pure", planned=True, twin="bf16-pure",
+                 keeps_masters=True),
+    PrecisionRow("fp8", _F32, _BF16, "fp8",
+                 "fp8 matmuls through torchao; bf16 autocast elsewhere",
+                 hardware="fp8", requirement=_FP8_GPU, emulable=True, o1_form="fp8",
+                 lightning_name="bf16-mixed", accelerate_name="fp8", successor="bf16",
+                 measures_activations=False),
+    PrecisionRow("fp8-rowwise", _F32, _BF16, "fp8",
+                 "fp8 matmuls through torchao with a scale per row (recipe rowwise: more "
+                 "accurate than fp8's tensorwise); bf16 autocast elsewhere",
+                 hardware="fp8", requirement=_FP8_GPU, emulable=True, fp8_recipe="rowwise",
+                 o1_form="fp8-rowwise", lightning_name="bf16-mixed", accelerate_name="fp8",
+                 successor="bf16", measures_activations=False),
+)}
 #: The concrete precisions, in the order of the table in DESIGN.md; every one runs in the engine.
-NAMES: tuple[str, ...] = tuple(_TABLE)
+NAMES: tuple[str, ...] = tuple(REGISTRY)
 CANONICAL: tuple[str, ...] = ("auto", *NAMES)
+#: The reference every other precision is measured against (and what O0 and fallbacks end in).
+REFERENCE = "fp32"
+#: The precisions ``ampkit plan`` and the service's planner compare by default.
+PLAN_PRECISIONS: tuple[str, ...] = tuple(n for n, r in REGISTRY.items() if r.planned)
 
 # Spellings users already know from torch.amp / apex / Lightning / Accelerate (apex O0/O1/O2 too).
 _ALIASES: dict[str, str] = {
@@ -52,15 +143,18 @@ _ALIASES: dict[str, str] = {
 }
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-DESCRIPTIONS = {
-    "fp32": "full fp32 weights and compute; reduced-precision matmul internals off",
-    "tf32": "fp32 weights; fp32 matmuls with reduced-precision internals (TF32 on CUDA, bf16 on AMX CPUs)",
-    "bf16": "fp32 weights; autocast to bfloat16; no loss scaling needed",
-    "fp16": "fp32 weights; autocast to float16; dynamic loss scaling",
-    "bf16-pure": "bfloat16 weights and compute; fp32 master weights",
-    "fp16-pure": "float16 weights and compute; fp32 master weights; dynamic loss scaling",
-    "fp8": "fp8 matmuls through torchao; bf16 autocast elsewhere",
-}
+DESCRIPTIONS = {n: r.description for n, r in REGISTRY.items()}
+
+
+def precision_row(spec: Union[str, torch.dtype, Precision]) -> PrecisionRow:
+    """The :data:`REGISTRY` row of any accepted spelling but ``auto``/``O2`` (device-dependent).
+
+    Raises :class:`PrecisionError` for unknown names and for ``auto``/``O2``."""
+    name = parse_precision(spec)
+    if name not in REGISTRY:
+        raise PrecisionError(f"{spec!r} depends on the device: resolve it first "
+                             "(ampkit.resolve_precision(name, ampkit.device_info(device)))")
+    return REGISTRY[name]
 
 
 @dataclass(frozen=True)
@@ -68,7 +162,7 @@ class Precision:
     """A resolved precision: what to cast, what to autocast to, and whether to scale the loss.
 
     Attributes:
-        name: canonical name (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``bf16-pure``, ``fp16-pure``, ``fp8``).
+        name: canonical name (a key of :data:`REGISTRY`: ``fp32``, ``bf16``, ``fp8-rowwise``, ...).
         param_dtype: dtype the model's weights are stored in while training.
         compute_dtype: dtype matmuls and convolutions run in (the autocast dtype).
         needs_scaler: whether dynamic loss scaling is required (fp16 forms).
@@ -91,9 +185,14 @@ class Precision:
         return self.compute_dtype != self.param_dtype
 
     @property
+    def row(self) -> PrecisionRow:
+        """Its :data:`REGISTRY` row: everything ampkit knows about this precision."""
+        return REGISTRY[self.name]
+
+    @property
     def reduced_matmul(self) -> bool:
         """True for ``tf32``: fp32 matmuls may use reduced-precision internals."""
-        return _TABLE[self.name][3]
+        return self.row.reduced_matmul
 
     @property
     def is_pure(self) -> bool:
@@ -103,7 +202,7 @@ class Precision:
     @property
     def family(self) -> str:
         """The policy family that runs it: ``full``, ``autocast``, ``pure`` or ``fp8``."""
-        return _TABLE[self.name][4]
+        return self.row.family
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,13 +246,13 @@ def parse_precision(spec: Union[str, torch.dtype, Precision]) -> str:
         raise PrecisionError(f"precision must be a string or torch.dtype, got {type(spec).__name__} "
                              f"{spec!r}; choose one of: {', '.join(CANONICAL)}")
     text = spec.strip().lower().replace("_", "-")
-    if text in _TABLE or text == "auto":
+    if text in REGISTRY or text == "auto":
         return text
     if text in _ALIASES:
         return _ALIASES[text]
     # Tolerate "bf16 pure"/"fp16pure" spacing variants.
     squashed = text.replace(" ", "-")
-    if squashed in _TABLE:
+    if squashed in REGISTRY:
         return squashed
     raise _unknown(spec)
 
@@ -185,17 +284,18 @@ def _auto(info: DeviceInfo) -> tuple[str, str]:
 
 def _unsupported(name: str, info: DeviceInfo) -> Optional[str]:
     """Why ``name`` cannot run on ``info``, or None when it can."""
-    dtype = _TABLE[name][1]
+    row = REGISTRY[name]
+    dtype = row.compute_dtype
     where = f"{info.name} ({info.type}"
     where += f", compute capability {info.capability[0]}.{info.capability[1]})" if info.capability else ")"
-    if name == "fp8":
-        if info.type != "cuda":
-            return f"fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada/Hopper, compute capability >= 8.9); {where} has none"
-        if not info.fp8:
-            return f"fp8 needs compute capability >= 8.9 (Ada/Hopper); {where} is older"
+    if row.hardware is not None:
+        if not getattr(info, row.hardware):
+            lacks = "is older" if info.type == "cuda" else "has none"
+            return f"{name} needs {row.requirement}; {where} {lacks}"
         return None
-    if name == "tf32" and info.type == "cuda" and info.capability and info.capability < (8, 0):
-        return f"TF32 needs compute capability >= 8.0 (Ampere); {where} is older"
+    cap = info.capability if info.type == "cuda" else None
+    if row.min_capability and cap and cap < row.min_capability:
+        return f"{name} needs {row.requirement}; {where} is older"
     if dtype == torch.bfloat16 and not info.bf16:
         return f"bf16 is not supported on {where}"
     if dtype == torch.float16 and not info.fp16:
@@ -205,9 +305,9 @@ def _unsupported(name: str, info: DeviceInfo) -> Optional[str]:
 
 def cpu_emulation_note(name: str, info: DeviceInfo) -> str:
     """'' or why ``name`` runs emulated (slower than fp32) on this CPU."""
-    if info.type != "cpu" or info.cpu is None or name not in _TABLE:
+    if info.type != "cpu" or info.cpu is None or name not in REGISTRY:
         return ""
-    dtype = _TABLE[name][1]
+    dtype = REGISTRY[name].compute_dtype
     if dtype == torch.bfloat16 and not info.cpu.native_bf16:
         return "emulated on this CPU: no AMX-BF16/AVX512-BF16, expect it slower than fp32"
     if dtype == torch.float16 and not info.cpu.native_fp16:
@@ -242,13 +342,14 @@ def resolve_precision(
             else:
                 picked, reason = picked + "-pure", reason + "; O2 keeps the weights in that dtype with fp32 master copies"
         name = picked
-    elif name == "fp8" and emulate_fp8 and _unsupported(name, info):
+    elif REGISTRY[name].emulable and emulate_fp8 and _unsupported(name, info):
         reason = (f"{DESCRIPTIONS[name]} (emulated by torchao: fp8 numerics without fp8 tensor cores; "
                   f"{_unsupported(name, info)})")
     else:
         why_not = _unsupported(name, info)
         if why_not:
-            hint = " (or fp8_emulate=True to emulate it, for tests)" if name == "fp8" else ""
+            emulable = REGISTRY[name].emulable
+            hint = " (or fp8_emulate=True to emulate it, for tests)" if emulable else ""
             raise PrecisionError(f"precision {name!r} cannot run here: {why_not}. "
                                  f"Choose one this device supports, or 'auto'{hint}.")
         reason = DESCRIPTIONS[name]
@@ -256,8 +357,9 @@ def resolve_precision(
             note = cpu_emulation_note(name, info)
             if note:
                 reason += f" ({note})"
-    param, compute, scaler, _, _ = _TABLE[name]
-    return Precision(name=name, param_dtype=param, compute_dtype=compute, needs_scaler=scaler,
+    row = REGISTRY[name]
+    return Precision(name=name, param_dtype=row.param_dtype, compute_dtype=row.compute_dtype,
+                     needs_scaler=row.needs_scaler,
                      device_type=info.type, reason=reason, requested=requested)
 
 
@@ -266,8 +368,5 @@ def precision_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
 
     Raises :class:`PrecisionError` for ``auto``/``O2`` (resolve them for a device first) and unknown names.
     """
-    canonical = parse_precision(name)
-    if canonical not in _TABLE:
-        raise PrecisionError(f"{name!r} depends on the device: resolve it first "
-                             "(ampkit.resolve_precision(name, ampkit.device_info(device)))")
-    return _TABLE[canonical][0], _TABLE[canonical][1]
+    row = precision_row(name)
+    return row.param_dtype, row.compute_dtype

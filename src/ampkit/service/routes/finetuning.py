@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from ...loop.hf import is_hf
 from ...step.config import MixedPrecisionConfig
-from ...step.precision import Precision, resolve_precision
+from ...step.precision import REFERENCE, Precision, resolve_precision
 from ..checks import check_overrides
 from ..deps import OwnedRun, Owner, Svc, allowed_model, check_size, lookup, submit
 from ..jobs import jobs
@@ -153,7 +153,7 @@ def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
     run = submit(svc, who, "train", spec)
     # the predicted saving, if the worker has it within a second; else with the result (GET /finetuning/runs/{id})
     return {**run_view(run), "run_id": run["id"], "precision": precision, "reason": reason,
-            "mixed_precision_enabled": precision != "fp32", "gradient_accumulation_enabled": accumulation > 1,
+            "mixed_precision_enabled": precision != REFERENCE, "gradient_accumulation_enabled": accumulation > 1,
             "batch_size": batch, "accumulation_steps": accumulation, "effective_batch_size": batch * accumulation,
             "optimizer_steps": steps, "epochs": body.training_config.epochs, "data_passes": passes,
             "memory_savings_gb": savings_gb(spec, precision, wait_s=1.0)}

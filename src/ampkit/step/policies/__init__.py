@@ -6,7 +6,7 @@ family     precisions           file
 full       fp32, tf32           :mod:`.full` (the fp32 matmul precision)
 autocast   bf16, fp16           :mod:`.autocast` (``torch.autocast``)
 pure       bf16-pure, fp16-pure :mod:`.pure` (half weights, fp32 masters)
-fp8        fp8                  :mod:`.fp8` (torchao float8 modules + bf16 autocast)
+fp8        fp8, fp8-rowwise     :mod:`.fp8` (torchao float8 modules + bf16 autocast)
 =========  ===================  ======================================================
 """
 

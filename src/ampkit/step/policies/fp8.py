@@ -10,7 +10,9 @@ filter is ampkit's own, and every decision is reported (:func:`plan`):
 * modules kept in fp32 (``keep_fp32``) are never converted.
 
 Recipes (``fp8_recipe``): ``tensorwise`` (one scale per tensor, fastest), ``rowwise`` (a scale per
-row, more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision).
+row, more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision). A
+precision row may fix its recipe (``fp8-rowwise``: ``rowwise``); :attr:`Fp8Policy.recipe`
+says which.
 ``Float8Linear`` keeps its parameters' names, so state dicts keep the unconverted model's keys
 and hold plain tensors (``weights_only=True`` loads them). :func:`revert` swaps the modules back
 to ``nn.Linear`` (sharing the same parameters) for a fallback to bf16.
@@ -130,8 +132,13 @@ class Fp8Policy(PrecisionPolicy):
 
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         emulate = self.config.fp8_emulate and not device_info(self.device).fp8
-        self._decisions = convert(model, self.config.fp8_recipe, emulate=emulate, keep=self.kept_names(model))
+        self._decisions = convert(model, self.recipe, emulate=emulate, keep=self.kept_names(model))
         self._model = model
+
+    @property
+    def recipe(self) -> str:
+        """The torchao recipe: the precision row's own (``fp8-rowwise``), else ``fp8_recipe``."""
+        return self.precision.row.fp8_recipe or self.config.fp8_recipe
 
     def release(self) -> None:
         if self._model is not None:
@@ -145,4 +152,4 @@ class Fp8Policy(PrecisionPolicy):
     def describe(self) -> dict[str, Any]:
         """Adds ``recipe`` and ``modules``: each Linear, converted or skipped, with the reason."""
         return {**super().describe(), "compute": "float8 matmuls (torchao) in converted Linears, bfloat16 elsewhere",
-                "recipe": self.config.fp8_recipe, "modules": [d.to_dict() for d in self._decisions]}
+                "recipe": self.recipe, "modules": [d.to_dict() for d in self._decisions]}
