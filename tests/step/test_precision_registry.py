@@ -11,6 +11,7 @@ import torch
 
 from ampkit import MixedPrecision, PrecisionError
 from ampkit.loop.models import builtin
+from ampkit.step.config import ConfigError
 from ampkit.step.fallback import resolve_chain
 from ampkit.step.hardware import DeviceInfo
 from ampkit.step.precision import (
@@ -152,3 +153,23 @@ def test_lightning_reads_fp8_rowwise_as_bf16_mixed_not_fp32():
 
     assert AmpkitPrecision("fp8-rowwise", fp8_emulate=True).precision == "bf16-mixed"
     assert AmpkitPrecision("bf16-true").precision == "bf16-true"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp16", "auto"])
+@pytest.mark.parametrize("rung", [{"masters": "split"}, {"masters": "stochastic", "state_dtype": "bf16"},
+                                  {"state_dtype": "bf16"}])
+def test_a_rung_on_a_precision_without_the_ladder_is_refused_at_construction(precision, rung):
+    """Issue 35: a memory-ladder rung on bf16 (or any form without the ladder) was silently ignored
+    (fp32 masters trained instead); now the engine refuses it, naming where the ladder lives."""
+    with pytest.raises(ConfigError, match="memory-ladder rung.*bf16-pure"):
+        MixedPrecision(precision, device="cpu", **rung)
+
+
+def test_the_ladder_rungs_still_build_and_a_fallback_out_of_them_is_no_refusal():
+    for spec in ("bf16-pure", "bf16-true", "O2"):
+        MixedPrecision(spec, device="cpu", masters="split")
+    amp = MixedPrecision("bf16-pure", device="cpu", masters="stochastic", state_dtype="bf16")
+    model = torch.nn.Linear(4, 4)
+    amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.switch("bf16")  # the fallback's move: no refusal
+    assert amp.precision.name == "bf16"

@@ -94,7 +94,7 @@ class MixedPrecision:
         self.device_info: DeviceInfo = device_info(self.device)
         self.precision: Precision = resolve_precision(cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate)
         self._parallel: Parallel = Parallel()
-        self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device)
+        self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device, asked=True)
         self._backward_context: Optional[contextlib.AbstractContextManager[Any]] = None
         self._scaler = self._make_scaler(self.precision)
         self._model: Optional[torch.nn.Module] = None
