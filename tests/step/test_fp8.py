@@ -9,6 +9,7 @@ import torch
 
 from ampkit import ConfigError, MixedPrecision, PrecisionError
 from ampkit.loop.models import builtin
+from tests.support.helpers import train_tiny_gpt
 
 pytest.importorskip("torchao.float8")
 
@@ -20,19 +21,7 @@ def gpt():
     return builtin("gpt", "tiny", batch_size=4, seed=0)
 
 
-def train(precision, steps=8, **kw):
-    model, batches = gpt()
-    amp = MixedPrecision(precision, device="cpu", fp8_emulate=True, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = amp.setup(model, opt)
-    losses = []
-    for i in range(steps):
-        with amp.autocast():
-            loss = model(*batches(i))
-        amp.backward(loss)
-        amp.step(opt)
-        losses.append(loss.item())
-    return model, amp, losses
+train = train_tiny_gpt
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

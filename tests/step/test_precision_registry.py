@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision, PrecisionError
-from ampkit.loop.models import builtin
 from ampkit.step.config import ConfigError
 from ampkit.step.fallback import resolve_chain
 from ampkit.step.hardware import DeviceInfo
@@ -24,6 +23,7 @@ from ampkit.step.precision import (
     precision_row,
     resolve_precision,
 )
+from tests.support.helpers import train_tiny_gpt
 
 CPU = DeviceInfo(type="cpu", name="cpu", bf16=True, fp16=True)
 
@@ -95,20 +95,7 @@ def test_activations_refuses_an_fp8_row_naming_it():
         activations(model, torch.randn(2, 16), p)
 
 
-def _train(precision, steps, **kw):
-    torch.manual_seed(0)
-    model, batches = builtin("gpt", "tiny", batch_size=4, seed=0)
-    amp = MixedPrecision(precision, device="cpu", fp8_emulate=True, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = amp.setup(model, opt)
-    losses = []
-    for i in range(steps):
-        with amp.autocast():
-            loss = model(*batches(i))
-        amp.backward(loss)
-        amp.step(opt)
-        losses.append(loss.item())
-    return model, amp, losses
+_train = train_tiny_gpt
 
 
 def test_fp8_rowwise_trains_on_cpu_and_its_recipe_reaches_torchao():

@@ -30,3 +30,24 @@ def assert_exits_cleanly(r, what: str = "") -> None:
     assert r.returncode == 0, (what, r.stderr[-3000:])
     for bad in CRASH_MARKERS:
         assert bad not in r.stderr, (what, bad, r.stderr[-3000:])
+
+
+def train_tiny_gpt(precision, steps=8, **kw):
+    """The tiny built-in GPT trained ``steps`` steps in ``precision`` (fp8 emulated on the CPU), seeded:
+    ``(model, amp, losses)``. Shared by the fp8 and precision-registry tests."""
+    from ampkit import MixedPrecision
+    from ampkit.loop.models import builtin
+
+    torch.manual_seed(0)
+    model, batches = builtin("gpt", "tiny", batch_size=4, seed=0)
+    amp = MixedPrecision(precision, device="cpu", fp8_emulate=True, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = amp.setup(model, opt)
+    losses = []
+    for i in range(steps):
+        with amp.autocast():
+            loss = model(*batches(i))
+        amp.backward(loss)
+        amp.step(opt)
+        losses.append(loss.item())
+    return model, amp, losses
