@@ -9,7 +9,8 @@ import torch
 
 from ampkit import ConfigError, MixedPrecision, PrecisionError
 from ampkit.loop.models import builtin
-from tests.support.helpers import train_tiny_gpt
+
+from ..support.helpers import train_tiny_gpt
 
 pytest.importorskip("torchao.float8")
 

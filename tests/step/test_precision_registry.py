@@ -23,7 +23,8 @@ from ampkit.step.precision import (
     precision_row,
     resolve_precision,
 )
-from tests.support.helpers import train_tiny_gpt
+
+from ..support.helpers import train_tiny_gpt
 
 CPU = DeviceInfo(type="cpu", name="cpu", bf16=True, fp16=True)
 
