@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from .. import __version__
-from ..distributed.env import launched, leave, rank
+from ..distributed.env import exit_worker, launched, leave, rank
 from ..loop.checkpoint import CheckpointError
 from ..loop.stop import TrainingInterrupted
 from ..step.config import ConfigError
@@ -55,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         leave(1, together=False)
         raise
     leave(code, together=code == 0 or stopped_together)
-    return code
+    exit_worker(code)  # not through the interpreter's teardown: a gloo thread may still hold tensors
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> tuple[int, bool]:

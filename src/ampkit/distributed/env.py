@@ -15,13 +15,13 @@ import datetime
 import os
 import signal
 import sys
-from typing import Any, Optional, Union
+from typing import Any, NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATUS_DIR_ENV", "abandon", "barrier", "broadcast_object", "die_with_parent", "init", "is_main",
-           "launched", "leave", "local_device", "rank", "shutdown", "world_size"]
+__all__ = ["STATUS_DIR_ENV", "abandon", "barrier", "broadcast_object", "die_with_parent", "exit_worker", "init",
+           "is_main", "launched", "leave", "local_device", "rank", "shutdown", "world_size"]
 
 #: set by ``ampkit train --nproc_per_node`` (:mod:`ampkit.distributed.launch`): a directory where
 #: each worker leaves its exit status (``rank<r>``), so the launcher can return the status of the
@@ -129,6 +129,24 @@ def shutdown() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> NoReturn:
+    """End a worker process that has left its process group: run the ``atexit`` callbacks, flush
+    the standard streams, then ``os._exit(code)`` -- skipping only the interpreter's teardown.
+
+    Why: a gloo worker thread can still be releasing the last collective's work (whose tensors
+    have Python objects) when the interpreter finalizes; the decref then asks for the GIL, the
+    finalizing interpreter ends that thread with ``pthread_exit``, the forced unwind meets a
+    ``noexcept`` frame and the process dies of ``std::terminate`` (SIGABRT, "terminate called
+    without an active exception") after a run that succeeded -- about 1 launch in 25 on a 2-core
+    machine (core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncBarrierWork`` ->
+    ``gil_scoped_acquire`` -> ``PyThread_exit_thread``; pytorch/pytorch#179291 describes it)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(int(code))
 
 
 def barrier() -> None:
