@@ -138,7 +138,8 @@ def test_train_spellings(argv, dest, value):
 
 
 @pytest.mark.parametrize("argv", [["--deterministic", "sometimes"], ["--hysteresis", "0"], ["--min_scale", "-1"],
-                                  ["--fp8_recipe", "nope"], ["--compile", "yes"]])
+                                  ["--fp8_recipe", "nope"], ["--compile", "yes"], ["--seed", str(2**63)],
+                                  ["--seed", str(-(2**63) - 1)]])
 def test_train_engine_flags_reject_bad_values(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["train", *argv])
@@ -340,4 +341,4 @@ def test_weight_decay_flag_reaches_train_and_is_checked(capsys):
     assert parser.parse_args(["train", "--weight_decay", "0"]).weight_decay == 0.0
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--weight-decay", "-0.1"])
-    assert "between 0 and 1" in capsys.readouterr().err
+    assert "-0.1 must be >= 0 and at most 1" in capsys.readouterr().err

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..loop.models import SIZES
-from ..step.config import MixedPrecisionConfig, canonical_config_keys
+from ..loop.seed import SEED_RANGE
+from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
@@ -46,7 +47,6 @@ def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
 
 # a Hugging Face config's fields
 Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
-MAX_SCALE = 2.0**127  # an initial loss scale fp32 can hold
 UserId = Optional[Union[Annotated[Int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
 
 
@@ -100,15 +100,15 @@ class RunSpec(BaseModel):
     accumulation_steps: Int = Field(1, ge=1, le=4096)
     lr: Float = Field(1e-3, gt=0, le=10)
     weight_decay: Float = Field(0.01, ge=0, le=1)
-    seed: Int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)  # a signed 64-bit number (TOML's and torch's range)
-    init_scale: Optional[Float] = Field(None, gt=0, le=MAX_SCALE)
+    seed: Int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # a signed 64-bit number, as --seed
+    init_scale: Optional[Float] = Field(None, ge=SCALE_RANGE[0], le=SCALE_RANGE[1])  # MixedPrecisionConfig's
     device: Name = "cpu"
     max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
     checkpoint_every: Int = Field(10, ge=1, le=1_000_000)
     log_every: Int = Field(5, ge=1, le=1_000_000)
     model_overrides: Overrides = Field(default_factory=dict)  # a Hugging Face config's fields
     texts: Optional[list[Text]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
-    max_length: Optional[Int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
+    max_length: Optional[Int] = Field(None, ge=1, le=8192)  # tokens per sample for text models (--block_size)
     epochs: Optional[Int] = Field(None, ge=1, le=100_000)  # instead of steps
     target_effective_batch_size: Optional[Int] = Field(None, ge=1, le=1_000_000)
     activation_checkpointing: Bool = False
@@ -201,7 +201,7 @@ class _Body(BaseModel):
 class MixedPrecisionBody(_Body):
     enabled: Bool = True
     dtype: Name = "float16"  # any precision name or alias ampkit knows
-    init_scale: Optional[Float] = Field(65536.0, gt=0, le=MAX_SCALE)
+    init_scale: Optional[Float] = Field(65536.0, ge=SCALE_RANGE[0], le=SCALE_RANGE[1])
     memory_efficient: Bool = False  # -> activation checkpointing
 
     @field_validator("dtype")
@@ -217,7 +217,7 @@ class SetupBody(MixedPrecisionBody):
 
 class DatasetConfig(_Body):
     texts: list[Text] = Field(min_length=1)
-    max_length: Int = Field(512, ge=2, le=8192)
+    max_length: Int = Field(512, ge=1, le=8192)  # RunSpec's
 
 
 class TrainingConfig(_Body):
