@@ -20,6 +20,7 @@ from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_ke
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
+from .runfile import SERVICE_DEFAULTS
 from .settings import MAX_SECONDS, SERVE_NUMBERS
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
@@ -77,6 +78,12 @@ def _precision(v: str) -> str:
     return v
 
 
+def _own(name: str) -> Any:
+    """A RunSpec default that is not ``ampkit train``'s: the service's, with its reason
+    (:data:`ampkit.service.runfile.SERVICE_DEFAULTS`)."""
+    return SERVICE_DEFAULTS[name][0]
+
+
 def _serve_field(name: str) -> Any:
     """A ServiceConfig field whose default and bounds are ``ampkit serve``'s flag's (:mod:`.settings`)."""
     b = SERVE_NUMBERS[name]
@@ -103,8 +110,8 @@ class RunSpec(BaseModel):
     travels to the run as a ``[train]`` key of its ``run.toml`` (``ampkit.service.runfile``)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
-    model: Name = Field("mlp", description=MODEL)
-    size: SizeName = Field("tiny", description="the built-in model's size preset")
+    model: Name = Field(_own("model"), description=MODEL)
+    size: SizeName = Field(_own("size"), description="the built-in model's size preset")
     precision: Name = Field("auto", description=PRECISION)
     steps: Int = Field(100, ge=1, le=1_000_000, description="optimizer steps")
     batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
@@ -115,11 +122,11 @@ class RunSpec(BaseModel):
                       description="seed of every generator the run uses: a signed 64-bit integer, as `--seed`")
     init_scale: Optional[Float] = Field(None, ge=SCALE_RANGE[0], le=SCALE_RANGE[1],
                                         description="initial loss scale (fp16 forms); null: 65536")
-    device: Name = Field("cpu", description=DEVICE)
+    device: Name = Field(_own("device"), description=DEVICE)
     max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
-    checkpoint_every: Int = Field(10, ge=1, le=1_000_000, description="checkpoint every N optimizer steps (a "
-                                  "resume continues from the newest)")
-    log_every: Int = Field(5, ge=1, le=1_000_000, description="log metrics every N optimizer steps")
+    checkpoint_every: Int = Field(_own("checkpoint_every"), ge=1, le=1_000_000, description="checkpoint every N "
+                                  "optimizer steps (a resume continues from the newest)")
+    log_every: Int = Field(_own("log_every"), ge=1, le=1_000_000, description="log metrics every N optimizer steps")
     model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
     texts: Optional[list[Text]] = Field(None, min_length=1, description="training texts (bytes as tokens, each at "
                                         "least 2 bytes, no NUL) for `gpt` and Hugging Face models; null: the "
