@@ -24,6 +24,7 @@ from overhead import ampkit_stepper, raw_stepper
 
 from ampkit.loop.models import builtin
 from ampkit.step.hardware import device_info
+from ampkit.step.precision import precision_row
 
 warnings.filterwarnings("ignore")
 
@@ -34,7 +35,7 @@ def accelerate_stepper(model, opt, precision, device, clip):
 
     # Accelerate keeps one process-wide state; a new mixed_precision needs it reset first.
     AcceleratorState._reset_state(True)
-    mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    mp = precision_row(precision).accelerate_name  # fp32 -> "no": the precision row's column
     acc = Accelerator(mixed_precision=mp, cpu=device.type == "cpu")
     model, opt = acc.prepare(model, opt)
 
@@ -51,7 +52,7 @@ def accelerate_stepper(model, opt, precision, device, clip):
 def fabric_stepper(model, opt, precision, device, clip):
     from lightning.fabric import Fabric
 
-    prec = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[precision]
+    prec = precision_row(precision).lightning_name  # fp16 -> "16-mixed"
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, precision=prec)
     model, opt = fabric.setup(model, opt)
 

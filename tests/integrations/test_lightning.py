@@ -257,3 +257,14 @@ def test_fabric_bf16_pure_with_the_engine_set_up_first():
         m, o = fabric2.setup(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
         fabric2.backward(m(*data[0]))
         o.step()
+
+
+def test_the_plugin_takes_the_precision_aliases():
+    """The one alias table (ampkit.step.aliases) serves the plugin as every other surface."""
+    from ampkit.step.aliases import PRECISION_ALIASES
+    from ampkit.step.config import canonical_precision
+    from ampkit.step.precision import REGISTRY
+
+    for alias in ("16-mixed", "bf16-mixed", "bf16-true", "32-true", "O0", "float32", "bfloat16"):
+        name = canonical_precision(PRECISION_ALIASES[alias.lower()])
+        assert AmpkitPrecision(alias).precision == REGISTRY[name].lightning_name, alias

@@ -2,14 +2,23 @@
 config reader through one table (ampkit.step.aliases); other unknown keys get a "did you mean"."""
 
 import enum
+import functools
+import importlib.util
 
 import pytest
 import torch
 
 from ampkit import MixedPrecision, MixedPrecisionConfig
 from ampkit.cli.flags import ALIASES
-from ampkit.step.aliases import KEY_ALIASES, SCALING_STRATEGIES
-from ampkit.step.config import ConfigError, UnknownConfigKeyError, fields_help
+from ampkit.step.aliases import (
+    FLAG_ALIASES,
+    KEY_ALIASES,
+    PRECISION_ALIASES,
+    SCALING_STRATEGIES,
+    SHOWN_PRECISION_ALIASES,
+)
+from ampkit.step.config import ConfigError, UnknownConfigKeyError, canonical_precision, fields_help
+from ampkit.step.precision import REGISTRY, parse_precision
 
 FIELDS = {f.name for f in fields_help()}
 # a value of the right type for every field an alias may name
@@ -112,3 +121,83 @@ def test_service_amp_dict_accepts_aliases_and_suggests():
         RunSpec(amp={"hysterisis": 2})
     with pytest.raises(ValueError, match="precision as the run's own field"):
         RunSpec(amp={"dtype": "bf16"})
+
+
+# ---- one table, every surface (issue 35 item 5): precision spellings and config-key aliases ----
+
+@functools.lru_cache(maxsize=1)
+def _parser():
+    from ampkit.cli import build_parser
+
+    return build_parser()
+
+
+def _train_config(argv, tmp_path=None, toml=None):
+    from ampkit.cli.flags import engine_config
+    from ampkit.cli.invocation import parse_invocation
+
+    if toml is not None:
+        path = tmp_path / "c.toml"
+        path.write_text(toml)
+        argv = [*argv, "--config", str(path)]
+    parser = _parser()
+    inv = parse_invocation(parser, parser.parse_args(["train", *argv]), ["train", *argv])
+    return engine_config(inv.args, inv.flags_given, inv.file.amp)
+
+
+@pytest.mark.parametrize("alias", sorted(PRECISION_ALIASES))
+def test_every_surface_takes_every_precision_alias(alias, tmp_path):
+    """Python API, command line, TOML ([amp] and [train]), the service's run field and its brief's
+    ``dtype``, and a run's file read back by ``ampkit train``: each alias is the same precision."""
+    expected = canonical_precision(PRECISION_ALIASES[alias])
+    for spelling in (alias, alias.upper()):
+        assert MixedPrecisionConfig(precision=spelling).precision == expected
+        assert MixedPrecisionConfig(dtype=spelling).precision == expected  # a key alias with it
+        assert _train_config(["--precision", spelling]).precision == expected
+        assert _train_config(["--mixed_precision", spelling]).precision == expected
+    assert _train_config([], tmp_path, f'[amp]\nprecision = "{alias}"\n').precision == expected
+    assert _train_config([], tmp_path, f'[train]\nmixed_precision = "{alias}"\n').precision == expected
+    if importlib.util.find_spec("fastapi") is None:
+        return
+    from ampkit.service.runfile import dumps_toml, run_tables
+    from ampkit.service.schemas import MixedPrecisionBody, RunSpec
+
+    spec = RunSpec(precision=alias).model_dump()
+    assert MixedPrecisionBody(dtype=alias).dtype == alias
+    run_file = dumps_toml(run_tables(spec, str(tmp_path)))
+    assert _train_config([], tmp_path, run_file).precision == expected
+
+
+def test_each_rows_lightning_and_accelerate_names_come_back_through_the_table():
+    """The other direction (a row's name in Lightning / Accelerate) is read back by the alias
+    table to a precision that computes in the same dtype (Lightning: and stores the same weights)."""
+    for row in REGISTRY.values():
+        back = REGISTRY[parse_precision(row.lightning_name)]
+        assert (back.param_dtype, back.compute_dtype) == (row.param_dtype, row.compute_dtype), row.name
+        assert REGISTRY[parse_precision(row.accelerate_name)].compute_dtype == row.compute_dtype, row.name
+    assert all(parse_precision(a) for a in SHOWN_PRECISION_ALIASES)  # what an error lists is in the table
+    assert not set(PRECISION_ALIASES) & set(REGISTRY)  # an alias never shadows a name
+
+
+@pytest.mark.parametrize("alias", sorted(KEY_ALIASES))
+def test_every_surface_takes_every_config_key_alias(alias, tmp_path):
+    """The [amp] table and the service's ``amp`` dict take every key alias (the run's own fields
+    -- precision, accumulation_steps, init_scale -- are refused in ``amp``, naming the field);
+    ``ampkit train`` takes the flag aliases as flags and [train] keys."""
+    field, value = KEY_ALIASES[alias], VALUES[KEY_ALIASES[alias]]
+    direct = MixedPrecisionConfig(**{field: value})
+    text = f"{value}".lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else f"{value}"
+    assert getattr(_train_config([], tmp_path, f"[amp]\n{alias} = {text}\n"), field) == getattr(direct, field)
+    if alias in FLAG_ALIASES:
+        flag = [f"--{alias}"] if isinstance(value, bool) else [f"--{alias}", str(value)]
+        assert getattr(_train_config(flag), field) == getattr(direct, field)
+        assert getattr(_train_config([], tmp_path, f"[train]\n{alias} = {text}\n"), field) == getattr(direct, field)
+    if importlib.util.find_spec("fastapi") is None:
+        return
+    from ampkit.service.schemas import RunSpec
+
+    if field in ("precision", "accumulation_steps", "init_scale"):
+        with pytest.raises(ValueError, match=f"{field} as the run's own field"):
+            RunSpec(amp={alias: value})
+    else:
+        assert RunSpec(amp={alias: value}).amp == {field: getattr(direct, field)}

@@ -32,6 +32,7 @@ def test_defaults_match_torch_gradscaler():
     ("clip_grad_norm", -1.0, "> 0"),
     ("min_scale", 0.0, "> 0"),
     ("init_scale", 2.0**-130, "2**-126"),  # below the loss scale's floor
+    ("init_scale", 2.0**128, "2**127"),  # infinite as the fp32 scale tensor
 ])
 def test_invalid_values_name_field_and_range(field, value, fragment):
     with pytest.raises(ConfigError) as e:

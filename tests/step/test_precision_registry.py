@@ -161,3 +161,29 @@ def test_the_ladder_rungs_still_build_and_a_fallback_out_of_them_is_no_refusal()
     amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     amp.switch("bf16")  # the fallback's move: no refusal
     assert amp.precision.name == "bf16"
+
+
+def test_the_opt_level_combination_is_read_from_the_rows():
+    """``--amp_opt_level`` with a precision (issue 35 item 5): O0/O1/O2 and what each makes of a
+    precision come from the rows' ``opt_level``, ``o1_form`` and ``o2_form``, nowhere else."""
+    from ampkit.cli import build_parser
+    from ampkit.cli.flags import with_opt_level
+    from ampkit.cli.invocation import subparser
+    from ampkit.step.config import canonical_precision
+    from ampkit.step.precision import OPT_LEVELS, PrecisionError, opt_level_form
+
+    level_flag = next(a for a in subparser(build_parser(), "train")._actions if a.dest == "amp_opt_level")
+    assert tuple(level_flag.choices) == OPT_LEVELS
+    for level in OPT_LEVELS:  # the level alone is its precision alias
+        assert opt_level_form(None, level) == canonical_precision(level) == with_opt_level(None, level)[0]
+    for name, row in REGISTRY.items():
+        assert opt_level_form(name, "O0") == "fp32"
+        for level, form in (("O1", row.o1_form), ("O2", row.o2_form)):
+            if form is None:
+                with pytest.raises(PrecisionError, match=f"with {level} give one of"):
+                    opt_level_form(name, level)
+            else:
+                assert opt_level_form(name, level) == form == with_opt_level(name, level)[0]
+                assert REGISTRY[form].opt_level in (level, "-"), (name, level)
+        if row.opt_level in ("O1", "O2"):  # a row at a level is its own form there
+            assert (row.o1_form if row.opt_level == "O1" else row.o2_form) == name

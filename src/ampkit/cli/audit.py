@@ -9,7 +9,7 @@ import torch
 from rich.markup import escape
 
 from ..step.hardware import normalize_device
-from .common import flag, model_and_data, positive_int, wide_console
+from .common import flag, model_and_data, positive_int, seed_int, wide_console
 from .flags import model_flags, precision_help
 from .invocation import Invocation
 
@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
     flag(p, "precision", default="fp16", help="the precision to audit against the fp64/fp32 reference: "
          + precision_help("fp16"))
     flag(p, "batch_size", type=positive_int, default=4, help="example batch size (default: 4)")
-    flag(p, "seed", type=int, default=0, help="random seed")
+    flag(p, "seed", type=seed_int, default=0, help="random seed")
     flag(p, "top", type=positive_int, default=25, help="rows to show (default: 25)")
     flag(p, "json", action="store_true", help="print the full report as JSON")
     p.set_defaults(func=cmd_audit)

@@ -17,6 +17,7 @@ from .common import (
     model_label,
     positive_float,
     positive_int,
+    seed_int,
     wide_console,
 )
 from .flags import model_flags, precision_list
@@ -101,7 +102,7 @@ def add_parser(sub: Any) -> None:
         flag(p, "batch_size", type=positive_int, default=16, help="micro-batch size (default: 16)")
         flag(p, "accumulation_steps", "grad_accum_steps", type=positive_int, default=1, help="micro-batches per step")
         flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate")
-        flag(p, "seed", type=int, default=0, help="random seed")
+        flag(p, "seed", type=seed_int, default=0, help="random seed")
         flag(p, "compile", action="store_true", help="torch.compile each model after setup (measured as such)")
         flag(p, "fp8_emulate", action="store_true", help="let fp8 run without fp8 tensor cores (torchao emulation)")
         if cmd == "bench":

@@ -8,7 +8,10 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["bounded", "data_flags", "estimate_inputs", "flag", "model_label", "model_and_data", "positive_float", "positive_int", "wide_console"]
+from ..loop.seed import SEED_RANGE
+
+__all__ = ["bounded", "data_flags", "estimate_inputs", "flag", "model_label", "model_and_data", "positive_float", "positive_int", "seed_int",
+           "unit_float", "wide_console"]
 
 
 def flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any) -> None:
@@ -47,17 +50,8 @@ def bounded(kind: type, *, gt: Optional[float] = None, ge: Optional[float] = Non
 
 positive_int = bounded(int, ge=1, name="positive_int")
 positive_float = bounded(float, gt=0, name="positive_float")
-
-
-def unit_float(text: str) -> float:
-    """A number in [0, 1] (e.g. a weight decay)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"{v} must be between 0 and 1")
-    return v
+unit_float = bounded(float, ge=0, le=1, name="unit_float")  # e.g. a weight decay
+seed_int = bounded(int, ge=SEED_RANGE[0], le=SEED_RANGE[1], name="int")  # --seed: what a run file can carry
 
 
 def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, meta: bool = False

@@ -10,7 +10,7 @@ import torch
 from ..loop.steps import Steps
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
-from .common import flag, model_and_data, positive_int
+from .common import flag, model_and_data, positive_int, seed_int
 from .flags import model_flags, precision_help
 from .invocation import Invocation
 
@@ -56,7 +56,7 @@ def add_parser(sub: Any) -> None:
          "qualified-name globs, e.g. '*.ln*,lm_head' (default: none)")
     flag(p, "accumulation_steps", type=positive_int, default=1, help="micro-steps per optimizer step (default: 1)")
     flag(p, "batch_size", type=positive_int, default=2, help="batch size of the one step taken (default: 2)")
-    flag(p, "seed", type=int, default=0, help="random seed")
+    flag(p, "seed", type=seed_int, default=0, help="random seed")
     flag(p, "all", action="store_true", help="one row per parameter (default: a module's agreeing rows merged)")
     flag(p, "json", action="store_true", help="print the manifest and the violations as JSON")
     p.set_defaults(func=cmd_explain)

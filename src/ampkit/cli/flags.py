@@ -15,24 +15,21 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from ..loop.models import MODELS, SIZES
+from ..step.aliases import FLAG_ALIASES, KEY_ALIASES
 from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
 from ..step.policies.ladder import parse_rung
-from ..step.precision import CANONICAL, REFERENCE, REGISTRY, PrecisionError
+from ..step.precision import CANONICAL, OPT_LEVELS, REFERENCE, PrecisionError, opt_level_form
 from .common import data_flags, flag, positive_float, positive_int
 
 __all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags", "debug_flags",
            "engine_config", "model_flags", "precision_help", "precision_list", "with_opt_level"]
 
 # Older spellings of engine fields, from the tools users come from (torch.amp, apex, Accelerate,
-# Hugging Face's TrainingArguments, DeepSpeed); each also answers with hyphens.
+# Hugging Face's TrainingArguments, DeepSpeed): field -> its alias flags, read from the one alias
+# table (ampkit.step.aliases); each also answers with hyphens.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "precision": ("mixed_precision",),
-    "init_scale": ("grad_scaler_init",),
-    "growth_interval": ("grad_scaler_growth_interval",),
-    "backoff_factor": ("grad_scaler_backoff",),
-    "accumulation_steps": ("grad_accum_steps",),
-    "clip_grad_norm": ("max_grad_norm",),
-    "fallback": ("fallback_chain",),
+    field: tuple(a for a in FLAG_ALIASES if KEY_ALIASES[a] == field)
+    for field in dict.fromkeys(KEY_ALIASES[a] for a in FLAG_ALIASES)
 }
 
 # ``ampkit train``'s own defaults where they differ from MixedPrecisionConfig's: (value, why).
@@ -120,7 +117,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  help=f"the same as --{f.name} false")
         else:
             flag(g, f.name, *spellings, type=_value_type(f), choices=f.choices or None, **kwargs)
-    flag(g, "amp_opt_level", default=None, choices=["O0", "O1", "O2"],
+    flag(g, "amp_opt_level", default=None, choices=list(OPT_LEVELS),
          help="apex-style level: O0 = fp32, O1 = autocast, O2 = half weights with fp32 masters; with --precision: "
               "bf16 O2 = bf16-pure, bf16 O1 = bf16, any O0 = fp32")
     rows = "\n".join(f"  {k} = {v!r}: {why}" for k, (v, why) in TRAIN_DEFAULTS.items())
@@ -154,15 +151,6 @@ def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Map
     return MixedPrecisionConfig.from_dict(values)
 
 
-# --amp_opt_level with a precision (the seed guides' `--mixed_precision bf16 --amp_opt_level O2`):
-# the level says the form (O0 fp32, O1 autocast over fp32 weights, O2 half weights with fp32
-# masters), the precision the half dtype.
-_LEVEL_FORMS = {
-    "O1": {"auto": "auto", **{n: r.o1_form for n, r in REGISTRY.items() if r.o1_form}},
-    "O2": {"auto": "O2", "O2": "O2", **{n: r.o2_form for n, r in REGISTRY.items() if r.o2_form}},
-}
-
-
 def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[str]]:
     """``(precision, note)`` for ``--amp_opt_level level`` with ``--precision precision`` (None: not given).
 
@@ -172,18 +160,16 @@ def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[
     """
     level = level.upper()
     if precision is None:
-        return canonical_precision(level), None
+        return opt_level_form(None, level), None
     name = canonical_precision(precision)
+    try:  # the combination is the precision rows' (o1_form, o2_form): step.precision.opt_level_form
+        form = opt_level_form(name, level)
+    except PrecisionError as e:
+        raise ValueError(f"conflicting flags: --amp_opt_level {level} with precision {precision!r}: {e}") from None
     if level == "O0":
         note = None if name == REFERENCE else (f"--amp_opt_level O0 wins: training in fp32 (the precision {precision} "
                                             "is not used; O0 means no mixed precision)")
-        return REFERENCE, note
-    form = _LEVEL_FORMS[level].get(name)
-    if form is None:
-        valid = ", ".join(k for k in _LEVEL_FORMS[level] if k != "O2")
-        raise ValueError(f"conflicting flags: --amp_opt_level {level} with precision {precision!r}: {level} means "
-                         f"{'autocast over fp32 weights' if level == 'O1' else 'half weights with fp32 masters'}, "
-                         f"which {name} is not; with {level} give one of: {valid}")
+        return form, note
     return form, f"--amp_opt_level {level} with precision {precision}: training in {form}"
 
 

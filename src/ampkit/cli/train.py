@@ -32,6 +32,7 @@ from .common import (
     model_label,
     positive_float,
     positive_int,
+    seed_int,
     unit_float,
 )
 from .config_file import resolved_toml
@@ -357,7 +358,7 @@ def add_parser(sub: Any) -> None:
          help="derive --accumulation_steps so that batch_size x accumulation_steps equals this")
     flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     flag(p, "weight_decay", type=unit_float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    flag(p, "seed", type=int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
+    flag(p, "seed", type=seed_int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
          "Python's random, numpy (default: 0)")
     flag(p, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps (default: 10)")
     flag(p, "no_progress", action="store_true", help="no progress bar")

@@ -18,7 +18,11 @@ from typing import Union
 
 import torch
 
-__all__ = ["seed_everything"]
+__all__ = ["SEED_RANGE", "seed_everything"]
+
+#: The seeds a run takes: a signed 64-bit integer (torch takes -2**63 .. 2**64-1, but a seed
+#: travels in TOML files -- run.toml, --print_config -- whose integers are signed 64-bit).
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 def seed_everything(seed: int, deterministic: Union[bool, str, None] = False) -> None:

@@ -28,7 +28,7 @@ from ..step import tomlio
 from ..step.config import check_run_file as _check_sealed
 from ..step.config import seal_run_file
 
-__all__ = ["RUN_FILE", "SERVICE_ONLY", "TEXTS_FILE", "check_run_file", "dumps_toml", "private_dir", "run_tables",
+__all__ = ["RUN_FILE", "SERVICE_CAPS", "SERVICE_DEFAULTS", "SERVICE_ONLY", "TEXTS_FILE", "TRAIN_ONLY", "check_run_file", "dumps_toml", "private_dir", "run_tables",
            "train_key", "write_run_file"]
 
 RUN_FILE = "run.toml"
@@ -44,6 +44,51 @@ SERVICE_ONLY = {
     "max_seconds": "a wall-clock limit the runner enforces by ending the run's process group",
     "user_id": "a label for the brief's clients; the owner is the token's",
     "amp": "the [amp] table (MixedPrecisionConfig fields), not a [train] key",
+}
+
+
+# RunSpec fields whose default is not ``ampkit train``'s, and why (an empty request is a cheap,
+# resumable run on a shared server). tests/service/test_run_schema.py checks that an empty request's
+# run file trains like `ampkit train` without flags but for exactly these.
+SERVICE_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "model": ("mlp", "an empty request trains the smallest built-in model, not the GPT"),
+    "size": ("tiny", "an empty request is a cheap run on a shared server"),
+    "device": ("cpu", "a run takes a GPU only when its request asks for one (`ampkit train`: the best device)"),
+    "checkpoint_every": (10, "every run can be resumed (POST /v1/runs/{id}/resume needs a checkpoint)"),
+    "log_every": (5, "clients poll the metrics route: twice the points of the command line's console"),
+}
+# RunSpec fields with an upper bound that ``ampkit train`` does not have: a request is untrusted
+# input, and one request must not hold the server for months or ask for memory no machine has.
+SERVICE_CAPS: tuple[str, ...] = ("steps", "batch_size", "accumulation_steps", "lr", "max_length", "epochs",
+                                 "target_effective_batch_size", "checkpoint_every", "log_every")
+# ``ampkit train`` options a request cannot set, and why (every other option is a RunSpec field, or a
+# MixedPrecisionConfig field of its ``amp`` dict).
+TRAIN_ONLY: dict[str, str] = {
+    "memory_budget": "batch_size is a number in a request; 'auto' and its budget are for the command line",
+    "mlflow": "trackers are the operator's: the service's runs log to their own log.jsonl (GET .../metrics)",
+    "wandb": "trackers are the operator's: the service's runs log to their own log.jsonl (GET .../metrics)",
+    "grad_ckpt_modules": "activation_checkpointing takes the built-in GPT's blocks or a Hugging Face model's layers",
+    "eval_every": "not offered yet: a request's texts are all training data",
+    "eval_precision": "not offered yet: a request's texts are all training data",
+    "no_diagnose": "a service run always localizes its first skipped step (its events say where)",
+    "no_progress": "the runner's --json already turns the progress bar off",
+    "checkpoint_dir": "fixed by the runner: the run's directory",
+    "log_dir": "fixed by the runner: the run's directory",
+    "keep_last": "the runner keeps train's default",
+    "resume": "POST /v1/runs/{id}/resume",
+    "allow_fresh": "POST /v1/runs/{id}/resume needs a checkpoint",
+    "overwrite": "a run's directory is its own",
+    "print_config": "prints and exits: not a run",
+    "debug": "anomaly mode is for a person at a terminal, and slow",
+    "amp_opt_level": "the precision field takes O0, O1 and O2 as names; a level with a dtype is one name "
+                     "(bf16 with O2 is bf16-pure)",
+    "nproc_per_node": "one process per run on this server",
+    "nnodes": "one process per run on this server",
+    "node_rank": "one process per run on this server",
+    "rdzv_backend": "one process per run on this server",
+    "rdzv_endpoint": "one process per run on this server",
+    "rdzv_id": "one process per run on this server",
+    "parallel": "one process per run on this server",
 }
 
 

@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..loop.models import SIZES
-from ..step.config import MixedPrecisionConfig, canonical_config_keys
+from ..loop.seed import SEED_RANGE
+from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
+from .runfile import SERVICE_DEFAULTS
 from .settings import MAX_SECONDS, SERVE_NUMBERS
 
 __all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
@@ -46,8 +48,18 @@ def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
 
 # a Hugging Face config's fields
 Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
-MAX_SCALE = 2.0**127  # an initial loss scale fp32 can hold
-UserId = Optional[Union[Annotated[Int, Field(ge=-MAX_INT, le=MAX_INT)], Name]]  # a label (the owner is the token's)
+UserId = Optional[Union[Annotated[Int, Field(ge=-MAX_INT - 1, le=MAX_INT)], Name]]  # a label (the owner is the token's)
+
+# Field meanings shared by several bodies (the OpenAPI description, and docs/reference/rest-api.md)
+MODEL = ("`gpt`, `mlp`, `cnn`, a Hugging Face config (`gpt2`, `llama`, `bert`, `transformers.<Name>Config`), or a "
+         "factory listed in `AMPKIT_ALLOWED_FACTORIES`")
+PRECISION = "any precision name or alias (`bf16`, `fp16`, `bf16-pure`, `16-mixed`, `bfloat16`, `O2`, ...)"
+DEVICE = "`cpu`, `cuda`, `cuda:1`, `mps`: one this server has"
+MAX_SECONDS_TEXT = ("the run fails with `timeout` after this long; null: the server's `--max_seconds` "
+                    "(default 24 h)")
+OVERRIDES = ("a Hugging Face config's public scalar fields, each a value of the field's type (see Errors); only "
+             "for Hugging Face models")
+USER_ID = "a label kept with the run (the owner is the token's)"
 
 
 def _device(v: str) -> str:
@@ -64,6 +76,12 @@ def _precision(v: str) -> str:
     except Exception as e:
         raise ValueError(str(e) or f"precision {shown(v)} is not valid") from None
     return v
+
+
+def _own(name: str) -> Any:
+    """A RunSpec default that is not ``ampkit train``'s: the service's, with its reason
+    (:data:`ampkit.service.runfile.SERVICE_DEFAULTS`)."""
+    return SERVICE_DEFAULTS[name][0]
 
 
 def _serve_field(name: str) -> Any:
@@ -92,30 +110,44 @@ class RunSpec(BaseModel):
     travels to the run as a ``[train]`` key of its ``run.toml`` (``ampkit.service.runfile``)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
-    model: Name = "mlp"
-    size: SizeName = "tiny"
-    precision: Name = "auto"
-    steps: Int = Field(100, ge=1, le=1_000_000)
-    batch_size: Int = Field(16, ge=1, le=65_536)
-    accumulation_steps: Int = Field(1, ge=1, le=4096)
-    lr: Float = Field(1e-3, gt=0, le=10)
-    weight_decay: Float = Field(0.01, ge=0, le=1)
-    seed: Int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)  # a signed 64-bit number (TOML's and torch's range)
-    init_scale: Optional[Float] = Field(None, gt=0, le=MAX_SCALE)
-    device: Name = "cpu"
-    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
-    checkpoint_every: Int = Field(10, ge=1, le=1_000_000)
-    log_every: Int = Field(5, ge=1, le=1_000_000)
-    model_overrides: Overrides = Field(default_factory=dict)  # a Hugging Face config's fields
-    texts: Optional[list[Text]] = Field(None, min_length=1)  # training texts (bytes as tokens), else the stdlib
-    max_length: Optional[Int] = Field(None, ge=2, le=8192)  # tokens per sample for text models
-    epochs: Optional[Int] = Field(None, ge=1, le=100_000)  # instead of steps
-    target_effective_batch_size: Optional[Int] = Field(None, ge=1, le=1_000_000)
-    activation_checkpointing: Bool = False
-    save_model: Bool = False  # write the trained fp32 weights to <run dir>/model
-    user_id: UserId = None
+    model: Name = Field(_own("model"), description=MODEL)
+    size: SizeName = Field(_own("size"), description="the built-in model's size preset")
+    precision: Name = Field("auto", description=PRECISION)
+    steps: Int = Field(100, ge=1, le=1_000_000, description="optimizer steps")
+    batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
+    accumulation_steps: Int = Field(1, ge=1, le=4096, description="micro-steps per optimizer step")
+    lr: Float = Field(1e-3, gt=0, le=10, description="AdamW learning rate")
+    weight_decay: Float = Field(0.01, ge=0, le=1, description="AdamW weight decay")
+    seed: Int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1],
+                      description="seed of every generator the run uses: a signed 64-bit integer, as `--seed`")
+    init_scale: Optional[Float] = Field(None, ge=SCALE_RANGE[0], le=SCALE_RANGE[1],
+                                        description="initial loss scale (fp16 forms); null: 65536")
+    device: Name = Field(_own("device"), description=DEVICE)
+    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
+    checkpoint_every: Int = Field(_own("checkpoint_every"), ge=1, le=1_000_000, description="checkpoint every N "
+                                  "optimizer steps (a resume continues from the newest)")
+    log_every: Int = Field(_own("log_every"), ge=1, le=1_000_000, description="log metrics every N optimizer steps")
+    model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
+    texts: Optional[list[Text]] = Field(None, min_length=1, description="training texts (bytes as tokens, each at "
+                                        "least 2 bytes, no NUL) for `gpt` and Hugging Face models; null: the "
+                                        "built-in corpus")
+    max_length: Optional[Int] = Field(None, ge=1, le=8192, description="tokens per sample for text models "
+                                      "(`--block_size`); null: the model's maximum, up to 1024")
+    epochs: Optional[Int] = Field(None, ge=1, le=100_000, description="train this many epochs instead of `steps`")
+    target_effective_batch_size: Optional[Int] = Field(None, ge=1, le=1_000_000, description="derive "
+                                                       "`accumulation_steps` so that batch_size x accumulation_steps "
+                                                       "equals this (the micro-batch becomes its largest divisor "
+                                                       "<= batch_size)")
+    activation_checkpointing: Bool = Field(False, description="activation checkpointing (`--grad_ckpt`): the "
+                                           "GPT's blocks, a Hugging Face model's layers")
+    save_model: Bool = Field(False, description="write the trained fp32 weights to the run's `model/` "
+                             "(`model_path` in the answer)")
+    user_id: UserId = Field(None, description=USER_ID)
     amp: Annotated[dict[Key, Union[Scalar, Annotated[list[Name], Field(max_length=MAX_KEYS)]]],
-                   Field(max_length=MAX_KEYS)] = Field(default_factory=dict)  # more MixedPrecisionConfig fields
+                   Field(max_length=MAX_KEYS)] = Field(
+        default_factory=dict, description="other `MixedPrecisionConfig` fields (docs/reference/config.md) or their "
+        "aliases, checked as a `--config` file's [amp] table; `precision`, `accumulation_steps` and `init_scale` "
+        "are the run's own fields")
 
     @field_validator("texts")
     @classmethod
@@ -159,13 +191,13 @@ class RunSpec(BaseModel):
 
 class RecommendSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
-    model: Name = "mlp"
-    size: SizeName = "tiny"
-    batch_size: Int = Field(16, ge=1, le=65_536)
-    steps: Int = Field(10, ge=1, le=10_000)
-    precisions: Name = "fp32,bf16,fp16"
-    device: Name = "cpu"
-    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
+    model: Name = Field("mlp", description=MODEL)
+    size: SizeName = Field("tiny", description="the built-in model's size preset")
+    batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
+    steps: Int = Field(10, ge=1, le=10_000, description="steps measured per precision")
+    precisions: Name = Field("fp32,bf16,fp16", description="the precisions to compare, comma-separated")
+    device: Name = Field("cpu", description=DEVICE)
+    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
 
     @field_validator("precisions")
     @classmethod
@@ -199,10 +231,11 @@ class _Body(BaseModel):
 
 
 class MixedPrecisionBody(_Body):
-    enabled: Bool = True
-    dtype: Name = "float16"  # any precision name or alias ampkit knows
-    init_scale: Optional[Float] = Field(65536.0, gt=0, le=MAX_SCALE)
-    memory_efficient: Bool = False  # -> activation checkpointing
+    enabled: Bool = Field(True, description="false: fp32, whatever `dtype` says")
+    dtype: Name = Field("float16", description=PRECISION)
+    init_scale: Optional[Float] = Field(65536.0, ge=SCALE_RANGE[0], le=SCALE_RANGE[1],
+                                        description="initial loss scale (fp16 forms)")
+    memory_efficient: Bool = Field(False, description="activation checkpointing")
 
     @field_validator("dtype")
     @classmethod
@@ -211,45 +244,48 @@ class MixedPrecisionBody(_Body):
 
 
 class SetupBody(MixedPrecisionBody):
-    model_name: Name = "gpt2"
-    model_overrides: Overrides = Field(default_factory=dict)
+    model_name: Name = Field("gpt2", description=MODEL)
+    model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
 
 
 class DatasetConfig(_Body):
-    texts: list[Text] = Field(min_length=1)
-    max_length: Int = Field(512, ge=2, le=8192)
+    texts: list[Text] = Field(min_length=1, description="training texts (bytes as tokens, each at least 2 bytes)")
+    max_length: Int = Field(512, ge=1, le=8192, description="tokens per sample")
 
 
 class TrainingConfig(_Body):
-    epochs: Int = Field(1, ge=1, le=100_000)
-    learning_rate: Float = Field(5e-5, gt=0, le=10)
-    weight_decay: Float = Field(0.01, ge=0, le=1)
-    batch_size: Int = Field(8, ge=1, le=65_536)
+    epochs: Int = Field(1, ge=1, le=100_000, description="passes over the texts")
+    learning_rate: Float = Field(5e-5, gt=0, le=10, description="AdamW learning rate")
+    weight_decay: Float = Field(0.01, ge=0, le=1, description="AdamW weight decay")
+    batch_size: Int = Field(8, ge=1, le=65_536, description="micro-batch size, capped at the number of texts")
 
 
 class TrainBody(_Body):
-    model_name: Name = "gpt2"
-    model_overrides: Overrides = Field(default_factory=dict)
+    model_name: Name = Field("gpt2", description=MODEL)
+    model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
     dataset_config: DatasetConfig
     training_config: TrainingConfig = Field(default_factory=TrainingConfig)
-    user_id: UserId = None
-    mixed_precision_config: Optional[MixedPrecisionBody] = None
-    device: Name = "cpu"
-    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS)
+    user_id: UserId = Field(None, description=USER_ID)
+    mixed_precision_config: Optional[MixedPrecisionBody] = Field(
+        None, description="null: the owner's stored setup (`setup-mixed-precision`), else fp16")
+    device: Name = Field("cpu", description=DEVICE)
+    max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
 
     _device = field_validator("device")(_device)
 
 
 class OptimizedBody(TrainBody):
-    use_mixed_precision: Bool = True
-    use_gradient_accumulation: Bool = True
-    target_effective_batch_size: Int = Field(64, ge=1, le=1_000_000)
+    use_mixed_precision: Bool = Field(True, description="`auto`'s hardware pick, or bf16 where `auto` stays fp32; "
+                                      "false: fp32")
+    use_gradient_accumulation: Bool = Field(True, description="reach `target_effective_batch_size` by accumulation")
+    target_effective_batch_size: Int = Field(64, ge=1, le=1_000_000, description="the micro-batch is its largest "
+                                             "divisor <= the batch, the accumulation the quotient")
 
 
 class OptimizeBody(_Body):
-    model_name: Name = "gpt2"
-    model_overrides: Overrides = Field(default_factory=dict)
-    size: SizeName = "small"  # for model_name "gpt"
-    gpu_memory_gb: Float = Field(gt=0, le=1_000_000)
-    batch_size: Int = Field(16, ge=1, le=65_536)
-    max_length: Int = Field(512, ge=2, le=8192)
+    model_name: Name = Field("gpt2", description="a text model: a Hugging Face config or `gpt`")
+    model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
+    size: SizeName = Field("small", description="for `model_name` `gpt`")
+    gpu_memory_gb: Float = Field(gt=0, le=1_000_000, description="the GPU's memory, GiB (2^30 bytes)")
+    batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
+    max_length: Int = Field(512, ge=2, le=8192, description="tokens per sample")

@@ -1,11 +1,21 @@
-"""The config names users bring from other tools, mapped once onto :class:`MixedPrecisionConfig` fields.
+"""The one alias table: every spelling users bring from other tools, mapped once onto ampkit's names.
 
-Every reader of a config -- ``MixedPrecisionConfig(...)`` and ``from_dict``, ``MixedPrecision(**kw)``,
-a ``--config`` TOML's ``[amp]`` table, the service's ``amp`` dict -- sends its keys through
-:func:`canonical_keys`: an alias becomes its field, ``scaling_strategy`` becomes the fields it means,
-and any other unknown key is refused with a "did you mean" and the valid keys.
-docs/guides/coming-from.md is the table for people; this module is the one for code (a leaf:
-it imports nothing from ampkit).
+* :data:`PRECISION_ALIASES`: precision spellings (torch dtypes, apex O-levels, Lightning's and
+  Accelerate's names) -> a precision name. :func:`ampkit.step.precision.parse_precision` reads it,
+  and every surface parses a precision there: ``MixedPrecision("16-mixed")``, ``--precision``,
+  a TOML's ``precision``, the service's ``precision`` and ``dtype``, the Lightning/Hugging Face
+  plugins, fallback chains.
+* :data:`KEY_ALIASES`: config keys -> :class:`MixedPrecisionConfig` fields. Every reader of a
+  config -- ``MixedPrecisionConfig(...)`` and ``from_dict``, ``MixedPrecision(**kw)``, a
+  ``--config`` TOML's ``[amp]`` table, the service's ``amp`` dict -- sends its keys through
+  :func:`canonical_keys`: an alias becomes its field, ``scaling_strategy`` becomes the fields it
+  means, and any other unknown key is refused with a "did you mean" and the valid keys.
+  :data:`FLAG_ALIASES` are the ones ``ampkit train`` also takes as flags (``--max_grad_norm``).
+
+The other direction (an ampkit precision's name in Lightning or Accelerate) is a column of the
+precision rows (``PrecisionRow.lightning_name``); tests/step/test_aliases.py checks that each
+such name comes back here to a precision of the same dtypes. docs/guides/coming-from.md is the
+table for people; this module is the one for code (a leaf: it imports nothing from ampkit).
 """
 
 from __future__ import annotations
@@ -14,8 +24,27 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["KEY_ALIASES", "SCALING_STRATEGIES", "SWITCH_KEYS", "UnknownKeyError", "canonical_keys",
-           "unknown_key_message"]
+__all__ = ["FLAG_ALIASES", "KEY_ALIASES", "PRECISION_ALIASES", "SCALING_STRATEGIES", "SHOWN_PRECISION_ALIASES",
+           "SWITCH_KEYS", "UnknownKeyError", "canonical_keys", "unknown_key_message"]
+
+#: alias -> precision name (lower case, ``_`` read as ``-``). ``o2`` is kept as ``o2``: the pure
+#: form of ``auto``'s dtype, which only :func:`ampkit.step.precision.resolve_precision` can finish.
+PRECISION_ALIASES: dict[str, str] = {
+    # torch dtypes and plain words
+    "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32", "full": "fp32",
+    "half": "fp16", "float16": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+    "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    # apex's optimisation levels (what O1/O2 make of a given precision: precision.opt_level_form)
+    "o0": "fp32", "o1": "auto", "o2": "o2",
+    # Lightning's precision flags (PrecisionRow.lightning_name is the other direction)
+    "32": "fp32", "32-true": "fp32", "16": "fp16", "16-mixed": "fp16", "bf16-mixed": "bf16",
+    "bf16-true": "bf16-pure", "16-true": "fp16-pure",
+    # Accelerate's mixed_precision (fp16, bf16 and fp8 are ampkit's names too) and other tools
+    "no": "fp32", "mixed": "auto", "tf32-mixed": "tf32",
+}
+#: The aliases an unknown precision's error lists (a few of each kind; the table has more).
+SHOWN_PRECISION_ALIASES = ("O0", "O1", "O2", "no", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "32", "half",
+                           "bfloat16", "float16", "float32")
 
 #: alias -> field. Only unambiguous names: each means exactly the field it maps to.
 KEY_ALIASES: dict[str, str] = {
@@ -45,6 +74,11 @@ KEY_ALIASES: dict[str, str] = {
     "fallback_chain": "fallback",
     "automatic_fallback": "fallback",
 }
+
+#: The :data:`KEY_ALIASES` that ``ampkit train`` also takes as flags (``--max_grad_norm 1``; each
+#: with its hyphen spelling too). The others are config keys only.
+FLAG_ALIASES: tuple[str, ...] = ("mixed_precision", "grad_scaler_init", "grad_scaler_growth_interval",
+                                 "grad_scaler_backoff", "grad_accum_steps", "max_grad_norm", "fallback_chain")
 
 #: ``scaling_strategy`` (the seed guides' ``ScalingStrategy`` enum) -> the fields it means.
 #: ADAPTIVE ("dynamic, but tolerant of a lone overflow") is DeepSpeed's hysteresis: skip every

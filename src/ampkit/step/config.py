@@ -22,7 +22,7 @@ from . import tomlio
 from .aliases import UnknownKeyError, canonical_keys
 from .precision import CANONICAL, parse_precision
 
-__all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "STATE_DTYPES", "ConfigError", "FieldInfo",
+__all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "SCALE_RANGE", "STATE_DTYPES", "ConfigError", "FieldInfo",
            "MixedPrecisionConfig", "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision",
            "check_deterministic", "check_run_file", "fields_help", "hint_kind", "normalize_patterns", "read_toml",
            "seal_run_file"]
@@ -33,8 +33,10 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float
 DETERMINISTIC_CHOICES = (False, True, "warn")
 MASTERS_CHOICES = ("fp32", "split", "kahan", "stochastic", "none")  # bf16-pure's memory ladder (policies/ladder.py)
 STATE_DTYPES = ("fp32", "bf16")
-# The loss scale's floor, the smallest normal fp32 (ampkit.step.scale_rules.SCALE_FLOOR; this module is a leaf).
-_SCALE_FLOOR = torch.finfo(torch.float32).tiny
+# The initial loss scale's range: from the scale's floor, the smallest normal fp32
+# (ampkit.step.scale_rules.SCALE_FLOOR; this module is a leaf), to 2**127, the largest power of two
+# whose one growth step (x2) is still finite in fp32 (the scale is an fp32 tensor: 2**128 is inf).
+SCALE_RANGE = (torch.finfo(torch.float32).tiny, 2.0**127)
 
 
 class ConfigError(ValueError):
@@ -131,8 +133,9 @@ class MixedPrecisionConfig:
             object.__setattr__(self, "autocast_cache", False)
         # Canonicalise the precision spelling once, at the edge.
         object.__setattr__(self, "precision", canonical_precision(self.precision))
-        _require(self.init_scale >= _SCALE_FLOOR and math.isfinite(self.init_scale), "init_scale", self.init_scale,
-                 "a finite number > 0, at least 2**-126 (the loss scale's floor: the smallest normal fp32)")
+        _require(SCALE_RANGE[0] <= self.init_scale <= SCALE_RANGE[1], "init_scale", self.init_scale,
+                 "a finite number > 0, at least 2**-126 (the loss scale's floor: the smallest normal fp32) and at "
+                 "most 2**127 (the scale is an fp32 tensor)")
         _require(self.growth_factor > 1.0 and math.isfinite(self.growth_factor), "growth_factor",
                  self.growth_factor, "a finite number > 1.0 (use dynamic_scaling=False for a constant scale)")
         _require(0.0 < self.backoff_factor < 1.0, "backoff_factor", self.backoff_factor,

@@ -12,11 +12,12 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .aliases import PRECISION_ALIASES, SHOWN_PRECISION_ALIASES
 from .hardware import DeviceInfo, device_info
 
-__all__ = ["CANONICAL", "NAMES", "PLAN_PRECISIONS", "REFERENCE", "REGISTRY", "Precision",
-           "PrecisionError", "PrecisionRow", "parse_precision", "precision_dtypes", "precision_row",
-           "resolve_precision"]
+__all__ = ["CANONICAL", "NAMES", "OPT_LEVELS", "PLAN_PRECISIONS", "REFERENCE", "REGISTRY", "Precision",
+           "PrecisionError", "PrecisionRow", "opt_level_form", "parse_precision", "precision_dtypes",
+           "precision_row", "resolve_precision"]
 
 
 class PrecisionError(ValueError):
@@ -128,19 +129,37 @@ CANONICAL: tuple[str, ...] = ("auto", *NAMES)
 REFERENCE = "fp32"
 #: The precisions ``ampkit plan`` and the service's planner compare by default.
 PLAN_PRECISIONS: tuple[str, ...] = tuple(n for n, r in REGISTRY.items() if r.planned)
+#: apex's optimisation levels: O0 fp32, O1 autocast over fp32 weights, O2 half weights with fp32
+#: masters. (apex's O3, half weights without masters, is not offered: the pure forms keep masters.)
+OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2")
+_LEVEL_MEANS = {"O1": "autocast over fp32 weights", "O2": "half weights with fp32 masters"}
 
-# Spellings users already know from torch.amp / apex / Lightning / Accelerate (apex O0/O1/O2 too).
-_ALIASES: dict[str, str] = {
-    "no": "fp32", "o0": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
-    "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32", "full": "fp32",
-    "o1": "auto", "mixed": "auto",
-    "o2": "o2",  # the pure form of auto's dtype: only resolve_precision can finish it
-    "16": "fp16", "16-mixed": "fp16", "half": "fp16", "float16": "fp16", "torch.float16": "fp16",
-    "torch.half": "fp16",
-    "bf16-mixed": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "bf16-true": "bf16-pure", "16-true": "fp16-pure",
-    "tf32-mixed": "tf32",
-}
+
+def opt_level_form(precision: Optional[str], level: str) -> str:
+    """What ``level`` (an :data:`OPT_LEVELS` entry, any case) makes of ``precision`` (a canonical
+    name, ``auto`` or ``O2``; None: no precision given), read from the rows' ``o1_form`` and
+    ``o2_form``: O0 is fp32 whatever the precision, O1 keeps an autocast precision (``bf16`` ->
+    ``bf16``), O2 makes it pure (``bf16`` -> ``bf16-pure``); ``auto`` stays ``auto`` with O1 and is
+    ``O2`` (the pure form of auto's dtype) with O2, as is no precision.
+
+    Raises :class:`PrecisionError` for an unknown level, and for a pair that contradicts itself
+    (``fp32`` with O2, ``bf16-pure`` with O1), naming the precisions the level takes."""
+    level = str(level).strip().upper()
+    if level not in OPT_LEVELS:
+        raise PrecisionError(f"unknown opt level {level!r}; choose one of: {', '.join(OPT_LEVELS)}")
+    if level == "O0":
+        return REFERENCE
+    if precision in (None, "auto"):
+        return "auto" if level == "O1" else "O2"
+    row = REGISTRY.get(precision)
+    form = "O2" if precision == "O2" and level == "O2" else None if row is None else \
+        row.o1_form if level == "O1" else row.o2_form
+    if form is None:
+        takes = [n for n, r in REGISTRY.items() if (r.o1_form if level == "O1" else r.o2_form)]
+        raise PrecisionError(f"{level} means {_LEVEL_MEANS[level]}, which {precision} is not; with {level} "
+                             f"give one of: auto, {', '.join(takes)}")
+    return form
+
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 DESCRIPTIONS = {n: r.description for n, r in REGISTRY.items()}
@@ -218,12 +237,11 @@ class Precision:
 
 def _unknown(spec: object) -> PrecisionError:
     text = str(spec).strip().lower()
-    close = difflib.get_close_matches(text, list(CANONICAL) + list(_ALIASES), n=1)
+    close = difflib.get_close_matches(text, list(CANONICAL) + list(PRECISION_ALIASES), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return PrecisionError(
         f"unknown precision {spec!r}{hint}; choose one of: {', '.join(CANONICAL)} "
-        f"(aliases: O0, O1, O2, no, 16-mixed, bf16-mixed, bf16-true, 16-true, 32, half, "
-        f"bfloat16, float16, float32)"
+        f"(aliases: {', '.join(SHOWN_PRECISION_ALIASES)})"
     )
 
 
@@ -248,8 +266,8 @@ def parse_precision(spec: Union[str, torch.dtype, Precision]) -> str:
     text = spec.strip().lower().replace("_", "-")
     if text in REGISTRY or text == "auto":
         return text
-    if text in _ALIASES:
-        return _ALIASES[text]
+    if text in PRECISION_ALIASES:
+        return PRECISION_ALIASES[text]
     # Tolerate "bf16 pure"/"fp16pure" spacing variants.
     squashed = text.replace(" ", "-")
     if squashed in REGISTRY:

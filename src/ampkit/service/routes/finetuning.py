@@ -23,7 +23,7 @@ import threading
 from typing import Any, Optional
 
 import torch
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
 from ...loop.hf import is_hf
@@ -113,6 +113,11 @@ def _weight_decay(body: TrainBody) -> dict[str, Any]:
 
 @router.post("/setup-mixed-precision")
 def setup(body: SetupBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    """Resolves the precision on the server's CPU and stores the settings for this owner (later
+    `mixed-precision` runs without their own `mixed_precision_config` use them). Answer:
+    `model_name`, `enabled`, `precision`, `dtype`, `reason`, `memory_efficient`,
+    `activation_checkpointing`, `scaler` (`enabled`, `init_scale`, `growth_factor`,
+    `backoff_factor`, `growth_interval`, `hysteresis`, `min_scale`, `max_scale`)."""
     out = {"model_name": body.model_name, **_settings(body)}
     svc.store.put_setting(who, "mixed_precision", {**body.model_dump(), "resolved": out})
     return out
@@ -120,6 +125,10 @@ def setup(body: SetupBody, who: Owner, svc: Svc) -> dict[str, Any]:
 
 @router.post("/mixed-precision", status_code=201)
 def mixed_precision(body: TrainBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    """Starts a training run (`POST /v1/runs`) with `save_model` on; the batch is `batch_size`
+    capped at the number of texts. Answer at once: the run object plus `run_id`,
+    `mixed_precision` (the setup answer's fields), `memory_savings_gb` (null now), `scaler_scale`
+    (the initial scale), `result` (`/finetuning/runs/{id}`)."""
     mp = body.mixed_precision_config
     if mp is None:
         saved = svc.store.get_setting(who, "mixed_precision")
@@ -137,6 +146,12 @@ def mixed_precision(body: TrainBody, who: Owner, svc: Svc) -> dict[str, Any]:
 
 @router.post("/optimized", status_code=201)
 def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
+    """A training run as `mixed-precision`, its precision and accumulation chosen here; as many
+    optimizer steps as `ampkit train --epochs` would take, but never fewer than every text
+    `epochs` times. Answer: the run object plus `run_id`, `precision`, `reason`,
+    `mixed_precision_enabled`, `gradient_accumulation_enabled`, `batch_size`,
+    `accumulation_steps`, `effective_batch_size`, `optimizer_steps`, `epochs`, `data_passes`,
+    `memory_savings_gb` (when the estimate is ready within a second, else null)."""
     if body.use_mixed_precision:
         p = _mixed_for(body.device)
         precision, reason = p.name, p.reason
@@ -172,6 +187,8 @@ def _steps_for_epochs(samples: int, batch: int, accumulation: int, epochs: int) 
 
 @router.get("/runs/{run_id}")
 def result(run: OwnedRun) -> dict[str, Any]:
+    """The run object plus `memory_savings_gb` (predicted: fp32's estimated peak minus the run's
+    precision's, in GiB; null when the estimate cannot run)."""
     out = run_view(run)
     precision = (run.get("summary") or {}).get("precision") or run["spec"].get("precision")  # after any fallback
     out["memory_savings_gb"] = savings_gb(run["spec"], precision) if run["kind"] == "train" else None
@@ -179,7 +196,12 @@ def result(run: OwnedRun) -> dict[str, Any]:
 
 
 @router.get("/mixed-precision-stats")
-def stats(who: Owner, svc: Svc, run_id: Optional[str] = None) -> dict[str, Any]:
+def stats(who: Owner, svc: Svc, run_id: Optional[str] = Query(None, description="default: this owner's latest "
+                                                                         "training run")) -> dict[str, Any]:
+    """`run_id`, `status`, `precision`, `enabled`, `scaler_scale`, `memory_savings_gb`,
+    `overflow_count` (overflow events), `underflow_count` (logged steps whose gradient norm was
+    exactly 0), `skipped_steps`, `logged_steps`. With no run yet: `run_id` null, the stored
+    setup's `enabled` and `scaler_scale`, zero counts."""
     if run_id is None:
         run = next((r for r in svc.store.list(owner=who, limit=1_000) if r["kind"] == "train"), None)
     else:
@@ -220,9 +242,13 @@ def _job_answer(job: dict[str, Any], status_code: int = 202) -> JSONResponse:
 
 @router.post("/optimize-mixed-precision")
 def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
-    """The planner's answer (200) when it is ready within seconds or cached; else 202 with a job to
-    poll. The estimates run in the worker process (``..jobs``), never in this thread; identical
-    requests are answered from the cache; per owner a rate limit and a cap on jobs in flight (429)."""
+    """The memory planner's answer for every precision (no run): `model_name`, `gpu_memory_gb`,
+    `batch_size`, `should_use_mixed_precision`, `reason`, `recommended_precision`,
+    `recommendations` (per precision: `precision`, `predicted_peak_gb`, `fits`, `max_batch_size`),
+    `note`. 200 when it is ready within 3 s or cached (`"cached": true`); else 202 with the job to
+    poll (`poll`, also in `Location`). Per owner a rate limit and at most 2 plans in flight (429).
+    \f
+    The estimates run in the worker process (``..jobs``), never in this thread."""
     limits = limit(request, who, "planner")
     try:
         allowed_model(body.model_name, ())
@@ -246,7 +272,8 @@ def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
 
 @router.get("/optimize-mixed-precision/jobs/{job_id}")
 def optimize_job(job_id: str, who: Owner) -> Any:
-    """A planner job: 202 while it is queued or running, then its answer (200, or 422)."""
+    """A planner job: 202 while it is queued or running, then its answer (200, or 422); another
+    owner's job is a 404."""
     job = jobs().get(job_id, who)
     if job is None:
         raise HTTPException(404, f"no planner job {job_id!r}")

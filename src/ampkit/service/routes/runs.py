@@ -24,10 +24,15 @@ router = APIRouter()
 
 @router.get("/health")
 def health(svc: Svc, response: Response) -> dict[str, Any]:
-    """Liveness, the scheduler's and the queue; where CUDA devices are present, ``gpus``
-    (temperature, memory) and, while one is over ``--max_gpu_temp``, ``held`` (why queued runs
-    wait). A scheduler that has stopped ticking is ``"status": "degraded"`` and a 503: no queued
-    run would start."""
+    """No token. `200 {"status": "ok", "version": "0.1.0", "scheduler": {"alive": true,
+    "last_tick_s_ago": 0.12, "error": null}, "queued": 0, "running": 0}`. `scheduler.error` is the
+    last scheduler tick's error (a full disk, ...) until a tick succeeds. When the scheduler is not
+    alive (its thread ended, or no tick finished for 300 s) or the database cannot be read
+    (`store_error`): `503` with `"status": "degraded"` -- queued runs would not start. Where CUDA
+    devices are present, also `gpus`: `[{"index": 0, "name": ..., "temperature_c": 61.0,
+    "memory_used_bytes": ..., "memory_total_bytes": ...}]` (a value it cannot read is null); while a
+    device is over `--max_gpu_temp`, `held`: why queued runs wait. On a CPU server neither field is
+    present."""
     scheduler = svc.runner.scheduler()
     out: dict[str, Any] = {"status": "ok" if scheduler["alive"] else "degraded", "version": __version__,
                            "scheduler": scheduler}
@@ -47,24 +52,36 @@ def health(svc: Svc, response: Response) -> dict[str, Any]:
 
 @router.post("/v1/runs", status_code=201)
 def create_run(spec: RunSpec, who: Owner, svc: Svc) -> dict[str, Any]:
+    """A training run: `python -m ampkit train` in its own process group, logs and checkpoints in
+    `DATA_DIR/runs/{id}/`, its settings in its `run.toml` (each field below is an `ampkit train`
+    option or, in `amp`, a `MixedPrecisionConfig` field). Answer: the run object, `status` `queued`."""
     return run_view(submit(svc, who, "train", spec.model_dump()))
 
 
 @router.get("/v1/runs")
-def list_runs(who: Owner, svc: Svc, status: Optional[str] = None,
-              limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+def list_runs(who: Owner, svc: Svc, status: Optional[str] = Query(None, description="only runs in this status"),
+              limit: int = Query(100, ge=1, le=1000, description="at most this many runs")) -> dict[str, Any]:
+    """This owner's runs, newest first: `{"runs": [run, ...]}`. No run's training texts are in it
+    (`texts_count` and `texts_bytes` instead)."""
     return {"runs": [run_view(svc.runner.shown(r)) for r in svc.store.list(owner=who, status=status, limit=limit)]}
 
 
 @router.get("/v1/runs/{run_id}")
 def get_run(run: OwnedRun, svc: Svc) -> dict[str, Any]:
+    """The run object plus `events`: the run's `type == "event"` JSONL records."""
     view = run_view(svc.runner.shown(run))
     view["events"] = [r for r in map(json.loads, read_log(run["run_dir"])) if r.get("type") == "event"]
     return view
 
 
 @router.get("/v1/runs/{run_id}/metrics")
-def metrics(run: OwnedRun, after: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)) -> dict[str, Any]:
+def metrics(run: OwnedRun, after: int = Query(0, ge=0, description="the index of the first record (`next` of "
+                                             "the previous page)"),
+            limit: int = Query(1000, ge=1, le=10_000, description="at most this many records")) -> dict[str, Any]:
+    """The run's JSONL records (steps and events, docs/reference/jsonl-schema.md) from every
+    attempt, in order, complete lines only, so it can be polled while the run trains: `{"id",
+    "status", "records": [...], "next": <index to pass as after>, "total": <records so far>}`. While
+    a run on a CUDA device is running, also `gpus` (as in `/health`)."""
     lines = read_log(run["run_dir"])
     page = lines[after:after + limit]
     out = {"id": run["id"], "status": run["status"], "records": [json.loads(x) for x in page],
@@ -76,6 +93,9 @@ def metrics(run: OwnedRun, after: int = Query(0, ge=0), limit: int = Query(1000,
 
 @router.delete("/v1/runs/{run_id}")
 def cancel(run: OwnedRun, svc: Svc) -> dict[str, Any]:
+    """Cancel a `queued` or `running` run: its process group gets SIGTERM, then SIGKILL after 2 s,
+    and is gone when the answer comes. The run object, `status` `cancelled`; 409 if it had already
+    ended."""
     if not svc.runner.cancel(run["id"]):
         now = svc.store.get(run["id"]) or run
         raise HTTPException(409, f"run {run['id']} has already ended ({now['status']})")
@@ -84,6 +104,9 @@ def cancel(run: OwnedRun, svc: Svc) -> dict[str, Any]:
 
 @router.post("/v1/runs/{run_id}/resume", status_code=202)
 def resume(run: OwnedRun, svc: Svc) -> dict[str, Any]:
+    """Put an `interrupted`, `failed` or `cancelled` training run back in the queue; it continues
+    from its newest checkpoint (`ampkit train --resume`), `resumes` + 1. 409 for any other status
+    or when no checkpoint was written yet."""
     run_id = run["id"]
     if run["kind"] != "train" or run["status"] not in ("interrupted", "failed", "cancelled"):
         raise HTTPException(409, f"run {run_id} is {run['status']}: only an interrupted, failed or cancelled "
@@ -98,7 +121,13 @@ def resume(run: OwnedRun, svc: Svc) -> dict[str, Any]:
 
 
 @router.get("/v1/compare")
-def compare(ids: str, who: Owner, svc: Svc) -> dict[str, Any]:
+def compare(ids: str = Query(description="run ids, comma-separated: the first is the baseline"), *, who: Owner,
+            svc: Svc) -> dict[str, Any]:
+    """Runs that succeeded, compared with the first: `{"baseline": "A", "runs": [{"id",
+    "precision", "final_loss", "loss_gap", "ms_per_step", "speedup", "samples_per_s",
+    "peak_mem_bytes", "memory_ratio", "skipped_steps"}, ...]}` (`loss_gap` = final loss - the
+    baseline's; `speedup` = the baseline's ms/step / this one's; `memory_ratio` = peak / the
+    baseline's peak). 422 with fewer than two ids, 409 if one has no summary."""
     wanted = [i for i in ids.split(",") if i]
     if len(wanted) < 2:
         raise HTTPException(422, "compare needs at least two run ids: ids=a,b[,c...]")
@@ -121,6 +150,10 @@ def compare(ids: str, who: Owner, svc: Svc) -> dict[str, Any]:
 
 @router.post("/v1/recommend", status_code=201)
 def recommend(spec: RecommendSpec, who: Owner, svc: Svc, request: Request) -> dict[str, Any]:
+    """A `recommend` run: `ampkit tune` on the model (rate-limited per owner, 429). Answer: the run
+    object; when it succeeded, `summary` holds `recommendation` (`precision`, `speedup_vs_fp32`,
+    `loss_gap`, `tolerance`, `batch_size`, `accumulation_steps`, `why_not`, ...) and `bench`
+    (every precision's measurements)."""
     limit(request, who, "recommend")  # per-owner rate limit (429 with Retry-After), as the planner route
     return run_view(submit(svc, who, "recommend", spec.model_dump()))
 
