@@ -345,51 +345,80 @@ def debug_mode(amp: MixedPrecision) -> str:
 
 
 def add_parser(sub: Any) -> None:
+    """The train command: model and data, engine (generated from MixedPrecisionConfig), then one
+    argument group per concern below, each its own function (``ampkit train --help`` shows the groups)."""
     p = sub.add_parser("train", help="train a built-in model on local data, or yours (module:factory)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags(p, size="small")
     add_engine_flags(p)
-    flag(p, "steps", type=positive_int, default=100, help="optimizer steps; with --resume, the total to reach (default: 100)")
-    flag(p, "batch_size", type=_batch_size_arg, default=16,
-         help="micro-batch size, or 'auto': the largest that fits --memory_budget by the estimate (default: 16)")
-    flag(p, "memory_budget", default=None,
-         help="with --batch_size auto: the memory to fit, e.g. 8GiB (default on CUDA: the device's free memory)")
-    flag(p, "target_effective_batch_size", type=positive_int, default=None,
-         help="derive --accumulation_steps so that batch_size x accumulation_steps equals this")
-    flag(p, "lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
-    flag(p, "weight_decay", type=unit_float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    flag(p, "seed", type=seed_int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
-         "Python's random, numpy (default: 0)")
-    flag(p, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps (default: 10)")
-    flag(p, "no_progress", action="store_true", help="no progress bar")
-    flag(p, "mlflow", default=None, metavar="URI", help="also log to MLflow at this tracking URI, e.g. "
-         "file:///tmp/mlruns (needs ampkit[mlflow])")
-    flag(p, "wandb", default=None, metavar="PROJECT", help="also log to this Weights & Biases project "
-         "(WANDB_MODE=offline works without an account; needs ampkit[wandb])")
-    flag(p, "grad_ckpt", action="store_true", help="activation checkpointing (the built-in GPT's blocks)")
-    flag(p, "grad_ckpt_modules", default=None,
-         help="activation-checkpoint these module types / name globs (comma-separated); implies --grad_ckpt")
-    flag(p, "epochs", type=positive_int, default=None, help="train this many epochs instead of --steps")
-    flag(p, "eval_every", type=positive_int, default=None, help="evaluate on held-out batches every N steps")
-    flag(p, "eval_precision", default="train", choices=["train", "fp32"],
-         help="evaluate in the training precision or strict fp32 (default: train)")
-    flag(p, "no_diagnose", action="store_true", help="do not localize the first skipped step")
-    flag(p, "checkpoint_dir", default=None, help="write checkpoints here (atomically)")
-    flag(p, "checkpoint_every", type=positive_int, default=None, help="checkpoint every N optimizer steps")
-    flag(p, "keep_last", type=positive_int, default=3, help="checkpoints to keep (default: 3)")
-    flag(p, "resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint_dir "
-                                                  "(--steps is the total to reach)")
-    flag(p, "allow_fresh", action="store_true", help="with --resume: start fresh when there is no checkpoint")
-    flag(p, "overwrite", action="store_true", help="start a new run in a --checkpoint_dir that holds another run's "
-                                                    "checkpoints, deleting them")
-    flag(p, "config", default=None, metavar="FILE.toml",
-         help="read settings from TOML: an [amp] table (MixedPrecisionConfig fields) and a [train] table "
-              "(these options' names, e.g. steps = 200); flags given on the command line override the file")
-    flag(p, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
-    flag(p, "json", action="store_true", help="print the summary as JSON")
-    flag(p, "save_model", default=None, metavar="DIR",
-         help="save the trained weights (fp32) to DIR at the end: save_pretrained for Hugging Face models, "
-              "else DIR/model.pt")
+    for group in (_length_and_batch_flags, _optimizer_flags, _logging_flags, _evaluation_flags,
+                  _checkpoint_flags, _output_flags):
+        group(p)
     debug_flags(p)
     parallel.add_flags(p)
     p.set_defaults(func=cmd_train)
+
+
+def _length_and_batch_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run length, batch and memory")
+    flag(g, "steps", type=positive_int, default=100, help="optimizer steps; with --resume, the total to reach (default: 100)")
+    flag(g, "epochs", type=positive_int, default=None, help="train this many epochs instead of --steps")
+    flag(g, "batch_size", type=_batch_size_arg, default=16,
+         help="micro-batch size, or 'auto': the largest that fits --memory_budget by the estimate (default: 16)")
+    flag(g, "memory_budget", default=None,
+         help="with --batch_size auto: the memory to fit, e.g. 8GiB (default on CUDA: the device's free memory)")
+    flag(g, "target_effective_batch_size", type=positive_int, default=None,
+         help="derive --accumulation_steps so that batch_size x accumulation_steps equals this")
+    flag(g, "grad_ckpt", action="store_true", help="activation checkpointing (the built-in GPT's blocks)")
+    flag(g, "grad_ckpt_modules", default=None,
+         help="activation-checkpoint these module types / name globs (comma-separated); implies --grad_ckpt")
+
+
+def _optimizer_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and seed")
+    flag(g, "lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    flag(g, "weight_decay", type=unit_float, default=0.01, help="AdamW weight decay (default: 0.01)")
+    flag(g, "seed", type=seed_int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
+         "Python's random, numpy (default: 0)")
+
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    flag(g, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps (default: 10)")
+    flag(g, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
+    flag(g, "no_progress", action="store_true", help="no progress bar")
+    flag(g, "no_diagnose", action="store_true", help="do not localize the first skipped step")
+    flag(g, "mlflow", default=None, metavar="URI", help="also log to MLflow at this tracking URI, e.g. "
+         "file:///tmp/mlruns (needs ampkit[mlflow])")
+    flag(g, "wandb", default=None, metavar="PROJECT", help="also log to this Weights & Biases project "
+         "(WANDB_MODE=offline works without an account; needs ampkit[wandb])")
+
+
+def _evaluation_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("evaluation")
+    flag(g, "eval_every", type=positive_int, default=None, help="evaluate on held-out batches every N steps")
+    flag(g, "eval_precision", default="train", choices=["train", "fp32"],
+         help="evaluate in the training precision or strict fp32 (default: train)")
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints and resume")
+    flag(g, "checkpoint_dir", default=None, help="write checkpoints here (atomically)")
+    flag(g, "checkpoint_every", type=positive_int, default=None, help="checkpoint every N optimizer steps")
+    flag(g, "keep_last", type=positive_int, default=3, help="checkpoints to keep (default: 3)")
+    flag(g, "resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint_dir "
+                                                  "(--steps is the total to reach)")
+    flag(g, "allow_fresh", action="store_true", help="with --resume: start fresh when there is no checkpoint")
+    flag(g, "overwrite", action="store_true", help="start a new run in a --checkpoint_dir that holds another run's "
+                                                    "checkpoints, deleting them")
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("settings file and output")
+    flag(g, "config", default=None, metavar="FILE.toml",
+         help="read settings from TOML: an [amp] table (MixedPrecisionConfig fields) and a [train] table "
+              "(these options' names, e.g. steps = 200); flags given on the command line override the file")
+    flag(g, "json", action="store_true", help="print the summary as JSON")
+    flag(g, "save_model", default=None, metavar="DIR",
+         help="save the trained weights (fp32) to DIR at the end: save_pretrained for Hugging Face models, "
+              "else DIR/model.pt")
