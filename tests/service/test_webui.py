@@ -100,6 +100,21 @@ def _log(svc, rid: str) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
+def _until(page, js: str, timeout_s: float = WAIT_MS / 1000):
+    """Poll ``js`` in the page until it is truthy (Playwright's wait_for_function evaluates a string,
+    which the UI's CSP refuses: no 'unsafe-eval')."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = page.evaluate(js)
+        except sync_api.Error:  # the page reloaded itself in between (a run page when its run ends)
+            got = None
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{js} still false after {timeout_s} s"
+        time.sleep(0.1)
+
+
 def _shot(page, artifacts: str, name: str) -> None:
     page.screenshot(path=os.path.join(artifacts, f"{name}.png"), full_page=True)
 
@@ -159,7 +174,7 @@ def test_loss_plot_has_a_point_per_step_record_and_marks_the_fallback(page, svc,
     skipped = [r["step"] for r in steps if r["skipped"]]
     assert skipped  # the run did skip steps before falling back
     page.goto(f"{svc['base']}/ui/runs/{rid}")
-    page.wait_for_function("window.ampkit && window.ampkit.marks.loss", timeout=WAIT_MS)
+    _until(page, "window.ampkit && window.ampkit.marks.loss")
     assert page.evaluate("ampkit.charts.loss.data[0].length") == len(steps)
     assert page.evaluate("ampkit.charts.loss.data[0]") == [r["step"] for r in steps]
     marks = page.evaluate("ampkit.marks.loss")
@@ -185,8 +200,8 @@ def test_launching_from_the_form_creates_a_run_that_trains(page, svc, artifacts)
     rid = page.url.rsplit("/", 1)[1]
     run = svc["alice"].get(f"/v1/runs/{rid}").json()
     assert run["spec"]["steps"] == 5 and run["user_id"] == "from-the-form"
-    page.wait_for_function("document.getElementById('run-status').textContent === 'succeeded'", timeout=WAIT_MS)
-    page.wait_for_function("window.ampkit.charts.loss && ampkit.charts.loss.data[0].length === 5", timeout=WAIT_MS)
+    _until(page, "document.getElementById('run-status')?.textContent === 'succeeded'")
+    _until(page, "window.ampkit?.charts.loss?.data[0].length === 5")
     assert svc["alice"].get(f"/v1/runs/{rid}").json()["summary"]["optimizer_steps"] == 5
 
 
@@ -244,7 +259,7 @@ def test_a_cross_site_post_is_refused(browser, page, svc):
 def test_compare_and_plan_pages(page, svc, artifacts):
     a, b = svc["ids"]["fallback"], svc["ids"]["xss"]
     page.goto(f"{svc['base']}/ui/compare?ids={a},{b}")
-    page.wait_for_function("window.ampkit && ampkit.charts['compare-loss']", timeout=WAIT_MS)
+    _until(page, "window.ampkit && ampkit.charts['compare-loss']")
     assert page.evaluate("ampkit.charts['compare-loss'].series.length") == 3  # steps + one per run
     assert page.locator("#compare tbody tr").count() == 2
     _shot(page, artifacts, "compare")

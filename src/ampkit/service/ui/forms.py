@@ -55,7 +55,7 @@ def fields(model: type[BaseModel], required: tuple[str, ...] = ()) -> list[Field
     out = []
     for name, info in model.model_fields.items():
         kind, choices = _kind(info.annotation)
-        default = info.get_default(call_default_factory=True)
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
         shown = "" if default is None or default in ({}, []) else (
             json.dumps(default) if kind == "json" else str(default).lower() if isinstance(default, bool)
             else str(default))

@@ -30,7 +30,7 @@ from ..runner import TERMINAL, read_log
 from ..schemas import OptimizeBody, RunSpec, run_view
 from ..store import STATUSES
 from . import forms
-from .series import FIGURES, MARKED, columns_of, downsample
+from .series import FIGURES, MARKED, columns_of
 from .session import (
     COOKIE,
     Session,
@@ -171,7 +171,8 @@ def runs_page(request: Request, status: Optional[str] = None) -> Response:
 def _row(view: dict[str, Any], svc: Any) -> dict[str, Any]:
     """A line of the runs table: progress from the summary, or from the log while the run is live."""
     s, spec = view.get("summary") or {}, view["spec"]
-    done, loss, speed = s.get("optimizer_steps"), s.get("final_loss"), s.get("tokens_per_s") or s.get("samples_per_s")
+    done, loss = s.get("optimizer_steps"), s.get("final_loss")
+    speed, unit = (s["tokens_per_s"], "tokens/s") if s.get("tokens_per_s") else (s.get("samples_per_s"), "samples/s")
     precision = s.get("precision") or spec.get("precision")
     row = svc.store.get(view["id"]) if view["status"] == "running" else None
     if row is not None:
@@ -179,8 +180,10 @@ def _row(view: dict[str, Any], svc: Any) -> dict[str, Any]:
         done = len(cols.steps)
         loss = next((v for v in reversed(cols.values["loss"]) if v == v), None)
         speed = next((v for v in reversed(cols.values["speed"]) if v == v), None)
+        unit = "samples/s" if cols.speed_key == "samples_per_s" else "tokens/s"
     end = view["ended"] or (time.time() if view["status"] == "running" else None)
-    return {**view, "done": done, "asked": spec.get("steps"), "loss": loss, "speed": speed, "precision": precision,
+    return {**view, "done": done, "asked": spec.get("steps"), "loss": loss, "speed": speed, "unit": unit if speed else "",
+            "precision": precision,
             "duration": end - view["started"] if end and view["started"] else None}
 
 
@@ -217,13 +220,8 @@ def run_data(request: Request, run_id: str, points: int = Query(MAX_POINTS, ge=1
     svc = service(request)
     run = svc.runner.shown(lookup(svc, run_id, me[0]))
     cols = columns_of(run["id"], read_log(run["run_dir"]))
-    series = {}
-    for name, (title, _) in FIGURES.items():
-        xs, ys = downsample(cols.steps, cols.values[name], points)
-        series[name] = {"title": title if name != "speed" or cols.speed_key != "samples_per_s" else "samples/s",
-                        "x": xs, "y": ys}
     body = {"id": run["id"], "status": run["status"], "error": run["error"], "steps": len(cols.steps),
-            "series": series, "skipped": cols.skipped, "skipped_total": cols.skipped_total,
+            "series": cols.series(points), "skipped": cols.skipped, "skipped_total": cols.skipped_total,
             "events": cols.events, "events_total": cols.events_total, "marked": MARKED,
             "live": run["status"] not in TERMINAL}
     return Response(json.dumps(body, ensure_ascii=True, separators=(",", ":"), allow_nan=False, default=str),
@@ -332,7 +330,7 @@ async def plan(request: Request) -> Response:
 def plan_job(request: Request, job_id: str) -> Response:
     me = _me(request)
     return _plan_answer(request, me, lambda: finetuning.optimize_job(job_id, me[0]),
-                        fields=forms.fields(OptimizeBody, required=("gpu_memory_gb",)), values={})
+                        fields=forms.fields(OptimizeBody, required=("gpu_memory_gb",)), values=None)
 
 
 def _plan_answer(request: Request, me: tuple[str, Session], ask: Callable[[], Any], **context: Any) -> Response:
@@ -348,10 +346,13 @@ def _plan_answer(request: Request, me: tuple[str, Session], ask: Callable[[], An
             got = json.loads(bytes(got.body))
         if "recommendations" in got:
             plan = got
+            if context["values"] is None:  # a job's page: the form shows what was planned
+                context["values"] = {k: str(got[k]) for k in ("model_name", "gpu_memory_gb", "batch_size")}
         elif got.get("status") == "failed":
             error = f"the planner failed: {got.get('error')}"
         else:
             job = got
+    context["values"] = context["values"] or {}
     response = _page(request, "plan.html", me, status=422 if error else 200, errors={}, error=error, plan=plan,
                      job=job, **context)
     if job is not None:

@@ -50,18 +50,22 @@ class Columns:
     events_total: int = 0
     lines: int = 0  # log lines parsed
     last_line: str = ""
+    _shown: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # points -> (lines, series)
 
     def add(self, line: str) -> None:
         rec = json.loads(line)
         if rec.get("type") == "step":
             self.steps.append(int(rec.get("step", 0)))
             for name, (_, keys) in FIGURES.items():
-                key = next((k for k in keys if rec.get(k) is not None), keys[0])
-                if name == "speed" and key in rec and self.speed_key is None:
+                v = None
+                for key in keys:
+                    v = rec.get(key)
+                    if v is not None:
+                        break
+                if name == "speed" and v is not None and self.speed_key is None:
                     self.speed_key = key
-                v = rec.get(key)
-                self.values[name].append(float(v) * _SCALE.get(key, 1.0) if isinstance(v, (int, float))
-                                         and not isinstance(v, bool) else math.nan)
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                self.values[name].append(float(v) * _SCALE.get(key, 1.0) if ok else math.nan)
             if rec.get("skipped"):
                 self.skipped_total += 1
                 if len(self.skipped) < MAX_SKIPS:
@@ -70,6 +74,20 @@ class Columns:
             self.events_total += 1
             if len(self.events) < MAX_EVENTS:
                 self.events.append(rec)
+
+
+    def series(self, points: int) -> dict[str, dict[str, Any]]:
+        """Each figure downsampled to ``points`` (kept until the log grows: a finished run's polls are free)."""
+        got = self._shown.get(points)
+        if got is not None and got[0] == self.lines:
+            return got[1]
+        out = {}
+        for name, (title, _) in FIGURES.items():
+            xs, ys = downsample(self.steps, self.values[name], points)
+            out[name] = {"title": "samples/s" if name == "speed" and self.speed_key == "samples_per_s" else title,
+                         "x": xs, "y": ys}
+        self._shown = {points: (self.lines, out)}
+        return out
 
 
 class _Cache:

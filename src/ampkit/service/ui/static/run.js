@@ -8,6 +8,7 @@
   const SKIP = "#f0a500";
   const EVENT = "#c62828";
   const POLL_MS = 2000;
+  const STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];  // whole steps
   // what tests and curious users can read: the charts, their data and the markers as drawn
   const state = (window.ampkit = { charts: {}, data: null, marks: {}, polls: 0 });
 
@@ -73,7 +74,7 @@
     const opts = {
       width: width(el), height: 240,
       scales: { x: { time: false } },
-      axes: [{ label: "step" }, { size: 70, values: (u, vals) => vals.map(fmt) }],
+      axes: [{ label: "step", incrs: STEPS }, { size: 70, values: (u, vals) => vals.map(fmt) }],
       series: [{ label: "step", value: (u, v) => (v == null ? "–" : String(v)) }].concat(series || [
         { label: label, stroke: COLORS[0], width: 1.5, spanGaps: false, value: (u, v) => fmt(v),
           points: { show: data[0].length <= 200 } },
@@ -141,6 +142,7 @@
         if (state.charts[name]) state.charts[name].setData(data);
         else chart(el, name, s.title, data, [markers(name)]);
         el.dataset.points = String(s.x.length);
+        el.querySelector("figcaption").textContent = s.title;
       }
       const steps = document.getElementById("run-steps");
       if (steps) {
@@ -166,6 +168,7 @@
       const series = ids.map((i, k) => ({
         label: i, stroke: COLORS[k % COLORS.length], width: 1.5, spanGaps: true, value: (u, v) => fmt(v),
       }));
+      el.querySelector("figcaption").textContent = all[0].series[fig].title;
       chart(el, "compare-" + fig, fig, data, [], series);
       el.dataset.points = String(data[0].length);
     }
