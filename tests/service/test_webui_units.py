@@ -127,3 +127,24 @@ def test_launch_rejects_what_the_api_rejects_and_runs_stay_the_owners(client, mo
     assert client.get(f"/ui/runs/{rid}").status_code == 404
     assert client.get(f"/ui/runs/{rid}/data").status_code == 404
     assert rid not in client.get("/ui/runs").text
+
+
+def test_the_ui_mounted_inside_another_app_links_under_its_prefix(tmp_path):
+    pytest.importorskip("httpx")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from ampkit.service.app import ServiceConfig, create_app
+
+    outer = FastAPI()
+    outer.mount("/ampkit", create_app(ServiceConfig(data_dir=str(tmp_path / "svc")), tokens={"tok-a": "alice"}))
+    c = TestClient(outer, base_url="http://127.0.0.1", follow_redirects=False)
+    assert c.get("/ampkit/").headers["location"] == "/ampkit/ui/signin"
+    r = c.post("/ampkit/ui/signin", data={"token": "tok-a"}, headers={"Origin": "http://127.0.0.1"})
+    assert r.status_code == 303 and r.headers["location"] == "/ampkit/ui/runs"
+    assert "Path=/ampkit" in r.headers["set-cookie"]
+    page = c.get("/ampkit/ui/runs")
+    assert page.status_code == 200 and 'href="/ampkit/ui/launch"' in page.text
+    assert 'href="/ampkit/ui/static/ui.css"' in page.text and c.get("/ampkit/ui/static/ui.css").status_code == 200
+    assert 'data-root="/ampkit"' in page.text and 'class="here"' in page.text
+    c.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -27,6 +27,7 @@ class Field:
     default: str
     choices: tuple[str, ...] = ()
     required: bool = False
+    suggest: tuple[str, ...] = ()  # offered while typing (any value may still be given)
 
 
 def _kind(annotation: Any) -> tuple[str, tuple[str, ...]]:
@@ -50,8 +51,10 @@ def _kind(annotation: Any) -> tuple[str, tuple[str, ...]]:
     return "text", ()
 
 
-def fields(model: type[BaseModel], required: tuple[str, ...] = ()) -> list[Field]:
-    """The form's inputs, one per field of ``model``, in its order."""
+def fields(model: type[BaseModel], required: tuple[str, ...] = (),
+           suggest: Optional[dict[str, tuple[str, ...]]] = None) -> list[Field]:
+    """The form's inputs, one per field of ``model``, in its order (``suggest``: values offered for
+    a text field while typing, e.g. the precision names)."""
     out = []
     for name, info in model.model_fields.items():
         kind, choices = _kind(info.annotation)
@@ -59,7 +62,8 @@ def fields(model: type[BaseModel], required: tuple[str, ...] = ()) -> list[Field
         shown = "" if default is None or default in ({}, []) else (
             json.dumps(default) if kind == "json" else str(default).lower() if isinstance(default, bool)
             else str(default))
-        out.append(Field(name, kind, shown, choices, required=name in required or info.is_required()))
+        out.append(Field(name, kind, shown, choices, required=name in required or info.is_required(),
+                         suggest=(suggest or {}).get(name, ())))
     return out
 
 

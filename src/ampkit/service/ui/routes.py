@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
+from ...step.precision import CANONICAL
 from ..checks import shown
 from ..deps import lookup, service
 from ..limits import limit
@@ -29,7 +30,9 @@ from ..routes import finetuning, runs
 from ..runner import TERMINAL, read_log
 from ..schemas import OptimizeBody, RunSpec, run_view
 from ..store import STATUSES
-from . import forms
+from .forms import body as form_body
+from .forms import errors as form_errors
+from .forms import fields as form_fields
 from .series import FIGURES, MARKED, columns_of
 from .session import (
     COOKIE,
@@ -46,6 +49,7 @@ __all__ = ["router"]
 
 MAX_POINTS = 2000  # points per plotted series (more: min/max per bucket, series.downsample)
 LISTED = 1000  # runs on the runs page (the API's largest page)
+SUGGEST = {"precision": CANONICAL, "device": ("cpu", "cuda", "cuda:0", "mps")}  # the launch form's hints
 STATIC = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
           "run.js": "text/javascript", "ui.css": "text/css"}
 
@@ -64,7 +68,7 @@ class UIRoute(APIRoute):
             try:
                 response = await handler(request)
             except _SignIn:
-                response = RedirectResponse("/ui/signin", status_code=303)
+                response = _to(request, "/ui/signin")
             except HTTPException as e:
                 if request.url.path.endswith("/data"):
                     response = JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
@@ -98,9 +102,21 @@ def _templates() -> Any:
 
 def _page(request: Request, name: str, me: Optional[tuple[str, Session]], status: int = 200,
           headers: Optional[dict[str, str]] = None, **context: Any) -> HTMLResponse:
+    root = _root(request)
+    path = request.url.path
     html = _templates().get_template(name).render(
-        owner=me[0] if me else None, csrf=me[1].csrf if me else "", path=request.url.path, **context)
+        owner=me[0] if me else None, csrf=me[1].csrf if me else "", root=root,
+        path=path[len(root):] if path.startswith(root) else path, **context)
     return HTMLResponse(html, status_code=status, headers=headers)
+
+
+def _root(request: Request) -> str:
+    """The path the service is mounted at (``""`` at the top; ``/ampkit`` inside another app)."""
+    return str(request.scope.get("root_path") or "").rstrip("/")
+
+
+def _to(request: Request, path: str) -> RedirectResponse:
+    return RedirectResponse(_root(request) + path, status_code=303)
 
 
 def _me(request: Request) -> tuple[str, Session]:
@@ -121,7 +137,7 @@ async def _form(request: Request, me: tuple[str, Session]) -> dict[str, Any]:
 
 @router.get("/")
 def home(request: Request) -> Response:
-    return RedirectResponse("/ui/runs" if signed_in(request) else "/ui/signin", status_code=303)
+    return _to(request, "/ui/runs" if signed_in(request) else "/ui/signin")
 
 
 @router.get("/ui/signin")
@@ -140,8 +156,8 @@ async def signin(request: Request) -> Response:
         return _page(request, "signin.html", None, status=401, error="that token is not one this server knows")
     old = request.cookies.get(COOKIE)
     sessions_of(request).close(old)  # a new session id on sign-in (no session fixation)
-    response = RedirectResponse("/ui/runs", status_code=303)
-    set_cookie(request, response, sessions_of(request).open(token))
+    response = _to(request, "/ui/runs")
+    set_cookie(request, response, sessions_of(request).open(token), path=_root(request) or "/")
     return response
 
 
@@ -150,8 +166,8 @@ async def signout(request: Request) -> Response:
     me = _me(request)
     await _form(request, me)
     sessions_of(request).close(request.cookies.get(COOKIE))
-    response = RedirectResponse("/ui/signin", status_code=303)
-    response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    response = _to(request, "/ui/signin")
+    response.delete_cookie(COOKIE, path=_root(request) or "/", httponly=True, samesite="strict", secure=request.url.scheme == "https")
     return response
 
 
@@ -239,7 +255,7 @@ async def cancel(request: Request, run_id: str) -> Response:
         if e.status_code != 409:
             raise
         return _run(request, run_id, error=str(e.detail))
-    return RedirectResponse(f"/ui/runs/{run_id}", status_code=303)
+    return _to(request, f"/ui/runs/{run_id}")
 
 
 @router.post("/ui/runs/{run_id}/resume")
@@ -253,7 +269,7 @@ async def resume(request: Request, run_id: str) -> Response:
         if e.status_code != 409:
             raise
         return _run(request, run_id, error=str(e.detail))
-    return RedirectResponse(f"/ui/runs/{run_id}", status_code=303)
+    return _to(request, f"/ui/runs/{run_id}")
 
 
 # --- compare ---------------------------------------------------------------------------------
@@ -277,7 +293,7 @@ def compare_page(request: Request, ids: Annotated[Optional[list[str]], Query()] 
 @router.get("/ui/launch")
 def launch_page(request: Request) -> Response:
     me = _me(request)
-    return _page(request, "launch.html", me, fields=forms.fields(RunSpec), values={}, errors={}, error=None)
+    return _page(request, "launch.html", me, fields=form_fields(RunSpec, suggest=SUGGEST), values={}, errors={}, error=None)
 
 
 @router.post("/ui/launch")
@@ -287,16 +303,16 @@ async def launch(request: Request) -> Response:
     values = {k: v for k, v in form.items() if k != "csrf" and isinstance(v, str)}
     errors, error = {}, None
     try:
-        spec = RunSpec.model_validate(forms.body(RunSpec, values))
+        spec = RunSpec.model_validate(form_body(RunSpec, values))
         run = runs.create_run(spec, me[0], service(request))
-        return RedirectResponse(f"/ui/runs/{run['id']}", status_code=303)
+        return _to(request, f"/ui/runs/{run['id']}")
     except ValidationError as e:
-        errors = forms.errors(e)
+        errors = form_errors(e)
     except HTTPException as e:
         if e.status_code not in (422, 429, 507):
             raise
         error = str(e.detail)
-    return _page(request, "launch.html", me, status=422 if errors or error else 200, fields=forms.fields(RunSpec),
+    return _page(request, "launch.html", me, status=422 if errors or error else 200, fields=form_fields(RunSpec, suggest=SUGGEST),
                  values=values, errors=errors, error=error)
 
 
@@ -305,7 +321,7 @@ async def launch(request: Request) -> Response:
 @router.get("/ui/plan")
 def plan_page(request: Request) -> Response:
     me = _me(request)
-    return _page(request, "plan.html", me, fields=forms.fields(OptimizeBody, required=("gpu_memory_gb",)),
+    return _page(request, "plan.html", me, fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
                  values={}, errors={}, error=None, plan=None, job=None)
 
 
@@ -316,11 +332,11 @@ async def plan(request: Request) -> Response:
     me = _me(request)
     form = await _form(request, me)
     values = {k: v for k, v in form.items() if k != "csrf" and isinstance(v, str)}
-    fields = forms.fields(OptimizeBody, required=("gpu_memory_gb",))
+    fields = form_fields(OptimizeBody, required=("gpu_memory_gb",))
     try:
-        body = OptimizeBody.model_validate(forms.body(OptimizeBody, values))
+        body = OptimizeBody.model_validate(form_body(OptimizeBody, values))
     except ValidationError as e:
-        return _page(request, "plan.html", me, status=422, fields=fields, values=values, errors=forms.errors(e),
+        return _page(request, "plan.html", me, status=422, fields=fields, values=values, errors=form_errors(e),
                      error=None, plan=None, job=None)
     return _plan_answer(request, me, lambda: finetuning.optimize(body, me[0], service(request), request),
                         fields=fields, values=values)
@@ -330,7 +346,7 @@ async def plan(request: Request) -> Response:
 def plan_job(request: Request, job_id: str) -> Response:
     me = _me(request)
     return _plan_answer(request, me, lambda: finetuning.optimize_job(job_id, me[0]),
-                        fields=forms.fields(OptimizeBody, required=("gpu_memory_gb",)), values=None)
+                        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)), values=None)
 
 
 def _plan_answer(request: Request, me: tuple[str, Session], ask: Callable[[], Any], **context: Any) -> Response:
@@ -356,7 +372,7 @@ def _plan_answer(request: Request, me: tuple[str, Session], ask: Callable[[], An
     response = _page(request, "plan.html", me, status=422 if error else 200, errors={}, error=error, plan=plan,
                      job=job, **context)
     if job is not None:
-        response.headers["Refresh"] = f"2; url=/ui/plan/jobs/{job['job_id']}"  # no script: the browser polls
+        response.headers["Refresh"] = f"2; url={_root(request)}/ui/plan/jobs/{job['job_id']}"  # no script: the browser polls
     return response
 
 

@@ -108,8 +108,8 @@ def secure(response: Response) -> Response:
     return response
 
 
-def set_cookie(request: Request, response: Response, sid: str) -> None:
-    response.set_cookie(COOKIE, sid, max_age=MAX_AGE_S, path="/", httponly=True, samesite="strict",
+def set_cookie(request: Request, response: Response, sid: str, path: str = "/") -> None:
+    response.set_cookie(COOKIE, sid, max_age=MAX_AGE_S, path=path, httponly=True, samesite="strict",
                         secure=request.url.scheme == "https")
 
 

@@ -8,6 +8,7 @@
   const SKIP = "#f0a500";
   const EVENT = "#c62828";
   const POLL_MS = 2000;
+  const ROOT = document.body.dataset.root || "";  // where the service is mounted ("" at the top)
   const STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];  // whole steps
   // what tests and curious users can read: the charts, their data and the markers as drawn
   const state = (window.ampkit = { charts: {}, data: null, marks: {}, polls: 0 });
@@ -24,7 +25,7 @@
 
   async function getJSON(url) {
     const r = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
-    if (r.status === 401) { window.location.assign("/ui/signin"); throw new Error("signed out"); }
+    if (r.status === 401) { window.location.assign(ROOT + "/ui/signin"); throw new Error("signed out"); }
     if (!r.ok) throw new Error(url + ": " + r.status);
     return r.json();
   }
@@ -127,7 +128,7 @@
     async function tick() {
       let d;
       try {
-        d = await getJSON(`/ui/runs/${encodeURIComponent(id)}/data`);
+        d = await getJSON(`${ROOT}/ui/runs/${encodeURIComponent(id)}/data`);
       } catch (err) {
         setTimeout(tick, POLL_MS * 2);
         return;
@@ -160,7 +161,7 @@
 
   async function comparePage(section) {
     const ids = section.dataset.runs.split(",").filter(Boolean);
-    const all = await Promise.all(ids.map((i) => getJSON(`/ui/runs/${encodeURIComponent(i)}/data`)));
+    const all = await Promise.all(ids.map((i) => getJSON(`${ROOT}/ui/runs/${encodeURIComponent(i)}/data`)));
     for (const fig of ["loss", "speed"]) {
       const el = document.getElementById("plot-compare-" + fig);
       if (!el) continue;
