@@ -21,7 +21,9 @@ from .server_process import end, serve  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)", allow_module_level=True)
+    pytest.skip(
+        f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.slow
 ALICE, BOB = "tok-alice", "tok-bob"
@@ -42,21 +44,45 @@ def svc(tmp_path_factory):
     """``ampkit serve`` with two owners, alice's runs (training while the first tests run: see
     :func:`_trained`) and bob's (cancelled while queued: listed, never started)."""
     data = str(tmp_path_factory.mktemp("webui") / "svc")
-    proc, alice = serve(data, "--max_concurrent", "2",
-                        env={"AMPKIT_TOKENS": f"alice:{ALICE},bob:{BOB}", "OMP_NUM_THREADS": "1"})
-    bob = httpx.Client(base_url=alice.base_url, timeout=30, headers={"Authorization": f"Bearer {BOB}"})
+    proc, alice = serve(
+        data,
+        "--max_concurrent",
+        "2",
+        env={"AMPKIT_TOKENS": f"alice:{ALICE},bob:{BOB}", "OMP_NUM_THREADS": "1"},
+    )
+    bob = httpx.Client(
+        base_url=alice.base_url, timeout=30, headers={"Authorization": f"Bearer {BOB}"}
+    )
     # fp16 from a loss scale no gradient survives: two skipped steps, then the fallback to bf16
-    fallback = {"precision": "fp16", "init_scale": 2.0**120, "steps": 12, "log_every": 1, "batch_size": 8,
-                "amp": {"fallback": "fp16,bf16", "fallback_patience": 2, "fallback_check_every": 1},
-                "user_id": "fallback-demo"}
-    ids = {"fallback": alice.post("/v1/runs", json=fallback).json()["id"],
-           "xss": alice.post("/v1/runs", json={"steps": 6, "log_every": 1, "batch_size": 8,
-                                               "precision": "bf16", "user_id": XSS}).json()["id"],
-           "bob": bob.post("/v1/runs", json={"steps": 2, "batch_size": 8, "user_id": "bobs-run"}).json()["id"]}
+    fallback = {
+        "precision": "fp16",
+        "init_scale": 2.0**120,
+        "steps": 12,
+        "log_every": 1,
+        "batch_size": 8,
+        "amp": {"fallback": "fp16,bf16", "fallback_patience": 2, "fallback_check_every": 1},
+        "user_id": "fallback-demo",
+    }
+    ids = {
+        "fallback": alice.post("/v1/runs", json=fallback).json()["id"],
+        "xss": alice.post(
+            "/v1/runs",
+            json={"steps": 6, "log_every": 1, "batch_size": 8, "precision": "bf16", "user_id": XSS},
+        ).json()["id"],
+        "bob": bob.post(
+            "/v1/runs", json={"steps": 2, "batch_size": 8, "user_id": "bobs-run"}
+        ).json()["id"],
+    }
     bob.delete(f"/v1/runs/{ids['bob']}")  # queued behind alice's two: cancelled before it starts
     try:
-        yield {"base": str(alice.base_url).rstrip("/"), "data": data, "alice": alice, "bob": bob, "ids": ids,
-               "trained": False}
+        yield {
+            "base": str(alice.base_url).rstrip("/"),
+            "data": data,
+            "alice": alice,
+            "bob": bob,
+            "ids": ids,
+            "trained": False,
+        }
     finally:
         alice.close()
         bob.close()
@@ -68,7 +94,10 @@ def _trained(svc) -> dict:
     for name in ("fallback", "xss") if not svc["trained"] else ():
         deadline = time.monotonic() + 180
         while (run := svc["alice"].get(f"/v1/runs/{svc['ids'][name]}").json())["status"] not in (
-                "succeeded", "failed", "cancelled"):
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
             assert time.monotonic() < deadline, run
             time.sleep(0.2)
         assert run["status"] == "succeeded", run
@@ -95,7 +124,7 @@ def _sign_in(context, base: str, token: str = ALICE):
 
 @pytest.fixture(scope="module")
 def page(browser, svc):
-    """A browser signed in as alice, collecting the page's console errors (a CSP violation is one)."""
+    """A browser signed in as alice, collecting the page's console errors (CSP violations)."""
     context = browser.new_context(viewport={"width": 1300, "height": 900})
     p = _sign_in(context, svc["base"])
     p.console_errors = []
@@ -110,8 +139,8 @@ def _log(svc, rid: str) -> list[dict]:
 
 
 def _until(page, js: str, timeout_s: float = WAIT_MS / 1000):
-    """Poll ``js`` in the page until it is truthy (Playwright's wait_for_function evaluates a string,
-    which the UI's CSP refuses: no 'unsafe-eval')."""
+    """Poll ``js`` in the page until it is truthy (Playwright's wait_for_function evaluates a
+    string, which the UI's CSP refuses: no 'unsafe-eval')."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -147,7 +176,9 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_sign_out_ends_it(browser, svc
     page.wait_for_url(re.compile(r".*/ui/runs$"))
     assert page.inner_text("#owner") == "alice"
     (cookie,) = [c for c in context.cookies() if c["name"] == "ampkit_session"]
-    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and not cookie["secure"]  # plain http here
+    assert (
+        cookie["httpOnly"] and cookie["sameSite"] == "Strict" and not cookie["secure"]
+    )  # plain http here
     assert "ampkit_session" not in page.evaluate("document.cookie")  # out of scripts' reach
     page.click("text=Sign out")
     page.wait_for_url(re.compile(r".*/ui/signin$"))
@@ -165,12 +196,18 @@ def test_runs_page_lists_the_owners_runs_and_not_another_owners(page, svc, artif
     assert svc["ids"]["fallback"] in shown and svc["ids"]["xss"] in shown
     assert svc["ids"]["bob"] not in shown and "bobs-run" not in page.content()
     row = page.locator(f"tr[data-id='{svc['ids']['fallback']}']")
-    assert "succeeded" in row.inner_text() and "12/12" in row.inner_text() and "bf16" in row.inner_text()
+    assert (
+        "succeeded" in row.inner_text()
+        and "12/12" in row.inner_text()
+        and "bf16" in row.inner_text()
+    )
     _shot(page, artifacts, "runs")
     page.select_option("#status", "failed")
     page.click("text=Filter")
     assert page.locator("tr.run").count() == 0 and "status=failed" in page.url
-    response = page.goto(f"{svc['base']}/ui/runs/{svc['ids']['bob']}")  # another owner's run: not there
+    response = page.goto(
+        f"{svc['base']}/ui/runs/{svc['ids']['bob']}"
+    )  # another owner's run: not there
     assert response.status == 404 and "no run" in page.inner_text("#error")
     data = page.request.get(f"{svc['base']}/ui/runs/{svc['ids']['bob']}/data")
     assert data.status == 404
@@ -193,10 +230,14 @@ def test_loss_plot_has_a_point_per_step_record_and_marks_the_fallback(page, svc,
     assert mark["step"] == fell and marks["left"] <= mark["px"] <= marks["right"]
     assert sorted(m["step"] for m in marks["drawn"] if m["kind"] == "skipped") == skipped
     assert page.locator(f"#events tr[data-kind='fallback'][data-step='{fell}']").count() == 1
-    assert page.locator("#resume").count() == 0 and page.locator("#cancel").count() == 0  # it has ended
+    assert (
+        page.locator("#resume").count() == 0 and page.locator("#cancel").count() == 0
+    )  # it has ended
     assert "fallback" in page.inner_text("#settings")  # the run's amp settings
     _shot(page, artifacts, "run")
-    assert not [e for e in page.console_errors if "Content Security Policy" in e], page.console_errors
+    assert not [e for e in page.console_errors if "Content Security Policy" in e], (
+        page.console_errors
+    )
 
 
 def test_launching_from_the_form_creates_a_run_that_trains(page, svc, artifacts):
@@ -248,23 +289,40 @@ def test_a_cross_site_post_is_refused(browser, page, svc):
     # A page of another site that posts the launch form: the Strict cookie is not sent along.
     context = page.context
     evil = context.new_page()
-    evil.route("http://evil.test/", lambda route: route.fulfill(content_type="text/html", body=(
-        f"<form id=f method=post action='{svc['base']}/ui/launch'><input name=steps value=3></form>"
-        "<script>document.getElementById('f').submit()</script>")))
+    evil.route(
+        "http://evil.test/",
+        lambda route: route.fulfill(
+            content_type="text/html",
+            body=(
+                f"<form id=f method=post action='{svc['base']}/ui/launch'>"
+                "<input name=steps value=3></form>"
+                "<script>document.getElementById('f').submit()</script>"
+            ),
+        ),
+    )
     evil.goto("http://evil.test/")
     evil.wait_for_url(re.compile(r".*/ui/(signin|launch)$"))
     evil.close()
-    # With the session cookie (a same-site attacker, a browser bug): no CSRF token, or a foreign Origin, is a 403.
+    # With the session cookie (a same-site attacker, a browser bug): no CSRF token, or a
+    # foreign Origin, is a 403.
     cookie = next(c["value"] for c in context.cookies() if c["name"] == "ampkit_session")
     page.goto(svc["base"] + "/ui/launch")
     csrf = page.get_attribute("#launch input[name=csrf]", "value")
     base = {"cookies": {"ampkit_session": cookie}, "follow_redirects": False}
     with httpx.Client(**base) as c:
-        no_token = c.post(svc["base"] + "/ui/launch", data={"steps": "3"}, headers={"Origin": svc["base"]})
-        foreign = c.post(svc["base"] + "/ui/launch", data={"steps": "3", "csrf": csrf},
-                         headers={"Origin": "http://evil.test"})
+        no_token = c.post(
+            svc["base"] + "/ui/launch", data={"steps": "3"}, headers={"Origin": svc["base"]}
+        )
+        foreign = c.post(
+            svc["base"] + "/ui/launch",
+            data={"steps": "3", "csrf": csrf},
+            headers={"Origin": "http://evil.test"},
+        )
         cancel = c.post(f"{svc['base']}/ui/runs/{svc['ids']['xss']}/cancel", data={"csrf": "x"})
-    assert no_token.status_code == foreign.status_code == cancel.status_code == 403, (no_token.text, foreign.text)
+    assert no_token.status_code == foreign.status_code == cancel.status_code == 403, (
+        no_token.text,
+        foreign.text,
+    )
     assert "cross-site request refused" in foreign.text
     assert len(svc["alice"].get("/v1/runs").json()["runs"]) == before  # nothing was launched
 

@@ -51,19 +51,38 @@ def _kind(annotation: Any) -> tuple[str, tuple[str, ...]]:
     return "text", ()
 
 
-def fields(model: type[BaseModel], required: tuple[str, ...] = (),
-           suggest: Optional[dict[str, tuple[str, ...]]] = None) -> list[Field]:
+def fields(
+    model: type[BaseModel],
+    required: tuple[str, ...] = (),
+    suggest: Optional[dict[str, tuple[str, ...]]] = None,
+) -> list[Field]:
     """The form's inputs, one per field of ``model``, in its order (``suggest``: values offered for
     a text field while typing, e.g. the precision names)."""
     out = []
     for name, info in model.model_fields.items():
         kind, choices = _kind(info.annotation)
         default = None if info.is_required() else info.get_default(call_default_factory=True)
-        shown = "" if default is None or default in ({}, []) else (
-            json.dumps(default) if kind == "json" else str(default).lower() if isinstance(default, bool)
-            else str(default))
-        out.append(Field(name, kind, shown, choices, required=name in required or info.is_required(),
-                         suggest=(suggest or {}).get(name, ())))
+        shown = (
+            ""
+            if default is None or default in ({}, [])
+            else (
+                json.dumps(default)
+                if kind == "json"
+                else str(default).lower()
+                if isinstance(default, bool)
+                else str(default)
+            )
+        )
+        out.append(
+            Field(
+                name,
+                kind,
+                shown,
+                choices,
+                required=name in required or info.is_required(),
+                suggest=(suggest or {}).get(name, ()),
+            )
+        )
     return out
 
 
@@ -101,6 +120,6 @@ def errors(e: ValidationError) -> dict[str, str]:
         where = ".".join(map(str, loc[1:]))
         msg = err.get("msg", "")
         if not name and msg.startswith("Value error, amp:"):
-            name = "amp"  # the engine config's check (RunSpec._engine_config) is about the amp settings
+            name = "amp"  # the engine config's check (RunSpec._engine_config): about amp
         out.setdefault(name, []).append(f"{where}: {msg}" if where else msg)
     return {k: "; ".join(v) for k, v in out.items()}

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
@@ -49,9 +49,17 @@ __all__ = ["router"]
 
 MAX_POINTS = 2000  # points per plotted series (more: min/max per bucket, series.downsample)
 LISTED = 1000  # runs on the runs page (the API's largest page)
-SUGGEST = {"precision": CANONICAL, "device": ("cpu", "cuda", "cuda:0", "mps")}  # the launch form's hints
-STATIC = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
-          "run.js": "text/javascript", "ui.css": "text/css"}
+SUGGEST = {
+    "precision": CANONICAL,
+    "device": ("cpu", "cuda", "cuda:0", "mps"),
+}  # the launch form's hints
+STATIC = {
+    "uPlot.iife.min.js": "text/javascript",
+    "uPlot.min.css": "text/css",
+    "uPlot.LICENSE": "text/plain",
+    "run.js": "text/javascript",
+    "ui.css": "text/css",
+}
 
 
 class _SignIn(Exception):
@@ -71,13 +79,30 @@ class UIRoute(APIRoute):
                 response = _to(request, "/ui/signin")
             except HTTPException as e:
                 if request.url.path.endswith("/data"):
-                    response = JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
+                    response = JSONResponse(
+                        {"detail": e.detail}, status_code=e.status_code, headers=e.headers
+                    )
+                elif e.status_code == 501:  # no jinja2: nothing to render a page with
+                    response = PlainTextResponse(str(e.detail), status_code=501)
                 else:
-                    response = _page(request, "error.html", signed_in(request), status=e.status_code, detail=e.detail,
-                                     headers=e.headers)
+                    response = _page(
+                        request,
+                        "error.html",
+                        signed_in(request),
+                        status=e.status_code,
+                        detail=e.detail,
+                        headers=e.headers,
+                    )
             except RequestValidationError as e:
-                response = _page(request, "error.html", None, status=422,
-                                 detail="; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
+                response = _page(
+                    request,
+                    "error.html",
+                    None,
+                    status=422,
+                    detail="; ".join(
+                        f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()
+                    ),
+                )
             return secure(response)
 
         return route
@@ -92,21 +117,42 @@ def _templates() -> Any:
         import jinja2
     except ImportError:
         raise HTTPException(501, "the web UI needs jinja2: pip install 'ampkit[serve]'") from None
-    env = jinja2.Environment(loader=jinja2.PackageLoader(__package__, "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters["when"] = lambda t: "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader(__package__, "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["when"] = lambda t: (
+        "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    )
     env.filters["num"] = _num
     env.filters["duration"] = _duration
     return env
 
 
-def _page(request: Request, name: str, me: Optional[tuple[str, Session]], status: int = 200,
-          headers: Optional[dict[str, str]] = None, **context: Any) -> HTMLResponse:
+def _page(
+    request: Request,
+    name: str,
+    me: Optional[tuple[str, Session]],
+    status: int = 200,
+    headers: Optional[dict[str, str]] = None,
+    **context: Any,
+) -> HTMLResponse:
     root = _root(request)
     path = request.url.path
-    html = _templates().get_template(name).render(
-        owner=me[0] if me else None, csrf=me[1].csrf if me else "", root=root,
-        path=path[len(root):] if path.startswith(root) else path, **context)
+    html = (
+        _templates()
+        .get_template(name)
+        .render(
+            owner=me[0] if me else None,
+            csrf=me[1].csrf if me else "",
+            root=root,
+            path=path[len(root) :] if path.startswith(root) else path,
+            **context,
+        )
+    )
     return HTMLResponse(html, status_code=status, headers=headers)
 
 
@@ -135,6 +181,7 @@ async def _form(request: Request, me: tuple[str, Session]) -> dict[str, Any]:
 
 # --- signing in and out ----------------------------------------------------------------------
 
+
 @router.get("/")
 def home(request: Request) -> Response:
     return _to(request, "/ui/runs" if signed_in(request) else "/ui/signin")
@@ -149,11 +196,19 @@ def signin_page(request: Request) -> Response:
 async def signin(request: Request) -> Response:
     check_origin(request)
     client = request.client.host if request.client else "?"
-    limit(request, f"ip:{client}", "sign-in")  # the API's per-caller rate limit: no token guessing at speed
+    limit(
+        request, f"ip:{client}", "sign-in"
+    )  # the API's per-caller rate limit: no token guessing at speed
     form = await request.form()
     token = str(form.get("token") or "").strip()
     if service(request).tokens.get(token) is None:
-        return _page(request, "signin.html", None, status=401, error="that token is not one this server knows")
+        return _page(
+            request,
+            "signin.html",
+            None,
+            status=401,
+            error="that token is not one this server knows",
+        )
     old = request.cookies.get(COOKIE)
     sessions_of(request).close(old)  # a new session id on sign-in (no session fixation)
     response = _to(request, "/ui/runs")
@@ -167,11 +222,18 @@ async def signout(request: Request) -> Response:
     await _form(request, me)
     sessions_of(request).close(request.cookies.get(COOKIE))
     response = _to(request, "/ui/signin")
-    response.delete_cookie(COOKIE, path=_root(request) or "/", httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    response.delete_cookie(
+        COOKIE,
+        path=_root(request) or "/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
     return response
 
 
 # --- runs ------------------------------------------------------------------------------------
+
 
 @router.get("/ui/runs")
 def runs_page(request: Request, status: Optional[str] = None) -> Response:
@@ -180,15 +242,26 @@ def runs_page(request: Request, status: Optional[str] = None) -> Response:
     if status is not None and status not in STATUSES:
         raise HTTPException(422, f"status {shown(status)} is not one of: {', '.join(STATUSES)}")
     listed = runs.list_runs(me[0], service(request), status=status, limit=LISTED)["runs"]
-    return _page(request, "runs.html", me, runs=[_row(r, service(request)) for r in listed], wanted=status,
-                 statuses=STATUSES, shown_max=LISTED)
+    return _page(
+        request,
+        "runs.html",
+        me,
+        runs=[_row(r, service(request)) for r in listed],
+        wanted=status,
+        statuses=STATUSES,
+        shown_max=LISTED,
+    )
 
 
 def _row(view: dict[str, Any], svc: Any) -> dict[str, Any]:
-    """A line of the runs table: progress from the summary, or from the log while the run is live."""
+    """A line of the runs table: progress from the summary, or from the log while it runs."""
     s, spec = view.get("summary") or {}, view["spec"]
     done, loss = s.get("optimizer_steps"), s.get("final_loss")
-    speed, unit = (s["tokens_per_s"], "tokens/s") if s.get("tokens_per_s") else (s.get("samples_per_s"), "samples/s")
+    speed, unit = (
+        (s["tokens_per_s"], "tokens/s")
+        if s.get("tokens_per_s")
+        else (s.get("samples_per_s"), "samples/s")
+    )
     precision = s.get("precision") or spec.get("precision")
     row = svc.store.get(view["id"]) if view["status"] == "running" else None
     if row is not None:
@@ -198,9 +271,16 @@ def _row(view: dict[str, Any], svc: Any) -> dict[str, Any]:
         speed = next((v for v in reversed(cols.values["speed"]) if v == v), None)
         unit = "samples/s" if cols.speed_key == "samples_per_s" else "tokens/s"
     end = view["ended"] or (time.time() if view["status"] == "running" else None)
-    return {**view, "done": done, "asked": spec.get("steps"), "loss": loss, "speed": speed, "unit": unit if speed else "",
-            "precision": precision,
-            "duration": end - view["started"] if end and view["started"] else None}
+    return {
+        **view,
+        "done": done,
+        "asked": spec.get("steps"),
+        "loss": loss,
+        "speed": speed,
+        "unit": unit if speed else "",
+        "precision": precision,
+        "duration": end - view["started"] if end and view["started"] else None,
+    }
 
 
 @router.get("/ui/runs/{run_id}")
@@ -209,39 +289,64 @@ def run_page(request: Request, run_id: str) -> Response:
 
 
 def _run(request: Request, run_id: str, error: Optional[str] = None) -> Response:
-    """The run's page (``error``: why the button just pressed did nothing, e.g. a run already ended)."""
+    """The run's page (``error``: why the button just pressed did nothing, e.g. it ended)."""
     me = _me(request)
     svc = service(request)
     view = run_view(svc.runner.shown(lookup(svc, run_id, me[0])))
-    return _page(request, "run.html", me, run=view, settings=_settings(view), figures=FIGURES, error=error,
-                 resumable=view["kind"] == "train" and view["status"] in ("interrupted", "failed", "cancelled"),
-                 live=view["status"] not in TERMINAL)
+    return _page(
+        request,
+        "run.html",
+        me,
+        run=view,
+        settings=_settings(view),
+        figures=FIGURES,
+        error=error,
+        resumable=view["kind"] == "train"
+        and view["status"] in ("interrupted", "failed", "cancelled"),
+        live=view["status"] not in TERMINAL,
+    )
 
 
 def _settings(view: dict[str, Any]) -> list[tuple[str, str]]:
-    out = [(k, json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else str(v))
-           for k, v in view["spec"].items() if v not in (None, {}, [])]
+    out = [
+        (k, json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else str(v))
+        for k, v in view["spec"].items()
+        if v not in (None, {}, [])
+    ]
     if view["texts_count"]:
         out.append(("texts", f"{view['texts_count']} texts, {view['texts_bytes']:,} bytes"))
     return out
 
 
 @router.get("/ui/runs/{run_id}/data")
-def run_data(request: Request, run_id: str, points: int = Query(MAX_POINTS, ge=10, le=10_000)) -> Response:
-    """The run's plot data: each figure downsampled to ``points`` (exact bucket extremes), the skipped
-    steps and the events, and the run's status (the page polls this while the run is live)."""
+def run_data(
+    request: Request, run_id: str, points: int = Query(MAX_POINTS, ge=10, le=10_000)
+) -> Response:
+    """The run's plot data: each figure downsampled to ``points`` (exact bucket extremes), the
+    skipped steps and the events, and the run's status (the page polls it while the run is live)."""
     me = signed_in(request)
     if me is None:
         raise HTTPException(401, "not signed in")
     svc = service(request)
     run = svc.runner.shown(lookup(svc, run_id, me[0]))
     cols = columns_of(run["id"], read_log(run["run_dir"]))
-    body = {"id": run["id"], "status": run["status"], "error": run["error"], "steps": len(cols.steps),
-            "series": cols.series(points), "skipped": cols.skipped, "skipped_total": cols.skipped_total,
-            "events": cols.events, "events_total": cols.events_total, "marked": MARKED,
-            "live": run["status"] not in TERMINAL}
-    return Response(json.dumps(body, ensure_ascii=True, separators=(",", ":"), allow_nan=False, default=str),
-                    media_type="application/json")
+    body = {
+        "id": run["id"],
+        "status": run["status"],
+        "error": run["error"],
+        "steps": len(cols.steps),
+        "series": cols.series(points),
+        "skipped": cols.skipped,
+        "skipped_total": cols.skipped_total,
+        "events": cols.events,
+        "events_total": cols.events_total,
+        "marked": MARKED,
+        "live": run["status"] not in TERMINAL,
+    }
+    return Response(
+        json.dumps(body, ensure_ascii=True, separators=(",", ":"), allow_nan=False, default=str),
+        media_type="application/json",
+    )
 
 
 @router.post("/ui/runs/{run_id}/cancel")
@@ -274,6 +379,7 @@ async def resume(request: Request, run_id: str) -> Response:
 
 # --- compare ---------------------------------------------------------------------------------
 
+
 @router.get("/ui/compare")
 def compare_page(request: Request, ids: Annotated[Optional[list[str]], Query()] = None) -> Response:
     me = _me(request)
@@ -290,10 +396,19 @@ def compare_page(request: Request, ids: Annotated[Optional[list[str]], Query()] 
 
 # --- launch ----------------------------------------------------------------------------------
 
+
 @router.get("/ui/launch")
 def launch_page(request: Request) -> Response:
     me = _me(request)
-    return _page(request, "launch.html", me, fields=form_fields(RunSpec, suggest=SUGGEST), values={}, errors={}, error=None)
+    return _page(
+        request,
+        "launch.html",
+        me,
+        fields=form_fields(RunSpec, suggest=SUGGEST),
+        values={},
+        errors={},
+        error=None,
+    )
 
 
 @router.post("/ui/launch")
@@ -312,23 +427,41 @@ async def launch(request: Request) -> Response:
         if e.status_code not in (422, 429, 507):
             raise
         error = str(e.detail)
-    return _page(request, "launch.html", me, status=422 if errors or error else 200, fields=form_fields(RunSpec, suggest=SUGGEST),
-                 values=values, errors=errors, error=error)
+    return _page(
+        request,
+        "launch.html",
+        me,
+        status=422 if errors or error else 200,
+        fields=form_fields(RunSpec, suggest=SUGGEST),
+        values=values,
+        errors=errors,
+        error=error,
+    )
 
 
 # --- plan ------------------------------------------------------------------------------------
 
+
 @router.get("/ui/plan")
 def plan_page(request: Request) -> Response:
     me = _me(request)
-    return _page(request, "plan.html", me, fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
-                 values={}, errors={}, error=None, plan=None, job=None)
+    return _page(
+        request,
+        "plan.html",
+        me,
+        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
+        values={},
+        errors={},
+        error=None,
+        plan=None,
+        job=None,
+    )
 
 
 @router.post("/ui/plan")
 async def plan(request: Request) -> Response:
-    """The planner route's own answer (``POST /finetuning/optimize-mixed-precision``: its checks, its
-    cache, its rate limit and its jobs), as a table."""
+    """The planner route's own answer (``POST /finetuning/optimize-mixed-precision``: its checks,
+    its cache, its rate limit and its jobs), as a table."""
     me = _me(request)
     form = await _form(request, me)
     values = {k: v for k, v in form.items() if k != "csrf" and isinstance(v, str)}
@@ -336,20 +469,42 @@ async def plan(request: Request) -> Response:
     try:
         body = OptimizeBody.model_validate(form_body(OptimizeBody, values))
     except ValidationError as e:
-        return _page(request, "plan.html", me, status=422, fields=fields, values=values, errors=form_errors(e),
-                     error=None, plan=None, job=None)
-    return _plan_answer(request, me, lambda: finetuning.optimize(body, me[0], service(request), request),
-                        fields=fields, values=values)
+        return _page(
+            request,
+            "plan.html",
+            me,
+            status=422,
+            fields=fields,
+            values=values,
+            errors=form_errors(e),
+            error=None,
+            plan=None,
+            job=None,
+        )
+    return _plan_answer(
+        request,
+        me,
+        lambda: finetuning.optimize(body, me[0], service(request), request),
+        fields=fields,
+        values=values,
+    )
 
 
 @router.get("/ui/plan/jobs/{job_id}")
 def plan_job(request: Request, job_id: str) -> Response:
     me = _me(request)
-    return _plan_answer(request, me, lambda: finetuning.optimize_job(job_id, me[0]),
-                        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)), values=None)
+    return _plan_answer(
+        request,
+        me,
+        lambda: finetuning.optimize_job(job_id, me[0]),
+        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
+        values=None,
+    )
 
 
-def _plan_answer(request: Request, me: tuple[str, Session], ask: Callable[[], Any], **context: Any) -> Response:
+def _plan_answer(
+    request: Request, me: tuple[str, Session], ask: Callable[[], Any], **context: Any
+) -> Response:
     plan, job, error = None, None, None
     try:
         got = ask()
@@ -363,20 +518,34 @@ def _plan_answer(request: Request, me: tuple[str, Session], ask: Callable[[], An
         if "recommendations" in got:
             plan = got
             if context["values"] is None:  # a job's page: the form shows what was planned
-                context["values"] = {k: str(got[k]) for k in ("model_name", "gpu_memory_gb", "batch_size")}
+                context["values"] = {
+                    k: str(got[k]) for k in ("model_name", "gpu_memory_gb", "batch_size")
+                }
         elif got.get("status") == "failed":
             error = f"the planner failed: {got.get('error')}"
         else:
             job = got
     context["values"] = context["values"] or {}
-    response = _page(request, "plan.html", me, status=422 if error else 200, errors={}, error=error, plan=plan,
-                     job=job, **context)
+    response = _page(
+        request,
+        "plan.html",
+        me,
+        status=422 if error else 200,
+        errors={},
+        error=error,
+        plan=plan,
+        job=job,
+        **context,
+    )
     if job is not None:
-        response.headers["Refresh"] = f"2; url={_root(request)}/ui/plan/jobs/{job['job_id']}"  # no script: the browser polls
+        response.headers["Refresh"] = (
+            f"2; url={_root(request)}/ui/plan/jobs/{job['job_id']}"  # no script: the browser polls
+        )
     return response
 
 
 # --- static files ----------------------------------------------------------------------------
+
 
 @router.get("/ui/static/{name}")
 def static(name: str) -> Response:
@@ -387,6 +556,7 @@ def static(name: str) -> Response:
 
 
 # --- formatting ------------------------------------------------------------------------------
+
 
 def _num(v: Any, digits: int = 4) -> str:
     if v is None or (isinstance(v, float) and v != v):
@@ -400,4 +570,10 @@ def _duration(s: Optional[float]) -> str:
     if s is None:
         return ""
     s = int(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    return (
+        f"{s // 3600}h{s // 60 % 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s}s"
+    )

@@ -29,9 +29,17 @@ FIGURES = {
     "step_time": ("step time (ms)", ("step_time_ms",)),
     "memory": ("peak memory (MiB)", ("peak_mem_bytes",)),
 }
-# events marked on the plots (every other kind is listed only; overflow is a skipped step: marked as one)
-MARKED = ("fallback", "fallback_retry", "spike", "manifest_violation", "stop", "precision_switch",
-          "scale_exhausted", "fallback_exhausted")
+# events marked on the plots (others are only listed; an overflow is marked as its skipped step)
+MARKED = (
+    "fallback",
+    "fallback_retry",
+    "spike",
+    "manifest_violation",
+    "stop",
+    "precision_switch",
+    "scale_exhausted",
+    "fallback_exhausted",
+)
 _SCALE = {"peak_mem_bytes": 1 / 2**20}
 MAX_EVENTS = 1000  # events kept per run for the list (the first ones, then a count)
 MAX_SKIPS = 4000  # skipped steps kept for markers
@@ -50,7 +58,9 @@ class Columns:
     events_total: int = 0
     lines: int = 0  # log lines parsed
     last_line: str = ""
-    _shown: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # points -> (lines, series)
+    _shown: dict[int, tuple[int, dict[str, Any]]] = field(
+        default_factory=dict
+    )  # points -> (lines, series)
 
     def add(self, line: str) -> None:
         rec = json.loads(line)
@@ -75,17 +85,21 @@ class Columns:
             if len(self.events) < MAX_EVENTS:
                 self.events.append(rec)
 
-
     def series(self, points: int) -> dict[str, dict[str, Any]]:
-        """Each figure downsampled to ``points`` (kept until the log grows: a finished run's polls are free)."""
+        """Each figure downsampled to ``points`` (kept until the log grows)."""
         got = self._shown.get(points)
         if got is not None and got[0] == self.lines:
             return got[1]
         out = {}
         for name, (title, _) in FIGURES.items():
             xs, ys = downsample(self.steps, self.values[name], points)
-            out[name] = {"title": "samples/s" if name == "speed" and self.speed_key == "samples_per_s" else title,
-                         "x": xs, "y": ys}
+            out[name] = {
+                "title": "samples/s"
+                if name == "speed" and self.speed_key == "samples_per_s"
+                else title,
+                "x": xs,
+                "y": ys,
+            }
         self._shown = {points: (self.lines, out)}
         return out
 
@@ -101,9 +115,13 @@ class _Cache:
     def get(self, key: str, lines: list[str]) -> Columns:
         with self._lock:
             cols = self._items.pop(key, None)
-        if cols is None or cols.lines > len(lines) or (cols.lines and lines[cols.lines - 1] != cols.last_line):
+        if (
+            cols is None
+            or cols.lines > len(lines)
+            or (cols.lines and lines[cols.lines - 1] != cols.last_line)
+        ):
             cols = Columns()  # new, or not the log it was (a run directory reused): parse it all
-        for line in lines[cols.lines:]:
+        for line in lines[cols.lines :]:
             # a malformed line is the log's reader's business (read_jsonl); the plot skips it
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 cols.add(line)
@@ -124,10 +142,12 @@ def columns_of(run_id: str, lines: list[str]) -> Columns:
     return _CACHE.get(run_id, lines)
 
 
-def downsample(steps: array, values: array, max_points: int) -> tuple[list[int], list[Optional[float]]]:
-    """``(steps, values)`` with at most ``max_points`` points (NaN as None, a gap in the plot): all of
-    them when they fit, else the smallest and largest value of each of ``max_points // 2`` buckets,
-    in step order. A bucket with no finite value keeps one gap."""
+def downsample(
+    steps: array, values: array, max_points: int
+) -> tuple[list[int], list[Optional[float]]]:
+    """``(steps, values)`` with at most ``max_points`` points (NaN as None, a gap in the plot): all
+    of them when they fit, else the smallest and largest value of each of ``max_points // 2``
+    buckets, in step order. A bucket with no finite value keeps one gap."""
     n = len(steps)
     if n <= max_points:
         return list(steps), [None if v != v else v for v in values]

@@ -23,17 +23,27 @@ from urllib.parse import urlsplit
 
 from fastapi import HTTPException, Request, Response
 
-__all__ = ["COOKIE", "HEADERS", "Session", "Sessions", "check_origin", "check_post", "secure", "sessions_of",
-           "signed_in"]
+__all__ = [
+    "COOKIE",
+    "HEADERS",
+    "Session",
+    "Sessions",
+    "check_origin",
+    "check_post",
+    "secure",
+    "sessions_of",
+    "signed_in",
+]
 
 COOKIE = "ampkit_session"
 MAX_AGE_S = 12 * 3600  # a session lasts a working day
-MAX_SESSIONS = 10_000  # the oldest is forgotten past this (memory stays bounded under sign-in floods)
+MAX_SESSIONS = 10_000  # the oldest is forgotten past this (bounded memory under sign-in floods)
 # What a browser needs to render the UI safely: scripts and styles only from this server (no inline
 # script), no framing, no MIME sniffing, no referrer leaving the site.
 HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "same-origin",
@@ -49,7 +59,7 @@ class Session:
 
 
 class Sessions:
-    """Session id -> :class:`Session`, in memory, at most ``MAX_SESSIONS``, each for ``MAX_AGE_S``."""
+    """Session id -> :class:`Session`, in memory: at most ``MAX_SESSIONS``, for ``MAX_AGE_S``."""
 
     def __init__(self) -> None:
         self._items: OrderedDict[str, Session] = OrderedDict()
@@ -91,8 +101,8 @@ def sessions_of(request: Request) -> Sessions:
 
 
 def signed_in(request: Request) -> Optional[tuple[str, Session]]:
-    """``(owner, session)`` of the request's session cookie, or None (no cookie, an unknown or expired
-    session, or a token this server no longer knows)."""
+    """``(owner, session)`` of the request's session cookie, or None (no cookie, an unknown or
+    expired session, or a token this server no longer knows)."""
     session = sessions_of(request).get(request.cookies.get(COOKIE))
     if session is None:
         return None
@@ -109,8 +119,15 @@ def secure(response: Response) -> Response:
 
 
 def set_cookie(request: Request, response: Response, sid: str, path: str = "/") -> None:
-    response.set_cookie(COOKIE, sid, max_age=MAX_AGE_S, path=path, httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")
+    response.set_cookie(
+        COOKIE,
+        sid,
+        max_age=MAX_AGE_S,
+        path=path,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
 
 
 def check_origin(request: Request) -> None:
@@ -120,8 +137,11 @@ def check_origin(request: Request) -> None:
         return  # a non-browser client: the CSRF token still has to match
     parts = urlsplit(origin)
     if origin == "null" or (parts.scheme, parts.netloc) != (request.url.scheme, request.url.netloc):
-        raise HTTPException(403, f"cross-site request refused: origin {origin[:100]!r} is not this server "
-                                 f"({request.url.scheme}://{request.url.netloc})")
+        raise HTTPException(
+            403,
+            f"cross-site request refused: origin {origin[:100]!r} is not this server "
+            f"({request.url.scheme}://{request.url.netloc})",
+        )
 
 
 def check_post(request: Request, session: Session, form: Any) -> None:
@@ -129,5 +149,8 @@ def check_post(request: Request, session: Session, form: Any) -> None:
     check_origin(request)
     sent = form.get("csrf")
     if not isinstance(sent, str) or not secrets.compare_digest(sent, session.csrf):
-        raise HTTPException(403, "cross-site request refused: the form's CSRF token is missing or wrong "
-                                 "(reload the page and submit it again)")
+        raise HTTPException(
+            403,
+            "cross-site request refused: the form's CSRF token is missing or wrong "
+            "(reload the page and submit it again)",
+        )
