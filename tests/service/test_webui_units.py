@@ -197,3 +197,18 @@ def test_the_ui_mounted_inside_another_app_links_under_its_prefix(tmp_path):
     )
     assert 'data-root="/ampkit"' in page.text and 'class="here"' in page.text
     c.close()
+
+
+def test_without_jinja2_the_ui_says_which_extra_and_the_api_still_answers(client, monkeypatch):
+    import sys
+
+    from ampkit.service.ui import pages
+
+    pages.templates.cache_clear()
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # import jinja2 -> ImportError
+    try:
+        r = client.get("/ui/signin")
+        assert r.status_code == 501 and "pip install 'ampkit[serve]'" in r.text
+        assert client.get("/health").status_code in (200, 503)
+    finally:
+        pages.templates.cache_clear()

@@ -1,58 +1,36 @@
-"""The web UI's pages, served by the service beside its API (``/`` and ``/ui/...``).
+"""The web UI's pages for runs: sign in and out, the runs, a run (its plots' data, cancel,
+resume), compare, and the static files.
 
-Every page reads through the API's own route functions (``routes.runs``, the planner route of
-``routes.finetuning``) with the signed-in owner, so it shows exactly what that owner's token
-could read, inside the same owner checks, queue cap and rate limits; the body cap is the app's
-middleware, which sees these forms too. Pages are server-rendered (Jinja2, autoescaped); the
-plots are drawn by ``static/run.js`` with uPlot (vendored, MIT) from ``/ui/runs/{id}/data``.
+Every page reads through the API's own route functions (``routes.runs``) with the signed-in
+owner, so it shows exactly what that owner's token could read, inside the same owner checks; the
+body cap is the app's middleware, which sees these forms too. The plots are drawn by
+``static/run.js`` with uPlot (vendored, MIT) from ``/ui/runs/{id}/data``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import time
-from collections.abc import Awaitable
 from importlib import resources
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
-from fastapi.routing import APIRoute
-from pydantic import ValidationError
 
-from ...step.precision import CANONICAL
 from ..checks import shown
 from ..deps import lookup, service
 from ..limits import limit
-from ..routes import finetuning, runs
+from ..routes import runs
 from ..runner import TERMINAL, read_log
-from ..schemas import OptimizeBody, RunSpec, run_view
+from ..schemas import run_view
 from ..store import STATUSES
-from .forms import body as form_body
-from .forms import errors as form_errors
-from .forms import fields as form_fields
+from .pages import UIRoute, form, me, page, root, to
 from .series import FIGURES, MARKED, columns_of
-from .session import (
-    COOKIE,
-    Session,
-    check_origin,
-    check_post,
-    secure,
-    sessions_of,
-    set_cookie,
-    signed_in,
-)
+from .session import COOKIE, check_origin, sessions_of, set_cookie, signed_in
 
 __all__ = ["router"]
 
 MAX_POINTS = 2000  # points per plotted series (more: min/max per bucket, series.downsample)
 LISTED = 1000  # runs on the runs page (the API's largest page)
-SUGGEST = {
-    "precision": CANONICAL,
-    "device": ("cpu", "cuda", "cuda:0", "mps"),
-}  # the launch form's hints
 STATIC = {
     "uPlot.iife.min.js": "text/javascript",
     "uPlot.min.css": "text/css",
@@ -61,122 +39,7 @@ STATIC = {
     "ui.css": "text/css",
 }
 
-
-class _SignIn(Exception):
-    """Not signed in: the page answers with a redirect to the sign-in page."""
-
-
-class UIRoute(APIRoute):
-    """A UI route: its answer carries the security headers, and an error is a page (not JSON)."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                response = await handler(request)
-            except _SignIn:
-                response = _to(request, "/ui/signin")
-            except HTTPException as e:
-                if request.url.path.endswith("/data"):
-                    response = JSONResponse(
-                        {"detail": e.detail}, status_code=e.status_code, headers=e.headers
-                    )
-                elif e.status_code == 501:  # no jinja2: nothing to render a page with
-                    response = PlainTextResponse(str(e.detail), status_code=501)
-                else:
-                    response = _page(
-                        request,
-                        "error.html",
-                        signed_in(request),
-                        status=e.status_code,
-                        detail=e.detail,
-                        headers=e.headers,
-                    )
-            except RequestValidationError as e:
-                response = _page(
-                    request,
-                    "error.html",
-                    None,
-                    status=422,
-                    detail="; ".join(
-                        f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()
-                    ),
-                )
-            return secure(response)
-
-        return route
-
-
 router = APIRouter(route_class=UIRoute, include_in_schema=False)
-
-
-@functools.lru_cache(maxsize=1)
-def _templates() -> Any:
-    try:
-        import jinja2
-    except ImportError:
-        raise HTTPException(501, "the web UI needs jinja2: pip install 'ampkit[serve]'") from None
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader(__package__, "templates"),
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters["when"] = lambda t: (
-        "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-    )
-    env.filters["num"] = _num
-    env.filters["duration"] = _duration
-    return env
-
-
-def _page(
-    request: Request,
-    name: str,
-    me: Optional[tuple[str, Session]],
-    status: int = 200,
-    headers: Optional[dict[str, str]] = None,
-    **context: Any,
-) -> HTMLResponse:
-    root = _root(request)
-    path = request.url.path
-    html = (
-        _templates()
-        .get_template(name)
-        .render(
-            owner=me[0] if me else None,
-            csrf=me[1].csrf if me else "",
-            root=root,
-            path=path[len(root) :] if path.startswith(root) else path,
-            **context,
-        )
-    )
-    return HTMLResponse(html, status_code=status, headers=headers)
-
-
-def _root(request: Request) -> str:
-    """The path the service is mounted at (``""`` at the top; ``/ampkit`` inside another app)."""
-    return str(request.scope.get("root_path") or "").rstrip("/")
-
-
-def _to(request: Request, path: str) -> RedirectResponse:
-    return RedirectResponse(_root(request) + path, status_code=303)
-
-
-def _me(request: Request) -> tuple[str, Session]:
-    me = signed_in(request)
-    if me is None:
-        raise _SignIn
-    return me
-
-
-async def _form(request: Request, me: tuple[str, Session]) -> dict[str, Any]:
-    """The POSTed form, after the CSRF and origin checks (403 otherwise)."""
-    form = await request.form()
-    check_post(request, me[1], form)
-    return dict(form)
 
 
 # --- signing in and out ----------------------------------------------------------------------
@@ -184,12 +47,12 @@ async def _form(request: Request, me: tuple[str, Session]) -> dict[str, Any]:
 
 @router.get("/")
 def home(request: Request) -> Response:
-    return _to(request, "/ui/runs" if signed_in(request) else "/ui/signin")
+    return to(request, "/ui/runs" if signed_in(request) else "/ui/signin")
 
 
 @router.get("/ui/signin")
-def signin_page(request: Request) -> Response:
-    return _page(request, "signin.html", signed_in(request), error=None)
+def signinpage(request: Request) -> Response:
+    return page(request, "signin.html", signed_in(request), error=None)
 
 
 @router.post("/ui/signin")
@@ -202,7 +65,7 @@ async def signin(request: Request) -> Response:
     form = await request.form()
     token = str(form.get("token") or "").strip()
     if service(request).tokens.get(token) is None:
-        return _page(
+        return page(
             request,
             "signin.html",
             None,
@@ -211,20 +74,20 @@ async def signin(request: Request) -> Response:
         )
     old = request.cookies.get(COOKIE)
     sessions_of(request).close(old)  # a new session id on sign-in (no session fixation)
-    response = _to(request, "/ui/runs")
-    set_cookie(request, response, sessions_of(request).open(token), path=_root(request) or "/")
+    response = to(request, "/ui/runs")
+    set_cookie(request, response, sessions_of(request).open(token), path=root(request) or "/")
     return response
 
 
 @router.post("/ui/signout")
 async def signout(request: Request) -> Response:
-    me = _me(request)
-    await _form(request, me)
+    who = me(request)
+    await form(request, who)
     sessions_of(request).close(request.cookies.get(COOKIE))
-    response = _to(request, "/ui/signin")
+    response = to(request, "/ui/signin")
     response.delete_cookie(
         COOKIE,
-        path=_root(request) or "/",
+        path=root(request) or "/",
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
@@ -236,16 +99,16 @@ async def signout(request: Request) -> Response:
 
 
 @router.get("/ui/runs")
-def runs_page(request: Request, status: Optional[str] = None) -> Response:
-    me = _me(request)
+def runspage(request: Request, status: Optional[str] = None) -> Response:
+    who = me(request)
     status = status or None  # the filter's "any"
     if status is not None and status not in STATUSES:
         raise HTTPException(422, f"status {shown(status)} is not one of: {', '.join(STATUSES)}")
-    listed = runs.list_runs(me[0], service(request), status=status, limit=LISTED)["runs"]
-    return _page(
+    listed = runs.list_runs(who[0], service(request), status=status, limit=LISTED)["runs"]
+    return page(
         request,
         "runs.html",
-        me,
+        who,
         runs=[_row(r, service(request)) for r in listed],
         wanted=status,
         statuses=STATUSES,
@@ -284,19 +147,19 @@ def _row(view: dict[str, Any], svc: Any) -> dict[str, Any]:
 
 
 @router.get("/ui/runs/{run_id}")
-def run_page(request: Request, run_id: str) -> Response:
+def runpage(request: Request, run_id: str) -> Response:
     return _run(request, run_id)
 
 
 def _run(request: Request, run_id: str, error: Optional[str] = None) -> Response:
     """The run's page (``error``: why the button just pressed did nothing, e.g. it ended)."""
-    me = _me(request)
+    who = me(request)
     svc = service(request)
-    view = run_view(svc.runner.shown(lookup(svc, run_id, me[0])))
-    return _page(
+    view = run_view(svc.runner.shown(lookup(svc, run_id, who[0])))
+    return page(
         request,
         "run.html",
-        me,
+        who,
         run=view,
         settings=_settings(view),
         figures=FIGURES,
@@ -324,11 +187,11 @@ def run_data(
 ) -> Response:
     """The run's plot data: each figure downsampled to ``points`` (exact bucket extremes), the
     skipped steps and the events, and the run's status (the page polls it while the run is live)."""
-    me = signed_in(request)
-    if me is None:
+    who = signed_in(request)
+    if who is None:
         raise HTTPException(401, "not signed in")
     svc = service(request)
-    run = svc.runner.shown(lookup(svc, run_id, me[0]))
+    run = svc.runner.shown(lookup(svc, run_id, who[0]))
     cols = columns_of(run["id"], read_log(run["run_dir"]))
     body = {
         "id": run["id"],
@@ -351,197 +214,47 @@ def run_data(
 
 @router.post("/ui/runs/{run_id}/cancel")
 async def cancel(request: Request, run_id: str) -> Response:
-    me = _me(request)
-    await _form(request, me)
+    who = me(request)
+    await form(request, who)
     svc = service(request)
     try:
-        runs.cancel(lookup(svc, run_id, me[0]), svc)
+        runs.cancel(lookup(svc, run_id, who[0]), svc)
     except HTTPException as e:
         if e.status_code != 409:
             raise
         return _run(request, run_id, error=str(e.detail))
-    return _to(request, f"/ui/runs/{run_id}")
+    return to(request, f"/ui/runs/{run_id}")
 
 
 @router.post("/ui/runs/{run_id}/resume")
 async def resume(request: Request, run_id: str) -> Response:
-    me = _me(request)
-    await _form(request, me)
+    who = me(request)
+    await form(request, who)
     svc = service(request)
     try:
-        runs.resume(lookup(svc, run_id, me[0]), svc)
+        runs.resume(lookup(svc, run_id, who[0]), svc)
     except HTTPException as e:
         if e.status_code != 409:
             raise
         return _run(request, run_id, error=str(e.detail))
-    return _to(request, f"/ui/runs/{run_id}")
+    return to(request, f"/ui/runs/{run_id}")
 
 
 # --- compare ---------------------------------------------------------------------------------
 
 
 @router.get("/ui/compare")
-def compare_page(request: Request, ids: Annotated[Optional[list[str]], Query()] = None) -> Response:
-    me = _me(request)
+def comparepage(request: Request, ids: Annotated[Optional[list[str]], Query()] = None) -> Response:
+    who = me(request)
     wanted = [i for x in ids or () for i in x.split(",") if i][:20]
     table, error = None, None
     try:
-        table = runs.compare(",".join(wanted), me[0], service(request))
+        table = runs.compare(",".join(wanted), who[0], service(request))
     except HTTPException as e:
         if e.status_code not in (409, 422):
             raise
         error = str(e.detail)
-    return _page(request, "compare.html", me, ids=wanted, table=table, error=error)
-
-
-# --- launch ----------------------------------------------------------------------------------
-
-
-@router.get("/ui/launch")
-def launch_page(request: Request) -> Response:
-    me = _me(request)
-    return _page(
-        request,
-        "launch.html",
-        me,
-        fields=form_fields(RunSpec, suggest=SUGGEST),
-        values={},
-        errors={},
-        error=None,
-    )
-
-
-@router.post("/ui/launch")
-async def launch(request: Request) -> Response:
-    me = _me(request)
-    form = await _form(request, me)
-    values = {k: v for k, v in form.items() if k != "csrf" and isinstance(v, str)}
-    errors, error = {}, None
-    try:
-        spec = RunSpec.model_validate(form_body(RunSpec, values))
-        run = runs.create_run(spec, me[0], service(request))
-        return _to(request, f"/ui/runs/{run['id']}")
-    except ValidationError as e:
-        errors = form_errors(e)
-    except HTTPException as e:
-        if e.status_code not in (422, 429, 507):
-            raise
-        error = str(e.detail)
-    return _page(
-        request,
-        "launch.html",
-        me,
-        status=422 if errors or error else 200,
-        fields=form_fields(RunSpec, suggest=SUGGEST),
-        values=values,
-        errors=errors,
-        error=error,
-    )
-
-
-# --- plan ------------------------------------------------------------------------------------
-
-
-@router.get("/ui/plan")
-def plan_page(request: Request) -> Response:
-    me = _me(request)
-    return _page(
-        request,
-        "plan.html",
-        me,
-        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
-        values={},
-        errors={},
-        error=None,
-        plan=None,
-        job=None,
-    )
-
-
-@router.post("/ui/plan")
-async def plan(request: Request) -> Response:
-    """The planner route's own answer (``POST /finetuning/optimize-mixed-precision``: its checks,
-    its cache, its rate limit and its jobs), as a table."""
-    me = _me(request)
-    form = await _form(request, me)
-    values = {k: v for k, v in form.items() if k != "csrf" and isinstance(v, str)}
-    fields = form_fields(OptimizeBody, required=("gpu_memory_gb",))
-    try:
-        body = OptimizeBody.model_validate(form_body(OptimizeBody, values))
-    except ValidationError as e:
-        return _page(
-            request,
-            "plan.html",
-            me,
-            status=422,
-            fields=fields,
-            values=values,
-            errors=form_errors(e),
-            error=None,
-            plan=None,
-            job=None,
-        )
-    return _plan_answer(
-        request,
-        me,
-        lambda: finetuning.optimize(body, me[0], service(request), request),
-        fields=fields,
-        values=values,
-    )
-
-
-@router.get("/ui/plan/jobs/{job_id}")
-def plan_job(request: Request, job_id: str) -> Response:
-    me = _me(request)
-    return _plan_answer(
-        request,
-        me,
-        lambda: finetuning.optimize_job(job_id, me[0]),
-        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
-        values=None,
-    )
-
-
-def _plan_answer(
-    request: Request, me: tuple[str, Session], ask: Callable[[], Any], **context: Any
-) -> Response:
-    plan, job, error = None, None, None
-    try:
-        got = ask()
-    except HTTPException as e:
-        if e.status_code not in (422, 429):
-            raise
-        error = str(e.detail)
-    else:
-        if isinstance(got, JSONResponse):
-            got = json.loads(bytes(got.body))
-        if "recommendations" in got:
-            plan = got
-            if context["values"] is None:  # a job's page: the form shows what was planned
-                context["values"] = {
-                    k: str(got[k]) for k in ("model_name", "gpu_memory_gb", "batch_size")
-                }
-        elif got.get("status") == "failed":
-            error = f"the planner failed: {got.get('error')}"
-        else:
-            job = got
-    context["values"] = context["values"] or {}
-    response = _page(
-        request,
-        "plan.html",
-        me,
-        status=422 if error else 200,
-        errors={},
-        error=error,
-        plan=plan,
-        job=job,
-        **context,
-    )
-    if job is not None:
-        response.headers["Refresh"] = (
-            f"2; url={_root(request)}/ui/plan/jobs/{job['job_id']}"  # no script: the browser polls
-        )
-    return response
+    return page(request, "compare.html", who, ids=wanted, table=table, error=error)
 
 
 # --- static files ----------------------------------------------------------------------------
@@ -553,27 +266,3 @@ def static(name: str) -> Response:
         raise HTTPException(404, f"no static file {shown(name)}")
     data = resources.files(__package__).joinpath("static", name).read_bytes()
     return Response(data, media_type=STATIC[name], headers={"Cache-Control": "max-age=3600"})
-
-
-# --- formatting ------------------------------------------------------------------------------
-
-
-def _num(v: Any, digits: int = 4) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return ""
-    if isinstance(v, float):
-        return f"{v:.{digits}g}"
-    return str(v)
-
-
-def _duration(s: Optional[float]) -> str:
-    if s is None:
-        return ""
-    s = int(s)
-    return (
-        f"{s // 3600}h{s // 60 % 60:02d}m"
-        if s >= 3600
-        else f"{s // 60}m{s % 60:02d}s"
-        if s >= 60
-        else f"{s}s"
-    )
