@@ -250,6 +250,7 @@ def test_launching_from_the_form_creates_a_run_that_trains(page, svc, artifacts)
     page.click("#launch button[type=submit]")
     page.wait_for_url(re.compile(r".*/ui/runs/[0-9a-f]{12}$"))
     rid = page.url.rsplit("/", 1)[1]
+    assert page.get_attribute("#plots", "data-live") == "true"  # queued when the page was drawn
     run = svc["alice"].get(f"/v1/runs/{rid}").json()
     assert run["spec"]["steps"] == 5 and run["user_id"] == "from-the-form"
     _until(page, "document.getElementById('run-status')?.textContent === 'succeeded'")

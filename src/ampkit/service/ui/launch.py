@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from typing import Any, Callable
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
@@ -136,7 +137,7 @@ def plan_job(request: Request, job_id: str) -> Response:
         who,
         lambda: finetuning.optimize_job(job_id, who[0]),
         fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
-        values=None,
+        values={k: v for k, v in request.query_params.items() if k in OptimizeBody.model_fields},
     )
 
 
@@ -155,15 +156,10 @@ def _plan_answer(
             got = json.loads(bytes(got.body))
         if "recommendations" in got:
             plan = got
-            if context["values"] is None:  # a job's page: the form shows what was planned
-                context["values"] = {
-                    k: str(got[k]) for k in ("model_name", "gpu_memory_gb", "batch_size")
-                }
         elif got.get("status") == "failed":
             error = f"the planner failed: {got.get('error')}"
         else:
             job = got
-    context["values"] = context["values"] or {}
     response = page(
         request,
         "plan.html",
@@ -176,7 +172,7 @@ def _plan_answer(
         **context,
     )
     if job is not None:
-        response.headers["Refresh"] = (
-            f"2; url={root(request)}/ui/plan/jobs/{job['job_id']}"  # no script: the browser polls
-        )
+        # no script: the browser polls the job, the form's values along (to show what was planned)
+        asked = urlencode(context["values"])
+        response.headers["Refresh"] = f"2; url={root(request)}/ui/plan/jobs/{job['job_id']}?{asked}"
     return response
