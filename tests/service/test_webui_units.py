@@ -212,3 +212,21 @@ def test_without_jinja2_the_ui_says_which_extra_and_the_api_still_answers(client
         assert client.get("/health").status_code in (200, 503)
     finally:
         pages.templates.cache_clear()
+
+
+def test_cancel_and_resume_buttons_do_what_the_api_does(client):
+    csrf = _sign_in(client)
+    origin = {"Origin": "http://127.0.0.1"}
+    r = client.post("/ui/launch", data={"csrf": csrf, "steps": "2"}, headers=origin)
+    rid = r.headers["location"].rsplit("/", 1)[1]
+    page = client.get(f"/ui/runs/{rid}").text
+    assert 'id="cancel"' in page and 'id="resume"' not in page  # queued: it can be cancelled
+    r = client.post(f"/ui/runs/{rid}/cancel", data={"csrf": csrf}, headers=origin)
+    assert r.status_code == 303 and client.app.state.store.get(rid)["status"] == "cancelled"
+    page = client.get(f"/ui/runs/{rid}").text
+    assert 'id="cancel"' not in page and 'id="resume"' in page
+    again = client.post(f"/ui/runs/{rid}/cancel", data={"csrf": csrf}, headers=origin)
+    assert again.status_code == 409 and "has already ended (cancelled)" in again.text  # the API's 409
+    r = client.post(f"/ui/runs/{rid}/resume", data={"csrf": csrf}, headers=origin)
+    assert r.status_code == 409 and "has no checkpoint to resume from" in r.text  # on the run's page
+    assert client.app.state.store.get(rid)["status"] == "cancelled"

@@ -37,7 +37,7 @@ router = APIRouter(route_class=UIRoute, include_in_schema=False)
 
 
 @router.get("/ui/launch")
-def launchpage(request: Request) -> Response:
+def launch_page(request: Request) -> Response:
     who = me(request)
     return page(
         request,
@@ -82,7 +82,7 @@ async def launch(request: Request) -> Response:
 
 
 @router.get("/ui/plan")
-def planpage(request: Request) -> Response:
+def plan_page(request: Request) -> Response:
     who = me(request)
     return page(
         request,

@@ -51,7 +51,7 @@ def home(request: Request) -> Response:
 
 
 @router.get("/ui/signin")
-def signinpage(request: Request) -> Response:
+def signin_page(request: Request) -> Response:
     return page(request, "signin.html", signed_in(request), error=None)
 
 
@@ -99,7 +99,7 @@ async def signout(request: Request) -> Response:
 
 
 @router.get("/ui/runs")
-def runspage(request: Request, status: Optional[str] = None) -> Response:
+def runs_page(request: Request, status: Optional[str] = None) -> Response:
     who = me(request)
     status = status or None  # the filter's "any"
     if status is not None and status not in STATUSES:
@@ -147,11 +147,11 @@ def _row(view: dict[str, Any], svc: Any) -> dict[str, Any]:
 
 
 @router.get("/ui/runs/{run_id}")
-def runpage(request: Request, run_id: str) -> Response:
+def run_page(request: Request, run_id: str) -> Response:
     return _run(request, run_id)
 
 
-def _run(request: Request, run_id: str, error: Optional[str] = None) -> Response:
+def _run(request: Request, run_id: str, error: Optional[str] = None, status: int = 200) -> Response:
     """The run's page (``error``: why the button just pressed did nothing, e.g. it ended)."""
     who = me(request)
     svc = service(request)
@@ -160,6 +160,7 @@ def _run(request: Request, run_id: str, error: Optional[str] = None) -> Response
         request,
         "run.html",
         who,
+        status=status,
         run=view,
         settings=_settings(view),
         figures=FIGURES,
@@ -222,7 +223,7 @@ async def cancel(request: Request, run_id: str) -> Response:
     except HTTPException as e:
         if e.status_code != 409:
             raise
-        return _run(request, run_id, error=str(e.detail))
+        return _run(request, run_id, error=str(e.detail), status=409)
     return to(request, f"/ui/runs/{run_id}")
 
 
@@ -236,7 +237,7 @@ async def resume(request: Request, run_id: str) -> Response:
     except HTTPException as e:
         if e.status_code != 409:
             raise
-        return _run(request, run_id, error=str(e.detail))
+        return _run(request, run_id, error=str(e.detail), status=409)
     return to(request, f"/ui/runs/{run_id}")
 
 
@@ -244,7 +245,7 @@ async def resume(request: Request, run_id: str) -> Response:
 
 
 @router.get("/ui/compare")
-def comparepage(request: Request, ids: Annotated[Optional[list[str]], Query()] = None) -> Response:
+def compare_page(request: Request, ids: Annotated[Optional[list[str]], Query()] = None) -> Response:
     who = me(request)
     wanted = [i for x in ids or () for i in x.split(",") if i][:20]
     table, error = None, None
