@@ -226,11 +226,8 @@ def test_cancel_and_resume_buttons_do_what_the_api_does(client):
     page = client.get(f"/ui/runs/{rid}").text
     assert 'id="cancel"' not in page and 'id="resume"' in page
     again = client.post(f"/ui/runs/{rid}/cancel", data={"csrf": csrf}, headers=origin)
-    assert (
-        again.status_code == 409 and "has already ended (cancelled)" in again.text
-    )  # the API's 409
+    # the API's 409s, shown on the run's page
+    assert again.status_code == 409 and "has already ended (cancelled)" in again.text
     r = client.post(f"/ui/runs/{rid}/resume", data={"csrf": csrf}, headers=origin)
-    assert (
-        r.status_code == 409 and "has no checkpoint to resume from" in r.text
-    )  # on the run's page
+    assert r.status_code == 409 and "has no checkpoint to resume from" in r.text
     assert client.app.state.store.get(rid)["status"] == "cancelled"

@@ -59,9 +59,7 @@ def signin_page(request: Request) -> Response:
 async def signin(request: Request) -> Response:
     check_origin(request)
     client = request.client.host if request.client else "?"
-    limit(
-        request, f"ip:{client}", "sign-in"
-    )  # the API's per-caller rate limit: no token guessing at speed
+    limit(request, f"ip:{client}", "sign-in")  # the API's rate limit: no token guessing at speed
     form = await request.form()
     token = str(form.get("token") or "").strip()
     if service(request).tokens.get(token) is None:
