@@ -176,9 +176,8 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_sign_out_ends_it(browser, svc
     page.wait_for_url(re.compile(r".*/ui/runs$"))
     assert page.inner_text("#owner") == "alice"
     (cookie,) = [c for c in context.cookies() if c["name"] == "ampkit_session"]
-    assert (
-        cookie["httpOnly"] and cookie["sameSite"] == "Strict" and not cookie["secure"]
-    )  # plain http here
+    # Secure only over TLS: this is plain http
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and not cookie["secure"]
     assert "ampkit_session" not in page.evaluate("document.cookie")  # out of scripts' reach
     page.click("text=Sign out")
     page.wait_for_url(re.compile(r".*/ui/signin$"))
@@ -205,9 +204,8 @@ def test_runs_page_lists_the_owners_runs_and_not_another_owners(page, svc, artif
     page.select_option("#status", "failed")
     page.click("text=Filter")
     assert page.locator("tr.run").count() == 0 and "status=failed" in page.url
-    response = page.goto(
-        f"{svc['base']}/ui/runs/{svc['ids']['bob']}"
-    )  # another owner's run: not there
+    # another owner's run: not there
+    response = page.goto(f"{svc['base']}/ui/runs/{svc['ids']['bob']}")
     assert response.status == 404 and "no run" in page.inner_text("#error")
     data = page.request.get(f"{svc['base']}/ui/runs/{svc['ids']['bob']}/data")
     assert data.status == 404
@@ -230,9 +228,8 @@ def test_loss_plot_has_a_point_per_step_record_and_marks_the_fallback(page, svc,
     assert mark["step"] == fell and marks["left"] <= mark["px"] <= marks["right"]
     assert sorted(m["step"] for m in marks["drawn"] if m["kind"] == "skipped") == skipped
     assert page.locator(f"#events tr[data-kind='fallback'][data-step='{fell}']").count() == 1
-    assert (
-        page.locator("#resume").count() == 0 and page.locator("#cancel").count() == 0
-    )  # it has ended
+    # it has ended: neither button
+    assert page.locator("#resume").count() == 0 and page.locator("#cancel").count() == 0
     assert "fallback" in page.inner_text("#settings")  # the run's amp settings
     _shot(page, artifacts, "run")
     assert not [e for e in page.console_errors if "Content Security Policy" in e], (

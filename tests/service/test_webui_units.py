@@ -102,9 +102,8 @@ def client(tmp_path):
     app = create_app(
         ServiceConfig(data_dir=str(tmp_path / "svc")), tokens={"tok-a": "alice", "tok-b": "bob"}
     )
-    c = TestClient(
-        app, base_url="http://127.0.0.1", follow_redirects=False
-    )  # no lifespan: runs stay queued
+    # not entered as a context: no lifespan, no runner, so runs stay queued
+    c = TestClient(app, base_url="http://127.0.0.1", follow_redirects=False)
     c.app = app
     yield c
     c.close()

@@ -58,9 +58,8 @@ class Columns:
     events_total: int = 0
     lines: int = 0  # log lines parsed
     last_line: str = ""
-    _shown: dict[int, tuple[int, dict[str, Any]]] = field(
-        default_factory=dict
-    )  # points -> (lines, series)
+    # points -> (log lines seen, the downsampled series)
+    _shown: dict[int, tuple[int, dict[str, Any]]] = field(default_factory=dict)
 
     def add(self, line: str) -> None:
         rec = json.loads(line)
