@@ -37,6 +37,7 @@ LONGEST_FIRST = [
     "distributed/test_launch.py", "service/test_service_compat.py", "service/test_service.py",
     "service/test_planner_jobs.py", "e2e/test_newcomer.py", "distributed/test_slurm.py", "cli/test_plan.py",
     "service/test_service_supervisor.py", "step/test_master.py", "loop/test_hf_models.py",
+    "service/test_webui.py",
 ]
 
 

@@ -35,6 +35,7 @@ from .routes import finetuning, runs
 from .runner import Runner
 from .schemas import RunSpec, ServiceConfig
 from .store import Store, disk_full
+from .ui import router as ui_router
 
 __all__ = ["RunSpec", "ServiceConfig", "create_app"]
 
@@ -70,6 +71,7 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
     app.add_middleware(RequestLog, owner=lambda scope: _owner_of(svc, scope))  # outermost: sees every answer
     app.include_router(runs.router)
     app.include_router(finetuning.router)
+    app.include_router(ui_router)  # the web UI at / and /ui/ (ui/routes.py)
     if config.private_docs:
         _private_docs(app)
     return app
