@@ -21,7 +21,7 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.loop.estimate import estimate, largest_batch, parse_bytes
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 
 
 def real_peak(size: str, precision: str, batch: int, dev: torch.device) -> int:

@@ -41,8 +41,8 @@ def _train_step_s(steps: int) -> tuple[float, float]:
     and with a ``GracefulStop.poll`` after every step, in alternating blocks."""
     from ampkit import MixedPrecision
     from ampkit.distributed import wrap_ddp
-    from ampkit.loop.models import builtin
     from ampkit.loop.stop import GracefulStop
+    from ampkit.models.builtin import builtin
 
     model, batches = builtin("mlp", "small", batch_size=64, seed=0)
     if dist.is_initialized():

@@ -8,8 +8,8 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.loop.estimate import estimate
-from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
 
 pytestmark = pytest.mark.cuda
 

@@ -21,8 +21,8 @@ from ampkit.loop.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
 from ampkit.step.engine import MixedPrecision
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ import pytest
 from ampkit import MixedPrecisionConfig
 from ampkit.cli import main
 from ampkit.loop.bench import compare, tune
-from ampkit.loop.models import builtin
 from ampkit.loop.speed import within_noise
+from ampkit.models.builtin import builtin
 
 
 def tiny(name="mlp", batch_size=8):

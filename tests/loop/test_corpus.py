@@ -5,7 +5,7 @@ every later real run of the process would then train on."""
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from ampkit.loop.data import TextBatches, stdlib_corpus
+from ampkit.models.data import TextBatches, stdlib_corpus
 
 
 def test_a_first_use_under_fake_tensors_caches_real_data():

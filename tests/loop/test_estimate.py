@@ -9,7 +9,7 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.loop.estimate import estimate
-from ampkit.loop.models import build, builtin
+from ampkit.models.builtin import build, builtin
 from ampkit.observe.memory import activations, breakdown, saved_activations
 
 PRECISIONS = ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
@@ -58,7 +58,7 @@ def test_gpt2_124m_without_allocating_it(tmp_path):
     code = (
         "import json, resource, torch\n"
         "from ampkit.loop.estimate import estimate\n"
-        "from ampkit.loop.models import GPT, GPTConfig\n"
+        "from ampkit.models.builtin import GPT, GPTConfig\n"
         "cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)\n"
         "x = torch.randint(0, 50304, (8, 1024))\n"
         "rows = {p: estimate(lambda: GPT(cfg), (x, x), precision=p).to_dict() for p in ('fp32', 'bf16-pure')}\n"
@@ -69,7 +69,7 @@ def test_gpt2_124m_without_allocating_it(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["rss"] * 1024 < 2 * 2**30  # ru_maxrss is in KiB on Linux
     fp32, pure = out["rows"]["fp32"], out["rows"]["bf16-pure"]
-    from ampkit.loop.models import GPT, GPTConfig
+    from ampkit.models.builtin import GPT, GPTConfig
 
     with torch.device("meta"):  # the parameter count, without allocating
         n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12,

@@ -6,7 +6,7 @@ import torch
 
 from ampkit.loop.estimate import estimate, largest_batch
 from ampkit.loop.estimate_session import Curve, Session, fit
-from ampkit.loop.models import build, builtin
+from ampkit.models.builtin import build, builtin
 
 
 def gpt_batch(b):

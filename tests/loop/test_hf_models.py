@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ampkit.loop.data import TextSamples, load_texts
+from ampkit.models.data import TextSamples, load_texts
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.data import split_batch
 from ampkit.loop.trainer import Trainer
+from ampkit.models.data import split_batch
 
 
 def model_():
@@ -142,7 +142,7 @@ def test_split_batch_keeps_every_sample_once():
 
 def _gpt_trainer(tmp_path, **kwargs):
     """GPT tiny on batches of 32 x 64 tokens, fp32, SGD (see assert_same_sgd_run)."""
-    from ampkit.loop.models import builtin
+    from ampkit.models.builtin import builtin
 
     torch.manual_seed(0)
     model, data = builtin("gpt", "tiny", batch_size=32)
@@ -156,7 +156,7 @@ def _gpt_trainer(tmp_path, **kwargs):
 @pytest.mark.slow
 def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
     from ampkit.loop.estimate import estimate
-    from ampkit.loop.models import builtin
+    from ampkit.models.builtin import builtin
 
     auto = _gpt_trainer(tmp_path / "auto", batch_size="auto", memory_budget="6MiB")
     summary = auto.fit(2)

@@ -11,8 +11,8 @@ import torch
 from ampkit.cli import main
 from ampkit.loop import autoselect
 from ampkit.loop.bench import BenchReport, BenchResult, tune
-from ampkit.loop.models import builtin
 from ampkit.loop.speed import Timing, paired_ratio, speed_words, within_noise
+from ampkit.models.builtin import builtin
 
 
 # ---------------------------------------------------------------------------- the verdict

@@ -11,9 +11,9 @@ import ampkit.step.hardware as hardware
 from ampkit import MixedPrecision
 from ampkit.cli import main
 from ampkit.loop.autoselect import auto_decision, cache_path, confirm_auto, measured_choice
-from ampkit.loop.models import builtin
 from ampkit.loop.steps import Steps, batch_loss
 from ampkit.loop.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
+from ampkit.models.builtin import builtin
 
 from ..support.reference_loop import torch_amp_loop
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from ampkit.loop.estimate_session import Session
-from ampkit.loop.models import build, builtin
 from ampkit.loop.tracker import StepTracker
+from ampkit.models.builtin import build, builtin
 
 
 def _memtracker():

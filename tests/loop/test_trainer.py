@@ -7,9 +7,9 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.cli import main
-from ampkit.loop.data import TextBatches
-from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
+from ampkit.models.data import TextBatches
 from ampkit.observe.memory import activations
 from ampkit.step.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -42,7 +42,7 @@ def test_activation_checkpointing_same_gradients_less_memory():
 
 def test_activation_checkpointing_by_type_and_bad_target():
     model, _ = builtin("gpt", "tiny")
-    from ampkit.loop.models import _Block
+    from ampkit.models.builtin import _Block
 
     assert apply_activation_checkpointing(model, [_Block]) == ["blocks.0", "blocks.1"]
     with pytest.raises(ValueError, match="matches no module"):

@@ -8,7 +8,7 @@ import pytest
 from ampkit import MixedPrecisionConfig
 from ampkit.cli import main
 from ampkit.loop.bench import RUNGS, compare, tune, with_rungs
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 
 EXPECTED_BYTES = {"fp32": 12, "bf16-pure:fp32": 14, "bf16-pure:split": 12, "bf16-pure:kahan": 12,
                   "bf16-pure:stochastic": 10, "bf16-pure:stochastic+bf16": 6}

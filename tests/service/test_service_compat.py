@@ -155,7 +155,7 @@ def test_optimize_mixed_precision_answers_from_the_planner(server):
     # the largest batch really is the largest by the estimate: B fits, B + 1 does not
     import torch
 
-    from ampkit.loop.hf import build_hf
+    from ampkit.models.hf_configs import build_hf
 
     budget = int(0.05 * 2**30)
     factory = lambda: build_hf("gpt2", byte)  # noqa: E731

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
 from ampkit.observe.memory import breakdown
 from ampkit.step.policies.pure import MasterWeights
 

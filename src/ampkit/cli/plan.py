@@ -36,8 +36,8 @@ def _model_only(args: argparse.Namespace, factory: Any) -> Any:
     the data, once per call): a Hugging Face config or a built-in model; a user's factory as is."""
     import functools
 
-    from ..loop.hf import build_hf, is_hf, parse_overrides
-    from ..loop.models import MODELS, build
+    from ..models.builtin import MODELS, build
+    from ..models.hf_configs import build_hf, is_hf, parse_overrides
 
     if is_hf(args.model):
         return functools.partial(build_hf, args.model, parse_overrides(getattr(args, "model_config", None)))
@@ -47,7 +47,7 @@ def _model_only(args: argparse.Namespace, factory: Any) -> Any:
 def _stack(args: argparse.Namespace) -> Any:
     """The model as a stack of blocks (built-in gpt, Hugging Face configs), or None: measured whole."""
     from ..loop.depth import stack_for
-    from ..loop.hf import is_hf, parse_overrides
+    from ..models.hf_configs import is_hf, parse_overrides
 
     overrides = parse_overrides(getattr(args, "model_config", None)) if is_hf(args.model) else None
     return stack_for(args.model, args.size, overrides)

@@ -239,7 +239,7 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
 
     eval_batches = None
     if args.eval_every:
-        from ..loop.models import MODELS
+        from ..models.builtin import MODELS
 
         if args.model in MODELS and hasattr(batches, "split"):
             eval_batches = dataclasses.replace(batches, split="val")
@@ -301,7 +301,7 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
                 summary: Any) -> Optional[str]:
     if not args.save_model or not is_main():
         return None
-    from ..loop.modelfile import save_model
+    from ..models.modelfile import save_model
 
     path = save_model(model, amp, args.save_model, {
         "model": args.model, "size": args.size, "model_config": args.model_config,
@@ -313,7 +313,7 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
 def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> list[str]:
     targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
     if args.grad_ckpt and not targets:
-        from ..loop.hf import is_hf
+        from ..models.hf_configs import is_hf
 
         if is_hf(args.model):  # the layers: the elements of every ModuleList
             targets = [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]

@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import torch
 
-from .data import batch_size, split_batch
+from ..models.data import batch_size, split_batch
 from .estimate import estimate, parse_bytes
 
 __all__ = ["AutoBatch", "HEADROOM", "check_auto_args", "choose_split", "device_budget"]

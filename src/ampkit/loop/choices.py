@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from ..distributed import is_main
+from ..models.data import batch_size
 from .autobatch import choose_split, device_budget
 from .autoselect import auto_decision, confirm_auto
-from .data import batch_size
 
 __all__ = ["choose_batch", "confirm_auto_precision", "rebatch"]
 

@@ -59,7 +59,7 @@ class Stack:
 
 
 def _gpt(cfg: dict[str, Any]) -> torch.nn.Module:
-    from .models import GPT, GPTConfig
+    from ..models.builtin import GPT, GPTConfig
 
     return GPT(GPTConfig(**cfg))
 
@@ -69,7 +69,7 @@ def _gpt_at(cfg: dict[str, Any], n: int) -> Callable[[], torch.nn.Module]:
 
 
 def _hf_at(spec: str, overrides: dict[str, Any], key: str, n: int) -> Callable[[], torch.nn.Module]:
-    from .hf import build_hf
+    from ..models.hf_configs import build_hf
 
     return functools.partial(build_hf, spec, {**overrides, key: n})
 
@@ -78,8 +78,8 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
     """The built-in ``gpt`` at ``size``, or a Hugging Face config model with a layer count
     (``num_hidden_layers``, ``n_layer`` for GPT-2), as a :class:`Stack`; None for any other model
     (an MLP, a CNN, a user's ``module:factory``): those are measured whole."""
-    from .hf import hf_config, is_hf
-    from .models import SIZES
+    from ..models.builtin import SIZES
+    from ..models.hf_configs import hf_config, is_hf
 
     if model == "gpt" and size in SIZES["gpt"]:
         cfg = dict(SIZES["gpt"][size])

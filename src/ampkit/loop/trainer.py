@@ -21,6 +21,7 @@ import torch
 
 from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
+from ..models.data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
 from ..observe.monitor import Monitor
 from ..step.engine import MixedPrecision
 from .autobatch import check_auto_args
@@ -34,7 +35,6 @@ from .checkpoint import (
     restore_rng,
 )
 from .choices import choose_batch, confirm_auto_precision, rebatch
-from .data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
 from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
 from .rollback import SpikeGuard

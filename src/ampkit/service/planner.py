@@ -29,8 +29,8 @@ Overrides = tuple[tuple[str, Any], ...]  # a config's overrides, hashable for th
 
 def _text_model(model: str, overrides: Overrides, size: str) -> tuple[Callable[[], Any], int]:
     """``(factory, longest sequence)`` of a text model: a Hugging Face config, or the built-in GPT."""
-    from ..loop.hf import build_hf, hf_config, is_hf, max_positions
-    from ..loop.models import build
+    from ..models.builtin import build
+    from ..models.hf_configs import build_hf, hf_config, is_hf, max_positions
 
     if is_hf(model):
         return functools.partial(build_hf, model, dict(overrides)), max_positions(hf_config(model, dict(overrides)))

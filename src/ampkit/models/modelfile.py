@@ -22,7 +22,7 @@ __all__ = ["save_model"]
 
 
 def save_model(model: torch.nn.Module, amp: MixedPrecision, directory: str, meta: dict[str, Any]) -> str:
-    from .hf import CausalLM
+    from .hf_configs import CausalLM
 
     directory = os.path.abspath(directory)
     tmp = directory + ".partial"
