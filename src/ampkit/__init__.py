@@ -18,7 +18,6 @@ from .loop.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .loop.estimate import MemoryEstimate, estimate, largest_batch
 from .loop.rollback import SpikeGuard
 from .loop.stop import TrainingInterrupted
 from .loop.trainer import Trainer, TrainSummary
@@ -34,6 +33,7 @@ from .observe.monitor import (
     read_jsonl,
 )
 from .observe.numerics import AuditReport, audit
+from .plan.estimate import MemoryEstimate, estimate, largest_batch
 from .step.config import ConfigError, MixedPrecisionConfig
 from .step.engine import Event, MixedPrecision, StepResult
 from .step.fallback import NumericsError

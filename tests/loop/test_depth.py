@@ -4,7 +4,7 @@ several depths, batches and precisions; plan_precision's answers against the exa
 import pytest
 import torch
 
-from ampkit.loop.depth import (
+from ampkit.plan.depth import (
     DepthError,
     DepthFit,
     Stack,
@@ -13,7 +13,7 @@ from ampkit.loop.depth import (
     plan_precisions,
     stack_for,
 )
-from ampkit.loop.estimate_session import Measure, Session
+from ampkit.plan.session import Measure, Session
 
 TOLERANCE = 0.001  # stated: the extrapolated peak is within 0.1% of the full estimate (measured: 0 bytes)
 
@@ -134,7 +134,7 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     """The twin's fits (the first's, shifted per phase by the difference measured on the 1-block copy)
     predict exactly what its own 2 x 2 measures predict, at other depths and batches, with and without
     checkpointing: the loss scaler's scalars are the same bytes everywhere."""
-    from ampkit.loop.depth import _twin_fits, measure_both
+    from ampkit.plan.depth import _twin_fits, measure_both
 
     st, batch_of = gpt_small_at(4), tokens(128)
     fits = measure_both(st, first, batch_of, (False, True))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.estimate import estimate
 from ampkit.models.builtin import build, builtin
 from ampkit.observe.memory import activations, breakdown, saved_activations
+from ampkit.plan.estimate import estimate
 
 PRECISIONS = ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
 STATIC = ("parameters", "gradients", "master_weights", "optimizer_state")
@@ -57,7 +57,7 @@ def test_estimate_matches_a_real_run(name, size, precision):
 def test_gpt2_124m_without_allocating_it(tmp_path):
     code = (
         "import json, resource, torch\n"
-        "from ampkit.loop.estimate import estimate\n"
+        "from ampkit.plan.estimate import estimate\n"
         "from ampkit.models.builtin import GPT, GPTConfig\n"
         "cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)\n"
         "x = torch.randint(0, 50304, (8, 1024))\n"
@@ -82,7 +82,7 @@ def test_gpt2_124m_without_allocating_it(tmp_path):
 
 @pytest.mark.slow
 def test_largest_batch_fits_and_the_next_does_not():
-    from ampkit.loop.estimate import largest_batch
+    from ampkit.plan.estimate import largest_batch
 
     def batch_of(b):
         return builtin("gpt", "tiny", batch_size=b, seed=0)[1](0)
@@ -122,7 +122,7 @@ def test_plan_cli_and_bad_input(capsys):
 @pytest.mark.slow
 def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     from ampkit.cli import main
-    from ampkit.loop.estimate import largest_batch
+    from ampkit.plan.estimate import largest_batch
 
     common = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--steps", "2", "--json",
               "--no-progress", "--precision", "fp32"]

@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from ampkit.loop.estimate import estimate, largest_batch
-from ampkit.loop.estimate_session import Curve, Session, fit
 from ampkit.models.builtin import build, builtin
+from ampkit.plan.estimate import estimate, largest_batch
+from ampkit.plan.session import Curve, Session, fit
 
 
 def gpt_batch(b):
@@ -101,7 +101,7 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     import argparse
 
     from ampkit.cli import plan as plan_cli
-    from ampkit.loop import estimate_session
+    from ampkit.plan import session as estimate_session
 
     counts = {"sessions": 0, "measures": 0}
     enter, measure = estimate_session.Session.__enter__, estimate_session.Session.measure
@@ -160,7 +160,7 @@ def test_checkpointing_switched_in_a_session_measures_what_a_fresh_session_does(
 @pytest.mark.slow
 def test_the_cheap_warm_up_leaves_what_a_training_step_leaves(precision, monkeypatch):
     """The warm-up that only sums the parameters measures the same steps as a real warm-up step."""
-    from ampkit.loop import estimate_session
+    from ampkit.plan import session as estimate_session
 
     if precision == "fp8":
         pytest.importorskip("torchao")

@@ -155,8 +155,8 @@ def _gpt_trainer(tmp_path, **kwargs):
 
 @pytest.mark.slow
 def test_auto_batch_fits_the_budget_and_keeps_the_gradient_math(tmp_path):
-    from ampkit.loop.estimate import estimate
     from ampkit.models.builtin import builtin
+    from ampkit.plan.estimate import estimate
 
     auto = _gpt_trainer(tmp_path / "auto", batch_size="auto", memory_budget="6MiB")
     summary = auto.fit(2)

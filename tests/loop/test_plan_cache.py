@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ampkit.cli import plan as plan_cli
-from ampkit.loop import estimate_session, plan_cache
+from ampkit.plan import cache as plan_cache
+from ampkit.plan import session as estimate_session
 
 
 def _args(**kw):

@@ -4,9 +4,9 @@ against PyTorch's own MemTracker running the same step."""
 import pytest
 import torch
 
-from ampkit.loop.estimate_session import Session
-from ampkit.loop.tracker import StepTracker
 from ampkit.models.builtin import build, builtin
+from ampkit.plan.session import Session
+from ampkit.plan.tracker import StepTracker
 
 
 def _memtracker():
@@ -46,7 +46,7 @@ def _memtracker():
 
 def _both(session, batch, monkeypatch):
     """The measure with StepTracker, then the same measure with MemTracker in its place."""
-    from ampkit.loop import estimate_session
+    from ampkit.plan import session as estimate_session
 
     ours = session.measure(batch)
     with monkeypatch.context() as m:

@@ -134,7 +134,7 @@ def test_optimized_run_uses_accumulation_for_the_effective_batch(server):
 
 
 def test_optimize_mixed_precision_answers_from_the_planner(server):
-    from ampkit.loop.estimate import estimate
+    from ampkit.plan.estimate import estimate
 
     c = server.client
     # a byte-level GPT-2 (vocab 256), so that activations, not the 50k-wide logits, fill the budget

@@ -53,7 +53,7 @@ def choose_batch(args: argparse.Namespace, accumulation: int, device: torch.devi
     ``--target_effective_batch_size``; ``why`` is None when neither applies."""
     why, batch = None, args.batch_size
     if batch == "auto":
-        from ..loop.estimate import largest_batch, parse_bytes
+        from ..plan.estimate import largest_batch, parse_bytes
 
         if args.memory_budget is None and device.type != "cuda":
             raise ValueError("--batch_size auto needs --memory_budget on this device (e.g. --memory_budget 8GiB); "

@@ -14,7 +14,7 @@ import torch
 
 from ..distributed import is_main
 from ..models.data import batch_size
-from .autobatch import choose_split, device_budget
+from ..plan.autobatch import choose_split, device_budget
 from .autoselect import auto_decision, confirm_auto
 
 __all__ = ["choose_batch", "confirm_auto_precision", "rebatch"]

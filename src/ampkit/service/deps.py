@@ -124,8 +124,8 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
     is built. Building 8000 blocks, even on the meta device, takes a minute and 160 MB."""
     import torch
 
-    from ..loop.depth import stack_for
     from ..models.hf_configs import build_hf
+    from ..plan.depth import stack_for
 
     def count(factory: Any) -> int:
         with torch.device("meta"):

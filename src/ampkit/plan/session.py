@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..loop.steps import Steps, batch_loss
 from ..observe.memory import activations, breakdown, saved_activations
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
-from .steps import Steps, batch_loss
 from .tracker import StepTracker
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session", "cuda_workspace_bytes", "to_device"]

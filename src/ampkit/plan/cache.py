@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from .estimate_session import Measure
+from .session import Measure
 
 __all__ = ["cache_dir", "current", "key", "load", "save", "use"]
 

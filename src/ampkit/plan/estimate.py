@@ -29,7 +29,7 @@ import torch
 # marked ``planned`` -- fp32, bf16, fp16 and their pure forms. Not tf32 (fp32's memory); fp8 only
 # where torchao is installed (the CLI adds it). Re-exported here, its historical home.
 from ..step.precision import PLAN_PRECISIONS
-from .estimate_session import PARTS, Measure, Session, fit  # noqa: F401  (PARTS: re-exported)
+from .session import PARTS, Measure, Session, fit  # noqa: F401  (PARTS: re-exported)
 
 __all__ = ["PLAN_PRECISIONS", "MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
 

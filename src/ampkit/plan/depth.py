@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..step.precision import REGISTRY
-from . import plan_cache
-from .estimate_session import PARTS, Curve, Measure, Session, fit
+from . import cache as plan_cache
+from .session import PARTS, Curve, Measure, Session, fit
 
 __all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
            "measure_depths", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
