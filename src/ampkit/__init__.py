@@ -9,8 +9,9 @@ back up. A name not listed in ``__all__`` lives in its home module (``ampkit.mod
 
 from __future__ import annotations
 
-from .loop.autoselect import confirm_auto
-from .loop.bench import BenchReport, Recommendation, compare, tune
+from .choose.autoselect import confirm_auto
+from .choose.bench import BenchReport, compare
+from .choose.recommend import Recommendation, tune
 from .loop.checkpoint import (
     CheckpointError,
     CheckpointManager,

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from ampkit.choose.autoselect import measured_choice
 from ampkit.cli import main
-from ampkit.loop.autoselect import measured_choice
 from ampkit.loop.checkpoint import (
     CheckpointError,
     CheckpointManager,

@@ -4,9 +4,10 @@ import math
 import pytest
 
 from ampkit import MixedPrecisionConfig
+from ampkit.choose.bench import compare
+from ampkit.choose.recommend import tune
+from ampkit.choose.speed import within_noise
 from ampkit.cli import main
-from ampkit.loop.bench import compare, tune
-from ampkit.loop.speed import within_noise
 from ampkit.models.builtin import builtin
 
 

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from ampkit.choose import autoselect
+from ampkit.choose.bench import BenchReport, BenchResult
+from ampkit.choose.recommend import tune
+from ampkit.choose.speed import Timing, paired_ratio, speed_words, within_noise
 from ampkit.cli import main
-from ampkit.loop import autoselect
-from ampkit.loop.bench import BenchReport, BenchResult, tune
-from ampkit.loop.speed import Timing, paired_ratio, speed_words, within_noise
 from ampkit.models.builtin import builtin
 
 

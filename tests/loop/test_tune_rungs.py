@@ -6,8 +6,9 @@ import math
 import pytest
 
 from ampkit import MixedPrecisionConfig
+from ampkit.choose.bench import RUNGS, compare, with_rungs
+from ampkit.choose.recommend import tune
 from ampkit.cli import main
-from ampkit.loop.bench import RUNGS, compare, tune, with_rungs
 from ampkit.models.builtin import builtin
 
 EXPECTED_BYTES = {"fp32": 12, "bf16-pure:fp32": 14, "bf16-pure:split": 12, "bf16-pure:kahan": 12,

@@ -200,7 +200,7 @@ def _model_and_engine(args: argparse.Namespace, console: Any, device: torch.devi
     model.to(device)
     why = amp.precision.reason
     if not args.resume:  # auto confirmed by measurement on a CPU (as the Trainer would); resuming keeps the checkpoint's
-        from ..loop.autoselect import confirm_auto
+        from ..choose.autoselect import confirm_auto
 
         why = confirm_auto(amp, model, batches, label=model_label(args), announce=console.print).reason
     return model, batches, amp, why

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from ..choose.autoselect import auto_decision, confirm_auto
 from ..distributed import is_main
 from ..models.data import batch_size
 from ..plan.autobatch import choose_split, device_budget
-from .autoselect import auto_decision, confirm_auto
 
 __all__ = ["choose_batch", "confirm_auto_precision", "rebatch"]
 

@@ -19,13 +19,13 @@ from typing import Any, Optional
 
 import torch
 
+from ..choose.autoselect import auto_decision
 from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
 from ..models.data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
 from ..observe.monitor import Monitor
 from ..plan.autobatch import check_auto_args
 from ..step.engine import MixedPrecision
-from .autoselect import auto_decision
 from .batches import BatchSource, held_out
 from .checkpoint import (
     CheckpointManager,

@@ -29,17 +29,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..loop.batches import IndexedBatches
+from ..loop.steps import Steps
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.policies.ladder import parse_rung
 from ..step.precision import REFERENCE, REGISTRY, Precision, PrecisionError, resolve_precision
-from .batches import IndexedBatches
-from .recommend import Recommendation, tune
 from .speed import paired_ratio, within_noise
-from .steps import Steps
 
-__all__ = ["BenchReport", "BenchResult", "RUNGS", "Recommendation", "compare", "tune", "with_rungs"]
+__all__ = ["BenchReport", "BenchResult", "RUNGS", "compare", "with_rungs"]
 
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 #: bf16-pure's rungs, most memory first (``masters="none"`` stalls and is left out)

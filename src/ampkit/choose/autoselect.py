@@ -29,13 +29,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..distributed import world_size
+from ..loop.batches import BatchSource
+from ..loop.checkpoint import capture_rng, restore_rng
+from ..loop.steps import LossFn, Steps, batch_loss
 from ..step.engine import MixedPrecision
 from ..step.hardware import cpu_features
 from ..step.precision import REFERENCE
-from .batches import BatchSource
-from .checkpoint import capture_rng, restore_rng
 from .speed import Timing, paired_ratio, speed_words, within_noise
-from .steps import LossFn, Steps, batch_loss
 
 __all__ = ["Choice", "auto_decision", "cache_path", "confirm_auto", "measured_choice", "model_signature"]
 
