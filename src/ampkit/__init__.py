@@ -19,10 +19,6 @@ from .loop.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .loop.rollback import SpikeGuard
-from .loop.stop import TrainingInterrupted
-from .loop.trainer import Trainer, TrainSummary
-from .loop.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
 from .observe.memory import MemoryBreakdown, breakdown
 from .observe.monitor import (
     ConsoleSink,
@@ -43,6 +39,10 @@ from .step.localize import NonFiniteReport, localize_nonfinite
 from .step.manifest import Manifest
 from .step.precision import Precision, PrecisionError, resolve_precision
 from .step.scaler import LossScaler
+from .train.rollback import SpikeGuard
+from .train.stop import TrainingInterrupted
+from .train.trainer import Trainer, TrainSummary
+from .train.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
 
 __version__ = "0.1.0"
 

@@ -322,7 +322,7 @@ def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients(ranks_of):
 def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str = "fp32") -> dict:
     """Uninterrupted 10 steps vs 5 steps + checkpoint + resume in a fresh Trainer + 5 steps."""
     from ampkit.distributed import shard
-    from ampkit.loop.trainer import Trainer
+    from ampkit.train.trainer import Trainer
 
     def build(checkpoint_dir: str | None) -> Trainer:
         torch.manual_seed(0)
@@ -352,7 +352,7 @@ def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, tmp_path, ranks_of):
     from ampkit.loop.checkpoint import export_single_file, load_checkpoint
-    from ampkit.loop.trainer import Trainer
+    from ampkit.train.trainer import Trainer
 
     ranks = ranks_of(f"{kind}-resume")
     for r in ranks:

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ampkit import MixedPrecision
-from ampkit.loop.trainer import Trainer, TrainingInterrupted
+from ampkit.train.trainer import Trainer, TrainingInterrupted
 
 
 class Net(torch.nn.Module):

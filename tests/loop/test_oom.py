@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.trainer import Trainer
 from ampkit.models.data import split_batch
+from ampkit.train.trainer import Trainer
 
 
 def model_():

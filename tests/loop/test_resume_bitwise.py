@@ -33,7 +33,7 @@ from torch import nn
 import ampkit
 from ampkit.loop.checkpoint import load_checkpoint
 from ampkit.loop.seed import seed_everything
-from ampkit.loop.trainer import Trainer, TrainingInterrupted
+from ampkit.train.trainer import Trainer, TrainingInterrupted
 
 from .test_rollback import Net, data
 

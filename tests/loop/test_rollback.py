@@ -1,4 +1,4 @@
-"""Spike rollback in memory (ampkit.loop.rollback): a run that met a corrupted batch (targets x1000)
+"""Spike rollback in memory (ampkit.train.rollback): a run that met a corrupted batch (targets x1000)
 and a NaN batch ends bitwise where a run that never saw them ends; a clean run records nothing."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.loop.rollback import SpikeGuard
-from ampkit.loop.trainer import Trainer
+from ampkit.train.rollback import SpikeGuard
+from ampkit.train.trainer import Trainer
 
 CORRUPT, NAN = 13, 22  # data indices of the bad batches (after the detector's warmup)
 STEPS = 28

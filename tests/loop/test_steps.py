@@ -12,8 +12,8 @@ from ampkit import MixedPrecision
 from ampkit.choose.autoselect import auto_decision, cache_path, confirm_auto, measured_choice
 from ampkit.cli import main
 from ampkit.loop.steps import Steps, batch_loss
-from ampkit.loop.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
 from ampkit.models.builtin import builtin
+from ampkit.train.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
 
 from ..support.reference_loop import torch_amp_loop
 

@@ -7,7 +7,6 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.cli import main
-from ampkit.loop.trainer import Trainer
 from ampkit.models.builtin import builtin
 from ampkit.models.data import TextBatches
 from ampkit.observe.memory import activations
@@ -15,6 +14,7 @@ from ampkit.step.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
+from ampkit.train.trainer import Trainer
 
 
 @pytest.mark.slow
@@ -171,7 +171,7 @@ def test_trainer_turns_fallback_on_by_default():
 @pytest.mark.parametrize("flags, level, precision", [(["--amp_opt_level", "O0"], "O0", "fp32"),
                                                      (["--precision", "bf16-pure"], "O2", "bf16-pure")])
 def test_run_header_names_the_opt_level(tmp_path, capsys, flags, level, precision):
-    from ampkit.loop.summary import opt_level
+    from ampkit.train.summary import opt_level
 
     rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--batch_size", "64",
                *flags, "--device", "cpu", "--no_progress", "--log_dir", str(tmp_path)])

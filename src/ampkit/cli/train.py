@@ -19,11 +19,11 @@ from rich.markup import escape
 
 from ..distributed import broadcast_object, init, is_main, local_device, world_size
 from ..loop.seed import seed_everything
-from ..loop.summary import opt_level
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
+from ..train.summary import opt_level
 from . import parallel
 from .common import (
     estimate_inputs,
@@ -235,7 +235,7 @@ def _header(args: argparse.Namespace, device: torch.device, model: torch.nn.Modu
 def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              amp: MixedPrecision, batches: Any) -> Any:
     """The Trainer, its log directory still unset (:meth:`RunDir.settle` names it after a resume)."""
-    from ..loop.trainer import Trainer
+    from ..train.trainer import Trainer
 
     eval_batches = None
     if args.eval_every:
@@ -245,7 +245,7 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
             eval_batches = dataclasses.replace(batches, split="val")
         else:
             eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
-    from ..loop.trainer_config import CheckpointConfig, EvalConfig, LogConfig
+    from ..train.trainer_config import CheckpointConfig, EvalConfig, LogConfig
 
     trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
                       fallback=False,  # the engine above is already configured from the flags

@@ -22,24 +22,24 @@ import torch
 from ..choose.autoselect import auto_decision
 from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
-from ..models.data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
-from ..observe.monitor import Monitor
-from ..plan.autobatch import check_auto_args
-from ..step.engine import MixedPrecision
-from .batches import BatchSource, held_out
-from .checkpoint import (
+from ..loop.batches import BatchSource, held_out
+from ..loop.checkpoint import (
     CheckpointManager,
     ShardedCheckpointManager,
     capture_rng,
     check_state,
     restore_rng,
 )
+from ..loop.steps import LossFn, StepOutcome, Steps, batch_loss
+from ..models.data import batch_size, split_batch  # noqa: F401 (split_batch: still importable from here)
+from ..observe.monitor import Monitor
+from ..plan.autobatch import check_auto_args
+from ..step.engine import MixedPrecision
 from .choices import choose_batch, confirm_auto_precision, rebatch
 from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
 from .rollback import SpikeGuard
 from .runlog import run_sinks, write_summary
-from .steps import LossFn, StepOutcome, Steps, batch_loss
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
 from .trainer_config import (

@@ -57,8 +57,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..loop.checkpoint import capture_rng, restore_rng
 from ..step.engine import Event, MixedPrecision
-from .checkpoint import capture_rng, restore_rng
 
 __all__ = ["CAUSES", "SkippingBatches", "SpikeGuard"]
 

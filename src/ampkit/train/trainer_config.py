@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from ..loop.batches import check_batches
 from ..step.precision import REFERENCE
-from .batches import check_batches
 
 __all__ = ["FLAT", "BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainerSettings", "group_settings"]
 
