@@ -191,7 +191,7 @@ def sgd_bound(ref: dict, n_terms: int, eps_dtype: float = 0.0) -> float:
     gradient element sums its ``n_terms`` samples in another order (ranks' all-reduce against one
     process's accumulation): any order of an n-term fp32 sum is within (n - 1) * u * sum|terms| of
     the exact one (u = eps / 2; sum|terms| taken as the step's largest gradient, as in
-    tests/loop/test_oom.py), so two runs' gradients are within n * eps * max|g| and their weights
+    tests/train/test_oom.py), so two runs' gradients are within n * eps * max|g| and their weights
     within lr times that, summed over the steps, plus the weights' own rounding (u * |w| a step in
     each run). ``eps_dtype``: the forward's weights (a pure precision's, rounded from the masters)
     may round to neighbours in that dtype, which moves the gradients by up to eps_dtype * max|g|.
