@@ -2,9 +2,11 @@
 
 Everything a user needs is importable from here (``from ampkit import MixedPrecision, Trainer``).
 The package is grouped by part: ``ampkit.step`` (what one optimizer step does),
-``ampkit.observe`` (watching it), ``ampkit.distributed`` (DDP/FSDP2, launching), ``ampkit.loop``
-(running many steps), ``ampkit.service`` and ``ampkit.cli``. Arrows point down that list and never
-back up. A name not listed in ``__all__`` lives in its home module (``ampkit.models.builtin``, ...).
+``ampkit.observe`` (watching it), ``ampkit.distributed`` (DDP/FSDP2, launching), ``ampkit.models``
+(what is trained), ``ampkit.loop`` (running steps), ``ampkit.plan`` (will it fit) beside
+``ampkit.choose`` (choosing by measurement), ``ampkit.train`` (the Trainer), ``ampkit.integrations``,
+``ampkit.service`` and ``ampkit.cli``. Arrows point down that list and never back up. A name not
+listed in ``__all__`` lives in its home module (``ampkit.models.builtin``, ...).
 """
 
 from __future__ import annotations
