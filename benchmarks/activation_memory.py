@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from ampkit.loop.data import TextBatches
-from ampkit.loop.models import build
+from ampkit.models.builtin import build
+from ampkit.models.data import TextBatches
 from ampkit.observe.memory import activations, breakdown
 
 

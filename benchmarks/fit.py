@@ -1,6 +1,6 @@
 """Predicted vs measured training memory on a GPU, and the largest batch that really fits.
 
-For each GPT size and precision: ``ampkit.loop.estimate.estimate`` (fake tensors, nothing allocated) vs
+For each GPT size and precision: ``ampkit.plan.estimate.estimate`` (fake tensors, nothing allocated) vs
 ``torch.cuda.max_memory_allocated()`` over the second real training step (AdamW fused; the first
 step creates the optimizer state, as in the estimate). Then, under a memory cap
 (``torch.cuda.set_per_process_memory_fraction``), the largest batch found by real trial steps
@@ -20,8 +20,8 @@ import time
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.estimate import estimate, largest_batch, parse_bytes
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
+from ampkit.plan.estimate import estimate, largest_batch, parse_bytes
 
 
 def real_peak(size: str, precision: str, batch: int, dev: torch.device) -> int:

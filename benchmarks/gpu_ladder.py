@@ -29,7 +29,7 @@ import warnings
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.models import GPT, GPTConfig
+from ampkit.models.builtin import GPT, GPTConfig
 from ampkit.step.hardware import device_info
 
 # (label, precision, masters, state_dtype)

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 from ampkit.step.hardware import device_info
 
 RUNGS = [("fp32", "fp32", None, None), ("bf16-pure fp32 masters", "bf16-pure", "fp32", "fp32"),

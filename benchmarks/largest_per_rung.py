@@ -4,7 +4,7 @@ GPT-2's block (n_embd 768, 12 heads; 128 tokens, batch 1, fused AdamW) stacked `
 each precision or ``bf16-pure`` rung, the largest ``L`` whose training step fits ``--memory``,
 and ``ampkit plan``'s own verdict at ``L`` and ``L + 1`` (the CLI, in this process: "fits" at
 ``L``, not at ``L + 1``). The depth comes from the same machinery as ``ampkit plan``
-(:func:`ampkit.loop.depth.measure_depths`: 1- and 2-block copies on fake tensors, each phase's
+(:func:`ampkit.plan.depth.measure_depths`: 1- and 2-block copies on fake tensors, each phase's
 peak affine in the depth), so nothing of the model's size is allocated.
 
     OMP_NUM_THREADS=1 python benchmarks/largest_per_rung.py                 # 16 GiB, every rung
@@ -23,8 +23,8 @@ import time
 import torch
 
 from ampkit.cli import main as ampkit_main
-from ampkit.loop.depth import measure_depths
-from ampkit.loop.estimate import parse_bytes
+from ampkit.plan.depth import measure_depths
+from ampkit.plan.estimate import parse_bytes
 from ampkit.step.hardware import device_info
 
 RUNGS = ["fp32", "bf16", "bf16-pure", "bf16-pure:split", "bf16-pure:kahan", "bf16-pure:stochastic",

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 from ampkit.step.hardware import device_info
 
 

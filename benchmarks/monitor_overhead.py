@@ -20,8 +20,8 @@ import time
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.data import ClassificationBatches
-from ampkit.loop.models import build
+from ampkit.models.builtin import build
+from ampkit.models.data import ClassificationBatches
 from ampkit.observe.monitor import JSONLSink, Monitor
 from ampkit.step.hardware import device_info
 

@@ -32,8 +32,8 @@ import time
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.data import ClassificationBatches, TextBatches
-from ampkit.loop.models import MLP, MLPConfig, build
+from ampkit.models.builtin import MLP, MLPConfig, build
+from ampkit.models.data import ClassificationBatches, TextBatches
 from ampkit.step.hardware import cpu_features, device_info
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

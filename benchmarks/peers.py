@@ -22,7 +22,7 @@ import warnings
 import torch
 from overhead import ampkit_stepper, raw_stepper
 
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 from ampkit.step.hardware import device_info
 from ampkit.step.precision import precision_row
 

@@ -41,8 +41,8 @@ def _train_step_s(steps: int) -> tuple[float, float]:
     and with a ``GracefulStop.poll`` after every step, in alternating blocks."""
     from ampkit import MixedPrecision
     from ampkit.distributed import wrap_ddp
-    from ampkit.loop.models import builtin
-    from ampkit.loop.stop import GracefulStop
+    from ampkit.models.builtin import builtin
+    from ampkit.train.stop import GracefulStop
 
     model, batches = builtin("mlp", "small", batch_size=64, seed=0)
     if dist.is_initialized():
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, port: int, calls: int, steps: int, out: dict)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from ampkit.loop.stop import GracefulStop
+    from ampkit.train.stop import GracefulStop
 
     stop = GracefulStop(announce=False)
     dev = torch.device("cpu")
@@ -102,8 +102,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from ampkit.loop.stop import GracefulStop
     from ampkit.step.fallback import FallbackPolicy
+    from ampkit.train.stop import GracefulStop
 
     stop = GracefulStop(announce=False)
     poll_1 = _time(lambda: stop.poll(torch.device("cpu")), args.calls)

@@ -3,7 +3,7 @@
 import torch
 
 import ampkit
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 
 
 def main(steps: int = 20) -> float:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit.loop.bench import compare, tune
+from ampkit import compare, tune
 
 
 class MyModel(nn.Module):

@@ -6,8 +6,8 @@ import tempfile
 import torch
 
 import ampkit
-from ampkit.loop.models import builtin
-from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
+from ampkit.train.trainer import Trainer
 
 
 def make(checkpoint_dir: str, seed: int = 0) -> Trainer:

@@ -7,7 +7,7 @@ Needs `pip install "ampkit[hf]"`.
 import torch
 
 import ampkit
-from ampkit.loop.data import TextBatches
+from ampkit.models.data import TextBatches
 
 
 class CausalLM(torch.nn.Module):

@@ -4,7 +4,7 @@ import torch
 from rich.console import Console
 
 from ampkit import MixedPrecision
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 from ampkit.observe.memory import activations, breakdown
 
 

@@ -11,8 +11,8 @@ batch in each precision, and the layer that overflows in fp16, named.
 import torch
 
 import ampkit
-from ampkit.loop.data import TextBatches
-from ampkit.loop.models import build
+from ampkit.models.builtin import build
+from ampkit.models.data import TextBatches
 
 
 def factory(batch_size: int = 8, seed: int = 0, size: str = "tiny", device=None):

@@ -24,7 +24,7 @@ if WORKER and N_WORKERS > 1:
 HAS_CUDA = torch.cuda.is_available()
 
 # `ampkit plan` keeps measured steps in a cache (loop/plan_cache.py): off for the suite (each test
-# measures what it checks); tests/loop/test_plan_cache.py turns it on itself.
+# measures what it checks); tests/plan/test_plan_cache.py turns it on itself.
 os.environ["AMPKIT_PLAN_CACHE"] = "off"
 
 # The modules that take longest (seconds of test time on the 2-core CI machine, docs/benchmarks.md
@@ -32,11 +32,11 @@ os.environ["AMPKIT_PLAN_CACHE"] = "off"
 # (--dist loadfile gives whole modules; xdist's own order -- most tests first -- started the
 # one-test, 10-launch module last and left one core idle for its ~3 minutes).
 LONGEST_FIRST = [
-    "e2e/test_stop.py", "loop/test_depth.py", "loop/test_checkpoint.py",
-    "loop/test_estimate_session.py", "service/test_service_ops.py", "loop/test_estimate.py",
+    "e2e/test_stop.py", "plan/test_depth.py", "loop/test_checkpoint.py",
+    "plan/test_estimate_session.py", "service/test_service_ops.py", "plan/test_estimate.py",
     "distributed/test_launch.py", "service/test_service_compat.py", "service/test_service.py",
     "service/test_planner_jobs.py", "e2e/test_newcomer.py", "distributed/test_slurm.py", "cli/test_plan.py",
-    "service/test_service_supervisor.py", "step/test_master.py", "loop/test_hf_models.py",
+    "service/test_service_supervisor.py", "step/test_master.py", "models/test_hf_models.py",
     "service/test_webui.py",
 ]
 

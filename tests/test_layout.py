@@ -11,7 +11,12 @@ import pytest
 from ampkit.step.precision import NAMES
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "ampkit"
-ORDER = ["step", "observe", "distributed", "loop", "integrations", "service", "cli"]  # a layer may import its own and earlier layers only
+# A layer may import its own package and earlier layers only; plan and choose are siblings (one
+# layer), so neither imports the other. models < loop < plan, choose < train is the old loop/ split
+# by job (issue 35): what is trained, running steps, will it fit, choosing by measurement, the Trainer.
+LAYERS = [["step"], ["observe"], ["distributed"], ["models"], ["loop"], ["plan", "choose"], ["train"],
+          ["integrations"], ["service"], ["cli"]]
+RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 
 
 def imports(path):
@@ -22,16 +27,95 @@ def imports(path):
             base = list(pkg[: len(pkg) - (node.level - 1)]) if node.level > 1 else list(pkg)
             target = base + (node.module.split(".") if node.module else [])
             yield target, [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ampkit."):
+            yield node.module.split(".")[1:], [a.name for a in node.names]
 
 
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
 def test_layers_import_downwards_and_no_private_names(path):
     layer = path.relative_to(SRC).parts[0]
     for target, names in imports(path):
-        if layer in ORDER and target and target[0] in ORDER:
-            assert ORDER.index(target[0]) <= ORDER.index(layer), f"{path.name} imports {'.'.join(target)}"
+        if layer in RANK and target and target[0] in RANK and target[0] != layer:
+            assert RANK[target[0]] < RANK[layer], f"{path.relative_to(SRC)} imports {'.'.join(target)}"
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
         assert not private, f"{path.relative_to(SRC)} imports private {private} from {'.'.join(target)}"
+
+
+
+def test_every_package_has_its_layer():
+    """A new package is placed in LAYERS before it is used (else the rule above would not see it)."""
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(RANK)
+
+
+def _module_of(parts):
+    """The module file that an import target names, or None (a package's name is its __init__)."""
+    path = SRC.joinpath(*parts)
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate.relative_to(SRC).as_posix()
+    return None
+
+
+def import_graph(paths):
+    """module -> the modules it imports (at the top, in a function or for type checking alike)."""
+    graph = {}
+    for path in paths:
+        edges = graph.setdefault(path.relative_to(SRC).as_posix(), set())
+        for target, names in imports(path):
+            for parts in ([*target, name] for name in names):  # ``from . import cache``
+                if _module_of(parts) and parts[-1] != "__init__":
+                    edges.add(_module_of(parts))
+            if _module_of(target):
+                edges.add(_module_of(target))
+    return graph
+
+
+def circles(graph):
+    """Each import circle once, as the modules around it (Tarjan's strongly connected components)."""
+    index, low, stack, found, counter = {}, {}, [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+# The old loop/ split by job (issue 35): no module there is in an import circle with another.
+JOBS = ("models", "loop", "plan", "choose", "train")
+
+
+def test_no_import_circle_in_the_job_packages():
+    paths = [p for p in sorted(SRC.rglob("*.py")) if p.relative_to(SRC).parts[0] in JOBS]
+    graph = import_graph(paths)
+    found = [c for c in circles(graph) if all(m.split("/")[0] in JOBS for m in c)]
+    assert not found, f"import circles: {found}"
+
+
+def test_the_circle_rule_sees_a_circle():
+    """Not vacuous: two modules importing each other, even for type checking only, are found."""
+    graph = {"choose/bench.py": {"choose/recommend.py"}, "choose/recommend.py": {"choose/bench.py"},
+             "plan/depth.py": {"plan/cache.py"}}
+    assert circles(graph) == [["choose/bench.py", "choose/recommend.py"]]
+    graph = import_graph([SRC / "choose" / "recommend.py"])
+    assert "choose/bench.py" in graph["choose/recommend.py"]  # its ``if TYPE_CHECKING:`` import
 
 
 # Modules allowed past the size cap, each with its reason and its own, higher cap.

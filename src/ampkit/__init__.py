@@ -2,15 +2,18 @@
 
 Everything a user needs is importable from here (``from ampkit import MixedPrecision, Trainer``).
 The package is grouped by part: ``ampkit.step`` (what one optimizer step does),
-``ampkit.observe`` (watching it), ``ampkit.distributed`` (DDP/FSDP2, launching), ``ampkit.loop``
-(running many steps), ``ampkit.service`` and ``ampkit.cli``. Arrows point down that list and never
-back up. A name not listed in ``__all__`` lives in its home module (``ampkit.loop.models``, ...).
+``ampkit.observe`` (watching it), ``ampkit.distributed`` (DDP/FSDP2, launching), ``ampkit.models``
+(what is trained), ``ampkit.loop`` (running steps), ``ampkit.plan`` (will it fit) beside
+``ampkit.choose`` (choosing by measurement), ``ampkit.train`` (the Trainer), ``ampkit.integrations``,
+``ampkit.service`` and ``ampkit.cli``. Arrows point down that list and never back up. A name not
+listed in ``__all__`` lives in its home module (``ampkit.models.builtin``, ...).
 """
 
 from __future__ import annotations
 
-from .loop.autoselect import confirm_auto
-from .loop.bench import BenchReport, Recommendation, compare, tune
+from .choose.autoselect import confirm_auto
+from .choose.bench import BenchReport, compare
+from .choose.recommend import Recommendation, tune
 from .loop.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -18,11 +21,6 @@ from .loop.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .loop.estimate import MemoryEstimate, estimate, largest_batch
-from .loop.rollback import SpikeGuard
-from .loop.stop import TrainingInterrupted
-from .loop.trainer import Trainer, TrainSummary
-from .loop.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
 from .observe.memory import MemoryBreakdown, breakdown
 from .observe.monitor import (
     ConsoleSink,
@@ -34,6 +32,7 @@ from .observe.monitor import (
     read_jsonl,
 )
 from .observe.numerics import AuditReport, audit
+from .plan.estimate import MemoryEstimate, estimate, largest_batch
 from .step.config import ConfigError, MixedPrecisionConfig
 from .step.engine import Event, MixedPrecision, StepResult
 from .step.fallback import NumericsError
@@ -42,6 +41,10 @@ from .step.localize import NonFiniteReport, localize_nonfinite
 from .step.manifest import Manifest
 from .step.precision import Precision, PrecisionError, resolve_precision
 from .step.scaler import LossScaler
+from .train.rollback import SpikeGuard
+from .train.stop import TrainingInterrupted
+from .train.trainer import Trainer, TrainSummary
+from .train.trainer_config import BatchConfig, CheckpointConfig, EvalConfig, LogConfig
 
 __version__ = "0.1.0"
 

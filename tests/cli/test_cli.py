@@ -111,9 +111,9 @@ def test_audit_cli_json_and_user_factory(capsys, monkeypatch):
 
 @pytest.mark.parametrize("spec,fragment", [
     ("no_such_module_xyz:factory", "cannot import"),
-    ("ampkit.loop.models:nothing_here", "no callable"),
+    ("ampkit.models.builtin:nothing_here", "no callable"),
     ("ampkit.step.hardware:cpu_features", "must return (model, batch_fn)"),
-    ("ampkit.loop.models:build", "calling factory"),
+    ("ampkit.models.builtin:build", "calling factory"),
     ("justaname", "neither a built-in"),
 ])
 def test_bad_user_model(spec, fragment, capsys):

@@ -12,7 +12,7 @@ from ampkit.cli.docs import REFERENCES
 from ampkit.cli.docs import main as docs_main
 from ampkit.cli.flags import ALIASES, SIZE_CHOICES, TRAIN_DEFAULTS, Switch, Toggle, engine_config
 from ampkit.cli.invocation import Invocation, parse_invocation, subparser
-from ampkit.loop.models import MODELS, SIZES
+from ampkit.models.builtin import MODELS, SIZES
 from ampkit.step.config import FP8_RECIPES, MixedPrecisionConfig, fields_help
 from ampkit.step.precision import CANONICAL
 

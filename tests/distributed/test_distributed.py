@@ -191,7 +191,7 @@ def sgd_bound(ref: dict, n_terms: int, eps_dtype: float = 0.0) -> float:
     gradient element sums its ``n_terms`` samples in another order (ranks' all-reduce against one
     process's accumulation): any order of an n-term fp32 sum is within (n - 1) * u * sum|terms| of
     the exact one (u = eps / 2; sum|terms| taken as the step's largest gradient, as in
-    tests/loop/test_oom.py), so two runs' gradients are within n * eps * max|g| and their weights
+    tests/train/test_oom.py), so two runs' gradients are within n * eps * max|g| and their weights
     within lr times that, summed over the steps, plus the weights' own rounding (u * |w| a step in
     each run). ``eps_dtype``: the forward's weights (a pure precision's, rounded from the masters)
     may round to neighbours in that dtype, which moves the gradients by up to eps_dtype * max|g|.
@@ -322,7 +322,7 @@ def test_ddp_flush_of_a_short_window_averages_the_unsynced_gradients(ranks_of):
 def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str = "fp32") -> dict:
     """Uninterrupted 10 steps vs 5 steps + checkpoint + resume in a fresh Trainer + 5 steps."""
     from ampkit.distributed import shard
-    from ampkit.loop.trainer import Trainer
+    from ampkit.train.trainer import Trainer
 
     def build(checkpoint_dir: str | None) -> Trainer:
         torch.manual_seed(0)
@@ -352,7 +352,7 @@ def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, tmp_path, ranks_of):
     from ampkit.loop.checkpoint import export_single_file, load_checkpoint
-    from ampkit.loop.trainer import Trainer
+    from ampkit.train.trainer import Trainer
 
     ranks = ranks_of(f"{kind}-resume")
     for r in ranks:

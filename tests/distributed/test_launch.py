@@ -59,7 +59,7 @@ def test_ranks_see_different_batches_and_fsdp_resumes(tmp_path):
 
 
 def test_the_trainer_interleaves_ranks_over_the_data():
-    from ampkit.loop.trainer import Trainer
+    from ampkit.train.trainer import Trainer
 
     seen = []
     model = torch.nn.Linear(2, 1)

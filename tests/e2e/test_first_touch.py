@@ -165,8 +165,8 @@ MLP = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch_
 
 
 def test_auto_that_measures_fp32_names_the_run_fp32(tmp_path, monkeypatch, capsys):
+    from ampkit.choose import autoselect
     from ampkit.cli import main
-    from ampkit.loop import autoselect
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(autoselect, "measured_choice", lambda model, batches, candidate, *a, **k: autoselect.Choice(

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.estimate import estimate
-from ampkit.loop.models import builtin
-from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
+from ampkit.plan.estimate import estimate
+from ampkit.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from ampkit.choose.autoselect import measured_choice
 from ampkit.cli import main
-from ampkit.loop.autoselect import measured_choice
 from ampkit.loop.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -21,9 +21,9 @@ from ampkit.loop.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from ampkit.loop.models import builtin
-from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
 from ampkit.step.engine import MixedPrecision
+from ampkit.train.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MLP = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch-size", "8", "--no-progress"]

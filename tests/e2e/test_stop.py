@@ -25,7 +25,7 @@ import ampkit
 from ampkit.cli import main
 from ampkit.distributed.launch import job_status
 from ampkit.loop.checkpoint import DirLock, load_checkpoint
-from ampkit.loop.trainer import Trainer
+from ampkit.train.trainer import Trainer
 
 from ..support.helpers import assert_exits_cleanly
 
@@ -182,7 +182,7 @@ def test_sigterm_before_training_exits_143_with_a_message(tmp_path):
 SCRIPT = """
 import os, sys, time, torch
 import ampkit
-from ampkit.loop.trainer import Trainer
+from ampkit.train.trainer import Trainer
 
 steps, ck = int(sys.argv[1]), sys.argv[2]
 hold = sys.argv[3] if len(sys.argv) > 3 else None  # a file: at step 10, wait until it exists

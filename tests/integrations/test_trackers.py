@@ -132,7 +132,7 @@ def test_trainer_hands_its_sinks_the_jsonl_records(tmp_path):
 
 def test_only_rank_0_writes_to_the_sinks(monkeypatch, tmp_path):
     """Off rank 0 the Trainer's own sinks are closed unused (one process writes, as for log.jsonl)."""
-    from ampkit.loop import runlog
+    from ampkit.train import runlog
 
     sink = Recording()
     log = LogConfig(dir=str(tmp_path), progress=False, sinks=[sink])

@@ -19,8 +19,8 @@ from ampkit.loop.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from ampkit.loop.models import builtin
-from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
+from ampkit.train.trainer import Trainer
 
 
 def make_trainer(precision, tmp_path, accum=2, every=None, seed=0):

@@ -17,8 +17,8 @@ from ampkit.loop.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from ampkit.loop.models import builtin
-from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
+from ampkit.train.trainer import Trainer
 
 
 def flip_tensor_byte(path: str) -> None:

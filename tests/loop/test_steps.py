@@ -1,5 +1,5 @@
 """One way to run steps (ampkit.loop.steps), the measured ``auto`` every caller reaches
-(ampkit.loop.autoselect.confirm_auto), and the Trainer's grouped settings."""
+(ampkit.choose.autoselect.confirm_auto), and the Trainer's grouped settings."""
 
 import json
 
@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 import ampkit.step.hardware as hardware
 from ampkit import MixedPrecision
+from ampkit.choose.autoselect import auto_decision, cache_path, confirm_auto, measured_choice
 from ampkit.cli import main
-from ampkit.loop.autoselect import auto_decision, cache_path, confirm_auto, measured_choice
-from ampkit.loop.models import builtin
 from ampkit.loop.steps import Steps, batch_loss
-from ampkit.loop.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
+from ampkit.models.builtin import builtin
+from ampkit.train.trainer import BatchConfig, CheckpointConfig, EvalConfig, LogConfig, Trainer
 
 from ..support.reference_loop import torch_amp_loop
 

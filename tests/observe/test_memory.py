@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.loop.data import TextBatches
-from ampkit.loop.models import build
+from ampkit.models.builtin import build
+from ampkit.models.data import TextBatches
 from ampkit.observe.memory import activations, breakdown, peak
 
 

@@ -172,8 +172,8 @@ def test_audit_flags_sensitive_types():
 def test_audit_on_gpt_json_roundtrip():
     import json
 
-    from ampkit.loop.data import TextBatches
-    from ampkit.loop.models import build
+    from ampkit.models.builtin import build
+    from ampkit.models.data import TextBatches
 
     model = build("gpt", "tiny")
     x, y = TextBatches(batch_size=2, block_size=64)(0)

@@ -156,7 +156,7 @@ def test_the_planner_builds_the_overrides_it_was_given():
 def test_the_size_check_counts_the_config_the_run_builds(tmp_path):
     """The check sees the overrides as ``ampkit train`` reads them back from run.toml."""
     pytest.importorskip("transformers")
-    from ampkit.loop.hf import parse_overrides
+    from ampkit.models.hf_configs import parse_overrides
     from ampkit.service.runfile import run_tables
     from ampkit.service.schemas import RunSpec
 

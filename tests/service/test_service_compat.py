@@ -134,7 +134,7 @@ def test_optimized_run_uses_accumulation_for_the_effective_batch(server):
 
 
 def test_optimize_mixed_precision_answers_from_the_planner(server):
-    from ampkit.loop.estimate import estimate
+    from ampkit.plan.estimate import estimate
 
     c = server.client
     # a byte-level GPT-2 (vocab 256), so that activations, not the 50k-wide logits, fill the budget
@@ -155,7 +155,7 @@ def test_optimize_mixed_precision_answers_from_the_planner(server):
     # the largest batch really is the largest by the estimate: B fits, B + 1 does not
     import torch
 
-    from ampkit.loop.hf import build_hf
+    from ampkit.models.hf_configs import build_hf
 
     budget = int(0.05 * 2**30)
     factory = lambda: build_hf("gpt2", byte)  # noqa: E731

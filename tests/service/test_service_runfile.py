@@ -93,7 +93,7 @@ def test_run_file_is_read_back_exactly(tmp_path):
     want = run_tables(spec, str(tmp_path))
     assert data == {t: {k: v for k, v in want[t].items() if v is not None} for t in want}
     assert data["train"]["model_config"] == "n_layer=2,n_embd=64,tie_word_embeddings=False"
-    from ampkit.loop.data import load_texts
+    from ampkit.models.data import load_texts
 
     assert load_texts(data["train"]["data"]) == FULL.texts
     assert data["train"]["save_model"] == os.path.join(str(tmp_path), "model")
@@ -192,7 +192,7 @@ def test_submit_validates_the_engine_config_once_and_writes_run_toml(tmp_path, m
 
 
 def test_sizes_and_models_come_from_their_home():
-    from ampkit.loop.models import MODELS, SIZES
+    from ampkit.models.builtin import MODELS, SIZES
     from ampkit.service.deps import allowed_model
 
     assert RunSpec.model_json_schema()["properties"]["size"]["enum"] == list(next(iter(SIZES.values())))

@@ -145,7 +145,7 @@ def test_run_files_written_before_still_load_and_new_ones_seal_the_same_way(tmp_
 
 def test_tune_recommendation_with_quotes_reads_back():
     """The tune file's values are written by the TOML writer (a model spelling with quotes once broke it)."""
-    from ampkit.loop.recommend import Recommendation
+    from ampkit.choose.recommend import Recommendation
 
     rec = Recommendation(precision="bf16-pure:split", step_ms=1.0, speedup_vs_fp32=1.5, loss_gap=0.0, tolerance=0.01,
                          batch_size=8, accumulation_steps=1, why_not={}, model='pkg.mod:make"it"', size="tiny")

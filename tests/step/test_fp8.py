@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ampkit import ConfigError, MixedPrecision, PrecisionError
-from ampkit.loop.models import builtin
+from ampkit.models.builtin import builtin
 
 from ..support.helpers import train_tiny_gpt
 

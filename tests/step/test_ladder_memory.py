@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from ampkit.loop.estimate import estimate
+from ampkit.plan.estimate import estimate
 from ampkit.step.policies.ladder import bytes_per_param, parse_rung
 
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.models import builtin
-from ampkit.loop.trainer import Trainer
+from ampkit.models.builtin import builtin
 from ampkit.observe.memory import breakdown
 from ampkit.step.policies.pure import MasterWeights
+from ampkit.train.trainer import Trainer
 
 from ..support.helpers import SyncCounter
 

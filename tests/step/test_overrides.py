@@ -71,7 +71,7 @@ def test_pattern_matching(patterns, expected):
 
 
 def test_nested_globs_on_gpt():
-    from ampkit.loop.models import build
+    from ampkit.models.builtin import build
 
     model = build("gpt", "tiny")
     got = match_modules(model, ["*.ln_*", "lm_head"])

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.data import TextBatches
-from ampkit.loop.models import build
+from ampkit.models.builtin import build
+from ampkit.models.data import TextBatches
 
 from ..support.reference_loop import torch_amp_loop
 

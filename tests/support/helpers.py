@@ -36,7 +36,7 @@ def train_tiny_gpt(precision, steps=8, **kw):
     """The tiny built-in GPT trained ``steps`` steps in ``precision`` (fp8 emulated on the CPU), seeded:
     ``(model, amp, losses)``. Shared by the fp8 and precision-registry tests."""
     from ampkit import MixedPrecision
-    from ampkit.loop.models import builtin
+    from ampkit.models.builtin import builtin
 
     torch.manual_seed(0)
     model, batches = builtin("gpt", "tiny", batch_size=4, seed=0)

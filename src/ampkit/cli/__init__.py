@@ -15,10 +15,10 @@ from typing import Optional
 from .. import __version__
 from ..distributed.env import exit_worker, launched, leave, rank
 from ..loop.checkpoint import CheckpointError
-from ..loop.stop import TrainingInterrupted
 from ..step.config import ConfigError
 from ..step.fallback import NumericsError
 from ..step.precision import PrecisionError
+from ..train.stop import TrainingInterrupted
 from . import audit, bench, explain, export, info, plan, report, serve, slurm, train
 from .interrupts import PeerFailed
 from .invocation import parse_invocation

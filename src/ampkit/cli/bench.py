@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..loop.bench import DEFAULT_PRECISIONS
+from ..choose.bench import DEFAULT_PRECISIONS
 from ..step import tomlio
 from ..step.hardware import normalize_device
 from .common import (
@@ -25,12 +25,12 @@ from .invocation import Invocation
 
 
 def _bench_report(args: argparse.Namespace) -> Any:
-    from ..loop.bench import compare
+    from ..choose.bench import compare
 
     device = normalize_device(args.device)
     precisions = args.precisions  # checked by flags.precision_list
     if getattr(args, "rungs", False):  # tune --rungs: every rung of bf16-pure's memory ladder is a candidate
-        from ..loop.bench import with_rungs
+        from ..choose.bench import with_rungs
 
         precisions = with_rungs(precisions)
 
@@ -64,7 +64,7 @@ def cmd_bench(inv: Invocation) -> int:
 
 def cmd_tune(inv: Invocation) -> int:
     args = inv.args
-    from ..loop.bench import tune
+    from ..choose.recommend import tune
 
     report = _bench_report(args)
     rec = tune(report, tolerance=args.tolerance)

@@ -61,8 +61,8 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, 
     replaces the text data of the GPTs: a ``.txt`` corpus, or ``.json``/``.jsonl`` texts.
     ``meta``: the data's shapes is all the caller wants: a built-in or Hugging Face model is not
     built (None; its config gives the sequence length); a user's factory is called as is."""
-    from ..loop.hf import build_hf, hf_config, is_hf, max_positions, parse_overrides
-    from ..loop.models import MODELS, builtin, config_of, user_model
+    from ..models.builtin import MODELS, builtin, config_of, user_model
+    from ..models.hf_configs import build_hf, hf_config, is_hf, max_positions, parse_overrides
 
     data_path, block = getattr(args, "data", None), getattr(args, "block_size", None)
     overrides = getattr(args, "model_config", None)
@@ -97,8 +97,8 @@ def model_and_data(args: argparse.Namespace, device: Optional[torch.device], *, 
 
 def model_label(args: argparse.Namespace) -> str:
     """``gpt/small``; a Hugging Face config by name (and its overrides); a factory by its path."""
-    from ..loop.hf import is_hf
-    from ..loop.models import MODELS
+    from ..models.builtin import MODELS
+    from ..models.hf_configs import is_hf
 
     if is_hf(args.model):
         return args.model + (f"({args.model_config})" if getattr(args, "model_config", None) else "")
@@ -135,7 +135,7 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 
 def text_data(path: Optional[str], batch: int, block: int, seed: int, device: Optional[torch.device]) -> Any:
     """Byte-level text batches: the stdlib corpus, a ``.txt`` file, or ``.json``/``.jsonl`` texts."""
-    from ..loop.data import TextBatches, TextSamples, load_texts
+    from ..models.data import TextBatches, TextSamples, load_texts
 
     if path is None or path.endswith(".txt"):
         return TextBatches(batch_size=batch, block_size=block, seed=seed, device=device, path=path)

@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ..loop.models import MODELS, SIZES
+from ..models.builtin import MODELS, SIZES
 from ..step.aliases import FLAG_ALIASES, KEY_ALIASES
 from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
 from ..step.policies.ladder import parse_rung

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .. import __version__
-from ..loop.speed import Timing, paired_ratio, speed_words
+from ..choose.speed import Timing, paired_ratio, speed_words
 from ..step.hardware import cpu_features, device_info, normalize_device
 from ..step.precision import (
     CANONICAL,

@@ -1,6 +1,6 @@
 """Ending a command on a signal outside the training loop, and ranks that fail together.
 
-``Trainer.fit`` stops gracefully on SIGINT/SIGTERM (:mod:`ampkit.loop.stop`); before and after
+``Trainer.fit`` stops gracefully on SIGINT/SIGTERM (:mod:`ampkit.train.stop`); before and after
 it, :func:`sigterm_interrupts` makes SIGTERM end ``ampkit train`` like Ctrl-C does -- a message
 and status 143 -- instead of a silent kill. :class:`PeerFailed` lets a rank exit quietly when
 another rank failed a check they all depend on and already said why.

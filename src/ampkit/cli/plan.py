@@ -8,8 +8,8 @@ import os
 import threading
 from typing import Any, Optional
 
-from ..loop.depth import METHOD_NOTE, plan_groups, plan_precisions
-from ..loop.estimate import PLAN_PRECISIONS, parse_bytes
+from ..plan.depth import METHOD_NOTE, plan_groups, plan_precisions
+from ..plan.estimate import PLAN_PRECISIONS, parse_bytes
 from ..step.precision import REFERENCE, REGISTRY
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags, precision_list
@@ -36,8 +36,8 @@ def _model_only(args: argparse.Namespace, factory: Any) -> Any:
     the data, once per call): a Hugging Face config or a built-in model; a user's factory as is."""
     import functools
 
-    from ..loop.hf import build_hf, is_hf, parse_overrides
-    from ..loop.models import MODELS, build
+    from ..models.builtin import MODELS, build
+    from ..models.hf_configs import build_hf, is_hf, parse_overrides
 
     if is_hf(args.model):
         return functools.partial(build_hf, args.model, parse_overrides(getattr(args, "model_config", None)))
@@ -46,8 +46,8 @@ def _model_only(args: argparse.Namespace, factory: Any) -> Any:
 
 def _stack(args: argparse.Namespace) -> Any:
     """The model as a stack of blocks (built-in gpt, Hugging Face configs), or None: measured whole."""
-    from ..loop.depth import stack_for
-    from ..loop.hf import is_hf, parse_overrides
+    from ..models.hf_configs import is_hf, parse_overrides
+    from ..plan.depth import stack_for
 
     overrides = parse_overrides(getattr(args, "model_config", None)) if is_hf(args.model) else None
     return stack_for(args.model, args.size, overrides)
@@ -55,11 +55,11 @@ def _stack(args: argparse.Namespace) -> Any:
 
 def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
            stack: Any) -> list[dict[str, Any]]:
-    """The rows of precisions planned together (:func:`ampkit.loop.depth.plan_precisions`: the first
+    """The rows of precisions planned together (:func:`ampkit.plan.depth.plan_precisions`: the first
     by depth extrapolation for a stack of blocks, else each search builds the full model once and
     measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference):
     the step at ``--batch_size`` and the largest batch with and without activation checkpointing."""
-    from ..loop import plan_cache
+    from ..plan import cache as plan_cache
 
     out = []
     with plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()):

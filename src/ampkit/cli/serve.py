@@ -17,7 +17,7 @@ def cmd_serve(inv: Invocation) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ImportError('ampkit serve needs FastAPI and uvicorn: pip install -e ".[serve]"') from None
-    from ..loop.estimate import parse_bytes
+    from ..plan.estimate import parse_bytes
     from ..service.server import preflight, serve
 
     body_cap = parse_bytes(args.max_body)

@@ -19,11 +19,11 @@ from rich.markup import escape
 
 from ..distributed import broadcast_object, init, is_main, local_device, world_size
 from ..loop.seed import seed_everything
-from ..loop.summary import opt_level
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
+from ..train.summary import opt_level
 from . import parallel
 from .common import (
     estimate_inputs,
@@ -54,7 +54,7 @@ def choose_batch(args: argparse.Namespace, accumulation: int, device: torch.devi
     ``--target_effective_batch_size``; ``why`` is None when neither applies."""
     why, batch = None, args.batch_size
     if batch == "auto":
-        from ..loop.estimate import largest_batch, parse_bytes
+        from ..plan.estimate import largest_batch, parse_bytes
 
         if args.memory_budget is None and device.type != "cuda":
             raise ValueError("--batch_size auto needs --memory_budget on this device (e.g. --memory_budget 8GiB); "
@@ -201,7 +201,7 @@ def _model_and_engine(args: argparse.Namespace, console: Any, device: torch.devi
     model.to(device)
     why = amp.precision.reason
     if not args.resume:  # auto confirmed by measurement on a CPU (as the Trainer would); resuming keeps the checkpoint's
-        from ..loop.autoselect import confirm_auto
+        from ..choose.autoselect import confirm_auto
 
         why = confirm_auto(amp, model, batches, label=model_label(args), announce=console.print).reason
     return model, batches, amp, why
@@ -236,17 +236,17 @@ def _header(args: argparse.Namespace, device: torch.device, model: torch.nn.Modu
 def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              amp: MixedPrecision, batches: Any) -> Any:
     """The Trainer, its log directory still unset (:meth:`RunDir.settle` names it after a resume)."""
-    from ..loop.trainer import Trainer
+    from ..train.trainer import Trainer
 
     eval_batches = None
     if args.eval_every:
-        from ..loop.models import MODELS
+        from ..models.builtin import MODELS
 
         if args.model in MODELS and hasattr(batches, "split"):
             eval_batches = dataclasses.replace(batches, split="val")
         else:
             eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
-    from ..loop.trainer_config import CheckpointConfig, EvalConfig, LogConfig
+    from ..train.trainer_config import CheckpointConfig, EvalConfig, LogConfig
 
     trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
                       fallback=False,  # the engine above is already configured from the flags
@@ -302,7 +302,7 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
                 summary: Any) -> Optional[str]:
     if not args.save_model or not is_main():
         return None
-    from ..loop.modelfile import save_model
+    from ..models.modelfile import save_model
 
     path = save_model(model, amp, args.save_model, {
         "model": args.model, "size": args.size, "model_config": args.model_config,
@@ -314,7 +314,7 @@ def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, 
 def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> list[str]:
     targets = [t.strip() for t in (args.grad_ckpt_modules or "").split(",") if t.strip()]
     if args.grad_ckpt and not targets:
-        from ..loop.hf import is_hf
+        from ..models.hf_configs import is_hf
 
         if is_hf(args.model):  # the layers: the elements of every ModuleList
             targets = [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]

@@ -11,7 +11,7 @@ The job lives and dies as one:
 * **Signals.** SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to torchrun once (a
   second signal is reported, not forwarded: torchrun would abandon the workers' shutdown), and
   torchrun forwards them to every worker, which finishes its step, checkpoints and exits
-  130/143 (:mod:`ampkit.loop.stop`). torchrun runs in its own session, so a Ctrl-C in the
+  130/143 (:mod:`ampkit.train.stop`). torchrun runs in its own session, so a Ctrl-C in the
   terminal reaches it only through the launcher -- once.
 * **SIGKILL of the launcher.** torchrun is started with ``PR_SET_PDEATHSIG`` = SIGTERM: when the
   launcher dies, even by SIGKILL, torchrun gets SIGTERM and stops the workers as above; every

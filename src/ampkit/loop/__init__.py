@@ -1,1 +1,1 @@
-"""Running many steps: the Trainer, checkpoints, built-in models and data, bench and tune."""
+"""Running steps: one way to train a step, batches by index, crash-safe checkpoints, seeds."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .data import batch_size
+from ..models.data import batch_size
 
 __all__ = ["BatchSource", "IndexedBatches", "check_batches", "held_out"]
 

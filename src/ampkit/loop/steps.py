@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..models.data import split_batch
 from ..step.engine import MixedPrecision
 from ..step.events import StepResult
-from .data import split_batch
 
 __all__ = ["LossFn", "StepOutcome", "Steps", "batch_loss"]
 

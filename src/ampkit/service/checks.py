@@ -132,7 +132,7 @@ def check_overrides(model: str, overrides: dict[str, Any]) -> None:
     """``overrides`` of a Hugging Face config model: each key a public scalar field of its config
     class (no ``_private`` or ``__dunder__`` names, no metadata such as ``dtype``), each value of the
     field's type and in range; else ``ValueError`` naming the key, the value and the choices."""
-    from ..loop.hf import ALIASES
+    from ..models.hf_configs import ALIASES
 
     path = ALIASES.get(model, model)
     check_hf_class(path)

@@ -67,7 +67,7 @@ OwnedRun = Annotated[dict[str, Any], Depends(owned_run)]
 def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Accept a validated spec as ``who``'s queued run: the model is one this server may build (422),
     the queue has room (429), and a training run's ``run.toml`` is written before the row exists."""
-    from ..loop.hf import is_hf, parse_overrides
+    from ..models.hf_configs import is_hf, parse_overrides
 
     try:
         allowed_model(spec["model"], svc.config.allowed_factories)
@@ -99,8 +99,8 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
 def allowed_model(model: str, factories: tuple[str, ...]) -> str:
     """``model`` if this server builds it: a built-in, an allowed ``module:factory``, or a Hugging
     Face config (built from its config class, never downloaded); else ``ValueError``."""
-    from ..loop.hf import ALIASES, is_hf
-    from ..loop.models import MODELS
+    from ..models.builtin import MODELS
+    from ..models.hf_configs import ALIASES, is_hf
 
     if model in MODELS or model in factories:
         return model
@@ -124,8 +124,8 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
     is built. Building 8000 blocks, even on the meta device, takes a minute and 160 MB."""
     import torch
 
-    from ..loop.depth import stack_for
-    from ..loop.hf import build_hf
+    from ..models.hf_configs import build_hf
+    from ..plan.depth import stack_for
 
     def count(factory: Any) -> int:
         with torch.device("meta"):
@@ -147,7 +147,7 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
 
 def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:
     """A Hugging Face config model over ``max_params`` parameters: ValueError (a 422)."""
-    from ..loop.hf import is_hf
+    from ..models.hf_configs import is_hf
 
     if not (is_hf(model) and max_params):
         return
@@ -185,8 +185,8 @@ def _module_tree(model: str, size: str, overrides: tuple[tuple[str, Any], ...]) 
     """The run's model built on the meta device (nothing allocated): what ``keep_fp32`` must match."""
     import torch
 
-    from ..loop.hf import build_hf, is_hf
-    from ..loop.models import build
+    from ..models.builtin import build
+    from ..models.hf_configs import build_hf, is_hf
 
     with torch.device("meta"):
         return build_hf(model, dict(overrides)) if is_hf(model) else build(model, size)
@@ -195,8 +195,8 @@ def _module_tree(model: str, size: str, overrides: tuple[tuple[str, Any], ...]) 
 def check_starts(spec: dict[str, Any], overrides: dict[str, Any]) -> None:
     """What a run would otherwise fail on when it starts, as a ValueError now: its device is here,
     ``texts`` go to a text model, and each ``amp.keep_fp32`` pattern matches a module of the model."""
-    from ..loop.hf import is_hf
-    from ..loop.models import MODELS
+    from ..models.builtin import MODELS
+    from ..models.hf_configs import is_hf
     from ..step.overrides import match_modules
 
     check_device(spec["device"])

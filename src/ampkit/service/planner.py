@@ -1,7 +1,7 @@
 """Memory predictions for the brief's routes: what a run's precision saves over fp32, and which
 precision and batch fit a GPU (``POST /finetuning/optimize-mixed-precision``).
 
-``memory_savings_gb`` is ampkit's estimate (:func:`ampkit.loop.estimate.estimate`: one training
+``memory_savings_gb`` is ampkit's estimate (:func:`ampkit.plan.estimate.estimate`: one training
 step on fake tensors) of fp32's peak minus the run's precision's peak for the run's model and
 batch -- predicted, not measured, since a run trains in one precision. Estimates are cached.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from ..loop.estimate import PLAN_PRECISIONS
+from ..plan.estimate import PLAN_PRECISIONS
 from ..step.precision import REFERENCE, REGISTRY
 from .jobs import jobs as _jobs
 from .schemas import OptimizeBody
@@ -29,8 +29,8 @@ Overrides = tuple[tuple[str, Any], ...]  # a config's overrides, hashable for th
 
 def _text_model(model: str, overrides: Overrides, size: str) -> tuple[Callable[[], Any], int]:
     """``(factory, longest sequence)`` of a text model: a Hugging Face config, or the built-in GPT."""
-    from ..loop.hf import build_hf, hf_config, is_hf, max_positions
-    from ..loop.models import build
+    from ..models.builtin import build
+    from ..models.hf_configs import build_hf, hf_config, is_hf, max_positions
 
     if is_hf(model):
         return functools.partial(build_hf, model, dict(overrides)), max_positions(hf_config(model, dict(overrides)))
@@ -50,7 +50,7 @@ def peaks(model: str, overrides: Overrides, size: str, batch: int, length: int,
           precisions: tuple[str, ...]) -> dict[str, int]:
     """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (the
     worker process runs this: :mod:`ampkit.service.jobs`)."""
-    from ..loop.estimate import estimate
+    from ..plan.estimate import estimate
 
     factory, limit = _text_model(model, overrides, size)
     batch_tokens = _tokens(batch, min(length, limit))
@@ -107,10 +107,10 @@ def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, A
 
 def _plan_rows(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, stack: Any
                ) -> list[dict[str, Any]]:
-    """Every precision's row (:func:`ampkit.loop.depth.plan_precisions`, as ``ampkit plan``: by depth
+    """Every precision's row (:func:`ampkit.plan.depth.plan_precisions`, as ``ampkit plan``: by depth
     extrapolation for a stack of blocks, fp16 and fp16-pure as bf16's and bf16-pure's twins; else
     the full model measured)."""
-    from ..loop.depth import plan_groups, plan_precisions
+    from ..plan.depth import plan_groups, plan_precisions
 
     rows: dict[str, dict[str, Any]] = {}
     for group in plan_groups(PLAN_PRECISIONS, stack):
@@ -128,7 +128,7 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     budget = int(body.gpu_memory_gb * GiB)
     overrides = _overrides(body.model_overrides)
     factory, limit = _text_model(body.model_name, overrides, body.size)
-    from ..loop.depth import stack_for
+    from ..plan.depth import stack_for
 
     stack = stack_for(body.model_name, body.size, dict(overrides))
     rows = _plan_rows(factory, min(body.max_length, limit), body, budget, stack)
@@ -141,6 +141,6 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     return {"model_name": body.model_name, "gpu_memory_gb": body.gpu_memory_gb, "batch_size": body.batch_size,
             "should_use_mixed_precision": bool(use), "reason": reason,
             "recommended_precision": best_half["precision"] if use else "fp32", "recommendations": rows,
-            "note": "predicted by ampkit.loop.estimate.estimate (a training step on fake tensors, AdamW; rows with "
-                    "method 'depth': extrapolated from 1- and 2-block copies of the model, ampkit.loop.depth) "
+            "note": "predicted by ampkit.plan.estimate.estimate (a training step on fake tensors, AdamW; rows with "
+                    "method 'depth': extrapolated from 1- and 2-block copies of the model, ampkit.plan.depth) "
                     "with this server's kernels"}

@@ -2,7 +2,7 @@
 fine-tuning brief's, ``../shared/SERVICE-API.md``) and the shape of a run in an answer.
 
 Names come from their homes: precisions from :mod:`ampkit.step.precision` (through
-:class:`ampkit.MixedPrecisionConfig`), built-in models and their sizes from :mod:`ampkit.loop.models`.
+:class:`ampkit.MixedPrecisionConfig`), built-in models and their sizes from :mod:`ampkit.models.builtin`.
 A request is checked once, at the edge: each field here (strings, numbers and override values by
 :mod:`ampkit.service.checks`), then against the model and this server in
 :func:`ampkit.service.deps.submit`; what passes is stored and written to the run's file as is.
@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..loop.models import SIZES
 from ..loop.seed import SEED_RANGE
+from ..models.builtin import SIZES
 from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision

@@ -18,7 +18,7 @@ KINDS: dict[str, str] = {
     "scale_exhausted": "the engine with the fallback off (before NumericsError)",
     "diagnosis": "amp.diagnose()",
     "manifest_violation": "the precision manifest's check (ampkit.step.manifest_check): a silent downgrade",
-    "spike": "a SpikeGuard's rollback (ampkit.loop.rollback): the step, its batches and the cause",
+    "spike": "a SpikeGuard's rollback (ampkit.train.rollback): the step, its batches and the cause",
 }
 
 

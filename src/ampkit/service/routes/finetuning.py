@@ -26,7 +26,7 @@ import torch
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
-from ...loop.hf import is_hf
+from ...models.hf_configs import is_hf
 from ...step.config import MixedPrecisionConfig
 from ...step.precision import REFERENCE, Precision, resolve_precision
 from ..checks import check_overrides

@@ -1,0 +1,420 @@
+"""The memory of a deep stack of identical blocks, predicted from shallow copies of it.
+
+A transformer's training step is a prefix (embeddings), ``n`` identical blocks and a suffix (the
+head, the loss), forward and backward, then the optimizer step. Its parameters, gradients,
+optimizer state and saved activations grow by the same bytes per block, and so does the memory
+at the end of the forward, at either end of the backward and in the optimizer step: each phase's
+peak is affine in the depth, as each is affine in the batch (:class:`~ampkit.loop.estimate_session.Curve`).
+The step's peak is the largest of them -- which phase holds it can change with the depth, so the
+phases are extrapolated one by one, then the maximum taken (:class:`DepthFit`).
+
+So the model is built at two depths (1 and 2 blocks), each measured at two batch sizes (4 and 5):
+four fake-tensor steps of a one- or two-block model instead of a dozen of the full one. A fit
+that does not reproduce its own four measures (the phases' maximum is not the peak measured) is
+refused (:class:`DepthError`) and the caller measures the full model instead. :func:`plan_precision`
+is what ``ampkit plan`` and the service's planner both call.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..step.precision import REGISTRY
+from . import cache as plan_cache
+from .session import PARTS, Curve, Measure, Session, fit
+
+__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
+           "measure_depths", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
+
+DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
+BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
+# size-1 or size-2 dimension takes another path; fp8's casts at batch 3), which no line through them would foresee
+METHOD_NOTE = ("estimated by depth extrapolation from 1- and 2-block copies of the model (each phase's peak "
+               "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3, 6 and 12 layers and "
+               "the built-in gpt small/medium, see docs/benchmarks.md); --verify measures the full model at the "
+               "answer")
+
+
+class DepthError(ValueError):
+    """The shallow measures do not make a consistent depth model (the caller measures the full model)."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A model made of ``depth`` identical blocks; ``factory(n)`` is a zero-argument factory of the
+    same model with ``n`` blocks (called under fake tensors)."""
+
+    name: str
+    depth: int
+    factory: Callable[[int], Callable[[], torch.nn.Module]]
+    spec: str = ""  # the configuration, as text: names its measures in the plan cache ("": not kept)
+
+
+def _gpt(cfg: dict[str, Any]) -> torch.nn.Module:
+    from ..models.builtin import GPT, GPTConfig
+
+    return GPT(GPTConfig(**cfg))
+
+
+def _gpt_at(cfg: dict[str, Any], n: int) -> Callable[[], torch.nn.Module]:
+    return functools.partial(_gpt, {**cfg, "n_layer": n})
+
+
+def _hf_at(spec: str, overrides: dict[str, Any], key: str, n: int) -> Callable[[], torch.nn.Module]:
+    from ..models.hf_configs import build_hf
+
+    return functools.partial(build_hf, spec, {**overrides, key: n})
+
+
+def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any]] = None) -> Optional[Stack]:
+    """The built-in ``gpt`` at ``size``, or a Hugging Face config model with a layer count
+    (``num_hidden_layers``, ``n_layer`` for GPT-2), as a :class:`Stack`; None for any other model
+    (an MLP, a CNN, a user's ``module:factory``): those are measured whole."""
+    from ..models.builtin import SIZES
+    from ..models.hf_configs import hf_config, is_hf
+
+    if model == "gpt" and size in SIZES["gpt"]:
+        cfg = dict(SIZES["gpt"][size])
+        return Stack(f"gpt/{size}", int(cfg["n_layer"]), functools.partial(_gpt_at, cfg),
+                     json.dumps(["gpt", cfg], sort_keys=True, default=repr))
+    if not is_hf(model):
+        return None
+    config = hf_config(model, overrides)
+    key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        return None
+    rest = {k: v for k, v in (overrides or {}).items() if k not in (key, "num_hidden_layers")}
+    return Stack(model, depth, functools.partial(_hf_at, model, rest, key),
+                 json.dumps([model, rest, key], sort_keys=True, default=repr))
+
+
+def _phases(m: Measure) -> list[Measure]:
+    """The measure cut into what is extrapolated separately: the forward, the backward, the
+    optimizer step (timeline slices), and the parts' sum (the estimate's floor for the peak)."""
+    cuts = [0, *m.phases, len(m.timeline)]
+    out = [Measure(m.precision, max(m.timeline[a:b], default=0), {}, {}, m.timeline[a:b])
+           for a, b in zip(cuts, cuts[1:])]
+    out.append(Measure(m.precision, sum(m.parts.values()) - m.parts["temporaries"], {}, {}, ()))
+    return out
+
+
+class DepthFit:
+    """The peak (and parts) at any depth and batch from measures at two depths x two or more
+    batches: ``measures[(depth, batch)]``. At a measured batch each phase's peak is extrapolated
+    in the depth as measured; elsewhere every phase is affine in the batch at each depth (a
+    :class:`Curve` over its timeline, through the two largest batches) and affine in the depth.
+    The peak is the largest phase."""
+
+    def __init__(self, measures: dict[tuple[int, int], Measure]) -> None:
+        depths = sorted({d for d, _ in measures})
+        self.batches = sorted({b for _, b in measures})
+        if len(depths) != 2 or len(self.batches) < 2 or len(measures) != 2 * len(self.batches):
+            raise DepthError(f"a depth fit needs measures at 2 depths x 2 or more batches, got {sorted(measures)}")
+        (self.d1, self.d2), (self.b1, self.b2) = depths, self.batches[-2:]
+        self.measures = measures
+        self.offsets: tuple[int, ...] = ()  # per phase, added to every peak (:meth:`shifted`)
+        self.curves: dict[int, list[Curve]] = {}
+        for d in depths:
+            lo, hi = _phases(measures[(d, self.b1)]), _phases(measures[(d, self.b2)])
+            self.curves[d] = [Curve(self.b1, x, self.b2, y) for x, y in zip(lo, hi)]
+        if not all(c.ok for cs in self.curves.values() for c in cs):
+            raise DepthError(f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
+                             "not affine in the batch there")
+        for (d, b), m in measures.items():  # the fit reproduces what it was fitted on, or it is refused
+            got = max(math.ceil(v - 1e-6) for v in self._phase_peaks(d, b))
+            if got != m.peak_bytes:
+                raise DepthError(f"the phases' maximum ({got}) is not the peak measured ({m.peak_bytes}) at depth "
+                                 f"{d}, batch {b}")
+
+    def _at(self, depth: int, f: Callable[[int], float]) -> float:
+        v1, v2 = f(self.d1), f(self.d2)
+        return v1 + (v2 - v1) * (depth - self.d1) / (self.d2 - self.d1)
+
+    def shifted(self, offsets: Sequence[int]) -> DepthFit:
+        """This fit with each phase's peak moved by ``offsets`` (bytes; one per phase of :func:`_phases`)."""
+        out = copy.copy(self)
+        out.offsets = tuple(offsets)
+        return out
+
+    def _phase_peaks(self, depth: int, batch: int) -> list[float]:
+        if batch in self.batches:  # measured: each phase's own peak, extrapolated in the depth
+            phases = {d: [p.peak_bytes for p in _phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
+            out = [self._at(depth, lambda d, i=i: phases[d][i]) for i in range(len(phases[self.d1]))]
+        else:
+            out = [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
+        return [v + o for v, o in zip(out, self.offsets)] if self.offsets else out
+
+    def peak(self, depth: int, batch: int) -> int:
+        """The predicted peak bytes of the ``depth``-block model at ``batch`` (rounded up)."""
+        return max(math.ceil(v - 1e-6) for v in self._phase_peaks(depth, batch))
+
+    def parts(self, depth: int, batch: int) -> dict[str, int]:
+        """Every part of :data:`PARTS` at ``depth`` x ``batch`` (bilinear; temporaries: what the peak adds)."""
+        def part(name: str, d: int) -> float:
+            if batch in self.batches:
+                return self.measures[(d, batch)].parts[name]
+            x, y = self.measures[(d, self.b1)].parts[name], self.measures[(d, self.b2)].parts[name]
+            return x + (y - x) * (batch - self.b1) / (self.b2 - self.b1)
+
+        out = {k: max(0, round(self._at(depth, functools.partial(part, k)))) for k in PARTS[:5]}
+        out["temporaries"] = max(0, self.peak(depth, batch) - sum(out.values()))
+        return out
+
+    def largest(self, depth: int, budget: int, limit: int) -> int:
+        """The largest batch in ``[b1, limit]`` whose predicted peak fits ``budget`` (``b1 - 1``: not
+        even ``b1``; the caller decides smaller batches by their own measures). The peak grows with
+        the batch (bisection)."""
+        lo = self.b1
+        if self.peak(depth, lo) > budget:
+            return lo - 1
+        hi = 2 * lo
+        while hi <= limit and self.peak(depth, hi) <= budget:
+            lo, hi = hi, 2 * hi
+        if hi > limit:
+            if self.peak(depth, limit) <= budget:
+                return limit
+            hi = limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak(depth, mid) <= budget else (lo, mid)
+        return lo
+
+
+def measure_depths(stack: Stack, precision: str, batch_of: Callable[[int], Any], *, optimizer: Any = "adamw",
+                   activation_checkpointing: bool = False, depths: tuple[int, int] = DEPTHS,
+                   batches: tuple[int, ...] = BATCHES) -> DepthFit:
+    """Build ``stack`` at each of ``depths``, measure each at ``batches``: the :class:`DepthFit`."""
+    return measure_both(stack, precision, batch_of, (activation_checkpointing,), optimizer=optimizer, depths=depths,
+                        batches=batches)[activation_checkpointing]
+
+
+def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], checkpointing: tuple[bool, ...],
+                 *, optimizer: Any = "adamw", depths: tuple[int, int] = DEPTHS,
+                 batches: tuple[int, ...] = BATCHES) -> dict[bool, DepthFit]:
+    """:func:`measure_depths` for each activation checkpointing setting in ``checkpointing``, one
+    session (one build and warm-up) per depth: the setting is switched between measures."""
+    measures = _measures(stack, precision, batch_of, checkpointing, optimizer, depths, batches)
+    return {c: DepthFit(m) for c, m in measures.items()}
+
+
+def _measures(stack: Stack, precision: str, batch_of: Callable[[int], Any], checkpointing: tuple[bool, ...],
+              optimizer: Any, depths: tuple[int, ...], batches: tuple[int, ...]
+              ) -> dict[bool, dict[tuple[int, int], Measure]]:
+    """The measures of :func:`measure_both` (read from ``ampkit plan``'s cache where it has them)."""
+    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(batches[0]), depths=depths, batches=batches,
+                          checkpointing=checkpointing)
+    kept = plan_cache.load(name)
+    try:  # a repeat plan: the measures made before
+        if kept is not None:
+            return {c: {(d, b): kept[f"{int(c)},{d},{b}"] for d in depths for b in batches} for c in checkpointing}
+    except KeyError:
+        pass
+    measures: dict[bool, dict[tuple[int, int], Measure]] = {c: {} for c in checkpointing}
+    for d in depths:
+        with Session(stack.factory(d), optimizer, precision, activation_checkpointing=checkpointing[0]) as s:
+            for i, ckpt in enumerate(checkpointing):
+                if i:
+                    s.checkpointing(ckpt)
+                for b in batches:  # the warm-up runs at the first batch: its shapes are the measure's
+                    measures[ckpt][(d, b)] = s.measure(batch_of(b))
+    plan_cache.save(name, {f"{int(c)},{d},{b}": m for c, ms in measures.items() for (d, b), m in ms.items()})
+    return measures
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One precision of a plan: the peak and parts at ``batch_size``, the largest batch that fits
+    (``largest_checkpointed``: with activation checkpointing; None when not asked), and how they
+    were found: ``"measured"`` (the full model's steps) or ``"depth"`` (:class:`DepthFit`).
+    ``verified``: with ``verify``, whether the extrapolated answers were the measured ones."""
+
+    precision: str
+    batch_size: int
+    peak_bytes: int
+    parts: dict[str, int]
+    largest: int
+    largest_checkpointed: Optional[int]
+    method: str
+    verified: Optional[bool] = None
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, gradients, masters and optimizer state: what no batch size changes."""
+        return sum(v for k, v in self.parts.items() if k not in ("activations", "temporaries"))
+
+
+def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
+              checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
+              fits: Optional[dict[bool, DepthFit]] = None) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
+    """The largest batch by depth extrapolation per checkpointing setting, ``(label, peak,
+    parts)`` at ``at_batch`` without checkpointing, and the fits. Batches below :data:`BATCHES` (an
+    answer of 0-3, ``at_batch`` 1-3) are measured too, at both depths, and added to that setting's
+    fit (returned so: a twin's shifted fits then answer there without measuring again)."""
+    given = fits is not None
+    fits = fits if fits is not None else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
+    best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
+    b1 = fits[False].b1
+    redo = tuple(c for c in checkpointing
+                 if (best[c] < b1 or (not c and at_batch < b1)) and fits[c].batches[0] > 1)
+    if redo and given:
+        raise DepthError("the answer is below the measured batches: the twin is planned on its own")
+    if redo:
+        below = _measures(stack, precision, batch_of, redo, optimizer, DEPTHS, tuple(range(1, b1)))
+        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}) for c in redo}}  # 4 and 5 as measured
+    for c in checkpointing:
+        if best[c] < b1:
+            best[c] = next((b for b in range(b1 - 1, 0, -1) if fits[c].peak(stack.depth, b) <= budget), 0)
+    use = fits[False]
+    label = use.measures[(use.d1, use.b1)].precision
+    return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits
+
+
+def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
+              limit: int, ckpt: bool, optimizer: Any, at_batch: Optional[int], guess: Optional[int]
+              ) -> tuple[Optional[Measure], int]:
+    """The full model measured: the step at ``at_batch`` (if given) and the exact largest batch
+    (:func:`fit`, started from ``guess`` and ``guess + 1`` when there is one)."""
+    with Session(factory, optimizer, precision, activation_checkpointing=ckpt) as session:
+        at = session.measure(batch_of(at_batch)) if at_batch else None
+        if guess is not None and guess >= 2:
+            first = (guess, at if guess == at_batch else session.measure(batch_of(guess)))
+        else:
+            first = (at_batch, at) if at is not None else None
+        return at, fit(session, batch_of, budget, limit, first=first)[0]
+
+
+def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
+                   precision: str, batch_size: int, *, stack: Optional[Stack] = None, checkpointing: bool = True,
+                   verify: bool = False, limit: int = 1 << 16, optimizer: Any = "adamw") -> PlanRow:
+    """One precision's row of a plan for a budget of ``budget`` bytes.
+
+    With a ``stack`` (:func:`stack_for`) the peaks come from shallow copies (:class:`DepthFit`:
+    seconds instead of minutes for GPT-2); ``verify`` then also measures the full model at
+    ``batch_size`` and at the answers ``B`` and ``B + 1`` (an exact search continues where the
+    extrapolation missed), so the row holds the measured values and ``verified`` says whether the
+    extrapolation had them. Without a stack -- or when the shallow measures do not make a
+    consistent fit (:class:`DepthError`) -- the full model is measured: ``B`` fits and ``B + 1``
+    does not, by the estimate of the full model's step."""
+    return _plan(factory, batch_of, budget, precision, batch_size, stack, checkpointing, verify, limit, optimizer)[0]
+
+
+def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int, precision: str,
+          batch_size: int, stack: Optional[Stack], checkpointing: bool, verify: bool, limit: int, optimizer: Any
+          ) -> tuple[PlanRow, Optional[dict[bool, DepthFit]]]:
+    """:func:`plan_precision`, and the depth fits its row came from (None: measured whole or verified)."""
+    if stack is not None:
+        try:
+            found, at_b, fits = _by_depth(stack, precision, batch_of, budget, limit,
+                                          (False, True) if checkpointing else (False,), optimizer, batch_size)
+        except DepthError:
+            stack = None
+        else:
+            best, best_ckpt = found[False], found.get(True)
+            row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth")
+            if not verify:
+                return row, fits
+            at, exact = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best)
+            exact_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None,
+                                   best_ckpt)[1] if checkpointing else None
+            assert at is not None
+            agreed = (at.peak_bytes, exact, exact_ckpt) == (row.peak_bytes, best, best_ckpt)
+            return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), exact, exact_ckpt,
+                           "depth, verified", agreed), None
+    at, best = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, None)
+    assert at is not None
+    best_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None, None)[1] \
+        if checkpointing else None
+    return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), best, best_ckpt, "measured"), None
+
+
+#: precisions whose steps differ only by the loss scaler's scalars (the same element sizes; fp16 adds a
+#: scaled loss held through the backward, the scale and found-inf scalars through the optimizer step)
+#: ((bf16, fp16), (bf16-pure, fp16-pure)), from the registry's ``twin``
+TWINS = tuple((n, r.twin) for n, r in REGISTRY.items() if r.twin and n < r.twin)
+
+
+def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
+               optimizer: Any) -> Optional[tuple[str, dict[bool, DepthFit]]]:
+    """``precision``'s label and fits as ``fits`` shifted by its own per-phase difference, measured on
+    the first depth's copy at the first batch with each checkpointing setting of ``fits``; None (plan
+    it on its own) unless its parameters, gradients, masters, optimizer state and activations there
+    are byte for byte the fitted precision's and it ran the same phases."""
+    out: dict[bool, DepthFit] = {}
+    settings = tuple(fits)
+    first = fits[settings[0]]
+    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(first.b1), depths=(first.d1,),
+                          batches=(first.b1,), checkpointing=settings, twin=True)
+    kept = plan_cache.load(name) or {}
+    if all(str(int(c)) in kept for c in settings):
+        measured = {c: kept[str(int(c))] for c in settings}
+    else:
+        measured = {}
+        with Session(stack.factory(DEPTHS[0]), optimizer, precision, activation_checkpointing=settings[0]) as s:
+            for i, c in enumerate(settings):
+                if i:
+                    s.checkpointing(c)
+                measured[c] = s.measure(batch_of(fits[c].b1))
+        plan_cache.save(name, {str(int(c)): m for c, m in measured.items()})
+    for c in settings:
+        f = fits[c]
+        m, ref = measured[c], f.measures[(f.d1, f.b1)]
+        same = {k: v for k, v in m.parts.items() if k != "temporaries"} == \
+            {k: v for k, v in ref.parts.items() if k != "temporaries"}
+        if not same or len(m.phases) != len(ref.phases):
+            return None
+        out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
+    return m.precision, out
+
+
+def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
+    """The precisions :func:`plan_precisions` plans together: both of a :data:`TWINS` pair where both
+    are asked of a stack model (not with ``verify``: each is measured whole then), else each alone."""
+    out: list[list[str]] = []
+    taken: set[str] = set()
+    for p in precisions:
+        if p in taken:
+            continue
+        twin = next((b if a == p else a for a, b in TWINS if p in (a, b)), None)
+        together = stack is not None and not verify and twin in precisions and twin not in taken
+        out.append([p, twin] if together and twin is not None else [p])
+        taken.update(out[-1])
+    return out
+
+
+def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
+                    precisions: list[str], batch_size: int, *, stack: Optional[Stack] = None,
+                    checkpointing: bool = True, verify: bool = False, limit: int = 1 << 16,
+                    optimizer: Any = "adamw") -> list[PlanRow]:
+    """:func:`plan_precision` for each of ``precisions`` (in order). Where the first is planned by
+    depth extrapolation, each later one is measured on the 1-block copy at the first batch (each
+    checkpointing setting: one small session) and, where its parts there are the first's, takes the
+    first's fits shifted by its own difference in each phase's peak (:func:`_twin_fits`; method
+    ``"depth, as <first>"``) -- for :data:`TWINS` the loss scaler's scalars, the same at every depth
+    and batch (tested against their own fits). Anything else, or ``verify``: its own plan."""
+    first, fits = _plan(factory, batch_of, budget, precisions[0], batch_size, stack, checkpointing, verify, limit,
+                        optimizer)
+    rows = [first]
+    for p in precisions[1:]:
+        twin = _twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
+        if twin is not None:
+            try:
+                found, at_b, _ = _by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer, batch_size,
+                                           fits=twin[1])
+            except DepthError:
+                twin = None
+            else:
+                rows.append(PlanRow(twin[0], batch_size, at_b[1], at_b[2], found[False], found.get(True),
+                                    f"depth, as {first.precision}"))
+        if twin is None:
+            rows.append(plan_precision(factory, batch_of, budget, p, batch_size, stack=stack,
+                                       checkpointing=checkpointing, verify=verify, limit=limit, optimizer=optimizer))
+    return rows

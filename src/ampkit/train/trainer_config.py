@@ -1,0 +1,148 @@
+"""The :class:`~ampkit.loop.trainer.Trainer`'s settings, grouped: checkpoints, evaluation, logging,
+automatic batch size. Each group is a small frozen dataclass that validates its own fields.
+
+``Trainer(model, opt, amp, batches)`` needs none of them. The flat keywords of earlier releases
+(``log_every=``, ``checkpoint_dir=``, ``eval_every=``, ...) still work: :func:`group_settings`
+maps them onto the groups through one table, :data:`FLAT`, so both spellings take one path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from ..loop.batches import check_batches
+from ..step.precision import REFERENCE
+
+__all__ = ["FLAT", "BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainerSettings", "group_settings"]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Crash-safe checkpoints (:mod:`ampkit.loop.checkpoint`): written to ``dir`` every ``every``
+    optimizer steps (None: only on a graceful stop or :meth:`Trainer.save_checkpoint`), the newest
+    ``keep_last`` kept (None: all)."""
+
+    dir: Optional[str] = None
+    every: Optional[int] = None
+    keep_last: Optional[int] = 3
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"checkpoint_every={self.every} must be >= 1")
+        if self.every and not self.dir:
+            raise ValueError("checkpoint_every needs a checkpoint_dir")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Periodic evaluation: the mean loss of ``steps`` held-out batches every ``every`` optimizer
+    steps, in the training precision (``"train"``) or strict ``"fp32"``. ``batches`` is what the
+    Trainer's own batches may be: a function of the index (``batches(0 .. steps-1)``), or a
+    DataLoader, a list, a function returning a fresh iterator (its first ``steps`` batches, read
+    anew at each evaluation; see :func:`ampkit.loop.batches.held_out`)."""
+
+    batches: Any = None
+    every: Optional[int] = None
+    steps: int = 4
+    precision: str = "train"
+
+    def __post_init__(self) -> None:
+        if self.batches is not None:
+            check_batches(self.batches, "eval_batches", reiterable=True)
+        if self.precision not in ("train", REFERENCE):
+            raise ValueError(f"eval_precision={self.precision!r}; choose 'train' (the training precision) or 'fp32'")
+        if self.every is not None and (self.every < 1 or self.batches is None):
+            raise ValueError("eval_every must be >= 1 and needs eval_batches")
+        if self.steps < 1:
+            raise ValueError(f"eval_steps={self.steps} must be >= 1")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """What the run shows and writes: metrics read to the host every ``every`` optimizer steps (the
+    loop's only syncs); ``log.jsonl``, ``summary.json`` and TensorBoard events (``tensorboard``, when
+    installed) under ``dir``; a live progress bar (``progress``) on ``console`` (a rich Console).
+
+    ``sinks``: more monitor sinks (anything with ``write(records)`` and ``close()``, e.g.
+    :class:`~ampkit.observe.monitor.MLflowSink`, :class:`~ampkit.observe.monitor.WandbSink`), given
+    the same record batches as ``log.jsonl``, in-process. The Trainer owns them: the monitor closes
+    them when ``fit`` ends (normally or by an error), so they serve one ``fit``. Rank 0 alone
+    writes: on other ranks they are closed unused at the start of ``fit``."""
+
+    dir: Optional[str] = None
+    every: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+    console: Any = None
+    sinks: Sequence[Any] = ()
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"log_every={self.every} must be >= 1")
+        if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Iterable):
+            raise TypeError(f"sinks={self.sinks!r} must be a list of sinks (objects with write(records) "
+                            "and close())")
+        object.__setattr__(self, "sinks", tuple(self.sinks))  # frozen: a tuple, not the caller's list
+        for s in self.sinks:
+            if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
+                raise TypeError(f"sink {s!r} must have write(records) and close() methods")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """``size="auto"``: cut each batch into the fewest micro-batches whose predicted memory fits
+    ``memory_budget`` (bytes or ``"8GiB"``; default on CUDA the free memory). Checked by the Trainer,
+    which knows the number of processes (:func:`ampkit.loop.autobatch.check_auto_args`)."""
+
+    size: Optional[str] = None
+    memory_budget: Union[str, int, None] = None
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The four groups, as the Trainer holds them."""
+
+    checkpoint: CheckpointConfig
+    evaluation: EvalConfig
+    log: LogConfig
+    batching: BatchConfig
+
+
+#: Each flat keyword of ``Trainer(...)`` -> (its group, the field).
+FLAT: dict[str, tuple[str, str]] = {
+    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+    "keep_last": ("checkpoint", "keep_last"),
+    "eval_batches": ("evaluation", "batches"), "eval_every": ("evaluation", "every"),
+    "eval_steps": ("evaluation", "steps"), "eval_precision": ("evaluation", "precision"),
+    "log_dir": ("log", "dir"), "log_every": ("log", "every"), "tensorboard": ("log", "tensorboard"),
+    "progress": ("log", "progress"), "console": ("log", "console"),
+    "batch_size": ("batching", "size"), "memory_budget": ("batching", "memory_budget"),
+}
+
+_GROUPS = {"checkpoint": CheckpointConfig, "evaluation": EvalConfig, "log": LogConfig, "batching": BatchConfig}
+
+
+def group_settings(groups: dict[str, Any], flat: dict[str, Any]) -> TrainerSettings:
+    """The Trainer's settings from its group keywords (``checkpoint=CheckpointConfig(...)``, ...; None
+    for the defaults) and flat keywords (:data:`FLAT`), which replace single fields of their group
+    (as ``MixedPrecision(config=..., **overrides)`` does). Raises ``TypeError`` for an unknown
+    keyword or a group of the wrong type, ``ValueError`` for invalid values (each group's own check)."""
+    unknown = sorted(set(flat) - set(FLAT))
+    if unknown:
+        raise TypeError(f"Trainer() got an unexpected keyword argument {unknown[0]!r}; the settings are "
+                        f"{', '.join(sorted(FLAT))} or the groups {', '.join(_GROUPS)}")
+    fields: dict[str, dict[str, Any]] = {name: {} for name in _GROUPS}
+    for key, value in flat.items():
+        group, field = FLAT[key]
+        fields[group][field] = value
+    built: dict[str, Any] = {}
+    for name, cls in _GROUPS.items():
+        given = groups.get(name)
+        if given is not None and not isinstance(given, cls):
+            raise TypeError(f"Trainer({name}=...) takes a {cls.__name__}, got {type(given).__name__}")
+        base = given if given is not None else cls()
+        built[name] = dataclasses.replace(base, **fields[name]) if fields[name] else base
+    return TrainerSettings(**built)

@@ -1,0 +1,127 @@
+"""Speed answers say what they timed and call a ratio inside its own spread "within noise":
+auto's check, ``ampkit info``, ``ampkit bench`` and ``ampkit tune`` (issue 34 §5). Synthetic
+timings only: no assertion here depends on how fast this machine is."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from ampkit.choose import autoselect
+from ampkit.choose.bench import BenchReport, BenchResult
+from ampkit.choose.recommend import tune
+from ampkit.choose.speed import Timing, paired_ratio, speed_words, within_noise
+from ampkit.cli import main
+from ampkit.models.builtin import builtin
+
+
+# ---------------------------------------------------------------------------- the verdict
+def test_paired_ratio_and_spread_from_synthetic_times():
+    ratio, spread = paired_ratio([10.0, 10.0, 10.0], [5.0, 5.0, 5.0])
+    assert ratio == 2.0 and spread == 0.0
+    ratio, spread = paired_ratio([10.0, 11.0, 9.0, 10.0], [10.0, 10.0, 10.0, 10.0])
+    assert ratio == pytest.approx(1.0) and spread == pytest.approx(0.1)  # (1.1 - 0.9) / 2 / 1.0
+    assert paired_ratio([3.0], [2.0]) == (1.5, math.inf)  # one repeat: no spread to speak of
+    with pytest.raises(ValueError, match="equally long"):
+        paired_ratio([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("ratio,spread,noise", [
+    (1.02, 0.04, True), (0.97, 0.04, True), (1.15, 0.04, False), (0.90, 0.04, False), (1.5, math.inf, True),
+])
+def test_a_ratio_inside_its_spread_is_within_noise(ratio, spread, noise):
+    assert within_noise(ratio, spread) is noise
+    words = speed_words(ratio, spread)
+    assert words.startswith(f"{ratio:.2f}x fp32's speed")
+    assert ("within noise" in words) is noise
+
+
+def test_timing_says_what_threads_repeats_and_spread():
+    text = Timing("whole training step", 1, 5, 0.04).describe()
+    assert text == "whole training step, 1 thread, 5 repeats, ±4%"
+    assert "2 threads, 3 repeats of 2 steps" in Timing("x", 2, 3, 0.1, "2 steps").describe()
+    assert "no spread" in Timing("x", 1, 1, math.inf).describe()
+
+
+# ---------------------------------------------------------------------------- auto's check
+@pytest.mark.parametrize("speedup,spread,expected", [(1.03, 0.05, "fp32"), (1.5, 0.05, "bf16"), (0.8, 0.05, "fp32")])
+def test_auto_keeps_its_pick_only_when_clearly_faster(monkeypatch, tmp_path, speedup, spread, expected):
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autoselect, "_measure", lambda *a, **k: (speedup, spread))
+    model, batches = builtin("mlp", "tiny", batch_size=8)
+    choice = autoselect.measured_choice(model, batches, "bf16", torch.device("cpu"), label="mlp/tiny")
+    assert choice.precision == expected
+    assert f"whole training step, {torch.get_num_threads()} thread" in choice.reason
+    assert "3 repeats of 2 steps" in choice.timed and f"±{100 * spread:.0f}%" in choice.timed
+    assert ("within noise" in choice.reason) == (abs(speedup - 1) <= spread)
+    again = autoselect.measured_choice(model, batches, "bf16", torch.device("cpu"), label="mlp/tiny")
+    assert again.cached and again.precision == expected and again.timed == choice.timed  # the cache keeps it
+
+
+# ---------------------------------------------------------------------------- bench and tune
+def fake_report(bf16_ms, spread, gap=0.001):
+    rows = [BenchResult("fp32", step_ms=10.0, speedup_vs_fp32=1.0, speedup_spread=0.0, final_loss=2.0,
+                        loss_gap=0.0),
+            BenchResult("bf16", step_ms=bf16_ms, speedup_vs_fp32=10.0 / bf16_ms, speedup_spread=spread,
+                        final_loss=2.0 * (1 + gap), loss_gap=gap)]
+    return BenchReport(results=rows, device="cpu", device_name="a CPU", model="mlp/tiny", steps=10,
+                       batch_size=8, accumulation_steps=1, threads=2, repeats=5)
+
+
+def test_tune_does_not_pick_what_it_cannot_tell_from_fp32():
+    rec = tune(fake_report(9.8, 0.05))  # 1.02x, spread ±5%
+    assert rec.precision == "fp32"
+    assert "not clearly faster than fp32" in rec.why_not["bf16"] and "within noise (±5%)" in rec.why_not["bf16"]
+    assert "bf16 timed fastest" in rec.note and "cannot tell it from fp32" in rec.note
+    toml = rec.to_toml()
+    assert 'precision = "fp32"' in toml and "within noise" in toml
+    assert "# timed: whole training step, 2 threads, 5 repeats" in toml
+    clear = tune(fake_report(5.0, 0.05))  # 2x, spread ±5%
+    assert clear.precision == "bf16" and clear.note == ""
+    assert "slower" in clear.why_not["fp32"]
+    legacy = fake_report(9.8, 0.05)
+    legacy.results[1].speedup_spread = None  # a report made without spreads: taken as exact
+    assert tune(legacy).precision == "bf16"
+
+
+def test_bench_table_says_what_it_timed_and_which_speed_up_is_noise():
+    from rich.console import Console
+
+    console = Console(width=300, record=True)
+    console.print(fake_report(9.8, 0.05).table())
+    text = console.export_text()
+    assert "timed: whole training step, 2 threads, 5 repeats" in text
+    assert "1.02x within noise (±5%)" in text
+    console = Console(width=300, record=True)
+    console.print(fake_report(5.0, 0.05).table())
+    assert "2.00x" in console.export_text() and "within noise (" not in console.export_text()
+
+
+def test_tune_cli_writes_fp32_and_says_why_when_the_pick_is_noise(monkeypatch, tmp_path, capsys):
+    from ampkit.cli import bench as cli_bench
+
+    monkeypatch.setattr(cli_bench, "_bench_report", lambda args: fake_report(9.8, 0.05))
+    out = tmp_path / "t.toml"
+    assert main(["tune", "--model", "mlp", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: fp32" in text and "cannot tell it from fp32" in text
+    assert "timed: whole training step, 2 threads, 5 repeats" in text
+    assert 'precision = "fp32"' in out.read_text()
+    assert main(["tune", "--model", "mlp", "--out", str(out), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["precision"] == "fp32" and "within noise" in rec["why_not"]["bf16"] and rec["timed"]
+
+
+# ---------------------------------------------------------------------------- info
+def test_info_says_it_timed_one_matmul_with_threads_repeats_and_spread(capsys):
+    assert main(["info", "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    timed = report["matmul_timed"]
+    assert "512x512 matmul (not a training step)" in timed
+    assert f"{torch.get_num_threads()} thread" in timed and "5 repeats" in timed and "±" in timed
+    rows = [r for r in report["precisions"] if "matmul_speedup_vs_fp32" in r]
+    assert rows and all("fp32's speed" in r["matmul_speedup_words"] for r in rows)
+    assert main(["info", "--device", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (rich wraps long lines)
+    assert "timed: one 512x512 matmul" in out

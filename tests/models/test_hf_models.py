@@ -1,0 +1,110 @@
+"""Hugging Face models built from their config class (never downloaded), text data from files,
+and ``--save_model``: through ``ampkit plan`` and ``ampkit train`` as a user runs them."""
+
+import json
+
+import pytest
+import torch
+
+from ampkit.models.data import TextSamples, load_texts
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = "n_layer=2,n_embd=64,n_head=2,n_positions=64"
+TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "x = [i * i for i in range(9)]\n"]
+
+
+def test_text_samples_pad_ignore_and_visit_every_text_once_per_epoch():
+    data = TextSamples(TEXTS, batch_size=1, max_length=20, seed=3)
+    assert data.length == 20 and data.batches_per_epoch == 3
+    seen = set()
+    for i in range(3):
+        x, y = data(i)
+        row = bytes(t for t in x[0].tolist() if t)  # x holds the text's bytes but the last, then padding (0)
+        seen.add(row)
+        valid = y[0] != -100
+        assert torch.equal(y[0][valid][:-1], x[0][1:int(valid.sum())])  # y is x shifted by one
+    assert seen == {t.encode()[:20] for t in TEXTS}
+    full = TextSamples(["ab", "abcdef"], batch_size=2, max_length=512)
+    x, y = full(0)
+    assert x.shape == (2, 5) and (y == -100).sum() == 4  # "ab" -> 1 target, padded to 5
+    with pytest.raises(ValueError, match="fewer than 2 bytes"):
+        TextSamples(["a"], batch_size=1)
+
+
+def test_load_texts_formats(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"texts": TEXTS}))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
+    assert load_texts(str(tmp_path / "a.json")) == TEXTS == load_texts(str(tmp_path / "b.jsonl"))
+    (tmp_path / "c.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="list of strings"):
+        load_texts(str(tmp_path / "c.json"))
+
+
+@pytest.mark.slow
+def test_plan_takes_a_config_class_path(capsys):
+    from ampkit.cli import main
+
+    argv = ["plan", "--model", "transformers.GPT2Config", "--model_config", SMALL + ",vocab_size=256",
+            "--memory", "64MiB", "--precisions", "fp32,bf16", "--batch_size", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["precision"]: r for r in out["rows"]}
+    assert rows["bf16"]["largest_batch"] >= rows["fp32"]["largest_batch"] >= 1
+    assert "transformers.GPT2Config" in out["model"]
+    for bad, says in ((["--model_config", "n_layr=2"], "no field(s) 'n_layr'"),
+                      (["--model_config", "n_layer"], "is not key=value"),
+                      (["--model", "transformers.NoSuchConfig"], "has no config class"),
+                      (["--model_config", "vocab_size=100"], "needs >= 256")):
+        args = ["plan", "--model", "gpt2", "--memory", "1GiB", "--precisions", "fp32", *bad]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_train_gpt2_on_texts_and_save_the_model(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from ampkit.cli import main
+
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps(TEXTS))
+    out_dir = tmp_path / "model"
+    argv = ["train", "--model", "gpt2", "--model_config", SMALL, "--data", str(texts), "--batch_size", "3",
+            "--epochs", "8", "--lr", "3e-3", "--precision", "bf16-pure", "--device", "cpu", "--json",
+            "--no-progress", "--log_dir", str(tmp_path / "run"), "--save_model", str(out_dir)]
+    assert main(argv) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["optimizer_steps"] == 8 and s["final_loss"] < s["first_loss"] - 0.5
+    assert s["model_path"] == str(out_dir) and not (tmp_path / "model.partial").exists()
+    meta = json.loads((out_dir / "ampkit.json").read_text())
+    assert meta["format"] == "huggingface" and meta["precision"] == "bf16-pure"
+    loaded = AutoModelForCausalLM.from_pretrained(str(out_dir))
+    # bf16-pure: the fp32 masters are saved (fp32 tensors, not the bf16 weights rounded back)
+    w = loaded.transformer.h[0].mlp.c_fc.weight
+    assert w.dtype == torch.float32
+    assert not torch.equal(w, w.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="module:factory brings its own data"):
+        from ampkit.cli.common import model_and_data
+
+        model_and_data(type("A", (), {"model": "x:y", "data": "t.txt", "block_size": None, "model_config": None})(),
+                       None)
+
+
+@pytest.mark.slow
+def test_train_builtin_gpt_on_a_text_file(tmp_path, capsys):
+    from ampkit.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(TEXTS) * 40)
+    argv = ["train", "--model", "gpt", "--size", "tiny", "--data", str(corpus), "--block_size", "32", "--steps", "3",
+            "--precision", "fp32", "--device", "cpu", "--json", "--no-progress", "--log_dir", str(tmp_path / "r"),
+            "--save_model", str(tmp_path / "m")]
+    assert main(argv) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["optimizer_steps"] == 3 and s["tokens_per_s"] > 0
+    state = torch.load(tmp_path / "m" / "model.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    assert main([*argv[:-2], "--block_size", "999"]) == 2
+    assert "exceeds the model's maximum sequence length" in capsys.readouterr().err

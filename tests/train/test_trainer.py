@@ -1,0 +1,181 @@
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from ampkit import MixedPrecision
+from ampkit.cli import main
+from ampkit.models.builtin import builtin
+from ampkit.models.data import TextBatches
+from ampkit.observe.memory import activations
+from ampkit.step.activation_checkpointing import (
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
+from ampkit.train.trainer import Trainer
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_same_gradients_less_memory():
+    torch.manual_seed(0)
+    model, data = builtin("gpt", "tiny", batch_size=4)
+    ckpt = copy.deepcopy(model)
+    names = apply_activation_checkpointing(ckpt, ["blocks.*"])
+    assert names == ["blocks.0", "blocks.1"]
+    assert list(ckpt.state_dict()) == list(model.state_dict())
+    x, y = data(0)
+    for precision in ("fp32", "bf16"):
+        full = activations(model, (x, y), precision).total
+        less = activations(ckpt, (x, y), precision).total
+        assert less < 0.5 * full
+    for m in (model, ckpt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x, y)
+        loss.backward()
+    for a, b in zip(model.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)  # recomputation is exact
+    remove_activation_checkpointing(ckpt)
+    assert type(ckpt.blocks[0]).__name__ == "_Block"
+
+
+def test_activation_checkpointing_by_type_and_bad_target():
+    model, _ = builtin("gpt", "tiny")
+    from ampkit.models.builtin import _Block
+
+    assert apply_activation_checkpointing(model, [_Block]) == ["blocks.0", "blocks.1"]
+    with pytest.raises(ValueError, match="matches no module"):
+        apply_activation_checkpointing(model, ["blockz"])
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def on_step_end(self, trainer, step, result):
+        self.calls.append(("step", step))
+
+    def on_eval(self, trainer, loss):
+        self.calls.append(("eval", round(loss, 6)))
+
+    def on_checkpoint(self, trainer, path):
+        self.calls.append(("ckpt", path.rsplit("-", 1)[-1]))
+
+    def on_train_end(self, trainer, summary):
+        self.calls.append(("end", summary.optimizer_steps))
+
+
+@pytest.mark.slow
+def test_trainer_eval_callbacks_scheduler(tmp_path):
+    torch.manual_seed(0)
+    model, data = builtin("gpt", "tiny", batch_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    amp = MixedPrecision("fp16", device="cpu", init_scale=2.0**30)  # the first steps overflow and are skipped
+    model, opt = amp.setup(model, opt)
+    rec = Recorder()
+    val = TextBatches(batch_size=2, block_size=64, split="val")
+    t = Trainer(model, opt, amp, data, progress=False, eval_batches=val, eval_every=3, eval_steps=2,
+                eval_precision="fp32", callbacks=[rec], scheduler=sched, checkpoint_dir=str(tmp_path),
+                checkpoint_every=6, log_dir=str(tmp_path / "log"))
+    summary = t.fit(6)
+    skipped = summary.skipped_steps
+    assert skipped >= 1
+    # the scheduler stepped only after real optimizer steps
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 ** (6 - skipped))
+    kinds = [c[0] for c in rec.calls]
+    assert kinds.count("step") == 6 and kinds.count("eval") == 2 and ("ckpt", "00000006.pt") in rec.calls
+    assert rec.calls[-1] == ("end", 6)
+    log = [json.loads(line) for line in (tmp_path / "log" / "log.jsonl").read_text().splitlines()]
+    evals = [r for r in log if r.get("kind") == "eval"]
+    assert [e["step"] for e in evals] == [3, 6] and evals[0]["precision"] == "fp32"
+    assert any(r.get("kind") == "checkpoint" and r["seconds"] > 0 for r in log)
+    # evaluation in fp32 equals a hand-computed fp32 loss on the same batches
+    with torch.no_grad():
+        ref = torch.stack([model(*val(i)) for i in range(2)]).mean().item()
+    assert t.evaluate() == pytest.approx(ref, rel=1e-6)
+
+
+def test_trainer_bad_arguments(tmp_path):
+    model, data = builtin("mlp", "tiny")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = MixedPrecision("fp32", device="cpu")
+    model, opt = amp.setup(model, opt)
+    with pytest.raises(ValueError, match="eval_precision"):
+        Trainer(model, opt, amp, data, eval_precision="fp8")
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        Trainer(model, opt, amp, data, checkpoint_every=2)
+    with pytest.raises(ValueError, match="eval_batches"):
+        Trainer(model, opt, amp, data, eval_every=2)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--amp_opt_level", "O2", "--precision", "fp32"], "conflicting flags"),  # (fp16 + O0: O0 wins, seed 004)
+    (["--amp_opt_level", "O1", "--precision", "fp32"], "conflicting flags"),
+    (["--model", "mlp", "--grad_ckpt"], "--grad_ckpt_modules"),
+])
+def test_train_flag_conflicts(argv, fragment, capsys):
+    assert main(["train", "--steps", "1", "--device", "cpu", *argv]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_cli_opt_level_scaler_flags_epochs_grad_ckpt_eval(tmp_path, capsys):
+    rc = main(["train", "--model", "mlp", "--size", "tiny", "--epochs", "1", "--batch_size", "2000",
+               "--amp_opt_level", "O0", "--grad_scaler_growth_interval", "7", "--grad_scaler_backoff", "0.25",
+               "--device", "cpu", "--json", "--log_dir", str(tmp_path / "a"), "--eval_every", "2"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["precision"] == "fp32" and s["optimizer_steps"] == 5  # 10,000 samples / 2,000 per batch
+    rc = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "3", "--batch_size", "2", "--grad_ckpt",
+               "--precision", "fp16", "--grad_scaler_growth_interval", "1", "--grad_scaler_init", "8",
+               "--device", "cpu", "--json", "--log_dir", str(tmp_path / "b")])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["final_scale"] == 64.0  # 8 doubled on each of 3 finite steps: growth_interval=1 applied
+
+
+def test_fit_epochs():
+    model, data = builtin("mlp", "tiny", batch_size=2500)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = MixedPrecision("fp32", device="cpu", accumulation_steps=2)
+    model, opt = amp.setup(model, opt)
+    t = Trainer(model, opt, amp, data, progress=False)
+    assert t.fit(epochs=1).optimizer_steps == 2  # 10,000 samples / 2,500 per batch / 2 micro-batches
+    with pytest.raises(ValueError, match="exactly one"):
+        t.fit(3, epochs=1)
+
+
+@pytest.mark.slow
+def test_trainer_turns_fallback_on_by_default():
+    from tests.support.unstable_model import Unstable, data
+
+    torch.manual_seed(0)
+    model = Unstable()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    amp = MixedPrecision("fp16", device="cpu", fallback_patience=2, fallback_check_every=2)
+    assert amp.config.fallback is False
+    model, opt = amp.setup(model, opt)
+    batches = data(30)
+    t = Trainer(model, opt, amp, lambda i: batches[i], progress=False, log_every=2)
+    assert amp.config.fallback is True
+    summary = t.fit(20)
+    assert summary.precision == "bf16" and math.isfinite(summary.final_loss)
+    assert t.diagnosis is not None and t.diagnosis.module == "big"
+    amp2 = MixedPrecision("fp16", device="cpu")
+    Trainer(model, opt, amp2, lambda i: batches[i], progress=False, fallback=False)
+    assert amp2.config.fallback is False
+
+
+@pytest.mark.parametrize("flags, level, precision", [(["--amp_opt_level", "O0"], "O0", "fp32"),
+                                                     (["--precision", "bf16-pure"], "O2", "bf16-pure")])
+def test_run_header_names_the_opt_level(tmp_path, capsys, flags, level, precision):
+    from ampkit.train.summary import opt_level
+
+    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--batch_size", "64",
+               *flags, "--device", "cpu", "--no_progress", "--log_dir", str(tmp_path)])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps the header
+    assert rc == 0 and f"in {precision} (opt level {level})" in out
+    assert [opt_level(p) for p in ("fp32", "bf16", "fp16", "fp16-pure", "tf32", "fp8")] == \
+        ["O0", "O1", "O1", "O2", "-", "-"]
