@@ -11,7 +11,7 @@ from ampkit import MixedPrecision
 from ampkit.loop.models import builtin
 from ampkit.loop.trainer import Trainer
 from ampkit.observe.memory import breakdown
-from ampkit.step.policies.pure import MasterWeights
+from ampkit.step.policies.pure.masters import MasterWeights
 
 from ..support.helpers import SyncCounter
 

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from ..loop.models import MODELS, SIZES
 from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
-from ..step.policies.ladder import parse_rung
 from ..step.precision import CANONICAL, REFERENCE, REGISTRY, PrecisionError
+from ..step.rung import join_spec, split_spec
 from .common import data_flags, flag, positive_float, positive_int
 
 __all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags", "debug_flags",
@@ -60,7 +60,7 @@ def precision_list(text: str) -> list[str]:
                                          "e.g. fp32,bf16")
     for name in names:
         try:
-            base, _ = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
+            base, _ = split_spec(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
             canonical_precision(base)
         except (PrecisionError, ValueError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
@@ -146,6 +146,9 @@ def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Map
     appended to ``notes``."""
     values = {**{k: v for k, (v, _) in TRAIN_DEFAULTS.items()}, **file_amp}
     values.update({name: getattr(args, name) for name in ENGINE_FIELDS if name in given})
+    if "precision" in given and split_spec(values["precision"])[1] is not None:
+        for key in {"masters", "state_dtype", "allow_stall"} - given:  # the flag's rung beats the file's
+            values.pop(key, None)
     if args.amp_opt_level:
         chosen = values.get("precision") if "precision" in given or "precision" in file_amp else None
         values["precision"], note = with_opt_level(chosen, args.amp_opt_level)
@@ -173,7 +176,8 @@ def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[
     level = level.upper()
     if precision is None:
         return canonical_precision(level), None
-    name = canonical_precision(precision)
+    name, rung = split_spec(precision)  # "bf16-pure:split": the level speaks of the precision, the rung stays
+    name = canonical_precision(name)
     if level == "O0":
         note = None if name == REFERENCE else (f"--amp_opt_level O0 wins: training in fp32 (the precision {precision} "
                                             "is not used; O0 means no mixed precision)")
@@ -184,6 +188,7 @@ def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[
         raise ValueError(f"conflicting flags: --amp_opt_level {level} with precision {precision!r}: {level} means "
                          f"{'autocast over fp32 weights' if level == 'O1' else 'half weights with fp32 masters'}, "
                          f"which {name} is not; with {level} give one of: {valid}")
+    form = join_spec(form, rung)
     return form, f"--amp_opt_level {level} with precision {precision}: training in {form}"
 
 

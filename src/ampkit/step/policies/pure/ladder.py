@@ -49,8 +49,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import native as _native_kernels
-from .pure import MasterWeights, cast_buffers, kept_tensors
+from ...rung import Rung, split_spec
+from .. import native as _native_kernels
+from .masters import MasterWeights, cast_buffers, kept_tensors
 from .rounding import join_split, kahan_join, kahan_split, split_fp32, stochastic_round
 
 __all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
@@ -64,37 +65,16 @@ STALL_WARNING = ("bf16-pure with masters='none' keeps no fp32 masters: an update
                  "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
                  "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)")
 
-_MASTER_BYTES = {"fp32": 4, "split": 2, "kahan": 2, "stochastic": 0, "none": 0}
-_STATE_SLOTS = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
-
-
 def bytes_per_param(masters: str = "fp32", state_dtype: str = "fp32", optimizer: str = "adamw") -> int:
-    """Bytes per bf16-pure parameter of a rung between steps: weight + master part + optimizer states.
-
-    ``optimizer`` names the state slots per parameter (AdamW/Adam 2, SGD with momentum/Adagrad/RMSprop
-    1). ``masters='none'``: the optimizer steps the bf16 weights, so its states are bf16 too.
-    """
-    if masters not in _MASTER_BYTES:
-        raise ValueError(f"unknown masters={masters!r}; choose one of: {', '.join(_MASTER_BYTES)}")
-    slots = _STATE_SLOTS.get(str(optimizer).lower())
-    if slots is None:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(_STATE_SLOTS)}")
-    state = 2 if state_dtype == "bf16" or masters == "none" else 4
-    return 2 + _MASTER_BYTES[masters] + slots * state
+    """Bytes per bf16-pure parameter of a rung between steps (:meth:`ampkit.step.rung.Rung.bytes_per_param`)."""
+    return Rung(masters, state_dtype).bytes_per_param(optimizer)  # type: ignore[arg-type]
 
 
 def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
-    """A precision with an optional ladder rung, as ``ampkit plan --precisions`` takes it:
-    ``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"`` (bf16 states), ``"bf16-pure:none"`` ->
-    ``("bf16-pure", {"masters": ..., "state_dtype": ..., "allow_stall": ...})``; a plain name -> ``(name, {})``."""
-    if not isinstance(spec, str) or ":" not in spec:
-        return spec, {}
-    base, _, rung = spec.partition(":")
-    masters, plus, states = rung.partition("+")
-    if masters not in _MASTER_BYTES or (plus and states != "bf16"):
-        raise ValueError(f"unknown ladder rung {spec!r}: write bf16-pure:<masters>[+bf16] with masters one of "
-                         f"{', '.join(_MASTER_BYTES)}, e.g. 'bf16-pure:split' or 'bf16-pure:stochastic+bf16'")
-    return base, {"masters": masters, "state_dtype": "bf16" if plus else "fp32", "allow_stall": masters == "none"}
+    """``"bf16-pure:split"`` -> ``("bf16-pure", {"masters": ..., "state_dtype": ..., ...})``; a plain
+    name -> ``(name, {})``: :func:`ampkit.step.rung.split_spec` with the rung as config fields."""
+    name, rung = split_spec(spec)
+    return name, ({} if rung is None else {"allow_stall": False, **rung.fields()})
 
 
 # ---------------------------------------------------------------------- rungs with stand-ins
