@@ -105,6 +105,9 @@ class MixedPrecisionConfig:
     state_dtype: str = _f("fp32", "bf16-pure's optimizer-state storage between steps: fp32, or bf16 (stochastically "
                           "rounded; with masters=stochastic 6 B/param)", STATE_DTYPES)
     allow_stall: bool = _f(False, "accept masters=none: bf16 weights without masters, whose small updates round away")
+    ladder_scratch_mib: int = _f(16, "MiB of scratch bf16-pure's ladder rungs keep between steps; a larger weight is "
+                                 "stepped in pieces through it (element-wise torch optimizers; others see each weight "
+                                 "whole, in a buffer that lives only inside the step)")
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         """Every field by name (or in order); the names other tools use are accepted too
@@ -150,6 +153,7 @@ class MixedPrecisionConfig:
             Rung.of(self)  # the one check of masters and state_dtype
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        _require(self.ladder_scratch_mib >= 1, "ladder_scratch_mib", self.ladder_scratch_mib, "an integer >= 1")
         if self.rung.stalls and not self.allow_stall:
             raise ConfigError("masters='none' is refused: without masters bf16 weights stall (an update below half "
                               "the bf16 spacing rounds away: AdamW lr 1e-3 never moves a weight of 1.0, norm weights "

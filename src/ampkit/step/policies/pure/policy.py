@@ -77,7 +77,8 @@ class PurePolicy(PrecisionPolicy):
         if rung.plain:
             self._masters = MasterWeights(model, optimizers, dtype, keep)
         else:
-            self._masters = LadderWeights(model, optimizers, dtype, keep, rung.masters, rung.state_dtype)
+            self._masters = LadderWeights(model, optimizers, dtype, keep, rung.masters, rung.state_dtype,
+                                          scratch_bytes=self.config.ladder_scratch_mib << 20)
         self.after_backward = self._masters.absorb_grads  # half gradients summed into the fp32 masters' gradients
         self.after_step = self._masters.copy_to_model  # unconditional: after a skipped step the masters did not move
 
