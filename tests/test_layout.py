@@ -257,3 +257,98 @@ def test_only_the_toml_module_imports_a_toml_library(path):
     names |= {n.module.split(".")[0] for n in ast.walk(tree)
               if isinstance(n, ast.ImportFrom) and not n.level and n.module}
     assert not names & TOML_LIBRARIES, f"{path.relative_to(SRC)} imports {names & TOML_LIBRARIES}: use ampkit.step.tomlio"
+
+
+def _module_name(path):
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _statements(body, top):
+    """The statements of ``body``: its own (``top``) or every nested one too, but never those under
+    ``if TYPE_CHECKING`` (never run)."""
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        yield node
+        if not top:
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                yield from _statements(getattr(node, field, []), top)
+
+
+def _package_imports(path, modules, top=True):
+    """The package modules ``path`` imports: its module-level ``import`` / ``from ... import``
+    statements (``top``), or also those inside functions (deferred imports: a circle they close is
+    still a circle). ``from . import x`` counts as importing ``x`` when ``x`` is a module."""
+    pkg = list(path.relative_to(SRC).parent.parts)
+    out = set()
+    for node in _statements(ast.parse(path.read_text()).body, top):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+            elif node.module and node.module.split(".")[0] == "ampkit":
+                base, node = [], ast.ImportFrom(module=node.module.partition(".")[2], names=node.names)
+            else:
+                continue
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                out.add(sub if sub in modules else target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name.partition(".")[2] for a in node.names if a.name.startswith("ampkit."))
+    return {m for m in out if m in modules}
+
+
+def _import_circles(top=True):
+    """Each circle of the import graph of ``src/ampkit`` as ``a -> b -> a`` (a small DFS).
+
+    Importing ``a.b.c`` runs the packages ``a`` and ``a.b`` first, so a target brings its packages;
+    a module's own packages are already running when it runs (no edge back to them)."""
+    paths = {_module_name(p): p for p in SRC.rglob("*.py")}
+
+    def packages(m):
+        parts = m.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts))} & paths.keys()
+
+    graph = {}
+    for m, p in paths.items():
+        targets = _package_imports(p, paths, top)
+        graph[m] = (targets | {a for t in targets for a in packages(t)}) - packages(m) - {m}
+    circles, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                circles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n, stack)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return circles
+
+
+@pytest.mark.parametrize("top", [True, False], ids=["module-level", "deferred-too"])
+def test_no_import_circles(top):
+    """No module of the package imports a module that imports it back (issue 35), not even through
+    an import deferred into a function (``from . import x`` inside a function to dodge the circle)."""
+    circles = _import_circles(top)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_circle_finder_sees_a_circle(tmp_path, monkeypatch):
+    """The check above is not vacuous: a deferred and a module-level circle are both found."""
+    pkg = tmp_path / "ampkit"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("from .b import x\n")
+    (pkg / "sub" / "b.py").write_text("x = 1\ndef f():\n    from . import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", pkg)
+    assert _import_circles(top=True) == []
+    assert _import_circles(top=False) == ["sub.a -> sub.b -> sub.a"]

@@ -33,7 +33,8 @@ FLAGS = {
         --fallback_patience --fallback_recover_after --fp8_emulate --fp8_recipe --grad_accum_steps
         --grad_ckpt --grad_ckpt_modules --grad_scaler_backoff --grad_scaler_growth_interval
         --grad_scaler_init --growth_factor --growth_interval --help --hysteresis --init_scale --json
-        --keep_fp32 --keep_last --log_dir --log_every --lr --manifest_check_every --masters --max_grad_norm
+        --keep_fp32 --keep_last --ladder_scratch_mib --log_dir --log_every --lr --manifest_check_every --masters
+        --max_grad_norm
         --max_length --max_scale --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow
         --model --model_config --nnodes --no_allow_stall --no_autocast_cache --no_compile
         --no_consecutive_hysteresis --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback

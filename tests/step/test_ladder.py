@@ -10,14 +10,14 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.observe.memory import breakdown
 from ampkit.step.config import ConfigError
-from ampkit.step.policies.ladder import (
+from ampkit.step.policies.pure.ladder import (
     bytes_per_param,
     join_split,
     kahan_join,
     kahan_split,
     split_fp32,
 )
-from ampkit.step.policies.rounding import BLOCK
+from ampkit.step.policies.pure.rounding import BLOCK
 
 RUNGS = [("fp32", "fp32", 14), ("split", "fp32", 12), ("kahan", "fp32", 12), ("stochastic", "fp32", 10),
          ("stochastic", "bf16", 6), ("none", "fp32", 6)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ampkit.plan.estimate import estimate
-from ampkit.step.policies.ladder import bytes_per_param, parse_rung
+from ampkit.step.policies.pure.ladder import bytes_per_param, parse_rung
 
 
 class _Net(torch.nn.Module):
@@ -51,7 +51,7 @@ def test_the_estimate_runs_the_bit_passes_unblocked_and_counts_the_same_bytes(ru
     """Under fake tensors the split/join passes run as one block (they are in place: blocking
     changes no byte, only how many operations the estimate dispatches); the peak and every part
     equal those of the blocked passes the CPU runs."""
-    from ampkit.step.policies import rounding as ladder  # the bit passes
+    from ampkit.step.policies.pure import eager as ladder  # the bit passes
 
     class Wide(torch.nn.Module):  # weights of 640*640 elements: several blocks of ladder.BLOCK
         def __init__(self) -> None:

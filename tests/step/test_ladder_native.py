@@ -16,7 +16,13 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.step.policies import native
-from ampkit.step.policies.rounding import BLOCK, join_split, kahan_join, kahan_split, split_fp32
+from ampkit.step.policies.pure.rounding import (
+    BLOCK,
+    join_split,
+    kahan_join,
+    kahan_split,
+    split_fp32,
+)
 
 needs_native = pytest.mark.skipif(not native.enabled(), reason="native kernels off (no C compiler, or AMPKIT_NO_NATIVE=1)")
 

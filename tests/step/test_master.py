@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ampkit import MixedPrecision
 from ampkit.models.builtin import builtin
 from ampkit.observe.memory import breakdown
-from ampkit.step.policies.pure import MasterWeights
+from ampkit.step.policies.pure.masters import MasterWeights
 from ampkit.train.trainer import Trainer
 
 from ..support.helpers import SyncCounter

@@ -34,15 +34,15 @@ from ..loop.steps import Steps
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
-from ..step.policies.ladder import parse_rung
 from ..step.precision import REFERENCE, REGISTRY, Precision, PrecisionError, resolve_precision
+from ..step.rung import join_spec, ladder_specs, split_spec
 from .speed import paired_ratio, within_noise
 
 __all__ = ["BenchReport", "BenchResult", "RUNGS", "compare", "with_rungs"]
 
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 #: bf16-pure's rungs, most memory first (``masters="none"`` stalls and is left out)
-RUNGS = ("bf16-pure:fp32", "bf16-pure:split", "bf16-pure:kahan", "bf16-pure:stochastic", "bf16-pure:stochastic+bf16")
+RUNGS = ladder_specs()
 
 
 def with_rungs(precisions: Optional[Sequence[str]]) -> list[str]:
@@ -245,19 +245,17 @@ def compare(
     runs: dict[str, _Run] = {}
     for name in wanted:
         try:
-            base, rung = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's ladder
+            base, rung = split_spec(name)  # "bf16-pure:split": a rung of bf16-pure's ladder
             p = resolve_precision(base, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
-            if rung and not p.row.has_ladder:
-                raise PrecisionError(f"{name!r}: only bf16-pure has a memory ladder (bf16-pure:<masters>[+bf16])")
         except (PrecisionError, ValueError) as e:
             results[name] = BenchResult(precision=name, status="skipped",
                                         reason=str(e).split(": ", 1)[-1].split(". Choose")[0])
             continue
-        label = name if rung else p.name
+        label = join_spec(p.name, rung)
         if label in results:  # e.g. "auto" resolved to one already listed
             continue
         results[label], run = _start(p, model_factory, batch_factory, dev, seed, lr, accumulation_steps, fallback,
-                                     {**amp_overrides, **rung})
+                                     {**amp_overrides, **(rung.fields() if rung else {})})
         results[label].precision = label
         if run is not None:
             runs[label] = run

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..step import tomlio
-from ..step.policies.ladder import parse_rung
 from ..step.precision import REFERENCE
+from ..step.rung import split_spec
 from .speed import speed_words, within_noise
 
 if TYPE_CHECKING:
@@ -45,12 +45,8 @@ class Recommendation:
     @property
     def config(self) -> dict[str, Any]:
         """The ``[amp]`` settings: the precision, and for a rung its ``masters`` and ``state_dtype``."""
-        base, rung = parse_rung(self.precision)
-        out: dict[str, Any] = {"precision": base}
-        if rung:
-            out.update(masters=rung["masters"], state_dtype=rung["state_dtype"])
-            if rung["allow_stall"]:
-                out["allow_stall"] = True
+        base, rung = split_spec(self.precision)
+        out: dict[str, Any] = {"precision": base, **(rung.fields() if rung else {})}
         return {**out, "accumulation_steps": self.accumulation_steps}
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,8 +17,14 @@ from typing import Any, Optional
 from ..models.builtin import MODELS, SIZES
 from ..step.aliases import FLAG_ALIASES, KEY_ALIASES
 from ..step.config import FieldInfo, MixedPrecisionConfig, canonical_precision, fields_help
-from ..step.policies.ladder import parse_rung
-from ..step.precision import CANONICAL, OPT_LEVELS, REFERENCE, PrecisionError, opt_level_form
+from ..step.precision import (
+    CANONICAL,
+    OPT_LEVELS,
+    REFERENCE,
+    PrecisionError,
+    opt_level_form,
+)
+from ..step.rung import join_spec, split_spec
 from .common import data_flags, flag, positive_float, positive_int
 
 __all__ = ["ALIASES", "ENGINE_FIELDS", "SIZE_CHOICES", "TRAIN_DEFAULTS", "Switch", "Toggle", "add_engine_flags", "debug_flags",
@@ -57,7 +63,7 @@ def precision_list(text: str) -> list[str]:
                                          "e.g. fp32,bf16")
     for name in names:
         try:
-            base, _ = parse_rung(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
+            base, _ = split_spec(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
             canonical_precision(base)
         except (PrecisionError, ValueError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
@@ -143,6 +149,9 @@ def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Map
     appended to ``notes``."""
     values = {**{k: v for k, (v, _) in TRAIN_DEFAULTS.items()}, **file_amp}
     values.update({name: getattr(args, name) for name in ENGINE_FIELDS if name in given})
+    if "precision" in given and split_spec(values["precision"])[1] is not None:
+        for key in {"masters", "state_dtype", "allow_stall"} - given:  # the flag's rung beats the file's
+            values.pop(key, None)
     if args.amp_opt_level:
         chosen = values.get("precision") if "precision" in given or "precision" in file_amp else None
         values["precision"], note = with_opt_level(chosen, args.amp_opt_level)
@@ -161,7 +170,8 @@ def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[
     level = level.upper()
     if precision is None:
         return opt_level_form(None, level), None
-    name = canonical_precision(precision)
+    name, rung = split_spec(precision)  # "bf16-pure:split": the level speaks of the precision, the rung stays
+    name = canonical_precision(name)
     try:  # the combination is the precision rows' (o1_form, o2_form): step.precision.opt_level_form
         form = opt_level_form(name, level)
     except PrecisionError as e:
@@ -170,6 +180,7 @@ def with_opt_level(precision: Optional[Any], level: str) -> tuple[str, Optional[
         note = None if name == REFERENCE else (f"--amp_opt_level O0 wins: training in fp32 (the precision {precision} "
                                             "is not used; O0 means no mixed precision)")
         return form, note
+    form = join_spec(form, rung)
     return form, f"--amp_opt_level {level} with precision {precision}: training in {form}"
 
 

@@ -27,7 +27,7 @@ import torch
 from ..loop.steps import Steps, batch_loss
 from ..observe.memory import activations, breakdown, saved_activations
 from ..step.engine import MixedPrecision
-from ..step.policies.ladder import parse_rung
+from ..step.rung import join_spec, split_spec
 from .tracker import StepTracker
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session", "cuda_workspace_bytes", "to_device"]
@@ -172,9 +172,8 @@ class Session:
         if ckpt:
             _checkpoint(model, ckpt)
         opt = _optimizer(optimizer, model.parameters(), self.dev.type in ("cpu", "cuda"))
-        base, rung = parse_rung(precision)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
-        self.amp = MixedPrecision(base, device=self.dev, fp8_emulate=True, **rung)
-        self.label = self.amp.precision.name + (precision[len(base):] if rung else "")
+        self.amp = MixedPrecision(precision, device=self.dev, fp8_emulate=True)  # "bf16-pure:split": a rung
+        self.label = join_spec(self.amp.precision.name, split_spec(precision)[1])
         self.model, self.opt = self.amp.setup(model, opt)
         self._tracker: Any = None
         self.run = Steps(self.model, self.opt, self.amp, loss_fn=self._marked_loss)

@@ -19,6 +19,7 @@ from ..models.builtin import SIZES
 from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
+from ..step.rung import split_spec
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
 from .runfile import SERVICE_DEFAULTS
 from .settings import MAX_SECONDS, SERVE_NUMBERS
@@ -72,7 +73,7 @@ def _device(v: str) -> str:
 
 def _precision(v: str) -> str:
     try:
-        parse_precision(v)
+        parse_precision(split_spec(v)[0])  # "bf16-pure:split": a rung of bf16-pure's memory ladder
     except Exception as e:
         raise ValueError(str(e) or f"precision {shown(v)} is not valid") from None
     return v

@@ -21,6 +21,7 @@ import torch
 from . import tomlio
 from .aliases import UnknownKeyError, canonical_keys
 from .precision import CANONICAL, parse_precision
+from .rung import MASTERS, STATE_DTYPES, Rung, join_spec, split_spec
 
 __all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "SCALE_RANGE", "STATE_DTYPES", "ConfigError", "FieldInfo",
            "MixedPrecisionConfig", "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision",
@@ -31,8 +32,7 @@ Pattern = Union[str, type]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 DETERMINISTIC_CHOICES = (False, True, "warn")
-MASTERS_CHOICES = ("fp32", "split", "kahan", "stochastic", "none")  # bf16-pure's memory ladder (policies/ladder.py)
-STATE_DTYPES = ("fp32", "bf16")
+MASTERS_CHOICES = MASTERS  # bf16-pure's memory ladder: the one list is ampkit.step.rung's
 # The initial loss scale's range: from the scale's floor, the smallest normal fp32
 # (ampkit.step.scale_rules.SCALE_FLOOR; this module is a leaf), to 2**127, the largest power of two
 # whose one growth step (x2) is still finite in fp32 (the scale is an fp32 tensor: 2**128 is inf).
@@ -61,7 +61,8 @@ class MixedPrecisionConfig:
     ``skip_nonfinite`` applies to every precision.
     """
 
-    precision: str = _f("auto", f"precision name or alias (O0/O1/O2 too): {', '.join(CANONICAL)}")
+    precision: str = _f("auto", f"precision name or alias (O0/O1/O2 too): {', '.join(CANONICAL)}; bf16-pure "
+                        "with a memory-ladder rung: bf16-pure:<masters>[+bf16], e.g. bf16-pure:split")
     init_scale: float = _f(2.0**16, "initial loss scale (as torch.amp.GradScaler)")
     growth_factor: float = _f(2.0, "multiply the scale by this after growth_interval finite steps (> 1)")
     backoff_factor: float = _f(0.5, "multiply the scale by this when backing off after overflow (0 < x < 1)")
@@ -106,6 +107,9 @@ class MixedPrecisionConfig:
     state_dtype: str = _f("fp32", "bf16-pure's optimizer-state storage between steps: fp32, or bf16 (stochastically "
                           "rounded; with masters=stochastic 6 B/param)", STATE_DTYPES)
     allow_stall: bool = _f(False, "accept masters=none: bf16 weights without masters, whose small updates round away")
+    ladder_scratch_mib: int = _f(16, "MiB of scratch bf16-pure's ladder rungs keep between steps; a larger weight is "
+                                 "stepped in pieces through it (element-wise torch optimizers; others see each weight "
+                                 "whole, in a buffer that lives only inside the step)")
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         """Every field by name (or in order); the names other tools use are accepted too
@@ -121,6 +125,7 @@ class MixedPrecisionConfig:
             if name in values:
                 raise TypeError(f"MixedPrecisionConfig got multiple values for argument {name!r}")
             values[name] = value
+        _rung_from_precision(values)
         for f in fields(self):
             default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
             object.__setattr__(self, f.name, values.get(f.name, default))
@@ -147,9 +152,12 @@ class MixedPrecisionConfig:
         _require(self.fp8_recipe in FP8_RECIPES, "fp8_recipe", self.fp8_recipe, f"one of: {', '.join(FP8_RECIPES)}")
         _require(self.manifest_check_every >= 0, "manifest_check_every", self.manifest_check_every,
                  "an integer >= 0 (0: only at setup and resume)")
-        _require(self.masters in MASTERS_CHOICES, "masters", self.masters, f"one of: {', '.join(MASTERS_CHOICES)}")
-        _require(self.state_dtype in STATE_DTYPES, "state_dtype", self.state_dtype, f"one of: {', '.join(STATE_DTYPES)}")
-        if self.masters == "none" and not self.allow_stall:
+        try:
+            Rung.of(self)  # the one check of masters and state_dtype
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _require(self.ladder_scratch_mib >= 1, "ladder_scratch_mib", self.ladder_scratch_mib, "an integer >= 1")
+        if self.rung.stalls and not self.allow_stall:
             raise ConfigError("masters='none' is refused: without masters bf16 weights stall (an update below half "
                               "the bf16 spacing rounds away: AdamW lr 1e-3 never moves a weight of 1.0, norm weights "
                               "freeze). Use masters='split' (exact, 12 B/param with AdamW) or 'stochastic' (10), or "
@@ -180,8 +188,9 @@ class MixedPrecisionConfig:
         if not isinstance(self.fallback, (bool, str)):
             raise ConfigError(f"fallback={self.fallback!r} must be True/False or a chain like 'fp16,bf16,fp32'")
         if isinstance(self.fallback, str):
-            chain = tuple(canonical_precision(b) + c + r.strip()  # "bf16-pure:split": a rung (step/fallback.py)
-                          for b, c, r in (x.partition(":") for x in self.fallback.split(",") if x.strip()))
+            # "bf16-pure:split": a rung (step/fallback.py); a bad name or rung raises PrecisionError
+            chain = tuple(canonical_precision(x) if ":" not in x else join_spec(*split_spec(x.strip()))
+                          for x in self.fallback.split(",") if x.strip())
             if not chain or any(c in ("auto", "O2") for c in chain):
                 raise ConfigError(f"fallback={self.fallback!r} must name concrete precisions, e.g. 'fp16,bf16,fp32'")
             object.__setattr__(self, "fallback", ",".join(chain))
@@ -200,9 +209,25 @@ class MixedPrecisionConfig:
                 raise ConfigError(f"{info.name}={v!r} has type {type(v).__name__}; expected "
                                   f"{expected.__name__}{' or None' if info.optional else ''}")
 
+    @property
+    def rung(self) -> Rung:
+        """The memory-ladder rung of ``masters`` and ``state_dtype`` (:mod:`ampkit.step.rung`)."""
+        return Rung.of(self)
+
+    @property
+    def spec(self) -> str:
+        """The precision with its rung, spelled once: ``"bf16-pure:split"``, or the name alone."""
+        return join_spec(self.precision, None if self.rung.plain else self.rung)
+
     def replace(self, **changes: Any) -> MixedPrecisionConfig:
-        """A validated copy with ``changes`` applied (aliases accepted; unknown names raise :class:`ConfigError`)."""
-        return MixedPrecisionConfig.from_dict({**self.to_dict(), **canonical_config_keys(changes)})
+        """A validated copy with ``changes`` applied (aliases accepted; unknown names raise :class:`ConfigError`).
+        A precision given with its rung (``precision="bf16-pure:split"``) replaces the rung too."""
+        changes = canonical_config_keys(changes)
+        base = self.to_dict()
+        if split_spec(changes.get("precision"))[1] is not None:
+            for key in ("masters", "state_dtype", "allow_stall"):
+                base.pop(key)
+        return MixedPrecisionConfig.from_dict({**base, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON/TOML-serialisable dict; ``from_dict(to_dict())`` round-trips."""
@@ -307,6 +332,22 @@ def check_deterministic(value: Any) -> None:
     if not any(value is c for c in (False, True)) and not (isinstance(value, str) and value == "warn"):
         raise ConfigError(f"invalid deterministic={value!r}: must be one of "
                           f"{', '.join(map(repr, DETERMINISTIC_CHOICES))}")
+
+
+def _rung_from_precision(values: dict[str, Any]) -> None:
+    """``precision="bf16-pure:split"``: the precision's name and its rung's fields into ``values``;
+    a ``masters``/``state_dtype`` given beside it must say the same (the rung is one value)."""
+    name, rung = split_spec(values.get("precision"))
+    if rung is None:
+        return
+    for key, value in rung.fields().items():
+        if key in values and values[key] != value and key != "allow_stall":
+            raise ConfigError(f"precision={values['precision']!r} says {key}={value!r}, but {key}={values[key]!r} "
+                              f"was given too; give the rung once: precision='{join_spec(name, rung)}', or "
+                              f"precision={name!r} with masters= (one of: {', '.join(MASTERS)}) and state_dtype= "
+                              f"(one of: {', '.join(STATE_DTYPES)})")
+        values.setdefault(key, value)
+    values["precision"] = name
 
 
 def canonical_precision(value: Any) -> str:

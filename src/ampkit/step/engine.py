@@ -451,7 +451,7 @@ class MixedPrecision:
         (gradients from the old precision would mix with the new one) and for precisions the
         device cannot run. ``masters=``/``state_dtype=`` move along bf16-pure's memory ladder (via fp32).
         """
-        if rung:  # the ladder (step/policies/ladder.py): released to fp32, then prepared on the new rung
+        if rung:  # the ladder (step/policies/pure/ladder.py): released to fp32, then prepared on the new rung
             cfg = self.config.replace(**rung)  # validated before anything changes
             self._switch("fp32", "precision_switch", {"reason": reason})
             self.config = cfg.replace(precision=self.precision.name)

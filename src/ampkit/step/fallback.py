@@ -65,7 +65,6 @@ from .fallback_report import (
     scale_exhausted,
 )
 from .hardware import DeviceInfo
-from .policies.ladder import parse_rung
 from .precision import (
     NAMES,
     REGISTRY,
@@ -74,6 +73,7 @@ from .precision import (
     parse_precision,
     resolve_precision,
 )
+from .rung import RungError, join_spec, split_spec
 from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
@@ -90,7 +90,7 @@ def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
     for bf16-pure (its rung of the memory ladder), else the precision's name."""
     if precision not in REGISTRY or not REGISTRY[precision].has_ladder:
         return precision
-    return f"bf16-pure:{config.masters}" + ("+bf16" if config.state_dtype == "bf16" else "")
+    return join_spec(precision, config.rung)
 
 
 def rung_move(config: MixedPrecisionConfig, current: str, target: Any, info: DeviceInfo
@@ -99,12 +99,9 @@ def rung_move(config: MixedPrecisionConfig, current: str, target: Any, info: Dev
     the precision resolved on ``info``, the config with the target's rung (validated now, before
     anything changes), and the ``from_rung``/``to_rung`` event fields when either side is a bf16-pure
     rung. Raises ``PrecisionError`` / ``ConfigError``."""
-    name, rung = parse_rung(target)
+    name, rung = split_spec(target)  # refuses a rung on a precision without the ladder
     new = resolve_precision(name, info, emulate_fp8=config.fp8_emulate)
-    if rung and not new.row.has_ladder:
-        raise PrecisionError(f"{target!r} names a rung but only bf16-pure has a memory ladder; "
-                             "write bf16-pure:<masters>[+bf16]")
-    cfg = config.replace(**{k: v for k, v in rung.items() if k != "allow_stall" or v})
+    cfg = config.replace(**rung.fields()) if rung is not None else config
     frm, to = rung_label(current, config), rung_label(new.name, cfg)
     return new, cfg, ({"from_rung": frm, "to_rung": to} if ":" in frm + to else {})
 
@@ -112,18 +109,15 @@ def rung_move(config: MixedPrecisionConfig, current: str, target: Any, info: Dev
 def _entry(spec: str, info: DeviceInfo) -> str:
     """One chain entry, validated: a precision name or a bf16-pure rung (canonical spelling)."""
     try:
-        name, rung = parse_rung(spec)
-    except ValueError as e:
+        name, rung = split_spec(spec.strip())
+    except RungError as e:
         raise PrecisionError(f"fallback chain entry {spec!r}: {e}") from None
     name = parse_precision(name)
     if name not in NAMES:
         raise PrecisionError(f"fallback chain entry {spec!r} is not supported; use names from: {', '.join(NAMES)}, "
-                             "or a rung bf16-pure:<fp32|split|kahan|stochastic|none>[+bf16]")
-    if rung and not REGISTRY[name].has_ladder:
-        raise PrecisionError(f"fallback chain entry {spec!r}: only bf16-pure has a memory ladder; write "
-                             f"bf16-pure:{rung['masters']}" + ("+bf16" if rung["state_dtype"] == "bf16" else ""))
+                             "or a rung bf16-pure:<masters>[+bf16]")
     resolve_precision(name, info)  # raises PrecisionError naming the device and the reason
-    return name + (spec.strip()[spec.strip().index(":"):] if rung else "")
+    return join_spec(name, rung)
 
 
 def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo, label: Optional[str] = None

@@ -19,7 +19,7 @@ compute           FSDP2's ``param_dtype`` equals the stored dtype of a pure prec
 What the configuration itself asked for is no violation: bf16-pure's bottom rung (``masters='none'``,
 refused unless forced with ``allow_stall``, and warned about at setup) has no master and sums gradients
 in bf16 by definition. The other rungs keep their optimizer states' dtype across a resume
-(:mod:`~ampkit.step.policies.ladder`), so a bitwise-equal resume reports nothing.
+(:mod:`~ampkit.step.policies.pure.ladder`), so a bitwise-equal resume reports nothing.
 
 The engine records each as a ``manifest_violation`` event (``param``, ``component``, ``expected``,
 ``found``, ``detail``, ``when``: ``setup`` / ``step`` / ``resume``), once per parameter and

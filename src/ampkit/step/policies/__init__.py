@@ -5,7 +5,7 @@ family     precisions           file
 =========  ===================  ======================================================
 full       fp32, tf32           :mod:`.full` (the fp32 matmul precision)
 autocast   bf16, fp16           :mod:`.autocast` (``torch.autocast``)
-pure       bf16-pure, fp16-pure :mod:`.pure` (half weights, fp32 masters)
+pure       bf16-pure, fp16-pure :mod:`.pure` (half weights, fp32 masters, the ladder)
 fp8        fp8, fp8-rowwise     :mod:`.fp8` (torchao float8 modules + bf16 autocast)
 =========  ===================  ======================================================
 """
@@ -16,11 +16,12 @@ import torch
 
 from ..config import ConfigError, MixedPrecisionConfig
 from ..precision import REGISTRY, Precision, parse_precision
+from ..rung import ladder_names
 from .autocast import AutocastPolicy
 from .base import PrecisionPolicy
 from .fp8 import Fp8Policy
 from .full import FullPolicy
-from .pure import PurePolicy
+from .pure.policy import PurePolicy
 
 __all__ = ["policy_for"]
 
@@ -47,13 +48,13 @@ def refuse_stray_rung(precision: Precision, config: MixedPrecisionConfig) -> Non
     """Raise :class:`ConfigError` when ``config`` asks for a memory-ladder rung (``masters`` or
     ``state_dtype`` other than fp32) that neither the precision asked for nor the one it resolved
     to applies: silently training with fp32 masters instead would be a different run."""
-    if (config.masters, config.state_dtype) == ("fp32", "fp32") or precision.row.has_ladder:
+    if config.rung.plain or precision.row.has_ladder:
         return
     name = config.precision if isinstance(config.precision, str) else str(config.precision)
     asked = parse_precision(name)
     if asked == "o2" or (asked in REGISTRY and REGISTRY[asked].has_ladder):
         return  # (asked for a laddered form; a device fallback moved it: the chain's business)
-    ladders = ", ".join(n for n, row in REGISTRY.items() if row.has_ladder)
+    ladders = ", ".join(ladder_names())
     raise ConfigError(f"masters={config.masters!r}, state_dtype={config.state_dtype!r} is a memory-ladder rung, "
                       f"which precision {precision.name!r} does not use; the ladder belongs to {ladders} "
                       f"(e.g. precision='bf16-pure', masters={config.masters!r}, or 'bf16-pure:split' in a "

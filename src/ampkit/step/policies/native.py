@@ -1,6 +1,6 @@
 """One-pass native kernels for the ``split`` and ``kahan`` rungs (``_bits.c`` beside this file).
 
-The eager functions of :mod:`.rounding` (``split_fp32``, ``join_split``, ``kahan_split``,
+The eager functions of :mod:`.pure.eager` (``split_fp32``, ``join_split``, ``kahan_split``,
 ``kahan_join``) make 3--4 element-wise passes each; these kernels make one, bitwise the same, over
 every tensor of a step's chunk in one call (:func:`compact`, :func:`expand`), cut into one slice per
 thread of torch's intra-op pool: built with ``-fopenmp``, the library's ``libgomp.so.1`` is the one
@@ -228,7 +228,7 @@ def threads() -> int:
 
 def _probe(lib: ctypes.CDLL, nan: int) -> None:
     """Raise unless every kernel is bitwise the eager function on edge cases and random bits."""
-    from . import rounding  # the references (imported here: rounding imports this module)
+    from .pure import eager  # the references (imported here: only a first load probes)
 
     g = torch.Generator().manual_seed(0)
     special = torch.tensor([0, -0x80000000, 1, -0x7FFFFFFF, 0x7F800000, -0x800000, 0x7FC00000, -0x400000,
@@ -243,14 +243,14 @@ def _probe(lib: ctypes.CDLL, nan: int) -> None:
     scratch = {torch.int16: torch.empty(n, dtype=torch.int32), torch.bfloat16: torch.empty(n)}
     sizes = [0, 1, 17, 1000, 65539]
     sizes.append(n - sum(sizes))  # several tensors in one call, one of them cut between two threads
-    for rung, eager_split, eager_join in (("split", rounding.split_fp32, rounding.join_split),
-                                          ("kahan", rounding.kahan_split, rounding.kahan_join)):
+    for rung, eager_split, eager_join in (("split", eager.split_fp32, eager.join_split),
+                                          ("kahan", eager.kahan_split, eager.kahan_join)):
         dt = _EXTRA[rung]
         want = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
-        eager_split(x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else []), native=False)
+        eager_split(x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else []))
         hi, extra = halves[0].view(torch.bfloat16), halves[1].view(dt)
         joined = torch.empty(n)
-        eager_join(hi, extra, joined, scratch[dt], native=False)
+        eager_join(hi, extra, joined, scratch[dt])
         for nt in (1, 2):
             got = [[torch.empty(k, dtype=torch.bfloat16) for k in sizes], [torch.empty(k, dtype=dt) for k in sizes]]
             ok = compact(rung, x.clone(), *got, lib=lib, threads=nt)
@@ -341,8 +341,8 @@ def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
 def compact(rung: str, x: torch.Tensor, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor],
             lib: Optional[ctypes.CDLL] = None, threads: Optional[int] = None) -> bool:
     """fp32 ``x`` (the tensors' values back to back) into each bf16 weight of ``his`` and its remainder
-    (``rung="split"``, int16) or compensation (``"kahan"``, bf16) in ``extras``: :func:`.rounding.split_fp32`
-    / :func:`.rounding.kahan_split` of every tensor in one call, on torch's intra-op threads (``x`` is
+    (``rung="split"``, int16) or compensation (``"kahan"``, bf16) in ``extras``: :func:`.pure.eager.split_fp32`
+    / :func:`.pure.eager.kahan_split` of every tensor in one call, on torch's intra-op threads (``x`` is
     left unchanged; ``threads``: how many, default torch's count). False: not done, run the eager passes."""
     got = _args(lib, rung, x, his, extras)
     if got is None:
@@ -355,7 +355,7 @@ def compact(rung: str, x: torch.Tensor, his: Sequence[torch.Tensor], extras: Seq
 def expand(rung: str, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor], out: torch.Tensor,
            lib: Optional[ctypes.CDLL] = None, threads: Optional[int] = None) -> bool:
     """The fp32 values of each (weight, extra) pair back to back into contiguous ``out``:
-    :func:`.rounding.join_split` / :func:`.rounding.kahan_join` of every tensor in one call. False: not done."""
+    :func:`.pure.eager.join_split` / :func:`.pure.eager.kahan_join` of every tensor in one call. False: not done."""
     got = _args(lib, rung, out, his, extras)
     if got is None:
         return False
@@ -365,20 +365,20 @@ def expand(rung: str, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor
 
 
 def split(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.rounding.split_fp32` in one pass (``x`` is left unchanged); False: not done, run the eager one."""
+    """:func:`.pure.eager.split_fp32` in one pass (``x`` is left unchanged); False: not done, run the eager one."""
     return compact("split", x, [hi], [rem], lib)
 
 
 def join(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.rounding.join_split` in one pass; False: not done."""
+    """:func:`.pure.eager.join_split` in one pass; False: not done."""
     return expand("split", [hi], [rem], out, lib)
 
 
 def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.rounding.kahan_split` in one pass (``x`` is left unchanged); False: not done."""
+    """:func:`.pure.eager.kahan_split` in one pass (``x`` is left unchanged); False: not done."""
     return compact("kahan", x, [hi], [comp], lib)
 
 
 def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
-    """:func:`.rounding.kahan_join` in one pass; False: not done."""
+    """:func:`.pure.eager.kahan_join` in one pass; False: not done."""
     return expand("kahan", [hi], [comp], out, lib)

@@ -1,9 +1,8 @@
-"""The bit-level passes of bf16-pure's memory ladder (:mod:`.ladder`): the ``split`` and ``kahan``
-compact forms to and from fp32, and stochastic rounding into bf16.
-
-These eager torch passes are the bitwise reference of the native one-pass kernels (:mod:`.native`),
-which they call first where they can, and the fallback everywhere else (no C compiler, another
-device, fake tensors of ``ampkit plan``, ``AMPKIT_NO_NATIVE=1``).
+"""The eager torch passes of bf16-pure's memory ladder: the ``split`` and ``kahan`` compact forms
+to and from fp32. They are the bitwise reference of the native one-pass kernels
+(:mod:`ampkit.step.policies.native`, which checks itself against them) and the fallback the
+dispatching passes of :mod:`.rounding` take everywhere the kernels cannot run (no C compiler,
+another device, fake tensors of ``ampkit plan``, ``AMPKIT_NO_NATIVE=1``).
 """
 
 from __future__ import annotations
@@ -12,9 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import native as _native_kernels
-
-__all__ = ["BLOCK", "join_split", "kahan_join", "kahan_split", "split_fp32", "stochastic_round"]
+__all__ = ["BLOCK", "join_split", "kahan_join", "kahan_split", "split_fp32"]
 
 #: elements per block of the bit-level passes on CPU (a block's passes stay in the L2 cache)
 BLOCK = 1 << 17
@@ -33,15 +30,12 @@ def _blocks(x: torch.Tensor) -> range:
     return range(0, n, BLOCK if x.device.type == "cpu" and type(x) is torch.Tensor else max(n, 1))
 
 
-def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: bool = True) -> None:
+def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
     """Write fp32 ``x`` as its bf16 round-to-nearest (ties away) into ``hi`` and the int16 remainder.
 
     ``x`` is scratch (overwritten). The remainder is the low 16 bits read as a signed int16; the
-    weight is the high 16 bits plus one where the low bits are >= 0x8000. ``native``: one pass in C
-    where :mod:`.native` can (bitwise the same; ``x`` then unchanged), else -- or with False -- these.
+    weight is the high 16 bits plus one where the low bits are >= 0x8000.
     """
-    if native and _native_kernels.split(x, hi, rem):
-        return
     xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
     for o in _blocks(xf):
         xb = xf[o:o + BLOCK]
@@ -51,12 +45,9 @@ def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: boo
         hf[o:o + BLOCK].copy_(xb)  # exact: a bf16 value now
 
 
-def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None,
-               native: bool = True) -> torch.Tensor:
+def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
-    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size. ``native``: as above."""
-    if native and _native_kernels.join(hi, rem, out):
-        return out
+    in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
     of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
     tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
     for o in _blocks(of):
@@ -66,12 +57,10 @@ def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Opti
     return out
 
 
-def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor, native: bool = True
+def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor
                 ) -> None:
     """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 of the rounding error ``comp``
     (the error is exact in fp32); ``tmp``: fp32 scratch of ``x``'s size. Blocked like the split."""
-    if native and _native_kernels.kahan_split(x, hi, comp):
-        return
     xf, hf, cf, tf = x.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
     for o in _blocks(xf):
         xb, hb = xf[o:o + BLOCK], hf[o:o + BLOCK]
@@ -79,20 +68,10 @@ def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torc
         cf[o:o + BLOCK].copy_(xb.sub_(tf[o:o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
 
 
-def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, native: bool = True
+def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor
                ) -> torch.Tensor:
     """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
-    if native and _native_kernels.kahan_join(hi, comp, out):
-        return out
     of, hf, cf, tf = out.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
     for o in _blocks(of):
         of[o:o + BLOCK].copy_(hf[o:o + BLOCK]).add_(tf[o:o + BLOCK].copy_(cf[o:o + BLOCK]))
     return out
-
-
-def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
-    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
-    bits = x.view(torch.int32)
-    bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen))
-    bits.bitwise_and_(-0x10000)
-    out.copy_(x.view(out.shape))  # exact: x is a bf16 value now

@@ -22,8 +22,11 @@ right shape and dtype whose storage between steps is one shared fp32 scalar): at
 by chunk, each chunk's fp32 values are rebuilt into a reusable buffer, the stand-ins view it, the
 optimizer's own ``step()`` runs with only that chunk's gradients set (torch's optimizers skip a
 parameter whose ``.grad`` is None), and the result goes back into the compact form. The fused
-kernels (AdamW ``fused=True``) do the arithmetic; the extra memory is one chunk of fp32 (plus one
-of states with ``state_dtype="bf16"``).
+kernels (AdamW ``fused=True``) do the arithmetic. The chunk buffer is bounded (``ladder_scratch_mib``,
+16 MiB by default, kept between steps) whatever the largest tensor: a weight larger than it is
+stepped in pieces, one optimizer call each (:mod:`.pieces`: element-wise torch optimizers; any
+other sees each weight whole through a buffer that lives only inside its step). With
+``state_dtype="bf16"`` one piece's states are fp32 during its call.
 
 The split (``split``): with ``u`` the fp32 bits and ``lo``/``hi`` their low/high 16 bits, the
 weight is ``hi + (lo >= 0x8000)`` (round to nearest, ties away from zero: the only rounding whose
@@ -49,52 +52,35 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import native as _native_kernels
-from .pure import MasterWeights, cast_buffers, kept_tensors
+from ...rung import Rung, split_spec
+from .. import native as _native_kernels
+from .masters import MasterWeights, cast_buffers, kept_tensors
+from .pieces import ALIGN, ELEMENTWISE, CutState, Segment, plan
 from .rounding import join_split, kahan_join, kahan_split, split_fp32, stochastic_round
 
-__all__ = ["CHUNK_NUMEL", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
+__all__ = ["CHUNK_NUMEL", "SCRATCH_BYTES", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
            "kahan_join", "kahan_split", "parse_rung", "split_fp32", "stochastic_round"]
 
 #: elements per chunk of the transient fp32 view (one chunk of extra memory: 4 MiB). Small enough for a
 #: chunk's rebuild, step and re-split to meet in the last-level cache: the ``split`` step on 4 x 1M
 #: weights was 1.39-1.44x the fp32-master step with 16 MiB chunks, 1.25-1.34x with these (2 threads)
 CHUNK_NUMEL = 1 << 20
+#: the scratch the ladder keeps between steps by default (bytes): larger tensors are stepped in pieces
+SCRATCH_BYTES = 16 << 20
 STALL_WARNING = ("bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
                  "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
                  "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)")
 
-_MASTER_BYTES = {"fp32": 4, "split": 2, "kahan": 2, "stochastic": 0, "none": 0}
-_STATE_SLOTS = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
-
-
 def bytes_per_param(masters: str = "fp32", state_dtype: str = "fp32", optimizer: str = "adamw") -> int:
-    """Bytes per bf16-pure parameter of a rung between steps: weight + master part + optimizer states.
-
-    ``optimizer`` names the state slots per parameter (AdamW/Adam 2, SGD with momentum/Adagrad/RMSprop
-    1). ``masters='none'``: the optimizer steps the bf16 weights, so its states are bf16 too.
-    """
-    if masters not in _MASTER_BYTES:
-        raise ValueError(f"unknown masters={masters!r}; choose one of: {', '.join(_MASTER_BYTES)}")
-    slots = _STATE_SLOTS.get(str(optimizer).lower())
-    if slots is None:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(_STATE_SLOTS)}")
-    state = 2 if state_dtype == "bf16" or masters == "none" else 4
-    return 2 + _MASTER_BYTES[masters] + slots * state
+    """Bytes per bf16-pure parameter of a rung between steps (:meth:`ampkit.step.rung.Rung.bytes_per_param`)."""
+    return Rung(masters, state_dtype).bytes_per_param(optimizer)  # type: ignore[arg-type]
 
 
 def parse_rung(spec: Any) -> tuple[Any, dict[str, Any]]:
-    """A precision with an optional ladder rung, as ``ampkit plan --precisions`` takes it:
-    ``"bf16-pure:split"``, ``"bf16-pure:stochastic+bf16"`` (bf16 states), ``"bf16-pure:none"`` ->
-    ``("bf16-pure", {"masters": ..., "state_dtype": ..., "allow_stall": ...})``; a plain name -> ``(name, {})``."""
-    if not isinstance(spec, str) or ":" not in spec:
-        return spec, {}
-    base, _, rung = spec.partition(":")
-    masters, plus, states = rung.partition("+")
-    if masters not in _MASTER_BYTES or (plus and states != "bf16"):
-        raise ValueError(f"unknown ladder rung {spec!r}: write bf16-pure:<masters>[+bf16] with masters one of "
-                         f"{', '.join(_MASTER_BYTES)}, e.g. 'bf16-pure:split' or 'bf16-pure:stochastic+bf16'")
-    return base, {"masters": masters, "state_dtype": "bf16" if plus else "fp32", "allow_stall": masters == "none"}
+    """``"bf16-pure:split"`` -> ``("bf16-pure", {"masters": ..., "state_dtype": ..., ...})``; a plain
+    name -> ``(name, {})``: :func:`ampkit.step.rung.split_spec` with the rung as config fields."""
+    name, rung = split_spec(spec)
+    return name, ({} if rung is None else {"allow_stall": False, **rung.fields()})
 
 
 # ---------------------------------------------------------------------- rungs with stand-ins
@@ -107,7 +93,8 @@ class LadderWeights(MasterWeights):
     """
 
     def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
-                 keep: Sequence[str] = (), masters: str = "split", state_dtype: str = "fp32") -> None:
+                 keep: Sequence[str] = (), masters: str = "split", state_dtype: str = "fp32",
+                 scratch_bytes: int = SCRATCH_BYTES) -> None:
         if sys.byteorder != "little":  # pragma: no cover - the int16 pair views assume it
             raise RuntimeError("the bf16-pure ladder rungs need a little-endian machine; use masters='fp32'")
         super().__init__(model, optimizers, dtype, keep)
@@ -119,16 +106,21 @@ class LadderWeights(MasterWeights):
             self.gen = torch.Generator(device=dev)
             self.gen.manual_seed(torch.initial_seed())
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
-        self._tmp = torch.empty(0, device=dev)  # scratch (one chunk) once the chunks are known
+        # The bounded scratch, kept between steps: one call's fp32 values (+ the bit passes' second
+        # buffer for split/kahan); at most CHUNK_NUMEL elements, a multiple of pieces.ALIGN.
+        per = 0 if masters == "fp32" else 8 if masters in ("split", "kahan") else 4
+        self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(per, 4) // ALIGN * ALIGN, ALIGN))
+        self._buf = torch.empty(self.budget if per else 0, device=dev)
+        self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
+        self.full: list[torch.Tensor] = []  # fp32 masters (bf16 states only): the masters' own storage
         with torch.no_grad():
             for h, m in zip(self.halves, self.masters):
                 self.extra.append(self._compact(h, m.detach().contiguous()))
+                self.full.append(m.data)
                 if masters != "fp32":
                     m.data = self._dummy.expand(m.shape)
-        self._chunks = _chunk(self.masters)
-        size = max([sum(m.numel() for m in c) for c in self._chunks] + [0])
-        self._buf = torch.empty(size, device=dev)  # the chunk's fp32 values
-        self._tmp = torch.empty(size if masters in ("split", "kahan") else 0, device=dev)
+        if masters != "fp32":
+            self.full = []
         self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
         self._hooks: list[Any] = []
         for opt in self.optimizers:
@@ -153,47 +145,56 @@ class LadderWeights(MasterWeights):
             h.data.copy_(x)
         return extra
 
-    def _expand(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        h, extra = self.halves[i].data, self.extra[i]
+    def _expand(self, i: int, out: torch.Tensor, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+        """The fp32 values of elements ``[a, b)`` of weight ``i`` into flat ``out`` (returned)."""
+        h = self.halves[i].data.view(-1)[a:b]
+        extra = None if self.extra[i] is None else self.extra[i].view(-1)[a:b]  # type: ignore[union-attr]
         if self.rung == "split":
             assert extra is not None
             return join_split(h, extra, out, self._scratch(out).view(torch.int32))
         if self.rung == "kahan":
             assert extra is not None
             return kahan_join(h, extra, out, self._scratch(out))
-        out.view(h.shape).copy_(h)
+        out.copy_(h)
         return out
 
-    def _expand_chunk(self, ids: list[int]) -> list[Optional[torch.Tensor]]:
-        """The fp32 values of weights ``ids`` back to back in the chunk buffer (one native call for
-        ``split``/``kahan`` where it can), as views of their shapes; None each for ``fp32`` masters."""
-        if self.rung == "fp32":
-            return [None] * len(ids)
+    def _parts(self, seg: Segment) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The segment's slices of the weight and of its remainder/compensation."""
+        i, a, b = seg.i, seg.start, seg.stop
+        extra = self.extra[i]
+        return self.halves[i].data.view(-1)[a:b], None if extra is None else extra.view(-1)[a:b]
+
+    def _expand_call(self, segs: list[Segment], buf: torch.Tensor) -> list[torch.Tensor]:
+        """The fp32 values of ``segs`` back to back in ``buf`` (one native call for ``split``/``kahan``
+        where it can), as the views the stand-ins take: a whole weight's shape, a segment flat. With
+        ``fp32`` masters the values are the masters' own storage (``self.full``)."""
         views, off = [], 0
-        for i in ids:
-            n = self.masters[i].numel()
-            views.append(self._buf[off:off + n].view(self.masters[i].shape))
-            off += n
+        for seg in segs:
+            shape = self.halves[seg.i].shape if seg.whole else (seg.stop - seg.start,)
+            if self.rung == "fp32":
+                views.append(self.full[seg.i].view(-1)[seg.start:seg.stop].view(shape))
+                continue
+            views.append(buf[off:off + seg.stop - seg.start].view(shape))
+            off += seg.stop - seg.start
+        if self.rung == "fp32":
+            return views
+        parts = [self._parts(seg) for seg in segs]
         if not (self.rung in ("split", "kahan") and _native_kernels.expand(
-                self.rung, [self.halves[i].data for i in ids], [self.extra[i] for i in ids], self._buf[:off])):
-            for i, v in zip(ids, views):
-                self._expand(i, v.view(-1))
+                self.rung, [h for h, _ in parts], [e for _, e in parts], buf[:off])):
+            for seg, v in zip(segs, views):
+                self._expand(seg.i, v.view(-1), seg.start, seg.stop)
         return views
 
-    def _compact_chunk(self, ids: list[int], views: list[Optional[torch.Tensor]]) -> None:
-        """The stepped fp32 values back into the compact form; the stand-ins back onto the shared scalar.
-        One native call when every stand-in still views the chunk buffer where it was put."""
-        masters = [self.masters[i] for i in ids]
-        off = sum(m.numel() for m in masters)
-        if not (self.rung in ("split", "kahan") and all(v is not None and _same(m.data, v)
-                                                        for m, v in zip(masters, views))
-                and _native_kernels.compact(self.rung, self._buf[:off], [self.halves[i].data for i in ids],
-                                            [self.extra[i] for i in ids])):
-            for i, m in zip(ids, masters):
-                self._compact(self.halves[i], m.data, self.extra[i])
-        if self.rung != "fp32":
-            for m in masters:
-                m.data = self._dummy.expand(m.shape)
+    def _compact_call(self, segs: list[Segment], views: list[torch.Tensor], buf: torch.Tensor) -> None:
+        """The stepped fp32 values back into the compact form. One native call when every stand-in
+        still views the buffer where it was put."""
+        masters = [self.masters[seg.i] for seg in segs]
+        parts = [self._parts(seg) for seg in segs]
+        off = sum(seg.stop - seg.start for seg in segs)
+        if not (self.rung in ("split", "kahan") and all(_same(m.data, v) for m, v in zip(masters, views))
+                and _native_kernels.compact(self.rung, buf[:off], [h for h, _ in parts], [e for _, e in parts])):
+            for m, (h, e) in zip(masters, parts):
+                self._compact(h, m.data.reshape(-1), e)
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """fp32 scratch of ``like``'s size: the chunk's slice of the second buffer, or a new tensor."""
@@ -225,37 +226,55 @@ class LadderWeights(MasterWeights):
               args: tuple, kwargs: dict) -> Any:
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
-        mine = {id(p) for p in params}
-        chunks = [[m for m in c if id(m) in mine] for c in self._chunks]
-        chunks = [c for c in chunks if c] or [[]]
-        others = [p for p in params if id(p) not in index]  # keep_fp32 parameters: stepped with chunk 0
+        ids = sorted(index[id(p)] for p in params if id(p) in index)
+        others = [p for p in params if id(p) not in index]  # keep_fp32 parameters: stepped with call 0
         for p in params:
             p.grad = None
         by_id = dict(zip(map(id, params), grads))
+        numels = [m.numel() for m in self.masters]
+        calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE) or [[]]
+        cuts: dict[int, CutState] = {}
         ret = None
         try:
-            for k, chunk in enumerate(chunks):
-                live = chunk + (others if k == 0 else [])
-                for p in live:
-                    p.grad = by_id[id(p)]
-                ids = [index[id(m)] for m in chunk]
+            for k, segs in enumerate(calls):
+                n = sum(seg.stop - seg.start for seg in segs)  # > budget: one whole weight, transient buffer
+                buf = self._buf if n <= self._buf.numel() or self.rung == "fp32" else torch.empty(n, device=self._buf.device)
+                live = [self.masters[seg.i] for seg in segs] + (others if k == 0 else [])
                 with torch.no_grad():
-                    views = self._expand_chunk(ids)
-                    for m, v in zip(chunk, views):
-                        if v is not None:
-                            m.data = v
-                        self._states(opt, m, torch.float32)
+                    views = self._expand_call(segs, buf)
+                    for seg, v in zip(segs, views):
+                        m, g = self.masters[seg.i], by_id[id(self.masters[seg.i])]
+                        m.data, m.grad = v, (g if seg.whole or g is None else g.view(-1)[seg.start:seg.stop])
+                        if seg.whole:
+                            self._states(opt, m, torch.float32)
+                        else:
+                            if seg.start == 0:
+                                cuts[seg.i] = CutState(opt.state.get(m), self.halves[seg.i].shape, self._round_state if self.state_dtype == "bf16" else None)
+                            opt.state[m] = cuts[seg.i].enter(seg)
+                    for p in others if k == 0 else []:
+                        p.grad = by_id[id(p)]
                 ret = inner(*args, **kwargs)
                 with torch.no_grad():
-                    self._compact_chunk(ids, views)
-                    for m in chunk:
-                        self._states(opt, m, torch.bfloat16)
+                    self._compact_call(segs, views, buf)
+                    for seg in segs:
+                        m = self.masters[seg.i]
+                        m.data = self.full[seg.i] if self.rung == "fp32" else self._dummy.expand(self.halves[seg.i].shape)
+                        if seg.whole:
+                            self._states(opt, m, torch.bfloat16)
+                        elif (whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i])) is not None:
+                            opt.state[m] = whole
                 for p in live:
                     p.grad = None
         finally:
+            for i in ids:  # (after an error too: the stand-ins whole again, then their gradients)
+                self.masters[i].data = self.full[i] if self.rung == "fp32" else self._dummy.expand(self.halves[i].shape)
             for p, g in zip(params, grads):
                 p.grad = g
         return ret
+
+    def _round_state(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        assert self.gen is not None
+        stochastic_round(x, out, self.gen)
 
     def _states(self, opt: torch.optim.Optimizer, m: torch.Tensor, dtype: torch.dtype) -> None:
         """With ``state_dtype='bf16'``: the stand-in's state tensors to fp32 (before) or bf16 (after)."""
@@ -347,19 +366,6 @@ class LadderWeights(MasterWeights):
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""
     return type(a) is torch.Tensor and type(b) is torch.Tensor and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def _chunk(masters: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive groups of at most :data:`CHUNK_NUMEL` elements (a larger tensor alone)."""
-    out: list[list[torch.Tensor]] = []
-    size = CHUNK_NUMEL
-    for m in masters:
-        if size + m.numel() > CHUNK_NUMEL:
-            out.append([])
-            size = 0
-        out[-1].append(m)
-        size += m.numel()
-    return out
 
 
 # ---------------------------------------------------------------------- the bottom rung

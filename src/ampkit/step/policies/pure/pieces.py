@@ -1,0 +1,119 @@
+"""Stepping the ladder's weights through a bounded scratch, whatever the largest tensor.
+
+The optimizer steps fp32 stand-ins whose values are rebuilt into a scratch buffer of at most
+``budget`` elements per call (:func:`plan`). Small weights share a call; a weight larger than the
+budget is cut into segments, one call each, when the optimizer is element-wise (:data:`ELEMENTWISE`:
+each element's update depends only on that element, its gradient, its states and per-parameter
+scalars such as AdamW's ``step``): the stand-in views the segment, its gradient and its
+parameter-shaped states are the segment's slices (:class:`CutState`), and the per-parameter scalars
+are put back before each later segment so every segment sees the values one whole step would.
+Other optimizers (per-tensor norms: LAMB, Adafactor, Muon-style) see each weight whole, through a
+transient buffer that lives only inside the optimizer's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+__all__ = ["ALIGN", "ELEMENTWISE", "CutState", "Segment", "plan"]
+
+#: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+#: segment boundaries are multiples of this many elements (whole SIMD vectors and cache lines)
+ALIGN = 4096
+
+
+class Segment(NamedTuple):
+    """Elements ``[start, stop)`` of weight ``i`` (flat); ``whole`` when that is all of it."""
+
+    i: int
+    start: int
+    stop: int
+    whole: bool
+
+
+def plan(numels: Sequence[int], ids: Sequence[int], budget: int, cut: bool) -> list[list[Segment]]:
+    """The optimizer calls, each a list of segments of at most ``budget`` elements in all:
+    consecutive whole weights share a call; a weight over the budget is cut into segments of a
+    multiple of :data:`ALIGN` elements, one call each (``cut``), or is a call alone."""
+    step = max(budget // ALIGN * ALIGN, ALIGN)
+    calls: list[list[Segment]] = []
+    size = budget
+    for i in ids:
+        n = numels[i]
+        if n > budget:
+            calls += ([[Segment(i, a, min(a + step, n), False)] for a in range(0, n, step)] if cut
+                      else [[Segment(i, 0, n, True)]])
+            size = budget
+            continue
+        if size + n > budget:
+            calls.append([])
+            size = 0
+        calls[-1].append(Segment(i, 0, n, True))
+        size += n
+    return calls
+
+
+class CutState:
+    """One weight's optimizer state while its segments are stepped: the parameter-shaped tensors kept
+    whole (``full``; bf16 with ``state_dtype='bf16'``), the other entries as they were before the
+    step (``before``), and what the last segment left (``after``)."""
+
+    def __init__(self, state: Optional[dict[str, Any]], shape: torch.Size,
+                 round_into: Optional[Callable[[torch.Tensor, torch.Tensor], None]]) -> None:
+        self.shape, self.round_into = shape, round_into  # round_into(fp32 scratch, bf16 out): bf16 states
+        self.fresh = not state  # never stepped: the optimizer makes each segment's state itself
+        self.full: dict[str, torch.Tensor] = {}
+        self.before: dict[str, Any] = {}
+        for k, v in (state or {}).items():
+            if isinstance(v, torch.Tensor) and v.shape == shape and v.dim() > 0:
+                self.full[k] = v.view(-1)
+            else:
+                self.before[k] = v.clone() if isinstance(v, torch.Tensor) else v
+
+    def enter(self, seg: Segment) -> dict[str, Any]:
+        """The state the optimizer sees for ``seg``: slices of the full tensors (fp32 copies of bf16
+        ones), the per-parameter scalars as before the step; empty for a fresh weight."""
+        if self.fresh:
+            return {}
+        out: dict[str, Any] = {}
+        for k, v in self.full.items():
+            piece = v[seg.start:seg.stop]
+            out[k] = piece.float() if self.round_into is not None and v.is_floating_point() else piece
+        for k, v in self.before.items():
+            out[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        return {k: out[k] for k in [*self.full, *self.before]}  # (the optimizer's key order kept)
+
+    def leave(self, seg: Segment, state: dict[str, Any], numel: int) -> Optional[dict[str, Any]]:
+        """Take ``seg``'s stepped state back into the full tensors; after the last segment, the
+        weight's whole state (else None)."""
+        n = seg.stop - seg.start
+        after: dict[str, Any] = {}
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == n and (k in self.full or self.fresh):
+                full = self.full.get(k)
+                bf16 = self.round_into is not None and v.is_floating_point()
+                if full is None:  # a fresh weight's first segment made this state: the whole one, once
+                    full = self.full[k] = torch.empty(numel, dtype=torch.bfloat16 if bf16 else v.dtype,
+                                                      device=v.device)
+                piece = full[seg.start:seg.stop]
+                if bf16:
+                    assert self.round_into is not None
+                    self.round_into(v.contiguous(), piece)
+                elif not _same(piece, v):
+                    piece.copy_(v)
+                after[k] = None
+            else:
+                after[k] = v
+        if seg.stop < numel:
+            return None
+        return {k: (self.full[k].view(self.shape) if v is None else v) for k, v in after.items()}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return type(a) is torch.Tensor and type(b) is torch.Tensor and a.data_ptr() == b.data_ptr() \
+        and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype

@@ -1,0 +1,148 @@
+"""A rung of bf16-pure's memory ladder: a typed value, parsed once, beside the precision.
+
+A rung is what stands in for each weight's fp32 master (``masters``) and how the optimizer's
+states are kept between steps (``state_dtype``). It is spelled one way everywhere -- the Python
+API, ``--precision``/``--precisions``, TOML, the service, plan and bench rows -- after the
+precision it belongs to::
+
+    bf16-pure:split             masters='split', state_dtype='fp32'
+    bf16-pure:stochastic+bf16   masters='stochastic', state_dtype='bf16'
+
+The separate settings ``masters=``/``state_dtype=`` of :class:`~ampkit.step.config.MixedPrecisionConfig`
+are the same value in two fields (:meth:`Rung.of`). What each rung does is in
+:mod:`ampkit.step.policies.pure.ladder`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, get_args
+
+from .precision import REGISTRY, PrecisionError, parse_precision
+
+__all__ = ["LADDER", "MASTERS", "PLAIN", "STATE_DTYPES", "Rung", "RungError", "join_spec", "ladder_names",
+           "ladder_specs", "split_spec"]
+
+Masters = Literal["fp32", "split", "kahan", "stochastic", "none"]
+StateDtype = Literal["fp32", "bf16"]
+#: what may stand in for an fp32 master, most memory first
+MASTERS: tuple[str, ...] = get_args(Masters)
+STATE_DTYPES: tuple[str, ...] = get_args(StateDtype)
+
+# bytes per parameter of each master form, and the optimizer state slots per parameter
+_MASTER_BYTES = {"fp32": 4, "split": 2, "kahan": 2, "stochastic": 0, "none": 0}
+_WHAT = {"fp32": "fp32 copies in the optimizer", "split": "bf16 weight + int16 remainder (exact fp32)",
+         "kahan": "bf16 weight + bf16 compensation", "stochastic": "none: updates rounded stochastically into bf16",
+         "none": "none (updates below half a bf16 spacing round away)"}
+_STATE_SLOTS = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
+_FORM = "<masters>[+bf16]"
+
+
+class RungError(PrecisionError):
+    """An invalid rung, or a rung on a precision without the ladder (a ``ValueError``)."""
+
+
+@dataclass(frozen=True)
+class Rung:
+    """``masters`` (fp32, split, kahan, stochastic, none) and ``state_dtype`` (fp32, bf16).
+
+    ``str(rung)`` is its spelling after the precision's colon (``"split"``,
+    ``"stochastic+bf16"``); :meth:`parse` reads it back. Validated on construction.
+    """
+
+    masters: Masters = "fp32"
+    state_dtype: StateDtype = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.masters not in MASTERS:
+            raise RungError(f"invalid masters={self.masters!r}: must be one of: {', '.join(MASTERS)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise RungError(f"invalid state_dtype={self.state_dtype!r}: must be one of: {', '.join(STATE_DTYPES)}")
+
+    @classmethod
+    def parse(cls, text: str, spec: Optional[str] = None) -> Rung:
+        """``"split"``, ``"stochastic+bf16"`` -> the rung; anything else raises :class:`RungError`
+        (naming ``spec``, the whole spelling it came in, when given)."""
+        masters, plus, state_dtype = str(text).strip().lower().partition("+")
+        if masters not in MASTERS or (plus and state_dtype != "bf16"):
+            raise RungError(f"unknown ladder rung {spec or text!r}: write {'|'.join(ladder_names())}:{_FORM} "
+                            f"with masters one of {', '.join(MASTERS)}, e.g. 'bf16-pure:split' or "
+                            "'bf16-pure:stochastic+bf16'")
+        return cls(masters, "bf16" if plus else "fp32")  # type: ignore[arg-type]
+
+    @classmethod
+    def of(cls, settings: Any) -> Rung:
+        """The rung of anything with ``masters``/``state_dtype`` attributes (a config)."""
+        return cls(getattr(settings, "masters", "fp32"), getattr(settings, "state_dtype", "fp32"))
+
+    def __str__(self) -> str:
+        return self.masters + ("+bf16" if self.state_dtype == "bf16" else "")
+
+    @property
+    def plain(self) -> bool:
+        """fp32 masters and fp32 states: what every pure precision does without the ladder."""
+        return self == PLAIN
+
+    @property
+    def stalls(self) -> bool:
+        """``masters='none'``: no masters at all; small updates round away (refused unless forced)."""
+        return self.masters == "none"
+
+    @property
+    def what(self) -> str:
+        """What stands in for the fp32 master, in words (for ``describe()`` and the manifest)."""
+        return _WHAT[self.masters]
+
+    def fields(self) -> dict[str, Any]:
+        """The config fields that spell this rung (``allow_stall`` only for the stalling one)."""
+        out: dict[str, Any] = {"masters": self.masters, "state_dtype": self.state_dtype}
+        return {**out, "allow_stall": True} if self.stalls else out
+
+    def bytes_per_param(self, optimizer: str = "adamw") -> int:
+        """Bytes per parameter between steps: the bf16 weight + the master's part + optimizer states.
+
+        ``optimizer`` names the state slots per parameter (AdamW/Adam 2, SGD with momentum, Adagrad,
+        RMSprop 1). ``masters='none'``: the optimizer steps the bf16 weights, so its states are bf16.
+        """
+        slots = _STATE_SLOTS.get(str(optimizer).lower())
+        if slots is None:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(_STATE_SLOTS)}")
+        state = 2 if self.state_dtype == "bf16" or self.stalls else 4
+        return 2 + _MASTER_BYTES[self.masters] + slots * state
+
+
+PLAIN = Rung()
+#: the rungs bench and tune measure, most memory first (``masters='none'`` stalls: left out)
+LADDER: tuple[Rung, ...] = (PLAIN, Rung("split"), Rung("kahan"), Rung("stochastic"), Rung("stochastic", "bf16"))
+
+
+def ladder_names() -> list[str]:
+    """The canonical names of the precisions that have the ladder (bf16-pure)."""
+    return [n for n, row in REGISTRY.items() if row.has_ladder]
+
+
+def ladder_specs() -> tuple[str, ...]:
+    """Every rung of :data:`LADDER` on each precision with the ladder: ``"bf16-pure:fp32"``, ..."""
+    return tuple(join_spec(n, r) for n in ladder_names() for r in LADDER)
+
+
+def split_spec(spec: Any) -> tuple[Any, Optional[Rung]]:
+    """``"bf16-pure:split"`` -> ``("bf16-pure", Rung("split"))``; a spec without a rung (or not a
+    string: a dtype, a Precision) -> ``(spec, None)``. The precision part is canonicalised when a
+    rung is given, and must have the ladder (``O2`` may: it resolves to a pure form); anything else
+    raises :class:`RungError` naming the valid choice."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec, None
+    base, _, text = spec.partition(":")
+    rung = Rung.parse(text, spec)
+    name = parse_precision(base)
+    if name != "o2" and not (name in REGISTRY and REGISTRY[name].has_ladder):
+        ladders = ", ".join(ladder_names())
+        raise RungError(f"{spec!r} names a memory-ladder rung, but {name} has no ladder; only {ladders} has a "
+                        f"memory ladder (write {ladders.split(', ')[0]}:{rung})")
+    return ("O2" if name == "o2" else name), rung
+
+
+def join_spec(precision: str, rung: Optional[Rung]) -> str:
+    """The one spelling of ``precision`` on ``rung``: ``"bf16-pure:split"``; the name alone for no rung."""
+    return precision if rung is None else f"{precision}:{rung}"
