@@ -9,7 +9,7 @@ pick only if it is faster by more than the repeats' own spread (else fp32: no nu
 a gain it cannot show; the reason says "within noise"), switching the engine to fp32 if that
 wins, and caches the verdict per (CPU, torch,
 threads, model, batch) in ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``), so later runs start
-at once. The :class:`~ampkit.loop.trainer.Trainer` calls it before its first step, and ``ampkit
+at once. The :class:`~ampkit.train.trainer.Trainer` calls it before its first step, and ``ampkit
 train`` before it prints the run's header: ``MixedPrecision("auto")`` with a Trainer, a user's
 own loop calling :func:`confirm_auto`, and ``ampkit train --precision auto`` pick the same
 precision on one machine. GPUs keep the hardware rule: bf16/fp16 tensor cores pay off there."""
@@ -190,7 +190,7 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
                  loss_fn: LossFn = batch_loss, label: Optional[str] = None, use_cache: bool = True,
                  announce: Optional[Callable[[str], None]] = None) -> Choice:
     """Settle ``auto`` by measurement: the one check that ``MixedPrecision("auto")`` users, the
-    :class:`~ampkit.loop.trainer.Trainer` and ``ampkit train --precision auto`` share.
+    :class:`~ampkit.train.trainer.Trainer` and ``ampkit train --precision auto`` share.
 
     When ``amp`` was asked for ``"auto"`` on a CPU, the hardware rule picked a reduced precision,
     the run has not stepped yet and runs in one process, :func:`measured_choice` times that pick

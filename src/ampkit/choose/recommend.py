@@ -1,4 +1,4 @@
-"""``tune``: the precision to train in, from a :class:`~ampkit.loop.bench.BenchReport`.
+"""``tune``: the precision to train in, from a :class:`~ampkit.choose.bench.BenchReport`.
 
 The fastest precision whose final loss stays within a tolerance of fp32's and that needed no
 fallback, or (with bf16-pure rungs measured) the fewest bytes per parameter; every other

@@ -2,7 +2,7 @@
 before the first step, and halving the micro-batch after an out-of-memory error (same effective
 batch, same gradient math).
 
-Functions of the :class:`~ampkit.loop.trainer.Trainer` (``self``), kept out of its module so the
+Functions of the :class:`~ampkit.train.trainer.Trainer` (``self``), kept out of its module so the
 step loop there stays short.
 """
 

@@ -2,7 +2,7 @@
 
 Peers stop on a loss spike (Lightning ``SpikeDetection``, llm-foundry ``KillLossSpike``) or skip it;
 users hand-roll "reload the last checkpoint and skip the batch". :class:`SpikeGuard` does it in
-process, from host memory, for the :class:`~ampkit.loop.trainer.Trainer` (``spike_rollback=True``)
+process, from host memory, for the :class:`~ampkit.train.trainer.Trainer` (``spike_rollback=True``)
 and for hand-written loops::
 
     guard = ampkit.SpikeGuard(model, optimizer, amp, keep=2, every=20)
@@ -297,12 +297,12 @@ class SpikeGuard:
         self._ring.clear()
 
     def on_step_end(self, trainer: Any, step: int, result: Any) -> None:
-        """As a :class:`~ampkit.loop.trainer.Trainer` callback: check, and move its data position back on a rollback."""
+        """As a :class:`~ampkit.train.trainer.Trainer` callback: check, and move its data position back on a rollback."""
         trainer.micro_index = self.check(trainer.micro_index)
 
     @staticmethod
     def trainer_state(trainer: Any) -> dict[str, Any]:
-        """``{"spike_guard": state}`` for a :class:`~ampkit.loop.trainer.Trainer`'s checkpoint (its
+        """``{"spike_guard": state}`` for a :class:`~ampkit.train.trainer.Trainer`'s checkpoint (its
         guard's :meth:`state_dict`), ``{}`` for a trainer without a guard."""
         return {"spike_guard": trainer.spike_guard.state_dict()} if trainer.spike_guard is not None else {}
 
@@ -317,7 +317,7 @@ class SpikeGuard:
 
     @classmethod
     def for_trainer(cls, trainer: Any, saved: Optional[dict[str, Any]] = None) -> Optional[SpikeGuard]:
-        """The guard of a :class:`~ampkit.loop.trainer.Trainer` with ``spike_rollback`` set (``True``, or a
+        """The guard of a :class:`~ampkit.train.trainer.Trainer` with ``spike_rollback`` set (``True``, or a
         dict of :class:`SpikeGuard` keywords; None otherwise), snapshotted at its data position. The first
         call wraps ``trainer.batches`` and joins ``trainer.callbacks`` (``on_step_end`` runs after the
         scheduler's step). ``saved``: a checkpoint's guard state (:meth:`state_dict`: the interval in

@@ -1,7 +1,7 @@
 """Graceful stops: SIGINT (Ctrl-C) and SIGTERM (``kill PID``, Slurm, Kubernetes) end a run after
 the optimizer step in flight, with a checkpoint of that step, instead of killing it mid-step.
 
-:class:`GracefulStop` is a context manager the :class:`~ampkit.loop.trainer.Trainer` enters for
+:class:`GracefulStop` is a context manager the :class:`~ampkit.train.trainer.Trainer` enters for
 the length of ``fit``: it installs handlers for SIGINT and SIGTERM (in the main thread only;
 elsewhere it installs nothing) and puts the previous handlers back on exit, so a user's own
 handlers are untouched outside training. A handler only records the signal -- it never raises,

@@ -84,10 +84,10 @@ class Trainer:
             ``tensorboard``, a ``progress`` bar on ``console``; :class:`BatchConfig`: ``size="auto"``
             within ``memory_budget``). **settings: the same one by one, as flat keywords
             (``checkpoint_dir``, ``eval_every``, ``log_dir``, ``batch_size``, ...;
-            :data:`~ampkit.loop.trainer_config.FLAT`), each replacing one field of its group.
+            :data:`~ampkit.train.trainer_config.FLAT`), each replacing one field of its group.
 
     An engine asked for ``"auto"`` has its choice confirmed by measurement on a CPU before the
-    first step (:func:`ampkit.loop.autoselect.confirm_auto`; a resumed run keeps its checkpoint's
+    first step (:func:`ampkit.choose.autoselect.confirm_auto`; a resumed run keeps its checkpoint's
     precision).
     """
 
@@ -168,7 +168,7 @@ class Trainer:
         epoch writes an ``epoch`` record (loss, seconds, samples/s; one host read).
 
         Before the first step of a run: an engine asked for ``"auto"`` has its pick confirmed by
-        measurement (CPU; :func:`~ampkit.loop.autoselect.confirm_auto`), then ``batch_size="auto"``
+        measurement (CPU; :func:`~ampkit.choose.autoselect.confirm_auto`), then ``batch_size="auto"``
         chooses the micro-batch for that precision.
 
         **Signals.** While ``fit`` runs, SIGINT (Ctrl-C) and SIGTERM do not kill the run: the

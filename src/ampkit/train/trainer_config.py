@@ -1,4 +1,4 @@
-"""The :class:`~ampkit.loop.trainer.Trainer`'s settings, grouped: checkpoints, evaluation, logging,
+"""The :class:`~ampkit.train.trainer.Trainer`'s settings, grouped: checkpoints, evaluation, logging,
 automatic batch size. Each group is a small frozen dataclass that validates its own fields.
 
 ``Trainer(model, opt, amp, batches)`` needs none of them. The flat keywords of earlier releases
@@ -95,7 +95,7 @@ class LogConfig:
 class BatchConfig:
     """``size="auto"``: cut each batch into the fewest micro-batches whose predicted memory fits
     ``memory_budget`` (bytes or ``"8GiB"``; default on CUDA the free memory). Checked by the Trainer,
-    which knows the number of processes (:func:`ampkit.loop.autobatch.check_auto_args`)."""
+    which knows the number of processes (:func:`ampkit.plan.autobatch.check_auto_args`)."""
 
     size: Optional[str] = None
     memory_budget: Union[str, int, None] = None
