@@ -37,8 +37,8 @@ FLAGS = {
         --max_length --max_scale --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow
         --model --model_config --nnodes --no_allow_stall --no_autocast_cache --no_compile
         --no_consecutive_hysteresis --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback
-        --no_fp8_emulate --no_memory_efficient --no_progress --no_skip_nonfinite --node_rank
-        --nproc_per_node --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
+        --no_fp8_emulate --no_memory_efficient --no_optimizer_in_backward --no_progress --no_skip_nonfinite
+        --node_rank --nproc_per_node --optimizer_in_backward --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
         --rdzv_id --resume --save_model --seed --size --skip_nonfinite --state_dtype --steps
         --target_effective_batch_size --wandb --weight_decay -h
     """,

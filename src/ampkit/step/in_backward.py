@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .config import ConfigError
 from .gradcheck import check_and_unscale, cpu_all_finite
@@ -123,7 +124,7 @@ class InBackward:
                 for q in group["params"]:
                     where[id(q)] = (q, opt, group)
         self._where = where
-        if self._check:
+        if self._check and not is_fake(loss):  # (fake tensors: memory estimates, no values to check)
             self._found = torch.logical_not(torch.isfinite(loss.detach())).float()
             if self._one is None or self._one.device != loss.device:
                 self._one = torch.ones((), dtype=torch.float32, device=loss.device)
