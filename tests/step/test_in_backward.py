@@ -305,6 +305,26 @@ def test_checkpoint_resume_is_bitwise(precision, rung) -> None:
     _assert_bitwise(_state(amp, opt), _state(amp2, opt2))
 
 
+def test_other_backward_passes_step_nothing() -> None:
+    """Only the engine's backward steps: ``amp.diagnose`` (its own forward and backward) and a
+    user's ``loss.backward()`` leave the weights alone and the gradients where autograd puts them."""
+    amp, model, opt = _build(True, "bf16", {})
+    x, y = _batches(1)[0]
+
+    def closure() -> torch.Tensor:
+        with amp.autocast():
+            return F.cross_entropy(model(x).float(), y)
+
+    amp.backward(closure())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    amp.diagnose(closure)  # between backward and step
+    amp.step(opt)
+    amp.diagnose(closure)
+    closure().backward()
+    _assert_bitwise(before, model.state_dict())
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_a_switch_moves_the_hooks_to_the_new_form() -> None:
     batches = _batches(4)
     runs = []

@@ -89,6 +89,8 @@ class InBackward:
         self._check = True
         self._found: Optional[torch.Tensor] = None  # 1.0 once a non-finite loss or gradient was seen this step
         self._one: Optional[torch.Tensor] = None
+        self._armed = False  # inside the engine's backward: other backward passes (diagnose) step nothing
+        self._queued = False
 
     def attach(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], precision: Precision,
                policy: PrecisionPolicy, parallel: str, scaler: LossScaler) -> None:
@@ -123,7 +125,7 @@ class InBackward:
             for group in opt.param_groups:
                 for q in group["params"]:
                     where[id(q)] = (q, opt, group)
-        self._where = where
+        self._where, self._armed, self._queued = where, True, False
         if self._check and not is_fake(loss):  # (fake tensors: memory estimates, no values to check)
             self._found = torch.logical_not(torch.isfinite(loss.detach())).float()
             if self._one is None or self._one.device != loss.device:
@@ -137,7 +139,7 @@ class InBackward:
             raise ConfigError(f"clip_grad_norm={clip!r} with optimizer_in_backward is refused: the global norm needs "
                               "every gradient before the first update, and each parameter was stepped in backward; "
                               "clip with optimizer_in_backward=False, or train without clipping")
-        found, self._found = self._found, None
+        found, self._found, self._armed = self._found, None, False
         if not scaler.is_enabled() or found is None:
             return None, None, None
         for opt in optimizers:
@@ -147,6 +149,11 @@ class InBackward:
 
     # ------------------------------------------------------------------ the hook
     def _hook(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return  # a backward other than the engine's (amp.diagnose, a user's own): gradients as usual
+        if not self._queued:  # disarmed when this backward ends (torch's DDP ends its backward the same way)
+            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
+            self._queued = True
         stepped = self._stepped(param)
         entry = self._where.get(id(stepped))
         if entry is None or param.grad is None:
@@ -161,6 +168,9 @@ class InBackward:
         finally:
             opt.param_groups, group["params"] = groups, params
             stepped.grad = None
+
+    def _disarm(self) -> None:
+        self._armed = False
 
     def _step(self, opt: torch.optim.Optimizer) -> None:
         """Step ``opt`` (narrowed to one parameter) unless this step saw a non-finite loss or gradient."""
