@@ -2,13 +2,15 @@
 and time, with and without it, on a model whose largest tensor is an embedding (+ an MLP).
 
 Per configuration (precision/rung x ordinary/in backward), interleaved round by round in one
-process: the whole step's time (forward, backward, ``amp.step``), median per step; and, from one
+process: the whole step's CPU time (forward, backward, ``amp.step``; CPU time rather than wall
+time, which a shared machine's waits disturb more), median per step; and, from one
 step run under :class:`ampkit.loop.tracker.StepTracker` (every storage, counted once), the step's
 peak live bytes and the gradient bytes held at the end of the backward. ``--rss`` also runs each
-configuration in a fresh process and reports its peak RSS (the allocator's view; noisier).
+configuration in a fresh process and reports its peak RSS (``VmHWM``: the allocator's view, noisier).
 
-    OMP_NUM_THREADS=1 python benchmarks/in_backward.py                  # 30.1M params, 5 rounds x 4 steps
-    python benchmarks/in_backward.py --vocab 8192 --rounds 2 --steps 2  # quicker
+    OMP_NUM_THREADS=1 python benchmarks/in_backward.py --rss            # 34.1M params (25.7M embedding)
+    python benchmarks/in_backward.py --vocab 8192 --blocks 8            # an MLP-heavy model
+    python benchmarks/in_backward.py --configs 0 --rounds 2 --steps 2   # bf16 only, quicker
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -84,7 +85,11 @@ def rss_child(args: argparse.Namespace) -> None:
     run = Run(precision, rung, inb, args)
     for _ in range(3):
         run.step()
-    print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across fork + exec, so a child would
+    # report its parent's peak
+    with open("/proc/self/status") as fh:
+        hwm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    print(json.dumps({"rss": hwm}))
 
 
 def main() -> None:
@@ -92,20 +97,31 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--classes", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rss", action="store_true", help="also each configuration's peak RSS in a fresh process")
+    ap.add_argument("--configs", default="0,1,2", help="which of bf16, bf16-pure, bf16-pure:split (indices)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--inb", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         rss_child(args)
         return
-    runs = [Run(p, r, inb, args) for p, r in CONFIGS for inb in (False, True)]
+    chosen = [CONFIGS[int(i)] for i in args.configs.split(",")]
+    rss = {}
+    if args.rss:  # first: the children's own peaks, each in a fresh process
+        for i in args.configs.split(","):
+            for inb in (0, 1):
+                cmd = [sys.executable, __file__, "--child", i, "--inb", str(inb),
+                       *[f"--{k}={getattr(args, k)}" for k in ("vocab", "dim", "hidden", "blocks", "classes",
+                                                              "batch", "tokens")]]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                rss[(int(i), inb)] = json.loads(out.strip().splitlines()[-1])["rss"]
+    runs = [Run(p, r, inb, args) for p, r in chosen for inb in (False, True)]
     params = sum(p.numel() for p in runs[0].model.parameters())
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); {params / 1e6:.1f}M parameters "
@@ -117,20 +133,11 @@ def main() -> None:
     times: dict[str, list[float]] = {r.label: [] for r in runs}
     for _ in range(args.rounds):
         for r in runs:
-            t0 = time.perf_counter()
+            t0 = time.process_time()  # CPU time: less sensitive than wall time to a shared machine's waits
             for _ in range(args.steps):
                 r.step()
-            times[r.label].append((time.perf_counter() - t0) / args.steps)
-    rss = {}
-    if args.rss:
-        for i in range(len(CONFIGS)):
-            for inb in (0, 1):
-                cmd = [sys.executable, __file__, "--child", str(i), "--inb", str(inb),
-                       *[f"--{k}={getattr(args, k)}" for k in ("vocab", "dim", "hidden", "blocks", "classes",
-                                                              "batch", "tokens")]]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-                rss[runs[2 * i + inb].label] = json.loads(out.strip().splitlines()[-1])["rss"]
-    print("| configuration | step peak (MiB) | gradients held after backward (MiB) | step time (ms) | time ratio |"
+            times[r.label].append((time.process_time() - t0) / args.steps)
+    print("| configuration | step peak (MiB) | gradients held after backward (MiB) | step CPU time (ms) | time ratio |"
           + (" peak RSS (MiB) |" if rss else ""))
     print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if rss else ""))
     for i, r in enumerate(runs):
@@ -139,7 +146,8 @@ def main() -> None:
         peak, held = mem[r.label]
         line = (f"| {r.label} | {peak / 2**20:.1f} | {held / 2**20:.1f} | {med * 1e3:.1f} | {med / ref:.3f} |")
         if rss:
-            line += f" {rss[r.label] / 2**20:.0f} |"
+            idx = int(args.configs.split(",")[i // 2])
+            line += f" {rss[(idx, i % 2)] / 2**20:.0f} |"
         print(line)
 
 
