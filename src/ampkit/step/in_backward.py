@@ -29,7 +29,7 @@ starts; the first failure sets a flag that skips every update after it in this s
 is reported skipped (``found_inf``, the scaler's skip count, the fallback's patience) as an ordinary
 skipped step. The parameters stepped before the first non-finite gradient keep their finite update:
 an undo would need a snapshot of the weights and states (4-12 B/param, more than the gradients this
-saves) or a second backward (LOMO's two passes: ~1.3-1.5x the step), so the step is *partial*, never
+saves) or a second backward (LOMO's two passes: ~1.6x the step measured on the CPU), so the step is *partial*, never
 poisoned (docs/guides/will-it-fit.md "Optimizer in backward"). With fp16 overflowing is routine (the
 dynamic scale probes upward), so partial steps would be too: refused there. On the CPU the decision
 is read on the host (free); on a GPU a fused optimizer (``fused=True``) skips on the device from
