@@ -85,7 +85,7 @@ class InBackward:
         self._handles: list[Any] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepped: Callable[[torch.Tensor], torch.Tensor] = lambda p: p
-        self._where: dict[int, tuple[torch.Tensor, torch.optim.Optimizer, dict[str, Any]]] = {}
+        self._where: dict[int, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}  # id(stepped) -> its group
         self._check = True
         self._found: Optional[torch.Tensor] = None  # 1.0 once a non-finite loss or gradient was seen this step
         self._one: Optional[torch.Tensor] = None
@@ -114,8 +114,9 @@ class InBackward:
         self._handles = []
 
     def start(self, loss: torch.Tensor, micro_step_done: bool) -> None:
-        """Before a backward: where each parameter's optimizer group is now (a scheduler or a
-        ``load_state_dict`` may have replaced the groups), and the loss's finite check. No sync."""
+        """Before the engine's backward: arms the hooks for it, finds each parameter's optimizer group
+        (``add_param_group`` or ``load_state_dict`` may have changed them since the last step; a
+        scheduler's learning rate is read from the group at each call), checks the loss. No sync."""
         if not micro_step_done:
             raise ValueError("backward(micro_step_done=False) with optimizer_in_backward: a parameter is stepped "
                              "by the first backward that reaches it, so gradients of several backward passes "
@@ -124,8 +125,8 @@ class InBackward:
         for opt in self._optimizers:
             for group in opt.param_groups:
                 for q in group["params"]:
-                    where[id(q)] = (q, opt, group)
-        self._where, self._armed, self._queued = where, True, False
+                    where[id(q)] = (opt, group)
+        self._where, self._armed, self._queued, self._found = where, True, False, None
         if self._check and not is_fake(loss):  # (fake tensors: memory estimates, no values to check)
             self._found = torch.logical_not(torch.isfinite(loss.detach())).float()
             if self._one is None or self._one.device != loss.device:
@@ -158,7 +159,7 @@ class InBackward:
         entry = self._where.get(id(stepped))
         if entry is None or param.grad is None:
             return  # not stepped by a set-up optimizer: its gradient stays, as in an ordinary step
-        _, opt, group = entry
+        opt, group = entry
         if stepped is not param:  # a pure precision: the half gradient into the fp32 master's (exact upcast)
             stepped.grad, param.grad = param.grad.to(stepped.dtype), None
         groups, params = opt.param_groups, group["params"]
