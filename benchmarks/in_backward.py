@@ -4,7 +4,7 @@ and time, with and without it, on a model whose largest tensor is an embedding (
 Per configuration (precision/rung x ordinary/in backward), interleaved round by round in one
 process: the whole step's CPU time (forward, backward, ``amp.step``; CPU time rather than wall
 time, which a shared machine's waits disturb more), median per step; and, from one
-step run under :class:`ampkit.loop.tracker.StepTracker` (every storage, counted once), the step's
+step run under the planner's ``StepTracker`` (every storage, counted once), the step's
 peak live bytes and the gradient bytes held at the end of the backward. ``--rss`` also runs each
 configuration in a fresh process and reports its peak RSS (``VmHWM``: the allocator's view, noisier).
 
@@ -27,7 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import MixedPrecision
-from ampkit.loop.tracker import StepTracker
+
+try:  # the planner's tracker: ampkit.plan after issue 35's split of loop/, ampkit.loop before
+    from ampkit.plan.tracker import StepTracker
+except ImportError:
+    from ampkit.loop.tracker import StepTracker
 
 CONFIGS = [("bf16", {}), ("bf16-pure", {}), ("bf16-pure", {"masters": "split"})]
 

@@ -16,7 +16,7 @@ engine's ``step()`` still runs the policy's ``after_step`` (the masters rounded 
 **Exact where the update of a parameter depends only on its own gradient and state** (SGD with or
 without momentum, Adam, AdamW, Adagrad, RMSprop; Adafactor, LAMB-style per-tensor norms): the same
 kernels on the same values, bitwise the ordinary step (tests/step/test_in_backward.py), for fp32,
-bf16/fp8 autocast and bf16-pure with masters ``fp32``, ``split`` and ``kahan``. With ``stochastic``
+bf16 autocast and bf16-pure with masters ``fp32``, ``split``, ``kahan`` and ``none``. With ``stochastic``
 masters or ``state_dtype="bf16"`` each rounding is a stochastic rounding of the same fp32 value, but
 the random bits are drawn in the order gradients become final (backward order) instead of model
 order: within one bf16 spacing of the ordinary step, not bitwise. Refused where it cannot be exact
