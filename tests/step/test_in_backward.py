@@ -51,6 +51,12 @@ def _opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.01)
     if kind == "adam":
         return torch.optim.Adam(groups, lr=1e-2)
+    if kind == "adafactor":  # per-tensor factored second moments: exact per parameter too
+        return torch.optim.Adafactor(groups, lr=1e-2)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=1e-3, momentum=0.9)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(groups, lr=1e-2)
     return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=kind == "adamw-fused")
 
 
@@ -107,6 +113,11 @@ def test_bitwise_equal_to_the_ordinary_step(precision, rung, opt_kind) -> None:
     _assert_bitwise(_state(ref[0], ref[2]), _state(amp, opt))
     assert all(not r.found_inf for r in results)
     assert all(p.grad is None for p in [*model.parameters(), *amp.master_params()])  # nothing left held
+
+
+@pytest.mark.parametrize("opt_kind", ["adafactor", "rmsprop", "adagrad"])
+def test_bitwise_for_other_optimizers(opt_kind) -> None:
+    test_bitwise_equal_to_the_ordinary_step("bf16-pure", {"masters": "split"}, opt_kind)
 
 
 def test_bitwise_when_the_check_is_made_on_the_device(monkeypatch) -> None:
