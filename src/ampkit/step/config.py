@@ -20,7 +20,8 @@ import torch
 
 from . import tomlio
 from .aliases import UnknownKeyError, canonical_keys
-from .precision import CANONICAL, REGISTRY, parse_precision
+from .in_backward_rules import config_rule
+from .precision import CANONICAL, parse_precision
 
 __all__ = ["DETERMINISTIC_CHOICES", "FP8_RECIPES", "MASTERS_CHOICES", "STATE_DTYPES", "ConfigError", "FieldInfo",
            "MixedPrecisionConfig", "UnknownConfigKeyError", "canonical_config_keys", "canonical_precision",
@@ -104,9 +105,7 @@ class MixedPrecisionConfig:
     state_dtype: str = _f("fp32", "bf16-pure's optimizer-state storage between steps: fp32, or bf16 (stochastically "
                           "rounded; with masters=stochastic 6 B/param)", STATE_DTYPES)
     allow_stall: bool = _f(False, "accept masters=none: bf16 weights without masters, whose small updates round away")
-    optimizer_in_backward: bool = _f(False, "step each parameter as soon as its gradient is final and free the "
-                                     "gradient (no full set of gradients is held); exact for element-wise "
-                                     "optimizers; refused with accumulation_steps > 1, clip_grad_norm, fp16")
+    optimizer_in_backward: bool = _f(False, "step each parameter as its gradient becomes final, then free it (no full set held)")
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         """Every field by name (or in order); the names other tools use are accepted too
@@ -154,17 +153,7 @@ class MixedPrecisionConfig:
                               "the bf16 spacing rounds away: AdamW lr 1e-3 never moves a weight of 1.0, norm weights "
                               "freeze). Use masters='split' (exact, 12 B/param with AdamW) or 'stochastic' (10), or "
                               "pass allow_stall=True to accept the stall")
-        if self.optimizer_in_backward:
-            _require(self.accumulation_steps == 1, "accumulation_steps", self.accumulation_steps, "1 with "
-                     "optimizer_in_backward=True: a parameter is stepped when its gradient is final, so gradients "
-                     "cannot be summed over micro-steps (or set optimizer_in_backward=False)")
-            _require(self.clip_grad_norm is None, "clip_grad_norm", self.clip_grad_norm, "None with "
-                     "optimizer_in_backward=True: the global norm needs every gradient before the first update "
-                     "(or set optimizer_in_backward=False)")
-            row = REGISTRY.get(self.precision)
-            _require(row is None or not row.needs_scaler, "precision", self.precision, "a precision "
-                     "without loss scaling with optimizer_in_backward=True (bf16, bf16-pure, fp32, tf32): an "
-                     "fp16 overflow cannot be undone once parameters were stepped in backward")
+        _require(*config_rule(self))  # optimizer_in_backward: accumulation, clipping, fp16 refused
         _require(self.fallback_check_every >= 1, "fallback_check_every", self.fallback_check_every, "an integer >= 1")
         _require(self.fallback_recover_after is None or self.fallback_recover_after >= 1, "fallback_recover_after",
                  self.fallback_recover_after, "None or an integer >= 1")
