@@ -14,14 +14,15 @@ the master's fp32 gradient (the exact upcast the policy's ``after_backward`` mak
 engine's ``step()`` still runs the policy's ``after_step`` (the masters rounded into the model).
 
 **Exact where the update of a parameter depends only on its own gradient and state** (SGD with or
-without momentum, Adam, AdamW, Adagrad, RMSprop; Adafactor, LAMB-style per-tensor norms): the same
+without momentum, Adam, AdamW, Adagrad, RMSprop; per-tensor norms such as Adafactor's): the same
 kernels on the same values, bitwise the ordinary step (tests/step/test_in_backward.py), for fp32,
-bf16 autocast and bf16-pure with masters ``fp32``, ``split``, ``kahan`` and ``none``. With ``stochastic``
-masters or ``state_dtype="bf16"`` each rounding is a stochastic rounding of the same fp32 value, but
-the random bits are drawn in the order gradients become final (backward order) instead of model
-order: within one bf16 spacing of the ordinary step, not bitwise. Refused where it cannot be exact
-(:func:`refusal`): accumulation over micro-steps, clipping by the global norm (both need every
-gradient first), optimizers that need a closure, loss scaling (fp16), DDP/FSDP.
+bf16 autocast and bf16-pure with masters ``fp32``, ``split``, ``kahan`` and ``none``. With
+``stochastic`` masters or ``state_dtype="bf16"`` each rounding is a stochastic rounding of the same
+fp32 value, but the random bits are drawn in the order gradients become final (backward order)
+instead of model order: within one bf16 spacing of the ordinary step, not bitwise. Refused where it
+cannot be exact: accumulation over micro-steps, clipping by the global norm (both need every
+gradient first) and fp16's loss scaling by the config (:mod:`.in_backward_rules`); optimizers that
+need a closure, a precision ``auto`` resolved to fp16, DDP/FSDP at ``setup`` (:func:`refusal`).
 
 **Non-finite gradients never reach the weights** (``skip_nonfinite``, the default). Each gradient
 is checked before its parameter's update, and a non-finite loss is checked before the backward
@@ -29,8 +30,8 @@ starts; the first failure sets a flag that skips every update after it in this s
 is reported skipped (``found_inf``, the scaler's skip count, the fallback's patience) as an ordinary
 skipped step. The parameters stepped before the first non-finite gradient keep their finite update:
 an undo would need a snapshot of the weights and states (4-12 B/param, more than the gradients this
-saves) or a second backward (LOMO's two passes: ~1.6x the step measured on the CPU), so the step is *partial*, never
-poisoned (docs/guides/will-it-fit.md "Optimizer in backward"). With fp16 overflowing is routine (the
+saves) or a second backward (LOMO's two passes: ~1.6x the step measured on the CPU), so the step is
+*partial*, never poisoned (docs/guides/will-it-fit.md, "The optimizer steps in backward"). With fp16 overflowing is routine (the
 dynamic scale probes upward), so partial steps would be too: refused there. On the CPU the decision
 is read on the host (free); on a GPU a fused optimizer (``fused=True``) skips on the device from
 ``found_inf`` (no sync), another needs one sync per parameter.
