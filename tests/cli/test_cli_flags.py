@@ -13,7 +13,7 @@ from ampkit.cli.docs import main as docs_main
 from ampkit.cli.flags import ALIASES, SIZE_CHOICES, TRAIN_DEFAULTS, Switch, Toggle, engine_config
 from ampkit.cli.invocation import Invocation, parse_invocation, subparser
 from ampkit.models.builtin import MODELS, SIZES
-from ampkit.step.config import FP8_RECIPES, MixedPrecisionConfig, fields_help
+from ampkit.step.config import FP8_RECIPES, ConfigError, MixedPrecisionConfig, fields_help
 from ampkit.step.precision import CANONICAL
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -38,8 +38,8 @@ FLAGS = {
         --max_length --max_scale --memory_budget --memory_efficient --min_scale --mixed_precision --mlflow
         --model --model_config --nnodes --no_allow_stall --no_autocast_cache --no_compile
         --no_consecutive_hysteresis --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback
-        --no_fp8_emulate --no_memory_efficient --no_progress --no_skip_nonfinite --node_rank
-        --nproc_per_node --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
+        --no_fp8_emulate --no_memory_efficient --no_optimizer_in_backward --no_progress --no_skip_nonfinite
+        --node_rank --nproc_per_node --optimizer_in_backward --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
         --rdzv_id --resume --save_model --seed --size --skip_nonfinite --state_dtype --steps
         --target_effective_batch_size --wandb --weight_decay -h
     """,
@@ -205,6 +205,20 @@ def test_precedence_command_line_then_train_then_amp_then_train_defaults(tmp_pat
     assert (cfg.clip_grad_norm, cfg.hysteresis) == (5.0, 2)
     cfg = _config([], tmp_path, "[amp]\nprecision = \"fp16\"\n")
     assert cfg.precision == "fp16" and cfg.clip_grad_norm == 1.0 and cfg.fallback is True
+
+
+def test_optimizer_in_backward_drops_trains_default_clipping_only(tmp_path):
+    """``ampkit train``'s default clipping (1.0) needs every gradient before the first update: with
+    ``--optimizer_in_backward`` it is off (a note says so); clipping asked for is refused."""
+    notes: list = []
+    inv = _invocation(["--precision", "bf16", "--optimizer_in_backward"])
+    cfg = engine_config(inv.args, inv.flags_given, inv.file.amp, notes)
+    assert cfg.optimizer_in_backward and cfg.clip_grad_norm is None
+    assert any("clip" in n for n in notes)
+    with pytest.raises(ConfigError, match="clip_grad_norm=1.0"):
+        _config(["--precision", "bf16", "--optimizer_in_backward", "--clip_grad_norm", "1.0"])
+    with pytest.raises(ConfigError, match="clip_grad_norm=2.0"):
+        _config(["--precision", "bf16", "--optimizer_in_backward"], tmp_path, "[amp]\nclip_grad_norm = 2.0\n")
 
 
 def test_amp_opt_level_maps_through_the_precision_aliases():

@@ -42,7 +42,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 TRAIN_DEFAULTS: dict[str, tuple[Any, str]] = {
     "fallback": (True, "a run should survive a numerical failure (fp16 -> bf16 -> fp32) rather than end in "
                        "skipped steps; --no_fallback turns it off"),
-    "clip_grad_norm": (1.0, "the built-in models train stably with it; --clip_grad_norm none turns it off"),
+    "clip_grad_norm": (1.0, "the built-in models train stably with it; --clip_grad_norm none turns it off "
+                            "(so does --optimizer_in_backward)"),
 }
 
 ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields_help())
@@ -152,6 +153,11 @@ def engine_config(args: argparse.Namespace, given: frozenset[str], file_amp: Map
     if "precision" in given and split_spec(values["precision"])[1] is not None:
         for key in {"masters", "state_dtype", "allow_stall"} - given:  # the flag's rung beats the file's
             values.pop(key, None)
+    if values.get("optimizer_in_backward") and "clip_grad_norm" not in given and "clip_grad_norm" not in file_amp:
+        values["clip_grad_norm"] = None  # train's default clipping needs every gradient before the first update
+        if notes is not None:
+            notes.append("--optimizer_in_backward: no gradient clipping (ampkit train's default --clip_grad_norm 1.0 "
+                         "needs every gradient before the first update)")
     if args.amp_opt_level:
         chosen = values.get("precision") if "precision" in given or "precision" in file_amp else None
         values["precision"], note = with_opt_level(chosen, args.amp_opt_level)

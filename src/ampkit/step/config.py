@@ -20,6 +20,7 @@ import torch
 
 from . import tomlio
 from .aliases import UnknownKeyError, canonical_keys
+from .in_backward_rules import config_rule
 from .precision import CANONICAL, parse_precision
 from .rung import MASTERS, STATE_DTYPES, Rung, join_spec, split_spec
 
@@ -110,6 +111,7 @@ class MixedPrecisionConfig:
     ladder_scratch_mib: int = _f(16, "MiB of scratch bf16-pure's ladder rungs keep between steps; a larger weight is "
                                  "stepped in pieces through it (element-wise torch optimizers; others see each weight "
                                  "whole, in a buffer that lives only inside the step)")
+    optimizer_in_backward: bool = _f(False, "step each parameter as its gradient becomes final, then free it (no full set held)")
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         """Every field by name (or in order); the names other tools use are accepted too
@@ -162,6 +164,7 @@ class MixedPrecisionConfig:
                               "the bf16 spacing rounds away: AdamW lr 1e-3 never moves a weight of 1.0, norm weights "
                               "freeze). Use masters='split' (exact, 12 B/param with AdamW) or 'stochastic' (10), or "
                               "pass allow_stall=True to accept the stall")
+        _require(*config_rule(self))  # optimizer_in_backward: accumulation, clipping, fp16 refused
         _require(self.fallback_check_every >= 1, "fallback_check_every", self.fallback_check_every, "an integer >= 1")
         _require(self.fallback_recover_after is None or self.fallback_recover_after >= 1, "fallback_recover_after",
                  self.fallback_recover_after, "None or an integer >= 1")

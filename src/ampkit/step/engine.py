@@ -42,6 +42,7 @@ from .fallback import (
     scale_exhausted,
 )
 from .hardware import DeviceInfo, device_info, normalize_device
+from .in_backward import InBackward
 from .localize import NonFiniteReport, localize_nonfinite
 from .logs import watch
 from .losscheck import check_loss
@@ -74,14 +75,9 @@ class MixedPrecision:
     and :class:`ampkit.step.config.ConfigError` for invalid settings.
     """
 
-    def __init__(
-        self,
-        precision: Union[str, torch.dtype, Precision, None] = None,
-        *,
-        device: Union[str, torch.device, None] = None,
-        config: Optional[MixedPrecisionConfig] = None,
-        **overrides: Any,
-    ) -> None:
+    def __init__(self, precision: Union[str, torch.dtype, Precision, None] = None, *,
+                 device: Union[str, torch.device, None] = None, config: Optional[MixedPrecisionConfig] = None,
+                 **overrides: Any) -> None:
         cfg = config if config is not None else MixedPrecisionConfig()
         if not isinstance(cfg, MixedPrecisionConfig):
             raise TypeError(f"config must be a MixedPrecisionConfig, got {type(cfg).__name__}")
@@ -110,6 +106,7 @@ class MixedPrecision:
         self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
+        self._in_backward = InBackward() if cfg.optimizer_in_backward else None  # step/in_backward.py
         watch(self)  # logging.getLogger("ampkit"): subscribes only when enabled
 
     def _make_scaler(self, precision: Precision) -> LossScaler:
@@ -134,12 +131,12 @@ class MixedPrecision:
     def setup(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """Prepare ``model`` (moved to the device) and register ``optimizers`` with the engine.
 
-        Returns ``model`` when no optimizer is given, else ``(model, *optimizers)``. Must be called
-        before :meth:`backward`/:meth:`step`. The precision's policy prepares the model (casts and
-        fp32 masters for the pure forms, fp8 modules); the DDP / FSDP2 adapter is picked from the
-        model (:func:`ampkit.step.parallel.adapter_for`). Raises before anything is changed for a
-        model or optimizers that do not fit. With ``config.deterministic`` set, first switches
-        PyTorch to deterministic kernels (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
+        Returns ``model`` when no optimizer is given, else ``(model, *optimizers)``. Must be called before
+        :meth:`backward`/:meth:`step`. The precision's policy prepares the model (casts and fp32 masters for the
+        pure forms, fp8 modules); the DDP / FSDP2 adapter is picked from the model
+        (:func:`ampkit.step.parallel.adapter_for`). Raises before anything is changed for a model or optimizers that
+        do not fit. With ``config.deterministic`` set, first switches PyTorch to deterministic kernels
+        (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
         """
         check_setup(model, optimizers, self.config.keep_fp32)  # before anything changes
         if levers := before_setup(model, self.config):  # refuses nn.DataParallel; memory_efficient's levers
@@ -172,6 +169,8 @@ class MixedPrecision:
         self._backward_context = policy.backward_context()  # reusable: asked once, not per step
         self._parallel.use_masters(policy.keeps_masters)
         self._clip_order = ClipOrder(model, policy.stepped if policy.keeps_masters else None)
+        if self._in_backward is not None:  # the optimizer steps in backward: hooks on the model's parameters
+            self._in_backward.attach(model, self._optimizers, self.precision, policy, self._parallel.name, self._scaler)
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -199,16 +198,15 @@ class MixedPrecision:
                  **kwargs: Any) -> None:
         """Backpropagate ``loss``: divided by ``accumulation_steps``, multiplied by the loss scale.
 
-        **The division is ampkit's**: pass the plain per-micro-batch loss, not ``loss / accum``
-        (README "Porting an existing loop"). ``normalized=True``: the loss is already normalised
-        over the whole window (Hugging Face's ``num_items_in_batch``), so it is not divided, nor
-        rescaled by ``step(flush=True)``; a window holds one kind of loss (mixing raises).
-        ``micro_step_done=False`` leaves the micro-step open for more backward passes into the same
-        gradients, PyTorch's "multiple losses" recipe: ``amp.backward(loss0, retain_graph=True,
-        micro_step_done=False); amp.backward(loss1)``; :meth:`step` raises while one is open.
-        Gradients accumulate into ``.grad`` (scaled for fp16 until :meth:`step` unscales them).
-        ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``). Raises when the window already
-        holds ``accumulation_steps`` micro-steps without a :meth:`step` in between. No sync.
+        **The division is ampkit's**: pass the plain per-micro-batch loss, not ``loss / accum`` (README "Porting an
+        existing loop"). ``normalized=True``: the loss is already normalised over the whole window (Hugging Face's
+        ``num_items_in_batch``), so it is not divided, nor rescaled by ``step(flush=True)``; a window holds one kind
+        of loss (mixing raises). ``micro_step_done=False`` leaves the micro-step open for more backward passes into
+        the same gradients, PyTorch's "multiple losses" recipe: ``amp.backward(loss0, retain_graph=True,
+        micro_step_done=False); amp.backward(loss1)``; :meth:`step` raises while one is open. Gradients accumulate
+        into ``.grad`` (scaled for fp16 until :meth:`step` unscales them). ``kwargs`` go to ``Tensor.backward``
+        (e.g. ``retain_graph``). Raises when the window already holds ``accumulation_steps`` micro-steps without a
+        :meth:`step` in between. No sync.
         """
         if self._model is None:
             self._require_setup("backward")
@@ -217,6 +215,8 @@ class MixedPrecision:
         if window.micro and normalized != self._normalized:
             raise ValueError(f"backward(normalized={normalized}) inside a window of normalized={self._normalized} "
                              "losses: a window's losses are all normalised over it, or none is")
+        if self._in_backward is not None:
+            self._in_backward.start(loss, micro_step_done)
         if not was_open:
             window.add_micro()  # raises before any gradient is touched when the window is full
         self._normalized = normalized
@@ -285,38 +285,35 @@ class MixedPrecision:
         self._window = Window(n)
 
     # ------------------------------------------------------------------ step
-    def step(
-        self,
-        *optimizers: torch.optim.Optimizer,
-        clip_grad_norm: Optional[float] = None,
-        zero_grad: bool = True,
-        flush: bool = False,
-    ) -> StepResult:
-        """Call after every :meth:`backward` (or once after a window's backward calls); steps the
-        optimizer(s) at the accumulation boundary.
+    def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: Optional[float] = None, zero_grad: bool = True,
+             flush: bool = False) -> StepResult:
+        """Call after every :meth:`backward` (or once after a window's backward calls); steps the optimizer(s) at
+        the accumulation boundary.
 
-        At the boundary: unscale the gradients (fp16), clip their total norm to
-        ``clip_grad_norm`` (default ``config.clip_grad_norm``) over the model's parameters in
-        model order, so clipping always sees unscaled gradients, step each optimizer unless the
-        gradients are non-finite (then the step is skipped and, for fp16, the scale backs off),
-        update the scale, and set the gradients to None (``zero_grad=False`` keeps them). Off
+        At the boundary: unscale the gradients (fp16), clip their total norm to ``clip_grad_norm`` (default
+        ``config.clip_grad_norm``) over the model's parameters in model order, so clipping always sees unscaled
+        gradients, step each optimizer unless the gradients are non-finite (then the step is skipped and, for fp16,
+        the scale backs off), update the scale, and set the gradients to None (``zero_grad=False`` keeps them). Off
         the boundary it returns at once.
 
-        ``flush=True`` steps now even if the window is short (the end of an epoch): the
-        gradients, summed over ``k`` micro-steps each divided by ``accumulation_steps``, are
-        first multiplied by ``accumulation_steps / k`` -- the mean over the ``k`` micro-batches.
-        With an empty window it does nothing and returns a non-boundary result.
+        ``flush=True`` steps now even if the window is short (the end of an epoch): the gradients, summed over ``k``
+        micro-steps each divided by ``accumulation_steps``, are first multiplied by ``accumulation_steps / k`` --
+        the mean over the ``k`` micro-batches. With an empty window it does nothing and returns a non-boundary
+        result.
 
-        ``optimizers`` default to all optimizers given to :meth:`setup`. No host sync with fused
-        optimizers (``fused=True``); other optimizers need one sync per step to decide whether to
-        skip (as ``torch.amp.GradScaler`` does). Raises if called before :meth:`setup` or
-        :meth:`backward`, or with an optimizer that was not set up.
+        With ``optimizer_in_backward`` each parameter was stepped in backward (:mod:`ampkit.step.in_backward`): here
+        only the step's finite check is recorded; ``clip_grad_norm`` raises.
+
+        ``optimizers`` default to all optimizers given to :meth:`setup`. No host sync with fused optimizers
+        (``fused=True``); other optimizers need one sync per step to decide whether to skip (as
+        ``torch.amp.GradScaler`` does). Raises if called before :meth:`setup` or :meth:`backward`, or with an
+        optimizer that was not set up.
 
         Every ``fallback_check_every`` steps the numerics check runs (asynchronous, see
-        :mod:`ampkit.step.fallback`): with ``fallback`` on it may switch precision after this step;
-        with it off, a loss scale exhausted at its floor (``max(min_scale, 2**-126)``) that still
-        overflows raises :class:`NumericsError` naming the non-finite layers (the gradients are
-        dropped first, as usual). Only a firing trigger syncs.
+        :mod:`ampkit.step.fallback`): with ``fallback`` on it may switch precision after this step; with it off, a
+        loss scale exhausted at its floor (``max(min_scale, 2**-126)``) that still overflows raises
+        :class:`NumericsError` naming the non-finite layers (the gradients are dropped first, as usual). Only a
+        firing trigger syncs.
         """
         if self._model is None:
             self._require_setup("step")
@@ -335,11 +332,14 @@ class MixedPrecision:
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
-        assert self._clip_order is not None
-        params = self._clip_order.params(opts)
-        self._parallel.before_step(params)
-        grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
-                                                    None if self._normalized else window.flush_factor())
+        if self._in_backward is not None:  # each parameter was stepped in backward: the check's bookkeeping
+            grad_norm, scale, found_inf = self._in_backward.finish(self._scaler, opts, clip)
+        else:
+            assert self._clip_order is not None
+            params = self._clip_order.params(opts)
+            self._parallel.before_step(params)
+            grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
+                                                        None if self._normalized else window.flush_factor())
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
