@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..step.policies.ladder import parse_rung
 from ..step.precision import REGISTRY
 from . import plan_cache
 from .estimate_session import PARTS, Curve, Measure, Session, fit
@@ -254,24 +255,36 @@ class PlanRow:
 
 def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
               checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
-              fits: Optional[dict[bool, DepthFit]] = None) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
+              fits: Optional[dict[bool, DepthFit]] = None, measured_as: Optional[str] = None
+              ) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
     """The largest batch by depth extrapolation per checkpointing setting, ``(label, peak,
     parts)`` at ``at_batch`` without checkpointing, and the fits. Batches below :data:`BATCHES` (an
     answer of 0-3, ``at_batch`` 1-3) are measured too, at both depths, and added to that setting's
-    fit (returned so: a twin's shifted fits then answer there without measuring again)."""
+    fit (returned so: a twin's shifted fits then answer there without measuring again); for given
+    (shifted) fits they are measured in ``measured_as``, the precision the fits are of (None: a
+    :class:`DepthError` instead)."""
     given = fits is not None
     fits = fits if fits is not None else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
     best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
     b1 = fits[False].b1
+    # parameters, gradients, masters and optimizer state: the parts' phase (shifted too) less the activations
+    static = fits[False]._phase_peaks(stack.depth, b1)[-1] - fits[False].parts(stack.depth, b1)["activations"]
+    beyond = static > budget  # the state alone does not fit: no batch does, none is measured below b1
+    low = tuple(c for c in checkpointing if best[c] < b1 and not beyond and fits[c].batches[0] > 1)
     redo = tuple(c for c in checkpointing
-                 if (best[c] < b1 or (not c and at_batch < b1)) and fits[c].batches[0] > 1)
-    if redo and given:
+                 if c in low or (not c and not beyond and at_batch < b1 and at_batch not in fits[c].batches))
+    if redo and given and measured_as is None:
         raise DepthError("the answer is below the measured batches: the twin is planned on its own")
-    if redo:
-        below = _measures(stack, precision, batch_of, redo, optimizer, DEPTHS, tuple(range(1, b1)))
-        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}) for c in redo}}  # 4 and 5 as measured
+    # every batch below b1 where the answer is there, else only --batch_size's (one session per depth)
+    for batches in dict.fromkeys(tuple(range(1, b1)) if c in low else (at_batch,) for c in redo):
+        settings = tuple(c for c in redo if (tuple(range(1, b1)) if c in low else (at_batch,)) == batches)
+        below = _measures(stack, measured_as or precision, batch_of, settings, optimizer, DEPTHS, batches)
+        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}).shifted(fits[c].offsets)
+                           for c in settings}}  # 4 and 5 as measured
     for c in checkpointing:
-        if best[c] < b1:
+        if beyond:
+            best[c] = 0
+        elif best[c] < b1:
             best[c] = next((b for b in range(b1 - 1, 0, -1) if fits[c].peak(stack.depth, b) <= budget), 0)
     use = fits[False]
     label = use.measures[(use.d1, use.b1)].precision
@@ -375,19 +388,85 @@ def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fit
     return m.precision, out
 
 
+def _rung_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
+               optimizer: Any) -> Optional[tuple[Measure, Measure, dict[bool, DepthFit]]]:
+    """Another rung of the fitted precision's memory ladder (``bf16-pure:split`` after ``bf16-pure``):
+    the same model, forward and backward; only what is kept for the weights and the optimizer step
+    differ, by bytes that grow with the depth and not with the batch or checkpointing. So it is
+    measured on the 1- and 2-block copies at the first batch only (two small steps instead of eight
+    or more), and its fits are ``fits`` shifted by its difference in each phase's peak, extrapolated
+    to the full depth. Returns its two measures and the fits; None (plan it on its own) unless its
+    activations there are byte for byte the fitted precision's and it ran the same phases."""
+    f = fits[False]
+    b = f.b1
+    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(b), depths=(f.d1, f.d2), batches=(b,),
+                          checkpointing=(False,), rung=True)
+    kept = plan_cache.load(name) or {}
+    if all(str(d) in kept for d in (f.d1, f.d2)):
+        measured = {d: kept[str(d)] for d in (f.d1, f.d2)}
+    else:
+        measured = {}
+        for d in (f.d1, f.d2):
+            with Session(stack.factory(d), optimizer, precision) as s:
+                measured[d] = s.measure(batch_of(b))
+        plan_cache.save(name, {str(d): m for d, m in measured.items()})
+    diffs = {}
+    for d, m in measured.items():
+        ref = f.measures[(d, b)]
+        if m.parts["activations"] != ref.parts["activations"] or len(m.phases) != len(ref.phases):
+            return None
+        diffs[d] = [x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))]
+    span = (stack.depth - f.d1) / (f.d2 - f.d1)
+    offsets = [round(x + (y - x) * span) for x, y in zip(diffs[f.d1], diffs[f.d2])]
+    return measured[f.d1], measured[f.d2], {c: fit_.shifted(offsets) for c, fit_ in fits.items()}
+
+
 def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
-    """The precisions :func:`plan_precisions` plans together: both of a :data:`TWINS` pair where both
-    are asked of a stack model (not with ``verify``: each is measured whole then), else each alone."""
+    """The precisions :func:`plan_precisions` plans together where they are asked of a stack model (not
+    with ``verify``: each is measured whole then): both of a :data:`TWINS` pair, and the rungs of a
+    memory ladder (``bf16-pure:split``, ``bf16-pure:stochastic+bf16``) with their precision, the plain
+    one first (it holds the most: a rung's answers are then within its measured batches); else each alone."""
     out: list[list[str]] = []
     taken: set[str] = set()
+    together = stack is not None and not verify
     for p in precisions:
         if p in taken:
             continue
-        twin = next((b if a == p else a for a, b in TWINS if p in (a, b)), None)
-        together = stack is not None and not verify and twin in precisions and twin not in taken
-        out.append([p, twin] if together and twin is not None else [p])
-        taken.update(out[-1])
+        base = parse_rung(p)[0]
+        rungs = [q for q in precisions if together and parse_rung(q)[0] == base and q not in taken]
+        group = sorted(rungs or [p], key=lambda q: q != base)  # stable: the plain precision first
+        twin = next((b if a == base else a for a, b in TWINS if base in (a, b)), None)
+        if together and twin in precisions and twin not in taken and group[0] == base:
+            group.insert(1, twin)
+        out.append(group)
+        taken.update(group)
     return out
+
+
+def _rung_row(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int, optimizer: Any,
+             batch_size: int, fits: dict[bool, DepthFit], first: str, first_spec: str
+             ) -> Optional[tuple[PlanRow, dict[bool, DepthFit]]]:
+    """``precision``'s row from :func:`_rung_fits`, and ``fits`` with what was measured for it below
+    their batches (in ``first_spec``, the precision they are of); None: plan it on its own."""
+    got = _rung_fits(stack, precision, batch_of, fits, optimizer)
+    if got is None:
+        return None
+    m1, m2, shifted = got
+    try:
+        found, at_b, grown = _by_depth(stack, precision, batch_of, budget, limit, tuple(shifted), optimizer,
+                                       batch_size, fits=shifted, measured_as=first_spec)
+    except DepthError:
+        return None
+    f = fits[False]
+    span = (stack.depth - f.d1) / (f.d2 - f.d1)
+    parts = dict(at_b[2])
+    for k in PARTS[:4]:  # the rung's own weights, masters and state, extrapolated in the depth
+        x = m1.parts[k] - f.measures[(f.d1, f.b1)].parts[k]
+        y = m2.parts[k] - f.measures[(f.d2, f.b1)].parts[k]
+        parts[k] = max(0, parts[k] + round(x + (y - x) * span))
+    parts["temporaries"] = max(0, at_b[1] - sum(v for k, v in parts.items() if k != "temporaries"))
+    row = PlanRow(m1.precision, batch_size, at_b[1], parts, found[False], found.get(True), f"depth, rung of {first}")
+    return row, {c: f.shifted(()) for c, f in grown.items()}
 
 
 def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
@@ -403,7 +482,15 @@ def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[
     first, fits = _plan(factory, batch_of, budget, precisions[0], batch_size, stack, checkpointing, verify, limit,
                         optimizer)
     rows = [first]
+    family = parse_rung(precisions[0])[0]
     for p in precisions[1:]:
+        if fits is not None and stack is not None and parse_rung(p)[0] == family and p != precisions[0]:
+            got = _rung_row(stack, p, batch_of, budget, limit, optimizer, batch_size, fits, first.precision,
+                            precisions[0])
+            if got is not None:
+                rows.append(got[0])
+                fits = got[1]
+                continue
         twin = _twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
         if twin is not None:
             try:

@@ -16,6 +16,7 @@ is ``max_t(a_t + b_t * batch)`` (:class:`Curve`), checked against a third measur
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ import torch
 from ..observe.memory import activations, breakdown, saved_activations
 from ..step.engine import MixedPrecision
 from ..step.policies.ladder import parse_rung
+from . import plan_devices
 from .steps import Steps, batch_loss
 from .tracker import StepTracker
 
@@ -140,6 +142,7 @@ class Session:
                              "here (parameter, gradient, master and optimizer bytes are the same; activations too)")
         self._args = (model_or_factory, optimizer, precision, activation_checkpointing)
         self._warm = False
+        self.target = plan_devices.current()  # a GPU planned from here: its allocator, workspaces, kernels
 
     def __enter__(self) -> Session:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -223,11 +226,12 @@ class Session:
         if not self._warm:
             self._warm_up(fake_batch)
             self._warm = True
-        tracker = StepTracker()
+        tracker = StepTracker(self.target.block_bytes if self.target is not None else None)
         tracker.track_external(model, opt, *amp.master_params())
         self._tracker, self._marks, self._saved = tracker, [], None
+        kernels = plan_devices.gpu_attention() if self.target is not None else contextlib.nullcontext()
         try:
-            with tracker:
+            with tracker, kernels:
                 self.run.forward_backward(fake_batch)
                 self._marks.append(len(tracker.timeline))
                 static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
@@ -241,7 +245,8 @@ class Session:
         else:
             saved = self._saved  # None only if the step never computed its loss here: count apart
             act_bytes = saved.total if saved is not None else int(activations(model, fake_batch, amp.precision).total)
-        ws = cuda_workspace_bytes(self.dev)  # held by the CUDA libraries, not by any tensor
+        # held by the CUDA libraries, not by any tensor
+        ws = self.target.workspace_bytes() if self.target is not None else cuda_workspace_bytes(self.dev)
         peak = tracker.peak + ws
         cats = static.by_category
         parts = {k: int(cats.get(k, 0)) for k in PARTS[:4]}

@@ -92,7 +92,11 @@ def key(model: str, precision: str, optimizer: Any, batch: Any, **settings: Any)
     cannot be named (no model spec; an optimizer given as a callable: its behaviour is not in its name)."""
     if current() is None or not model or not isinstance(optimizer, str):
         return None
+    from .plan_devices import current as target
+
+    device = target()
     spec = {"model": model, "precision": precision, "optimizer": optimizer.lower(), "batch": _shapes(batch),
+            "device": device.name if device is not None else "cpu",
             **{k: repr(v) for k, v in sorted(settings.items())}, "environment": _environment()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -46,10 +46,14 @@ class StepTracker(TorchDispatchMode):
     """``with StepTracker() as t: <step>``: ``t.timeline`` (live bytes after each operation),
     ``t.peak`` and ``t.peak_forward_bytes``. Register what exists before the step with
     :meth:`track_external`; call :meth:`backward` when the forward's loss is computed and
-    :meth:`optimizer` before the optimizer step (the forward bytes' bounds)."""
+    :meth:`optimizer` before the optimizer step (the forward bytes' bounds). ``block``: the bytes an
+    allocator takes for a storage of ``n`` bytes (a plan for another device,
+    :meth:`ampkit.loop.plan_devices.GPU.block_bytes`); by default a storage's own bytes, CUDA's
+    rounded to 512."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: Optional[Callable[[int], int]] = None) -> None:
         super().__init__()
+        self._block = block
         self.timeline: list[int] = []
         self.total = self.forward_total = self.peak = self.peak_forward_bytes = 0
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, bytes, made by the forward]
@@ -62,7 +66,9 @@ class StepTracker(TorchDispatchMode):
         cuda = t.device.type == "cuda"
         for st in _storages(t):
             n = st.nbytes()
-            if cuda:
+            if self._block is not None:
+                n = self._block(n)
+            elif cuda:
                 n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
             entry = self._live.get(id(st))
             if entry is not None:
