@@ -120,12 +120,16 @@ def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args
         if refused.get(p):
             out.append({"precision": p, "peak_bytes": None, "parts": None, "batch_size": args.batch_size,
                         "fits": False, "largest_batch": 0, "largest_batch_activation_checkpointing": 0,
+                        "largest_batch_optimizer_in_backward": 0,
+                        "largest_batch_optimizer_in_backward_activation_checkpointing": 0,
                         "method": "refused", "verified": None, "why_not": refused[p]})
             continue
         r = by_name[p]
         out.append({"precision": r.precision, "peak_bytes": r.peak_bytes, "parts": dict(r.parts),
                     "batch_size": args.batch_size, "fits": r.peak_bytes <= budget,
                     "largest_batch": r.largest, "largest_batch_activation_checkpointing": r.largest_checkpointed,
+                    "largest_batch_optimizer_in_backward": r.largest_in_backward,
+                    "largest_batch_optimizer_in_backward_activation_checkpointing": r.largest_in_backward_checkpointed,
                     "method": r.method, "verified": r.verified, "why_not": _why_not(r, budget)})
     return out
 
@@ -260,19 +264,27 @@ def cmd_plan(inv: Invocation) -> int:
     where = f"{name} ({device})" if target is not None else f"{device} ({name})"
     table = Table(title=f"ampkit plan for {where}: {model_label(args)}, budget {_size(budget)} of {_size(memory)}, "
                         f"batch {args.batch_size}")
-    for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "saving vs fp32"):
+    for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "… opt. in bwd",
+                "… both", "saving vs fp32"):
         table.add_column(col, justify="right" if col != "precision" else "left")
     notes = []
+
+    def cell(v: Any) -> str:
+        return "—" if v is None else str(v)
+
     for r in rows:
         saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
         peak = f"{r['peak_bytes'] / 2**20:,.0f} MiB" if r["peak_bytes"] is not None else "—"
-        table.add_row(r["precision"], peak, "yes" if r["fits"] else "no", str(r["largest_batch"]),
-                      str(r["largest_batch_activation_checkpointing"]), saving)
+        table.add_row(r["precision"], peak, "yes" if r["fits"] else "no", cell(r["largest_batch"]),
+                      cell(r["largest_batch_activation_checkpointing"]), cell(r["largest_batch_optimizer_in_backward"]),
+                      cell(r["largest_batch_optimizer_in_backward_activation_checkpointing"]), saving)
         if r.get("why_not"):
             notes.append(f"{r['precision']}: {r['why_not']}")
     kernels = ("its allocator's blocks, cuBLAS workspaces and fused attention; the budget is its memory less "
                "the CUDA context and fragmentation" if target is not None else "its kernels' memory")
-    table.caption = "\n".join([f"figures for {where}, {kernels}; {_method_line(rows)}",
+    lever = ("opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
+             "gradients held at each operation replaced by the largest parameter's")
+    table.caption = "\n".join([f"figures for {where}, {kernels}; {_method_line(rows)}", lever,
                                *(f"no batch fits {n}" for n in notes)])
     wide_console().print(table)
     return 0

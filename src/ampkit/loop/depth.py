@@ -31,6 +31,7 @@ from ..step.policies.ladder import parse_rung
 from ..step.precision import REGISTRY
 from . import plan_cache
 from .estimate_session import PARTS, Curve, Measure, Session, fit
+from .plan_levers import in_backward
 
 __all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
            "measure_depths", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
@@ -246,6 +247,10 @@ class PlanRow:
     largest_checkpointed: Optional[int]
     method: str
     verified: Optional[bool] = None
+    #: the largest batch with the optimizer in backward (:func:`ampkit.loop.plan_levers.in_backward`), without
+    #: and with activation checkpointing; None where not planned (a model measured whole, ``verify``)
+    largest_in_backward: Optional[int] = None
+    largest_in_backward_checkpointed: Optional[int] = None
 
     @property
     def static_bytes(self) -> int:
@@ -291,6 +296,30 @@ def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
     return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits
 
 
+def _in_backward(fits: dict[bool, DepthFit], offsets: Optional[Sequence[int]] = None) -> dict[bool, DepthFit]:
+    """``fits`` with the optimizer in backward: each measure turned by :func:`plan_levers.in_backward`,
+    then shifted as ``fits`` are (or by ``offsets``: a rung's own, from its turned measures)."""
+    return {c: DepthFit({k: in_backward(m) for k, m in f.measures.items()}).shifted(
+        f.offsets if offsets is None else offsets) for c, f in fits.items()}
+
+
+def _largest_in_backward(fits: dict[bool, DepthFit], depth: int, budget: int, limit: int,
+                         offsets: Optional[Sequence[int]] = None) -> dict[bool, Optional[int]]:
+    """The largest batch with the optimizer in backward per checkpointing setting (below the measured
+    batches by the fit's own line, none measured for it); None where a measure has no gradients' timeline."""
+    try:
+        turned = _in_backward(fits, offsets)
+    except (ValueError, DepthError):
+        return {c: None for c in fits}
+    out: dict[bool, Optional[int]] = {}
+    for c, f in turned.items():
+        best = f.largest(depth, budget, limit)
+        if best < f.batches[0]:
+            best = next((b for b in range(f.batches[0] - 1, 0, -1) if f.peak(depth, b) <= budget), 0)
+        out[c] = best
+    return out
+
+
 def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
               limit: int, ckpt: bool, optimizer: Any, at_batch: Optional[int], guess: Optional[int]
               ) -> tuple[Optional[Measure], int]:
@@ -332,7 +361,9 @@ def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any]
             stack = None
         else:
             best, best_ckpt = found[False], found.get(True)
-            row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth")
+            obw = _largest_in_backward(fits, stack.depth, budget, limit)
+            row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth", None, obw[False],
+                          obw.get(True))
             if not verify:
                 return row, fits
             at, exact = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best)
@@ -389,14 +420,15 @@ def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fit
 
 
 def _rung_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
-               optimizer: Any) -> Optional[tuple[Measure, Measure, dict[bool, DepthFit]]]:
+               optimizer: Any) -> Optional[tuple[Measure, Measure, dict[bool, DepthFit], Optional[list[int]]]]:
     """Another rung of the fitted precision's memory ladder (``bf16-pure:split`` after ``bf16-pure``):
     the same model, forward and backward; only what is kept for the weights and the optimizer step
     differ, by bytes that grow with the depth and not with the batch or checkpointing. So it is
     measured on the 1- and 2-block copies at the first batch only (two small steps instead of eight
     or more), and its fits are ``fits`` shifted by its difference in each phase's peak, extrapolated
-    to the full depth. Returns its two measures and the fits; None (plan it on its own) unless its
-    activations there are byte for byte the fitted precision's and it ran the same phases."""
+    to the full depth. Returns its two measures, the fits and the offsets of the same with the
+    optimizer in backward (None: not known); None (plan it on its own) unless its activations there
+    are byte for byte the fitted precision's and it ran the same phases."""
     f = fits[False]
     b = f.b1
     name = plan_cache.key(stack.spec, precision, optimizer, batch_of(b), depths=(f.d1, f.d2), batches=(b,),
@@ -410,15 +442,23 @@ def _rung_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fit
             with Session(stack.factory(d), optimizer, precision) as s:
                 measured[d] = s.measure(batch_of(b))
         plan_cache.save(name, {str(d): m for d, m in measured.items()})
-    diffs = {}
     for d, m in measured.items():
         ref = f.measures[(d, b)]
         if m.parts["activations"] != ref.parts["activations"] or len(m.phases) != len(ref.phases):
             return None
-        diffs[d] = [x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))]
     span = (stack.depth - f.d1) / (f.d2 - f.d1)
-    offsets = [round(x + (y - x) * span) for x, y in zip(diffs[f.d1], diffs[f.d2])]
-    return measured[f.d1], measured[f.d2], {c: fit_.shifted(offsets) for c, fit_ in fits.items()}
+
+    def offsets(turn: Callable[[Measure], Measure]) -> list[int]:
+        diffs = {d: [x.peak_bytes - y.peak_bytes for x, y in zip(_phases(turn(m)), _phases(turn(f.measures[(d, b)])))]
+                 for d, m in measured.items()}
+        return [round(x + (y - x) * span) for x, y in zip(diffs[f.d1], diffs[f.d2])]
+
+    try:
+        obw: Optional[list[int]] = offsets(in_backward)
+    except ValueError:
+        obw = None
+    shifted = {c: fit_.shifted(offsets(lambda m: m)) for c, fit_ in fits.items()}
+    return measured[f.d1], measured[f.d2], shifted, obw
 
 
 def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
@@ -451,7 +491,7 @@ def _rung_row(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
     got = _rung_fits(stack, precision, batch_of, fits, optimizer)
     if got is None:
         return None
-    m1, m2, shifted = got
+    m1, m2, shifted, obw_offsets = got
     try:
         found, at_b, grown = _by_depth(stack, precision, batch_of, budget, limit, tuple(shifted), optimizer,
                                        batch_size, fits=shifted, measured_as=first_spec)
@@ -465,8 +505,11 @@ def _rung_row(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
         y = m2.parts[k] - f.measures[(f.d2, f.b1)].parts[k]
         parts[k] = max(0, parts[k] + round(x + (y - x) * span))
     parts["temporaries"] = max(0, at_b[1] - sum(v for k, v in parts.items() if k != "temporaries"))
-    row = PlanRow(m1.precision, batch_size, at_b[1], parts, found[False], found.get(True), f"depth, rung of {first}")
-    return row, {c: f.shifted(()) for c, f in grown.items()}
+    base = {c: g.shifted(()) for c, g in grown.items()}
+    obw = _largest_in_backward(base, stack.depth, budget, limit, obw_offsets) if obw_offsets is not None else {}
+    row = PlanRow(m1.precision, batch_size, at_b[1], parts, found[False], found.get(True), f"depth, rung of {first}",
+                  None, obw.get(False), obw.get(True))
+    return row, base
 
 
 def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
@@ -494,13 +537,14 @@ def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[
         twin = _twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
         if twin is not None:
             try:
-                found, at_b, _ = _by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer, batch_size,
-                                           fits=twin[1])
+                found, at_b, grown = _by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer,
+                                               batch_size, fits=twin[1])
             except DepthError:
                 twin = None
             else:
+                obw = _largest_in_backward(grown, stack.depth, budget, limit)
                 rows.append(PlanRow(twin[0], batch_size, at_b[1], at_b[2], found[False], found.get(True),
-                                    f"depth, as {first.precision}"))
+                                    f"depth, as {first.precision}", None, obw[False], obw.get(True)))
         if twin is None:
             rows.append(plan_precision(factory, batch_of, budget, p, batch_size, stack=stack,
                                        checkpointing=checkpointing, verify=verify, limit=limit, optimizer=optimizer))

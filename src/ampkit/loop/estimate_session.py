@@ -120,7 +120,9 @@ def _checkpoint(model: torch.nn.Module, ckpt: Union[bool, Sequence[str]]) -> Non
 @dataclass(frozen=True)
 class Measure:
     """One measured step: its peak, parts (bytes), bytes by dtype, the total after each operation,
-    and where in the timeline the forward (the loss) and the backward ended (``phases``)."""
+    and where in the timeline the forward (the loss) and the backward ended (``phases``);
+    ``grads``: the gradients' bytes within each total, ``largest_grad``: the largest parameter's
+    share of them (what :func:`ampkit.loop.plan_levers.in_backward` plans the optimizer in backward from)."""
 
     precision: str
     peak_bytes: int
@@ -128,6 +130,8 @@ class Measure:
     by_dtype: dict[str, int]
     timeline: tuple[int, ...]
     phases: tuple[int, ...] = ()
+    grads: tuple[int, ...] = ()
+    largest_grad: int = 0
 
 
 class Session:
@@ -234,6 +238,8 @@ class Session:
             with tracker, kernels:
                 self.run.forward_backward(fake_batch)
                 self._marks.append(len(tracker.timeline))
+                params = [*model.parameters(), *amp.master_params()]
+                tracker.mark_gradients([p.grad for p in params if p.grad is not None])
                 static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
                 tracker.optimizer()
                 amp.step(opt)
@@ -253,8 +259,10 @@ class Session:
         parts["activations"] = act_bytes
         peak = max(peak, sum(parts.values()))
         parts["temporaries"] = peak - sum(parts.values())
+        numels = [p.numel() for p in model.parameters()]
+        largest = parts["gradients"] * max(numels, default=0) // max(1, sum(numels))
         return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(t + ws for t in tracker.timeline),
-                       tuple(self._marks))
+                       tuple(self._marks), tuple(tracker.grad_timeline), largest)
 
 
 class Curve:

@@ -110,7 +110,8 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
         raw = json.loads((directory / f"{name}.json").read_text())
         return {k: Measure(m["precision"], int(m["peak_bytes"]), {p: int(v) for p, v in m["parts"].items()},
                            {d: int(v) for d, v in m["by_dtype"].items()}, tuple(int(x) for x in m["timeline"]),
-                           tuple(int(x) for x in m["phases"])) for k, m in raw["measures"].items()}
+                           tuple(int(x) for x in m["phases"]), tuple(int(x) for x in m.get("grads", ())),
+                           int(m.get("largest_grad", 0))) for k, m in raw["measures"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -121,7 +122,8 @@ def save(name: Optional[str], measures: dict[str, Measure]) -> None:
     if directory is None or name is None:
         return
     body = {"measures": {k: {"precision": m.precision, "peak_bytes": m.peak_bytes, "parts": m.parts,
-                             "by_dtype": m.by_dtype, "timeline": list(m.timeline), "phases": list(m.phases)}
+                             "by_dtype": m.by_dtype, "timeline": list(m.timeline), "phases": list(m.phases),
+                             "grads": list(m.grads), "largest_grad": m.largest_grad}
                          for k, m in measures.items()}}
     try:
         directory.mkdir(parents=True, exist_ok=True)

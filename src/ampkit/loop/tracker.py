@@ -56,7 +56,11 @@ class StepTracker(TorchDispatchMode):
         self._block = block
         self.timeline: list[int] = []
         self.total = self.forward_total = self.peak = self.peak_forward_bytes = 0
-        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, bytes, made by the forward]
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, bytes, made by the forward, made at]
+        self.grad_timeline: list[int] = []  # the gradients' bytes after each operation (mark_gradients)
+        self._grads: set[int] = set()
+        self.grad_total = 0
+        self._marked = False
         self._phase = "forward"
         self._in_module = 0  # modules being run (a checkpointed block's recomputation in the backward)
         self._hooks: list[Any] = []
@@ -79,7 +83,7 @@ class StepTracker(TorchDispatchMode):
                     entry[1] = n
                 continue
             key = id(st)
-            self._live[key] = [weakref.ref(st, functools.partial(self._freed, key)), n, forward]
+            self._live[key] = [weakref.ref(st, functools.partial(self._freed, key)), n, forward, len(self.timeline)]
             self.total += n
             if forward:
                 self.forward_total += n
@@ -90,6 +94,9 @@ class StepTracker(TorchDispatchMode):
             self.total -= entry[1]
             if entry[2]:
                 self.forward_total -= entry[1]
+            if key in self._grads:
+                self._grads.discard(key)
+                self.grad_total -= entry[1]
 
     def track_external(self, *objs: Any) -> None:
         """Count tensors made before the step: a module's parameters, buffers and gradients, an
@@ -109,6 +116,25 @@ class StepTracker(TorchDispatchMode):
                             self._add(v, False)
             elif isinstance(obj, torch.Tensor):
                 self._add(obj, False)
+
+    def mark_gradients(self, tensors: Any) -> None:
+        """Count ``tensors`` (the step's gradients, all made since the step began) apart: from now
+        on :attr:`grad_timeline` follows their live bytes after every operation, and its past is
+        filled in from when each was made (what a plan of the optimizer in backward subtracts)."""
+        self._marked = True
+        made = [0] * (len(self.timeline) + 1)
+        for t in tensors:
+            for st in _storages(t):
+                entry = self._live.get(id(st))
+                if entry is None or id(st) in self._grads:
+                    continue
+                self._grads.add(id(st))
+                self.grad_total += entry[1]
+                made[max(0, entry[3])] += entry[1]
+        held, self.grad_timeline = 0, []
+        for n in made[:len(self.timeline)]:
+            held += n
+            self.grad_timeline.append(held)
 
     # the phases ----------------------------------------------------------------------------
     def backward(self) -> None:
@@ -158,6 +184,8 @@ class StepTracker(TorchDispatchMode):
                         if isinstance(t, torch.Tensor):
                             self._add(t, forward)
         self.timeline.append(self.total)
+        if self._marked:
+            self.grad_timeline.append(self.grad_total)
         if self.total > self.peak:
             self.peak, self.peak_forward_bytes = self.total, self.forward_total
         return out
