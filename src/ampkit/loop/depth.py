@@ -95,8 +95,9 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         return None
     rest = {k: v for k, v in (overrides or {}).items() if k not in (key, "num_hidden_layers")}
+    spec = [model, rest, key] + ([config.to_dict()] if model.endswith(".json") else [])  # a file: its fields
     return Stack(model, depth, functools.partial(_hf_at, model, rest, key),
-                 json.dumps([model, rest, key], sort_keys=True, default=repr))
+                 json.dumps(spec, sort_keys=True, default=repr))
 
 
 def _phases(m: Measure) -> list[Measure]:

@@ -162,23 +162,25 @@ def current() -> Optional[GPU]:
     return _CURRENT.get()
 
 
-def gpu_attention() -> Any:
-    """A ``TorchFunctionMode`` under which ``scaled_dot_product_attention`` runs without dropout: on
+@contextlib.contextmanager
+def gpu_attention() -> Iterator[None]:
+    """Inside the block ``torch.nn.functional.scaled_dot_product_attention`` runs without dropout: on
     the CPU that is the fused (flash) kernel, which keeps what a GPU's fused kernel keeps with
     dropout (the output and the log-sum-exp rows; the math kernel the CPU takes for dropout keeps
-    the whole attention matrix)."""
-    import torch
+    the whole attention matrix). The function is swapped on ``torch.nn.functional`` itself, not in a
+    ``TorchFunctionMode``: a checkpointed block's recomputation in the backward does not see the
+    modes of the forward, and would save other tensors than its forward did. Estimates hold a lock
+    (:data:`ampkit.loop.estimate_session.LOCK`), so no other estimate runs meanwhile."""
     import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
 
-    class _FusedAttention(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = dict(kwargs or {})
-            if func is F.scaled_dot_product_attention or func is torch._C._nn.scaled_dot_product_attention:
-                if len(args) > 4:  # dropout_p given by position
-                    args = (*args[:4], 0.0, *args[5:])
-                else:
-                    kwargs["dropout_p"] = 0.0
-            return func(*args, **kwargs)
+    original = F.scaled_dot_product_attention
 
-    return _FusedAttention()
+    def fused(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              *args: Any, **kwargs: Any) -> Any:
+        return original(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
