@@ -194,3 +194,27 @@ def test_stack_for_knows_stacks_and_nothing_else():
     assert stack_for("gpt", "huge") is None  # the CLI reports an unknown size itself
     with torch.device("meta"):
         assert len(stack_for("gpt", "medium").factory(1)().blocks) == 1
+
+
+@pytest.mark.slow
+def test_ladder_rungs_planned_from_their_precisions_fits_are_their_own_plans():
+    """A rung (bf16-pure:split, :stochastic+bf16) planned with bf16-pure differs from it only in its
+    masters and optimizer state: measured on the 1- and 2-block copies at batch 4 and shifted, its
+    answers are those of its own full depth plan, with and without checkpointing, at two budgets (one
+    with answers below the measured batches, measured in bf16-pure and shifted too)."""
+    st, batch_of = gpt_small_at(4), tokens(128)
+    factory = st.factory(4)
+    with Session(factory, "adamw", "bf16-pure") as s:
+        one, two = s.measure(batch_of(2)).peak_bytes, s.measure(batch_of(3)).peak_bytes
+    rungs = ["bf16-pure:split", "bf16-pure:stochastic+bf16"]
+    for budget in (one + int(9.5 * (two - one)), one + (two - one) // 2):
+        rows = plan_precisions(factory, batch_of, budget, ["bf16-pure", *rungs], 2, stack=st)
+        assert [r.method for r in rows] == ["depth", "depth, rung of bf16-pure", "depth, rung of bf16-pure"]
+        for rung, row in zip(rungs, rows[1:]):
+            own = plan_precision(factory, batch_of, budget, rung, 2, stack=st)
+            assert (row.largest, row.largest_checkpointed) == (own.largest, own.largest_checkpointed), rung
+            assert abs(row.peak_bytes - own.peak_bytes) <= TOLERANCE * own.peak_bytes, rung
+            for k in ("parameters", "master_weights", "optimizer_state", "activations"):
+                assert row.parts[k] == own.parts[k], (rung, k)
+            assert (row.largest_in_backward, row.largest_in_backward_checkpointed) == \
+                (own.largest_in_backward, own.largest_in_backward_checkpointed), rung
