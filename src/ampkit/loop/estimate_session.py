@@ -231,7 +231,9 @@ class Session:
             self._warm_up(fake_batch)
             self._warm = True
         tracker = StepTracker(self.target.block_bytes if self.target is not None else None)
-        tracker.track_external(model, opt, *amp.master_params())
+        # the ladder's remainders / compensations too (breakdown's master_weights): held all step long
+        kept = getattr(getattr(amp, "policy", None), "master_storage", list)()
+        tracker.track_external(model, opt, *amp.master_params(), *kept)
         self._tracker, self._marks, self._saved = tracker, [], None
         kernels = plan_devices.gpu_attention() if self.target is not None else contextlib.nullcontext()
         try:
