@@ -134,12 +134,13 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     """The twin's fits (the first's, shifted per phase by the difference measured on the 1-block copy)
     predict exactly what its own 2 x 2 measures predict, at other depths and batches, with and without
     checkpointing: the loss scaler's scalars are the same bytes everywhere."""
-    from ampkit.loop.depth import _twin_fits, measure_both
+    from ampkit.loop.depth import measure_both
+    from ampkit.loop.depth_rungs import twin_fits
 
     st, batch_of = gpt_small_at(4), tokens(128)
     fits = measure_both(st, first, batch_of, (False, True))
     own = measure_both(st, twin, batch_of, (False, True))
-    label, shifted = _twin_fits(st, twin, batch_of, fits, "adamw")
+    label, shifted = twin_fits(st, twin, batch_of, fits, "adamw")
     assert label == twin and any(any(f.offsets) for f in shifted.values())  # fp16 does differ, by a few bytes
     for c in (False, True):
         for depth in (1, 4, 12):
@@ -151,7 +152,7 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     # and at the batches under 4 (a small budget's answers), measured into both fits
     small = measure_both(st, first, batch_of, (False,), batches=(1, 2, 3, 4, 5))
     own_small = measure_both(st, twin, batch_of, (False,), batches=(1, 2, 3, 4, 5))
-    label, shifted_small = _twin_fits(st, twin, batch_of, small, "adamw")
+    label, shifted_small = twin_fits(st, twin, batch_of, small, "adamw")
     for depth in (1, 4, 12):
         for b in (1, 2, 3):
             assert shifted_small[False].peak(depth, b) == own_small[False].peak(depth, b), (depth, b)

@@ -31,10 +31,9 @@ from ..step.policies.ladder import parse_rung
 from ..step.precision import REGISTRY
 from . import plan_cache
 from .estimate_session import PARTS, Curve, Measure, Session, fit
-from .plan_levers import in_backward
 
-__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
-           "measure_depths", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
+__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "by_depth",
+           "measure_both", "measure_depths", "phases", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
 BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
@@ -100,7 +99,7 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
                  json.dumps(spec, sort_keys=True, default=repr))
 
 
-def _phases(m: Measure) -> list[Measure]:
+def phases(m: Measure) -> list[Measure]:
     """The measure cut into what is extrapolated separately: the forward, the backward, the
     optimizer step (timeline slices), and the parts' sum (the estimate's floor for the peak)."""
     cuts = [0, *m.phases, len(m.timeline)]
@@ -127,7 +126,7 @@ class DepthFit:
         self.offsets: tuple[int, ...] = ()  # per phase, added to every peak (:meth:`shifted`)
         self.curves: dict[int, list[Curve]] = {}
         for d in depths:
-            lo, hi = _phases(measures[(d, self.b1)]), _phases(measures[(d, self.b2)])
+            lo, hi = phases(measures[(d, self.b1)]), phases(measures[(d, self.b2)])
             self.curves[d] = [Curve(self.b1, x, self.b2, y) for x, y in zip(lo, hi)]
         if not all(c.ok for cs in self.curves.values() for c in cs):
             raise DepthError(f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
@@ -143,15 +142,15 @@ class DepthFit:
         return v1 + (v2 - v1) * (depth - self.d1) / (self.d2 - self.d1)
 
     def shifted(self, offsets: Sequence[int]) -> DepthFit:
-        """This fit with each phase's peak moved by ``offsets`` (bytes; one per phase of :func:`_phases`)."""
+        """This fit with each phase's peak moved by ``offsets`` (bytes; one per phase of :func:`phases`)."""
         out = copy.copy(self)
         out.offsets = tuple(offsets)
         return out
 
     def _phase_peaks(self, depth: int, batch: int) -> list[float]:
         if batch in self.batches:  # measured: each phase's own peak, extrapolated in the depth
-            phases = {d: [p.peak_bytes for p in _phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
-            out = [self._at(depth, lambda d, i=i: phases[d][i]) for i in range(len(phases[self.d1]))]
+            peaks = {d: [p.peak_bytes for p in phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
+            out = [self._at(depth, lambda d, i=i: peaks[d][i]) for i in range(len(peaks[self.d1]))]
         else:
             out = [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
         return [v + o for v, o in zip(out, self.offsets)] if self.offsets else out
@@ -259,7 +258,7 @@ class PlanRow:
         return sum(v for k, v in self.parts.items() if k not in ("activations", "temporaries"))
 
 
-def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
+def by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
               checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
               fits: Optional[dict[bool, DepthFit]] = None, measured_as: Optional[str] = None
               ) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
@@ -297,30 +296,6 @@ def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budg
     return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits
 
 
-def _in_backward(fits: dict[bool, DepthFit], offsets: Optional[Sequence[int]] = None) -> dict[bool, DepthFit]:
-    """``fits`` with the optimizer in backward: each measure turned by :func:`plan_levers.in_backward`,
-    then shifted as ``fits`` are (or by ``offsets``: a rung's own, from its turned measures)."""
-    return {c: DepthFit({k: in_backward(m) for k, m in f.measures.items()}).shifted(
-        f.offsets if offsets is None else offsets) for c, f in fits.items()}
-
-
-def _largest_in_backward(fits: dict[bool, DepthFit], depth: int, budget: int, limit: int,
-                         offsets: Optional[Sequence[int]] = None) -> dict[bool, Optional[int]]:
-    """The largest batch with the optimizer in backward per checkpointing setting (below the measured
-    batches by the fit's own line, none measured for it); None where a measure has no gradients' timeline."""
-    try:
-        turned = _in_backward(fits, offsets)
-    except (ValueError, DepthError):
-        return {c: None for c in fits}
-    out: dict[bool, Optional[int]] = {}
-    for c, f in turned.items():
-        best = f.largest(depth, budget, limit)
-        if best < f.batches[0]:
-            best = next((b for b in range(f.batches[0] - 1, 0, -1) if f.peak(depth, b) <= budget), 0)
-        out[c] = best
-    return out
-
-
 def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
               limit: int, ckpt: bool, optimizer: Any, at_batch: Optional[int], guess: Optional[int]
               ) -> tuple[Optional[Measure], int]:
@@ -356,13 +331,15 @@ def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any]
     """:func:`plan_precision`, and the depth fits its row came from (None: measured whole or verified)."""
     if stack is not None:
         try:
-            found, at_b, fits = _by_depth(stack, precision, batch_of, budget, limit,
+            found, at_b, fits = by_depth(stack, precision, batch_of, budget, limit,
                                           (False, True) if checkpointing else (False,), optimizer, batch_size)
         except DepthError:
             stack = None
         else:
             best, best_ckpt = found[False], found.get(True)
-            obw = _largest_in_backward(fits, stack.depth, budget, limit)
+            from .depth_rungs import largest_in_backward  # (it builds on this module)
+
+            obw = largest_in_backward(fits, stack.depth, budget, limit)
             row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth", None, obw[False],
                           obw.get(True))
             if not verify:
@@ -387,81 +364,6 @@ def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any]
 TWINS = tuple((n, r.twin) for n, r in REGISTRY.items() if r.twin and n < r.twin)
 
 
-def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
-               optimizer: Any) -> Optional[tuple[str, dict[bool, DepthFit]]]:
-    """``precision``'s label and fits as ``fits`` shifted by its own per-phase difference, measured on
-    the first depth's copy at the first batch with each checkpointing setting of ``fits``; None (plan
-    it on its own) unless its parameters, gradients, masters, optimizer state and activations there
-    are byte for byte the fitted precision's and it ran the same phases."""
-    out: dict[bool, DepthFit] = {}
-    settings = tuple(fits)
-    first = fits[settings[0]]
-    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(first.b1), depths=(first.d1,),
-                          batches=(first.b1,), checkpointing=settings, twin=True)
-    kept = plan_cache.load(name) or {}
-    if all(str(int(c)) in kept for c in settings):
-        measured = {c: kept[str(int(c))] for c in settings}
-    else:
-        measured = {}
-        with Session(stack.factory(DEPTHS[0]), optimizer, precision, activation_checkpointing=settings[0]) as s:
-            for i, c in enumerate(settings):
-                if i:
-                    s.checkpointing(c)
-                measured[c] = s.measure(batch_of(fits[c].b1))
-        plan_cache.save(name, {str(int(c)): m for c, m in measured.items()})
-    for c in settings:
-        f = fits[c]
-        m, ref = measured[c], f.measures[(f.d1, f.b1)]
-        same = {k: v for k, v in m.parts.items() if k != "temporaries"} == \
-            {k: v for k, v in ref.parts.items() if k != "temporaries"}
-        if not same or len(m.phases) != len(ref.phases):
-            return None
-        out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
-    return m.precision, out
-
-
-def _rung_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
-               optimizer: Any) -> Optional[tuple[Measure, Measure, dict[bool, DepthFit], Optional[list[int]]]]:
-    """Another rung of the fitted precision's memory ladder (``bf16-pure:split`` after ``bf16-pure``):
-    the same model, forward and backward; only what is kept for the weights and the optimizer step
-    differ, by bytes that grow with the depth and not with the batch or checkpointing. So it is
-    measured on the 1- and 2-block copies at the first batch only (two small steps instead of eight
-    or more), and its fits are ``fits`` shifted by its difference in each phase's peak, extrapolated
-    to the full depth. Returns its two measures, the fits and the offsets of the same with the
-    optimizer in backward (None: not known); None (plan it on its own) unless its activations there
-    are byte for byte the fitted precision's and it ran the same phases."""
-    f = fits[False]
-    b = f.b1
-    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(b), depths=(f.d1, f.d2), batches=(b,),
-                          checkpointing=(False,), rung=True)
-    kept = plan_cache.load(name) or {}
-    if all(str(d) in kept for d in (f.d1, f.d2)):
-        measured = {d: kept[str(d)] for d in (f.d1, f.d2)}
-    else:
-        measured = {}
-        for d in (f.d1, f.d2):
-            with Session(stack.factory(d), optimizer, precision) as s:
-                measured[d] = s.measure(batch_of(b))
-        plan_cache.save(name, {str(d): m for d, m in measured.items()})
-    for d, m in measured.items():
-        ref = f.measures[(d, b)]
-        if m.parts["activations"] != ref.parts["activations"] or len(m.phases) != len(ref.phases):
-            return None
-    span = (stack.depth - f.d1) / (f.d2 - f.d1)
-
-    def offsets(turn: Callable[[Measure], Measure]) -> list[int]:
-        diffs = {d: [x.peak_bytes - y.peak_bytes for x, y in zip(_phases(turn(m)), _phases(turn(f.measures[(d, b)])))]
-                 for d, m in measured.items()}
-        return [round(x + (y - x) * span) for x, y in zip(diffs[f.d1], diffs[f.d2])]
-
-    try:
-        obw: Optional[list[int]] = offsets(in_backward)
-    except ValueError:
-        obw = None
-    shifted = {c: fit_.shifted(offsets(lambda m: m)) for c, fit_ in fits.items()}
-    return measured[f.d1], measured[f.d2], shifted, obw
-
-
 def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
     """The precisions :func:`plan_precisions` plans together where they are asked of a stack model (not
     with ``verify``: each is measured whole then): both of a :data:`TWINS` pair, and the rungs of a
@@ -484,35 +386,6 @@ def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool 
     return out
 
 
-def _rung_row(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int, optimizer: Any,
-             batch_size: int, fits: dict[bool, DepthFit], first: str, first_spec: str
-             ) -> Optional[tuple[PlanRow, dict[bool, DepthFit]]]:
-    """``precision``'s row from :func:`_rung_fits`, and ``fits`` with what was measured for it below
-    their batches (in ``first_spec``, the precision they are of); None: plan it on its own."""
-    got = _rung_fits(stack, precision, batch_of, fits, optimizer)
-    if got is None:
-        return None
-    m1, m2, shifted, obw_offsets = got
-    try:
-        found, at_b, grown = _by_depth(stack, precision, batch_of, budget, limit, tuple(shifted), optimizer,
-                                       batch_size, fits=shifted, measured_as=first_spec)
-    except DepthError:
-        return None
-    f = fits[False]
-    span = (stack.depth - f.d1) / (f.d2 - f.d1)
-    parts = dict(at_b[2])
-    for k in PARTS[:4]:  # the rung's own weights, masters and state, extrapolated in the depth
-        x = m1.parts[k] - f.measures[(f.d1, f.b1)].parts[k]
-        y = m2.parts[k] - f.measures[(f.d2, f.b1)].parts[k]
-        parts[k] = max(0, parts[k] + round(x + (y - x) * span))
-    parts["temporaries"] = max(0, at_b[1] - sum(v for k, v in parts.items() if k != "temporaries"))
-    base = {c: g.shifted(()) for c, g in grown.items()}
-    obw = _largest_in_backward(base, stack.depth, budget, limit, obw_offsets) if obw_offsets is not None else {}
-    row = PlanRow(m1.precision, batch_size, at_b[1], parts, found[False], found.get(True), f"depth, rung of {first}",
-                  None, obw.get(False), obw.get(True))
-    return row, base
-
-
 def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
                     precisions: list[str], batch_size: int, *, stack: Optional[Stack] = None,
                     checkpointing: bool = True, verify: bool = False, limit: int = 1 << 16,
@@ -520,30 +393,32 @@ def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[
     """:func:`plan_precision` for each of ``precisions`` (in order). Where the first is planned by
     depth extrapolation, each later one is measured on the 1-block copy at the first batch (each
     checkpointing setting: one small session) and, where its parts there are the first's, takes the
-    first's fits shifted by its own difference in each phase's peak (:func:`_twin_fits`; method
+    first's fits shifted by its own difference in each phase's peak (:func:`~.depth_rungs.twin_fits`; method
     ``"depth, as <first>"``) -- for :data:`TWINS` the loss scaler's scalars, the same at every depth
     and batch (tested against their own fits). Anything else, or ``verify``: its own plan."""
     first, fits = _plan(factory, batch_of, budget, precisions[0], batch_size, stack, checkpointing, verify, limit,
                         optimizer)
+    from .depth_rungs import largest_in_backward, rung_row, twin_fits  # (they build on this module)
+
     rows = [first]
     family = parse_rung(precisions[0])[0]
     for p in precisions[1:]:
         if fits is not None and stack is not None and parse_rung(p)[0] == family and p != precisions[0]:
-            got = _rung_row(stack, p, batch_of, budget, limit, optimizer, batch_size, fits, first.precision,
+            got = rung_row(stack, p, batch_of, budget, limit, optimizer, batch_size, fits, first.precision,
                             precisions[0])
             if got is not None:
                 rows.append(got[0])
                 fits = got[1]
                 continue
-        twin = _twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
+        twin = twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
         if twin is not None:
             try:
-                found, at_b, grown = _by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer,
+                found, at_b, grown = by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer,
                                                batch_size, fits=twin[1])
             except DepthError:
                 twin = None
             else:
-                obw = _largest_in_backward(grown, stack.depth, budget, limit)
+                obw = largest_in_backward(grown, stack.depth, budget, limit)
                 rows.append(PlanRow(twin[0], batch_size, at_b[1], at_b[2], found[False], found.get(True),
                                     f"depth, as {first.precision}", None, obw[False], obw.get(True)))
         if twin is None:

@@ -99,17 +99,23 @@ class GPU:
         return int(left * (1 - FRAGMENTATION))
 
     def refuses(self, precision: str) -> Optional[str]:
-        """Why this device cannot run ``precision`` (a plan row's reason), or None."""
-        base = precision.partition(":")[0]
-        if base.startswith("bf16") and not self.bf16:
-            return f"the {self.label} (sm_{self.capability[0]}{self.capability[1]}) has no bf16"
-        if base == "fp8" and not self.fp8:
-            return f"the {self.label} (sm_{self.capability[0]}{self.capability[1]}) has no fp8 matmuls"
+        """Why this device cannot run ``precision`` (a plan row's reason), or None: the precision's
+        registry row says what it needs (bf16 compute, the fp8 hardware flag)."""
+        import torch
+
+        from ..step.precision import REGISTRY
+
+        row = REGISTRY.get(precision.partition(":")[0])
+        sm = f"sm_{self.capability[0]}{self.capability[1]}"
+        if row is not None and torch.bfloat16 in (row.compute_dtype, row.param_dtype) and not self.bf16:
+            return f"the {self.label} ({sm}) has no bf16"
+        if row is not None and row.hardware is not None and not getattr(self, row.hardware, False):
+            return f"the {self.label} ({sm}) has no {row.hardware} matmuls"  # the row's DeviceInfo flag
         return None
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.name, "device_name": self.label, "device_memory_bytes": self.memory_bytes,
-                "capability": list(self.capability), "bf16": self.bf16, "fp8": self.fp8}
+                "capability": list(self.capability), "supports_bf16": self.bf16, "supports_fp8": self.fp8}
 
 
 def _gpu(name: str, label: str, mib: Optional[int], cap: tuple[int, int], fp8: bool = False) -> GPU:
