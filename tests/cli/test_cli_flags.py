@@ -58,7 +58,7 @@ FLAGS = {
         --repeats --rungs --seed --size --steps --tolerance --warmup -h
     """,
     "plan": """
-        --batch_size --block_size --data --help --json --max_length --memory --model --model_config
+        --batch_size --block_size --data --device --help --json --max_length --memory --model --model_config
         --no_cache --precisions --size --verify --workers -h
     """,
     "explain": """
@@ -314,7 +314,10 @@ def test_one_model_group_from_loop_models():
         actions = {a.dest: a for a in commands[name]._actions}
         assert tuple(actions["size"].choices) == SIZE_CHOICES and actions["size"].default == size
         assert all(m in actions["model"].help for m in MODELS) and actions["model"].default == "gpt"
-        assert ("device" in actions) == (name != "plan")  # plan estimates on fake tensors
+        # plan estimates on fake tensors: its --device is the device planned for, outside the model group
+        group = next(g for g in commands[name]._action_groups if g.title == "model and data")
+        assert ("device" in {a.dest for a in group._group_actions}) == (name != "plan")
+        assert "device" in actions
         group = next(g for g in commands[name]._action_groups if g.title == "model and data")
         assert {a.dest for a in group._group_actions} >= {"model", "size", "model_config", "data", "block_size"}
 

@@ -62,6 +62,50 @@ def test_plan_takes_a_config_class_path(capsys):
         assert says in err and len(err.strip().splitlines()) == 1, err
 
 
+LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+
+
+def test_families_by_name_keyword_fields_or_a_config_file(tmp_path):
+    """Llama, Mistral, Qwen2 (and GPT-2) by alias with keyword fields, or from a model's config.json
+    (its model_type names the family; --model_config still overrides); nothing downloaded."""
+    from ampkit.models.hf_configs import hf_config, is_hf
+    from ampkit.plan.depth import stack_for
+
+    for alias, cls in (("llama", "LlamaConfig"), ("mistral", "MistralConfig"), ("qwen2", "Qwen2Config")):
+        cfg = hf_config(alias, LLAMA_LIKE)
+        assert type(cfg).__name__ == cls and cfg.num_key_value_heads == 2 and cfg.hidden_size == 64
+    assert type(hf_config("gpt2", {"n_layer": 2})).__name__ == "GPT2Config"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                "transformers_version": "4.0", **LLAMA_LIKE}))
+    assert is_hf(str(path))
+    cfg = hf_config(str(path), {"num_hidden_layers": 5})
+    assert type(cfg).__name__ == "Qwen2Config" and cfg.num_hidden_layers == 5 and cfg.intermediate_size == 128
+    st = stack_for(str(path))
+    assert st is not None and st.depth == 3 and '"intermediate_size": 128' in st.spec  # the file's fields name it
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "no-such-family"}))
+    with pytest.raises(ValueError, match="model_type 'no-such-family' is not a transformers model family; e.g. gpt2"):
+        hf_config(str(bad))
+    with pytest.raises(ValueError, match="cannot be read"):
+        hf_config(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.slow
+def test_plan_a_config_file_for_a_named_gpu(tmp_path, capsys):
+    from ampkit.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mistral", **LLAMA_LIKE}))
+    assert main(["plan", "--model", str(path), "--device", "a100-40gb", "--precisions", "bf16,bf16-pure,"
+                 "bf16-pure:stochastic", "--batch_size", "2", "--workers", "1", "--no_cache", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "a100-40gb" and out["model"] == str(path)
+    assert [r["method"] for r in out["rows"]] == ["depth", "depth", "depth, rung of bf16-pure"]
+    assert all(r["fits"] and r["largest_batch"] >= 2 for r in out["rows"])
+
+
 @pytest.mark.slow
 def test_train_gpt2_on_texts_and_save_the_model(tmp_path, capsys):
     from transformers import AutoModelForCausalLM

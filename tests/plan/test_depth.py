@@ -9,10 +9,9 @@ from ampkit.plan.depth import (
     DepthFit,
     Stack,
     measure_depths,
-    plan_precision,
-    plan_precisions,
     stack_for,
 )
+from ampkit.plan.depth_plan import plan_precision, plan_precisions
 from ampkit.plan.session import Measure, Session
 
 TOLERANCE = 0.001  # stated: the extrapolated peak is within 0.1% of the full estimate (measured: 0 bytes)
@@ -134,12 +133,13 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     """The twin's fits (the first's, shifted per phase by the difference measured on the 1-block copy)
     predict exactly what its own 2 x 2 measures predict, at other depths and batches, with and without
     checkpointing: the loss scaler's scalars are the same bytes everywhere."""
-    from ampkit.plan.depth import _twin_fits, measure_both
+    from ampkit.plan.depth import measure_both
+    from ampkit.plan.depth_rungs import twin_fits
 
     st, batch_of = gpt_small_at(4), tokens(128)
     fits = measure_both(st, first, batch_of, (False, True))
     own = measure_both(st, twin, batch_of, (False, True))
-    label, shifted = _twin_fits(st, twin, batch_of, fits, "adamw")
+    label, shifted = twin_fits(st, twin, batch_of, fits, "adamw")
     assert label == twin and any(any(f.offsets) for f in shifted.values())  # fp16 does differ, by a few bytes
     for c in (False, True):
         for depth in (1, 4, 12):
@@ -151,7 +151,7 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     # and at the batches under 4 (a small budget's answers), measured into both fits
     small = measure_both(st, first, batch_of, (False,), batches=(1, 2, 3, 4, 5))
     own_small = measure_both(st, twin, batch_of, (False,), batches=(1, 2, 3, 4, 5))
-    label, shifted_small = _twin_fits(st, twin, batch_of, small, "adamw")
+    label, shifted_small = twin_fits(st, twin, batch_of, small, "adamw")
     for depth in (1, 4, 12):
         for b in (1, 2, 3):
             assert shifted_small[False].peak(depth, b) == own_small[False].peak(depth, b), (depth, b)
@@ -194,3 +194,27 @@ def test_stack_for_knows_stacks_and_nothing_else():
     assert stack_for("gpt", "huge") is None  # the CLI reports an unknown size itself
     with torch.device("meta"):
         assert len(stack_for("gpt", "medium").factory(1)().blocks) == 1
+
+
+@pytest.mark.slow
+def test_ladder_rungs_planned_from_their_precisions_fits_are_their_own_plans():
+    """A rung (bf16-pure:split, :stochastic+bf16) planned with bf16-pure differs from it only in its
+    masters and optimizer state: measured on the 1- and 2-block copies at batch 4 and shifted, its
+    answers are those of its own full depth plan, with and without checkpointing, at two budgets (one
+    with answers below the measured batches, measured in bf16-pure and shifted too)."""
+    st, batch_of = gpt_small_at(4), tokens(128)
+    factory = st.factory(4)
+    with Session(factory, "adamw", "bf16-pure") as s:
+        one, two = s.measure(batch_of(2)).peak_bytes, s.measure(batch_of(3)).peak_bytes
+    rungs = ["bf16-pure:split", "bf16-pure:stochastic+bf16"]
+    for budget in (one + int(9.5 * (two - one)), one + (two - one) // 2):
+        rows = plan_precisions(factory, batch_of, budget, ["bf16-pure", *rungs], 2, stack=st)
+        assert [r.method for r in rows] == ["depth", "depth, rung of bf16-pure", "depth, rung of bf16-pure"]
+        for rung, row in zip(rungs, rows[1:]):
+            own = plan_precision(factory, batch_of, budget, rung, 2, stack=st)
+            assert (row.largest, row.largest_checkpointed) == (own.largest, own.largest_checkpointed), rung
+            assert abs(row.peak_bytes - own.peak_bytes) <= TOLERANCE * own.peak_bytes, rung
+            for k in ("parameters", "master_weights", "optimizer_state", "activations"):
+                assert row.parts[k] == own.parts[k], (rung, k)
+            assert (row.largest_in_backward, row.largest_in_backward_checkpointed) == \
+                (own.largest_in_backward, own.largest_in_backward_checkpointed), rung

@@ -113,7 +113,8 @@ def test_plan_cli_and_bad_input(capsys):
     assert rows["fp32"]["largest_batch_activation_checkpointing"] >= rows["fp32"]["largest_batch"]
     assert rows["bf16-pure"]["saving_vs_fp32"] > 0
     for argv, says in ((["--memory", "8XB"], "memory size '8XB' is not understood"),
-                       (["--memory", "100KiB"], "smaller than the parameters")):
+                       (["--memory", "1GiB", "--device", "l4"], "choose cpu or one of: cuda")):  # (a budget
+        # below the state alone is no error since issue 36: that row says why, tests/cli/test_plan.py)
         assert main(["plan", "--model", "gpt", "--size", "tiny", "--precisions", "fp32", *argv]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1

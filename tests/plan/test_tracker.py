@@ -15,9 +15,13 @@ def _memtracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class Ref(MemTracker):
-        def __init__(self):
+        def __init__(self, block=None):  # block: another device's allocator (not compared here)
             super().__init__()
             self.timeline = []
+            self.grad_timeline = []
+
+        def mark_gradients(self, tensors):  # the gradients' own timeline: not MemTracker's
+            pass
 
         def backward(self):
             pass

@@ -74,8 +74,8 @@ def precision_list(text: str) -> list[str]:
 def model_flags(p: argparse.ArgumentParser, *, size: str, device: bool = True) -> None:
     """``--model``, ``--size`` (and ``--device``) with the data flags: one definition for every command."""
     g = p.add_argument_group("model and data")
-    flag(g, "model", default="gpt", help=f"built-in model ({', '.join(MODELS)}), a Hugging Face config (gpt2, "
-         "transformers.GPT2Config) or package.module:factory (default: gpt)")
+    flag(g, "model", default="gpt", help=f"built-in model ({', '.join(MODELS)}), a Hugging Face config (gpt2, llama, mistral, qwen2, "
+         "transformers.GPT2Config, a config.json) or package.module:factory (default: gpt)")
     flag(g, "size", default=size, choices=SIZE_CHOICES, help=f"model size preset (default: {size})")
     if device:
         flag(g, "device", default=None, help="cpu, cuda, cuda:1, mps (default: best available)")

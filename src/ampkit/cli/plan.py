@@ -8,7 +8,9 @@ import os
 import threading
 from typing import Any, Optional
 
-from ..plan.depth import METHOD_NOTE, plan_groups, plan_precisions
+from ..plan.depth import METHOD_NOTE
+from ..plan.depth_plan import plan_groups, plan_precisions
+from ..plan.devices import DEVICES
 from ..plan.estimate import PLAN_PRECISIONS, parse_bytes
 from ..step.precision import REFERENCE, REGISTRY
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
@@ -25,10 +27,23 @@ def _unmeasured(name: str) -> bool:
     row = REGISTRY.get(name.partition(":")[0])
     return row is not None and not row.measures_activations
 
-def default_precisions() -> str:
+#: a GPU plan's rows: the autocast reference and every rung of bf16-pure's memory ladder, with fp32 and
+#: bf16 optimizer states (a card without bf16 plans fp16's instead)
+GPU_DEFAULT = ("fp32,bf16,bf16-pure,bf16-pure:split,bf16-pure:kahan,bf16-pure:stochastic,bf16-pure:fp32+bf16,"
+               "bf16-pure:split+bf16,bf16-pure:stochastic+bf16")
+
+
+def default_precisions(target: Any = None) -> str:
+    """The rows of a plan without ``--precisions``: for the CPU every precision (and fp8 with
+    torchao); for a GPU every rung (:data:`GPU_DEFAULT`; fp8 where the card and torchao have it)."""
     import importlib.util
 
-    return DEFAULT + (",fp8" if importlib.util.find_spec("torchao") is not None else "")
+    fp8 = importlib.util.find_spec("torchao") is not None
+    if target is None:
+        return DEFAULT + (",fp8" if fp8 else "")
+    if not target.bf16:
+        return "fp32,fp16,fp16-pure"
+    return GPU_DEFAULT + (",fp8" if fp8 and target.fp8 else "")
 
 
 def _model_only(args: argparse.Namespace, factory: Any) -> Any:
@@ -53,27 +68,71 @@ def _stack(args: argparse.Namespace) -> Any:
     return stack_for(args.model, args.size, overrides)
 
 
+def _device(args: argparse.Namespace) -> Any:
+    """The GPU of ``--device`` (:class:`ampkit.plan.devices.GPU`), or None for the CPU."""
+    from ..plan.devices import parse_device
+
+    return parse_device(getattr(args, "device", None) or "cpu")
+
+
+def budget_of(args: argparse.Namespace) -> int:
+    """The bytes a step may take: ``--memory`` on the CPU; on a GPU ``--memory`` (default: the device's
+    memory) less the CUDA context and the allocator's fragmentation (:meth:`GPU.budget`)."""
+    target = _device(args)
+    memory = parse_bytes(args.memory) if args.memory is not None else None
+    if target is None:
+        if memory is None:
+            raise ValueError("--memory is needed for a plan of the CPU (e.g. --memory 8GiB); or name the GPU the "
+                             "plan is for: --device h100-80gb")
+        return memory
+    return target.budget(memory)
+
+
+def _why_not(r: Any, budget: int) -> Optional[str]:
+    """Why a row fits no batch at all: its state alone, or batch 1's activations."""
+    if r.static_bytes > budget:
+        return (f"its parameters, gradients, masters and optimizer state alone need {_size(r.static_bytes)}, "
+                f"more than the budget's {_size(budget)}")
+    if r.largest == 0:
+        return f"not even batch 1 fits the budget's {_size(budget)} (activations and temporaries)"
+    return None
+
+
 def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
            stack: Any) -> list[dict[str, Any]]:
-    """The rows of precisions planned together (:func:`ampkit.plan.depth.plan_precisions`: the first
+    """The rows of precisions planned together (:func:`ampkit.plan.depth_plan.plan_precisions`: the first
     by depth extrapolation for a stack of blocks, else each search builds the full model once and
     measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference):
     the step at ``--batch_size`` and the largest batch with and without activation checkpointing."""
     from ..plan import cache as plan_cache
+    from ..plan import devices as plan_devices
 
+    target = _device(args)
+    refused = {p: target.refuses(p) for p in precisions} if target is not None else {}
+    asked = [p for p in precisions if not refused.get(p)]
+    rows = []
+    with plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()), \
+            plan_devices.use(target):
+        if asked:
+            rows = plan_precisions(factory, batch_of, budget, asked, args.batch_size, stack=stack,
+                                   verify=getattr(args, "verify", False), limit=LIMIT)
+    by_name = dict(zip(asked, rows))
     out = []
-    with plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()):
-        rows = plan_precisions(factory, batch_of, budget, precisions, args.batch_size, stack=stack,
-                               verify=getattr(args, "verify", False), limit=LIMIT)
-    for r in rows:
-        if r.static_bytes > budget:
-            raise ValueError(f"--memory {args.memory}: the budget ({budget / 2**30:.2f} GiB) is smaller than the "
-                             f"parameters, gradients and optimizer state alone in {r.precision} "
-                             f"({r.static_bytes / 2**30:.2f} GiB); no batch size fits")
+    for p in precisions:
+        if refused.get(p):
+            out.append({"precision": p, "peak_bytes": None, "parts": None, "batch_size": args.batch_size,
+                        "fits": False, "largest_batch": 0, "largest_batch_activation_checkpointing": 0,
+                        "largest_batch_optimizer_in_backward": 0,
+                        "largest_batch_optimizer_in_backward_activation_checkpointing": 0,
+                        "method": "refused", "verified": None, "why_not": refused[p]})
+            continue
+        r = by_name[p]
         out.append({"precision": r.precision, "peak_bytes": r.peak_bytes, "parts": dict(r.parts),
                     "batch_size": args.batch_size, "fits": r.peak_bytes <= budget,
                     "largest_batch": r.largest, "largest_batch_activation_checkpointing": r.largest_checkpointed,
-                    "method": r.method, "verified": r.verified})
+                    "largest_batch_optimizer_in_backward": r.largest_in_backward,
+                    "largest_batch_optimizer_in_backward_activation_checkpointing": r.largest_in_backward_checkpointed,
+                    "method": r.method, "verified": r.verified, "why_not": _why_not(r, budget)})
     return out
 
 
@@ -131,16 +190,17 @@ def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args:
 
 
 def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    budget = parse_bytes(args.memory)
+    budget = budget_of(args)
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
     stack = _stack(args)
-    given = args.precisions or default_precisions()  # --precisions' list (checked), or a string
+    given = args.precisions or default_precisions(_device(args))  # --precisions' list (checked), or a string
     precisions = precision_list(given) if isinstance(given, str) else list(given)
     rows = _rows(factory, batch_of, budget, precisions, args, stack)
     ref = next((r for r in rows if r["precision"] == REFERENCE), None)
     for r in rows:
-        r["saving_vs_fp32"] = 1 - r["peak_bytes"] / ref["peak_bytes"] if ref else None
+        known = ref and ref["peak_bytes"] and r["peak_bytes"] is not None
+        r["saving_vs_fp32"] = 1 - r["peak_bytes"] / ref["peak_bytes"] if known else None
     return rows
 
 
@@ -148,7 +208,14 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
     """How the rows were found, for the caption and ``--json``'s ``"method"``."""
     twins = [f"{r['precision']} as {r['method'][len('depth, as '):]}" for r in rows
              if r["method"].startswith("depth, as ")]
-    methods = {"depth" if r["method"].startswith("depth, as ") else r["method"] for r in rows}
+    rungs = [f"{r['precision']}" for r in rows if r["method"].startswith("depth, rung of ")]
+    rows = [r for r in rows if r["method"] != "refused"]
+    methods = {"depth" if r["method"].startswith(("depth, as ", "depth, rung of ")) else r["method"] for r in rows}
+    if rungs:  # a ladder's rungs: the fits of the first row of their precision, shifted by their own bytes
+        note = (f"{', '.join(rungs)}: the same extrapolation plus the rung's own difference in each phase's peak "
+                "(its masters and optimizer state), measured on the 1- and 2-block copies at batch 4")
+        rest = _method_line([r for r in rows if not r["method"].startswith("depth, rung of ")])
+        return f"{rest}; {note}"
     if twins:  # e.g. fp16: byte for byte bf16's steps where both were measured (1 block, batch 4)
         note = (f"{', '.join(twins)}: the same extrapolation plus its own difference in each phase's peak (the "
                 "loss scaler's few bytes), measured on a 1-block copy at batch 4 with and without checkpointing")
@@ -164,43 +231,77 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
     return f"per row (see each row's method): {', '.join(sorted(methods))}; depth: {METHOD_NOTE}"
 
 
-def figures_device() -> tuple[str, str]:
-    """``(device, its name)`` the plan's figures are for. The estimate runs on fake CPU tensors,
-    so it counts what the CPU's kernels keep (a GPU's fused attention keeps less)."""
+def figures_device(args: Optional[argparse.Namespace] = None) -> tuple[str, str]:
+    """``(device, its name)`` the plan's figures are for: ``--device``'s GPU (its allocator, workspaces
+    and fused attention, planned on fake CPU tensors), else this CPU (its kernels' memory)."""
     from ..step.hardware import device_info, normalize_device
 
+    target = _device(args) if args is not None else None
+    if target is not None:
+        return target.name, target.label
     return "cpu", device_info(normalize_device("cpu")).name
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "—"
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def cmd_plan(inv: Invocation) -> int:
     args = inv.args
     rows = plan_rows(args)
-    device, name = figures_device()
+    device, name = figures_device(args)
+    target = _device(args)
+    budget = budget_of(args)
+    memory = parse_bytes(args.memory) if args.memory is not None else target.memory_bytes
     if args.json:
-        print(json.dumps({"model": model_label(args), "memory_bytes": parse_bytes(args.memory),
-                          "device": device, "device_name": name, "method": _method_line(rows),
-                          "rows": rows}, indent=2))
+        print(json.dumps({"model": model_label(args), "memory_bytes": memory, "budget_bytes": budget,
+                          "device": device, "device_name": name,
+                          **({"device_info": target.to_dict()} if target is not None else {}),
+                          "method": _method_line(rows), "rows": rows}, indent=2))
         return 0
     from rich.table import Table
 
-    table = Table(title=f"ampkit plan: {model_label(args)}, budget {args.memory}, batch {args.batch_size}")
-    for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "saving vs fp32"):
+    where = f"{name} ({device})" if target is not None else f"{device} ({name})"
+    table = Table(title=f"ampkit plan for {where}: {model_label(args)}, budget {_size(budget)} of {_size(memory)}, "
+                        f"batch {args.batch_size}")
+    for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "… opt. in bwd",
+                "… both", "saving vs fp32"):
         table.add_column(col, justify="right" if col != "precision" else "left")
+    notes = []
+
+    def cell(v: Any) -> str:
+        return "—" if v is None else str(v)
+
     for r in rows:
         saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
-        table.add_row(r["precision"], f"{r['peak_bytes'] / 2**20:,.0f} MiB", "yes" if r["fits"] else "no",
-                      str(r["largest_batch"]), str(r["largest_batch_activation_checkpointing"]), saving)
-    table.caption = f"figures for {device} ({name}), its kernels' memory; {_method_line(rows)}"
+        peak = f"{r['peak_bytes'] / 2**20:,.0f} MiB" if r["peak_bytes"] is not None else "—"
+        table.add_row(r["precision"], peak, "yes" if r["fits"] else "no", cell(r["largest_batch"]),
+                      cell(r["largest_batch_activation_checkpointing"]), cell(r["largest_batch_optimizer_in_backward"]),
+                      cell(r["largest_batch_optimizer_in_backward_activation_checkpointing"]), saving)
+        if r.get("why_not"):
+            notes.append(f"{r['precision']}: {r['why_not']}")
+    kernels = ("its allocator's blocks, cuBLAS workspaces and fused attention; the budget is its memory less "
+               "the CUDA context and fragmentation" if target is not None else "its kernels' memory")
+    lever = ("opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
+             "gradients held at each operation replaced by the largest parameter's")
+    table.caption = "\n".join([f"figures for {where}, {kernels}; {_method_line(rows)}", lever,
+                               *(f"no batch fits {n}" for n in notes)])
     wide_console().print(table)
     return 0
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
-    model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: no device
-    flag(p, "memory", required=True, help="the memory budget, e.g. 8GiB, 512MiB, 16GB")
+    model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: --device is what it plans for
+    flag(p, "device", default="cpu", metavar="DEVICE",
+         help="the device the plan is for, planned from this machine (no GPU needed): cpu (default: this CPU's "
+              f"kernels), cuda (a GPU of --memory) or a named GPU: {', '.join(n for n in DEVICES if n != 'cuda')}")
+    flag(p, "memory", default=None,
+         help="the memory budget, e.g. 8GiB, 512MiB, 16GB (needed for cpu and cuda; a named GPU: its memory)")
     flag(p, "precisions", type=precision_list, default=None,
-         help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao)")
+         help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao; for a GPU: {GPU_DEFAULT})")
     flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
     flag(p, "verify", action="store_true",
          help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "

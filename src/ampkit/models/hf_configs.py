@@ -1,7 +1,9 @@
 """Hugging Face models built from their config class -- never downloaded.
 
-``--model gpt2`` (an alias) or ``--model transformers.GPT2Config`` (any config class path) builds
-``AutoModelForCausalLM.from_config(Config(**overrides))`` with fresh weights, wrapped so that
+``--model gpt2`` (an alias: gpt2, llama, mistral, qwen2, bert), ``--model transformers.GPT2Config``
+(any config class path) or ``--model path/to/config.json`` (a model's ``config.json``: its
+``model_type`` names the family) builds ``AutoModelForCausalLM.from_config(Config(**overrides))``
+with fresh weights, wrapped so that
 ``model(idx, targets)`` returns the next-token loss, like the built-in GPT. Tokens are bytes
 (0-255), so the config's ``vocab_size`` must be at least 256. ``overrides`` (``--model_config
 n_layer=2,n_embd=64``) change the config's fields.
@@ -19,14 +21,41 @@ from torch import nn
 __all__ = ["ALIASES", "CausalLM", "build_hf", "hf_config", "is_hf", "parse_overrides"]
 
 ALIASES = {"gpt2": "transformers.GPT2Config", "llama": "transformers.LlamaConfig",
+           "mistral": "transformers.MistralConfig", "qwen2": "transformers.Qwen2Config",
            "bert": "transformers.BertConfig"}
 
 
 def is_hf(spec: str) -> bool:
-    """A config alias (``gpt2``) or a dotted path to a class named ``...Config``."""
-    if spec in ALIASES:
+    """A config alias (``gpt2``), a dotted path to a class named ``...Config``, or a ``.json`` config file."""
+    if spec in ALIASES or (spec.endswith(".json") and ":" not in spec):
         return True
     return ":" not in spec and "." in spec and spec.rsplit(".", 1)[1].endswith("Config")
+
+
+def _config_file(path: str) -> tuple[Any, dict[str, Any]]:
+    """The config class (by ``model_type``) and fields of a Hugging Face ``config.json`` (read here,
+    nothing downloaded)."""
+    import json
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--model {path!r}: the config file cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"--model {path!r} is not a JSON config file: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--model {path!r}: a config file holds one JSON object (a model's config.json)")
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError as e:
+        raise ValueError(f"model {path!r} needs transformers (pip install 'ampkit[hf]'): {e}") from None
+    kind = raw.get("model_type")
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(f"--model {path!r}: model_type {kind!r} is not a transformers model family; e.g. "
+                         f"{', '.join(a for a in ALIASES)} (the config.json of a Hugging Face model names its own)")
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version", "architectures")}
+    return CONFIG_MAPPING[kind], fields
 
 
 def parse_overrides(text: Optional[str]) -> dict[str, Any]:
@@ -58,18 +87,23 @@ def parse_overrides(text: Optional[str]) -> dict[str, Any]:
 
 def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
     """The config object for ``spec`` with ``overrides`` applied (clear errors for each failure)."""
-    path = ALIASES.get(spec, spec)
-    mod_name, _, cls_name = path.rpartition(".")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        extra = " (pip install 'ampkit[hf]')" if mod_name.split(".")[0] == "transformers" else ""
-        raise ValueError(f"model {spec!r} needs {mod_name!r}, which cannot be imported{extra}: {e}") from None
-    cls = getattr(module, cls_name, None)
-    if cls is None:
-        raise ValueError(f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})")
-    overrides = dict(overrides or {})
-    config = cls()
+    fields: dict[str, Any] = {}
+    if spec.endswith(".json"):
+        cls, fields = _config_file(spec)
+        cls_name = cls.__name__
+    else:
+        path = ALIASES.get(spec, spec)
+        mod_name, _, cls_name = path.rpartition(".")
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            extra = " (pip install 'ampkit[hf]')" if mod_name.split(".")[0] == "transformers" else ""
+            raise ValueError(f"model {spec!r} needs {mod_name!r}, which cannot be imported{extra}: {e}") from None
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            raise ValueError(f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})")
+    overrides = {**fields, **(overrides or {})}
+    config = cls(**fields)
     unknown = [k for k in overrides if not hasattr(config, k)]
     if unknown:
         raise ValueError(f"{cls_name} has no field(s) {', '.join(map(repr, unknown))} (from --model_config)")
@@ -90,7 +124,7 @@ def max_positions(config: Any) -> int:
 
 class CausalLM(nn.Module):
     """A Hugging Face causal LM whose ``forward(idx, targets)`` returns the mean next-token loss
-    (targets of ``-100`` are padding and ignored), like :class:`ampkit.loop.models.GPT`."""
+    (targets of ``-100`` are padding and ignored), like :class:`ampkit.models.builtin.GPT`."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -3,7 +3,7 @@
 The data's batch (``batches(0)``) is the effective batch the user asked for; ampkit keeps it and
 cuts it into ``split`` equal micro-batches, accumulating over them (so the gradient math is that of
 the whole batch). ``split`` is the smallest divisor of the batch whose micro-batch fits the budget
-by :func:`ampkit.loop.estimate.estimate` (fake tensors; nothing allocated). On CUDA the budget defaults
+by :func:`ampkit.plan.estimate.estimate` (fake tensors; nothing allocated). On CUDA the budget defaults
 to the device's memory this process can still use, and the first real window confirms the
 choice: an ``OutOfMemoryError`` there is handled by the Trainer's out-of-memory recovery (halve
 the micro-batch, double the accumulation, redo the window), so no step is lost -- Composer's

@@ -1,7 +1,7 @@
 """Measured steps kept on disk for ``ampkit plan``: a repeat plan of the same model -- another
 budget, another batch size -- reads the shallow copies' measures instead of running them again.
 
-A file holds the measures of one :func:`ampkit.loop.depth.measure_both` call (or a twin's), named
+A file holds the measures of one :func:`ampkit.plan.depth.measure_both` call (or a twin's), named
 by a hash of everything they depend on: the model (the stack's configuration), the sample batch's
 shapes and dtypes, the precision, the optimizer, the depths, batches and checkpointing settings,
 the versions of torch, torchao and transformers, and the text of ampkit's own source -- any
@@ -92,7 +92,11 @@ def key(model: str, precision: str, optimizer: Any, batch: Any, **settings: Any)
     cannot be named (no model spec; an optimizer given as a callable: its behaviour is not in its name)."""
     if current() is None or not model or not isinstance(optimizer, str):
         return None
+    from .devices import current as target
+
+    device = target()
     spec = {"model": model, "precision": precision, "optimizer": optimizer.lower(), "batch": _shapes(batch),
+            "device": device.name if device is not None else "cpu",
             **{k: repr(v) for k, v in sorted(settings.items())}, "environment": _environment()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -106,7 +110,8 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
         raw = json.loads((directory / f"{name}.json").read_text())
         return {k: Measure(m["precision"], int(m["peak_bytes"]), {p: int(v) for p, v in m["parts"].items()},
                            {d: int(v) for d, v in m["by_dtype"].items()}, tuple(int(x) for x in m["timeline"]),
-                           tuple(int(x) for x in m["phases"])) for k, m in raw["measures"].items()}
+                           tuple(int(x) for x in m["phases"]), tuple(int(x) for x in m.get("grads", ())),
+                           int(m.get("largest_grad", 0))) for k, m in raw["measures"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -117,7 +122,8 @@ def save(name: Optional[str], measures: dict[str, Measure]) -> None:
     if directory is None or name is None:
         return
     body = {"measures": {k: {"precision": m.precision, "peak_bytes": m.peak_bytes, "parts": m.parts,
-                             "by_dtype": m.by_dtype, "timeline": list(m.timeline), "phases": list(m.phases)}
+                             "by_dtype": m.by_dtype, "timeline": list(m.timeline), "phases": list(m.phases),
+                             "grads": list(m.grads), "largest_grad": m.largest_grad}
                          for k, m in measures.items()}}
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -4,15 +4,16 @@ A transformer's training step is a prefix (embeddings), ``n`` identical blocks a
 head, the loss), forward and backward, then the optimizer step. Its parameters, gradients,
 optimizer state and saved activations grow by the same bytes per block, and so does the memory
 at the end of the forward, at either end of the backward and in the optimizer step: each phase's
-peak is affine in the depth, as each is affine in the batch (:class:`~ampkit.loop.estimate_session.Curve`).
+peak is affine in the depth, as each is affine in the batch (:class:`~ampkit.plan.session.Curve`).
 The step's peak is the largest of them -- which phase holds it can change with the depth, so the
 phases are extrapolated one by one, then the maximum taken (:class:`DepthFit`).
 
 So the model is built at two depths (1 and 2 blocks), each measured at two batch sizes (4 and 5):
 four fake-tensor steps of a one- or two-block model instead of a dozen of the full one. A fit
 that does not reproduce its own four measures (the phases' maximum is not the peak measured) is
-refused (:class:`DepthError`) and the caller measures the full model instead. :func:`plan_precision`
-is what ``ampkit plan`` and the service's planner both call.
+refused (:class:`DepthError`) and the caller measures the full model instead. The plan built on
+these (:func:`ampkit.plan.depth_plan.plan_precision`, what ``ampkit plan`` and the service's planner
+both call) is in :mod:`ampkit.plan.depth_plan`: the measurement and the fit here, their use there.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..step.precision import REGISTRY
 from . import cache as plan_cache
-from .session import PARTS, Curve, Measure, Session, fit
+from .session import PARTS, Curve, Measure, Session
 
-__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "TWINS", "DepthError", "DepthFit", "PlanRow", "Stack", "measure_both",
-           "measure_depths", "plan_groups", "plan_precision", "plan_precisions", "stack_for"]
+__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRow", "Stack", "by_depth",
+           "measure_both", "measure_depths", "phases", "stack_for"]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
 BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
@@ -93,11 +93,12 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         return None
     rest = {k: v for k, v in (overrides or {}).items() if k not in (key, "num_hidden_layers")}
+    spec = [model, rest, key] + ([config.to_dict()] if model.endswith(".json") else [])  # a file: its fields
     return Stack(model, depth, functools.partial(_hf_at, model, rest, key),
-                 json.dumps([model, rest, key], sort_keys=True, default=repr))
+                 json.dumps(spec, sort_keys=True, default=repr))
 
 
-def _phases(m: Measure) -> list[Measure]:
+def phases(m: Measure) -> list[Measure]:
     """The measure cut into what is extrapolated separately: the forward, the backward, the
     optimizer step (timeline slices), and the parts' sum (the estimate's floor for the peak)."""
     cuts = [0, *m.phases, len(m.timeline)]
@@ -124,7 +125,7 @@ class DepthFit:
         self.offsets: tuple[int, ...] = ()  # per phase, added to every peak (:meth:`shifted`)
         self.curves: dict[int, list[Curve]] = {}
         for d in depths:
-            lo, hi = _phases(measures[(d, self.b1)]), _phases(measures[(d, self.b2)])
+            lo, hi = phases(measures[(d, self.b1)]), phases(measures[(d, self.b2)])
             self.curves[d] = [Curve(self.b1, x, self.b2, y) for x, y in zip(lo, hi)]
         if not all(c.ok for cs in self.curves.values() for c in cs):
             raise DepthError(f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
@@ -140,15 +141,15 @@ class DepthFit:
         return v1 + (v2 - v1) * (depth - self.d1) / (self.d2 - self.d1)
 
     def shifted(self, offsets: Sequence[int]) -> DepthFit:
-        """This fit with each phase's peak moved by ``offsets`` (bytes; one per phase of :func:`_phases`)."""
+        """This fit with each phase's peak moved by ``offsets`` (bytes; one per phase of :func:`phases`)."""
         out = copy.copy(self)
         out.offsets = tuple(offsets)
         return out
 
     def _phase_peaks(self, depth: int, batch: int) -> list[float]:
         if batch in self.batches:  # measured: each phase's own peak, extrapolated in the depth
-            phases = {d: [p.peak_bytes for p in _phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
-            out = [self._at(depth, lambda d, i=i: phases[d][i]) for i in range(len(phases[self.d1]))]
+            peaks = {d: [p.peak_bytes for p in phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
+            out = [self._at(depth, lambda d, i=i: peaks[d][i]) for i in range(len(peaks[self.d1]))]
         else:
             out = [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
         return [v + o for v, o in zip(out, self.offsets)] if self.offsets else out
@@ -245,6 +246,10 @@ class PlanRow:
     largest_checkpointed: Optional[int]
     method: str
     verified: Optional[bool] = None
+    #: the largest batch with the optimizer in backward (:func:`ampkit.plan.levers.in_backward`), without
+    #: and with activation checkpointing; None where not planned (a model measured whole, ``verify``)
+    largest_in_backward: Optional[int] = None
+    largest_in_backward_checkpointed: Optional[int] = None
 
     @property
     def static_bytes(self) -> int:
@@ -252,169 +257,39 @@ class PlanRow:
         return sum(v for k, v in self.parts.items() if k not in ("activations", "temporaries"))
 
 
-def _by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
+def by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
               checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
-              fits: Optional[dict[bool, DepthFit]] = None) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
+              fits: Optional[dict[bool, DepthFit]] = None, measured_as: Optional[str] = None
+              ) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
     """The largest batch by depth extrapolation per checkpointing setting, ``(label, peak,
     parts)`` at ``at_batch`` without checkpointing, and the fits. Batches below :data:`BATCHES` (an
     answer of 0-3, ``at_batch`` 1-3) are measured too, at both depths, and added to that setting's
-    fit (returned so: a twin's shifted fits then answer there without measuring again)."""
+    fit (returned so: a twin's shifted fits then answer there without measuring again); for given
+    (shifted) fits they are measured in ``measured_as``, the precision the fits are of (None: a
+    :class:`DepthError` instead)."""
     given = fits is not None
     fits = fits if fits is not None else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
     best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
     b1 = fits[False].b1
+    # parameters, gradients, masters and optimizer state: the parts' phase (shifted too) less the activations
+    static = fits[False]._phase_peaks(stack.depth, b1)[-1] - fits[False].parts(stack.depth, b1)["activations"]
+    beyond = static > budget  # the state alone does not fit: no batch does, none is measured below b1
+    low = tuple(c for c in checkpointing if best[c] < b1 and not beyond and fits[c].batches[0] > 1)
     redo = tuple(c for c in checkpointing
-                 if (best[c] < b1 or (not c and at_batch < b1)) and fits[c].batches[0] > 1)
-    if redo and given:
+                 if c in low or (not c and not beyond and at_batch < b1 and at_batch not in fits[c].batches))
+    if redo and given and measured_as is None:
         raise DepthError("the answer is below the measured batches: the twin is planned on its own")
-    if redo:
-        below = _measures(stack, precision, batch_of, redo, optimizer, DEPTHS, tuple(range(1, b1)))
-        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}) for c in redo}}  # 4 and 5 as measured
+    # every batch below b1 where the answer is there, else only --batch_size's (one session per depth)
+    for batches in dict.fromkeys(tuple(range(1, b1)) if c in low else (at_batch,) for c in redo):
+        settings = tuple(c for c in redo if (tuple(range(1, b1)) if c in low else (at_batch,)) == batches)
+        below = _measures(stack, measured_as or precision, batch_of, settings, optimizer, DEPTHS, batches)
+        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}).shifted(fits[c].offsets)
+                           for c in settings}}  # 4 and 5 as measured
     for c in checkpointing:
-        if best[c] < b1:
+        if beyond:
+            best[c] = 0
+        elif best[c] < b1:
             best[c] = next((b for b in range(b1 - 1, 0, -1) if fits[c].peak(stack.depth, b) <= budget), 0)
     use = fits[False]
     label = use.measures[(use.d1, use.b1)].precision
     return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits
-
-
-def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
-              limit: int, ckpt: bool, optimizer: Any, at_batch: Optional[int], guess: Optional[int]
-              ) -> tuple[Optional[Measure], int]:
-    """The full model measured: the step at ``at_batch`` (if given) and the exact largest batch
-    (:func:`fit`, started from ``guess`` and ``guess + 1`` when there is one)."""
-    with Session(factory, optimizer, precision, activation_checkpointing=ckpt) as session:
-        at = session.measure(batch_of(at_batch)) if at_batch else None
-        if guess is not None and guess >= 2:
-            first = (guess, at if guess == at_batch else session.measure(batch_of(guess)))
-        else:
-            first = (at_batch, at) if at is not None else None
-        return at, fit(session, batch_of, budget, limit, first=first)[0]
-
-
-def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
-                   precision: str, batch_size: int, *, stack: Optional[Stack] = None, checkpointing: bool = True,
-                   verify: bool = False, limit: int = 1 << 16, optimizer: Any = "adamw") -> PlanRow:
-    """One precision's row of a plan for a budget of ``budget`` bytes.
-
-    With a ``stack`` (:func:`stack_for`) the peaks come from shallow copies (:class:`DepthFit`:
-    seconds instead of minutes for GPT-2); ``verify`` then also measures the full model at
-    ``batch_size`` and at the answers ``B`` and ``B + 1`` (an exact search continues where the
-    extrapolation missed), so the row holds the measured values and ``verified`` says whether the
-    extrapolation had them. Without a stack -- or when the shallow measures do not make a
-    consistent fit (:class:`DepthError`) -- the full model is measured: ``B`` fits and ``B + 1``
-    does not, by the estimate of the full model's step."""
-    return _plan(factory, batch_of, budget, precision, batch_size, stack, checkpointing, verify, limit, optimizer)[0]
-
-
-def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int, precision: str,
-          batch_size: int, stack: Optional[Stack], checkpointing: bool, verify: bool, limit: int, optimizer: Any
-          ) -> tuple[PlanRow, Optional[dict[bool, DepthFit]]]:
-    """:func:`plan_precision`, and the depth fits its row came from (None: measured whole or verified)."""
-    if stack is not None:
-        try:
-            found, at_b, fits = _by_depth(stack, precision, batch_of, budget, limit,
-                                          (False, True) if checkpointing else (False,), optimizer, batch_size)
-        except DepthError:
-            stack = None
-        else:
-            best, best_ckpt = found[False], found.get(True)
-            row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth")
-            if not verify:
-                return row, fits
-            at, exact = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best)
-            exact_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None,
-                                   best_ckpt)[1] if checkpointing else None
-            assert at is not None
-            agreed = (at.peak_bytes, exact, exact_ckpt) == (row.peak_bytes, best, best_ckpt)
-            return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), exact, exact_ckpt,
-                           "depth, verified", agreed), None
-    at, best = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, None)
-    assert at is not None
-    best_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None, None)[1] \
-        if checkpointing else None
-    return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), best, best_ckpt, "measured"), None
-
-
-#: precisions whose steps differ only by the loss scaler's scalars (the same element sizes; fp16 adds a
-#: scaled loss held through the backward, the scale and found-inf scalars through the optimizer step)
-#: ((bf16, fp16), (bf16-pure, fp16-pure)), from the registry's ``twin``
-TWINS = tuple((n, r.twin) for n, r in REGISTRY.items() if r.twin and n < r.twin)
-
-
-def _twin_fits(stack: Stack, precision: str, batch_of: Callable[[int], Any], fits: dict[bool, DepthFit],
-               optimizer: Any) -> Optional[tuple[str, dict[bool, DepthFit]]]:
-    """``precision``'s label and fits as ``fits`` shifted by its own per-phase difference, measured on
-    the first depth's copy at the first batch with each checkpointing setting of ``fits``; None (plan
-    it on its own) unless its parameters, gradients, masters, optimizer state and activations there
-    are byte for byte the fitted precision's and it ran the same phases."""
-    out: dict[bool, DepthFit] = {}
-    settings = tuple(fits)
-    first = fits[settings[0]]
-    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(first.b1), depths=(first.d1,),
-                          batches=(first.b1,), checkpointing=settings, twin=True)
-    kept = plan_cache.load(name) or {}
-    if all(str(int(c)) in kept for c in settings):
-        measured = {c: kept[str(int(c))] for c in settings}
-    else:
-        measured = {}
-        with Session(stack.factory(DEPTHS[0]), optimizer, precision, activation_checkpointing=settings[0]) as s:
-            for i, c in enumerate(settings):
-                if i:
-                    s.checkpointing(c)
-                measured[c] = s.measure(batch_of(fits[c].b1))
-        plan_cache.save(name, {str(int(c)): m for c, m in measured.items()})
-    for c in settings:
-        f = fits[c]
-        m, ref = measured[c], f.measures[(f.d1, f.b1)]
-        same = {k: v for k, v in m.parts.items() if k != "temporaries"} == \
-            {k: v for k, v in ref.parts.items() if k != "temporaries"}
-        if not same or len(m.phases) != len(ref.phases):
-            return None
-        out[c] = f.shifted([x.peak_bytes - y.peak_bytes for x, y in zip(_phases(m), _phases(ref))])
-    return m.precision, out
-
-
-def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
-    """The precisions :func:`plan_precisions` plans together: both of a :data:`TWINS` pair where both
-    are asked of a stack model (not with ``verify``: each is measured whole then), else each alone."""
-    out: list[list[str]] = []
-    taken: set[str] = set()
-    for p in precisions:
-        if p in taken:
-            continue
-        twin = next((b if a == p else a for a, b in TWINS if p in (a, b)), None)
-        together = stack is not None and not verify and twin in precisions and twin not in taken
-        out.append([p, twin] if together and twin is not None else [p])
-        taken.update(out[-1])
-    return out
-
-
-def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
-                    precisions: list[str], batch_size: int, *, stack: Optional[Stack] = None,
-                    checkpointing: bool = True, verify: bool = False, limit: int = 1 << 16,
-                    optimizer: Any = "adamw") -> list[PlanRow]:
-    """:func:`plan_precision` for each of ``precisions`` (in order). Where the first is planned by
-    depth extrapolation, each later one is measured on the 1-block copy at the first batch (each
-    checkpointing setting: one small session) and, where its parts there are the first's, takes the
-    first's fits shifted by its own difference in each phase's peak (:func:`_twin_fits`; method
-    ``"depth, as <first>"``) -- for :data:`TWINS` the loss scaler's scalars, the same at every depth
-    and batch (tested against their own fits). Anything else, or ``verify``: its own plan."""
-    first, fits = _plan(factory, batch_of, budget, precisions[0], batch_size, stack, checkpointing, verify, limit,
-                        optimizer)
-    rows = [first]
-    for p in precisions[1:]:
-        twin = _twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
-        if twin is not None:
-            try:
-                found, at_b, _ = _by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer, batch_size,
-                                           fits=twin[1])
-            except DepthError:
-                twin = None
-            else:
-                rows.append(PlanRow(twin[0], batch_size, at_b[1], at_b[2], found[False], found.get(True),
-                                    f"depth, as {first.precision}"))
-        if twin is None:
-            rows.append(plan_precision(factory, batch_of, budget, p, batch_size, stack=stack,
-                                       checkpointing=checkpointing, verify=verify, limit=limit, optimizer=optimizer))
-    return rows

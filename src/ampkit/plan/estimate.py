@@ -11,7 +11,7 @@ applied to the fake tensors, so they agree with :func:`ampkit.observe.memory.bre
   backward (gradients held, as at the step's peak);
 * activations: :func:`activations` (tensors saved for backward, each storage once);
 * the peak: the live bytes after every operation of the measured step
-  (:class:`ampkit.loop.tracker.StepTracker`: PyTorch's ``MemTracker`` accounting, byte for byte,
+  (:class:`ampkit.plan.tracker.StepTracker`: PyTorch's ``MemTracker`` accounting, byte for byte,
   without its per-module snapshots);
   ``temporaries`` is what the peak holds beyond the parts above (workspaces, gradients of
   activations in flight, the optimizer's intermediates).
@@ -108,7 +108,7 @@ def largest_batch(model_factory: Callable[[], torch.nn.Module], batch_of: Callab
     """The largest batch ``B`` whose estimated peak fits ``budget``: ``estimate(B) <= budget <
     estimate(B + 1)``. Returns ``(B, estimate at B)``; ``(0, estimate at 1)`` when not even one
     sample fits. The model is built and warmed up once; two measured batch sizes give the affine
-    memory model (:class:`ampkit.loop.estimate_session.Curve`), whose answer ``B`` and ``B + 1``
+    memory model (:class:`ampkit.plan.session.Curve`), whose answer ``B`` and ``B + 1``
     are then measured (a bisection over measures only if the curve missed)."""
     with Session(model_factory, optimizer, precision, device, activation_checkpointing) as session:
         b, m, _ = fit(session, batch_of, budget, limit)

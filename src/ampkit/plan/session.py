@@ -5,7 +5,7 @@ A :class:`Session` builds the model under ``FakeTensorMode``, sets up the engine
 step (the optimizer state and masters' gradients), then measures a training step per
 :meth:`Session.measure` call. Every measured step starts from the same state (the step before it
 left the optimizer state and gradients as the warm-up did), so a measure is what a fresh
-:func:`ampkit.loop.estimate.estimate` reports for that batch -- without building and warming the
+:func:`ampkit.plan.estimate.estimate` reports for that batch -- without building and warming the
 model again.
 
 A measure also records the tracker's memory total after every operation (the *timeline*). Two
@@ -16,6 +16,7 @@ is ``max_t(a_t + b_t * batch)`` (:class:`Curve`), checked against a third measur
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from ..loop.steps import Steps, batch_loss
 from ..observe.memory import activations, breakdown, saved_activations
 from ..step.engine import MixedPrecision
 from ..step.rung import join_spec, split_spec
+from . import devices as plan_devices
 from .tracker import StepTracker
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session", "cuda_workspace_bytes", "to_device"]
@@ -118,7 +120,9 @@ def _checkpoint(model: torch.nn.Module, ckpt: Union[bool, Sequence[str]]) -> Non
 @dataclass(frozen=True)
 class Measure:
     """One measured step: its peak, parts (bytes), bytes by dtype, the total after each operation,
-    and where in the timeline the forward (the loss) and the backward ended (``phases``)."""
+    and where in the timeline the forward (the loss) and the backward ended (``phases``);
+    ``grads``: the gradients' bytes within each total, ``largest_grad``: the largest parameter's
+    share of them (what :func:`ampkit.plan.levers.in_backward` plans the optimizer in backward from)."""
 
     precision: str
     peak_bytes: int
@@ -126,6 +130,8 @@ class Measure:
     by_dtype: dict[str, int]
     timeline: tuple[int, ...]
     phases: tuple[int, ...] = ()
+    grads: tuple[int, ...] = ()
+    largest_grad: int = 0
 
 
 class Session:
@@ -140,6 +146,7 @@ class Session:
                              "here (parameter, gradient, master and optimizer bytes are the same; activations too)")
         self._args = (model_or_factory, optimizer, precision, activation_checkpointing)
         self._warm = False
+        self.target = plan_devices.current()  # a GPU planned from here: its allocator, workspaces, kernels
 
     def __enter__(self) -> Session:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -222,13 +229,18 @@ class Session:
         if not self._warm:
             self._warm_up(fake_batch)
             self._warm = True
-        tracker = StepTracker()
-        tracker.track_external(model, opt, *amp.master_params())
+        tracker = StepTracker(self.target.block_bytes if self.target is not None else None)
+        # the ladder's remainders / compensations too (breakdown's master_weights): held all step long
+        kept = getattr(getattr(amp, "policy", None), "master_storage", list)()
+        tracker.track_external(model, opt, *amp.master_params(), *kept)
         self._tracker, self._marks, self._saved = tracker, [], None
+        kernels = plan_devices.gpu_attention() if self.target is not None else contextlib.nullcontext()
         try:
-            with tracker:
+            with tracker, kernels:
                 self.run.forward_backward(fake_batch)
                 self._marks.append(len(tracker.timeline))
+                params = [*model.parameters(), *amp.master_params()]
+                tracker.mark_gradients([p.grad for p in params if p.grad is not None])
                 static = breakdown(model, opt, amp)  # gradients held, as at the step's peak
                 tracker.optimizer()
                 amp.step(opt)
@@ -240,15 +252,18 @@ class Session:
         else:
             saved = self._saved  # None only if the step never computed its loss here: count apart
             act_bytes = saved.total if saved is not None else int(activations(model, fake_batch, amp.precision).total)
-        ws = cuda_workspace_bytes(self.dev)  # held by the CUDA libraries, not by any tensor
+        # held by the CUDA libraries, not by any tensor
+        ws = self.target.workspace_bytes() if self.target is not None else cuda_workspace_bytes(self.dev)
         peak = tracker.peak + ws
         cats = static.by_category
         parts = {k: int(cats.get(k, 0)) for k in PARTS[:4]}
         parts["activations"] = act_bytes
         peak = max(peak, sum(parts.values()))
         parts["temporaries"] = peak - sum(parts.values())
+        numels = [p.numel() for p in model.parameters()]
+        largest = parts["gradients"] * max(numels, default=0) // max(1, sum(numels))
         return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(t + ws for t in tracker.timeline),
-                       tuple(self._marks))
+                       tuple(self._marks), tuple(tracker.grad_timeline), largest)
 
 
 class Curve:

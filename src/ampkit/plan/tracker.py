@@ -1,5 +1,5 @@
 """The live bytes of a training step on fake tensors, after every operation: what the memory
-estimate measures (:class:`ampkit.loop.estimate_session.Session`).
+estimate measures (:class:`ampkit.plan.session.Session`).
 
 PyTorch's ``MemTracker`` (``torch/distributed/_tools/mem_tracker.py``) counts the same bytes -- every
 storage an operation returns, plus the parameters, buffers, gradients, optimizer state and masters
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -46,13 +46,21 @@ class StepTracker(TorchDispatchMode):
     """``with StepTracker() as t: <step>``: ``t.timeline`` (live bytes after each operation),
     ``t.peak`` and ``t.peak_forward_bytes``. Register what exists before the step with
     :meth:`track_external`; call :meth:`backward` when the forward's loss is computed and
-    :meth:`optimizer` before the optimizer step (the forward bytes' bounds)."""
+    :meth:`optimizer` before the optimizer step (the forward bytes' bounds). ``block``: the bytes an
+    allocator takes for a storage of ``n`` bytes (a plan for another device,
+    :meth:`ampkit.plan.devices.GPU.block_bytes`); by default a storage's own bytes, CUDA's
+    rounded to 512."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: Optional[Callable[[int], int]] = None) -> None:
         super().__init__()
+        self._block = block
         self.timeline: list[int] = []
         self.total = self.forward_total = self.peak = self.peak_forward_bytes = 0
-        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, bytes, made by the forward]
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, bytes, made by the forward, made at]
+        self.grad_timeline: list[int] = []  # the gradients' bytes after each operation (mark_gradients)
+        self._grads: set[int] = set()
+        self.grad_total = 0
+        self._marked = False
         self._phase = "forward"
         self._in_module = 0  # modules being run (a checkpointed block's recomputation in the backward)
         self._hooks: list[Any] = []
@@ -62,7 +70,9 @@ class StepTracker(TorchDispatchMode):
         cuda = t.device.type == "cuda"
         for st in _storages(t):
             n = st.nbytes()
-            if cuda:
+            if self._block is not None:
+                n = self._block(n)
+            elif cuda:
                 n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
             entry = self._live.get(id(st))
             if entry is not None:
@@ -73,7 +83,7 @@ class StepTracker(TorchDispatchMode):
                     entry[1] = n
                 continue
             key = id(st)
-            self._live[key] = [weakref.ref(st, functools.partial(self._freed, key)), n, forward]
+            self._live[key] = [weakref.ref(st, functools.partial(self._freed, key)), n, forward, len(self.timeline)]
             self.total += n
             if forward:
                 self.forward_total += n
@@ -84,6 +94,9 @@ class StepTracker(TorchDispatchMode):
             self.total -= entry[1]
             if entry[2]:
                 self.forward_total -= entry[1]
+            if key in self._grads:
+                self._grads.discard(key)
+                self.grad_total -= entry[1]
 
     def track_external(self, *objs: Any) -> None:
         """Count tensors made before the step: a module's parameters, buffers and gradients, an
@@ -103,6 +116,25 @@ class StepTracker(TorchDispatchMode):
                             self._add(v, False)
             elif isinstance(obj, torch.Tensor):
                 self._add(obj, False)
+
+    def mark_gradients(self, tensors: Any) -> None:
+        """Count ``tensors`` (the step's gradients, all made since the step began) apart: from now
+        on :attr:`grad_timeline` follows their live bytes after every operation, and its past is
+        filled in from when each was made (what a plan of the optimizer in backward subtracts)."""
+        self._marked = True
+        made = [0] * (len(self.timeline) + 1)
+        for t in tensors:
+            for st in _storages(t):
+                entry = self._live.get(id(st))
+                if entry is None or id(st) in self._grads:
+                    continue
+                self._grads.add(id(st))
+                self.grad_total += entry[1]
+                made[max(0, entry[3])] += entry[1]
+        held, self.grad_timeline = 0, []
+        for n in made[:len(self.timeline)]:
+            held += n
+            self.grad_timeline.append(held)
 
     # the phases ----------------------------------------------------------------------------
     def backward(self) -> None:
@@ -152,6 +184,8 @@ class StepTracker(TorchDispatchMode):
                         if isinstance(t, torch.Tensor):
                             self._add(t, forward)
         self.timeline.append(self.total)
+        if self._marked:
+            self.grad_timeline.append(self.grad_total)
         if self.total > self.peak:
             self.peak, self.peak_forward_bytes = self.total, self.forward_total
         return out

@@ -107,10 +107,10 @@ def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, A
 
 def _plan_rows(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, stack: Any
                ) -> list[dict[str, Any]]:
-    """Every precision's row (:func:`ampkit.plan.depth.plan_precisions`, as ``ampkit plan``: by depth
+    """Every precision's row (:func:`ampkit.plan.depth_plan.plan_precisions`, as ``ampkit plan``: by depth
     extrapolation for a stack of blocks, fp16 and fp16-pure as bf16's and bf16-pure's twins; else
     the full model measured)."""
-    from ..plan.depth import plan_groups, plan_precisions
+    from ..plan.depth_plan import plan_groups, plan_precisions
 
     rows: dict[str, dict[str, Any]] = {}
     for group in plan_groups(PLAN_PRECISIONS, stack):
