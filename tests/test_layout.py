@@ -22,7 +22,7 @@ RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 # as a thin module that re-exports its new home (the only upward import allowed, and nothing else).
 OLD_PATHS = {
     "loop/models.py": ["models.builtin"], "loop/data.py": ["models.data"],
-    "loop/estimate.py": ["plan.estimate"], "loop/depth.py": ["plan.depth"],
+    "loop/estimate.py": ["plan.estimate"], "loop/depth.py": ["plan.depth", "plan.depth_plan"],
     "loop/tracker.py": ["plan.tracker"], "loop/autoselect.py": ["choose.autoselect"],
     "loop/bench.py": ["choose.bench", "choose.recommend"],
     "loop/trainer.py": ["train.trainer"], "loop/trainer_config.py": ["train.trainer_config"],
