@@ -149,7 +149,12 @@ def _until(page, js: str, timeout_s: float = WAIT_MS / 1000):
             got = None
         if got:
             return got
-        assert time.monotonic() < deadline, f"{js} still false after {timeout_s} s"
+        if time.monotonic() >= deadline:
+            try:
+                body = page.inner_text("body")[-1500:]
+            except sync_api.Error:
+                body = "(page unreadable)"
+            raise AssertionError(f"{js} still false after {timeout_s} s; {page.url} shows:\n{body}")
         time.sleep(0.1)
 
 

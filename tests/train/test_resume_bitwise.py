@@ -162,7 +162,7 @@ def test_a_graceful_stop_at_any_step_resumes_bitwise(run):
 CHILD = """
 import os, signal, sys
 from pathlib import Path
-from tests.loop.test_resume_bitwise import STEPS, trainer
+from tests.train.test_resume_bitwise import STEPS, trainer
 
 case, ckdir, at, sig = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 

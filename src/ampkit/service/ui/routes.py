@@ -248,7 +248,7 @@ def compare_page(request: Request, ids: Annotated[Optional[list[str]], Query()] 
     wanted = [i for x in ids or () for i in x.split(",") if i][:20]
     table, error = None, None
     try:
-        table = runs.compare(",".join(wanted), who[0], service(request))
+        table = runs.compare(",".join(wanted), who=who[0], svc=service(request))
     except HTTPException as e:
         if e.status_code not in (409, 422):
             raise
