@@ -11,11 +11,11 @@ groups) differs in the last bits and runs drift apart.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
 
+from .gradcheck import cpu_norm_finite
 from .profiling import phase
 from .scaler import LossScaler
 
@@ -76,10 +76,10 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
         # Nothing to unscale: the clipped total norm is non-finite exactly when some gradient
         # is, so it doubles as the finite check (saves a pass over the gradients).
         grad_norm = clip_norm(params, clip)
-        if grad_norm.device.type == "cpu" and scaler.found_inf_hook is None:
+        finite = cpu_norm_finite(grad_norm) if scaler.found_inf_hook is None else None
+        if finite is not None:
             # On the CPU reading the norm costs no sync: decide here and call each optimizer
             # exactly as a plain loop does (no found_inf for a fused one to read and correct for).
-            finite = math.isfinite(grad_norm.item())
             with phase("ampkit.optimizer_step"):
                 for opt in opts:
                     scaler.step_decided(opt, finite)
