@@ -118,7 +118,7 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Opt
 
     Where the native kernels are in use (:func:`ampkit.step.policies.native.any_nonfinite`), every
     gradient is instead read once by one C call that tests the exponent bits (exact: no overflow
-    case) and no host read: whole step 1.107 -> 1.066 of the raw loop (w512 MLP, 1 thread;
+    case; on the calling thread: split over two threads it measured no faster) and no host read: whole step 1.107 -> 1.066 of the raw loop (w512 MLP, 1 thread;
     docs/benchmarks.md section 24, "The CPU finite check").
     """
     by_device = grads_of(optimizer, allow_fp16=allow_fp16)

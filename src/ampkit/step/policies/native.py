@@ -294,9 +294,11 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = 
                   threads: Optional[int] = None) -> Optional[bool]:
     """Whether any element of ``tensors`` (plain contiguous CPU tensors, fp32/bf16/fp16/fp64) is inf
     or NaN, every tensor read once in one C call (the CPU finite check, :func:`ampkit.step.gradcheck.
-    cpu_all_finite`), cut into one slice per thread of torch's intra-op pool (``threads``, default
-    torch's count; one thread below 65536 elements in all); None where the kernels are not in use or
-    a tensor does not qualify. No sync (the CPU is the device)."""
+    cpu_all_finite`); ``threads`` > 1 cuts it into one slice per OpenMP thread (from 65536 elements
+    in all). The default is 1: split over torch's 2 threads the step measured no faster (within
+    noise), and on a loaded machine a parallel region waits for a descheduled thread (median 28 ms
+    vs 0.2 ms; docs/benchmarks.md, "Step overhead (issue 34 section 6), follow-up"). None where the
+    kernels are not in use or a tensor does not qualify. No sync (the CPU is the device)."""
     if lib is None:
         if os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
             return None
@@ -312,7 +314,7 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = 
         widths.append(w)
     return bool(lib.ampkit_nonfinite(k, (ctypes.c_int64 * k)(*[t.numel() for t in tensors]),
                                      (ctypes.c_void_p * k)(*[t.data_ptr() for t in tensors]),
-                                     (ctypes.c_int32 * k)(*widths), threads or torch.get_num_threads()))
+                                     (ctypes.c_int32 * k)(*widths), threads or 1))
 
 
 def _args(lib: Optional[ctypes.CDLL], rung: str, fp32: torch.Tensor, his: Sequence[torch.Tensor],
