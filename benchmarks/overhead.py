@@ -17,7 +17,9 @@ per-step time of each and their ratio. A last table gives the bf16-vs-fp32 speed
 clipping, <= 1.01 with it): bf16, without and with clipping, on 1 and 2 threads, for an MLP of
 width 512 at batch 64 and the built-in mlp/small at batch 128, fused AdamW, each against the
 hand-written loop; without clipping it also times ampkit with ``skip_nonfinite=False``, so the
-finite check's own share shows. The machine is named by ``ampkit info``'s CPU line.
+finite check's own share shows (the raw loop checks nothing without clipping; with clipping both
+compute the norm, the raw loop checks nothing and ampkit skips a step whose norm is inf/NaN). The
+machine is named by ``ampkit info``'s CPU line.
 """
 
 from __future__ import annotations

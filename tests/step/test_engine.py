@@ -157,11 +157,14 @@ def _train_counting(precision, fused, steps=6, warmup=3, clip=1.0, opt_factory=N
 @pytest.mark.slow
 def test_no_host_sync_with_fused_optimizer(precision, clip, monkeypatch):
     """The device path -- what runs on a GPU -- reads nothing on the host. On the CPU a unit-scale
-    check (bf16/fp32 without clipping) reads one sum per gradient instead, by design (a CPU read
-    waits for nothing; gradcheck.cpu_all_finite), so the device path is forced here to count it."""
+    check (bf16/fp32) reads on the host instead, by design (a CPU read waits for nothing): without
+    clipping in one C call or sums (gradcheck.cpu_all_finite), with it the clipped norm
+    (gradcheck.cpu_norm_finite); so the device path is forced here to count it."""
+    import ampkit.step.boundary as boundary_module
     import ampkit.step.scaler as scaler_module
 
     monkeypatch.setattr(scaler_module, "cpu_all_finite", lambda *a, **k: None)
+    monkeypatch.setattr(boundary_module, "cpu_norm_finite", lambda *a, **k: None)
     counts = _train_counting(precision, fused=True, clip=clip)
     assert counts == [0] * len(counts)
 

@@ -7,6 +7,7 @@ bit. (A post-accumulate-grad hook reading each gradient while hot was measured a
 docs/benchmarks.md section 24, "The CPU finite check".)"""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -134,6 +135,33 @@ def test_with_clipping_the_norm_is_the_check():
     assert amp.step(opt).found_inf.item() == 1.0 and torch.equal(w, before)
 
 
+@pytest.mark.parametrize("bad", [False, True])
+def test_with_clipping_the_cpu_step_is_decided_on_the_host(bad):
+    """With clipping on the CPU the norm is read on the host (free there): the fused optimizer is
+    called exactly as a plain loop calls it, with no found_inf to read and correct its step count
+    for; a non-finite gradient still skips the step and leaves every parameter as it was."""
+    amp, model, opt = engine(clip_grad_norm=1.0)
+    seen = []
+    step = opt.step
+
+    def spy(*a, **k):
+        seen.append(getattr(opt, "found_inf", None))
+        return step(*a, **k)
+
+    opt.step = spy
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = poison(model[2].weight, float("nan"), where=5) if bad else None
+    with amp.autocast():
+        loss = loss_of(model, batch(0))
+    amp.backward(loss)
+    if handle is not None:
+        handle.remove()
+    result = amp.step(opt)
+    assert result.found_inf.item() == float(bad)
+    assert seen == ([] if bad else [None])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) is bad
+
+
 def raw_loop(steps, accumulation, clip):
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -163,7 +191,7 @@ def test_bitwise_the_hand_written_loop(accumulation, clip):
     assert amp.stats()["skipped_steps"] == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_native_check_agrees_with_isfinite(dtype, check_path):
     """Random tensors of many sizes (block edges of the kernel's loops) with the dtype's edge values
     -- largest finite, subnormal, +-inf, NaN -- at random places: the C kernel says non-finite exactly
@@ -181,3 +209,46 @@ def test_the_native_check_agrees_with_isfinite(dtype, check_path):
             p = nn.Parameter(torch.zeros(size, dtype=dtype))
             p.grad = t
             assert cpu_all_finite(torch.optim.SGD([p], lr=0.1), allow_fp16=True) is (not want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_native_check_split_over_threads_agrees_with_isfinite(threads, check_path):
+    """Several tensors of mixed dtypes and odd sizes in one call, large enough to be cut into one
+    slice per thread (slice edges fall inside tensors), with 0-3 edge values (NaN, +-inf, a
+    subnormal, the largest finite) at random places: the verdict is torch.isfinite's."""
+    if check_path != "native":
+        pytest.skip("the C kernel only")
+    g = torch.Generator().manual_seed(2)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    for trial in range(60):
+        tensors = []
+        for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+            dtype = dtypes[int(torch.randint(0, 4, (1,), generator=g))]
+            size = int(torch.randint(1, 50_000, (1,), generator=g))
+            tensors.append(torch.randn(size, generator=g).to(dtype))
+        for _ in range(trial % 4):
+            t = tensors[int(torch.randint(0, len(tensors), (1,), generator=g))]
+            info = torch.finfo(t.dtype)
+            values = [float("nan"), float("inf"), -float("inf"), info.tiny / 8, info.max]
+            t[int(torch.randint(0, t.numel(), (1,), generator=g))] = values[int(torch.randint(0, 5, (1,), generator=g))]
+        want = not all(bool(torch.isfinite(t).all()) for t in tensors)
+        assert native.any_nonfinite(tensors, threads=threads) is want
+
+
+def test_without_a_compiler_the_sums_decide(monkeypatch, tmp_path, check_path):
+    """No C compiler (a "compiler" that always fails, in a fresh cache): no kernel, and the check
+    falls back to the sums with the same verdicts, every dtype."""
+    if check_path != "native":
+        pytest.skip("once is enough")
+    monkeypatch.setattr(native, "_state", {})  # as in a fresh process
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for value in (None, float("nan"), float("inf"), torch.finfo(dtype).max):
+            t = torch.randn(SUM_FROM + 3, dtype=dtype)
+            if value is not None:
+                t[-1] = value
+            assert native.any_nonfinite([t]) is None
+            p = nn.Parameter(torch.zeros_like(t))
+            p.grad = t
+            assert cpu_all_finite(torch.optim.SGD([p], lr=0.1), allow_fp16=True) is (value is None or math.isfinite(value))

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .gradcheck import cpu_norm_finite
 from .profiling import phase
 from .scaler import LossScaler
 
@@ -75,6 +76,15 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
         # Nothing to unscale: the clipped total norm is non-finite exactly when some gradient
         # is, so it doubles as the finite check (saves a pass over the gradients).
         grad_norm = clip_norm(params, clip)
+        finite = cpu_norm_finite(grad_norm) if scaler.found_inf_hook is None else None
+        if finite is not None:
+            # On the CPU reading the norm costs no sync: decide here and call each optimizer
+            # exactly as a plain loop does (no found_inf for a fused one to read and correct for).
+            with phase("ampkit.optimizer_step"):
+                for opt in opts:
+                    scaler.step_decided(opt, finite)
+                scaler.update()
+            return grad_norm, scale, scaler.found_inf
         found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
         # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
         torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)

@@ -27,7 +27,8 @@ import torch
 
 from .policies import native
 
-__all__ = ["SUM_FROM", "check_and_unscale", "cpu_all_finite", "first_grad_device", "foreach_check_and_unscale", "grads_of"]
+__all__ = ["SUM_FROM", "check_and_unscale", "cpu_all_finite", "cpu_norm_finite", "first_grad_device",
+           "foreach_check_and_unscale", "grads_of"]
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
@@ -117,7 +118,7 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Opt
 
     Where the native kernels are in use (:func:`ampkit.step.policies.native.any_nonfinite`), every
     gradient is instead read once by one C call that tests the exponent bits (exact: no overflow
-    case) and no host read: whole step 1.107 -> 1.066 of the raw loop (w512 MLP, 1 thread;
+    case; on the calling thread: split over two threads it measured no faster) and no host read: whole step 1.107 -> 1.066 of the raw loop (w512 MLP, 1 thread;
     docs/benchmarks.md section 24, "The CPU finite check").
     """
     by_device = grads_of(optimizer, allow_fp16=allow_fp16)
@@ -152,6 +153,17 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Opt
             if found.item():
                 return False
     return True
+
+
+def cpu_norm_finite(norm: torch.Tensor) -> Optional[bool]:
+    """Whether a clipped total norm is finite, read on the host where that is free (a plain CPU
+    tensor); None elsewhere (the caller keeps the check on the device). The norm is non-finite
+    whenever a gradient is, so with clipping this is the whole check: the step's one extra cost over
+    a plain clipping loop is this read (docs/benchmarks.md, "Step overhead (issue 34 section 6),
+    follow-up")."""
+    if type(norm) is not torch.Tensor or not norm.is_cpu:
+        return None
+    return math.isfinite(norm.item())
 
 
 def first_grad_device(optimizer: torch.optim.Optimizer) -> torch.device:

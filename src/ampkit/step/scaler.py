@@ -256,6 +256,24 @@ class LossScaler:
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = _Stage.UNSCALED
 
+    def step_decided(self, optimizer: torch.optim.Optimizer, finite: bool, *args: Any, **kwargs: Any) -> Any:
+        """Step ``optimizer`` exactly as a plain loop calls it when ``finite``, else skip it, on a
+        verdict already made on the host: a unit scale on the CPU, where reading a value costs no
+        sync (:func:`.gradcheck.cpu_all_finite`, or a clipped total norm read with ``.item()``).
+        The optimizer gets no ``found_inf`` (a fused one would otherwise read it and correct its
+        step counts afterwards). Stands in for ``unscale_`` + ``step``; returns what ``step`` did.
+        """
+        if not self.is_unit or self.found_inf_hook is not None:
+            raise RuntimeError("step_decided() is only valid for a constant unit scale without a found_inf hook; "
+                               "call step() instead")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is not _Stage.READY:
+            raise RuntimeError("step_decided() must come instead of unscale_() and step(), once per iteration")
+        dev = self._ensure(torch.device("cpu")).device
+        state["found_inf_per_device"] = {dev: torch.full((), 0.0 if finite else 1.0, device=dev)}
+        state["stage"] = _Stage.STEPPED
+        return optimizer.step(*args, **kwargs) if finite else None
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``unscale_`` (if not done yet), then ``optimizer.step()`` unless gradients were non-finite.
 
@@ -276,11 +294,7 @@ class LossScaler:
             # exactly as a plain loop would (gradcheck.cpu_all_finite).
             finite = cpu_all_finite(optimizer, allow_fp16=fused)
             if finite is not None:
-                scale = self._ensure(torch.device("cpu"))
-                state["found_inf_per_device"] = {scale.device: torch.full((), 0.0 if finite else 1.0,
-                                                                          device=scale.device)}
-                state["stage"] = _Stage.STEPPED
-                return optimizer.step(*args, **kwargs) if finite else None
+                return self.step_decided(optimizer, finite, *args, **kwargs)
         if fused:
             scale = self._ensure(first_grad_device(optimizer))
             if state["stage"] is _Stage.READY:

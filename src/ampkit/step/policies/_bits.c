@@ -141,8 +141,10 @@ void ampkit_kahan_join(int64_t k, const int64_t *n, uint32_t *out, const uint16_
 }
 
 /* The CPU finite check (step/gradcheck.py): 1 if any element is inf or NaN, i.e. has every exponent
-   bit set (fp32 0x7F800000, bf16 0x7F80, fp16 0x7C00), else 0. Each tensor is read once, in blocks
-   whose flags are OR-ed branch-free (so the loop vectorizes) with an early exit between blocks. */
+   bit set (fp32 0x7F800000, bf16 0x7F80, fp16 0x7C00, fp64 0x7FF0000000000000), else 0. Each tensor is
+   read once, in blocks whose flags are OR-ed branch-free (so the loop vectorizes) with an early exit
+   between blocks. (Tried, not faster here: a max over the magnitude bits, 64 accumulators, an
+   x86-64-v4 clone; the loop runs at the cache's bandwidth, docs/benchmarks.md.) */
 static CLONES int nonfinite32(const uint32_t *restrict x, int64_t n) {
     int64_t i = 0;
     for (; i + 512 <= n; i += 512) {
@@ -167,14 +169,50 @@ static CLONES int nonfinite16(const uint16_t *restrict x, int64_t n, uint16_t e)
     return a != 0;
 }
 
-/* k tensors: x[s] holds n[s] elements of width[s] (0: fp32, 1: bf16, 2: fp16) */
-int ampkit_nonfinite(int64_t k, const int64_t *n, const void *const *x, const int32_t *width) {
-    for (int64_t s = 0; s < k; s++) {
-        int bad = width[s] == 0 ? nonfinite32((const uint32_t *)x[s], n[s])
-                                : nonfinite16((const uint16_t *)x[s], n[s], width[s] == 1 ? 0x7F80u : 0x7C00u);
-        if (bad) return 1;
+static CLONES int nonfinite64(const uint64_t *restrict x, int64_t n) {
+    const uint64_t e = 0x7FF0000000000000u;
+    int64_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        uint64_t a = 0;
+        for (int j = 0; j < 256; j++) a |= (x[i + j] & e) == e;
+        if (a) return 1;
     }
-    return 0;
+    uint64_t a = 0;
+    for (; i < n; i++) a |= (x[i] & e) == e;
+    return a != 0;
+}
+
+/* elements [i, i + m) of x, of width w (0: fp32, 1: bf16, 2: fp16, 3: fp64) */
+static int nonfinite_part(const void *x, int32_t w, int64_t i, int64_t m) {
+    switch (w) {
+    case 0: return nonfinite32((const uint32_t *)x + i, m);
+    case 1: return nonfinite16((const uint16_t *)x + i, m, 0x7F80u);
+    case 2: return nonfinite16((const uint16_t *)x + i, m, 0x7C00u);
+    default: return nonfinite64((const uint64_t *)x + i, m);
+    }
+}
+
+/* k tensors: x[s] holds n[s] elements of width[s]. With nt > 1 threads (and at least GRAIN elements
+   in all) the n[0] + ... + n[k-1] elements are cut into one slice per thread, as the ladder kernels
+   are; each thread stops at its own slice's first non-finite block. */
+int ampkit_nonfinite(int64_t k, const int64_t *n, const void *const *x, const int32_t *width, int nt) {
+    int bad = 0;
+#ifdef _OPENMP
+    if (nt > 1 && total(k, n) >= GRAIN) {
+        int64_t N = total(k, n);
+        _Pragma("omp parallel num_threads(nt) reduction(|:bad)")
+        {
+            int64_t l_, h_;
+            slice(N, &l_, &h_);
+            SEGMENTS(k, n, l_, h_, { (void)f; if (!bad) bad |= nonfinite_part(x[s], width[s], i, m); })
+        }
+        return bad;
+    }
+#else
+    (void)nt;
+#endif
+    for (int64_t s = 0; s < k && !bad; s++) bad = nonfinite_part(x[s], width[s], 0, n[s]);
+    return bad;
 }
 
 /* 1 when compiled with OpenMP (native.py reports it) */

@@ -122,7 +122,8 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, f"ampkit_{name}")
         fn.argtypes, fn.restype = [*many, *extra, ctypes.c_int], None
     lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
-    lib.ampkit_nonfinite.argtypes = [n, ctypes.POINTER(n), ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int32)]
+    lib.ampkit_nonfinite.argtypes = [n, ctypes.POINTER(n), ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int32),
+                                     ctypes.c_int]
     lib.ampkit_nonfinite.restype = ctypes.c_int
     nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
     _state["nan"] = nan
@@ -270,7 +271,7 @@ def _probe_nonfinite(lib: ctypes.CDLL, g: torch.Generator) -> None:
     for dtype in _WIDTH:
         info = torch.finfo(dtype)
         edges = [info.max, -info.max, info.tiny / 4, float("inf"), float("-inf"), float("nan")]
-        for size in (1, 511, 512, 1537, 5000):
+        for size in (1, 511, 512, 1537, 5000, 70_001):  # the last one cut between two threads
             base = torch.randn(size, generator=g).to(dtype)
             cases = [base]
             for v in edges:
@@ -279,19 +280,25 @@ def _probe_nonfinite(lib: ctypes.CDLL, g: torch.Generator) -> None:
                     t[at] = v
                     cases.append(t)
             for t in cases:
-                if any_nonfinite([torch.ones(3, dtype=dtype), t], lib=lib) != (not bool(torch.isfinite(t).all())):
-                    raise RuntimeError(f"probe: the native finite check is wrong for {dtype}")
+                want = not bool(torch.isfinite(t).all())
+                for nt in ((1, 2) if size > 65536 else (1,)):
+                    if any_nonfinite([torch.ones(3, dtype=dtype), t], lib=lib, threads=nt) != want:
+                        raise RuntimeError(f"probe: the native finite check is wrong for {dtype} on {nt} thread(s)")
 
 
 _EXTRA = {"split": torch.int16, "kahan": torch.bfloat16}
-_WIDTH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_WIDTH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = None) -> Optional[bool]:
-    """Whether any element of ``tensors`` (plain contiguous CPU tensors, fp32/bf16/fp16) is inf or
-    NaN, every tensor read once in one C call (the CPU finite check, :func:`ampkit.step.gradcheck.
-    cpu_all_finite`); None where the kernels are not in use or a tensor does not qualify. No sync
-    (the CPU is the device)."""
+def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = None,
+                  threads: Optional[int] = None) -> Optional[bool]:
+    """Whether any element of ``tensors`` (plain contiguous CPU tensors, fp32/bf16/fp16/fp64) is inf
+    or NaN, every tensor read once in one C call (the CPU finite check, :func:`ampkit.step.gradcheck.
+    cpu_all_finite`); ``threads`` > 1 cuts it into one slice per OpenMP thread (from 65536 elements
+    in all). The default is 1: split over torch's 2 threads the step measured no faster (within
+    noise), and on a loaded machine a parallel region waits for a descheduled thread (median 28 ms
+    vs 0.2 ms; docs/benchmarks.md, "Step overhead (issue 34 section 6), follow-up"). None where the
+    kernels are not in use or a tensor does not qualify. No sync (the CPU is the device)."""
     if lib is None:
         if os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
             return None
@@ -307,7 +314,7 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = 
         widths.append(w)
     return bool(lib.ampkit_nonfinite(k, (ctypes.c_int64 * k)(*[t.numel() for t in tensors]),
                                      (ctypes.c_void_p * k)(*[t.data_ptr() for t in tensors]),
-                                     (ctypes.c_int32 * k)(*widths)))
+                                     (ctypes.c_int32 * k)(*widths), threads or 1))
 
 
 def _args(lib: Optional[ctypes.CDLL], rung: str, fp32: torch.Tensor, his: Sequence[torch.Tensor],
