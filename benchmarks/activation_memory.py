@@ -18,16 +18,25 @@ from ampkit.observe.memory import activations, breakdown
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="tiny,small,medium")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--precisions", default="fp32,bf16,fp16")
     args = ap.parse_args()
     precisions = args.precisions.split(",")
-    print(f"# torch {torch.__version__} · batch {args.batch_size} · activations saved for backward (MiB)")
+    print(
+        f"# torch {torch.__version__} · batch {args.batch_size} · activations saved for backward (MiB)"
+    )
     print()
-    print("| GPT size | params | tokens/batch | " + " | ".join(precisions) + " | "
-          + " | ".join(f"{p}/fp32" for p in precisions if p != "fp32") + " |")
+    print(
+        "| GPT size | params | tokens/batch | "
+        + " | ".join(precisions)
+        + " | "
+        + " | ".join(f"{p}/fp32" for p in precisions if p != "fp32")
+        + " |"
+    )
     print("| --- | ---: | ---: |" + " ---: |" * (2 * len(precisions) - 1))
     for size in args.sizes.split(","):
         torch.manual_seed(0)

@@ -78,7 +78,9 @@ def child(args: argparse.Namespace) -> dict:
     teacher = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, w))
     gen = torch.Generator().manual_seed(1)
 
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:  # a fresh batch each step, the same in every run
+    def batch() -> tuple[
+        torch.Tensor, torch.Tensor
+    ]:  # a fresh batch each step, the same in every run
         x = torch.randn(args.batch, w, generator=gen)
         with torch.no_grad():
             return x, teacher(x) + args.noise * torch.randn(args.batch, w, generator=gen)
@@ -106,15 +108,39 @@ def child(args: argparse.Namespace) -> dict:
         if isinstance(e, RuntimeError) and "can't allocate memory" not in str(e):
             raise
         error = (str(e).splitlines() or [type(e).__name__])[0][:160]
-    return {"rung": args.rung, "params": params, "cap_mib": None if cap is None else round(cap / 2**20, 1),
-            "base_mib": round(base / 2**20, 1), "steps_done": len(losses), "stopped": error,
-            "last20": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None}
+    return {
+        "rung": args.rung,
+        "params": params,
+        "cap_mib": None if cap is None else round(cap / 2**20, 1),
+        "base_mib": round(base / 2**20, 1),
+        "steps_done": len(losses),
+        "stopped": error,
+        "last20": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None,
+    }
 
 
 def run(args: argparse.Namespace, rung: str, cap: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--rung", rung, "--width", str(args.width), "--layers",
-           str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps), "--lr", str(args.lr), "--noise", str(args.noise),
-           "--budget", str(args.budget)] + (["--cap"] if cap else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--rung",
+        rung,
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        str(args.lr),
+        "--noise",
+        str(args.noise),
+        "--budget",
+        str(args.budget),
+    ] + (["--cap"] if cap else [])
     env = dict(os.environ)
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -131,11 +157,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--noise", type=float, default=0.3, help="std of the noise on the teacher's targets")
-    p.add_argument("--budget", type=int, default=14, help="bytes per parameter above the process's own data")
-    p.add_argument("--mmap_threshold", type=int, default=262144,
-                   help="glibc's MALLOC_MMAP_THRESHOLD_ for every run (0: glibc's dynamic threshold, which keeps "
-                        "freed MiB-sized blocks in the heap: the data size then wanders by ~60 MiB from step to step)")
+    p.add_argument(
+        "--noise", type=float, default=0.3, help="std of the noise on the teacher's targets"
+    )
+    p.add_argument(
+        "--budget", type=int, default=14, help="bytes per parameter above the process's own data"
+    )
+    p.add_argument(
+        "--mmap_threshold",
+        type=int,
+        default=262144,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ for every run (0: glibc's dynamic threshold, which keeps "
+        "freed MiB-sized blocks in the heap: the data size then wanders by ~60 MiB from step to step)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rung", default="fp32 masters", choices=sorted(RUNGS), help=argparse.SUPPRESS)
@@ -145,17 +179,23 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     reference = run(args, "fp32 masters", cap=False)
-    rows = [dict(reference, capped=False)] + [dict(run(args, r, cap=True), capped=True) for r in RUNGS]
+    rows = [dict(reference, capped=False)] + [
+        dict(run(args, r, cap=True), capped=True) for r in RUNGS
+    ]
     for row in rows:
         ok = row["last20"] is not None and row["steps_done"] == args.steps
         row["vs_reference"] = row["last20"] / reference["last20"] - 1 if ok else None
     if args.json:
         print(json.dumps({"rows": rows, "steps": args.steps, "budget": args.budget}))
         return
-    print(f"MLP {args.layers}x{args.width} ({reference['params'] / 1e6:.1f}M params) fitting a noisy teacher "
-          f"(noise std {args.noise}), AdamW lr {args.lr}, "
-          f"{args.steps} steps, batch {args.batch}, 1 thread; cap = own data + {args.budget} B/param")
-    print(f"{'bf16-pure rung':<24} {'cap MiB':>8} {'steps':>6} {'last-20 loss':>12}  {'vs uncapped fp32 masters':<25}")
+    print(
+        f"MLP {args.layers}x{args.width} ({reference['params'] / 1e6:.1f}M params) fitting a noisy teacher "
+        f"(noise std {args.noise}), AdamW lr {args.lr}, "
+        f"{args.steps} steps, batch {args.batch}, 1 thread; cap = own data + {args.budget} B/param"
+    )
+    print(
+        f"{'bf16-pure rung':<24} {'cap MiB':>8} {'steps':>6} {'last-20 loss':>12}  {'vs uncapped fp32 masters':<25}"
+    )
     for row in rows:
         cap = "none" if row["cap_mib"] is None else f"{row['cap_mib']:.0f}"
         vs = "out of memory" if row["stopped"] else f"{100 * row['vs_reference']:+.3f}%"

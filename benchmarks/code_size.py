@@ -38,8 +38,13 @@ def _walk(node: ast.AST, prefix: str, out: list[tuple[int, str]]) -> None:
 
 def modules(root: Path = SRC) -> list[tuple[int, str]]:
     """(lines, path) of every module."""
-    return sorted(((len(p.read_text().splitlines()), p.relative_to(root).as_posix()) for p in root.rglob("*.py")),
-                  reverse=True)
+    return sorted(
+        (
+            (len(p.read_text().splitlines()), p.relative_to(root).as_posix())
+            for p in root.rglob("*.py")
+        ),
+        reverse=True,
+    )
 
 
 def main() -> None:

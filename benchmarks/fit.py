@@ -57,7 +57,9 @@ def fits(size: str, precision: str, batch: int, dev: torch.device) -> bool:
         return False
 
 
-def real_largest(size: str, precision: str, dev: torch.device, guess: int, limit: int = 4096) -> int:
+def real_largest(
+    size: str, precision: str, dev: torch.device, guess: int, limit: int = 4096
+) -> int:
     """The largest batch whose two real steps run under the memory cap (binary search)."""
     lo, hi = 0, None
     b = max(1, guess)
@@ -76,7 +78,9 @@ def real_largest(size: str, precision: str, dev: torch.device, guess: int, limit
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="small,medium,large")
     ap.add_argument("--precisions", default="fp32,bf16,fp16,bf16-pure")
     ap.add_argument("--batch_size", type=int, default=8)
@@ -85,7 +89,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    print(f"# {torch.cuda.get_device_name(dev)} · torch {torch.__version__} · batch {args.batch_size}")
+    print(
+        f"# {torch.cuda.get_device_name(dev)} · torch {torch.__version__} · batch {args.batch_size}"
+    )
     rows = []
     print("| GPT | precision | predicted | measured | predicted/measured | estimate s |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
@@ -93,13 +99,27 @@ def main() -> None:
         for p in args.precisions.split(","):
             model, data = builtin("gpt", size, batch_size=args.batch_size)
             t0 = time.perf_counter()
-            est = estimate(lambda s=size: builtin("gpt", s, batch_size=1)[0], data(0), precision=p, device=dev)
+            est = estimate(
+                lambda s=size: builtin("gpt", s, batch_size=1)[0], data(0), precision=p, device=dev
+            )
             secs = time.perf_counter() - t0
             measured = real_peak(size, p, args.batch_size, dev)
-            rows.append({"size": size, "precision": p, "batch": args.batch_size, "predicted": est.peak_bytes,
-                         "measured": measured, "parts": est.parts, "estimate_s": secs})
-            print(f"| {size} | {p} | {est.peak_bytes / 2**20:,.0f} MiB | {measured / 2**20:,.0f} MiB | "
-                  f"{est.peak_bytes / measured:.3f} | {secs:.1f} |", flush=True)
+            rows.append(
+                {
+                    "size": size,
+                    "precision": p,
+                    "batch": args.batch_size,
+                    "predicted": est.peak_bytes,
+                    "measured": measured,
+                    "parts": est.parts,
+                    "estimate_s": secs,
+                }
+            )
+            print(
+                f"| {size} | {p} | {est.peak_bytes / 2**20:,.0f} MiB | {measured / 2**20:,.0f} MiB | "
+                f"{est.peak_bytes / measured:.3f} | {secs:.1f} |",
+                flush=True,
+            )
     budget = parse_bytes(args.budget)
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(budget / total, torch.cuda.current_device())
@@ -109,16 +129,28 @@ def main() -> None:
     search = []
     for size in args.search_sizes.split(","):
         for p in args.precisions.split(","):
-            best, _ = largest_batch(lambda s=size: builtin("gpt", s, batch_size=1)[0],
-                                    lambda b, s=size: builtin("gpt", s, batch_size=b)[1](0), budget, p,
-                                    device=dev)
+            best, _ = largest_batch(
+                lambda s=size: builtin("gpt", s, batch_size=1)[0],
+                lambda b, s=size: builtin("gpt", s, batch_size=b)[1](0),
+                budget,
+                p,
+                device=dev,
+            )
             real = real_largest(size, p, dev, best)
             search.append({"size": size, "precision": p, "estimate": best, "real": real})
             print(f"| {size} | {p} | {best} | {real} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                       "peaks": rows, "largest": search}, f, indent=2)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(dev),
+                    "torch": torch.__version__,
+                    "peaks": rows,
+                    "largest": search,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def gpt(cfg: GPTConfig, device: torch.device) -> GPT:
 class Run:
     """One rung: its model, optimizer and engine, stepping on fixed random tokens."""
 
-    def __init__(self, rung: tuple, cfg: GPTConfig, batch: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, rung: tuple, cfg: GPTConfig, batch: int, device: torch.device, seed: int = 0
+    ) -> None:
         self.label, precision, masters, state = rung
         torch.manual_seed(seed)
         self.device = device
@@ -66,8 +68,12 @@ class Run:
             warnings.simplefilter("ignore")
             self.model, self.opt = self.amp.setup(self.model, opt)
         g = torch.Generator(device=device).manual_seed(seed + 1)
-        self.x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device, generator=g)
-        self.y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device, generator=g)
+        self.x = torch.randint(
+            0, cfg.vocab_size, (batch, cfg.block_size), device=device, generator=g
+        )
+        self.y = torch.randint(
+            0, cfg.vocab_size, (batch, cfg.block_size), device=device, generator=g
+        )
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def step(self) -> None:
@@ -89,8 +95,13 @@ def free() -> None:
 
 
 def part_step(args: argparse.Namespace, device: torch.device, out: dict) -> None:
-    cfg = GPTConfig(vocab_size=50304, block_size=args.tokens, n_layer=args.layers, n_head=12 if not args.tiny else 2,
-                    n_embd=args.width)
+    cfg = GPTConfig(
+        vocab_size=50304,
+        block_size=args.tokens,
+        n_layer=args.layers,
+        n_head=12 if not args.tiny else 2,
+        n_embd=args.width,
+    )
     rows = {}
     for rung in RUNGS:  # memory: each rung alone
         free()
@@ -101,7 +112,9 @@ def part_step(args: argparse.Namespace, device: torch.device, out: dict) -> None
         sync(device)
         row = {"params": r.params}
         if device.type == "cuda":
-            row["bytes_per_param"] = (torch.cuda.memory_allocated() - base - r.x.nbytes - r.y.nbytes) / r.params
+            row["bytes_per_param"] = (
+                torch.cuda.memory_allocated() - base - r.x.nbytes - r.y.nbytes
+            ) / r.params
             torch.cuda.reset_peak_memory_stats()
             r.step()
             sync(device)
@@ -125,24 +138,34 @@ def part_step(args: argparse.Namespace, device: torch.device, out: dict) -> None
             times[r.label].append((time.perf_counter() - t) / args.steps * 1e3)
     base_ms = statistics.median(times[RUNGS[0][0]])
     fp32m_ms = statistics.median(times[RUNGS[1][0]])
-    print(f"\n| rung | B/param after 3 steps | step peak MiB | ms/step (median of {args.rounds} x {args.steps}) "
-          "| vs bf16 autocast | vs fp32 masters | spread |")
+    print(
+        f"\n| rung | B/param after 3 steps | step peak MiB | ms/step (median of {args.rounds} x {args.steps}) "
+        "| vs bf16 autocast | vs fp32 masters | spread |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in runs:
         ms = statistics.median(times[r.label])
         spread = (max(times[r.label]) - min(times[r.label])) / ms
         row = rows[r.label]
         row.update(ms=ms, vs_bf16=ms / base_ms, vs_fp32_masters=ms / fp32m_ms, spread=spread)
-        print(f"| {r.label} | {row.get('bytes_per_param', float('nan')):.2f} | {row.get('peak_mib', float('nan')):,.0f} "
-              f"| {ms:.2f} | {ms / base_ms:.2f}x | {ms / fp32m_ms:.2f}x | ±{spread / 2:.1%} |", flush=True)
+        print(
+            f"| {r.label} | {row.get('bytes_per_param', float('nan')):.2f} | {row.get('peak_mib', float('nan')):,.0f} "
+            f"| {ms:.2f} | {ms / base_ms:.2f}x | {ms / fp32m_ms:.2f}x | ±{spread / 2:.1%} |",
+            flush=True,
+        )
     out["step"] = {"config": vars(cfg), "batch": args.batch, "rows": rows}
     del runs
     free()
 
 
 def trains(rung: tuple, depth: int, device: torch.device, tiny: bool) -> bool:
-    cfg = GPTConfig(vocab_size=50304 if not tiny else 256, block_size=128, n_layer=depth,
-                    n_head=12 if not tiny else 2, n_embd=768 if not tiny else 64)
+    cfg = GPTConfig(
+        vocab_size=50304 if not tiny else 256,
+        block_size=128,
+        n_layer=depth,
+        n_head=12 if not tiny else 2,
+        n_embd=768 if not tiny else 64,
+    )
     r = None
     try:
         r = Run(rung, cfg, 1, device)
@@ -158,12 +181,25 @@ def trains(rung: tuple, depth: int, device: torch.device, tiny: bool) -> bool:
 
 
 def part_largest(args: argparse.Namespace, device: torch.device, out: dict) -> None:
-    budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 2**31
+    budget = (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 2**31
+    )
     per_rung = args.seconds / len(RUNGS)
-    bpp = {label: row.get("bytes_per_param") for label, row in out.get("step", {}).get("rows", {}).items()}
-    default_bpp = {"bf16 autocast": 16, "bf16-pure, fp32 masters": 14, "split": 12, "kahan": 12, "stochastic": 10,
-                   "stochastic + bf16 states": 6}
-    print("\n| rung | largest depth that trained | parameters | next depth tried (out of memory) | attempts | s |")
+    bpp = {
+        label: row.get("bytes_per_param")
+        for label, row in out.get("step", {}).get("rows", {}).items()
+    }
+    default_bpp = {
+        "bf16 autocast": 16,
+        "bf16-pure, fp32 masters": 14,
+        "split": 12,
+        "kahan": 12,
+        "stochastic": 10,
+        "stochastic + bf16 states": 6,
+    }
+    print(
+        "\n| rung | largest depth that trained | parameters | next depth tried (out of memory) | attempts | s |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = {}
     for rung in RUNGS:
@@ -179,37 +215,65 @@ def part_largest(args: argparse.Namespace, device: torch.device, out: dict) -> N
                 good = depth
                 if bad is not None and bad - good <= max(1, int(good * args.resolution)):
                     break
-                depth = depth + max(1, int(depth * 2 * args.resolution)) if bad is None else (good + bad) // 2
+                depth = (
+                    depth + max(1, int(depth * 2 * args.resolution))
+                    if bad is None
+                    else (good + bad) // 2
+                )
             else:
                 bad = depth
                 if good is not None and bad - good <= max(1, int(good * args.resolution)):
                     break
-                depth = depth - max(1, int(depth * args.resolution)) if good is None else (good + bad) // 2
+                depth = (
+                    depth - max(1, int(depth * args.resolution))
+                    if good is None
+                    else (good + bad) // 2
+                )
         params = 50304 * 768 + 128 * 768 + 2 * 768 + (good or 0) * BLOCK_PARAMS
-        rows[label] = {"depth": good, "oom_depth": bad, "params": params if good else None, "attempts": attempts}
-        print(f"| {label} | {good} | {params / 1e9:.2f} B | {bad} | {attempts} | {time.perf_counter() - t0:.0f} |",
-              flush=True)
+        rows[label] = {
+            "depth": good,
+            "oom_depth": bad,
+            "params": params if good else None,
+            "attempts": attempts,
+        }
+        print(
+            f"| {label} | {good} | {params / 1e9:.2f} B | {bad} | {attempts} | {time.perf_counter() - t0:.0f} |",
+            flush=True,
+        )
     out["largest"] = {"budget_bytes": budget, "rows": rows}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--part", default="all", choices=["step", "largest", "all"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=240, help="time for part 2, shared by the rungs")
-    ap.add_argument("--resolution", type=float, default=0.03, help="part 2's step, a fraction of the depth")
+    ap.add_argument(
+        "--seconds", type=float, default=240, help="time for part 2, shared by the rungs"
+    )
+    ap.add_argument(
+        "--resolution", type=float, default=0.03, help="part 2's step, a fraction of the depth"
+    )
     ap.add_argument("--max_attempts", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true", help="a small model (a smoke run, e.g. on the CPU)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a small model (a smoke run, e.g. on the CPU)"
+    )
     ap.add_argument("--json", default=None)
-    ap.add_argument("--bytes_from", default=None, help="part 1's --json: its bytes per parameter seed part 2")
+    ap.add_argument(
+        "--bytes_from", default=None, help="part 1's --json: its bytes per parameter seed part 2"
+    )
     args = ap.parse_args()
     args.tokens, args.layers, args.width = (1024, 12, 768) if not args.tiny else (32, 2, 64)
     device = torch.device(args.device)
-    print(f"# {device_info(args.device).name} · torch {torch.__version__} · GPT-2 124M shape (tied), batch "
-          f"{args.batch} x {args.tokens}, fused AdamW, eager", flush=True)
+    print(
+        f"# {device_info(args.device).name} · torch {torch.__version__} · GPT-2 124M shape (tied), batch "
+        f"{args.batch} x {args.tokens}, fused AdamW, eager",
+        flush=True,
+    )
     out: dict = {"device": device_info(args.device).name, "torch": torch.__version__}
     if args.bytes_from:
         with open(args.bytes_from) as f:

@@ -40,9 +40,15 @@ class EmbeddingMLP(torch.nn.Module):
     def __init__(self, vocab: int, dim: int, hidden: int, blocks: int, classes: int) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, dim)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, hidden),
-                                                              torch.nn.GELU(), torch.nn.Linear(hidden, dim))
-                                          for _ in range(blocks))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(dim),
+                torch.nn.Linear(dim, hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(hidden, dim),
+            )
+            for _ in range(blocks)
+        )
         self.head = torch.nn.Linear(dim, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +76,11 @@ class Run:
         if tracker is not None:
             tracker.backward()
         self.amp.backward(loss)
-        held = sum(t.grad.nbytes for t in [*self.model.parameters(), *self.amp.master_params()] if t.grad is not None)
+        held = sum(
+            t.grad.nbytes
+            for t in [*self.model.parameters(), *self.amp.master_params()]
+            if t.grad is not None
+        )
         if tracker is not None:
             tracker.optimizer()
         self.amp.step(self.opt)
@@ -111,8 +121,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rss", action="store_true", help="also each configuration's peak RSS in a fresh process")
-    ap.add_argument("--configs", default="0,1,2", help="which of bf16, bf16-pure, bf16-pure:split (indices)")
+    ap.add_argument(
+        "--rss", action="store_true", help="also each configuration's peak RSS in a fresh process"
+    )
+    ap.add_argument(
+        "--configs", default="0,1,2", help="which of bf16, bf16-pure, bf16-pure:split (indices)"
+    )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--inb", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -124,16 +138,27 @@ def main() -> None:
     if args.rss:  # first: the children's own peaks, each in a fresh process
         for i in args.configs.split(","):
             for inb in (0, 1):
-                cmd = [sys.executable, __file__, "--child", i, "--inb", str(inb),
-                       *[f"--{k}={getattr(args, k)}" for k in ("vocab", "dim", "hidden", "blocks", "classes",
-                                                              "batch", "tokens")]]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    i,
+                    "--inb",
+                    str(inb),
+                    *[
+                        f"--{k}={getattr(args, k)}"
+                        for k in ("vocab", "dim", "hidden", "blocks", "classes", "batch", "tokens")
+                    ],
+                ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 rss[(int(i), inb)] = json.loads(out.strip().splitlines()[-1])["rss"]
     runs = [Run(p, r, inb, args) for p, r in chosen for inb in (False, True)]
     params = sum(p.numel() for p in runs[0].model.parameters())
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s); {params / 1e6:.1f}M parameters "
-          f"({runs[0].model.emb.weight.numel() / 1e6:.1f}M in the embedding), batch {args.batch}x{args.tokens}")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s); {params / 1e6:.1f}M parameters "
+        f"({runs[0].model.emb.weight.numel() / 1e6:.1f}M in the embedding), batch {args.batch}x{args.tokens}"
+    )
     mem = {}
     for r in runs:
         r.step()  # the optimizer state exists
@@ -141,18 +166,22 @@ def main() -> None:
     times: dict[str, list[float]] = {r.label: [] for r in runs}
     for _ in range(args.rounds):
         for r in runs:
-            t0 = time.process_time()  # CPU time: less sensitive than wall time to a shared machine's waits
+            t0 = (
+                time.process_time()
+            )  # CPU time: less sensitive than wall time to a shared machine's waits
             for _ in range(args.steps):
                 r.step()
             times[r.label].append((time.process_time() - t0) / args.steps)
-    print("| configuration | step peak (MiB) | gradients held after backward (MiB) | step CPU time (ms) | time ratio |"
-          + (" peak RSS (MiB) |" if rss else ""))
+    print(
+        "| configuration | step peak (MiB) | gradients held after backward (MiB) | step CPU time (ms) | time ratio |"
+        + (" peak RSS (MiB) |" if rss else "")
+    )
     print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if rss else ""))
     for i, r in enumerate(runs):
         base = runs[i - i % 2].label
         med, ref = statistics.median(times[r.label]), statistics.median(times[base])
         peak, held = mem[r.label]
-        line = (f"| {r.label} | {peak / 2**20:.1f} | {held / 2**20:.1f} | {med * 1e3:.1f} | {med / ref:.3f} |")
+        line = f"| {r.label} | {peak / 2**20:.1f} | {held / 2**20:.1f} | {med * 1e3:.1f} | {med / ref:.3f} |"
         if rss:
             idx = int(args.configs.split(",")[i // 2])
             line += f" {rss[(idx, i % 2)] / 2**20:.0f} |"

@@ -81,14 +81,19 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp-2proc": (2, ["--precision", "fp32", "--nproc_per_node", "2", "--parallel", "ddp"]),
     "fsdp-2proc": (2, ["--precision", "fp32", "--nproc_per_node", "2", "--parallel", "fsdp"]),
     "fp16-fallback": (1, ["--precision", "fp16", "--init_scale", "1e9", "--batch_size", "4"]),
-    "rollback": (1, []),  # benchmarks/rollback_run.py (a Trainer with spike_rollback), not `ampkit train`
+    "rollback": (
+        1,
+        [],
+    ),  # benchmarks/rollback_run.py (a Trainer with spike_rollback), not `ampkit train`
 }
 STEPS_OF = {"rollback": 20}  # runs of a fixed length (the rollback run's spike is at step 14)
 KINDS = ["SIGINT", "SIGTERM", "SIGKILL", "SIGINT@write", "SIGTERM@write", "SIGKILL@write"]
 EVERY = 5  # --checkpoint_every for the SIGKILL and @write kinds
 GONE_WAIT = 20.0  # seconds after the signal for every process of the run to be gone
-STOP_RE = re.compile(r"stopped by (SIG\w+) after optimizer step (\d+); checkpoint (\S+) written\. "
-                     r"Resume with: (ampkit train .*)")
+STOP_RE = re.compile(
+    r"stopped by (SIG\w+) after optimizer step (\d+); checkpoint (\S+) written\. "
+    r"Resume with: (ampkit train .*)"
+)
 RESUMED_RE = re.compile(r"resumed from (\S+) at step (\d+)")
 
 
@@ -106,7 +111,12 @@ def live(marker: str) -> list[int]:
         if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(f"/proc/{d}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[-1].split()[0]
         except OSError:
             continue
@@ -161,8 +171,15 @@ def writing(ckdir: Path) -> Optional[str]:
 
 
 def debris(ckdir: Path) -> list[str]:
-    return sorted(n for n in os.listdir(ckdir) if (n.startswith(".tmp-") and n.endswith(".pt"))
-                  or n.endswith(".partial")) if ckdir.is_dir() else []
+    return (
+        sorted(
+            n
+            for n in os.listdir(ckdir)
+            if (n.startswith(".tmp-") and n.endswith(".pt")) or n.endswith(".partial")
+        )
+        if ckdir.is_dir()
+        else []
+    )
 
 
 def newest_checkpoint(ckdir: Path) -> Optional[int]:
@@ -177,7 +194,12 @@ def final_path(ckdir: Path, steps: int, nproc: int) -> Path:
     return ckdir / (f"ckpt-{steps:08d}" if nproc > 1 else f"ckpt-{steps:08d}.pt")
 
 
-DECISIONS = ("spike", "fallback", "fallback_retry", "precision_switch")  # events that change the training
+DECISIONS = (
+    "spike",
+    "fallback",
+    "fallback_retry",
+    "precision_switch",
+)  # events that change the training
 
 
 def _no_clock(obj: Any) -> Any:
@@ -199,24 +221,41 @@ def trained_state(path: Path) -> dict[str, Any]:
         from ampkit.loop.checkpoint import load_checkpoint
 
         state = load_checkpoint(str(path))
-    return {"model": state["model"], "optimizer": state["optimizer"]["state"], "scaler": state["amp"]["scaler"],
-            "precision": state["amp"]["precision"], "steps": state["amp"]["optimizer_steps"],
-            "data": _no_clock(state["data"]),
-            "decisions": [_no_clock(e) for e in state["amp"].get("events", []) if e.get("kind") in DECISIONS]}
+    return {
+        "model": state["model"],
+        "optimizer": state["optimizer"]["state"],
+        "scaler": state["amp"]["scaler"],
+        "precision": state["amp"]["precision"],
+        "steps": state["amp"]["optimizer_steps"],
+        "data": _no_clock(state["data"]),
+        "decisions": [
+            _no_clock(e) for e in state["amp"].get("events", []) if e.get("kind") in DECISIONS
+        ],
+    }
 
 
 def max_param_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     """The largest absolute difference between two trained states' model tensors (fp32)."""
-    diffs = [(x.float() - b["model"][k].float()).abs().max().item() for k, x in a["model"].items()
-             if isinstance(x, torch.Tensor) and x.is_floating_point() and k in b["model"]
-             and b["model"][k].shape == x.shape and x.numel()]
+    diffs = [
+        (x.float() - b["model"][k].float()).abs().max().item()
+        for k, x in a["model"].items()
+        if isinstance(x, torch.Tensor)
+        and x.is_floating_point()
+        and k in b["model"]
+        and b["model"][k].shape == x.shape
+        and x.numel()
+    ]
     return max(diffs, default=0.0)
 
 
 def differences(a: Any, b: Any, where: str = "state") -> list[str]:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype \
-                or a.shape != b.shape or not torch.equal(a, b):
+        if (
+            not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+            or a.dtype != b.dtype
+            or a.shape != b.shape
+            or not torch.equal(a, b)
+        ):
             return [where]
         return []
     if isinstance(a, dict) and isinstance(b, dict):
@@ -237,11 +276,17 @@ class Kill:
     config: str
     kind: str
     nproc: int
-    target_step: int  # signal after this many logged steps (the @write kinds: at the next write after it)
+    target_step: (
+        int  # signal after this many logged steps (the @write kinds: at the next write after it)
+    )
     command: str = ""
     signalled_at_step: Optional[int] = None  # logged steps when the signal was sent
-    write_seen: Optional[str] = None  # @write: the temp file / .partial dir present when the signal was sent
-    write_left_after_kill: bool = False  # that temp file / .partial dir still there after the run ended
+    write_seen: Optional[str] = (
+        None  # @write: the temp file / .partial dir present when the signal was sent
+    )
+    write_left_after_kill: bool = (
+        False  # that temp file / .partial dir still there after the run ended
+    )
     exit_status: Optional[int] = None
     expected_status: Optional[int] = None
     exit_s: Optional[float] = None
@@ -309,36 +354,63 @@ def plan(n: int, seed: int, configs: list[str], kinds: list[str], steps: int) ->
 
 def points(every: int, configs: list[str], kinds: list[str], steps: int) -> list[Kill]:
     """Kills at steps ``every``, ``2 * every``, ... before the end, for each configuration and kind."""
-    kills = [Kill(0, c, kind, CONFIGS[c][0], k) for c in configs for kind in kinds
-             for k in range(every, STEPS_OF.get(c, steps), every)]
+    kills = [
+        Kill(0, c, kind, CONFIGS[c][0], k)
+        for c in configs
+        for kind in kinds
+        for k in range(every, STEPS_OF.get(c, steps), every)
+    ]
     for i, k in enumerate(kills):
         k.index = i
     return kills
 
 
-def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, timeout: float,
-             kill_every: int = EVERY) -> Kill:
+def run_kill(
+    k: Kill,
+    work: Path,
+    steps: int,
+    ref: Path,
+    rng: random.Random,
+    timeout: float,
+    kill_every: int = EVERY,
+) -> Kill:
     run = work / f"k{k.index:02d}-{k.config}-{k.kind.replace('@', '-at-')}"
     ckdir, logdir = run / "ck", run / "log"
     run.mkdir(parents=True)
     nproc, extra = CONFIGS[k.config]
     every = steps if k.kind in ("SIGINT", "SIGTERM") else kill_every
-    args = ["train", *BASE, *extra, "--steps", str(steps), "--checkpoint_every", str(every),
-            "--checkpoint_dir", str(ckdir), "--log_dir", str(logdir)]
+    args = [
+        "train",
+        *BASE,
+        *extra,
+        "--steps",
+        str(steps),
+        "--checkpoint_every",
+        str(every),
+        "--checkpoint_dir",
+        str(ckdir),
+        "--log_dir",
+        str(logdir),
+    ]
     k.command = shlex.join(["ampkit", *args])
     k.expected_status = -9 if k.signame == "SIGKILL" else 128 + signal.Signals[k.signame]
     out = run / "run.out"
     marker = str(run)
     with open(out, "w") as f:
-        proc = subprocess.Popen(ampkit(args, k.config), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(
+            ampkit(args, k.config), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
+        )
     log = logdir / "log.jsonl"
     try:
         # --- the random moment
         end = time.monotonic() + timeout
         while logged_steps(log) < k.target_step:
             if proc.poll() is not None or time.monotonic() > end:
-                k.note = (f"run ended (status {proc.returncode}) before step {k.target_step}" if proc.poll() is not None
-                          else f"no step {k.target_step} within {timeout:.0f} s")
+                k.note = (
+                    f"run ended (status {proc.returncode}) before step {k.target_step}"
+                    if proc.poll() is not None
+                    else f"no step {k.target_step} within {timeout:.0f} s"
+                )
                 proc.kill()
                 proc.wait()
                 wait_gone(marker, time.monotonic() + GONE_WAIT)
@@ -372,7 +444,9 @@ def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, tim
         # --- what was lost
         events = read_log(log)
         stops = [e for e in events if e.get("kind") == "stop"]
-        step_recs = [e["step"] for e in events if e.get("type") == "step" and isinstance(e.get("step"), int)]
+        step_recs = [
+            e["step"] for e in events if e.get("type") == "step" and isinstance(e.get("step"), int)
+        ]
         k.stop_event = bool(stops)
         if stops:
             k.stop_signal = stops[-1].get("signal")
@@ -395,7 +469,9 @@ def run_kill(k: Kill, work: Path, steps: int, ref: Path, rng: random.Random, tim
             k.resume_command = shlex.join(["ampkit", *rargs])
         t1 = time.monotonic()
         try:
-            r = subprocess.run(ampkit(rargs, k.config), capture_output=True, text=True, cwd=ROOT, timeout=600)
+            r = subprocess.run(
+                ampkit(rargs, k.config), capture_output=True, text=True, cwd=ROOT, timeout=600
+            )
             k.resume_status, rtext = r.returncode, r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:
             k.resume_status, rtext = None, f"timed out: {e}"
@@ -425,13 +501,26 @@ def reference(cfg: str, work: Path, steps: int) -> Path:
     """An uninterrupted run of ``cfg`` (checkpoint only at the end); its final checkpoint."""
     run = work / f"ref-{cfg}"
     nproc, extra = CONFIGS[cfg]
-    args = ["train", *BASE, *extra, "--steps", str(steps), "--checkpoint_every", str(steps),
-            "--checkpoint_dir", str(run / "ck"), "--log_dir", str(run / "log")]
+    args = [
+        "train",
+        *BASE,
+        *extra,
+        "--steps",
+        str(steps),
+        "--checkpoint_every",
+        str(steps),
+        "--checkpoint_dir",
+        str(run / "ck"),
+        "--log_dir",
+        str(run / "log"),
+    ]
     r = subprocess.run(ampkit(args, cfg), capture_output=True, text=True, cwd=ROOT, timeout=900)
     final = final_path(run / "ck", steps, nproc)
     if r.returncode != 0 or not final.exists():
-        raise SystemExit(f"reference run failed ({r.returncode}): {shlex.join(['ampkit', *args])}\n"
-                         f"{(r.stdout + r.stderr)[-3000:]}")
+        raise SystemExit(
+            f"reference run failed ({r.returncode}): {shlex.join(['ampkit', *args])}\n"
+            f"{(r.stdout + r.stderr)[-3000:]}"
+        )
     wait_gone(str(run), time.monotonic() + 5)
     return final
 
@@ -455,51 +544,72 @@ def summarize(kills: list[Kill]) -> list[dict[str, Any]]:
         ks = kills if key == ("all", 0) else groups[key]
         lost = [k.steps_lost for k in ks if k.steps_lost is not None]
         statuses = sorted({k.exit_status for k in ks if k.exit_status is not None})
-        rows.append({
-            "kind": key[0], "processes": "1+2" if key[1] == 0 else str(key[1]), "kills": len(ks),
-            "signalled": sum(k.exit_status is not None for k in ks),
-            "exit_status": ",".join(map(str, statuses)) or "-",
-            "unexpected_status": sum(k.exit_status is not None and k.exit_status != k.expected_status for k in ks),
-            "writes_hit": sum(bool(k.write_seen) for k in ks) if key[0].endswith("@write") or key[0] == "all" else None,
-            "resumes_failed": sum(k.exit_status is not None and not k.resume_ok for k in ks),
-            "lost_median": median([float(x) for x in lost]), "lost_max": max(lost) if lost else None,
-            "processes_left": sum(len(k.left) for k in ks),
-            "bitwise_equal": sum(bool(k.bitwise_equal) for k in ks),
-            "exit_s_median": median([k.exit_s for k in ks if k.exit_s is not None]),
-            "gone_s_median": median([k.gone_s for k in ks if k.gone_s is not None]),
-            "configs": ", ".join(sorted({k.config for k in ks})) if key != ("all", 0) else "",
-        })
+        rows.append(
+            {
+                "kind": key[0],
+                "processes": "1+2" if key[1] == 0 else str(key[1]),
+                "kills": len(ks),
+                "signalled": sum(k.exit_status is not None for k in ks),
+                "exit_status": ",".join(map(str, statuses)) or "-",
+                "unexpected_status": sum(
+                    k.exit_status is not None and k.exit_status != k.expected_status for k in ks
+                ),
+                "writes_hit": sum(bool(k.write_seen) for k in ks)
+                if key[0].endswith("@write") or key[0] == "all"
+                else None,
+                "resumes_failed": sum(k.exit_status is not None and not k.resume_ok for k in ks),
+                "lost_median": median([float(x) for x in lost]),
+                "lost_max": max(lost) if lost else None,
+                "processes_left": sum(len(k.left) for k in ks),
+                "bitwise_equal": sum(bool(k.bitwise_equal) for k in ks),
+                "exit_s_median": median([k.exit_s for k in ks if k.exit_s is not None]),
+                "gone_s_median": median([k.gone_s for k in ks if k.gone_s is not None]),
+                "configs": ", ".join(sorted({k.config for k in ks})) if key != ("all", 0) else "",
+            }
+        )
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| signal | processes | kills | exit status | resumes failed | steps lost median / max | processes left "
-            "| bitwise equal | median s to exit | median s to no process | configs |")
+    head = (
+        "| signal | processes | kills | exit status | resumes failed | steps lost median / max | processes left "
+        "| bitwise equal | median s to exit | median s to no process | configs |"
+    )
     lines = [head, "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        kills = f"{r['kills']}" + (f" ({r['writes_hit']} in a write)" if r["writes_hit"] is not None
-                                   and r["kind"].endswith("@write") else "")
-        lines.append(f"| {r['kind']} | {r['processes']} | {kills} | {r['exit_status']} | {r['resumes_failed']} | "
-                     f"{fmt(r['lost_median'], 1)} / {fmt(r['lost_max'])} | {r['processes_left']} | "
-                     f"{r['bitwise_equal']}/{r['kills']} | {fmt(r['exit_s_median'])} | {fmt(r['gone_s_median'])} | "
-                     f"{r['configs']} |")
+        kills = f"{r['kills']}" + (
+            f" ({r['writes_hit']} in a write)"
+            if r["writes_hit"] is not None and r["kind"].endswith("@write")
+            else ""
+        )
+        lines.append(
+            f"| {r['kind']} | {r['processes']} | {kills} | {r['exit_status']} | {r['resumes_failed']} | "
+            f"{fmt(r['lost_median'], 1)} / {fmt(r['lost_max'])} | {r['processes_left']} | "
+            f"{r['bitwise_equal']}/{r['kills']} | {fmt(r['exit_s_median'])} | {fmt(r['gone_s_median'])} | "
+            f"{r['configs']} |"
+        )
     return "\n".join(lines)
 
 
 def points_table(kills: list[Kill]) -> str:
     """``--points``: per configuration and kind, the bitwise-equal resumes, the largest parameter
     difference, and the kill points (the step logged when the signal went) whose resume differs."""
-    lines = ["| config | signal | kill points | resumes failed | bitwise equal | max parameter difference "
-             "| differing at steps |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| config | signal | kill points | resumes failed | bitwise equal | max parameter difference "
+        "| differing at steps |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     groups: dict[tuple[str, str], list[Kill]] = {}
     for k in kills:
         groups.setdefault((k.config, k.kind), []).append(k)
     for (cfg, kind), ks in groups.items():
         diffs = [k.max_param_diff for k in ks if k.max_param_diff is not None]
         differ = [str(k.signalled_at_step) for k in ks if k.bitwise_equal is False]
-        lines.append(f"| {cfg} | {kind} | {len(ks)} | {sum(not k.resume_ok for k in ks)} | "
-                     f"{sum(bool(k.bitwise_equal) for k in ks)}/{len(ks)} | {'-' if not diffs else f'{max(diffs):.2g}'} | "
-                     f"{', '.join(differ) or '-'} |")
+        lines.append(
+            f"| {cfg} | {kind} | {len(ks)} | {sum(not k.resume_ok for k in ks)} | "
+            f"{sum(bool(k.bitwise_equal) for k in ks)}/{len(ks)} | {'-' if not diffs else f'{max(diffs):.2g}'} | "
+            f"{', '.join(differ) or '-'} |"
+        )
     return "\n".join(lines)
 
 
@@ -526,7 +636,9 @@ def anomalies(k: Kill, steps: int) -> list[str]:
     if k.left_after_resume:
         out.append(f"{len(k.left_after_resume)} process(es) left after the resume")
     if k.debris_after_resume:
-        out.append(f"left in the checkpoint dir after the resume: {', '.join(k.debris_after_resume)}")
+        out.append(
+            f"left in the checkpoint dir after the resume: {', '.join(k.debris_after_resume)}"
+        )
     if "@write" in k.kind and not k.write_seen:
         out.append("no write caught")
     return out
@@ -534,35 +646,61 @@ def anomalies(k: Kill, steps: int) -> list[str]:
 
 def line(k: Kill, steps: int) -> str:
     bad = anomalies(k, steps)
-    write = (f" write {k.write_seen}{' (left)' if k.write_left_after_kill else ''}" if k.write_seen else "")
-    return (f"#{k.index:02d} {k.kind:<13} {k.config:<11} at step {fmt(k.signalled_at_step)}{write}: "
-            f"exit {fmt(k.exit_status)} in {fmt(k.exit_s)} s (none left after {fmt(k.gone_s)} s), "
-            f"last step {fmt(k.last_step)}, newest ckpt {fmt(k.newest_ckpt)}, lost {fmt(k.steps_lost)}, "
-            f"resume {'printed' if k.resume_from_printed else '+--resume'} from {fmt(k.resumed_at)} "
-            f"-> {fmt(k.resume_status)} in {fmt(k.resume_s, 1)} s, "
-            f"bitwise {'=' if k.bitwise_equal else ('≠' if k.bitwise_equal is False else '-')}"
-            + (f"  !! {'; '.join(bad)}" if bad else ""))
+    write = (
+        f" write {k.write_seen}{' (left)' if k.write_left_after_kill else ''}"
+        if k.write_seen
+        else ""
+    )
+    return (
+        f"#{k.index:02d} {k.kind:<13} {k.config:<11} at step {fmt(k.signalled_at_step)}{write}: "
+        f"exit {fmt(k.exit_status)} in {fmt(k.exit_s)} s (none left after {fmt(k.gone_s)} s), "
+        f"last step {fmt(k.last_step)}, newest ckpt {fmt(k.newest_ckpt)}, lost {fmt(k.steps_lost)}, "
+        f"resume {'printed' if k.resume_from_printed else '+--resume'} from {fmt(k.resumed_at)} "
+        f"-> {fmt(k.resume_status)} in {fmt(k.resume_s, 1)} s, "
+        f"bitwise {'=' if k.bitwise_equal else ('≠' if k.bitwise_equal is False else '-')}"
+        + (f"  !! {'; '.join(bad)}" if bad else "")
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--kills", type=int, default=36)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=200, help="total optimizer steps of every run (default: 200)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS))
+    ap.add_argument(
+        "--steps", type=int, default=200, help="total optimizer steps of every run (default: 200)"
+    )
+    ap.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated subset of: " + ", ".join(CONFIGS),
+    )
+    ap.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS)
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds to reach the kill's step")
     ap.add_argument("--out", help="write every kill and the table as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (printed)")
     ap.add_argument("--verbose", action="store_true", help="one line per kill")
-    ap.add_argument("--points", type=int, help="kill at every N-th step of each configuration and kind (instead "
-                    "of --kills at random moments); the table then has one row per configuration and kind")
-    ap.add_argument("--kill_every", type=int, help="--checkpoint_every of the SIGKILL and @write kinds "
-                    f"(default {EVERY}; 1 with --points)")
+    ap.add_argument(
+        "--points",
+        type=int,
+        help="kill at every N-th step of each configuration and kind (instead "
+        "of --kills at random moments); the table then has one row per configuration and kind",
+    )
+    ap.add_argument(
+        "--kill_every",
+        type=int,
+        help="--checkpoint_every of the SIGKILL and @write kinds "
+        f"(default {EVERY}; 1 with --points)",
+    )
     args = ap.parse_args()
     kill_every = args.kill_every or (1 if args.points else EVERY)
     if args.steps % kill_every or any(n % kill_every for n in STEPS_OF.values()):
-        ap.error(f"--steps must be a multiple of {kill_every} (the SIGKILL kinds' --checkpoint_every)")
+        ap.error(
+            f"--steps must be a multiple of {kill_every} (the SIGKILL kinds' --checkpoint_every)"
+        )
     configs = [c for c in args.configs.split(",") if c]
     kinds = [k for k in args.kinds.split(",") if k]
     for c in configs:
@@ -572,13 +710,21 @@ def main() -> None:
         if k not in KINDS:
             ap.error(f"unknown kind {k!r}")
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up (the `finally`s) when stopped
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # clean up (the `finally`s) when stopped
     rng = random.Random(args.seed + 1)
-    kills = points(args.points, configs, kinds, args.steps) if args.points else \
-        plan(args.kills, args.seed, configs, kinds, args.steps)
+    kills = (
+        points(args.points, configs, kinds, args.steps)
+        if args.points
+        else plan(args.kills, args.seed, configs, kinds, args.steps)
+    )
     work = Path(tempfile.mkdtemp(prefix="ampkit-kill-"))
-    print(f"# torch {torch.__version__} · Python {platform.python_version()} · {os.cpu_count()} cores · "
-          f"{len(kills)} kills · {args.steps} steps per run · seed {args.seed} · work dir {work}", flush=True)
+    print(
+        f"# torch {torch.__version__} · Python {platform.python_version()} · {os.cpu_count()} cores · "
+        f"{len(kills)} kills · {args.steps} steps per run · seed {args.seed} · work dir {work}",
+        flush=True,
+    )
     t_start = time.monotonic()
     refs: dict[str, Path] = {}
     ref_s: dict[str, float] = {}
@@ -612,13 +758,27 @@ def main() -> None:
     print()
     print(f"{len(kills)} kills in {total_s / 60:.1f} min; {len(bad)} with an anomaly")
     for k, a in bad:
-        print(f"  #{k.index:02d} {k.kind} {k.config}: {'; '.join(a)}\n      {k.command}\n      resume: {k.resume_command}")
+        print(
+            f"  #{k.index:02d} {k.kind} {k.config}: {'; '.join(a)}\n      {k.command}\n      resume: {k.resume_command}"
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(),
-                       "argv": sys.argv, "steps": args.steps, "seed": args.seed, "minutes": total_s / 60,
-                       "reference_s": ref_s, "table": rows,
-                       "kills": [{**asdict(k), "anomalies": anomalies(k, args.steps)} for k in kills]}, f, indent=1)
+            json.dump(
+                {
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                    "cores": os.cpu_count(),
+                    "argv": sys.argv,
+                    "steps": args.steps,
+                    "seed": args.seed,
+                    "minutes": total_s / 60,
+                    "reference_s": ref_s,
+                    "table": rows,
+                    "kills": [{**asdict(k), "anomalies": anomalies(k, args.steps)} for k in kills],
+                },
+                f,
+                indent=1,
+            )
     sys.exit(1 if bad else 0)
 
 

@@ -31,29 +31,49 @@ from ampkit.observe.memory import breakdown
 from ampkit.step.hardware import device_info
 from ampkit.step.policies import native
 
-RUNGS = [("torch fused fp32 AdamW", None, None), ("fp32 masters", "fp32", "fp32"), ("split", "split", "fp32"),
-         ("kahan", "kahan", "fp32"), ("stochastic", "stochastic", "fp32"),
-         ("stochastic + bf16 states", "stochastic", "bf16"), ("none (forced)", "none", "fp32")]
+RUNGS = [
+    ("torch fused fp32 AdamW", None, None),
+    ("fp32 masters", "fp32", "fp32"),
+    ("split", "split", "fp32"),
+    ("kahan", "kahan", "fp32"),
+    ("stochastic", "stochastic", "fp32"),
+    ("stochastic + bf16 states", "stochastic", "bf16"),
+    ("none (forced)", "none", "fp32"),
+]
 
 
 class Rung:
-    def __init__(self, label: str, masters, state_dtype, args: argparse.Namespace, eager: bool = False) -> None:
+    def __init__(
+        self, label: str, masters, state_dtype, args: argparse.Namespace, eager: bool = False
+    ) -> None:
         torch.manual_seed(args.seed)
         self.label, self.eager = label + (" (eager)" if eager else ""), eager
         self.dev = torch.device(args.device)
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(self.dev)
+        self.model = torch.nn.Sequential(
+            *[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+        ).to(self.dev)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.amp = None
         if masters is not None:
-            self.amp = MixedPrecision("bf16-pure", device=self.dev, masters=masters, state_dtype=state_dtype,
-                                      allow_stall=masters == "none")
+            self.amp = MixedPrecision(
+                "bf16-pure",
+                device=self.dev,
+                masters=masters,
+                state_dtype=state_dtype,
+                allow_stall=masters == "none",
+            )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.model, self.opt = self.amp.setup(self.model, self.opt)
         g = torch.Generator().manual_seed(args.seed + 1)
-        self.grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(self.dev, p.dtype) for p in self.model.parameters()]
+        self.grads = [
+            (torch.randn(p.shape, generator=g) * 1e-2).to(self.dev, p.dtype)
+            for p in self.model.parameters()
+        ]
         self.times: list[float] = []
-        self.cpu: list[float] = []  # this thread's CPU time per step: blind to time slices lost to other load
+        self.cpu: list[
+            float
+        ] = []  # this thread's CPU time per step: blind to time slices lost to other load
         self.step()  # creates the optimizer state
         self.bytes = self._bytes()
 
@@ -94,16 +114,28 @@ class Rung:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rungs", default="", help="comma-separated labels to time besides the first two "
-                    "(e.g. 'split,kahan'); default all")
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (the eager passes: the C kernels are CPU-only)")
-    ap.add_argument("--eager", action="store_true", help="also time split/kahan with AMPKIT_NO_NATIVE=1")
+    ap.add_argument(
+        "--rungs",
+        default="",
+        help="comma-separated labels to time besides the first two "
+        "(e.g. 'split,kahan'); default all",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda (the eager passes: the C kernels are CPU-only)",
+    )
+    ap.add_argument(
+        "--eager", action="store_true", help="also time split/kahan with AMPKIT_NO_NATIVE=1"
+    )
     args = ap.parse_args()
     want = {w.strip() for w in args.rungs.split(",") if w.strip()}
     rungs = []
@@ -113,21 +145,27 @@ def main() -> None:
             if args.eager and m in ("split", "kahan"):
                 rungs.append(Rung(label, m, s, args, eager=True))
     n = sum(p.numel() for p in rungs[0].model.parameters())
-    print(f"# {device_info(args.device).name} · torch {torch.__version__} · python {platform.python_version()} · "
-          f"{torch.get_num_threads()} thread(s) · {n / 1e6:.2f}M params · fused AdamW · {args.rounds} rounds x "
-          f"{args.steps} steps, interleaved · native split/kahan kernels: {'on' if native.enabled() else 'off'}")
+    print(
+        f"# {device_info(args.device).name} · torch {torch.__version__} · python {platform.python_version()} · "
+        f"{torch.get_num_threads()} thread(s) · {n / 1e6:.2f}M params · fused AdamW · {args.rounds} rounds x "
+        f"{args.steps} steps, interleaved · native split/kahan kernels: {'on' if native.enabled() else 'off'}"
+    )
     for _ in range(args.rounds):
         for r in rungs:
             r.times += [r.step() for _ in range(args.steps)]
     torch_ms = statistics.median(rungs[0].times) * 1e3
     master_ms = statistics.median(rungs[1].times) * 1e3
     torch_cpu, master_cpu = (statistics.median(r.cpu) * 1e3 for r in rungs[:2])
-    print(f"{'rung':<26} {'B/param':>8} {'step ms':>8} {'vs fp32 masters':>16} {'vs torch fp32':>14} "
-          f"{'CPU ms':>8} {'CPU vs masters':>15} {'CPU vs torch':>13}")
+    print(
+        f"{'rung':<26} {'B/param':>8} {'step ms':>8} {'vs fp32 masters':>16} {'vs torch fp32':>14} "
+        f"{'CPU ms':>8} {'CPU vs masters':>15} {'CPU vs torch':>13}"
+    )
     for r in rungs:
         ms, cpu = statistics.median(r.times) * 1e3, statistics.median(r.cpu) * 1e3
-        print(f"{r.label:<26} {r.bytes:>8.2f} {ms:>8.2f} {ms / master_ms:>15.2f}x {ms / torch_ms:>13.2f}x "
-              f"{cpu:>8.2f} {cpu / master_cpu:>14.2f}x {cpu / torch_cpu:>12.2f}x")
+        print(
+            f"{r.label:<26} {r.bytes:>8.2f} {ms:>8.2f} {ms / master_ms:>15.2f}x {ms / torch_ms:>13.2f}x "
+            f"{cpu:>8.2f} {cpu / master_cpu:>14.2f}x {cpu / torch_cpu:>12.2f}x"
+        )
 
 
 if __name__ == "__main__":

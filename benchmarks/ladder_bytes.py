@@ -85,7 +85,9 @@ def main() -> None:
         for _ in range(2):
             step(model, opt, amp, x)
         n = sum(p.numel() for p in model.parameters())
-        print(f"{spec:28s} {persistent_bytes(model, opt, amp) / n:6.2f} B/param ({n / 1e6:.1f}M parameters)")
+        print(
+            f"{spec:28s} {persistent_bytes(model, opt, amp) / n:6.2f} B/param ({n / 1e6:.1f}M parameters)"
+        )
         runs[spec] = (model, opt, amp)
     times: dict[str, list[float]] = {s: [] for s in runs}
     for _ in range(args.rounds):
@@ -96,8 +98,10 @@ def main() -> None:
             times[spec].append((time.perf_counter() - t) / args.steps)
     base = statistics.median(times[ladder_specs()[0]])
     for spec, ts in times.items():
-        print(f"{spec:28s} step {statistics.median(ts) * 1e3:7.1f} ms  {statistics.median(ts) / base:.2f}x "
-              f"(min-ratio {min(ts) / min(times[ladder_specs()[0]]):.2f}x)")
+        print(
+            f"{spec:28s} step {statistics.median(ts) * 1e3:7.1f} ms  {statistics.median(ts) / base:.2f}x "
+            f"(min-ratio {min(ts) / min(times[ladder_specs()[0]]):.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def train(kind: str, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", default="small")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -57,14 +59,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     info = device_info("cpu")
-    print(f"# {info.name} · torch {torch.__version__} · python {platform.python_version()} · GPT {args.size}, "
-          f"{args.steps} steps, batch {args.batch_size}, AdamW lr {args.lr}, seed {args.seed}")
+    print(
+        f"# {info.name} · torch {torch.__version__} · python {platform.python_version()} · GPT {args.size}, "
+        f"{args.steps} steps, batch {args.batch_size}, AdamW lr {args.lr}, seed {args.seed}"
+    )
     rows = {}
     for kind in ("fp32", "bf16-pure", "no-master"):
         t0 = time.perf_counter()
         losses = train(kind, args)
         rows[kind] = (statistics.mean(losses[-20:]), time.perf_counter() - t0)
-        print(f"  {kind}: mean of last 20 losses {rows[kind][0]:.4f} ({rows[kind][1]:.0f} s)", flush=True)
+        print(
+            f"  {kind}: mean of last 20 losses {rows[kind][0]:.4f} ({rows[kind][1]:.0f} s)",
+            flush=True,
+        )
     ref = rows["fp32"][0]
     print()
     print("| run | mean of last 20 losses | gap to fp32 |")

@@ -5,7 +5,8 @@ one by the nanoGPT-style loop (torch.autocast + torch.amp.GradScaler, unscale, c
 update), one by ampkit (autocast / backward / step). ``--mode default`` compares ampkit with
 its *default* settings (no clipping, non-finite steps skipped in every precision) against the
 plain loop users write without clipping: autocast, backward, ``opt.step()`` (a GradScaler only
-for fp16) -- the loop does no finite check at all, so the ratio is the check's whole cost. Blocks of steps alternate between the two
+for fp16) -- the loop does no finite check at all, so the ratio is the check's whole cost. Blocks
+of steps alternate between the two
 (order flipped every block) so machine drift hits both alike; the table shows the median
 per-step time of each and their ratio. A last table gives the bf16-vs-fp32 speed-up of the GPT.
 
@@ -89,13 +90,19 @@ def time_block(step, batches, start, n, device):
 def measure(model_name, size, precision, device, args):
     torch.manual_seed(0)
     if model_name == "mlp" and args.mlp_width:
-        base = MLP(MLPConfig(in_features=args.mlp_width, hidden=args.mlp_width, n_layer=3)).to(device)
+        base = MLP(MLPConfig(in_features=args.mlp_width, hidden=args.mlp_width, n_layer=3)).to(
+            device
+        )
     else:
         base = build(model_name, size).to(device)
     if model_name == "gpt":
-        data = TextBatches(batch_size=args.batch_size, block_size=base.config.block_size, device=device)
+        data = TextBatches(
+            batch_size=args.batch_size, block_size=base.config.block_size, device=device
+        )
     else:
-        data = ClassificationBatches(batch_size=args.mlp_batch, in_features=base.config.in_features, device=device)
+        data = ClassificationBatches(
+            batch_size=args.mlp_batch, in_features=base.config.in_features, device=device
+        )
     batches = [data(i) for i in range(16)]
     fused = device.type in ("cpu", "cuda")
     steppers = {}
@@ -112,18 +119,32 @@ def measure(model_name, size, precision, device, args):
     times = {kind: [] for kind in steppers}
     order = list(steppers)
     for b in range(args.blocks):
-        for kind in (order if b % 2 == 0 else order[::-1]):
-            times[kind].append(time_block(steppers[kind], batches, b * args.steps, args.steps, device))
+        for kind in order if b % 2 == 0 else order[::-1]:
+            times[kind].append(
+                time_block(steppers[kind], batches, b * args.steps, args.steps, device)
+            )
     raw, amp = statistics.median(times["raw"]), statistics.median(times["ampkit"])
     # Adjacent blocks form pairs; the median of the paired ratios is robust to slow drift.
     ratios = sorted(a / r for a, r in zip(times["ampkit"], times["raw"]))
-    label = f"mlp/w{args.mlp_width}" if model_name == "mlp" and args.mlp_width else f"{model_name}/{size}"
-    row = {"model": label, "precision": precision, "raw_ms": raw * 1e3, "ampkit_ms": amp * 1e3,
-           "ratio": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
-           "ratio_p90": ratios[(9 * len(ratios)) // 10],
-           "ratio_min": min(times["ampkit"]) / min(times["raw"])}
+    label = (
+        f"mlp/w{args.mlp_width}"
+        if model_name == "mlp" and args.mlp_width
+        else f"{model_name}/{size}"
+    )
+    row = {
+        "model": label,
+        "precision": precision,
+        "raw_ms": raw * 1e3,
+        "ampkit_ms": amp * 1e3,
+        "ratio": statistics.median(ratios),
+        "ratio_p10": ratios[len(ratios) // 10],
+        "ratio_p90": ratios[(9 * len(ratios)) // 10],
+        "ratio_min": min(times["ampkit"]) / min(times["raw"]),
+    }
     if "nocheck" in times:
-        row["nocheck_ratio"] = statistics.median(sorted(a / r for a, r in zip(times["nocheck"], times["raw"])))
+        row["nocheck_ratio"] = statistics.median(
+            sorted(a / r for a, r in zip(times["nocheck"], times["raw"]))
+        )
     return row
 
 
@@ -131,8 +152,10 @@ def machine_line(device):
     """The machine, as ``ampkit info`` names it: the device and its CPU line."""
     info = device_info(device)
     cpu = cpu_features()
-    return (f"{info.name} ({device}) · CPU ISA: {', '.join(cpu.flags) or 'none of interest'} "
-            f"(ATen dispatch: {cpu.capability}) · torch {torch.__version__} · python {platform.python_version()}")
+    return (
+        f"{info.name} ({device}) · CPU ISA: {', '.join(cpu.flags) or 'none of interest'} "
+        f"(ATen dispatch: {cpu.capability}) · torch {torch.__version__} · python {platform.python_version()}"
+    )
 
 
 def cpu_check(args):
@@ -145,45 +168,75 @@ def cpu_check(args):
         torch.set_num_threads(threads)
         for label, width, batch in cases:
             for mode in ("default", "clip"):
-                sub = argparse.Namespace(**{**vars(args), "mode": mode, "mlp_width": width, "mlp_batch": batch,
-                                            "no_check_too": True})
+                sub = argparse.Namespace(
+                    **{
+                        **vars(args),
+                        "mode": mode,
+                        "mlp_width": width,
+                        "mlp_batch": batch,
+                        "no_check_too": True,
+                    }
+                )
                 r = measure("mlp", "small", "bf16", device, sub)
-                r.update(case=label, threads=threads, mode="clip 1.0" if mode == "clip" else "no clip")
+                r.update(
+                    case=label, threads=threads, mode="clip 1.0" if mode == "clip" else "no clip"
+                )
                 rows.append(r)
-                print(f"  measured {label:<22} {r['mode']:<8} {threads} thread(s): ratio {r['ratio']:.3f}", flush=True)
+                print(
+                    f"  measured {label:<22} {r['mode']:<8} {threads} thread(s): ratio {r['ratio']:.3f}",
+                    flush=True,
+                )
     print()
-    print("| case | threads | clipping | raw ms/step | ampkit/raw (median of paired blocks) | p10–p90 | "
-          "min/min | skip_nonfinite=False / raw | target |")
+    print(
+        "| case | threads | clipping | raw ms/step | ampkit/raw (median of paired blocks) | p10–p90 | "
+        "min/min | skip_nonfinite=False / raw | target |"
+    )
     print("| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for r in rows:
         target = "≤ 1.01" if r["mode"].startswith("clip") else "≤ 1.03"
         nocheck = f"{r['nocheck_ratio']:.3f}" if "nocheck_ratio" in r else "—"
-        print(f"| {r['case']} | {r['threads']} | {r['mode']} | {r['raw_ms']:.2f} | {r['ratio']:.3f} | "
-              f"{r['ratio_p10']:.3f}–{r['ratio_p90']:.3f} | {r['ratio_min']:.3f} | {nocheck} | {target} |")
+        print(
+            f"| {r['case']} | {r['threads']} | {r['mode']} | {r['raw_ms']:.2f} | {r['ratio']:.3f} | "
+            f"{r['ratio_p10']:.3f}–{r['ratio_p90']:.3f} | {r['ratio_min']:.3f} | {nocheck} | {target} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_line(device), "rows": rows}, f, indent=2)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precisions", default="fp32,bf16,fp16")
     ap.add_argument("--mlp-size", default="small")
     ap.add_argument("--gpt-size", default="tiny")
     ap.add_argument("--batch-size", type=int, default=16, help="GPT batch size")
     ap.add_argument("--mlp-batch", type=int, default=128, help="MLP batch size")
-    ap.add_argument("--mlp-width", type=int, default=0, help="MLP in/hidden width instead of --mlp-size (e.g. 512)")
-    ap.add_argument("--mode", choices=["clip", "default"], default="default",
-                    help="clip: both loops clip to 1.0; default: ampkit's defaults vs the plain loop (no clipping)")
+    ap.add_argument(
+        "--mlp-width",
+        type=int,
+        default=0,
+        help="MLP in/hidden width instead of --mlp-size (e.g. 512)",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=["clip", "default"],
+        default="default",
+        help="clip: both loops clip to 1.0; default: ampkit's defaults vs the plain loop (no clipping)",
+    )
     ap.add_argument("--models", default="mlp,gpt", help="which of mlp,gpt to measure")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=10, help="timed blocks per side")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: leave)")
     ap.add_argument("--json", default=None, help="also write results to this file")
-    ap.add_argument("--cpu-check", action="store_true",
-                    help="bf16 without/with clipping on 1 and 2 threads, MLP w512/b64 and mlp/small (module doc)")
+    ap.add_argument(
+        "--cpu-check",
+        action="store_true",
+        help="bf16 without/with clipping on 1 and 2 threads, MLP w512/b64 and mlp/small (module doc)",
+    )
     args = ap.parse_args()
     if args.cpu_check:
         return cpu_check(args)
@@ -191,8 +244,10 @@ def main():
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     info = device_info(device)
-    print(f"# {info.name} ({device}) · torch {torch.__version__} · python {platform.python_version()} · "
-          f"threads {torch.get_num_threads()} · mode {args.mode}")
+    print(
+        f"# {info.name} ({device}) · torch {torch.__version__} · python {platform.python_version()} · "
+        f"threads {torch.get_num_threads()} · mode {args.mode}"
+    )
     rows = []
     for model_name, size in (("mlp", args.mlp_size), ("gpt", args.gpt_size)):
         if model_name not in args.models.split(","):
@@ -200,23 +255,36 @@ def main():
         for precision in args.precisions.split(","):
             rows.append(measure(model_name, size, precision, device, args))
             r = rows[-1]
-            print(f"  measured {r['model']:<12} {r['precision']:<5} ratio {r['ratio']:.3f}", flush=True)
+            print(
+                f"  measured {r['model']:<12} {r['precision']:<5} ratio {r['ratio']:.3f}",
+                flush=True,
+            )
     print()
-    print("| model | precision | raw ms/step | ampkit ms/step | ampkit/raw (median of paired blocks) | p10–p90 of paired ratios |")
+    print(
+        "| model | precision | raw ms/step | ampkit ms/step | ampkit/raw (median of paired blocks) "
+        "| p10–p90 of paired ratios |"
+    )
     print("| --- | --- | ---: | ---: | ---: | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['precision']} | {r['raw_ms']:.2f} | {r['ampkit_ms']:.2f} | "
-              f"{r['ratio']:.3f} | {r['ratio_p10']:.3f}–{r['ratio_p90']:.3f} |")
+        print(
+            f"| {r['model']} | {r['precision']} | {r['raw_ms']:.2f} | {r['ampkit_ms']:.2f} | "
+            f"{r['ratio']:.3f} | {r['ratio_p10']:.3f}–{r['ratio_p90']:.3f} |"
+        )
     gpt = {r["precision"]: r for r in rows if r["model"].startswith("gpt")}
     if "fp32" in gpt:
         print()
         print("| GPT speed-up vs fp32 | raw loop | ampkit |")
         print("| --- | ---: | ---: |")
         for p, r in gpt.items():
-            print(f"| {p} | {gpt['fp32']['raw_ms'] / r['raw_ms']:.2f}x | {gpt['fp32']['ampkit_ms'] / r['ampkit_ms']:.2f}x |")
+            print(
+                f"| {p} | {gpt['fp32']['raw_ms'] / r['raw_ms']:.2f}x "
+                f"| {gpt['fp32']['ampkit_ms'] / r['ampkit_ms']:.2f}x |"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": info.to_dict(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+            json.dump(
+                {"device": info.to_dict(), "torch": torch.__version__, "rows": rows}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

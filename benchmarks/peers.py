@@ -53,7 +53,9 @@ def fabric_stepper(model, opt, precision, device, clip):
     from lightning.fabric import Fabric
 
     prec = precision_row(precision).lightning_name  # fp16 -> "16-mixed"
-    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, precision=prec)
+    fabric = Fabric(
+        accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, precision=prec
+    )
     model, opt = fabric.setup(model, opt)
 
     def step(batch):
@@ -66,7 +68,12 @@ def fabric_stepper(model, opt, precision, device, clip):
     return step
 
 
-TOOLS = {"raw": raw_stepper, "ampkit": ampkit_stepper, "accelerate": accelerate_stepper, "fabric": fabric_stepper}
+TOOLS = {
+    "raw": raw_stepper,
+    "ampkit": ampkit_stepper,
+    "accelerate": accelerate_stepper,
+    "fabric": fabric_stepper,
+}
 
 
 def sync(device):
@@ -76,7 +83,12 @@ def sync(device):
 
 def run(model_name, size, precision, device, args, base_ms):
     torch.manual_seed(0)
-    base, data = builtin(model_name, size, batch_size=args.batch_size * (8 if model_name == "mlp" else 1), device=device)
+    base, data = builtin(
+        model_name,
+        size,
+        batch_size=args.batch_size * (8 if model_name == "mlp" else 1),
+        device=device,
+    )
     base = base.to(device)
     batches = [data(i) for i in range(args.warmup + args.rounds * args.steps)]
     steppers, unsupported, losses = {}, {}, {}
@@ -98,7 +110,7 @@ def run(model_name, size, precision, device, args, base_ms):
     names = list(steppers)
     times = {t: [] for t in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for t in order:
             sync(device)
             t0 = time.perf_counter()
@@ -112,20 +124,37 @@ def run(model_name, size, precision, device, args, base_ms):
             rows.append({"tool": t, "precision": precision, "unsupported": unsupported[t]})
             continue
         ms = statistics.median(times[t])
-        ratio = statistics.median(a / b for a, b in zip(times[t], times["raw"])) if "raw" in times else None
+        ratio = (
+            statistics.median(a / b for a, b in zip(times[t], times["raw"]))
+            if "raw" in times
+            else None
+        )
         m, data = losses[t]
         with torch.no_grad():
-            evals = [float(m(*data(10_000 + k))) for k in range(3)]  # held-out batches, the tool's own context
-        rows.append({"tool": t, "precision": precision, "ms": ms, "vs_raw": ratio,
-                     "speedup": (base_ms.get((t, model_name)) or ms) / ms if precision != "fp32" else 1.0,
-                     "final_loss": statistics.mean(evals)})
+            evals = [
+                float(m(*data(10_000 + k))) for k in range(3)
+            ]  # held-out batches, the tool's own context
+        rows.append(
+            {
+                "tool": t,
+                "precision": precision,
+                "ms": ms,
+                "vs_raw": ratio,
+                "speedup": (base_ms.get((t, model_name)) or ms) / ms
+                if precision != "fp32"
+                else 1.0,
+                "final_loss": statistics.mean(evals),
+            }
+        )
         if precision == "fp32":
             base_ms[(t, model_name)] = ms
     return rows
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precisions", default="fp32,bf16,fp16")
     ap.add_argument("--gpt-size", default="tiny")
@@ -143,8 +172,10 @@ def main():
 
     device = torch.device(args.device)
     info = device_info(device)
-    print(f"# {info.name} ({device}) · torch {torch.__version__} · accelerate {accelerate.__version__} · "
-          f"lightning {lightning.__version__} · python {platform.python_version()} · threads {torch.get_num_threads()}")
+    print(
+        f"# {info.name} ({device}) · torch {torch.__version__} · accelerate {accelerate.__version__} · "
+        f"lightning {lightning.__version__} · python {platform.python_version()} · threads {torch.get_num_threads()}"
+    )
     base_ms: dict = {}
     all_rows = []
     for model_name, size in (("mlp", args.mlp_size), ("gpt", args.gpt_size)):
@@ -154,14 +185,20 @@ def main():
                 all_rows.append(row)
             print(f"  measured {model_name}/{size} {precision}", flush=True)
     print()
-    print("| model | precision | tool | ms/step | speed-up vs its fp32 | vs hand-written loop | final loss (held-out) |")
+    print(
+        "| model | precision | tool | ms/step | speed-up vs its fp32 | vs hand-written loop | final loss (held-out) |"
+    )
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for r in all_rows:
         if "unsupported" in r:
-            print(f"| {r['model']} | {r['precision']} | {r['tool']} | not supported: {r['unsupported']} | | | |")
+            print(
+                f"| {r['model']} | {r['precision']} | {r['tool']} | not supported: {r['unsupported']} | | | |"
+            )
         else:
-            print(f"| {r['model']} | {r['precision']} | {r['tool']} | {r['ms']:.2f} | {r['speedup']:.2f}x | "
-                  f"{r['vs_raw']:.3f} | {r['final_loss']:.4f} |")
+            print(
+                f"| {r['model']} | {r['precision']} | {r['tool']} | {r['ms']:.2f} | {r['speedup']:.2f}x | "
+                f"{r['vs_raw']:.3f} | {r['final_loss']:.4f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,13 @@ def run(args: argparse.Namespace, precision: str, every: int) -> tuple[float, fl
     guarded = build(args.width, args.depth, precision, args.device)
     guard = SpikeGuard(*guarded, every=every, keep=2)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(args.batch, args.width, generator=g).to(args.device),
-                torch.randn(args.batch, 16, generator=g).to(args.device)) for _ in range(16)]
+    batches = [
+        (
+            torch.randn(args.batch, args.width, generator=g).to(args.device),
+            torch.randn(args.batch, 16, generator=g).to(args.device),
+        )
+        for _ in range(16)
+    ]
     pos = {"plain": 0, "guarded": 0}
 
     def steps(triple, n: int, name: str) -> float:
@@ -84,21 +89,35 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--blocks", type=int, default=6, help="alternating blocks (intervals) per configuration")
+    p.add_argument(
+        "--blocks", type=int, default=6, help="alternating blocks (intervals) per configuration"
+    )
     p.add_argument("--precisions", nargs="+", default=["bf16", "bf16-pure"])
     p.add_argument("--every", type=int, nargs="+", default=[20, 100])
     args = p.parse_args()
-    params = sum(q.numel() for q in build(args.width, args.depth, "fp32", args.device)[0].parameters())
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    print(f"# rollback overhead on quiet steps: MLP {params / 1e6:.2f}M params, batch {args.batch}, "
-          f"{args.device} ({where}), torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'precision':<10} {'every':>5} {'plain ms/step':>14} {'guarded ms/step':>16} {'ratio':>6} "
-          f"{'snapshot ms':>12}")
+    params = sum(
+        q.numel() for q in build(args.width, args.depth, "fp32", args.device)[0].parameters()
+    )
+    where = (
+        torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or "cpu"
+    )
+    print(
+        f"# rollback overhead on quiet steps: MLP {params / 1e6:.2f}M params, batch {args.batch}, "
+        f"{args.device} ({where}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'precision':<10} {'every':>5} {'plain ms/step':>14} {'guarded ms/step':>16} {'ratio':>6} "
+        f"{'snapshot ms':>12}"
+    )
     for precision in args.precisions:
         for every in args.every:
             plain, guarded, snap = run(args, precision, every)
-            print(f"{precision:<10} {every:>5} {plain * 1e3:>14.3f} {guarded * 1e3:>16.3f} "
-                  f"{guarded / plain:>6.3f} {snap * 1e3:>12.2f}")
+            print(
+                f"{precision:<10} {every:>5} {plain * 1e3:>14.3f} {guarded * 1e3:>16.3f} "
+                f"{guarded / plain:>6.3f} {snap * 1e3:>12.2f}"
+            )
 
 
 if __name__ == "__main__":

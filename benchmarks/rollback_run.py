@@ -42,10 +42,21 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     amp = ampkit.MixedPrecision("bf16", device="cpu")
     model, opt = amp.setup(model, opt)
-    trainer = ampkit.Trainer(model, opt, amp, batches, loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]),
-                             spike_rollback={"every": 4}, fallback=False, progress=False, log_every=1,
-                             log_dir=args.log_dir, checkpoint_dir=args.checkpoint_dir,
-                             checkpoint_every=args.checkpoint_every, keep_last=None)
+    trainer = ampkit.Trainer(
+        model,
+        opt,
+        amp,
+        batches,
+        loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]),
+        spike_rollback={"every": 4},
+        fallback=False,
+        progress=False,
+        log_every=1,
+        log_dir=args.log_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_last=None,
+    )
     if args.resume:
         path = trainer.resume()
         print(f"resumed from {path} at step {amp.optimizer_steps}", flush=True)

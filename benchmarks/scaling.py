@@ -21,9 +21,30 @@ import torch
 
 def run(nproc: int, parallel: str, args: argparse.Namespace, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "ampkit", "train", "--model", args.model, "--size", args.size, "--steps",
-               str(args.steps), "--batch_size", str(args.batch_size), "--precision", args.precision, "--device",
-               args.device, "--json", "--no_progress", "--log_every", "5", "--log_dir", os.path.join(d, "run")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ampkit",
+            "train",
+            "--model",
+            args.model,
+            "--size",
+            args.size,
+            "--steps",
+            str(args.steps),
+            "--batch_size",
+            str(args.batch_size),
+            "--precision",
+            args.precision,
+            "--device",
+            args.device,
+            "--json",
+            "--no_progress",
+            "--log_every",
+            "5",
+            "--log_dir",
+            os.path.join(d, "run"),
+        ]
         if nproc > 1:
             cmd += ["--nproc_per_node", str(nproc), "--parallel", parallel]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -34,7 +55,9 @@ def run(nproc: int, parallel: str, args: argparse.Namespace, threads: int) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="gpt")
     ap.add_argument("--size", default="small")
     ap.add_argument("--steps", type=int, default=30)
@@ -44,20 +67,24 @@ def main() -> None:
     ap.add_argument("--nprocs", default="1,2")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
-    print(f"# torch {torch.__version__} · {args.model}/{args.size} · batch {args.batch_size} per process · "
-          f"{args.precision} · {args.device} · {cores} cores")
+    print(
+        f"# torch {torch.__version__} · {args.model}/{args.size} · batch {args.batch_size} per process · "
+        f"{args.precision} · {args.device} · {cores} cores"
+    )
     print()
     print("| processes | wrapper | threads/process | ms/step | samples/s | vs 1 process |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     base = None
     for n in (int(x) for x in args.nprocs.split(",")):
-        for parallel in (["-"] if n == 1 else ["ddp", "fsdp"]):
+        for parallel in ["-"] if n == 1 else ["ddp", "fsdp"]:
             threads = max(1, cores // n)
             out = run(n, parallel, args, threads)
             sps = out["samples_per_s"]
             base = base or sps
-            print(f"| {n} | {parallel} | {threads} | {out['ms_per_step']:.1f} | {sps:,.0f} | {sps / base:.2f}x |",
-                  flush=True)
+            print(
+                f"| {n} | {parallel} | {threads} | {out['ms_per_step']:.1f} | {sps:,.0f} | {sps / base:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,13 @@ def _serve(data: str, stderr: Any = subprocess.PIPE) -> tuple[subprocess.Popen, 
     import httpx
 
     port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "ampkit", "serve", "--port", str(port), "--data_dir", data],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampkit", "serve", "--port", str(port), "--data_dir", data],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        start_new_session=True,
+    )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30)
 
     def up() -> bool:
@@ -56,6 +61,7 @@ def _serve(data: str, stderr: Any = subprocess.PIPE) -> tuple[subprocess.Popen, 
             return client.get("/health").status_code in (200, 503)
         except httpx.TransportError:
             return proc.poll() is not None
+
     _wait(up, 90)
     return proc, client
 
@@ -76,16 +82,32 @@ def cut_run_file(tmp: str) -> str:
     from ampkit.service.runfile import write_run_file
     from ampkit.service.schemas import RunSpec
 
-    spec = RunSpec(model="mlp", steps=40, batch_size=4, log_every=1, precision="fp32", checkpoint_every=1000)
+    spec = RunSpec(
+        model="mlp", steps=40, batch_size=4, log_every=1, precision="fp32", checkpoint_every=1000
+    )
     path = write_run_file(spec.model_dump(), os.path.join(tmp, "run"))
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines(keepends=True)
     with open(path, "w", encoding="utf-8") as f:  # cut at the line boundary before `steps = 40`
-        f.writelines(lines[:next(i for i, ln in enumerate(lines) if ln.startswith("steps"))])
-    out = subprocess.run([sys.executable, "-m", "ampkit", "train", "--config", path, "--json", "--log_dir",
-                          os.path.join(tmp, "log")], capture_output=True, text=True, timeout=300)
+        f.writelines(lines[: next(i for i, ln in enumerate(lines) if ln.startswith("steps"))])
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ampkit",
+            "train",
+            "--config",
+            path,
+            "--json",
+            "--log_dir",
+            os.path.join(tmp, "log"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if out.returncode == 0:
-        summary = json.loads(out.stdout[out.stdout.find("{"):])
+        summary = json.loads(out.stdout[out.stdout.find("{") :])
         return f"asked 40 steps; trained {summary.get('optimizer_steps')} (exit 0)"
     return f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1][:200]}"
 
@@ -114,13 +136,24 @@ def disk_full(tmp: str) -> str:
         with open(os.path.join(mnt, "serve.log"), "wb") as log:
             proc, c = _serve(data, stderr=log)
         try:
-            a = c.post("/v1/runs", json={"model": "mlp", "steps": 1_000_000, "precision": "fp32", "log_every": 1,
-                                         "checkpoint_every": 1}).json()["id"]
-            b = c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}).json()["id"]
+            a = c.post(
+                "/v1/runs",
+                json={
+                    "model": "mlp",
+                    "steps": 1_000_000,
+                    "precision": "fp32",
+                    "log_every": 1,
+                    "checkpoint_every": 1,
+                },
+            ).json()["id"]
+            b = c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}).json()[
+                "id"
+            ]
 
             def pid_of_a() -> int:
                 with sqlite3.connect(os.path.join(data, "ampkit.db")) as db:
                     return db.execute("SELECT pid FROM runs WHERE id = ?", (a,)).fetchone()[0]
+
             pid = _wait(pid_of_a, 120)
             _wait(lambda: os.path.isdir(os.path.join(data, "runs", a, "ckpt")), 60)
             filler = os.path.join(mnt, "filler")
@@ -135,15 +168,19 @@ def disk_full(tmp: str) -> str:
             time.sleep(20)  # ~100 scheduler ticks while the disk is full (each retry logs a line)
             during = c.get("/health")
             os.unlink(filler)  # an operator frees space
-            done = _wait(lambda: c.get(f"/v1/runs/{b}").json()["status"] in ("succeeded", "failed"), 90)
+            done = _wait(
+                lambda: c.get(f"/v1/runs/{b}").json()["status"] in ("succeeded", "failed"), 90
+            )
             health = c.get("/health")
             with sqlite3.connect(os.path.join(data, "ampkit.db")) as db:
                 rows = dict(db.execute("SELECT id, status FROM runs").fetchall())
             sched = health.json().get("scheduler", "(not reported)")
-            return (f"health during {during.status_code} scheduler={during.json().get('scheduler', '(not reported)')}; "
-                    f"after freeing: run a (failed while full) {rows[a]}, "
-                    f"queued run b {rows[b]}{'' if done else ' (not started in 90 s)'}; health "
-                    f"{health.status_code} scheduler={sched}")
+            return (
+                f"health during {during.status_code} scheduler={during.json().get('scheduler', '(not reported)')}; "
+                f"after freeing: run a (failed while full) {rows[a]}, "
+                f"queued run b {rows[b]}{'' if done else ' (not started in 90 s)'}; health "
+                f"{health.status_code} scheduler={sched}"
+            )
         finally:
             c.close()
             _end(proc)
@@ -188,11 +225,17 @@ def n_layer(tmp: str) -> str:
     from ampkit.service.app import ServiceConfig, create_app
 
     c = TestClient(create_app(ServiceConfig(data_dir=os.path.join(tmp, "svc")), tokens=TOKENS))
-    c.post("/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layer": 2}}, headers=AUTH)  # imports transformers
+    c.post(
+        "/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layer": 2}}, headers=AUTH
+    )  # imports transformers
     rss, t = _rss(), time.perf_counter()
-    r = c.post("/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layer": 8000}}, headers=AUTH)
-    return (f"{r.status_code} in {time.perf_counter() - t:.2f} s, RSS {(_rss() - rss) / 2**20:+.0f} MiB: "
-            f"{r.json()['detail'][:90]}")
+    r = c.post(
+        "/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layer": 8000}}, headers=AUTH
+    )
+    return (
+        f"{r.status_code} in {time.perf_counter() - t:.2f} s, RSS {(_rss() - rss) / 2**20:+.0f} MiB: "
+        f"{r.json()['detail'][:90]}"
+    )
 
 
 def bool_lr(tmp: str) -> str:
@@ -205,8 +248,10 @@ def bool_lr(tmp: str) -> str:
     for body in ({"lr": True}, {"max_seconds": True}):
         r = c.post("/v1/runs", json={"model": "mlp", **body}, headers=AUTH)
         key = next(iter(body))
-        out.append(f"{key}: true -> {r.status_code}" + (f" ({key}={r.json()['spec'][key]})" if r.status_code == 201
-                                                        else ""))
+        out.append(
+            f"{key}: true -> {r.status_code}"
+            + (f" ({key}={r.json()['spec'][key]})" if r.status_code == 201 else "")
+        )
     return "; ".join(out)
 
 
@@ -221,8 +266,15 @@ def mode(tmp: str) -> str:
     return f"new data dir mode {oct(os.stat(os.path.join(tmp, 'svc')).st_mode & 0o777)} (umask 022)"
 
 
-CASES = {"cut_run_file": cut_run_file, "empty_db": empty_db, "disk_full": disk_full, "two_servers": two_servers,
-         "n_layer": n_layer, "bool_lr": bool_lr, "mode": mode}
+CASES = {
+    "cut_run_file": cut_run_file,
+    "empty_db": empty_db,
+    "disk_full": disk_full,
+    "two_servers": two_servers,
+    "n_layer": n_layer,
+    "bool_lr": bool_lr,
+    "mode": mode,
+}
 
 
 def main() -> None:

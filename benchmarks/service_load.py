@@ -39,13 +39,28 @@ def start(data_dir: str, port: int) -> tuple[uvicorn.Server, threading.Thread]:
 def seed_runs(app_store, n: int, data_dir: str, owner: str = "load") -> None:
     for i in range(n):
         rid = uuid.uuid4().hex[:12]
-        app_store.create(rid, owner, "train", {"model": "mlp", "precision": "bf16", "steps": 10 + i},
-                         os.path.join(data_dir, "runs", rid))
-        app_store.update(rid, status="succeeded", summary={"precision": "bf16", "final_loss": 1.0,
-                                                           "ms_per_step": 1.0, "skipped_steps": 0})
+        app_store.create(
+            rid,
+            owner,
+            "train",
+            {"model": "mlp", "precision": "bf16", "steps": 10 + i},
+            os.path.join(data_dir, "runs", rid),
+        )
+        app_store.update(
+            rid,
+            status="succeeded",
+            summary={
+                "precision": "bf16",
+                "final_loss": 1.0,
+                "ms_per_step": 1.0,
+                "skipped_steps": 0,
+            },
+        )
 
 
-def load(base_url: str, requests: int, clients: int, timeout_s: float = 60.0, token: str = "tok-load") -> dict:
+def load(
+    base_url: str, requests: int, clients: int, timeout_s: float = 60.0, token: str = "tok-load"
+) -> dict:
     """``requests`` GET /v1/runs from ``clients`` threads; latencies (ms), errors, wall time."""
     latencies: list[float] = []
     errors: list[str] = []
@@ -54,7 +69,9 @@ def load(base_url: str, requests: int, clients: int, timeout_s: float = 60.0, to
     deadline = time.monotonic() + timeout_s
 
     def worker(n: int) -> None:
-        with httpx.Client(base_url=base_url, timeout=10, headers={"Authorization": f"Bearer {token}"}) as c:
+        with httpx.Client(
+            base_url=base_url, timeout=10, headers={"Authorization": f"Bearer {token}"}
+        ) as c:
             for _ in range(n):
                 if time.monotonic() > deadline:
                     with lock:
@@ -81,13 +98,24 @@ def load(base_url: str, requests: int, clients: int, timeout_s: float = 60.0, to
         t.join(timeout_s + 5)
     wall = time.perf_counter() - t0
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
-    return {"requests": len(latencies), "clients": clients, "errors": len(errors), "error_samples": errors[:3],
-            "p50_ms": q[49], "p95_ms": q[94], "p99_ms": q[98], "max_ms": max(latencies, default=float("nan")),
-            "wall_s": wall, "req_per_s": len(latencies) / wall if wall else float("nan")}
+    return {
+        "requests": len(latencies),
+        "clients": clients,
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "p50_ms": q[49],
+        "p95_ms": q[94],
+        "p99_ms": q[98],
+        "max_ms": max(latencies, default=float("nan")),
+        "wall_s": wall,
+        "req_per_s": len(latencies) / wall if wall else float("nan"),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--runs", type=int, default=50, help="finished runs in the store (each listed)")
@@ -111,8 +139,11 @@ def main() -> None:
     print(f"# GET /v1/runs (limit 100, {args.runs} runs in the store), {r['clients']} clients")
     print("| requests | errors | p50 ms | p95 ms | p99 ms | max ms | req/s |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {r['requests']} | {r['errors']} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | "
-          f"{r['req_per_s']:.0f} |")
+    print(
+        f"| {r['requests']} | {r['errors']} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | "
+        f"{r['p99_ms']:.1f} | {r['max_ms']:.1f} | "
+        f"{r['req_per_s']:.0f} |"
+    )
 
 
 if __name__ == "__main__":

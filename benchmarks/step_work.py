@@ -67,13 +67,20 @@ def ampkit_step(precision, clip):
             loss = torch.nn.functional.cross_entropy(m(x), y)
         amp.backward(loss)
         amp.step(opt)
+
     return step
 
 
 def raw_step(precision, clip):
     """The hand-written loop of ``benchmarks/overhead.py`` (one implementation), on the same model."""
     m, batch = model_and_batch()
-    step = raw_stepper(WithLoss(m), torch.optim.AdamW(m.parameters(), fused=True), precision, torch.device("cpu"), clip)
+    step = raw_stepper(
+        WithLoss(m),
+        torch.optim.AdamW(m.parameters(), fused=True),
+        precision,
+        torch.device("cpu"),
+        clip,
+    )
     return lambda: step(batch)
 
 
@@ -86,6 +93,7 @@ def count(step):
         nonlocal calls
         if event == "call" and frame.f_code.co_filename.startswith(PKG):
             calls += 1
+
     sys.setprofile(prof)
     try:
         step()
@@ -102,7 +110,9 @@ def main():
     ap.add_argument("--precisions", default="fp32,bf16,fp16,bf16-pure,fp16-pure")
     args = ap.parse_args()
     print(f"# ampkit at {PKG} · torch {torch.__version__} · clip {args.clip}")
-    print("| precision | ampkit Python calls/step | ampkit ATen ops/step | raw loop ATen ops/step | host syncs/step |")
+    print(
+        "| precision | ampkit Python calls/step | ampkit ATen ops/step | raw loop ATen ops/step | host syncs/step |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for p in args.precisions.split(","):
         calls, ops, syncs = count(ampkit_step(p, args.clip))

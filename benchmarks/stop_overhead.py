@@ -133,10 +133,16 @@ def main() -> None:
     rows = [
         ("stop poll, 1 process", poll_1, step_1),
         ("stop poll, 2 processes, back to back (round trip)", out["poll_2"], out["step_2"]),
-        ("stop poll, 2 processes, inside DDP steps", out["step_2_polled"] - out["step_2"], out["step_2"]),
+        (
+            "stop poll, 2 processes, inside DDP steps",
+            out["step_2_polled"] - out["step_2"],
+            out["step_2"],
+        ),
         ("numerics guard (observe + check/10)", guard_1, step_1),
     ]
-    print(f"torch {torch.__version__}, 1 thread per process; step = ampkit fp32 step of mlp/small, batch 64")
+    print(
+        f"torch {torch.__version__}, 1 thread per process; step = ampkit fp32 step of mlp/small, batch 64"
+    )
     print(f"{'per optimizer step':<48} {'cost (us)':>10} {'step (ms)':>10} {'share':>8}")
     for name, cost, step in rows:
         print(f"{name:<48} {cost * 1e6:>10.1f} {step * 1e3:>10.2f} {cost / step:>8.2%}")

@@ -13,7 +13,9 @@ from ampkit import compare, tune
 class MyModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10))
+        self.net = nn.Sequential(
+            nn.Linear(128, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10)
+        )
 
     def forward(self, x, y):
         return F.cross_entropy(self.net(x), y)  # model(*batch) returns the loss
@@ -35,8 +37,16 @@ def factory(batch_size: int = 32, seed: int = 0):
 
 def main(steps: int = 6) -> str:
     _, batches = factory()
-    report = compare(lambda: factory()[0], batches, ["fp32", "bf16", "fp16"], steps=steps, warmup=2, repeats=2,
-                     device="cpu", model_name="MyModel")
+    report = compare(
+        lambda: factory()[0],
+        batches,
+        ["fp32", "bf16", "fp16"],
+        steps=steps,
+        warmup=2,
+        repeats=2,
+        device="cpu",
+        model_name="MyModel",
+    )
     from rich.console import Console
 
     Console(width=160).print(report.table())

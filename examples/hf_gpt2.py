@@ -20,14 +20,23 @@ class CausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # our batches are already shifted (labels = next byte), so compute the loss on the logits
         logits = self.hf(input_ids=input_ids).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        )
 
 
 def factory(batch_size: int = 4, seed: int = 0, size: str = "tiny", device=None):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    dims = {"tiny": (64, 2, 2), "small": (128, 4, 4), "medium": (384, 6, 6), "large": (768, 12, 12)}[size]
-    cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=dims[0], n_layer=dims[1], n_head=dims[2])
+    dims = {
+        "tiny": (64, 2, 2),
+        "small": (128, 4, 4),
+        "medium": (384, 6, 6),
+        "large": (768, 12, 12),
+    }[size]
+    cfg = GPT2Config(
+        vocab_size=256, n_positions=128, n_embd=dims[0], n_layer=dims[1], n_head=dims[2]
+    )
     torch.manual_seed(seed)
     model = CausalLM(GPT2LMHeadModel(cfg))
     return model, TextBatches(batch_size=batch_size, block_size=64, seed=seed, device=device)

@@ -55,13 +55,24 @@ def main() -> dict:
     print("localized:", report.message)
     rec = audit(Net(), (x, y), "fp16")
     print("audit recommends keep_fp32 =", rec.recommended_keep_fp32)
-    _, fixed = train(ampkit.MixedPrecision("fp16", device="cpu", keep_fp32=rec.recommended_keep_fp32, init_scale=1024.0))
+    _, fixed = train(
+        ampkit.MixedPrecision(
+            "fp16", device="cpu", keep_fp32=rec.recommended_keep_fp32, init_scale=1024.0
+        )
+    )
     print("with keep_fp32:", fixed.stats()["skipped_steps"], "skipped")
-    _, fell = train(ampkit.MixedPrecision("fp16", device="cpu", fallback=True, fallback_patience=4,
-                                          fallback_check_every=2))
+    _, fell = train(
+        ampkit.MixedPrecision(
+            "fp16", device="cpu", fallback=True, fallback_patience=4, fallback_check_every=2
+        )
+    )
     print("with fallback: now", fell.precision.name, [e["reason"] for e in fell.stats()["events"]])
-    return {"module": report.module, "keep": rec.recommended_keep_fp32, "fixed_skips": fixed.stats()["skipped_steps"],
-            "fallback_precision": fell.precision.name}
+    return {
+        "module": report.module,
+        "keep": rec.recommended_keep_fp32,
+        "fixed_skips": fixed.stats()["skipped_steps"],
+        "fallback_precision": fell.precision.name,
+    }
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ def factory(batch_size: int = 8, seed: int = 0, size: str = "tiny", device=None)
     model = build("gpt", size)
     with torch.no_grad():
         model.blocks[0].mlp[0].weight.mul_(1e6)
-    batches = TextBatches(batch_size=batch_size, block_size=model.config.block_size, seed=seed, device=device)
+    batches = TextBatches(
+        batch_size=batch_size, block_size=model.config.block_size, seed=seed, device=device
+    )
     return model, batches
 
 
@@ -42,8 +44,10 @@ def main() -> dict:
 
     report = ampkit.localize_nonfinite(model, closure, scale=amp.scaler.get_scale())
     print(f"fp16 overflows in {report.module}: {report.message}")
-    print("train it: ampkit train --model examples.unstable_gpt:factory --size tiny --precision fp16 "
-          "(the fallback moves to bf16); find it: ampkit audit --model examples.unstable_gpt:factory --size tiny")
+    print(
+        "train it: ampkit train --model examples.unstable_gpt:factory --size tiny --precision fp16 "
+        "(the fallback moves to bf16); find it: ampkit audit --model examples.unstable_gpt:factory --size tiny"
+    )
     return {"losses": losses, "module": report.module}
 
 

@@ -32,11 +32,22 @@ os.environ["AMPKIT_PLAN_CACHE"] = "off"
 # (--dist loadfile gives whole modules; xdist's own order -- most tests first -- started the
 # one-test, 10-launch module last and left one core idle for its ~3 minutes).
 LONGEST_FIRST = [
-    "e2e/test_stop.py", "plan/test_depth.py", "loop/test_checkpoint.py",
-    "plan/test_estimate_session.py", "service/test_service_ops.py", "plan/test_estimate.py",
-    "distributed/test_launch.py", "service/test_service_compat.py", "service/test_service.py",
-    "service/test_planner_jobs.py", "e2e/test_newcomer.py", "distributed/test_slurm.py", "cli/test_plan.py",
-    "service/test_service_supervisor.py", "step/test_master.py", "models/test_hf_models.py",
+    "e2e/test_stop.py",
+    "plan/test_depth.py",
+    "loop/test_checkpoint.py",
+    "plan/test_estimate_session.py",
+    "service/test_service_ops.py",
+    "plan/test_estimate.py",
+    "distributed/test_launch.py",
+    "service/test_service_compat.py",
+    "service/test_service.py",
+    "service/test_planner_jobs.py",
+    "e2e/test_newcomer.py",
+    "distributed/test_slurm.py",
+    "cli/test_plan.py",
+    "service/test_service_supervisor.py",
+    "step/test_master.py",
+    "models/test_hf_models.py",
     "service/test_webui.py",
 ]
 
@@ -62,13 +73,16 @@ def pytest_cmdline_main(config):
     try:
         n = int(raw)
     except ValueError:
-        raise pytest.UsageError(f"{WORKERS_ENV}={raw!r} is not a number of workers "
-                                "(0 or 1: serial, N: N workers)") from None
+        raise pytest.UsageError(
+            f"{WORKERS_ENV}={raw!r} is not a number of workers (0 or 1: serial, N: N workers)"
+        ) from None
     if n > 1:
         opt.numprocesses = n
         if opt.dist == "no":
             opt.dist = "loadfile"
-            opt.loadscopereorder = False  # keep the collection order: LONGEST_FIRST (pytest_collection_modifyitems)
+            opt.loadscopereorder = (
+                False  # keep the collection order: LONGEST_FIRST (pytest_collection_modifyitems)
+            )
 
 
 def _rank(item) -> int:
@@ -85,9 +99,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
-
 @pytest.fixture
 def seed():
     torch.manual_seed(1234)
     return 1234
-

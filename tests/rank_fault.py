@@ -20,7 +20,9 @@ class Faulty(nn.Module):
     def forward(self, x, y):
         self.forwards += 1
         if self.forwards == self.fail_at_forward:
-            raise RuntimeError(f"user model failed on rank {os.environ.get('RANK')} at forward {self.forwards}")
+            raise RuntimeError(
+                f"user model failed on rank {os.environ.get('RANK')} at forward {self.forwards}"
+            )
         return F.cross_entropy(self.fc2(F.gelu(self.fc1(x))), y)
 
 

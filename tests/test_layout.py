@@ -14,18 +14,32 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "ampkit"
 # A layer may import its own package and earlier layers only; plan and choose are siblings (one
 # layer), so neither imports the other. models < loop < plan, choose < train is the old loop/ split
 # by job (issue 35): what is trained, running steps, will it fit, choosing by measurement, the Trainer.
-LAYERS = [["step"], ["observe"], ["distributed"], ["models"], ["loop"], ["plan", "choose"], ["train"],
-          ["integrations"], ["service"], ["cli"]]
+LAYERS = [
+    ["step"],
+    ["observe"],
+    ["distributed"],
+    ["models"],
+    ["loop"],
+    ["plan", "choose"],
+    ["train"],
+    ["integrations"],
+    ["service"],
+    ["cli"],
+]
 RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 
 # Module paths that README, docs/ or examples/ showed before loop/ was split (issue 35): each is kept
 # as a thin module that re-exports its new home (the only upward import allowed, and nothing else).
 OLD_PATHS = {
-    "loop/models.py": ["models.builtin"], "loop/data.py": ["models.data"],
-    "loop/estimate.py": ["plan.estimate"], "loop/depth.py": ["plan.depth", "plan.depth_plan"],
-    "loop/tracker.py": ["plan.tracker"], "loop/autoselect.py": ["choose.autoselect"],
+    "loop/models.py": ["models.builtin"],
+    "loop/data.py": ["models.data"],
+    "loop/estimate.py": ["plan.estimate"],
+    "loop/depth.py": ["plan.depth", "plan.depth_plan"],
+    "loop/tracker.py": ["plan.tracker"],
+    "loop/autoselect.py": ["choose.autoselect"],
     "loop/bench.py": ["choose.bench", "choose.recommend"],
-    "loop/trainer.py": ["train.trainer"], "loop/trainer_config.py": ["train.trainer_config"],
+    "loop/trainer.py": ["train.trainer"],
+    "loop/trainer_config.py": ["train.trainer_config"],
 }
 
 
@@ -45,12 +59,20 @@ def imports(path):
 def test_layers_import_downwards_and_no_private_names(path):
     layer = path.relative_to(SRC).parts[0]
     for target, names in imports(path):
-        if layer in RANK and target and target[0] in RANK and target[0] != layer \
-                and ".".join(target) not in OLD_PATHS.get(path.relative_to(SRC).as_posix(), ()):
-            assert RANK[target[0]] < RANK[layer], f"{path.relative_to(SRC)} imports {'.'.join(target)}"
+        if (
+            layer in RANK
+            and target
+            and target[0] in RANK
+            and target[0] != layer
+            and ".".join(target) not in OLD_PATHS.get(path.relative_to(SRC).as_posix(), ())
+        ):
+            assert RANK[target[0]] < RANK[layer], (
+                f"{path.relative_to(SRC)} imports {'.'.join(target)}"
+            )
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-        assert not private, f"{path.relative_to(SRC)} imports private {private} from {'.'.join(target)}"
-
+        assert not private, (
+            f"{path.relative_to(SRC)} imports private {private} from {'.'.join(target)}"
+        )
 
 
 def test_every_package_has_its_layer():
@@ -122,12 +144,14 @@ def test_no_import_circle_in_the_job_packages():
 
 def test_the_circle_rule_sees_a_circle():
     """Not vacuous: two modules importing each other, even for type checking only, are found."""
-    graph = {"choose/bench.py": {"choose/recommend.py"}, "choose/recommend.py": {"choose/bench.py"},
-             "plan/depth.py": {"plan/cache.py"}}
+    graph = {
+        "choose/bench.py": {"choose/recommend.py"},
+        "choose/recommend.py": {"choose/bench.py"},
+        "plan/depth.py": {"plan/cache.py"},
+    }
     assert circles(graph) == [["choose/bench.py", "choose/recommend.py"]]
     graph = import_graph([SRC / "choose" / "recommend.py"])
     assert "choose/bench.py" in graph["choose/recommend.py"]  # its ``if TYPE_CHECKING:`` import
-
 
 
 @pytest.mark.parametrize("old", sorted(OLD_PATHS))
@@ -137,7 +161,9 @@ def test_old_module_paths_are_thin_and_complete(old):
     import importlib
 
     tree = ast.parse((SRC / old).read_text())
-    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    body = [
+        n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+    ]
     assert all(isinstance(n, ast.ImportFrom) for n in body), f"{old} holds more than re-exports"
     assert {".".join(t) for t, _ in imports(SRC / old)} == set(OLD_PATHS[old])
     module = importlib.import_module("ampkit." + old.removesuffix(".py").replace("/", "."))
@@ -147,22 +173,36 @@ def test_old_module_paths_are_thin_and_complete(old):
 
 
 # Modules allowed past the size cap, each with its reason and its own, higher cap.
+# Caps are on `ruff format`ted code (line length 100): 550 lines is the old 430-line cap of the
+# denser hand-wrapped code (formatting grew the package's modules by a median ~1.25x, measured
+# 2026-11-27: benchmarks/code_size.py before/after in docs/architecture.md).
+CAP = 550
+# Modules allowed past the cap, each with its reason and its own, higher cap.
 LARGE = {
     # One class, one file (issue 22): setup, autocast, backward, step, switch and state share the
     # engine's dozen fields; split into mixins they were read as attributes typed Any. The precision
-    # specifics live in step/policies/, fallback decisions in step/fallback.py. torch keeps
-    # GradScaler in one ~700-line file for the same reason.
-    "step/engine.py": 600,
+    # specifics live in step/policies/, fallback decisions in step/fallback.py, the optimizer in
+    # backward in step/in_backward.py. Its real size, formatted: ~720 lines, of which ~45% docstrings
+    # (the user-facing contract of each verb); torch keeps GradScaler in one 720-line file
+    # (torch/amp/grad_scaler.py, 2.13) for the same reason.
+    "step/engine.py": 730,
+    # Every knob of the engine, one field each with its help text: the CLI flags, TOML keys, REST
+    # fields and docs/reference/config.md are generated from this one schema (issue 35 item 5), so
+    # it is not split by knob; its checks live in small leaves (rung.py, in_backward_rules.py, ...).
+    "step/config.py": 630,
     # A drop-in for torch.amp.GradScaler: every public method of it (knobs, pickling, state) plus
-    # hysteresis, bounds and the CPU host-decided check; torch's own class is one ~700-line file.
-    "step/scaler.py": 460,
+    # hysteresis, bounds and the CPU host-decided check and step; torch's own class is one
+    # 714-line file (torch/amp/grad_scaler.py, 2.13).
+    "step/scaler.py": 560,
 }
 
 
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
 def test_modules_stay_small(path):
-    cap = LARGE.get(str(path.relative_to(SRC)), 430)
-    assert len(path.read_text().splitlines()) <= cap, f"{path.relative_to(SRC)} is asking to be split"
+    cap = LARGE.get(str(path.relative_to(SRC)), CAP)
+    assert len(path.read_text().splitlines()) <= cap, (
+        f"{path.relative_to(SRC)} is asking to be split"
+    )
 
 
 def test_engine_is_one_class_without_precision_branches():
@@ -171,7 +211,14 @@ def test_engine_is_one_class_without_precision_branches():
 
     assert engine.MixedPrecision.__bases__ == (object,)
     text = (SRC / "step" / "engine.py").read_text()
-    for branch in ('.name == "tf32"', '.name == "fp32"', '.name == "fp8"', "is_pure", "self._masters", "self._matmul"):
+    for branch in (
+        '.name == "tf32"',
+        '.name == "fp32"',
+        '.name == "fp8"',
+        "is_pure",
+        "self._masters",
+        "self._matmul",
+    ):
         assert branch not in text, f"engine.py branches on the precision kind: {branch}"
     assert not (SRC / "step" / "switching.py").exists() and not (SRC / "step" / "state.py").exists()
 
@@ -186,6 +233,7 @@ def _precision_branches(tree):
     """(line, text) of each branch on a precision's name: a comparison with a name (``== "fp8"``,
     ``in ("bf16", "fp16")``), a ``-pure`` suffix test, a table keyed by names, a slice of
     PLAN_PRECISIONS."""
+
     def names_in(node):
         elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
         return [e.value for e in elts if isinstance(e, ast.Constant) and e.value in PRECISION_NAMES]
@@ -198,8 +246,11 @@ def _precision_branches(tree):
             # state_dtype == "bf16", masters == "fp32": a dtype's spelling, not a precision's
             dtype = any(w in ast.unparse(side) for side in sides for w in ("dtype", "masters"))
             hit = not dtype and any(names_in(side) for side in sides)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in ("endswith", "startswith"):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("endswith", "startswith")
+        ):
             suffixes = {"-pure", *PRECISION_NAMES}
             hit = any(isinstance(a, ast.Constant) and a.value in suffixes for a in node.args)
         elif isinstance(node, ast.Dict):
@@ -214,26 +265,39 @@ def _precision_branches(tree):
 def test_precision_names_are_branched_on_only_in_their_row_and_policy():
     """Adding a precision is adding a row: no module outside step/precision.py and step/policies/
     tests a precision by its name (the rows and policies answer instead)."""
-    found = [f"{path.relative_to(SRC)}:{line}: {text}" for path in sorted(SRC.rglob("*.py"))
-             if not str(path.relative_to(SRC)).startswith(NAME_BRANCHES_ALLOWED)
-             for line, text in _precision_branches(ast.parse(path.read_text()))]
+    found = [
+        f"{path.relative_to(SRC)}:{line}: {text}"
+        for path in sorted(SRC.rglob("*.py"))
+        if not str(path.relative_to(SRC)).startswith(NAME_BRANCHES_ALLOWED)
+        for line, text in _precision_branches(ast.parse(path.read_text()))
+    ]
     assert not found, "precision-name branches outside the registry:\n" + "\n".join(found)
 
 
 def test_the_name_branch_rule_sees_the_usual_spellings():
     """The rule above is not vacuous: each spelling the issue found is caught."""
-    for code in ('p.name == "fp8"', 'x.endswith("-pure")', 'n in ("bf16", "fp16")',
-                 'PLAN_PRECISIONS[1:3]', '{"fp32": 1, "bf16": 2}', 'name != "bf16-pure"'):
+    for code in (
+        'p.name == "fp8"',
+        'x.endswith("-pure")',
+        'n in ("bf16", "fp16")',
+        "PLAN_PRECISIONS[1:3]",
+        '{"fp32": 1, "bf16": 2}',
+        'name != "bf16-pure"',
+    ):
         assert list(_precision_branches(ast.parse(code))), code
-    assert not list(_precision_branches(ast.parse('p.row.fp8_recipe is not None')))
+    assert not list(_precision_branches(ast.parse("p.row.fp8_recipe is not None")))
 
 
 def test_nothing_patched_at_import():
     """``ampkit/__init__.py`` assigns nothing onto another object; the engine finds its localizer and adapter itself."""
     tree = ast.parse((SRC / "__init__.py").read_text())
-    patched = [ast.unparse(t) for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-               if isinstance(t, ast.Attribute)]
+    patched = [
+        ast.unparse(t)
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Attribute)
+    ]
     assert not patched
     import ampkit
 
@@ -244,8 +308,10 @@ def test_nothing_patched_at_import():
 @pytest.mark.slow
 def test_import_ampkit_does_not_import_fsdp():
     """The FSDP2 adapter is imported only for a model that can be sharded (torch.distributed.fsdp costs ~1 s)."""
-    code = "import sys, ampkit; m = ampkit.MixedPrecision('fp32', device='cpu'); " \
-           "import torch; m.setup(torch.nn.Linear(2, 2)); print('torch.distributed.fsdp' in sys.modules)"
+    code = (
+        "import sys, ampkit; m = ampkit.MixedPrecision('fp32', device='cpu'); "
+        "import torch; m.setup(torch.nn.Linear(2, 2)); print('torch.distributed.fsdp' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
@@ -261,14 +327,27 @@ def test_plain_public_api():
     assert not [p for p in SRC.rglob("*.py") if "\ndef __getattr__(" in p.read_text()]
     missing = [n for n in ampkit.__all__ if not hasattr(ampkit, n)]
     assert not missing
-    for name in ("MixedPrecision", "Trainer", "Monitor", "JSONLSink", "estimate", "audit", "compare", "tune",
-                 "CheckpointManager", "localize_nonfinite", "LossScaler"):
+    for name in (
+        "MixedPrecision",
+        "Trainer",
+        "Monitor",
+        "JSONLSink",
+        "estimate",
+        "audit",
+        "compare",
+        "tune",
+        "CheckpointManager",
+        "localize_nonfinite",
+        "LossScaler",
+    ):
         assert name in ampkit.__all__
 
 
 @pytest.mark.slow
 def test_python_dash_m_ampkit():
-    r = subprocess.run([sys.executable, "-m", "ampkit", "--version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "ampkit", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.startswith("ampkit ")
 
 
@@ -281,10 +360,17 @@ def test_only_the_toml_module_imports_a_toml_library(path):
     if path.relative_to(SRC).as_posix() == "step/tomlio.py":
         return
     tree = ast.parse(path.read_text())
-    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module.split(".")[0] for n in ast.walk(tree)
-              if isinstance(n, ast.ImportFrom) and not n.level and n.module}
-    assert not names & TOML_LIBRARIES, f"{path.relative_to(SRC)} imports {names & TOML_LIBRARIES}: use ampkit.step.tomlio"
+    names = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    names |= {
+        n.module.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and not n.level and n.module
+    }
+    assert not names & TOML_LIBRARIES, (
+        f"{path.relative_to(SRC)} imports {names & TOML_LIBRARIES}: use ampkit.step.tomlio"
+    )
 
 
 def _module_name(path):
@@ -315,7 +401,10 @@ def _package_imports(path, modules, top=True):
             if node.level:
                 base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
             elif node.module and node.module.split(".")[0] == "ampkit":
-                base, node = [], ast.ImportFrom(module=node.module.partition(".")[2], names=node.names)
+                base, node = (
+                    [],
+                    ast.ImportFrom(module=node.module.partition(".")[2], names=node.names),
+                )
             else:
                 continue
             target = ".".join(base + (node.module.split(".") if node.module else []))
@@ -349,7 +438,7 @@ def _import_circles(top=True):
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == "open":
-                circles.append(" -> ".join(stack[stack.index(n):] + [n]))
+                circles.append(" -> ".join(stack[stack.index(n) :] + [n]))
             elif n not in state:
                 visit(n, stack)
         stack.pop()

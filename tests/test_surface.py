@@ -59,20 +59,32 @@ REST_ROUTES = {
 # Request bodies: their fields, and whether an unknown field is refused (ampkit's own /v1 bodies) or
 # ignored (the brief's bodies, SERVICE-API.md).
 REST_BODIES = {
-    "RunSpec": ("forbid", """model size precision steps batch_size accumulation_steps lr weight_decay seed init_scale
+    "RunSpec": (
+        "forbid",
+        """model size precision steps batch_size accumulation_steps lr weight_decay seed init_scale
                 device max_seconds checkpoint_every log_every model_overrides texts max_length epochs
-                target_effective_batch_size activation_checkpointing save_model user_id amp"""),
+                target_effective_batch_size activation_checkpointing save_model user_id amp""",
+    ),
     "RecommendSpec": ("forbid", "model size batch_size steps precisions device max_seconds"),
     "SetupBody": ("ignore", "enabled dtype init_scale memory_efficient model_name model_overrides"),
     "MixedPrecisionBody": ("ignore", "enabled dtype init_scale memory_efficient"),
-    "TrainBody": ("ignore", """model_name model_overrides dataset_config training_config user_id
-                  mixed_precision_config device max_seconds"""),
-    "OptimizedBody": ("ignore", """model_name model_overrides dataset_config training_config user_id
+    "TrainBody": (
+        "ignore",
+        """model_name model_overrides dataset_config training_config user_id
+                  mixed_precision_config device max_seconds""",
+    ),
+    "OptimizedBody": (
+        "ignore",
+        """model_name model_overrides dataset_config training_config user_id
                       mixed_precision_config device max_seconds use_mixed_precision use_gradient_accumulation
-                      target_effective_batch_size"""),
+                      target_effective_batch_size""",
+    ),
     "DatasetConfig": ("ignore", "texts max_length"),
     "TrainingConfig": ("ignore", "epochs learning_rate weight_decay batch_size"),
-    "OptimizeBody": ("ignore", "model_name model_overrides size gpu_memory_gb batch_size max_length"),
+    "OptimizeBody": (
+        "ignore",
+        "model_name model_overrides size gpu_memory_gb batch_size max_length",
+    ),
 }
 
 
@@ -100,8 +112,11 @@ def openapi(tmp_path_factory):
 
 
 def test_rest_routes_and_parameters_keep_working(openapi):
-    routes = {f"{m.upper()} {p}": {x["name"] for x in op.get("parameters", []) if x["in"] == "query"}
-              for p, ops in openapi["paths"].items() for m, op in ops.items()}
+    routes = {
+        f"{m.upper()} {p}": {x["name"] for x in op.get("parameters", []) if x["in"] == "query"}
+        for p, ops in openapi["paths"].items()
+        for m, op in ops.items()
+    }
     for route, params in REST_ROUTES.items():
         assert route in routes, f"{route} is gone: a REST route keeps working"
         assert set(params.split()) <= routes[route], f"{route}: a query parameter is gone"
@@ -111,6 +126,8 @@ def test_rest_body_fields_keep_working(openapi):
     schemas = openapi["components"]["schemas"]
     for name, (extra, fields) in REST_BODIES.items():
         assert name in schemas, f"request body {name} is gone"
-        assert not set(fields.split()) - set(schemas[name]["properties"]), f"{name}: a field is gone"
+        assert not set(fields.split()) - set(schemas[name]["properties"]), (
+            f"{name}: a field is gone"
+        )
         forbids = schemas[name].get("additionalProperties") is False
         assert forbids == (extra == "forbid"), f"{name}: unknown fields must stay {extra}d"

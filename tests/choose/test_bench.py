@@ -19,8 +19,16 @@ def tiny(name="mlp", batch_size=8):
 @pytest.fixture(scope="module")
 def report():
     factory, data = tiny("mlp")
-    return compare(factory, data, ["fp32", "bf16", "fp16", "fp8"], steps=8, warmup=2, repeats=4, device="cpu",
-                   model_name="mlp/tiny")
+    return compare(
+        factory,
+        data,
+        ["fp32", "bf16", "fp16", "fp8"],
+        steps=8,
+        warmup=2,
+        repeats=4,
+        device="cpu",
+        model_name="mlp/tiny",
+    )
 
 
 @pytest.mark.slow
@@ -54,7 +62,11 @@ def test_tune_picks_fastest_within_tolerance(report):
     rec = tune(report, tolerance=0.5)
     ok = [r for r in report.results if r.status == "ok"]
     # the fastest, unless its speed-up over fp32 is within the measured noise (then fp32 wins)
-    clear = [r for r in ok if r.precision == "fp32" or not within_noise(r.speedup_vs_fp32, r.speedup_spread)]
+    clear = [
+        r
+        for r in ok
+        if r.precision == "fp32" or not within_noise(r.speedup_vs_fp32, r.speedup_spread)
+    ]
     assert rec.step_ms == min(r.step_ms for r in clear)
     assert set(rec.why_not) == {r.precision for r in report.results} - {rec.precision}
     assert all(rec.why_not.values())
@@ -86,25 +98,88 @@ def test_compare_cnn_with_batchnorm_and_bad_args():
 def test_bench_and_tune_cli(tmp_path, capsys):
     out = tmp_path / "b.json"
     png = tmp_path / "b.png"
-    assert main(["bench", "--model", "mlp", "--precisions", "fp32,bf16", "--steps", "4", "--warmup", "1",
-                 "--device", "cpu", "--json", str(out), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                "mlp",
+                "--precisions",
+                "fp32,bf16",
+                "--steps",
+                "4",
+                "--warmup",
+                "1",
+                "--device",
+                "cpu",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     assert "ampkit bench" in capsys.readouterr().out
     assert json.loads(out.read_text())["results"][1]["precision"] == "bf16"
     assert png.stat().st_size > 10_000
     cfg = tmp_path / "tune.toml"
-    assert main(["tune", "--model", "mlp", "--precisions", "fp32,bf16", "--steps", "4", "--warmup", "1",
-                 "--device", "cpu", "--tolerance", "0", "--out", str(cfg), "--json"]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--model",
+                "mlp",
+                "--precisions",
+                "fp32,bf16",
+                "--steps",
+                "4",
+                "--warmup",
+                "1",
+                "--device",
+                "cpu",
+                "--tolerance",
+                "0",
+                "--out",
+                str(cfg),
+                "--json",
+            ]
+        )
+        == 0
+    )
     rec = json.loads(capsys.readouterr().out)["recommendation"]
     assert rec["precision"] == "fp32"
-    assert main(["train", "--config", str(cfg), "--model", "mlp", "--size", "tiny", "--steps", "3", "--json",
-                 "--device", "cpu", "--log_dir", str(tmp_path / "run")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(cfg),
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--steps",
+                "3",
+                "--json",
+                "--device",
+                "cpu",
+                "--log_dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["precision"] == "fp32"
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["bench", "--steps", "0"], "must be >= 1"),
-    (["bench", "--batch-size", "-2"], "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["bench", "--steps", "0"], "must be >= 1"),
+        (["bench", "--batch-size", "-2"], "must be >= 1"),
+    ],
+)
 def test_bench_bad_numbers(argv, fragment, capsys):
     with pytest.raises(SystemExit):
         main(argv)
@@ -119,17 +194,48 @@ def test_train_config_file_errors_and_precedence(tmp_path, capsys):
     bad.write_text('[train]\nbatch_size = "big"\n')
     assert main(["train", "--config", str(bad)]) == 2
     assert "batch_size" in capsys.readouterr().err
-    bad.write_text('[train]\nbatchsize = 4\n')
+    bad.write_text("[train]\nbatchsize = 4\n")
     assert main(["train", "--config", str(bad)]) == 2
     assert "unknown [train] key 'batchsize'" in capsys.readouterr().err
     good = tmp_path / "good.toml"
-    good.write_text('[amp]\nprecision = "fp16"\ninit_scale = 1024.0\n[train]\nsteps = 2\nmodel = "mlp"\nsize = "tiny"\n')
+    good.write_text(
+        '[amp]\nprecision = "fp16"\ninit_scale = 1024.0\n[train]\nsteps = 2\nmodel = "mlp"\nsize = "tiny"\n'
+    )
     # the flag wins over the file's precision; the file's steps and model apply
-    assert main(["train", "--config", str(good), "--precision", "fp32", "--json", "--device", "cpu",
-                 "--log_dir", str(tmp_path / "r")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(good),
+                "--precision",
+                "fp32",
+                "--json",
+                "--device",
+                "cpu",
+                "--log_dir",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "fp32" and s["optimizer_steps"] == 2
-    assert main(["train", "--config", str(good), "--json", "--device", "cpu", "--log_dir", str(tmp_path / "r2")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(good),
+                "--json",
+                "--device",
+                "cpu",
+                "--log_dir",
+                str(tmp_path / "r2"),
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "fp16" and s["final_scale"] == 1024.0
 
@@ -140,7 +246,9 @@ def test_fp8_where_it_runs_is_timed_with_no_activation_figure():
     raise and lose the whole comparison."""
     pytest.importorskip("torchao")
     factory, data = tiny("gpt")
-    report = compare(factory, data, ["bf16", "fp8"], steps=2, warmup=1, repeats=1, device="cpu", fp8_emulate=True)
+    report = compare(
+        factory, data, ["bf16", "fp8"], steps=2, warmup=1, repeats=1, device="cpu", fp8_emulate=True
+    )
     fp8, bf16 = report.result("fp8"), report.result("bf16")
     assert fp8.status == bf16.status == "ok", fp8.reason
     assert fp8.activation_bytes is None and bf16.activation_bytes > 0

@@ -27,9 +27,16 @@ def test_paired_ratio_and_spread_from_synthetic_times():
         paired_ratio([1.0, 2.0], [1.0])
 
 
-@pytest.mark.parametrize("ratio,spread,noise", [
-    (1.02, 0.04, True), (0.97, 0.04, True), (1.15, 0.04, False), (0.90, 0.04, False), (1.5, math.inf, True),
-])
+@pytest.mark.parametrize(
+    "ratio,spread,noise",
+    [
+        (1.02, 0.04, True),
+        (0.97, 0.04, True),
+        (1.15, 0.04, False),
+        (0.90, 0.04, False),
+        (1.5, math.inf, True),
+    ],
+)
 def test_a_ratio_inside_its_spread_is_within_noise(ratio, spread, noise):
     assert within_noise(ratio, spread) is noise
     words = speed_words(ratio, spread)
@@ -45,34 +52,70 @@ def test_timing_says_what_threads_repeats_and_spread():
 
 
 # ---------------------------------------------------------------------------- auto's check
-@pytest.mark.parametrize("speedup,spread,expected", [(1.03, 0.05, "fp32"), (1.5, 0.05, "bf16"), (0.8, 0.05, "fp32")])
-def test_auto_keeps_its_pick_only_when_clearly_faster(monkeypatch, tmp_path, speedup, spread, expected):
+@pytest.mark.parametrize(
+    "speedup,spread,expected", [(1.03, 0.05, "fp32"), (1.5, 0.05, "bf16"), (0.8, 0.05, "fp32")]
+)
+def test_auto_keeps_its_pick_only_when_clearly_faster(
+    monkeypatch, tmp_path, speedup, spread, expected
+):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autoselect, "_measure", lambda *a, **k: (speedup, spread))
     model, batches = builtin("mlp", "tiny", batch_size=8)
-    choice = autoselect.measured_choice(model, batches, "bf16", torch.device("cpu"), label="mlp/tiny")
+    choice = autoselect.measured_choice(
+        model, batches, "bf16", torch.device("cpu"), label="mlp/tiny"
+    )
     assert choice.precision == expected
     assert f"whole training step, {torch.get_num_threads()} thread" in choice.reason
     assert "3 repeats of 2 steps" in choice.timed and f"±{100 * spread:.0f}%" in choice.timed
     assert ("within noise" in choice.reason) == (abs(speedup - 1) <= spread)
-    again = autoselect.measured_choice(model, batches, "bf16", torch.device("cpu"), label="mlp/tiny")
-    assert again.cached and again.precision == expected and again.timed == choice.timed  # the cache keeps it
+    again = autoselect.measured_choice(
+        model, batches, "bf16", torch.device("cpu"), label="mlp/tiny"
+    )
+    assert (
+        again.cached and again.precision == expected and again.timed == choice.timed
+    )  # the cache keeps it
 
 
 # ---------------------------------------------------------------------------- bench and tune
 def fake_report(bf16_ms, spread, gap=0.001):
-    rows = [BenchResult("fp32", step_ms=10.0, speedup_vs_fp32=1.0, speedup_spread=0.0, final_loss=2.0,
-                        loss_gap=0.0),
-            BenchResult("bf16", step_ms=bf16_ms, speedup_vs_fp32=10.0 / bf16_ms, speedup_spread=spread,
-                        final_loss=2.0 * (1 + gap), loss_gap=gap)]
-    return BenchReport(results=rows, device="cpu", device_name="a CPU", model="mlp/tiny", steps=10,
-                       batch_size=8, accumulation_steps=1, threads=2, repeats=5)
+    rows = [
+        BenchResult(
+            "fp32",
+            step_ms=10.0,
+            speedup_vs_fp32=1.0,
+            speedup_spread=0.0,
+            final_loss=2.0,
+            loss_gap=0.0,
+        ),
+        BenchResult(
+            "bf16",
+            step_ms=bf16_ms,
+            speedup_vs_fp32=10.0 / bf16_ms,
+            speedup_spread=spread,
+            final_loss=2.0 * (1 + gap),
+            loss_gap=gap,
+        ),
+    ]
+    return BenchReport(
+        results=rows,
+        device="cpu",
+        device_name="a CPU",
+        model="mlp/tiny",
+        steps=10,
+        batch_size=8,
+        accumulation_steps=1,
+        threads=2,
+        repeats=5,
+    )
 
 
 def test_tune_does_not_pick_what_it_cannot_tell_from_fp32():
     rec = tune(fake_report(9.8, 0.05))  # 1.02x, spread ±5%
     assert rec.precision == "fp32"
-    assert "not clearly faster than fp32" in rec.why_not["bf16"] and "within noise (±5%)" in rec.why_not["bf16"]
+    assert (
+        "not clearly faster than fp32" in rec.why_not["bf16"]
+        and "within noise (±5%)" in rec.why_not["bf16"]
+    )
     assert "bf16 timed fastest" in rec.note and "cannot tell it from fp32" in rec.note
     toml = rec.to_toml()
     assert 'precision = "fp32"' in toml and "within noise" in toml

@@ -36,50 +36,110 @@ def test_info_table(capsys):
 
 @pytest.mark.parametrize("spelling", ["--batch_size", "--batch-size"])
 def test_hyphen_and_underscore_flags(spelling):
-    args = build_parser().parse_args(["train", spelling, "3", "--mixed-precision", "bf16", "--grad_accum_steps", "2"])
+    args = build_parser().parse_args(
+        ["train", spelling, "3", "--mixed-precision", "bf16", "--grad_accum_steps", "2"]
+    )
     assert args.batch_size == 3 and args.precision == "bf16" and args.accumulation_steps == 2
 
 
 @pytest.mark.slow
 def test_train_json_summary(capsys, tmp_path):
-    rc = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "6", "--batch-size", "4",
-               "--precision", "fp32", "--no-progress", "--json", "--device", "cpu", "--log_every", "3",
-               "--log_dir", str(tmp_path / "run")])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "gpt",
+            "--size",
+            "tiny",
+            "--steps",
+            "6",
+            "--batch-size",
+            "4",
+            "--precision",
+            "fp32",
+            "--no-progress",
+            "--json",
+            "--device",
+            "cpu",
+            "--log_every",
+            "3",
+            "--log_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "fp32" and s["optimizer_steps"] == 6
     assert s["final_loss"] < s["first_loss"]  # it learns
     assert s["tokens_per_s"] > 0 and s["ms_per_step"] > 0 and s["skipped_steps"] == 0
-    assert (tmp_path / "run" / "log.jsonl").exists() and (tmp_path / "run" / "summary.json").exists()
+    assert (tmp_path / "run" / "log.jsonl").exists() and (
+        tmp_path / "run" / "summary.json"
+    ).exists()
 
 
 @pytest.mark.slow
 def test_train_fp16_progress_summary_and_report(capsys, tmp_path):
     run = tmp_path / "fp16run"
-    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "12", "--precision", "16-mixed",
-               "--device", "cpu", "--log-dir", str(run), "--log_every", "4"])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "tiny",
+            "--steps",
+            "12",
+            "--precision",
+            "16-mixed",
+            "--device",
+            "cpu",
+            "--log-dir",
+            str(run),
+            "--log_every",
+            "4",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
-    assert "fp16" in out and "run summary" in out and "skipped steps" in out and "ampkit report" in out
+    assert (
+        "fp16" in out and "run summary" in out and "skipped steps" in out and "ampkit report" in out
+    )
     assert any((run / "tb").iterdir())  # TensorBoard events written
     assert main(["report", str(run), "--metrics", "loss,scale"]) == 0
     assert (run / "report" / "loss.png").exists() and (run / "report" / "scale.png").exists()
     assert not (run / "report" / "memory.png").exists()
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["train", "--precision", "fp61"], "unknown precision 'fp61'"),
-    (["train", "--precision", "fp8", "--device", "cpu"], "fp8 needs an NVIDIA GPU"),
-    (["train", "--precision", "bf16-pure", "--device", "cpu", "--steps", "1", "--keep_fp32", "nosuch"],
-     "matches no module"),
-    (["report", "/nonexistent/run"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["train", "--precision", "fp61"], "unknown precision 'fp61'"),
+        (["train", "--precision", "fp8", "--device", "cpu"], "fp8 needs an NVIDIA GPU"),
+        (
+            [
+                "train",
+                "--precision",
+                "bf16-pure",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--keep_fp32",
+                "nosuch",
+            ],
+            "matches no module",
+        ),
+        (["report", "/nonexistent/run"], "does not exist"),
+    ],
+)
 def test_train_bad_input_is_a_clear_error(argv, fragment, capsys):
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["train", "--steps", "0"], ["train", "--batch-size", "-1"], ["train", "--lr", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["train", "--steps", "0"], ["train", "--batch-size", "-1"], ["train", "--lr", "x"]]
+)
 def test_argparse_rejects(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -92,8 +152,13 @@ def test_argparse_rejects(argv, capsys):
 def test_console_script_installed():
     """The `ampkit` entry point runs as a real subprocess."""
     env = {**os.environ, "COLUMNS": "120"}
-    out = subprocess.run([sys.executable, "-m", "ampkit", "info", "--json", "--no-measure"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ampkit", "info", "--json", "--no-measure"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ampkit"]
 
@@ -101,21 +166,41 @@ def test_console_script_installed():
 @pytest.mark.slow
 def test_audit_cli_json_and_user_factory(capsys, monkeypatch):
     import pathlib
-    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])  # examples/ importable from the repo root
-    assert main(["audit", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--json", "--device", "cpu"]) == 0
+
+    monkeypatch.chdir(
+        pathlib.Path(__file__).resolve().parents[2]
+    )  # examples/ importable from the repo root
+    assert (
+        main(
+            [
+                "audit",
+                "--model",
+                "examples.unstable_gpt:factory",
+                "--size",
+                "tiny",
+                "--json",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     rep = json.loads(capsys.readouterr().out)
     assert rep["recommended_keep_fp32"] == ["blocks.0.mlp.0", "blocks.0.mlp.2"]
     assert main(["audit", "--model", "mlp", "--precision", "bf16", "--device", "cpu"]) == 0
     assert "numerics audit" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("spec,fragment", [
-    ("no_such_module_xyz:factory", "cannot import"),
-    ("ampkit.models.builtin:nothing_here", "no callable"),
-    ("ampkit.step.hardware:cpu_features", "must return (model, batch_fn)"),
-    ("ampkit.models.builtin:build", "calling factory"),
-    ("justaname", "neither a built-in"),
-])
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("no_such_module_xyz:factory", "cannot import"),
+        ("ampkit.models.builtin:nothing_here", "no callable"),
+        ("ampkit.step.hardware:cpu_features", "must return (model, batch_fn)"),
+        ("ampkit.models.builtin:build", "calling factory"),
+        ("justaname", "neither a built-in"),
+    ],
+)
 def test_bad_user_model(spec, fragment, capsys):
     assert main(["audit", "--model", spec, "--device", "cpu"]) == 2
     assert fragment in capsys.readouterr().err
@@ -124,27 +209,71 @@ def test_bad_user_model(spec, fragment, capsys):
 @pytest.mark.slow
 def test_train_falls_back_and_diagnoses(capsys, tmp_path, monkeypatch):
     import pathlib
+
     monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
-    rc = main(["train", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--precision", "fp16",
-               "--steps", "24", "--batch-size", "2", "--device", "cpu", "--log_dir", str(tmp_path / "r"),
-               "--no-progress", "--json"])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "examples.unstable_gpt:factory",
+            "--size",
+            "tiny",
+            "--precision",
+            "fp16",
+            "--steps",
+            "24",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--log_dir",
+            str(tmp_path / "r"),
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "bf16" and s["skipped_steps"] == 20
     from ampkit.observe.monitor import read_jsonl
-    kinds = [r["kind"] for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r["type"] == "event"]
+
+    kinds = [
+        r["kind"] for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r["type"] == "event"
+    ]
     assert "diagnosis" in kinds and "fallback" in kinds
-    diag = next(r for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r.get("kind") == "diagnosis")
+    diag = next(
+        r for r in read_jsonl(str(tmp_path / "r" / "log.jsonl")) if r.get("kind") == "diagnosis"
+    )
     assert diag["module"] == "blocks.0.mlp.0" and diag["phase"] == "forward"
 
 
 @pytest.mark.slow
 def test_no_fallback_flag_is_respected(tmp_path, capsys, monkeypatch):
     import pathlib
+
     monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
-    rc = main(["train", "--model", "examples.unstable_gpt:factory", "--size", "tiny", "--precision", "fp16",
-               "--steps", "22", "--batch-size", "2", "--device", "cpu", "--log_dir", str(tmp_path / "r"),
-               "--no-progress", "--json", "--no_fallback"])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "examples.unstable_gpt:factory",
+            "--size",
+            "tiny",
+            "--precision",
+            "fp16",
+            "--steps",
+            "22",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--log_dir",
+            str(tmp_path / "r"),
+            "--no-progress",
+            "--json",
+            "--no_fallback",
+        ]
+    )
     assert rc == 3  # every step skipped: not a success, even though the flags asked for no fallback
     captured = capsys.readouterr()
     s = json.loads(captured.out)

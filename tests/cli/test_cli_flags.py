@@ -39,7 +39,8 @@ FLAGS = {
         --model --model_config --nnodes --no_allow_stall --no_autocast_cache --no_compile
         --no_consecutive_hysteresis --no_deterministic --no_diagnose --no_dynamic_scaling --no_fallback
         --no_fp8_emulate --no_memory_efficient --no_optimizer_in_backward --no_progress --no_skip_nonfinite
-        --node_rank --nproc_per_node --optimizer_in_backward --overwrite --parallel --precision --print_config --rdzv_backend --rdzv_endpoint
+        --node_rank --nproc_per_node --optimizer_in_backward --overwrite --parallel --precision
+        --print_config --rdzv_backend --rdzv_endpoint
         --rdzv_id --resume --save_model --seed --size --skip_nonfinite --state_dtype --steps
         --target_effective_batch_size --wandb --weight_decay -h
     """,
@@ -97,7 +98,9 @@ def test_no_new_cli_options():
     assert list(commands) == list(FLAGS), "a command was added or removed: update FLAGS"
     for name, p in commands.items():
         underscore = [o for o in _options(p) if not (o.startswith("--") and "-" in o[2:])]
-        assert underscore == FLAGS[name].split(), f"ampkit {name}: the flag set changed; update FLAGS deliberately"
+        assert underscore == FLAGS[name].split(), (
+            f"ampkit {name}: the flag set changed; update FLAGS deliberately"
+        )
 
 
 def test_every_underscore_flag_has_its_hyphen_twin_on_the_same_option():
@@ -108,39 +111,51 @@ def test_every_underscore_flag_has_its_hyphen_twin_on_the_same_option():
                     assert o.replace("_", "-") in a.option_strings, (name, o)
 
 
-@pytest.mark.parametrize("argv,dest,value", [  # the spellings users typed before the flags were generated
-    (["--mixed_precision", "bf16"], "precision", "bf16"),
-    (["--mixed-precision", "16-mixed"], "precision", "16-mixed"),
-    (["--grad_scaler_init", "1024"], "init_scale", 1024.0),
-    (["--init-scale", "8"], "init_scale", 8.0),
-    (["--grad_scaler_growth_interval", "7"], "growth_interval", 7),
-    (["--grad-scaler-backoff", "0.25"], "backoff_factor", 0.25),
-    (["--grad_accum_steps", "3"], "accumulation_steps", 3),
-    (["--max_grad_norm", "0.5"], "clip_grad_norm", 0.5),
-    (["--clip_grad_norm", "none"], "clip_grad_norm", None),
-    (["--fallback_chain", "fp16,fp32"], "fallback", "fp16,fp32"),
-    (["--no_fallback"], "fallback", False),
-    (["--no-fallback"], "fallback", False),
-    (["--fallback"], "fallback", True),
-    (["--keep_fp32", "lm_head,*.ln_*"], "keep_fp32", ("lm_head", "*.ln_*")),
-    (["--deterministic"], "deterministic", True),
-    (["--deterministic", "warn"], "deterministic", "warn"),
-    (["--deterministic", "false"], "deterministic", False),
-    (["--compile"], "compile", True),
-    (["--fp8_emulate"], "fp8_emulate", True),
-    (["--fp8_recipe", "rowwise"], "fp8_recipe", "rowwise"),
-    (["--no_dynamic_scaling"], "dynamic_scaling", False),
-    (["--hysteresis", "2"], "hysteresis", 2),
-    (["--amp_opt_level", "O2"], "amp_opt_level", "O2"),
-])
+@pytest.mark.parametrize(
+    "argv,dest,value",
+    [  # the spellings users typed before the flags were generated
+        (["--mixed_precision", "bf16"], "precision", "bf16"),
+        (["--mixed-precision", "16-mixed"], "precision", "16-mixed"),
+        (["--grad_scaler_init", "1024"], "init_scale", 1024.0),
+        (["--init-scale", "8"], "init_scale", 8.0),
+        (["--grad_scaler_growth_interval", "7"], "growth_interval", 7),
+        (["--grad-scaler-backoff", "0.25"], "backoff_factor", 0.25),
+        (["--grad_accum_steps", "3"], "accumulation_steps", 3),
+        (["--max_grad_norm", "0.5"], "clip_grad_norm", 0.5),
+        (["--clip_grad_norm", "none"], "clip_grad_norm", None),
+        (["--fallback_chain", "fp16,fp32"], "fallback", "fp16,fp32"),
+        (["--no_fallback"], "fallback", False),
+        (["--no-fallback"], "fallback", False),
+        (["--fallback"], "fallback", True),
+        (["--keep_fp32", "lm_head,*.ln_*"], "keep_fp32", ("lm_head", "*.ln_*")),
+        (["--deterministic"], "deterministic", True),
+        (["--deterministic", "warn"], "deterministic", "warn"),
+        (["--deterministic", "false"], "deterministic", False),
+        (["--compile"], "compile", True),
+        (["--fp8_emulate"], "fp8_emulate", True),
+        (["--fp8_recipe", "rowwise"], "fp8_recipe", "rowwise"),
+        (["--no_dynamic_scaling"], "dynamic_scaling", False),
+        (["--hysteresis", "2"], "hysteresis", 2),
+        (["--amp_opt_level", "O2"], "amp_opt_level", "O2"),
+    ],
+)
 def test_train_spellings(argv, dest, value):
     args = build_parser().parse_args(["train", *argv])
     assert getattr(args, dest) == value
 
 
-@pytest.mark.parametrize("argv", [["--deterministic", "sometimes"], ["--hysteresis", "0"], ["--min_scale", "-1"],
-                                  ["--fp8_recipe", "nope"], ["--compile", "yes"], ["--seed", str(2**63)],
-                                  ["--seed", str(-(2**63) - 1)]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--deterministic", "sometimes"],
+        ["--hysteresis", "0"],
+        ["--min_scale", "-1"],
+        ["--fp8_recipe", "nope"],
+        ["--compile", "yes"],
+        ["--seed", str(2**63)],
+        ["--seed", str(-(2**63) - 1)],
+    ],
+)
 def test_train_engine_flags_reject_bad_values(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["train", *argv])
@@ -154,7 +169,10 @@ def test_engine_flags_are_generated_from_the_config_fields():
         by_dest.setdefault(a.dest, a)
     for f in fields_help():
         a = by_dest[f.name]
-        assert f"--{f.name}" in a.option_strings and f"--{f.name.replace('_', '-')}" in a.option_strings
+        assert (
+            f"--{f.name}" in a.option_strings
+            and f"--{f.name.replace('_', '-')}" in a.option_strings
+        )
         assert f.help.replace("%", "%%") in a.help, f.name  # the field's help, word for word
         expected = TRAIN_DEFAULTS[f.name][0] if f.name in TRAIN_DEFAULTS else f.default
         assert a.default == expected, f.name
@@ -175,8 +193,13 @@ def test_train_defaults_are_stated_and_used(capsys):
     assert "defaults that differ from MixedPrecisionConfig's" in out
     for name, (value, _) in TRAIN_DEFAULTS.items():
         assert f"{name} = {value!r}" in out
-    assert "clip the (unscaled) total gradient norm" in out and "(default: 1 in ampkit train; the library's: none)" in out
-    assert MixedPrecisionConfig().clip_grad_norm is None and MixedPrecisionConfig().fallback is False
+    assert (
+        "clip the (unscaled) total gradient norm" in out
+        and "(default: 1 in ampkit train; the library's: none)" in out
+    )
+    assert (
+        MixedPrecisionConfig().clip_grad_norm is None and MixedPrecisionConfig().fallback is False
+    )
     cfg = _config([])
     assert cfg.clip_grad_norm == 1.0 and cfg.fallback is True and cfg.precision == "auto"
     assert _config(["--clip_grad_norm", "none", "--no_fallback"]).clip_grad_norm is None
@@ -197,13 +220,20 @@ def _config(argv, tmp_path=None, toml=None) -> MixedPrecisionConfig:
 
 
 def test_precedence_command_line_then_train_then_amp_then_train_defaults(tmp_path):
-    toml = ('[amp]\nclip_grad_norm = 3.0\nhysteresis = 4\nfallback = false\ninit_scale = 64.0\n'
-            '[train]\nclip_grad_norm = 2.0\ngrad_scaler_init = 128\n')
+    toml = (
+        "[amp]\nclip_grad_norm = 3.0\nhysteresis = 4\nfallback = false\ninit_scale = 64.0\n"
+        "[train]\nclip_grad_norm = 2.0\ngrad_scaler_init = 128\n"
+    )
     cfg = _config([], tmp_path, toml)
-    assert (cfg.clip_grad_norm, cfg.hysteresis, cfg.fallback, cfg.init_scale) == (2.0, 4, False, 128.0)
+    assert (cfg.clip_grad_norm, cfg.hysteresis, cfg.fallback, cfg.init_scale) == (
+        2.0,
+        4,
+        False,
+        128.0,
+    )
     cfg = _config(["--max_grad_norm", "5", "--hysteresis", "2"], tmp_path, toml)
     assert (cfg.clip_grad_norm, cfg.hysteresis) == (5.0, 2)
-    cfg = _config([], tmp_path, "[amp]\nprecision = \"fp16\"\n")
+    cfg = _config([], tmp_path, '[amp]\nprecision = "fp16"\n')
     assert cfg.precision == "fp16" and cfg.clip_grad_norm == 1.0 and cfg.fallback is True
 
 
@@ -218,7 +248,11 @@ def test_optimizer_in_backward_drops_trains_default_clipping_only(tmp_path):
     with pytest.raises(ConfigError, match="clip_grad_norm=1.0"):
         _config(["--precision", "bf16", "--optimizer_in_backward", "--clip_grad_norm", "1.0"])
     with pytest.raises(ConfigError, match="clip_grad_norm=2.0"):
-        _config(["--precision", "bf16", "--optimizer_in_backward"], tmp_path, "[amp]\nclip_grad_norm = 2.0\n")
+        _config(
+            ["--precision", "bf16", "--optimizer_in_backward"],
+            tmp_path,
+            "[amp]\nclip_grad_norm = 2.0\n",
+        )
 
 
 def test_amp_opt_level_maps_through_the_precision_aliases():
@@ -227,7 +261,9 @@ def test_amp_opt_level_maps_through_the_precision_aliases():
     assert _config(["--amp_opt_level", "O2"]).precision == "O2"
     assert _config(["--amp_opt_level", "O0", "--precision", "32"]).precision == "fp32"
     # issue 24: the seed guide's lines combine the two: the level gives the form, the precision the dtype
-    assert _config(["--amp_opt_level", "O0", "--precision", "bf16"]).precision == "fp32"  # O0 wins (a note says so)
+    assert (
+        _config(["--amp_opt_level", "O0", "--precision", "bf16"]).precision == "fp32"
+    )  # O0 wins (a note says so)
     assert _config(["--mixed_precision", "bf16", "--amp_opt_level", "O2"]).precision == "bf16-pure"
     assert _config(["--mixed_precision", "fp16", "--amp_opt_level", "O1"]).precision == "fp16"
     with pytest.raises(ValueError, match="conflicting flags"):
@@ -245,7 +281,14 @@ def _sample(action: argparse.Action):
         return f'"{choice}"', choice
     if isinstance(action, Toggle):
         return "true", True
-    samples = {"positive_int": ("3", 3), "int": ("3", 3), "_batch_size_arg": ("3", 3), "positive_float": ("0.5", 0.5), "unit_float": ("0.25", 0.25), "_patterns": ('"a,b"', ("a", "b"))}
+    samples = {
+        "positive_int": ("3", 3),
+        "int": ("3", 3),
+        "_batch_size_arg": ("3", 3),
+        "positive_float": ("0.5", 0.5),
+        "unit_float": ("0.25", 0.25),
+        "_patterns": ('"a,b"', ("a", "b")),
+    }
     name = getattr(action.type, "__name__", None)
     return samples.get(name, ('"x"', "x"))
 
@@ -265,16 +308,19 @@ def test_every_train_option_can_be_set_from_the_train_table(tmp_path):
         assert inv.flags_given == {a.dest, "config"} and a.dest not in inv.explicit
 
 
-@pytest.mark.parametrize("toml,dest,value", [
-    ("no_fallback = true", "fallback", False),
-    ("fallback_chain = \"fp16,bf16,fp32\"", "fallback", "fp16,bf16,fp32"),
-    ("grad_scaler_growth_interval = 7", "growth_interval", 7),
-    ("grad-accum-steps = 2", None, None),  # hyphens are flag spellings, not [train] keys
-    ("deterministic = \"warn\"", "deterministic", "warn"),
-    ("deterministic = true", "deterministic", True),
-    ("no_compile = true", "compile", False),
-    ("clip_grad_norm = \"none\"", "clip_grad_norm", None),
-])
+@pytest.mark.parametrize(
+    "toml,dest,value",
+    [
+        ("no_fallback = true", "fallback", False),
+        ('fallback_chain = "fp16,bf16,fp32"', "fallback", "fp16,bf16,fp32"),
+        ("grad_scaler_growth_interval = 7", "growth_interval", 7),
+        ("grad-accum-steps = 2", None, None),  # hyphens are flag spellings, not [train] keys
+        ('deterministic = "warn"', "deterministic", "warn"),
+        ("deterministic = true", "deterministic", True),
+        ("no_compile = true", "compile", False),
+        ('clip_grad_norm = "none"', "clip_grad_norm", None),
+    ],
+)
 def test_train_table_takes_the_old_spellings(tmp_path, toml, dest, value):
     if dest is None:
         with pytest.raises(ValueError, match="unknown \\[train\\] key"):
@@ -283,14 +329,17 @@ def test_train_table_takes_the_old_spellings(tmp_path, toml, dest, value):
     assert getattr(_invocation([], tmp_path, f"[train]\n{toml}\n").args, dest) == value
 
 
-@pytest.mark.parametrize("toml,fragment", [
-    ("compile = 1", "must be true or false"),
-    ("deterministic = \"sometimes\"", "not a valid deterministic"),
-    ("steps = true", "not a valid positive_int"),
-    ("no_fallback = true\nfallback = true", "sets fallback twice"),
-    ("model = 3", "must be a string"),
-    ("size = \"huge\"", "choose one of"),
-])
+@pytest.mark.parametrize(
+    "toml,fragment",
+    [
+        ("compile = 1", "must be true or false"),
+        ('deterministic = "sometimes"', "not a valid deterministic"),
+        ("steps = true", "not a valid positive_int"),
+        ("no_fallback = true\nfallback = true", "sets fallback twice"),
+        ("model = 3", "must be a string"),
+        ('size = "huge"', "choose one of"),
+    ],
+)
 def test_train_table_errors_name_the_key(tmp_path, toml, fragment):
     with pytest.raises(ValueError, match=fragment):
         _invocation([], tmp_path, f"[train]\n{toml}\n")
@@ -302,8 +351,12 @@ def test_command_line_beats_the_train_table_and_argv_is_kept(tmp_path):
     assert inv.explicit == {"steps", "lr", "config"} and set(inv.file.train) == {"steps", "seed"}
     assert inv.argv[:2] == ("train", "--steps=7")
     assert not [k for k in vars(inv.args) if k.startswith("_")]  # no private state on the Namespace
-    assert explicit_flags(subparser(build_parser(), "train"), ["--grad-accum-steps", "2"]) == {"accumulation_steps"}
-    assert read_config_file(subparser(build_parser(), "train"), str(tmp_path / "run.toml")).train == {"steps": 3, "seed": 5}
+    assert explicit_flags(subparser(build_parser(), "train"), ["--grad-accum-steps", "2"]) == {
+        "accumulation_steps"
+    }
+    assert read_config_file(
+        subparser(build_parser(), "train"), str(tmp_path / "run.toml")
+    ).train == {"steps": 3, "seed": 5}
 
 
 def test_one_model_group_from_loop_models():
@@ -319,7 +372,13 @@ def test_one_model_group_from_loop_models():
         assert ("device" in {a.dest for a in group._group_actions}) == (name != "plan")
         assert "device" in actions
         group = next(g for g in commands[name]._action_groups if g.title == "model and data")
-        assert {a.dest for a in group._group_actions} >= {"model", "size", "model_config", "data", "block_size"}
+        assert {a.dest for a in group._group_actions} >= {
+            "model",
+            "size",
+            "model_config",
+            "data",
+            "block_size",
+        }
 
 
 def test_generated_references_are_current():
@@ -328,15 +387,19 @@ def test_generated_references_are_current():
     pytest.importorskip("fastapi")
     for name, make in REFERENCES.items():
         path = ROOT / "docs" / "reference" / name
-        assert path.exists() and path.read_text(encoding="utf-8") == make(), \
+        assert path.exists() and path.read_text(encoding="utf-8") == make(), (
             f"{path.relative_to(ROOT)} is out of date: run `python -m ampkit.cli.docs`"
+        )
     assert docs_main(["--check", "--out", str(ROOT / "docs" / "reference")]) == 0
 
 
 def test_references_cover_every_flag_and_field(tmp_path):
     pytest.importorskip("fastapi")  # rest-api.md is one of them
     assert docs_main(["--check", "--out", str(tmp_path)]) == 1  # missing files are stale
-    assert docs_main(["--out", str(tmp_path)]) == 0 and docs_main(["--check", "--out", str(tmp_path)]) == 0
+    assert (
+        docs_main(["--out", str(tmp_path)]) == 0
+        and docs_main(["--check", "--out", str(tmp_path)]) == 0
+    )
     cli, config = (tmp_path / "cli.md").read_text(), (tmp_path / "config.md").read_text()
     for name, flags in FLAGS.items():
         assert f"## `ampkit {name}`" in cli

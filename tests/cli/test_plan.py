@@ -10,8 +10,20 @@ from ampkit.cli import main
 
 @pytest.mark.slow
 def test_plan_says_how_it_found_the_answers_and_verify_measures_them(capsys):
-    argv = ["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "fp32,bf16-pure",
-            "--batch_size", "4", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt",
+        "--size",
+        "tiny",
+        "--memory",
+        "24MiB",
+        "--precisions",
+        "fp32,bf16-pure",
+        "--batch_size",
+        "4",
+        "--json",
+    ]
     assert main(argv) == 0
     fast = json.loads(capsys.readouterr().out)
     assert fast["method"].startswith("estimated by depth extrapolation from 1- and 2-block copies")
@@ -23,17 +35,44 @@ def test_plan_says_how_it_found_the_answers_and_verify_measures_them(capsys):
         assert b["method"] == "depth, verified" and b["verified"] is True
         for k in ("peak_bytes", "parts", "largest_batch", "largest_batch_activation_checkpointing"):
             assert a[k] == b[k], k
-    assert main(["plan", "--model", "mlp", "--size", "tiny", "--memory", "8MiB", "--precisions", "fp32",
-                 "--batch_size", "4"]) == 0  # not a stack of blocks: the full model measured, and said so
-    assert "measured: the full model's training step" in " ".join(capsys.readouterr().out.split())  # (wrapped)
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--memory",
+                "8MiB",
+                "--precisions",
+                "fp32",
+                "--batch_size",
+                "4",
+            ]
+        )
+        == 0
+    )  # not a stack of blocks: the full model measured, and said so
+    assert "measured: the full model's training step" in " ".join(
+        capsys.readouterr().out.split()
+    )  # (wrapped)
 
 
-@pytest.mark.parametrize("argv,says", [
-    (["--model_config", "n_layer=2"], "--model_config is for Hugging Face config models"),
-    (["--memory", "0GiB"], "memory size '0GiB' must be > 0"),
-    (["--device", "h100"], "--device 'h100' is not a device a plan knows; choose cpu or one of: cuda, h200-141gb"),
-    (["--device", "cuda", "--memory", None], "the memory of an unnamed CUDA device is not known here; give --memory"),
-])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--model_config", "n_layer=2"], "--model_config is for Hugging Face config models"),
+        (["--memory", "0GiB"], "memory size '0GiB' must be > 0"),
+        (
+            ["--device", "h100"],
+            "--device 'h100' is not a device a plan knows; choose cpu or one of: cuda, h200-141gb",
+        ),
+        (
+            ["--device", "cuda", "--memory", None],
+            "the memory of an unnamed CUDA device is not known here; give --memory",
+        ),
+    ],
+)
 @pytest.mark.slow
 def test_plan_bad_input_is_one_clear_line(argv, says, capsys):
     base = {"--size": "tiny", "--memory": "24MiB"}
@@ -53,10 +92,26 @@ def test_rows_measured_in_forked_workers_are_the_serial_rows(capsys):
     import subprocess
     import sys
 
-    argv = ["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "bf16,fp32",
-            "--batch_size", "4", "--json"]
-    r = subprocess.run([sys.executable, "-m", "ampkit", *argv, "--workers", "2"], capture_output=True, text=True,
-                       timeout=300)
+    argv = [
+        "plan",
+        "--model",
+        "gpt",
+        "--size",
+        "tiny",
+        "--memory",
+        "24MiB",
+        "--precisions",
+        "bf16,fp32",
+        "--batch_size",
+        "4",
+        "--json",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "ampkit", *argv, "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     forked = json.loads(r.stdout)
     assert main([*argv, "--workers", "1"]) == 0
@@ -80,15 +135,37 @@ def test_rows_that_cannot_fit_say_why_and_the_plan_goes_on(capsys):
     """(issue 36) The plan stopped at its first row whose state alone exceeded the budget ("no batch
     size fits"), answering none of the rows that fit. A budget between fp32's state (16 B/param) and
     the stochastic rung's with bf16 states: fp32's row says why, the rung's is answered."""
-    argv = ["plan", "--model", "gpt", "--size", "medium", "--block_size", "16", "--memory", "150MiB", "--batch_size",
-            "4", "--workers", "1", "--precisions", "fp32,bf16-pure:stochastic+bf16", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt",
+        "--size",
+        "medium",
+        "--block_size",
+        "16",
+        "--memory",
+        "150MiB",
+        "--batch_size",
+        "4",
+        "--workers",
+        "1",
+        "--precisions",
+        "fp32,bf16-pure:stochastic+bf16",
+        "--json",
+    ]
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     fp32, rung = plan["rows"]
     assert fp32["largest_batch"] == 0 and not fp32["fits"]
-    assert "optimizer state alone need" in fp32["why_not"] and "more than the budget's 150.0 MiB" in fp32["why_not"]
+    assert (
+        "optimizer state alone need" in fp32["why_not"]
+        and "more than the budget's 150.0 MiB" in fp32["why_not"]
+    )
     assert rung["precision"] == "bf16-pure:stochastic+bf16" and rung["why_not"] is None
-    assert rung["largest_batch"] >= 1 and rung["largest_batch_activation_checkpointing"] >= rung["largest_batch"]
+    assert (
+        rung["largest_batch"] >= 1
+        and rung["largest_batch_activation_checkpointing"] >= rung["largest_batch"]
+    )
     # no full set of gradients held: fp32 fits too with the optimizer in backward, the rung a larger batch
     assert fp32["largest_batch_optimizer_in_backward"] >= 1
     assert rung["largest_batch_optimizer_in_backward"] > rung["largest_batch"]
@@ -100,8 +177,21 @@ def test_a_plan_for_a_named_gpu_from_this_cpu_machine(capsys):
     card's memory less the CUDA context and fragmentation, and every output names the device."""
     from ampkit.plan.devices import DEVICES
 
-    argv = ["plan", "--model", "gpt", "--size", "tiny", "--device", "h100-80gb", "--batch_size", "4", "--workers",
-            "1", "--precisions", "bf16,bf16-pure:split"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt",
+        "--size",
+        "tiny",
+        "--device",
+        "h100-80gb",
+        "--batch_size",
+        "4",
+        "--workers",
+        "1",
+        "--precisions",
+        "bf16,bf16-pure:split",
+    ]
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     h100 = DEVICES["h100-80gb"]
@@ -109,13 +199,39 @@ def test_a_plan_for_a_named_gpu_from_this_cpu_machine(capsys):
     assert plan["memory_bytes"] == h100.memory_bytes and plan["budget_bytes"] == h100.budget()
     assert plan["device_info"]["capability"] == [9, 0]
     bf16, split = plan["rows"]
-    assert bf16["largest_batch"] == split["largest_batch"] == 1 << 16  # a tiny model: the plan's limit
+    assert (
+        bf16["largest_batch"] == split["largest_batch"] == 1 << 16
+    )  # a tiny model: the plan's limit
     assert bf16["peak_bytes"] >= h100.workspace_bytes() and split["method"] == "depth"
     assert main(argv) == 0
     table = " ".join(capsys.readouterr().out.split())
-    assert "ampkit plan for NVIDIA H100 80GB HBM3 (h100-80gb)" in table and "cuBLAS workspaces" in table
-    assert main(["plan", "--model", "gpt", "--size", "tiny", "--device", "cuda", "--memory", "8GiB",
-                 "--precisions", "bf16", "--batch_size", "4", "--workers", "1", "--json"]) == 0
+    assert (
+        "ampkit plan for NVIDIA H100 80GB HBM3 (h100-80gb)" in table
+        and "cuBLAS workspaces" in table
+    )
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt",
+                "--size",
+                "tiny",
+                "--device",
+                "cuda",
+                "--memory",
+                "8GiB",
+                "--precisions",
+                "bf16",
+                "--batch_size",
+                "4",
+                "--workers",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["device"] == "cuda"
 
 
@@ -128,12 +244,35 @@ def test_llama3_8b_for_an_h100_answers_every_row():
     import sys
 
     pytest.importorskip("transformers")
-    cfg = ("hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,"
-           "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=2048")
-    r = subprocess.run([sys.executable, "-m", "ampkit", "plan", "--model", "llama", "--model_config", cfg,
-                        "--block_size", "2048", "--batch_size", "1", "--device", "h100-80gb", "--no_cache", "--json",
-                        "--precisions", "bf16,bf16-pure,bf16-pure:split,bf16-pure:stochastic,"
-                        "bf16-pure:stochastic+bf16"], capture_output=True, text=True, timeout=900)
+    cfg = (
+        "hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,"
+        "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=2048"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ampkit",
+            "plan",
+            "--model",
+            "llama",
+            "--model_config",
+            cfg,
+            "--block_size",
+            "2048",
+            "--batch_size",
+            "1",
+            "--device",
+            "h100-80gb",
+            "--no_cache",
+            "--json",
+            "--precisions",
+            "bf16,bf16-pure,bf16-pure:split,bf16-pure:stochastic,bf16-pure:stochastic+bf16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout)
     assert plan["device"] == "h100-80gb" and len(plan["rows"]) == 5

@@ -48,19 +48,29 @@ def test_service_config_takes_the_same_bounds_and_defaults():
     from ampkit.service.schemas import ServiceConfig
 
     shared = [n for n in SERVE_NUMBERS if n in ServiceConfig.model_fields]
-    assert set(shared) == {"max_concurrent", "queue_cap", "max_params", "max_seconds", "max_gpu_temp"}
+    assert set(shared) == {
+        "max_concurrent",
+        "queue_cap",
+        "max_params",
+        "max_seconds",
+        "max_gpu_temp",
+    }
     for name in shared:
         b = SERVE_NUMBERS[name]
         assert ServiceConfig.model_fields[name].default == b.default
         for bad in _outside(b)[1:]:  # the numbers (the text is the CLI's to refuse)
             with pytest.raises(ValidationError):
-                ServiceConfig(**{name: b.kind(float(bad)) if math.isfinite(float(bad)) else float(bad)})
+                ServiceConfig(
+                    **{name: b.kind(float(bad)) if math.isfinite(float(bad)) else float(bad)}
+                )
 
 
 def test_bounded_names_the_value_and_the_range():
     seconds = bounded(float, gt=0, le=3600, unit="seconds")
     assert seconds("1e-3") == 1e-3 and seconds("3600") == 3600.0
-    with pytest.raises(argparse.ArgumentTypeError, match="3601.0 must be > 0 and at most 3600 seconds"):
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="3601.0 must be > 0 and at most 3600 seconds"
+    ):
         seconds("3601")
     with pytest.raises(argparse.ArgumentTypeError, match="'soon' is not a number of seconds"):
         seconds("soon")

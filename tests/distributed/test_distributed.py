@@ -24,8 +24,12 @@ MICRO = 8  # samples per micro-batch
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.GELU()),
-                                     nn.Sequential(nn.Linear(32, 32), nn.GELU())])
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(16, 32), nn.GELU()),
+                nn.Sequential(nn.Linear(32, 32), nn.GELU()),
+            ]
+        )
         self.head = nn.Linear(32, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -49,9 +53,21 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def train(rank: int, world: int, kind: str, precision: str, *, accum: int, steps: int = 3, fused: bool = True,
-          inject: tuple[int, int] | None = None, inject_grad: tuple[int, int] | None = None, clip: float | None = None, init_scale: float = 2.0**10,
-          optim: str = "adamw") -> dict:
+def train(
+    rank: int,
+    world: int,
+    kind: str,
+    precision: str,
+    *,
+    accum: int,
+    steps: int = 3,
+    fused: bool = True,
+    inject: tuple[int, int] | None = None,
+    inject_grad: tuple[int, int] | None = None,
+    clip: float | None = None,
+    init_scale: float = 2.0**10,
+    optim: str = "adamw",
+) -> dict:
     """``kind`` in none/ddp/fsdp. Rank r of ``world`` takes micro-batches ``s*accum*world + r*accum + j``,
     so one process with ``accum*world`` micro-steps sees the same large batch per step."""
     from ampkit.distributed import shard
@@ -86,7 +102,9 @@ def train(rank: int, world: int, kind: str, precision: str, *, accum: int, steps
     if optim == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True
+        )
     amp = MixedPrecision(precision, device="cpu", accumulation_steps=accum, init_scale=init_scale)
     model, opt = amp.setup(model, opt)
     scales, found, norms, gmax = [], [], [], []
@@ -99,7 +117,9 @@ def train(rank: int, world: int, kind: str, precision: str, *, accum: int, steps
                 loss = loss * float("inf")
             amp.backward(loss)
             if inject_grad is not None and j == accum - 1 and (s, rank) == inject_grad:
-                g = next(iter(model.parameters())).grad  # this rank's gradient only (after any reduction)
+                g = next(
+                    iter(model.parameters())
+                ).grad  # this rank's gradient only (after any reduction)
                 g = g.to_local() if hasattr(g, "to_local") else g
                 g.view(-1)[0] = float("inf")
             if kind == "none" and j == accum - 1:  # the step's largest gradient, for sgd_bound
@@ -111,9 +131,16 @@ def train(rank: int, world: int, kind: str, precision: str, *, accum: int, steps
         scales.append(amp.scaler.get_scale())
         found.append(float(r.found_inf) if r.found_inf is not None else 0.0)
         norms.append(float(r.grad_norm) if r.grad_norm is not None else None)
-    return {"params": full_state(model), "scales": scales, "found": found, "norms": norms,
-            "gmax": gmax, "comms": comms["n"],
-            "stats": amp.stats(), "parallel": type(amp._parallel).__name__}
+    return {
+        "params": full_state(model),
+        "scales": scales,
+        "found": found,
+        "norms": norms,
+        "gmax": gmax,
+        "comms": comms["n"],
+        "stats": amp.stats(),
+        "parallel": type(amp._parallel).__name__,
+    }
 
 
 def several(rank: int, world: int, runs: list[tuple[tuple, dict]]) -> list[dict]:
@@ -122,7 +149,10 @@ def several(rank: int, world: int, runs: list[tuple[tuple, dict]]) -> list[dict]
 
 
 def _fp16_inf_runs(kind: str) -> list[tuple[tuple, dict]]:
-    runs = [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": fused, "inject": (1, 1)}) for fused in (True, False)]
+    runs = [
+        ((kind, "fp16"), {"accum": 2, "steps": 4, "fused": fused, "inject": (1, 1)})
+        for fused in (True, False)
+    ]
     return runs + [((kind, "fp16"), {"accum": 2, "steps": 4, "fused": True, "inject_grad": (2, 0)})]
 
 
@@ -138,9 +168,15 @@ JOBS: dict[str, tuple] = {
     "ddp-fp16-inf": (several, (_fp16_inf_runs("ddp"),), {}),
     "fsdp-fp16-inf": (several, (_fp16_inf_runs("fsdp"),), {}),
     "fsdp-fp32-clip": (train, ("fsdp", "fp32"), {"accum": 2, "clip": 0.05, "optim": "sgd"}),
-    **{f"fsdp-{p}-sgd": (train, ("fsdp", p), {"accum": 2, "steps": 3, "optim": "sgd"})
-       for p in ("bf16", "fp16", "bf16-pure")},
-    "ddp-pure-sgd": (several, ([(("ddp", p), {"accum": 2, "optim": "sgd"}) for p in ("bf16-pure", "fp16-pure")],), {}),
+    **{
+        f"fsdp-{p}-sgd": (train, ("fsdp", p), {"accum": 2, "steps": 3, "optim": "sgd"})
+        for p in ("bf16", "fp16", "bf16-pure")
+    },
+    "ddp-pure-sgd": (
+        several,
+        ([(("ddp", p), {"accum": 2, "optim": "sgd"}) for p in ("bf16-pure", "fp16-pure")],),
+        {},
+    ),
     "ddp-flush": ("flushed", (3, 4), {}),
     "fsdp-resume": ("trainer_resume", ("fsdp",), {}),  # + a checkpoint directory of its own
     "ddp-resume": ("trainer_resume", ("ddp",), {}),
@@ -244,7 +280,10 @@ def test_fp16_inf_on_one_rank_skips_that_step_on_every_rank(kind, ranks_of):
     for i, expect_skip in enumerate([1, 1, 2]):
         a, b = ranks[0][i], ranks[1][i]
         for r in (a, b):
-            assert r["found"] == [1.0 if s == expect_skip else 0.0 for s in range(4)], (i, r["found"])
+            assert r["found"] == [1.0 if s == expect_skip else 0.0 for s in range(4)], (
+                i,
+                r["found"],
+            )
             halved = [1024.0] * expect_skip + [512.0] * (4 - expect_skip)
             assert r["scales"] == halved, (i, r["scales"])
             assert r["stats"]["skipped_steps"] == 1
@@ -273,7 +312,10 @@ def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision,
     ref = reference(precision, accum=4, optim="sgd")
     ranks = ranks_of(f"fsdp-{precision}-sgd")
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
-    d, d32 = max_diff(ranks[0]["params"], ref["params"]), max_diff(ranks[0]["params"], ref32["params"])
+    d, d32 = (
+        max_diff(ranks[0]["params"], ref["params"]),
+        max_diff(ranks[0]["params"], ref32["params"]),
+    )
     assert d < 1e-3, d
     assert 0.0 < d32 < 1e-2, d32
     # Pure precisions under FSDP2 keep no extra masters: the fp32 shards are the masters.
@@ -327,12 +369,24 @@ def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str 
     def build(checkpoint_dir: str | None) -> Trainer:
         torch.manual_seed(0)
         model: nn.Module = Net()
-        model = shard(model, precision) if kind == "fsdp" else nn.parallel.DistributedDataParallel(model)
+        model = (
+            shard(model, precision)
+            if kind == "fsdp"
+            else nn.parallel.DistributedDataParallel(model)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         amp = MixedPrecision(precision, device="cpu", accumulation_steps=2)
         model, opt = amp.setup(model, opt)
-        return Trainer(model, opt, amp, batch, progress=False, log_every=2, checkpoint_dir=checkpoint_dir,
-                       checkpoint_every=5 if checkpoint_dir else None)
+        return Trainer(
+            model,
+            opt,
+            amp,
+            batch,
+            progress=False,
+            log_every=2,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=5 if checkpoint_dir else None,
+        )
 
     t = build(None)
     t.fit(10)
@@ -344,8 +398,14 @@ def trainer_resume(rank: int, world: int, kind: str, ckdir: str, precision: str 
     path = second.resume()
     resumed_steps = second.amp.optimizer_steps
     second.fit(5)
-    return {"whole": whole, "at5": at5, "resumed": full_state(second.model), "path": path,
-            "steps": resumed_steps, "world": t.world_size}
+    return {
+        "whole": whole,
+        "at5": at5,
+        "resumed": full_state(second.model),
+        "path": path,
+        "steps": resumed_steps,
+        "world": t.world_size,
+    }
 
 
 @pytest.mark.slow

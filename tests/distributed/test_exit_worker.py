@@ -36,7 +36,9 @@ def test_a_launched_worker_leaves_through_exit_worker(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(cli, "launched", lambda: True)
-    monkeypatch.setattr(cli, "leave", lambda code, together: seen.setdefault("leave", (code, together)))
+    monkeypatch.setattr(
+        cli, "leave", lambda code, together: seen.setdefault("leave", (code, together))
+    )
 
     class Exited(Exception):
         pass

@@ -36,7 +36,7 @@ def _train_command(script: str) -> list[str]:
     """The tokens of the script's ``-m ampkit train ...`` command (after ``train``, before ``&``)."""
     line = next(ln for ln in script.splitlines() if "-m ampkit train" in ln)
     tokens = shlex.split(line)
-    tokens = tokens[tokens.index("train") + 1:]
+    tokens = tokens[tokens.index("train") + 1 :]
     assert tokens[-1] == "&"  # srun runs in the background; the batch shell waits for it
     return tokens[:-1]
 
@@ -46,39 +46,80 @@ def _train_command(script: str) -> list[str]:
 
 @pytest.mark.slow
 def test_script_asks_for_requeue_append_and_a_warning_signal(tmp_path, capsys):
-    assert main(["slurm", "--nodes", "2", "--gpus_per_node", "8", "--time", "04:00:00", "--",
-                 "--model", "gpt", "--steps", "1000"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                "--nodes",
+                "2",
+                "--gpus_per_node",
+                "8",
+                "--time",
+                "04:00:00",
+                "--",
+                "--model",
+                "gpt",
+                "--steps",
+                "1000",
+            ]
+        )
+        == 0
+    )
     script = capsys.readouterr().out
     (tmp_path / "job.sh").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
     header = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
-    for needle in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:USR1@120",
-                   "#SBATCH --nodes=2", "#SBATCH --time=04:00:00"):
+    for needle in (
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --nodes=2",
+        "#SBATCH --time=04:00:00",
+    ):
         assert needle in header, needle
-    for needle in ("trap 'on_signal USR1' USR1", "trap 'on_signal TERM' TERM", 'kill -TERM "$SRUN_PID"',
-                   'scontrol requeue "$SLURM_JOB_ID"', "exit 143", 'wait "$SRUN_PID"',
-                   "CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}",
-                   # what the script had before stays
-                   "PRECISION=${PRECISION:-bf16}", "NPROC_PER_NODE=${NPROC_PER_NODE:-8}", "RDZV_PORT=${RDZV_PORT:-29500}",
-                   "scontrol show hostnames", '--rdzv_endpoint="$HEAD_NODE:$RDZV_PORT"'):
+    for needle in (
+        "trap 'on_signal USR1' USR1",
+        "trap 'on_signal TERM' TERM",
+        'kill -TERM "$SRUN_PID"',
+        'scontrol requeue "$SLURM_JOB_ID"',
+        "exit 143",
+        'wait "$SRUN_PID"',
+        "CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}",
+        # what the script had before stays
+        "PRECISION=${PRECISION:-bf16}",
+        "NPROC_PER_NODE=${NPROC_PER_NODE:-8}",
+        "RDZV_PORT=${RDZV_PORT:-29500}",
+        "scontrol show hostnames",
+        '--rdzv_endpoint="$HEAD_NODE:$RDZV_PORT"',
+    ):
         assert needle in script, needle
     assert main(["slurm", "--signal_seconds", "300", "--", "--steps", "5"]) == 0
     assert "#SBATCH --signal=B:USR1@300\n" in capsys.readouterr().out
 
 
 def test_resume_allow_fresh_and_checkpoint_dir_are_added_exactly_once():
-    tokens = _train_command(sbatch_script(["--model", "gpt", "--steps", "10"], nodes=1, gpus_per_node=2))
+    tokens = _train_command(
+        sbatch_script(["--model", "gpt", "--steps", "10"], nodes=1, gpus_per_node=2)
+    )
     for name in ("--resume", "--allow_fresh", "--checkpoint_dir", "--precision"):
         assert tokens.count(name) == 1, (name, tokens)
     assert tokens[tokens.index("--checkpoint_dir") + 1] == "$CHECKPOINT_DIR"
-    assert tokens[:2] == ["--precision", "$PRECISION"] and tokens[2:6] == ["--model", "gpt", "--steps", "10"]
+    assert tokens[:2] == ["--precision", "$PRECISION"] and tokens[2:6] == [
+        "--model",
+        "gpt",
+        "--steps",
+        "10",
+    ]
 
 
-@pytest.mark.parametrize("given", [
-    ["--resume", "--allow_fresh", "--checkpoint_dir", "/shared/ckpt"],
-    ["--resume", "--allow-fresh", "--checkpoint-dir=/shared/ckpt"],
-    ["train", "--checkpoint_dir=/shared/ckpt", "--allow_fresh", "--resume"],
-])
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--resume", "--allow_fresh", "--checkpoint_dir", "/shared/ckpt"],
+        ["--resume", "--allow-fresh", "--checkpoint-dir=/shared/ckpt"],
+        ["train", "--checkpoint_dir=/shared/ckpt", "--allow_fresh", "--resume"],
+    ],
+)
 def test_user_given_resume_flags_and_checkpoint_dir_are_not_duplicated(given):
     script = sbatch_script([*given, "--steps", "10"], nodes=1, gpus_per_node=2)
     tokens = _train_command(script)
@@ -94,14 +135,18 @@ def test_config_file_checkpoint_dir_is_respected_and_its_overwrite_refused(tmp_p
     good = tmp_path / "run.toml"
     good.write_text('[train]\ncheckpoint_dir = "/shared/ckpt"\nsteps = 10\n')
     tokens = _train_command(sbatch_script(["--config", str(good)], nodes=1, gpus_per_node=2))
-    assert "--checkpoint_dir" not in tokens and tokens.count("--resume") == 1  # the file's directory is used
+    assert (
+        "--checkpoint_dir" not in tokens and tokens.count("--resume") == 1
+    )  # the file's directory is used
     plain = tmp_path / "plain.toml"
     plain.write_text("[train]\nsteps = 10\n")
     tokens = _train_command(sbatch_script([f"--config={plain}"], nodes=1, gpus_per_node=2))
     assert tokens.count("--checkpoint_dir") == 1
     bad = tmp_path / "bad.toml"
     bad.write_text('[train]\ncheckpoint_dir = "/shared/ckpt"\noverwrite = true\n')
-    with pytest.raises(ValueError, match=r"\[train\] overwrite in --config .*would delete its checkpoints"):
+    with pytest.raises(
+        ValueError, match=r"\[train\] overwrite in --config .*would delete its checkpoints"
+    ):
         sbatch_script(["--config", str(bad)], nodes=1, gpus_per_node=2)
     with pytest.raises(ValueError, match="--config .*missing.toml.* cannot"):
         sbatch_script(["--config", str(tmp_path / "missing.toml")], nodes=1, gpus_per_node=2)
@@ -116,7 +161,9 @@ def test_overwrite_is_refused(capsys):
 
 @pytest.mark.parametrize("seconds", [0, -5, 65536, 1.5, True])
 def test_bad_signal_seconds_is_refused(seconds):
-    with pytest.raises(ValueError, match=r"--signal_seconds .* must be a whole number of seconds from 1 to 65535"):
+    with pytest.raises(
+        ValueError, match=r"--signal_seconds .* must be a whole number of seconds from 1 to 65535"
+    ):
         sbatch_script([], nodes=1, gpus_per_node=2, signal_seconds=seconds)
 
 
@@ -154,7 +201,7 @@ def _stubs(tmp_path: Path, srun: str | None = None) -> tuple[Path, Path]:
         # one task: run the command (the script puts srun in the background, as with the real one)
         "srun": srun or '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
         "scontrol": '#!/bin/bash\nif [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi\n'
-                    f'echo "$*" >> {shlex.quote(str(record))}\n',
+        f'echo "$*" >> {shlex.quote(str(record))}\n',
     }
     for name, text in stubs.items():
         (bin_dir / name).write_text(text)
@@ -163,9 +210,18 @@ def _stubs(tmp_path: Path, srun: str | None = None) -> tuple[Path, Path]:
 
 
 def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHECKPOINT_DIR", "SLURM_RESTART_COUNT")}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, PYTHONUNBUFFERED="1",
-               SLURM_JOB_NODELIST="node[1]", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID=JOB_ID, **extra)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("CHECKPOINT_DIR", "SLURM_RESTART_COUNT")
+    }
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        PYTHONUNBUFFERED="1",
+        SLURM_JOB_NODELIST="node[1]",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_JOB_ID=JOB_ID,
+        **extra,
+    )
     return env
 
 
@@ -213,10 +269,18 @@ def _start_fake(tmp_path: Path, srun: str = FAKE_SRUN) -> tuple[subprocess.Popen
     bin_dir, record = _stubs(tmp_path, srun=srun)
     marks = tmp_path / "marks"
     (tmp_path / "job.sh").write_text(sbatch_script(["--steps", "5"], nodes=1, gpus_per_node=2))
-    proc = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(bin_dir, MARKS=str(marks)),
-                            start_new_session=True)
-    _wait_for(lambda: marks.exists() and "started" in marks.read_text(), 20, "the fake srun to start")
+    proc = subprocess.Popen(
+        ["bash", str(tmp_path / "job.sh")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(bin_dir, MARKS=str(marks)),
+        start_new_session=True,
+    )
+    _wait_for(
+        lambda: marks.exists() and "started" in marks.read_text(), 20, "the fake srun to start"
+    )
     return proc, marks, record
 
 
@@ -248,7 +312,7 @@ def test_batch_shell_stops_srun_then_requeues_or_exits_143(tmp_path, sig):
 
 @pytest.mark.slow
 def test_without_a_signal_the_script_exits_with_sruns_status(tmp_path):
-    proc, _, record = _start_fake(tmp_path, srun="#!/bin/bash\necho started >> \"$MARKS\"\nexit 7\n")
+    proc, _, record = _start_fake(tmp_path, srun='#!/bin/bash\necho started >> "$MARKS"\nexit 7\n')
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 7, err
     assert not record.exists() and "ampkit: time limit" not in err
@@ -266,8 +330,13 @@ def test_training_that_finishes_despite_the_signal_is_not_requeued(tmp_path):
 
 def _torch_job(tmp_path: Path, *flags: str) -> tuple[Path, dict[str, str], Path]:
     """The script for 2 CPU processes of ``ampkit train TINY flags``, and its environment."""
-    script = sbatch_script([*TINY, "--log_dir", str(tmp_path / "run"), *flags], nodes=1, gpus_per_node=2,
-                           port=free_port(), precision="fp32")
+    script = sbatch_script(
+        [*TINY, "--log_dir", str(tmp_path / "run"), *flags],
+        nodes=1,
+        gpus_per_node=2,
+        port=free_port(),
+        precision="fp32",
+    )
     path = tmp_path / "job.sh"
     path.write_text(script)
     bin_dir, record = _stubs(tmp_path)
@@ -275,7 +344,7 @@ def _torch_job(tmp_path: Path, *flags: str) -> tuple[Path, dict[str, str], Path]
 
 
 def _json(stdout: str) -> dict:
-    return json.loads(stdout[stdout.index("{"):])
+    return json.loads(stdout[stdout.index("{") :])
 
 
 @pytest.mark.slow
@@ -283,7 +352,9 @@ def _json(stdout: str) -> dict:
 def test_real_run_completes_then_a_rerun_with_more_steps_resumes(tmp_path):
     # (a) a plain run: 2 processes, exit 0, the default checkpoint directory is per job id
     job, env, record = _torch_job(tmp_path, "--steps", "2", "--checkpoint_every", "2", "--json")
-    r = subprocess.run(["bash", str(job)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        ["bash", str(job)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+    )
     assert_exits_cleanly(r, "first run")
     out = _json(r.stdout)
     assert out["world_size"] == 2 and out["precision"] == "fp32" and out["optimizer_steps"] == 2
@@ -293,8 +364,14 @@ def test_real_run_completes_then_a_rerun_with_more_steps_resumes(tmp_path):
     assert not record.exists()
     # (c) the same job again (a requeue: same SLURM_JOB_ID, same directory) with a higher total
     job, env, record = _torch_job(tmp_path, "--steps", "5", "--checkpoint_every", "2", "--json")
-    r = subprocess.run(["bash", str(job)], cwd=tmp_path, capture_output=True, text=True,
-                       env={**env, "SLURM_RESTART_COUNT": "1"}, timeout=300)
+    r = subprocess.run(
+        ["bash", str(job)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**env, "SLURM_RESTART_COUNT": "1"},
+        timeout=300,
+    )
     assert_exits_cleanly(r, "requeued run")
     assert _json(r.stdout)["optimizer_steps"] == 5
     assert "resumed from" in r.stderr and "at step 2" in r.stderr
@@ -306,16 +383,26 @@ def test_real_run_completes_then_a_rerun_with_more_steps_resumes(tmp_path):
 def test_real_run_requeues_itself_on_usr1_and_leaves_no_process(tmp_path):
     # (b) USR1 mid-run: srun -> torchrun -> workers get SIGTERM; the job is requeued, exit 0
     marker = str(tmp_path / "run")
-    job, env, record = _torch_job(tmp_path, "--steps", "100000", "--checkpoint_every", "1000000",
-                                  "--log_every", "1")
+    job, env, record = _torch_job(
+        tmp_path, "--steps", "100000", "--checkpoint_every", "1000000", "--log_every", "1"
+    )
     log = tmp_path / "job.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(["bash", str(job)], cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", str(job)],
+            cwd=tmp_path,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         metrics = tmp_path / "run" / "log.jsonl"
-        _wait_for(lambda: metrics.exists() and '"type":"step"' in metrics.read_text(), 240,
-                  f"training to start (log: {log})")
+        _wait_for(
+            lambda: metrics.exists() and '"type":"step"' in metrics.read_text(),
+            240,
+            f"training to start (log: {log})",
+        )
         os.kill(proc.pid, signal.SIGUSR1)
         status = proc.wait(timeout=300)  # only catches a hang
         text = log.read_text()

@@ -40,8 +40,19 @@ def test_every_relative_link_and_anchor_resolves():
 def test_readme_is_an_entry_page():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 220
-    for guide in ("porting-a-loop", "o2-and-fp8", "when-training-goes-wrong", "will-it-fit",
-                  "choose-by-measurement", "trainer-and-checkpoints", "distributed", "service"):
-        assert f"docs/guides/{guide}.md" in readme and (ROOT / "docs" / "guides" / f"{guide}.md").exists()
+    for guide in (
+        "porting-a-loop",
+        "o2-and-fp8",
+        "when-training-goes-wrong",
+        "will-it-fit",
+        "choose-by-measurement",
+        "trainer-and-checkpoints",
+        "distributed",
+        "service",
+    ):
+        assert (
+            f"docs/guides/{guide}.md" in readme
+            and (ROOT / "docs" / "guides" / f"{guide}.md").exists()
+        )
     for ref in ("cli", "config", "jsonl-schema", "rest-api"):
         assert f"docs/reference/{ref}.md" in readme

@@ -11,7 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"example_{name}", ROOT / "examples" / f"{name}.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -59,9 +61,29 @@ def test_hf_gpt2_with_mixed_precision_and_cli(tmp_path, capsys, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     capsys.readouterr()  # drop the example's own prints
-    assert main(["train", "--model", "examples.hf_gpt2:factory", "--size", "tiny", "--steps", "4", "--precision",
-                 "bf16", "--device", "cpu", "--json", "--log_dir", str(tmp_path / "hf"), "--grad_ckpt_modules",
-                 "GPT2Block"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "examples.hf_gpt2:factory",
+                "--size",
+                "tiny",
+                "--steps",
+                "4",
+                "--precision",
+                "bf16",
+                "--device",
+                "cpu",
+                "--json",
+                "--log_dir",
+                str(tmp_path / "hf"),
+                "--grad_ckpt_modules",
+                "GPT2Block",
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
     assert s["optimizer_steps"] == 4 and math.isfinite(s["final_loss"])
 
@@ -69,9 +91,15 @@ def test_hf_gpt2_with_mixed_precision_and_cli(tmp_path, capsys, monkeypatch):
 def test_unstable_gpt_as_a_script_shows_the_layer_that_overflows(capsys):
     import runpy
 
-    runpy.run_path(str(ROOT / "examples" / "unstable_gpt.py"), run_name="__main__")  # python examples/unstable_gpt.py
+    runpy.run_path(
+        str(ROOT / "examples" / "unstable_gpt.py"), run_name="__main__"
+    )  # python examples/unstable_gpt.py
     out = capsys.readouterr().out
     assert "fp16 overflows in blocks.0.mlp.0" in out
-    losses = {ln.split(":")[0]: ln.rsplit(" ", 1)[1] for ln in out.splitlines() if "loss of one batch" in ln}
+    losses = {
+        ln.split(":")[0]: ln.rsplit(" ", 1)[1]
+        for ln in out.splitlines()
+        if "loss of one batch" in ln
+    }
     assert set(losses) == {"fp32", "bf16", "fp16"} and losses["fp16"] == "nan"
     assert math.isfinite(float(losses["fp32"])) and math.isfinite(float(losses["bf16"]))

@@ -30,8 +30,12 @@ class Net(torch.nn.Module):
 def loader(n: int = 40, batch: int = 8, shuffle: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch, shuffle=shuffle,
-                      generator=torch.Generator().manual_seed(2) if shuffle else None)
+    return DataLoader(
+        TensorDataset(x, x.sum(1, keepdim=True)),
+        batch_size=batch,
+        shuffle=shuffle,
+        generator=torch.Generator().manual_seed(2) if shuffle else None,
+    )
 
 
 def test_trainer_evaluates_on_a_dataloader():
@@ -72,7 +76,9 @@ def test_compare_takes_a_dataloader_and_sees_its_batches_in_order():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     amp = MixedPrecision("fp32", device="cpu")
     model, opt = amp.setup(model, opt)
-    summary = Trainer(model, opt, amp, loader(n=24, batch=8, shuffle=True), progress=False, log_every=1).fit(5)
+    summary = Trainer(
+        model, opt, amp, loader(n=24, batch=8, shuffle=True), progress=False, log_every=1
+    ).fit(5)
     assert ok["fp32"].losses == pytest.approx(summary.losses, rel=0, abs=0)
 
 
@@ -85,16 +91,35 @@ def test_confirm_auto_takes_a_dataloader(tmp_path, monkeypatch):
 
 
 # 2 ------------------------------------------------------------------------- the seed guides' on/off switches
-@pytest.mark.parametrize("kwargs, precision", [
-    # the seed guides' first config examples, as written
-    ({"enabled": True, "dtype": torch.float16, "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-      "growth_interval": 2000}, "fp16"),
-    ({"use_mixed_precision": True, "mixed_precision_dtype": "bfloat16", "gradient_accumulation_steps": 4,
-      "max_grad_norm": 1.0}, "bf16"),
-    ({"use_mixed_precision": True}, "auto"),
-    ({"enabled": False, "dtype": "float16"}, "fp32"),  # off: fp32, whatever dtype comes with it
-    ({"use_mixed_precision": False}, "fp32"),
-])
+@pytest.mark.parametrize(
+    "kwargs, precision",
+    [
+        # the seed guides' first config examples, as written
+        (
+            {
+                "enabled": True,
+                "dtype": torch.float16,
+                "init_scale": 65536.0,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 2000,
+            },
+            "fp16",
+        ),
+        (
+            {
+                "use_mixed_precision": True,
+                "mixed_precision_dtype": "bfloat16",
+                "gradient_accumulation_steps": 4,
+                "max_grad_norm": 1.0,
+            },
+            "bf16",
+        ),
+        ({"use_mixed_precision": True}, "auto"),
+        ({"enabled": False, "dtype": "float16"}, "fp32"),  # off: fp32, whatever dtype comes with it
+        ({"use_mixed_precision": False}, "fp32"),
+    ],
+)
 def test_seed_switches_turn_mixed_precision_on_and_off(kwargs, precision):
     cfg = ampkit.MixedPrecisionConfig(**kwargs)
     assert cfg.precision == precision
@@ -104,23 +129,47 @@ def test_seed_switches_turn_mixed_precision_on_and_off(kwargs, precision):
 
 def test_switch_off_in_the_engine_and_a_toml_file(tmp_path):
     assert MixedPrecision("bf16", device="cpu", enabled=False).precision.name == "fp32"
-    assert ampkit.MixedPrecisionConfig(precision="fp16").replace(use_mixed_precision=False).precision == "fp32"
+    assert (
+        ampkit.MixedPrecisionConfig(precision="fp16").replace(use_mixed_precision=False).precision
+        == "fp32"
+    )
     path = tmp_path / "amp.toml"
     path.write_text('[amp]\nenabled = true\ndtype = "float16"\ninit_scale = 65536\n')
     assert ampkit.MixedPrecisionConfig.from_toml(str(path)).precision == "fp16"
     from ampkit.cli import main
 
-    path.write_text('[amp]\nuse_mixed_precision = false\n[train]\nsteps = 1\n')
-    assert main(["train", "--config", str(path), "--model", "mlp", "--size", "tiny", "--device", "cpu",
-                 "--no_progress", "--log_dir", str(tmp_path / "run"), "--json"]) == 0
+    path.write_text("[amp]\nuse_mixed_precision = false\n[train]\nsteps = 1\n")
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(path),
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--no_progress",
+                "--log_dir",
+                str(tmp_path / "run"),
+                "--json",
+            ]
+        )
+        == 0
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"enabled": "yes"}, "invalid enabled='yes': must be true or false"),
-    ({"use_mixed_precision": 1}, "invalid use_mixed_precision=1: must be true or false"),
-    ({"enabled": True, "use_mixed_precision": False}, "contradict each other"),
-    ({"use_mixed_precison": True}, "did you mean 'use_mixed_precision'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"enabled": "yes"}, "invalid enabled='yes': must be true or false"),
+        ({"use_mixed_precision": 1}, "invalid use_mixed_precision=1: must be true or false"),
+        ({"enabled": True, "use_mixed_precision": False}, "contradict each other"),
+        ({"use_mixed_precison": True}, "did you mean 'use_mixed_precision'"),
+    ],
+)
 def test_switch_errors_say_what_is_valid(kwargs, message):
     with pytest.raises(ampkit.ConfigError, match=message):
         ampkit.MixedPrecisionConfig(**kwargs)
@@ -128,7 +177,9 @@ def test_switch_errors_say_what_is_valid(kwargs, message):
 
 def test_coming_from_guide_config_example_prints_what_its_comments_say():
     text = (ROOT / "docs" / "guides" / "coming-from.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "use_mixed_precision" in b)
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "use_mixed_precision" in b
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(block, "coming-from.md", "exec"), {})
@@ -137,18 +188,35 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
 
 
 # 4 ------------------------------------------------------------------------- typos: one line, the closest name
-@pytest.mark.parametrize("argv, line", [
-    (["train", "--precison", "bf16"], "ampkit train: unknown flag '--precison' (did you mean '--precision'?)"),
-    (["train", "--precison=bf16", "--steps", "3"], "ampkit train: unknown flag '--precison' (did you mean "
-                                                   "'--precision'?)"),
-    (["bench", "--precisons", "fp32"], "ampkit bench: unknown flag '--precisons' (did you mean '--precisions'?)"),
-    (["trian"], "ampkit: unknown command 'trian' (did you mean 'train'?); choose one of: info, train"),
-    (["train", "--steps", "x"], "ampkit train: error: argument --steps: 'x' is not an integer"),
-    (["bench", "--precisions", "fp32,bf17"], "ampkit bench: error: argument --precisions: unknown precision "
-                                             "'bf17' (did you mean 'bf16'?)"),
-    (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
-    (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["train", "--precison", "bf16"],
+            "ampkit train: unknown flag '--precison' (did you mean '--precision'?)",
+        ),
+        (
+            ["train", "--precison=bf16", "--steps", "3"],
+            "ampkit train: unknown flag '--precison' (did you mean '--precision'?)",
+        ),
+        (
+            ["bench", "--precisons", "fp32"],
+            "ampkit bench: unknown flag '--precisons' (did you mean '--precisions'?)",
+        ),
+        (
+            ["trian"],
+            "ampkit: unknown command 'trian' (did you mean 'train'?); choose one of: info, train",
+        ),
+        (["train", "--steps", "x"], "ampkit train: error: argument --steps: 'x' is not an integer"),
+        (
+            ["bench", "--precisions", "fp32,bf17"],
+            "ampkit bench: error: argument --precisions: unknown precision "
+            "'bf17' (did you mean 'bf16'?)",
+        ),
+        (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
+        (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
+    ],
+)
 def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp_path, monkeypatch):
     from ampkit.cli import main
 
@@ -161,7 +229,18 @@ def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp
 
 
 # 3 ------------------------------------------------------------------------- names and headers say what runs
-MLP = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch_size", "8", "--no_progress"]
+MLP = [
+    "train",
+    "--model",
+    "mlp",
+    "--size",
+    "tiny",
+    "--device",
+    "cpu",
+    "--batch_size",
+    "8",
+    "--no_progress",
+]
 
 
 def test_auto_that_measures_fp32_names_the_run_fp32(tmp_path, monkeypatch, capsys):
@@ -169,8 +248,16 @@ def test_auto_that_measures_fp32_names_the_run_fp32(tmp_path, monkeypatch, capsy
     from ampkit.cli import main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(autoselect, "measured_choice", lambda model, batches, candidate, *a, **k: autoselect.Choice(
-        "fp32", f"the hardware rule picks {candidate}, but it measured slower, so fp32", {}, False))
+    monkeypatch.setattr(
+        autoselect,
+        "measured_choice",
+        lambda model, batches, candidate, *a, **k: autoselect.Choice(
+            "fp32",
+            f"the hardware rule picks {candidate}, but it measured slower, so fp32",
+            {},
+            False,
+        ),
+    )
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
     assert main([*MLP, "--steps", "1"]) == 0
     err = " ".join(capsys.readouterr().out.split())
@@ -185,7 +272,9 @@ def test_resumed_run_header_and_name_say_the_checkpoints_precision(tmp_path, mon
     ck = ["--checkpoint_dir", "ck", "--checkpoint_every", "1"]
     assert main([*MLP, "--precision", "fp32", "--steps", "1", *ck, "--log_dir", "first"]) == 0
     capsys.readouterr()
-    assert main([*MLP, "--steps", "2", *ck, "--resume"]) == 0  # the default precision (auto) is not asked for
+    assert (
+        main([*MLP, "--steps", "2", *ck, "--resume"]) == 0
+    )  # the default precision (auto) is not asked for
     out = " ".join(capsys.readouterr().out.split())
     header = out.split("ampkit train: ", 1)[1].split(" — ", 1)[0]
     assert header.endswith("in fp32 (opt level O0)"), out
@@ -197,13 +286,29 @@ def test_resumed_run_header_and_name_say_the_checkpoints_precision(tmp_path, mon
 def test_epochs_print_a_line_per_epoch_and_the_total_time(tmp_path, capsys):
     from ampkit.cli import main
 
-    argv = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--precision", "fp32", "--no_progress",
-            "--batch_size", "2048", "--epochs", "2"]
+    argv = [
+        "train",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--no_progress",
+        "--batch_size",
+        "2048",
+        "--epochs",
+        "2",
+    ]
     assert main([*argv, "--log_dir", str(tmp_path / "a")]) == 0
     lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     epochs = [line for line in lines if line.startswith("epoch ")]
     assert [line.split(" · ")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], lines
-    assert all(" steps · mean loss " in line and line.endswith(("s", "samples/s")) for line in epochs)
+    assert all(
+        " steps · mean loss " in line and line.endswith(("s", "samples/s")) for line in epochs
+    )
     total = next(line for line in lines if " steps in " in line)
     steps = sum(int(line.split(" · ")[1].split()[0]) for line in epochs)
     assert total.startswith(f"{steps} steps in ")
@@ -217,9 +322,17 @@ def test_epochs_print_a_line_per_epoch_and_the_total_time(tmp_path, capsys):
 def readme_commands() -> list[str]:
     """The README's ``ampkit ...`` command lines: its bash blocks and the quick start's table."""
     text = (ROOT / "README.md").read_text()
-    lines = [ln.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
-             for ln in block.splitlines()]
-    lines += [c for row in text.splitlines() if row.startswith("| ") for c in re.findall(r"`(ampkit [^`]*)`", row)]
+    lines = [
+        ln.split("  #")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for ln in block.splitlines()
+    ]
+    lines += [
+        c
+        for row in text.splitlines()
+        if row.startswith("| ")
+        for c in re.findall(r"`(ampkit [^`]*)`", row)
+    ]
     out = []
     for line in lines:
         for part in line.split("&&"):
@@ -237,7 +350,9 @@ def test_readme_ampkit_commands_parse_as_typed():
     assert "ampkit report runs/" in commands and len(commands) >= 10
     for command in commands:
         assert not set(command) & set("<>|;$"), command  # nothing the shell would take for itself
-        build_parser().parse_args(shlex.split(command)[1:])  # SystemExit(2) on anything argparse refuses
+        build_parser().parse_args(
+            shlex.split(command)[1:]
+        )  # SystemExit(2) on anything argparse refuses
 
 
 def test_report_of_a_directory_of_runs_is_its_latest_run(tmp_path, monkeypatch, capsys):
@@ -246,11 +361,19 @@ def test_report_of_a_directory_of_runs_is_its_latest_run(tmp_path, monkeypatch, 
 
     monkeypatch.chdir(tmp_path)
     for name in ("runs/a", "runs/b"):
-        assert main([*MLP, "--precision", "fp32", "--steps", "2", "--log_every", "1", "--log_dir", name]) == 0
+        assert (
+            main(
+                [*MLP, "--precision", "fp32", "--steps", "2", "--log_every", "1", "--log_dir", name]
+            )
+            == 0
+        )
     capsys.readouterr()
     assert main(["report", "runs/"]) == 0  # as the README types it
     out = " ".join(capsys.readouterr().out.split())
-    assert "the latest run in runs/: runs/b" in out and (tmp_path / "runs/b/report/report.md").is_file()
+    assert (
+        "the latest run in runs/: runs/b" in out
+        and (tmp_path / "runs/b/report/report.md").is_file()
+    )
     assert not (tmp_path / "runs/a/report").exists()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -263,7 +386,18 @@ def test_plan_says_which_device_its_figures_are_for(capsys):
     from ampkit.step.hardware import device_info
 
     name = device_info("cpu").name
-    argv = ["plan", "--model", "mlp", "--size", "tiny", "--memory", "1GiB", "--precisions", "fp32", "--no_cache"]
+    argv = [
+        "plan",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--memory",
+        "1GiB",
+        "--precisions",
+        "fp32",
+        "--no_cache",
+    ]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["device"], out["device_name"]) == ("cpu", name)
@@ -272,8 +406,23 @@ def test_plan_says_which_device_its_figures_are_for(capsys):
 
 
 # 6 ------------------------------------------------------------------------- the quick start
-EXTRAS = ("tensorboard", "matplotlib", "torchao", "transformers", "accelerate", "lightning", "lightning_fabric",
-          "pytorch_lightning", "mlflow", "wandb", "fastapi", "uvicorn", "httpx", "pandas", "hypothesis")
+EXTRAS = (
+    "tensorboard",
+    "matplotlib",
+    "torchao",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+    "mlflow",
+    "wandb",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "pandas",
+    "hypothesis",
+)
 _CORE_ONLY = f"""
 import sys
 from importlib.machinery import PathFinder
@@ -300,22 +449,47 @@ def test_ampkit_train_runs_with_the_core_dependencies_only(tmp_path):
     import sys
 
     env = {**os.environ, "AMPKIT_CACHE_DIR": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-c", _CORE_ONLY, "train", "--size", "tiny", "--steps", "1", "--no_progress",
-                        "--precision", "fp32"],  # the default model and data; auto's timing would add steps
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr  # (torch warns without numpy: a core dependency)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CORE_ONLY,
+            "train",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--no_progress",
+            "--precision",
+            "fp32",
+        ],  # the default model and data; auto's timing would add steps
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert r.returncode == 0 and "Warning" not in r.stderr, (
+        r.stderr
+    )  # (torch warns without numpy: a core dependency)
     out = " ".join(r.stdout.split())
     assert "ampkit train: gpt/tiny" in out and list((tmp_path / "runs").iterdir())
-    assert 'pip install "ampkit[tensorboard]"' in out  # the note says how to get TensorBoard, in full
+    assert (
+        'pip install "ampkit[tensorboard]"' in out
+    )  # the note says how to get TensorBoard, in full
 
 
 def test_quick_start_is_two_lines_and_ci_runs_exactly_them():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     line1, line2 = [ln.split("  #")[0].strip() for ln in block.strip().splitlines()]
-    assert line1 == ("pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e . "
-                     "&& ampkit train")  # what the main job needs, then the main job: no extra
+    assert line1 == (
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e . "
+        "&& ampkit train"
+    )  # what the main job needs, then the main job: no extra
     assert line2 == 'pip install -e ".[dev]" && pytest'
     ci = (ROOT / ".ci" / "run").read_text()
     for line in (line1, line2):
-        assert line in ci.splitlines() or any(ln.startswith(line + " ||") for ln in ci.splitlines()), line
+        assert line in ci.splitlines() or any(
+            ln.startswith(line + " ||") for ln in ci.splitlines()
+        ), line

@@ -43,8 +43,12 @@ def test_estimate_within_10_percent_of_cuda_peak(precision):
         amp.step(opt)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
-    predicted = estimate(lambda: builtin("gpt", "medium", batch_size=1)[0], data(0), precision=precision,
-                         device="cuda").peak_bytes
+    predicted = estimate(
+        lambda: builtin("gpt", "medium", batch_size=1)[0],
+        data(0),
+        precision=precision,
+        device="cuda",
+    ).peak_bytes
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
@@ -81,8 +85,16 @@ def test_auto_batch_on_cuda(tmp_path):
     del big, model, opt, amp, data
     _clean()
     model, opt, amp, data = _setup("medium", "bf16", 64)
-    capped = Trainer(model, opt, amp, data, progress=False, tensorboard=False, batch_size="auto",
-                     memory_budget="1GiB")
+    capped = Trainer(
+        model,
+        opt,
+        amp,
+        data,
+        progress=False,
+        tensorboard=False,
+        batch_size="auto",
+        memory_budget="1GiB",
+    )
     s = capped.fit(2)
     assert capped.auto_batch.split > 1 and capped.auto_batch.predicted_bytes <= 2**30
     assert torch.cuda.max_memory_allocated() <= 1.1 * 2**30

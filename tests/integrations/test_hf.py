@@ -11,8 +11,16 @@ from ampkit.integrations.hf import AmpkitCallback, AmpkitTrainer  # noqa: E402
 
 def tiny_gpt2(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -23,51 +31,86 @@ def dataset(n=32, seed=1):
 
 
 def args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=4,
-                learning_rate=1e-3, report_to=[], save_strategy="no", logging_steps=2, seed=0,
-                disable_tqdm=True, dataloader_num_workers=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=2,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     return transformers.TrainingArguments(**{**base, **kw})
 
 
-@pytest.mark.parametrize("accum", [2, pytest.param(4, marks=pytest.mark.slow)])  # (slow: > 15 s here)
+@pytest.mark.parametrize(
+    "accum", [2, pytest.param(4, marks=pytest.mark.slow)]
+)  # (slow: > 15 s here)
 def test_bf16_equals_hugging_face_bf16(tmp_path, accum):
     theirs = tiny_gpt2()
     ours = tiny_gpt2()
     data = dataset()
-    transformers.Trainer(theirs, args(tmp_path / "hf", bf16=True, gradient_accumulation_steps=accum,
-                                      max_grad_norm=0.5), train_dataset=data).train()
+    transformers.Trainer(
+        theirs,
+        args(tmp_path / "hf", bf16=True, gradient_accumulation_steps=accum, max_grad_norm=0.5),
+        train_dataset=data,
+    ).train()
     amp = MixedPrecision("bf16", device="cpu")
-    trainer = AmpkitTrainer(ours, args(tmp_path / "ak", gradient_accumulation_steps=accum, max_grad_norm=0.5),
-                            train_dataset=data, amp=amp)
+    trainer = AmpkitTrainer(
+        ours,
+        args(tmp_path / "ak", gradient_accumulation_steps=accum, max_grad_norm=0.5),
+        train_dataset=data,
+        amp=amp,
+    )
     trainer.train()
     assert amp.optimizer_steps == 4
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.equal(a, b), name
-    assert not torch.equal(ours.transformer.wte.weight, tiny_gpt2().transformer.wte.weight)  # it trained
+    assert not torch.equal(
+        ours.transformer.wte.weight, tiny_gpt2().transformer.wte.weight
+    )  # it trained
 
 
 @pytest.mark.slow
 def test_fp16_trains_with_loss_scaling_and_skips_do_not_step_the_scheduler(tmp_path):
     model = tiny_gpt2()
     before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
-    amp = MixedPrecision("fp16", device="cpu", init_scale=2.0**20)  # overflows at first: skipped steps
+    amp = MixedPrecision(
+        "fp16", device="cpu", init_scale=2.0**20
+    )  # overflows at first: skipped steps
     callback = AmpkitCallback(amp, sinks=[JSONLSink(str(tmp_path / "log.jsonl"))], log_every=2)
     logged = []
 
-    class Reporter(transformers.TrainerCallback):  # what a reporting integration (W&B, MLflow) receives
+    class Reporter(
+        transformers.TrainerCallback
+    ):  # what a reporting integration (W&B, MLflow) receives
         def on_log(self, args, state, control, logs=None, **kw):
             logged.append(dict(logs))
 
-    trainer = AmpkitTrainer(model, args(tmp_path, gradient_accumulation_steps=2, max_steps=10,
-                                        lr_scheduler_type="linear"),
-                            train_dataset=dataset(), amp=amp, callbacks=[callback, Reporter()])
+    trainer = AmpkitTrainer(
+        model,
+        args(tmp_path, gradient_accumulation_steps=2, max_steps=10, lr_scheduler_type="linear"),
+        train_dataset=dataset(),
+        amp=amp,
+        callbacks=[callback, Reporter()],
+    )
     trainer.train()
     stats = amp.stats()
     assert stats["precision"] == "fp16" and 0 < stats["skipped_steps"] < 10
     assert stats["scale"] < 2.0**20  # backed off
-    assert trainer.lr_scheduler.last_epoch == 10 - stats["skipped_steps"]  # skipped steps: no LR step
+    assert (
+        trainer.lr_scheduler.last_epoch == 10 - stats["skipped_steps"]
+    )  # skipped steps: no LR step
     assert not torch.equal(model.transformer.h[0].attn.c_attn.weight, before)
-    assert logged and all("amp_scale" in h for h in logged) and logged[-1]["amp_skipped_steps"] == stats["skipped_steps"]
+    assert (
+        logged
+        and all("amp_scale" in h for h in logged)
+        and logged[-1]["amp_skipped_steps"] == stats["skipped_steps"]
+    )
     steps = [r for r in read_jsonl(str(tmp_path / "log.jsonl")) if r["type"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 11))
     assert sum(r["skipped"] for r in steps) == stats["skipped_steps"]
@@ -76,15 +119,23 @@ def test_fp16_trains_with_loss_scaling_and_skips_do_not_step_the_scheduler(tmp_p
 
 def test_refuses_hugging_faces_own_mixed_precision(tmp_path):
     with pytest.raises(ValueError, match="leave bf16 and fp16 off"):
-        AmpkitTrainer(tiny_gpt2(), args(tmp_path, bf16=True), train_dataset=dataset(8),
-                      amp=MixedPrecision("bf16", device="cpu"))
+        AmpkitTrainer(
+            tiny_gpt2(),
+            args(tmp_path, bf16=True),
+            train_dataset=dataset(8),
+            amp=MixedPrecision("bf16", device="cpu"),
+        )
 
 
 def test_bf16_pure_trains_with_masters(tmp_path):
     model = tiny_gpt2()
     amp = MixedPrecision("bf16-pure", device="cpu")
-    AmpkitTrainer(model, args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1.0, max_steps=3),
-                  train_dataset=dataset(), amp=amp).train()
+    AmpkitTrainer(
+        model,
+        args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1.0, max_steps=3),
+        train_dataset=dataset(),
+        amp=amp,
+    ).train()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert amp.master_params() and amp.optimizer_steps == 3
 
@@ -94,16 +145,30 @@ def test_resume_from_a_checkpoint_restores_the_engine(tmp_path):
     """The engine's state (scale, skips, counters) is saved in the checkpoint and a resumed run
     ends where the uninterrupted one does, bitwise."""
     data = dataset(16)
-    settings = dict(gradient_accumulation_steps=2, max_steps=4, save_strategy="steps", save_steps=2,
-                    lr_scheduler_type="constant")
-    whole, amp = tiny_gpt2(), MixedPrecision("fp16", device="cpu", init_scale=2.0**19, growth_interval=2)
+    settings = dict(
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        lr_scheduler_type="constant",
+    )
+    whole, amp = (
+        tiny_gpt2(),
+        MixedPrecision("fp16", device="cpu", init_scale=2.0**19, growth_interval=2),
+    )
     AmpkitTrainer(whole, args(tmp_path / "a", **settings), train_dataset=data, amp=amp).train()
     saved = torch.load(tmp_path / "a" / "checkpoint-2" / "ampkit_amp.pt", weights_only=True)
     assert saved["optimizer_steps"] == 2 and saved["precision"] == "fp16"
-    resumed, amp2 = tiny_gpt2(seed=5), MixedPrecision("fp16", device="cpu")  # state comes from the checkpoint
-    AmpkitTrainer(resumed, args(tmp_path / "b", **settings), train_dataset=data,
-                  amp=amp2).train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    assert amp.get_scale() != 2.0**19  # the scale moved (backed off or grew): resuming must carry it
+    resumed, amp2 = (
+        tiny_gpt2(seed=5),
+        MixedPrecision("fp16", device="cpu"),
+    )  # state comes from the checkpoint
+    AmpkitTrainer(resumed, args(tmp_path / "b", **settings), train_dataset=data, amp=amp2).train(
+        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")
+    )
+    assert (
+        amp.get_scale() != 2.0**19
+    )  # the scale moved (backed off or grew): resuming must carry it
     assert amp2.optimizer_steps == 4 and amp2.get_scale() == amp.get_scale()
     assert amp2.state_dict()["scaler"] == amp.state_dict()["scaler"]
     for (name, a), b in zip(resumed.named_parameters(), whole.parameters()):

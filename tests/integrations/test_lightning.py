@@ -25,7 +25,9 @@ class Net(nn.Module):
 
 def batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)
+    ]
 
 
 class Module(pl.LightningModule):
@@ -45,8 +47,17 @@ class Module(pl.LightningModule):
 
 
 def fit(module, data, steps, **kw):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kw,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
     return trainer
 
@@ -57,8 +68,22 @@ def test_bf16_equals_lightning_bf16_mixed(accum, clip):
     net = Net()
     data = batches(40)
     ours, theirs = Module(copy.deepcopy(net)), Module(copy.deepcopy(net))
-    fit(ours, data, 20, plugins=[AmpkitPrecision("bf16")], accumulate_grad_batches=accum, gradient_clip_val=clip)
-    fit(theirs, data, 20, precision="bf16-mixed", accumulate_grad_batches=accum, gradient_clip_val=clip)
+    fit(
+        ours,
+        data,
+        20,
+        plugins=[AmpkitPrecision("bf16")],
+        accumulate_grad_batches=accum,
+        gradient_clip_val=clip,
+    )
+    fit(
+        theirs,
+        data,
+        20,
+        precision="bf16-mixed",
+        accumulate_grad_batches=accum,
+        gradient_clip_val=clip,
+    )
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(next(ours.parameters()), next(net.parameters()))  # it trained
@@ -108,7 +133,9 @@ def test_fp16_skips_and_scales_like_gradscaler():
     stats = plugin.amp.stats()
     assert stats["skipped_steps"] > 0 and stats["optimizer_steps"] == 20
     sched = module.trainer.lr_scheduler_configs[0].scheduler
-    assert sched.last_epoch == 20 - stats["skipped_steps"] == ref_lr.last_epoch  # skipped steps: no LR step
+    assert (
+        sched.last_epoch == 20 - stats["skipped_steps"] == ref_lr.last_epoch
+    )  # skipped steps: no LR step
 
 
 @pytest.mark.slow
@@ -132,7 +159,9 @@ def test_fallback_as_in_ampkits_loop():
         amp.step(opt)
     assert plugin.amp.precision.name == amp.precision.name != "fp16"
     kinds = [e.kind for e in plugin.amp.events]
-    assert [k for k in kinds if k != "diagnosis"] == [e.kind for e in amp.events] and "fallback" in kinds
+    assert [k for k in kinds if k != "diagnosis"] == [
+        e.kind for e in amp.events
+    ] and "fallback" in kinds
     assert kinds.index("diagnosis") < kinds.index("fallback")  # localized: the layer that overflows
     assert plugin.diagnosis.module == "net.big", plugin.diagnosis
     for a, b in zip(module.net.parameters(), ref.parameters()):
@@ -198,7 +227,9 @@ def test_the_engine_state_rides_in_lightnings_checkpoint(tmp_path):
     torch.manual_seed(0)
     net = Net()
     data = batches(12)
-    first = AmpkitPrecision("fp16", init_scale=2.0**20, growth_interval=3)  # skips, backs off, grows
+    first = AmpkitPrecision(
+        "fp16", init_scale=2.0**20, growth_interval=3
+    )  # skips, backs off, grows
     trainer = fit(Module(copy.deepcopy(net)), data[:6], 6, plugins=[first])
     trainer.save_checkpoint(tmp_path / "half.ckpt")
     saved = first.amp.state_dict()
@@ -210,13 +241,26 @@ def test_the_engine_state_rides_in_lightnings_checkpoint(tmp_path):
 
     class AtStart(pl.Callback):
         def on_train_start(self, trainer, module):
-            seen.update(second.amp.state_dict(), growth_interval=second.amp.scaler.get_growth_interval())
+            seen.update(
+                second.amp.state_dict(), growth_interval=second.amp.scaler.get_growth_interval()
+            )
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, plugins=[second],
-                         callbacks=[AtStart()])
-    trainer.fit(Module(copy.deepcopy(net)), torch.utils.data.DataLoader(data[6:], batch_size=None),
-                ckpt_path=tmp_path / "half.ckpt")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[second],
+        callbacks=[AtStart()],
+    )
+    trainer.fit(
+        Module(copy.deepcopy(net)),
+        torch.utils.data.DataLoader(data[6:], batch_size=None),
+        ckpt_path=tmp_path / "half.ckpt",
+    )
     for key in ("scaler", "optimizer_steps", "precision", "events"):
         assert seen[key] == saved[key], key
     assert seen["growth_interval"] == 3 and second.amp.optimizer_steps == 12

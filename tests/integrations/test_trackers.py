@@ -30,13 +30,27 @@ def train(sink, tmp_path, steps=12):
         monitor.log_event("checkpoint", path="ckpt.pt")
     records = read_jsonl(log)
     steps_ = [r for r in records if r["type"] == "step"]
-    assert len(steps_) == steps and any(r["skipped"] for r in steps_) and not all(r["skipped"] for r in steps_)
+    assert (
+        len(steps_) == steps
+        and any(r["skipped"] for r in steps_)
+        and not all(r["skipped"] for r in steps_)
+    )
     return steps_, [r for r in records if r["type"] == "event"]
 
 
 def test_metrics_of_a_record():
-    rec = {"schema_version": 1, "type": "step", "step": 3, "time": 1.5, "loss": 2.0, "precision": "fp16",
-           "scale": None, "skipped": True, "grad_norm": float("nan"), "lr": 1e-3}
+    rec = {
+        "schema_version": 1,
+        "type": "step",
+        "step": 3,
+        "time": 1.5,
+        "loss": 2.0,
+        "precision": "fp16",
+        "scale": None,
+        "skipped": True,
+        "grad_norm": float("nan"),
+        "lr": 1e-3,
+    }
     assert metrics_of(rec) == {"loss": 2.0, "skipped": 1.0, "lr": 1e-3}
 
 
@@ -56,13 +70,18 @@ def test_mlflow_file_store_equals_the_jsonl_log(tmp_path, monkeypatch):
     keys = set().union(*(metrics_of(r) for r in steps))
     assert {"loss", "scale", "skipped", "lr", "step_time_ms", "samples_per_s"} <= keys
     for key in keys:
-        got = [(m.step, m.value) for m in sorted(client.get_metric_history(sink.run_id, key), key=lambda m: m.step)]
+        got = [
+            (m.step, m.value)
+            for m in sorted(client.get_metric_history(sink.run_id, key), key=lambda m: m.step)
+        ]
         want = [(r["step"], metrics_of(r)[key]) for r in steps if key in metrics_of(r)]
         assert got == want, key
     path = client.download_artifacts(sink.run_id, "ampkit/events.jsonl", str(tmp_path / "dl"))
     with open(path) as f:
         logged = [json.loads(line) for line in f]
-    assert logged == json.loads(json.dumps(events)) and {"overflow", "checkpoint"} <= {e["kind"] for e in logged}
+    assert logged == json.loads(json.dumps(events)) and {"overflow", "checkpoint"} <= {
+        e["kind"] for e in logged
+    }
 
 
 def test_mlflow_refuses_a_bad_uri():
@@ -81,7 +100,10 @@ def test_wandb_offline_run_equals_the_jsonl_log(tmp_path, monkeypatch):
     history, summary = read_run(str(tmp_path))
     assert [h["_step"] for h in history] == [r["step"] for r in steps]
     for h, r in zip(history, steps):
-        assert {k: v for k, v in h.items() if not k.startswith("_")} == {**metrics_of(r), "precision": r["precision"]}
+        assert {k: v for k, v in h.items() if not k.startswith("_")} == {
+            **metrics_of(r),
+            "precision": r["precision"],
+        }
     assert summary["ampkit_events"] == json.loads(json.dumps(events))
 
 
@@ -112,9 +134,16 @@ def fit_with(sinks, tmp_path, steps=7):
     amp = MixedPrecision("fp16", device="cpu", init_scale=2.0**24)
     model, opt = amp.setup(model, opt)
     batches = data(steps)
-    trainer = Trainer(model, opt, amp, lambda i: batches[i % steps], diagnose=False,
-                      log=LogConfig(dir=str(tmp_path / "run"), every=3, progress=False, tensorboard=False,
-                                    sinks=sinks))
+    trainer = Trainer(
+        model,
+        opt,
+        amp,
+        lambda i: batches[i % steps],
+        diagnose=False,
+        log=LogConfig(
+            dir=str(tmp_path / "run"), every=3, progress=False, tensorboard=False, sinks=sinks
+        ),
+    )
     trainer.fit(steps)
     return read_jsonl(str(tmp_path / "run" / "log.jsonl"))
 
@@ -190,7 +219,10 @@ def test_trainer_wandb_offline_sink_equals_its_jsonl(tmp_path, monkeypatch):
     history, summary = read_run(str(tmp_path))
     assert [h["_step"] for h in history] == [r["step"] for r in steps]
     for h, r in zip(history, steps):
-        assert {k: v for k, v in h.items() if not k.startswith("_")} == {**metrics_of(r), "precision": r["precision"]}
+        assert {k: v for k, v in h.items() if not k.startswith("_")} == {
+            **metrics_of(r),
+            "precision": r["precision"],
+        }
     assert summary["ampkit_events"] == [r for r in records if r["type"] == "event"]
 
 
@@ -203,7 +235,10 @@ def assert_mlflow_metrics(client, run_id, steps):
     keys = set().union(*(metrics_of(r) for r in steps))
     assert {"loss", "scale", "skipped", "lr"} <= keys
     for key in keys:
-        got = [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        got = [
+            (m.step, m.value)
+            for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+        ]
         assert got == [(r["step"], metrics_of(r)[key]) for r in steps if key in metrics_of(r)], key
 
 
@@ -218,9 +253,31 @@ def test_ampkit_train_mlflow_equals_its_log(tmp_path, monkeypatch):
     monkeypatch.setattr(trackers.JSONLFollower, "poll", _no_replay)
     monkeypatch.setattr(trackers.JSONLFollower, "__init__", _no_replay)
     uri, run = (tmp_path / "mlruns").as_uri(), tmp_path / "run"
-    assert main(["train", "--model", "mlp", "--size", "tiny", "--steps", "7", "--precision", "fp16",
-                 "--device", "cpu", "--log_dir", str(run), "--log_every", "3", "--no_progress",
-                 "--mlflow", uri]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--steps",
+                "7",
+                "--precision",
+                "fp16",
+                "--device",
+                "cpu",
+                "--log_dir",
+                str(run),
+                "--log_every",
+                "3",
+                "--no_progress",
+                "--mlflow",
+                uri,
+            ]
+        )
+        == 0
+    )
     steps = [r for r in read_jsonl(str(run / "log.jsonl")) if r["type"] == "step"]
     client = MlflowClient(tracking_uri=uri)
     [found] = client.search_runs([client.get_experiment_by_name("ampkit").experiment_id])
@@ -244,12 +301,37 @@ def test_ampkit_train_wandb_offline_equals_its_log(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    assert main(["train", "--model", "mlp", "--size", "tiny", "--steps", "5", "--precision", "bf16",
-                 "--device", "cpu", "--log_dir", str(run), "--log_every", "2", "--no_progress",
-                 "--wandb", "ampkit-test"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--steps",
+                "5",
+                "--precision",
+                "bf16",
+                "--device",
+                "cpu",
+                "--log_dir",
+                str(run),
+                "--log_every",
+                "2",
+                "--no_progress",
+                "--wandb",
+                "ampkit-test",
+            ]
+        )
+        == 0
+    )
     steps = [r for r in read_jsonl(str(run / "log.jsonl")) if r["type"] == "step"]
     history, summary = read_run(str(run))
     assert [h["_step"] for h in history] == [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     for h, r in zip(history, steps):
-        assert {k: v for k, v in h.items() if not k.startswith("_")} == {**metrics_of(r), "precision": "bf16"}
+        assert {k: v for k, v in h.items() if not k.startswith("_")} == {
+            **metrics_of(r),
+            "precision": "bf16",
+        }
     assert [e["kind"] for e in summary["ampkit_events"]][-1] == "summary"

@@ -21,8 +21,8 @@ def _payloads(data):
         if left < 7:
             pos += left  # block trailer padding
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
             continue
@@ -59,8 +59,12 @@ def read_run(run_dir):
     for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in rec.history.item})
+            history.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in rec.history.item
+                }
+            )
         elif kind == "summary":
             for item in rec.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)

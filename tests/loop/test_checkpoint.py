@@ -27,11 +27,26 @@ def make_trainer(precision, tmp_path, accum=2, every=None, seed=0):
     torch.manual_seed(seed)
     model, data = builtin("gpt", "tiny", batch_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    amp = MixedPrecision(precision, device="cpu", accumulation_steps=accum, clip_grad_norm=1.0,
-                         init_scale=2.0**12, growth_interval=3)
+    amp = MixedPrecision(
+        precision,
+        device="cpu",
+        accumulation_steps=accum,
+        clip_grad_norm=1.0,
+        init_scale=2.0**12,
+        growth_interval=3,
+    )
     model, opt = amp.setup(model, opt)
-    return Trainer(model, opt, amp, data, progress=False, log_every=2, diagnose=False,
-                   checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every)
+    return Trainer(
+        model,
+        opt,
+        amp,
+        data,
+        progress=False,
+        log_every=2,
+        diagnose=False,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=every,
+    )
 
 
 def test_atomic_save_and_weights_only_load(tmp_path):
@@ -51,7 +66,11 @@ def test_corrupt_checkpoint_is_named_and_skipped(tmp_path, damage):
     with open(bad, "rb") as f:
         data = f.read()
     with open(bad, "wb") as f:
-        f.write({"truncate": data[: len(data) // 2], "garbage": os.urandom(len(data)), "empty": b""}[damage])
+        f.write(
+            {"truncate": data[: len(data) // 2], "garbage": os.urandom(len(data)), "empty": b""}[
+                damage
+            ]
+        )
     with pytest.raises(CheckpointError, match="ckpt-00000002.pt"):
         load_checkpoint(bad)
     with pytest.warns(UserWarning, match="falling back"):
@@ -91,7 +110,9 @@ def test_exact_resume_in_process(precision, tmp_path):
     half = make_trainer(precision, tmp_path / "half")
     half.fit(n)
     half.save_checkpoint()
-    resumed = make_trainer(precision, tmp_path / "half", seed=123)  # different init: must be overwritten
+    resumed = make_trainer(
+        precision, tmp_path / "half", seed=123
+    )  # different init: must be overwritten
     assert resumed.resume().endswith(f"ckpt-{n:08d}.pt")
     assert resumed.amp.optimizer_steps == n and resumed.micro_index == 2 * n
     resumed.fit(n)
@@ -117,12 +138,30 @@ def test_checkpoint_from_different_model_loads_nothing(tmp_path):
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ampkit", "train", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ampkit", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-COMMON = ["--model", "gpt", "--size", "tiny", "--batch-size", "2", "--device", "cpu", "--no-progress",
-          "--json", "--grad_accum_steps", "2", "--init_scale", "4096"]
+COMMON = [
+    "--model",
+    "gpt",
+    "--size",
+    "tiny",
+    "--batch-size",
+    "2",
+    "--device",
+    "cpu",
+    "--no-progress",
+    "--json",
+    "--grad_accum_steps",
+    "2",
+    "--init_scale",
+    "4096",
+]
 
 
 @pytest.mark.slow
@@ -131,13 +170,36 @@ COMMON = ["--model", "gpt", "--size", "tiny", "--batch-size", "2", "--device", "
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_exact_resume_across_processes(precision, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    r = run_cli(*COMMON, "--precision", precision, "--steps", "6", "--checkpoint_dir", str(full),
-                "--checkpoint_every", "3", "--log_dir", str(tmp_path / "l1"))
+    r = run_cli(
+        *COMMON,
+        "--precision",
+        precision,
+        "--steps",
+        "6",
+        "--checkpoint_dir",
+        str(full),
+        "--checkpoint_every",
+        "3",
+        "--log_dir",
+        str(tmp_path / "l1"),
+    )
     assert r.returncode == 0, r.stderr
     part.mkdir()  # the uninterrupted run's step-3 checkpoint, resumed by a fresh process
     shutil.copy(full / "ckpt-00000003.pt", part)
-    r = run_cli(*COMMON, "--precision", precision, "--steps", "6", "--checkpoint_dir", str(part),
-                "--checkpoint_every", "3", "--resume", "--log_dir", str(tmp_path / "l2"))
+    r = run_cli(
+        *COMMON,
+        "--precision",
+        precision,
+        "--steps",
+        "6",
+        "--checkpoint_dir",
+        str(part),
+        "--checkpoint_every",
+        "3",
+        "--resume",
+        "--log_dir",
+        str(tmp_path / "l2"),
+    )
     assert r.returncode == 0, r.stderr
     a = load_checkpoint(str(full / "ckpt-00000006.pt"))
     b = load_checkpoint(str(part / "ckpt-00000006.pt"))
@@ -149,8 +211,17 @@ def test_exact_resume_across_processes(precision, tmp_path):
 def test_resume_without_checkpoint(tmp_path, capsys):
     from ampkit.cli import main
 
-    args = ["train", *COMMON, "--steps", "2", "--checkpoint_dir", str(tmp_path / "none"), "--resume",
-            "--log_dir", str(tmp_path / "l")]
+    args = [
+        "train",
+        *COMMON,
+        "--steps",
+        "2",
+        "--checkpoint_dir",
+        str(tmp_path / "none"),
+        "--resume",
+        "--log_dir",
+        str(tmp_path / "l"),
+    ]
     assert main(args) == 2
     assert "--allow_fresh" in capsys.readouterr().err
     assert main([*args, "--allow_fresh"]) == 0
@@ -170,15 +241,37 @@ def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path
     kills = 0
     for _ in range(3):
         before = newest()
-        args = [sys.executable, "-m", "ampkit", "train", *COMMON, "--precision", "fp32", "--steps", "100000",
-                "--checkpoint_dir", str(ckpt), "--checkpoint_every", "1", "--keep_last", "2",
-                "--log_dir", str(tmp_path / "log"), "--log_every", "1", "--resume", "--allow_fresh"]
+        args = [
+            sys.executable,
+            "-m",
+            "ampkit",
+            "train",
+            *COMMON,
+            "--precision",
+            "fp32",
+            "--steps",
+            "100000",
+            "--checkpoint_dir",
+            str(ckpt),
+            "--checkpoint_every",
+            "1",
+            "--keep_last",
+            "2",
+            "--log_dir",
+            str(tmp_path / "log"),
+            "--log_every",
+            "1",
+            "--resume",
+            "--allow_fresh",
+        ]
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.time() + 300  # a loaded machine can take long to import torch
         while newest() <= before and time.time() < deadline and p.poll() is None:
             time.sleep(0.02)  # wait until it is training and checkpointing
         assert p.poll() is None, p.stderr.read().decode()[-2000:]
-        time.sleep(rng.uniform(0.0, 0.4))  # every step writes a checkpoint: most kills land mid-write
+        time.sleep(
+            rng.uniform(0.0, 0.4)
+        )  # every step writes a checkpoint: most kills land mid-write
         p.send_signal(signal.SIGKILL)
         p.wait()
         kills += 1

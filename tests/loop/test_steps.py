@@ -24,8 +24,9 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
-                                        torch.nn.Linear(32, 5))
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 5)
+        )
 
     def forward(self, x, y):
         return F.cross_entropy(self.body(x), y)
@@ -33,7 +34,9 @@ class Net(torch.nn.Module):
 
 def data(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)
+    ]
 
 
 def hand_loop(precision, batches):
@@ -41,17 +44,32 @@ def hand_loop(precision, batches):
     ampkit's semantics: clip on unscaled gradients, skip non-finite steps in every precision."""
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    model, _, losses = torch_amp_loop(model, opt, batches, precision, steps=STEPS, accum=ACCUM, clip=1.0,
-                                      scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 3},
-                                      skip_nonfinite=True)
+    model, _, losses = torch_amp_loop(
+        model,
+        opt,
+        batches,
+        precision,
+        steps=STEPS,
+        accum=ACCUM,
+        clip=1.0,
+        scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 3},
+        skip_nonfinite=True,
+    )
     return model, losses
 
 
 def ampkit_setup(precision, **kw):
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    amp = MixedPrecision(precision, device="cpu", init_scale=2.0**10, growth_interval=3, accumulation_steps=ACCUM,
-                         clip_grad_norm=1.0, **kw)
+    amp = MixedPrecision(
+        precision,
+        device="cpu",
+        init_scale=2.0**10,
+        growth_interval=3,
+        accumulation_steps=ACCUM,
+        clip_grad_norm=1.0,
+        **kw,
+    )
     model, opt = amp.setup(model, opt)
     return model, opt, amp
 
@@ -82,7 +100,9 @@ def test_steps_run_is_bitwise_the_hand_written_loop_with_its_losses(precision):
     means, end = Steps(model, opt, amp).run(lambda i: batches[i], STEPS, count=ACCUM)
     assert end == ACCUM * STEPS and amp.optimizer_steps == STEPS
     assert_bitwise(ref, model)
-    assert torch.equal(torch.stack(means), torch.stack(ref_losses))  # bench's per-step loss, unchanged
+    assert torch.equal(
+        torch.stack(means), torch.stack(ref_losses)
+    )  # bench's per-step loss, unchanged
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -91,7 +111,9 @@ def test_trainer_is_bitwise_the_hand_written_loop(precision):
     batches = data(ACCUM * STEPS)
     ref, _ = hand_loop(precision, batches)
     model, opt, amp = ampkit_setup(precision)
-    summary = Trainer(model, opt, amp, lambda i: batches[i], progress=False, fallback=False).fit(STEPS)
+    summary = Trainer(model, opt, amp, lambda i: batches[i], progress=False, fallback=False).fit(
+        STEPS
+    )
     assert summary.optimizer_steps == STEPS
     assert_bitwise(ref, model)
 
@@ -102,8 +124,14 @@ def test_optimizer_step_cuts_batches_and_maps_indices():
     seen = []
     model, opt, amp = ampkit_setup("fp32")
     amp.set_accumulation_steps(4)
-    out = Steps(model, opt, amp).optimizer_step(lambda i: batches[i], 1, count=2, split=2, index=lambda i: 2 * i,
-                                                on_batch=lambda k, b: seen.append((k, b[0].shape[0])))
+    out = Steps(model, opt, amp).optimizer_step(
+        lambda i: batches[i],
+        1,
+        count=2,
+        split=2,
+        index=lambda i: 2 * i,
+        on_batch=lambda k, b: seen.append((k, b[0].shape[0])),
+    )
     assert seen == [(0, 8), (1, 8)] and len(out.losses) == 4 and out.result.boundary
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
@@ -120,8 +148,11 @@ def test_optimizer_step_cuts_batches_and_maps_indices():
 def bf16_cpu(tmp_path, monkeypatch):
     """A CPU whose hardware rule picks bf16 for ``auto``, and an empty verdict cache."""
     real = hardware.cpu_features()
-    fake = hardware.CpuFeatures(model=real.model, flags=tuple(sorted({*real.flags, "avx512_bf16", "amx_bf16"})),
-                                capability=real.capability)
+    fake = hardware.CpuFeatures(
+        model=real.model,
+        flags=tuple(sorted({*real.flags, "avx512_bf16", "amx_bf16"})),
+        capability=real.capability,
+    )
     monkeypatch.setattr(hardware, "cpu_features", lambda: fake)
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path / "cache"))
     assert MixedPrecision("auto", device="cpu").precision.name == "bf16"
@@ -135,7 +166,10 @@ def set_verdicts(speedup):
         cache = json.load(f)
     assert cache
     for entry in cache.values():
-        entry["speedup"], entry["spread"] = speedup, 0.0  # (a clear verdict, whatever the noise was)
+        entry["speedup"], entry["spread"] = (
+            speedup,
+            0.0,
+        )  # (a clear verdict, whatever the noise was)
     with open(path, "w") as f:
         json.dump(cache, f)
 
@@ -150,8 +184,23 @@ def trainer_run(steps=2, **kw):
 
 
 def cli_args(tmp_path, name):
-    return ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch-size", "8", "--no-progress",
-            "--steps", "2", "--json", "--log_dir", str(tmp_path / name)]
+    return [
+        "train",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--steps",
+        "2",
+        "--json",
+        "--log_dir",
+        str(tmp_path / name),
+    ]
 
 
 @pytest.mark.slow
@@ -160,12 +209,16 @@ def test_auto_picks_the_same_precision_in_the_trainer_and_the_cli(bf16_cpu, caps
     trainer, amp = trainer_run(log_dir=str(tmp / "t0"), tensorboard=False)
     first = trainer.fit(2)  # measures: nothing cached yet
     decision = auto_decision(amp)
-    assert decision is not None and not decision["cached"] and first.precision == decision["precision"]
+    assert (
+        decision is not None and not decision["cached"] and first.precision == decision["precision"]
+    )
     assert any(f"precision auto: {decision['reason']}" == n for n in first.notes)
     log = [json.loads(line) for line in (tmp / "t0" / "log.jsonl").read_text().splitlines()]
     assert [r["precision"] for r in log if r.get("kind") == "auto_precision"] == [first.precision]
     capsys.readouterr()
-    assert main(cli_args(tmp, "c0")) == 0  # the same model and batch: the Trainer's verdict, from the cache
+    assert (
+        main(cli_args(tmp, "c0")) == 0
+    )  # the same model and batch: the Trainer's verdict, from the cache
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == first.precision and "cached measurement" in s["precision_reason"]
     for speedup, expected in ((0.5, "fp32"), (2.0, "bf16")):
@@ -187,14 +240,20 @@ def test_confirm_auto_switches_in_place_once_and_leaves_model_and_rng_alone(bf16
     said = []
     torch.manual_seed(123)
     rng = torch.get_rng_state()
-    choice = confirm_auto(amp, model, batches, label="mlp/tiny", announce=said.append)  # before setup
-    assert torch.equal(torch.get_rng_state(), rng)  # measuring does not move the run's random stream
+    choice = confirm_auto(
+        amp, model, batches, label="mlp/tiny", announce=said.append
+    )  # before setup
+    assert torch.equal(
+        torch.get_rng_state(), rng
+    )  # measuring does not move the run's random stream
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert said and "timing it against fp32" in said[0] and not choice.cached
     assert amp.precision.name == choice.precision
     assert auto_decision(amp)["reason"] == choice.reason and "mlp/tiny" in choice.reason
     n_events = len(amp.events)
-    assert confirm_auto(amp, model, batches, announce=said.append) == choice  # decided: nothing more
+    assert (
+        confirm_auto(amp, model, batches, announce=said.append) == choice
+    )  # decided: nothing more
     assert len(amp.events) == n_events and len(said) == 1
     # the verdict for the same model and batch, whoever asks and whatever label it prints
     again = measured_choice(model, batches, "bf16", torch.device("cpu"))
@@ -202,7 +261,9 @@ def test_confirm_auto_switches_in_place_once_and_leaves_model_and_rng_alone(bf16
     set_verdicts(0.5)
     amp = MixedPrecision("auto", device="cpu", fallback=True)
     model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    assert confirm_auto(amp, model, batches).precision == "fp32" == amp.precision.name  # after setup too
+    assert (
+        confirm_auto(amp, model, batches).precision == "fp32" == amp.precision.name
+    )  # after setup too
     fresh = MixedPrecision("fp32", device="cpu", fallback=True)
     assert amp.config.to_dict() == fresh.config.to_dict()  # what a new fp32 engine would be
     assert amp.events[-2].kind == "precision_switch" and amp.events[-1].kind == "auto_precision"
@@ -228,7 +289,11 @@ def test_auto_is_left_alone_off_auto_and_where_the_rule_says_fp32(bf16_cpu):
     model, batches = builtin("mlp", "tiny", batch_size=8)
     amp = MixedPrecision("bf16", device="cpu")
     choice = confirm_auto(amp, model, batches)
-    assert choice.precision == "bf16" and choice.reason == amp.precision.reason and auto_decision(amp) is None
+    assert (
+        choice.precision == "bf16"
+        and choice.reason == amp.precision.reason
+        and auto_decision(amp) is None
+    )
     assert not (bf16_cpu / "cache").exists()  # nothing measured
 
 
@@ -239,17 +304,38 @@ def test_trainer_settings_in_groups_or_flat_take_one_path(tmp_path):
     amp = MixedPrecision("fp32", device="cpu")
     model, opt = amp.setup(model, opt)
     val = lambda i: batches(1000 + i)  # noqa: E731
-    flat = Trainer(model, opt, amp, batches, log_every=2, progress=False, tensorboard=False, log_dir=str(tmp_path / "l"),
-                   checkpoint_dir=str(tmp_path / "c"), checkpoint_every=3, keep_last=1, eval_batches=val,
-                   eval_every=2, eval_steps=1, eval_precision="fp32")
-    grouped = Trainer(model, opt, amp, batches, log=LogConfig(dir=str(tmp_path / "l"), every=2, progress=False,
-                                                               tensorboard=False),
-                      checkpoint=CheckpointConfig(str(tmp_path / "c"), every=3, keep_last=1),
-                      evaluation=EvalConfig(val, every=2, steps=1, precision="fp32"))
+    flat = Trainer(
+        model,
+        opt,
+        amp,
+        batches,
+        log_every=2,
+        progress=False,
+        tensorboard=False,
+        log_dir=str(tmp_path / "l"),
+        checkpoint_dir=str(tmp_path / "c"),
+        checkpoint_every=3,
+        keep_last=1,
+        eval_batches=val,
+        eval_every=2,
+        eval_steps=1,
+        eval_precision="fp32",
+    )
+    grouped = Trainer(
+        model,
+        opt,
+        amp,
+        batches,
+        log=LogConfig(dir=str(tmp_path / "l"), every=2, progress=False, tensorboard=False),
+        checkpoint=CheckpointConfig(str(tmp_path / "c"), every=3, keep_last=1),
+        evaluation=EvalConfig(val, every=2, steps=1, precision="fp32"),
+    )
     assert flat.settings == grouped.settings
     assert flat.settings.batching == BatchConfig()
     mixed = Trainer(model, opt, amp, batches, log=LogConfig(every=5, progress=False), log_every=2)
-    assert mixed.settings.log == LogConfig(every=2, progress=False)  # a flat keyword replaces its field
+    assert mixed.settings.log == LogConfig(
+        every=2, progress=False
+    )  # a flat keyword replaces its field
     with pytest.raises(TypeError, match="unexpected keyword argument 'log_evry'"):
         Trainer(model, opt, amp, batches, log_evry=2)
     with pytest.raises(TypeError, match="LogConfig"):

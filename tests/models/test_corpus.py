@@ -16,4 +16,6 @@ def test_a_first_use_under_fake_tensors_caches_real_data():
     assert type(real) is torch.Tensor and not isinstance(real, FakeTensor)
     assert real.dtype == torch.uint8 and real.numel() > 10_000
     x, y = TextBatches(block_size=16, batch_size=4, seed=0)(0)
-    assert type(x) is torch.Tensor and torch.equal(x[:, 1:], y[:, :-1])  # real tokens, shifted by one
+    assert type(x) is torch.Tensor and torch.equal(
+        x[:, 1:], y[:, :-1]
+    )  # real tokens, shifted by one

@@ -11,7 +11,11 @@ from ampkit.models.data import TextSamples, load_texts
 transformers = pytest.importorskip("transformers")
 
 SMALL = "n_layer=2,n_embd=64,n_head=2,n_positions=64"
-TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "x = [i * i for i in range(9)]\n"]
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nprint(os.getcwd())\n",
+    "x = [i * i for i in range(9)]\n",
+]
 
 
 def test_text_samples_pad_ignore_and_visit_every_text_once_per_epoch():
@@ -20,10 +24,12 @@ def test_text_samples_pad_ignore_and_visit_every_text_once_per_epoch():
     seen = set()
     for i in range(3):
         x, y = data(i)
-        row = bytes(t for t in x[0].tolist() if t)  # x holds the text's bytes but the last, then padding (0)
+        row = bytes(
+            t for t in x[0].tolist() if t
+        )  # x holds the text's bytes but the last, then padding (0)
         seen.add(row)
         valid = y[0] != -100
-        assert torch.equal(y[0][valid][:-1], x[0][1:int(valid.sum())])  # y is x shifted by one
+        assert torch.equal(y[0][valid][:-1], x[0][1 : int(valid.sum())])  # y is x shifted by one
     assert seen == {t.encode()[:20] for t in TEXTS}
     full = TextSamples(["ab", "abcdef"], batch_size=2, max_length=512)
     x, y = full(0)
@@ -45,25 +51,46 @@ def test_load_texts_formats(tmp_path):
 def test_plan_takes_a_config_class_path(capsys):
     from ampkit.cli import main
 
-    argv = ["plan", "--model", "transformers.GPT2Config", "--model_config", SMALL + ",vocab_size=256",
-            "--memory", "64MiB", "--precisions", "fp32,bf16", "--batch_size", "4", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "transformers.GPT2Config",
+        "--model_config",
+        SMALL + ",vocab_size=256",
+        "--memory",
+        "64MiB",
+        "--precisions",
+        "fp32,bf16",
+        "--batch_size",
+        "4",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["precision"]: r for r in out["rows"]}
     assert rows["bf16"]["largest_batch"] >= rows["fp32"]["largest_batch"] >= 1
     assert "transformers.GPT2Config" in out["model"]
-    for bad, says in ((["--model_config", "n_layr=2"], "no field(s) 'n_layr'"),
-                      (["--model_config", "n_layer"], "is not key=value"),
-                      (["--model", "transformers.NoSuchConfig"], "has no config class"),
-                      (["--model_config", "vocab_size=100"], "needs >= 256")):
+    for bad, says in (
+        (["--model_config", "n_layr=2"], "no field(s) 'n_layr'"),
+        (["--model_config", "n_layer"], "is not key=value"),
+        (["--model", "transformers.NoSuchConfig"], "has no config class"),
+        (["--model_config", "vocab_size=100"], "needs >= 256"),
+    ):
         args = ["plan", "--model", "gpt2", "--memory", "1GiB", "--precisions", "fp32", *bad]
         assert main(args) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
 
 
-LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+LLAMA_LIKE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
 
 
 def test_families_by_name_keyword_fields_or_a_config_file(tmp_path):
@@ -72,21 +99,42 @@ def test_families_by_name_keyword_fields_or_a_config_file(tmp_path):
     from ampkit.models.hf_configs import hf_config, is_hf
     from ampkit.plan.depth import stack_for
 
-    for alias, cls in (("llama", "LlamaConfig"), ("mistral", "MistralConfig"), ("qwen2", "Qwen2Config")):
+    for alias, cls in (
+        ("llama", "LlamaConfig"),
+        ("mistral", "MistralConfig"),
+        ("qwen2", "Qwen2Config"),
+    ):
         cfg = hf_config(alias, LLAMA_LIKE)
         assert type(cfg).__name__ == cls and cfg.num_key_value_heads == 2 and cfg.hidden_size == 64
     assert type(hf_config("gpt2", {"n_layer": 2})).__name__ == "GPT2Config"
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                                "transformers_version": "4.0", **LLAMA_LIKE}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "transformers_version": "4.0",
+                **LLAMA_LIKE,
+            }
+        )
+    )
     assert is_hf(str(path))
     cfg = hf_config(str(path), {"num_hidden_layers": 5})
-    assert type(cfg).__name__ == "Qwen2Config" and cfg.num_hidden_layers == 5 and cfg.intermediate_size == 128
+    assert (
+        type(cfg).__name__ == "Qwen2Config"
+        and cfg.num_hidden_layers == 5
+        and cfg.intermediate_size == 128
+    )
     st = stack_for(str(path))
-    assert st is not None and st.depth == 3 and '"intermediate_size": 128' in st.spec  # the file's fields name it
+    assert (
+        st is not None and st.depth == 3 and '"intermediate_size": 128' in st.spec
+    )  # the file's fields name it
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model_type": "no-such-family"}))
-    with pytest.raises(ValueError, match="model_type 'no-such-family' is not a transformers model family; e.g. gpt2"):
+    with pytest.raises(
+        ValueError,
+        match="model_type 'no-such-family' is not a transformers model family; e.g. gpt2",
+    ):
         hf_config(str(bad))
     with pytest.raises(ValueError, match="cannot be read"):
         hf_config(str(tmp_path / "missing.json"))
@@ -98,8 +146,26 @@ def test_plan_a_config_file_for_a_named_gpu(tmp_path, capsys):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "mistral", **LLAMA_LIKE}))
-    assert main(["plan", "--model", str(path), "--device", "a100-40gb", "--precisions", "bf16,bf16-pure,"
-                 "bf16-pure:stochastic", "--batch_size", "2", "--workers", "1", "--no_cache", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(path),
+                "--device",
+                "a100-40gb",
+                "--precisions",
+                "bf16,bf16-pure,bf16-pure:stochastic",
+                "--batch_size",
+                "2",
+                "--workers",
+                "1",
+                "--no_cache",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "a100-40gb" and out["model"] == str(path)
     assert [r["method"] for r in out["rows"]] == ["depth", "depth", "depth, rung of bf16-pure"]
@@ -115,9 +181,31 @@ def test_train_gpt2_on_texts_and_save_the_model(tmp_path, capsys):
     texts = tmp_path / "texts.json"
     texts.write_text(json.dumps(TEXTS))
     out_dir = tmp_path / "model"
-    argv = ["train", "--model", "gpt2", "--model_config", SMALL, "--data", str(texts), "--batch_size", "3",
-            "--epochs", "8", "--lr", "3e-3", "--precision", "bf16-pure", "--device", "cpu", "--json",
-            "--no-progress", "--log_dir", str(tmp_path / "run"), "--save_model", str(out_dir)]
+    argv = [
+        "train",
+        "--model",
+        "gpt2",
+        "--model_config",
+        SMALL,
+        "--data",
+        str(texts),
+        "--batch_size",
+        "3",
+        "--epochs",
+        "8",
+        "--lr",
+        "3e-3",
+        "--precision",
+        "bf16-pure",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--log_dir",
+        str(tmp_path / "run"),
+        "--save_model",
+        str(out_dir),
+    ]
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["optimizer_steps"] == 8 and s["final_loss"] < s["first_loss"] - 0.5
@@ -132,8 +220,12 @@ def test_train_gpt2_on_texts_and_save_the_model(tmp_path, capsys):
     with pytest.raises(ValueError, match="module:factory brings its own data"):
         from ampkit.cli.common import model_and_data
 
-        model_and_data(type("A", (), {"model": "x:y", "data": "t.txt", "block_size": None, "model_config": None})(),
-                       None)
+        model_and_data(
+            type(
+                "A", (), {"model": "x:y", "data": "t.txt", "block_size": None, "model_config": None}
+            )(),
+            None,
+        )
 
 
 @pytest.mark.slow
@@ -142,9 +234,29 @@ def test_train_builtin_gpt_on_a_text_file(tmp_path, capsys):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(TEXTS) * 40)
-    argv = ["train", "--model", "gpt", "--size", "tiny", "--data", str(corpus), "--block_size", "32", "--steps", "3",
-            "--precision", "fp32", "--device", "cpu", "--json", "--no-progress", "--log_dir", str(tmp_path / "r"),
-            "--save_model", str(tmp_path / "m")]
+    argv = [
+        "train",
+        "--model",
+        "gpt",
+        "--size",
+        "tiny",
+        "--data",
+        str(corpus),
+        "--block_size",
+        "32",
+        "--steps",
+        "3",
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--log_dir",
+        str(tmp_path / "r"),
+        "--save_model",
+        str(tmp_path / "m"),
+    ]
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["optimizer_steps"] == 3 and s["tokens_per_s"] > 0

@@ -58,11 +58,23 @@ def test_bf16_pure_with_norms_kept_in_fp32():
     train(model, opt, amp, 2)
     m = amp.manifest()
     fc = m.entry("fc1.weight")
-    assert (fc.storage, fc.compute, fc.grad, fc.accumulation, fc.master, fc.optimizer_state, fc.reduce) == \
-        ("bfloat16", "bfloat16", "bfloat16", "float32", "float32", "float32", None)
+    assert (
+        fc.storage,
+        fc.compute,
+        fc.grad,
+        fc.accumulation,
+        fc.master,
+        fc.optimizer_state,
+        fc.reduce,
+    ) == ("bfloat16", "bfloat16", "bfloat16", "float32", "float32", "float32", None)
     norm = m.entry("norm.weight")
-    assert (norm.storage, norm.compute, norm.master, norm.optimizer_state, norm.kept_fp32) == \
-        ("float32", "float32", None, "float32", True)
+    assert (norm.storage, norm.compute, norm.master, norm.optimizer_state, norm.kept_fp32) == (
+        "float32",
+        "float32",
+        None,
+        "float32",
+        True,
+    )
     assert [e.name for e in m.modules()["norm"]] == ["norm.weight", "norm.bias"]
     assert m.loss_scaling["enabled"] is False and m.parallel == "none"
     assert type(m).from_dict(m.to_dict()) == m
@@ -73,7 +85,9 @@ def test_bf16_autocast_and_fp16_scaling():
     model, opt, amp = engine("bf16")
     m = amp.manifest()
     assert (m.entry("fc1.weight").storage, m.entry("fc1.weight").compute) == ("float32", "bfloat16")
-    assert m.entry("norm.weight").compute == "float32"  # autocast leaves the norm in the weights' dtype
+    assert (
+        m.entry("norm.weight").compute == "float32"
+    )  # autocast leaves the norm in the weights' dtype
     assert m.entry("fc1.weight").optimizer_state == ""  # not created before the first step
     assert m.entry("fc1.weight").master is None
     model, opt, amp = engine("fp16")
@@ -89,7 +103,9 @@ def test_a_clean_run_records_nothing(precision):
     train(model, opt, amp, 3)
     state = amp.state_dict()
     assert violations(amp) == []
-    fresh_model, fresh_opt, fresh = engine(precision, accumulation_steps=2, manifest_check_every=1, **kw)
+    fresh_model, fresh_opt, fresh = engine(
+        precision, accumulation_steps=2, manifest_check_every=1, **kw
+    )
     fresh_opt.load_state_dict(opt.state_dict())
     fresh.load_state_dict(state)
     train(fresh_model, fresh_opt, fresh, 1)
@@ -103,7 +119,9 @@ def test_a_norm_weight_cast_to_bf16_after_setup_is_reported():
     model.norm.bfloat16()  # e.g. a user's "norms in bf16 to save memory"
     train(model, opt, amp, 1)  # step 2: a check
     found = {(v["param"], v["component"], v["when"]) for v in violations(amp)}
-    assert found == {(p, c, "step") for p in ("norm.weight", "norm.bias") for c in ("storage", "master")}
+    assert found == {
+        (p, c, "step") for p in ("norm.weight", "norm.bias") for c in ("storage", "master")
+    }
     train(model, opt, amp, 2)
     assert len(violations(amp)) == len(found)  # each reported once
 
@@ -141,9 +159,12 @@ def test_resume_in_the_other_order_is_compared_at_the_first_step():
     amp2.load_state_dict(saved_amp)  # before the optimizer's state: nothing to compare it with yet
     opt2.load_state_dict(saved_opt)
     assert not [v for v in violations(amp2) if v["component"] == "optimizer_state"]
-    train(model2, opt2, amp2, 1)  # the first step after a resume checks, whatever manifest_check_every says
-    assert ("fc1.weight", "optimizer_state", "step") in {(v["param"], v["component"], v["when"])
-                                                          for v in violations(amp2)}
+    train(
+        model2, opt2, amp2, 1
+    )  # the first step after a resume checks, whatever manifest_check_every says
+    assert ("fc1.weight", "optimizer_state", "step") in {
+        (v["param"], v["component"], v["when"]) for v in violations(amp2)
+    }
     model3, opt3, amp3 = engine("fp32")  # the same resume into the same set-up: silent
     amp3.load_state_dict(saved_amp)
     opt3.load_state_dict(saved_opt)
@@ -177,13 +198,26 @@ def distributed_checks(rank: int, world: int) -> dict:
             accum = 1 if kind == "fsdp" and precision.endswith("-pure") else 2
             torch.manual_seed(0)
             model: nn.Module = Net()
-            model = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else shard(model, precision)
+            model = (
+                nn.parallel.DistributedDataParallel(model)
+                if kind == "ddp"
+                else shard(model, precision)
+            )
             try:
-                amp = ampkit.MixedPrecision(precision, device="cpu", fp8_emulate=True, accumulation_steps=accum,
-                                            manifest_check_every=1)
+                amp = ampkit.MixedPrecision(
+                    precision,
+                    device="cpu",
+                    fp8_emulate=True,
+                    accumulation_steps=accum,
+                    manifest_check_every=1,
+                )
                 model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
                 train(model, opt, amp, 2)
-            except (PrecisionError, ImportError, NotImplementedError) as e:  # (a combination torch cannot run)
+            except (
+                PrecisionError,
+                ImportError,
+                NotImplementedError,
+            ) as e:  # (a combination torch cannot run)
                 out["runs"][kind, precision] = ("skipped", str(e)[:200])
                 continue
             m = amp.manifest()
@@ -191,7 +225,9 @@ def distributed_checks(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     other = fully_shard(Net(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     try:
-        ampkit.MixedPrecision("bf16-pure", device="cpu").setup(other, torch.optim.AdamW(other.parameters()))
+        ampkit.MixedPrecision("bf16-pure", device="cpu").setup(
+            other, torch.optim.AdamW(other.parameters())
+        )
         out["refused"] = None
     except ValueError as e:
         out["refused"] = str(e)
@@ -229,15 +265,39 @@ def test_ddp_and_fsdp2_every_precision_clean_and_the_unsafe_sharding_refused():
         for (kind, precision), (found, parallel, _) in ran.items():
             assert found == [], (kind, precision, found)
             assert parallel == kind
-        ddp_pure, fsdp_pure = ran["ddp", "bf16-pure"][2], ran.get(("fsdp", "bf16-pure"), (0, 0, None))[2]
-        assert (ddp_pure.reduce, ddp_pure.master, ddp_pure.accumulation) == ("float32", "float32", "float32")
+        ddp_pure, fsdp_pure = (
+            ran["ddp", "bf16-pure"][2],
+            ran.get(("fsdp", "bf16-pure"), (0, 0, None))[2],
+        )
+        assert (ddp_pure.reduce, ddp_pure.master, ddp_pure.accumulation) == (
+            "float32",
+            "float32",
+            "float32",
+        )
         if fsdp_pure is not None:
-            assert (fsdp_pure.storage, fsdp_pure.compute, fsdp_pure.reduce) == ("float32", "bfloat16", "bfloat16")
-        assert out["refused"] is not None and "ampkit.distributed.shard(model, 'bf16-pure')" in out["refused"]
-        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in out["refused"] and "float16" in out["refused"]
-        assert len(out["applied_warning"]) == 1 and "ampkit.distributed.shard" in out["applied_warning"][0]
+            assert (fsdp_pure.storage, fsdp_pure.compute, fsdp_pure.reduce) == (
+                "float32",
+                "bfloat16",
+                "bfloat16",
+            )
+        assert (
+            out["refused"] is not None
+            and "ampkit.distributed.shard(model, 'bf16-pure')" in out["refused"]
+        )
+        assert (
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in out["refused"]
+            and "float16" in out["refused"]
+        )
+        assert (
+            len(out["applied_warning"]) == 1
+            and "ampkit.distributed.shard" in out["applied_warning"][0]
+        )
         found, fc1 = out["applied"]
-        assert found == [] and (fc1.storage, fc1.compute, fc1.reduce) == ("float32", "bfloat16", "bfloat16")
+        assert found == [] and (fc1.storage, fc1.compute, fc1.reduce) == (
+            "float32",
+            "bfloat16",
+            "bfloat16",
+        )
         assert out["fixed"] == []
         found = {(v["param"], v["component"]) for v in out["half_shards"]}
         assert ("fc1.weight", "compute") in found and ("fc1.weight", "master") in found

@@ -16,20 +16,34 @@ RUNGS = [(m, s) for m in ("fp32", "split", "kahan", "stochastic", "none") for s 
 
 
 def rung(masters: str, state_dtype: str):
-    kw = dict(masters=masters, state_dtype=state_dtype, allow_stall=masters == "none", manifest_check_every=1,
-              accumulation_steps=2)
+    kw = dict(
+        masters=masters,
+        state_dtype=state_dtype,
+        allow_stall=masters == "none",
+        manifest_check_every=1,
+        accumulation_steps=2,
+    )
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # masters='none': the stall warning (its point is made there)
+        warnings.simplefilter(
+            "ignore"
+        )  # masters='none': the stall warning (its point is made there)
         return engine("bf16-pure", **kw)
 
 
 def states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for s in opt.state_dict()["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [
+        v
+        for s in opt.state_dict()["state"].values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 @pytest.mark.parametrize("optimizer_first", [True, False], ids=["optimizer-first", "engine-first"])
 @pytest.mark.parametrize("masters,state_dtype", RUNGS)
-def test_every_rung_is_silent_at_setup_during_steps_and_on_resume(masters, state_dtype, optimizer_first):
+def test_every_rung_is_silent_at_setup_during_steps_and_on_resume(
+    masters, state_dtype, optimizer_first
+):
     model, opt, amp = rung(masters, state_dtype)
     assert violations(amp) == []  # setup
     train(model, opt, amp, 2)
@@ -42,7 +56,9 @@ def test_every_rung_is_silent_at_setup_during_steps_and_on_resume(masters, state
         opt2.load_state_dict(saved_opt)
         amp2.load_state_dict(saved_amp)
         # the loaded state keeps its dtype and values (torch casts it to the fp32 stand-ins' dtype)
-        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(states(opt2), states(opt)))
+        assert all(
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(states(opt2), states(opt))
+        )
     else:
         amp2.load_state_dict(saved_amp)
         opt2.load_state_dict(saved_opt)

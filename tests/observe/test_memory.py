@@ -38,7 +38,9 @@ def test_breakdown_counts_tied_weights_once_and_by_dtype():
     emb = torch.nn.Embedding(100, 16)
     head = torch.nn.Linear(16, 100, bias=False)
     head.weight = emb.weight  # tied
-    m = torch.nn.ModuleDict({"emb": emb, "head": head, "extra": torch.nn.Linear(16, 16).to(torch.bfloat16)})
+    m = torch.nn.ModuleDict(
+        {"emb": emb, "head": head, "extra": torch.nn.Linear(16, 16).to(torch.bfloat16)}
+    )
     bd = breakdown(m)
     assert bd.cells[("parameters", "float32")] == 100 * 16 * 4
     assert bd.cells[("parameters", "bfloat16")] == (16 * 16 + 16) * 2
@@ -80,14 +82,21 @@ def test_activations_does_not_modify_model_or_leave_hooks():
     m = linear_stack()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     activations(m, torch.randn(4, 32), "bf16-pure")
-    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in m.state_dict().items())
+    assert all(
+        torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in m.state_dict().items()
+    )
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules())
 
 
 def test_activations_with_loss_fn_attributes_loss():
     m = linear_stack()
     y = torch.randint(0, 8, (16,))
-    r = activations(m, torch.randn(16, 32), "fp32", loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y))
+    r = activations(
+        m,
+        torch.randn(16, 32),
+        "fp32",
+        loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y),
+    )
     assert r.by_module.get("(loss)", 0) > 0
 
 

@@ -53,8 +53,21 @@ def test_one_record_per_step_with_fields():
     mon.flush()
     assert [r["step"] for r in mon.records] == list(range(1, 11))
     r = mon.records[3]
-    for key in ("schema_version", "type", "step", "time", "loss", "precision", "scale", "skipped", "grad_norm",
-                "lr", "step_time_ms", "peak_mem_bytes", "samples_per_s"):
+    for key in (
+        "schema_version",
+        "type",
+        "step",
+        "time",
+        "loss",
+        "precision",
+        "scale",
+        "skipped",
+        "grad_norm",
+        "lr",
+        "step_time_ms",
+        "peak_mem_bytes",
+        "samples_per_s",
+    ):
         assert key in r
     assert r["schema_version"] == SCHEMA_VERSION and r["precision"] == "fp16" and r["lr"] == 1e-3
     # the recorded loss is the window's mean loss
@@ -87,7 +100,9 @@ def test_no_per_step_sync_reads_in_batches(precision):
 @pytest.mark.cuda
 def test_no_per_step_sync_cuda():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+    ).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     amp = MixedPrecision("fp16", device="cuda", clip_grad_norm=1.0)
     model, opt = amp.setup(model, opt)
@@ -95,7 +110,9 @@ def test_no_per_step_sync_cuda():
     x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
     for i in range(12):
         if i >= 4:
-            torch.cuda.set_sync_debug_mode("error")  # any stream/device sync raises, flush steps included
+            torch.cuda.set_sync_debug_mode(
+                "error"
+            )  # any stream/device sync raises, flush steps included
         try:
             with amp.autocast():
                 loss = F.cross_entropy(model(x), y)
@@ -118,14 +135,34 @@ def test_overflow_events_with_scale_before_after():
     assert [e["step"] for e in ov] == [3, 6]
     assert ov[0]["scale_before"] == 1024.0 and ov[0]["scale_after"] == 512.0
     assert ov[1]["scale_before"] == 512.0 and ov[1]["scale_after"] == 256.0
-    assert [r["skipped"] for r in mon.records] == [False, False, True, False, False, True, False, False, False]
+    assert [r["skipped"] for r in mon.records] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
     s = mon.summary()
     assert s["skipped_steps"] == 2 and s["overflow_rate"] == pytest.approx(2 / 9)
     assert (s["scale_min"], s["scale_max"], s["scale_last"]) == (256.0, 1024.0, 256.0)
     assert s["scale_changes"] == 2 and s["events"]["overflow"] == 2
 
     # the interval's last record carries the scaler's growth tracker (finite steps since the last overflow)
-    assert [r.get("growth_tracker") for r in mon.records] == [None, None, 0, None, None, 0, None, None, 3]
+    assert [r.get("growth_tracker") for r in mon.records] == [
+        None,
+        None,
+        0,
+        None,
+        None,
+        0,
+        None,
+        None,
+        3,
+    ]
 
 
 def test_growth_tracker_counts_up_to_the_interval_then_the_scale_grows():
@@ -152,8 +189,17 @@ def test_switch_and_user_events_pass_through():
 
 
 def test_summary_percentiles():
-    recs = [{"type": "step", "step": i + 1, "precision": "fp32", "loss": 1.0, "step_time_ms": float(t),
-             "skipped": False} for i, t in enumerate([100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]
+    recs = [
+        {
+            "type": "step",
+            "step": i + 1,
+            "precision": "fp32",
+            "loss": 1.0,
+            "step_time_ms": float(t),
+            "skipped": False,
+        }
+        for i, t in enumerate([100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    ]
     s = summarize(recs)
     assert s["step_time_ms_median"] == 5.5  # the first (warm-up) step is left out
     assert s["step_time_ms_p90"] == pytest.approx(9.1)
@@ -215,7 +261,13 @@ def test_tensorboard_roundtrip(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("train/loss", "train/scale", "train/grad_norm", "train/step_time_ms", "train/skipped"):
+    for tag in (
+        "train/loss",
+        "train/scale",
+        "train/grad_norm",
+        "train/step_time_ms",
+        "train/skipped",
+    ):
         assert tag in tags
     losses = acc.Scalars("train/loss")
     # step 4's loss is inf: non-finite values are left out of TensorBoard (they wreck its plots)
@@ -237,7 +289,9 @@ def test_console_sink_shows_progress_and_summary():
     buf = io.StringIO()
     console = Console(file=buf, width=120, force_terminal=False)
     model, opt, amp = setup("fp16")
-    mon = Monitor(amp, [ConsoleSink(total_steps=6, console=console)], log_every=3, samples_per_step=8)
+    mon = Monitor(
+        amp, [ConsoleSink(total_steps=6, console=console)], log_every=3, samples_per_step=8
+    )
     train(model, opt, amp, 6)
     mon.close()
     out = buf.getvalue()
@@ -265,13 +319,21 @@ def test_threaded_writer_gives_the_same_records(tmp_path):
     logs = {}
     for threaded in (False, True):
         model, opt, amp = setup("fp16", init_scale=256.0)
-        mon = Monitor(amp, [JSONLSink(str(tmp_path / f"{threaded}.jsonl"))], log_every=3, threaded=threaded)
+        mon = Monitor(
+            amp, [JSONLSink(str(tmp_path / f"{threaded}.jsonl"))], log_every=3, threaded=threaded
+        )
         train(model, opt, amp, 10, bad={4})
         amp.record_event("checkpoint", path="x")
         mon.close()
-        logs[threaded] = [{k: v for k, v in r.items() if k not in ("time", "step_time_ms", "samples_per_s", "peak_mem_bytes")}
-                          for r in read_jsonl(str(tmp_path / f"{threaded}.jsonl"))
-                          if r["type"] == "step" or r["kind"] in ("overflow", "checkpoint")]
+        logs[threaded] = [
+            {
+                k: v
+                for k, v in r.items()
+                if k not in ("time", "step_time_ms", "samples_per_s", "peak_mem_bytes")
+            }
+            for r in read_jsonl(str(tmp_path / f"{threaded}.jsonl"))
+            if r["type"] == "step" or r["kind"] in ("overflow", "checkpoint")
+        ]
     assert logs[True] == logs[False]
     assert [r.get("kind") for r in logs[True] if r["type"] == "event"] == ["overflow", "checkpoint"]
 

@@ -14,6 +14,7 @@ def fp16_closure(model, x, y):
     def closure():
         with torch.autocast("cpu", dtype=torch.float16):
             return model(x, y)
+
     return closure
 
 
@@ -89,11 +90,14 @@ def test_grads_restored_and_hooks_removed_even_on_error():
         assert torch.equal(p.grad, before[n])
 
 
-@pytest.mark.parametrize("bad,msg", [
-    (lambda m, x: m(x), "scalar floating-point loss"),
-    (lambda m, x: torch.tensor(3), "scalar floating-point loss"),
-    (lambda m, x: m(x).sum().detach(), "does not require grad"),
-])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        (lambda m, x: m(x), "scalar floating-point loss"),
+        (lambda m, x: torch.tensor(3), "scalar floating-point loss"),
+        (lambda m, x: m(x).sum().detach(), "does not require grad"),
+    ],
+)
 def test_closure_errors(bad, msg):
     m = nn.Linear(4, 4)
     x = torch.randn(2, 4)
@@ -125,10 +129,14 @@ def test_audit_recommends_overflowing_layer_and_scale():
     assert rep.reference_dtype == "float64"
     assert rep.recommended_keep_fp32 == ["big"]
     top = rep.modules[0]
-    assert top.name == "big" and top.nonfinite and top.keep_fp32 and "non-finite output" in top.reasons
+    assert (
+        top.name == "big" and top.nonfinite and top.keep_fp32 and "non-finite output" in top.reasons
+    )
     # recommended init_scale keeps the largest reference gradient 8x below fp16 max
     assert rep.recommended_init_scale * rep.max_grad * 8 <= 65504
-    assert rep.recommended_init_scale * rep.max_grad * 16 > 65504 or rep.recommended_init_scale == 1.0
+    assert (
+        rep.recommended_init_scale * rep.max_grad * 16 > 65504 or rep.recommended_init_scale == 1.0
+    )
     # downstream modules are non-finite only because their input is: not recommended
     norm = next(m for m in rep.modules if m.name == "norm")
     assert not norm.keep_fp32 and "input already is" in norm.note
@@ -162,7 +170,9 @@ def test_audit_underflow_shares():
 
 
 def test_audit_flags_sensitive_types():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LayerNorm(144), nn.Softmax(dim=1))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LayerNorm(144), nn.Softmax(dim=1)
+    )
     rep = audit(model, torch.randn(2, 3, 8, 8), "bf16")
     notes = {m.type: m.note for m in rep.modules}
     assert "BatchNorm" in notes["BatchNorm2d"] and "reduction" in notes["Softmax"]
@@ -221,6 +231,10 @@ def test_diagnose_under_a_pure_precision_runs_the_fp32_reference_on_an_fp32_copy
     report = amp.diagnose(closure)
     assert report.found and report.phase == "forward" and report.module == "0"
     assert report.dtype == "bfloat16"
-    assert report.fp32_finite is False  # the fp32 re-run happened (None would mean it could not run)
+    assert (
+        report.fp32_finite is False
+    )  # the fp32 re-run happened (None would mean it could not run)
     assert "not a precision problem" in report.message or "fp32" in report.message
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the model itself is untouched
+    assert all(
+        p.dtype == torch.bfloat16 for p in model.parameters()
+    )  # the model itself is untouched

@@ -14,7 +14,9 @@ from ampkit.plan.depth import (
 from ampkit.plan.depth_plan import plan_precision, plan_precisions
 from ampkit.plan.session import Measure, Session
 
-TOLERANCE = 0.001  # stated: the extrapolated peak is within 0.1% of the full estimate (measured: 0 bytes)
+TOLERANCE = (
+    0.001  # stated: the extrapolated peak is within 0.1% of the full estimate (measured: 0 bytes)
+)
 
 
 def tokens(length):
@@ -38,15 +40,34 @@ def gpt_small_at(depth):
 def test_the_extrapolated_peak_is_the_full_estimate(precision, ckpt):
     batch_of = tokens(128)
     dfit = measure_depths(gpt_small_at(4), precision, batch_of, activation_checkpointing=ckpt)
-    small = measure_depths(gpt_small_at(4), precision, batch_of, activation_checkpointing=ckpt, batches=(2, 4, 5))
+    small = measure_depths(
+        gpt_small_at(4), precision, batch_of, activation_checkpointing=ckpt, batches=(2, 4, 5)
+    )
     for depth in (3, 6):
-        with Session(gpt_small_at(depth).factory(depth), "adamw", precision, activation_checkpointing=ckpt) as s:
-            for b in (2, 7, 40):  # 40: activations dominate; 2 (measured itself): the optimizer's phase can
+        with Session(
+            gpt_small_at(depth).factory(depth), "adamw", precision, activation_checkpointing=ckpt
+        ) as s:
+            for b in (
+                2,
+                7,
+                40,
+            ):  # 40: activations dominate; 2 (measured itself): the optimizer's phase can
                 m = s.measure(batch_of(b))  # hold the peak
                 got = (small if b == 2 else dfit).peak(depth, b)
-                assert abs(got - m.peak_bytes) <= TOLERANCE * m.peak_bytes, (depth, b, got, m.peak_bytes)
+                assert abs(got - m.peak_bytes) <= TOLERANCE * m.peak_bytes, (
+                    depth,
+                    b,
+                    got,
+                    m.peak_bytes,
+                )
                 parts = (small if b == 2 else dfit).parts(depth, b)
-                for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations"):
+                for k in (
+                    "parameters",
+                    "gradients",
+                    "master_weights",
+                    "optimizer_state",
+                    "activations",
+                ):
                     assert parts[k] == m.parts[k], (depth, b, k)
 
 
@@ -82,7 +103,9 @@ def test_plan_by_depth_is_the_exact_search(precision):
     assert by_depth.largest == exact.largest >= 8
     assert by_depth.largest_checkpointed == exact.largest_checkpointed > exact.largest
     assert by_depth.peak_bytes == exact.peak_bytes and by_depth.parts == exact.parts
-    if precision != "fp32":  # --verify once is enough here (tests/cli/test_plan.py runs it through the CLI)
+    if (
+        precision != "fp32"
+    ):  # --verify once is enough here (tests/cli/test_plan.py runs it through the CLI)
         return
     verified = plan_precision(factory, batch_of, budget, precision, 6, stack=st, verify=True)
     assert verified.method == "depth, verified" and verified.verified is True
@@ -103,8 +126,12 @@ def test_answers_below_the_measured_batches_are_the_exact_search_too():
     assert by_depth.method == "depth" and by_depth.largest == exact.largest == 2
     assert by_depth.largest_checkpointed == exact.largest_checkpointed
     assert by_depth.peak_bytes == exact.peak_bytes == one and by_depth.parts == exact.parts
-    rows = plan_precisions(factory, batch_of, budget, ["bf16", "fp16"], 2, stack=st)  # the twin from those fits
-    assert rows[0] == by_depth and rows[1].method == "depth, as bf16"  # (its shift at batches 1-3: the test below)
+    rows = plan_precisions(
+        factory, batch_of, budget, ["bf16", "fp16"], 2, stack=st
+    )  # the twin from those fits
+    assert (
+        rows[0] == by_depth and rows[1].method == "depth, as bf16"
+    )  # (its shift at batches 1-3: the test below)
     assert (rows[1].largest, rows[1].largest_checkpointed) == (2, by_depth.largest_checkpointed)
     assert 0 <= rows[1].peak_bytes - by_depth.peak_bytes <= 64  # at most the loss scaler's scalars
 
@@ -119,7 +146,9 @@ def test_a_twin_takes_the_first_rows_answers_only_where_its_check_measure_agrees
     with Session(factory, "adamw", "bf16") as s:
         one, two = s.measure(batch_of(2)).peak_bytes, s.measure(batch_of(3)).peak_bytes
     budget = one + int(9.5 * (two - one))
-    bf16, fp16, fp32 = plan_precisions(factory, batch_of, budget, ["bf16", "fp16", "fp32"], 6, stack=st)
+    bf16, fp16, fp32 = plan_precisions(
+        factory, batch_of, budget, ["bf16", "fp16", "fp32"], 6, stack=st
+    )
     assert (bf16.precision, bf16.method) == ("bf16", "depth")
     assert (fp16.precision, fp16.method) == ("fp16", "depth, as bf16")
     assert (fp16.largest, fp16.largest_checkpointed) == (bf16.largest, bf16.largest_checkpointed)
@@ -140,7 +169,9 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     fits = measure_both(st, first, batch_of, (False, True))
     own = measure_both(st, twin, batch_of, (False, True))
     label, shifted = twin_fits(st, twin, batch_of, fits, "adamw")
-    assert label == twin and any(any(f.offsets) for f in shifted.values())  # fp16 does differ, by a few bytes
+    assert label == twin and any(
+        any(f.offsets) for f in shifted.values()
+    )  # fp16 does differ, by a few bytes
     for c in (False, True):
         for depth in (1, 4, 12):
             for b in (4, 5, 9, 40):
@@ -154,17 +185,30 @@ def test_a_twins_shifted_fits_are_its_own_fits_at_every_depth_and_batch(first, t
     label, shifted_small = twin_fits(st, twin, batch_of, small, "adamw")
     for depth in (1, 4, 12):
         for b in (1, 2, 3):
-            assert shifted_small[False].peak(depth, b) == own_small[False].peak(depth, b), (depth, b)
+            assert shifted_small[False].peak(depth, b) == own_small[False].peak(depth, b), (
+                depth,
+                b,
+            )
 
 
 def fake_measure(peak, timeline, phases, parts_total):
-    parts = {"parameters": parts_total, "gradients": 0, "master_weights": 0, "optimizer_state": 0,
-             "activations": 0, "temporaries": peak - parts_total}
+    parts = {
+        "parameters": parts_total,
+        "gradients": 0,
+        "master_weights": 0,
+        "optimizer_state": 0,
+        "activations": 0,
+        "temporaries": peak - parts_total,
+    }
     return Measure("fp32", peak, parts, {}, tuple(timeline), tuple(phases))
 
 
 def test_depth_fit_refuses_what_it_cannot_reproduce():
-    ok = {(d, b): fake_measure(100 * d + 10 * b, [50, 100 * d + 10 * b, 60], (1, 2), 40) for d in (1, 2) for b in (2, 3)}
+    ok = {
+        (d, b): fake_measure(100 * d + 10 * b, [50, 100 * d + 10 * b, 60], (1, 2), 40)
+        for d in (1, 2)
+        for b in (2, 3)
+    }
     dfit = DepthFit(ok)
     assert dfit.peak(12, 5) == 100 * 12 + 10 * 5  # each phase affine in depth and batch
     assert dfit.largest(12, 1250, 1 << 16) == 5 and dfit.largest(12, 100, 1 << 16) == 1
@@ -179,6 +223,7 @@ def test_depth_fit_refuses_what_it_cannot_reproduce():
 def test_the_phases_can_change_which_holds_the_peak():
     """At 1-2 blocks the optimizer step holds the peak; deeper, the backward does: each phase is
     extrapolated, then the maximum taken (extrapolating the peak itself would miss)."""
+
     def m(d, b):
         backward, step = 30 * d + 5 * b, 80 + 10 * d
         return fake_measure(max(backward, step), [10, backward, step], (1, 2), 5)
@@ -209,12 +254,21 @@ def test_ladder_rungs_planned_from_their_precisions_fits_are_their_own_plans():
     rungs = ["bf16-pure:split", "bf16-pure:stochastic+bf16"]
     for budget in (one + int(9.5 * (two - one)), one + (two - one) // 2):
         rows = plan_precisions(factory, batch_of, budget, ["bf16-pure", *rungs], 2, stack=st)
-        assert [r.method for r in rows] == ["depth", "depth, rung of bf16-pure", "depth, rung of bf16-pure"]
+        assert [r.method for r in rows] == [
+            "depth",
+            "depth, rung of bf16-pure",
+            "depth, rung of bf16-pure",
+        ]
         for rung, row in zip(rungs, rows[1:]):
             own = plan_precision(factory, batch_of, budget, rung, 2, stack=st)
-            assert (row.largest, row.largest_checkpointed) == (own.largest, own.largest_checkpointed), rung
+            assert (row.largest, row.largest_checkpointed) == (
+                own.largest,
+                own.largest_checkpointed,
+            ), rung
             assert abs(row.peak_bytes - own.peak_bytes) <= TOLERANCE * own.peak_bytes, rung
             for k in ("parameters", "master_weights", "optimizer_state", "activations"):
                 assert row.parts[k] == own.parts[k], (rung, k)
-            assert (row.largest_in_backward, row.largest_in_backward_checkpointed) == \
-                (own.largest_in_backward, own.largest_in_backward_checkpointed), rung
+            assert (row.largest_in_backward, row.largest_in_backward_checkpointed) == (
+                own.largest_in_backward,
+                own.largest_in_backward_checkpointed,
+            ), rung

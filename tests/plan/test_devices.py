@@ -16,7 +16,13 @@ H100 = DEVICES["h100-80gb"]
 def test_block_bytes_follow_the_caching_allocator():
     """CUDACachingAllocator.cpp: every request rounded to 512 bytes; from kMinLargeAlloc (10 MiB) on,
     a segment of its own rounded to kRoundLarge (2 MiB) (torch's own test_graph_memory_stats cases)."""
-    assert [H100.block_bytes(n) for n in (0, 1, 512, 513, MiB + 1)] == [512, 512, 512, 1024, MiB + 512]
+    assert [H100.block_bytes(n) for n in (0, 1, 512, 513, MiB + 1)] == [
+        512,
+        512,
+        512,
+        1024,
+        MiB + 512,
+    ]
     assert H100.block_bytes(10 * MiB - 512) == 10 * MiB - 512  # cut from a shared 20 MiB segment
     assert H100.block_bytes(10 * MiB) == 10 * MiB and H100.block_bytes(10 * MiB + 512) == 12 * MiB
 
@@ -24,7 +30,9 @@ def test_block_bytes_follow_the_caching_allocator():
 def test_workspaces_and_budget(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert H100.workspace_bytes() == 2 * 32 * MiB  # :4096:8 per handle from Hopper on, two handles
-    assert DEVICES["a100-40gb"].workspace_bytes() == 2 * (4096 * 2 + 16 * 8) * 1024  # :4096:2:16:8 before
+    assert (
+        DEVICES["a100-40gb"].workspace_bytes() == 2 * (4096 * 2 + 16 * 8) * 1024
+    )  # :4096:2:16:8 before
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     assert H100.workspace_bytes() == 2 * 16 * 8 * 1024
     assert H100.budget() == int((H100.memory_bytes - CONTEXT_BYTES) * (1 - FRAGMENTATION))
@@ -45,7 +53,9 @@ def test_bad_device_names_list_the_valid_ones():
 
 
 def _gpt(dropout: float) -> torch.nn.Module:
-    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32, dropout=dropout))
+    return GPT(
+        GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32, dropout=dropout)
+    )
 
 
 def _batch(b: int = 2, t: int = 64):
@@ -60,7 +70,10 @@ def test_a_gpu_plan_counts_its_blocks_and_workspaces_from_this_cpu():
         cpu = s.measure(_batch())
     with plan_devices.use(H100), Session(lambda: _gpt(0.0), "adamw", "bf16") as s:
         gpu = s.measure(_batch())
-    assert gpu.parts["parameters"] == cpu.parts["parameters"] and gpu.parts["activations"] == cpu.parts["activations"]
+    assert (
+        gpu.parts["parameters"] == cpu.parts["parameters"]
+        and gpu.parts["activations"] == cpu.parts["activations"]
+    )
     assert gpu.peak_bytes >= cpu.peak_bytes + H100.workspace_bytes()
     assert all(g >= c + H100.workspace_bytes() for g, c in zip(gpu.timeline, cpu.timeline))
     assert plan_devices.current() is None  # the device was for the block only

@@ -38,8 +38,17 @@ def measured(name, size, precision, batch):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("name,size", [("gpt", "tiny"), ("gpt", "small"), ("mlp", "tiny"), ("mlp", "small"),
-                                       ("cnn", "tiny"), ("cnn", "small")])
+@pytest.mark.parametrize(
+    "name,size",
+    [
+        ("gpt", "tiny"),
+        ("gpt", "small"),
+        ("mlp", "tiny"),
+        ("mlp", "small"),
+        ("cnn", "tiny"),
+        ("cnn", "small"),
+    ],
+)
 @pytest.mark.slow
 def test_estimate_matches_a_real_run(name, size, precision):
     _, data = builtin(name, size, batch_size=2, seed=0)
@@ -47,10 +56,16 @@ def test_estimate_matches_a_real_run(name, size, precision):
     est = estimate(lambda: build(name, size), batch, precision=precision)
     static, acts = measured(name, size, precision, batch)
     for part in STATIC:
-        assert est.parts[part] == static.get(part, 0), part  # exact: the same accounting on fake tensors
+        assert est.parts[part] == static.get(part, 0), (
+            part
+        )  # exact: the same accounting on fake tensors
     assert abs(est.parts["activations"] - acts) <= 0.05 * acts
     assert est.peak_bytes >= sum(est.parts[p] for p in STATIC) + est.parts["activations"]
-    assert est.parts["master_weights"] > 0 if precision.endswith("-pure") else est.parts["master_weights"] == 0
+    assert (
+        est.parts["master_weights"] > 0
+        if precision.endswith("-pure")
+        else est.parts["master_weights"] == 0
+    )
 
 
 @pytest.mark.slow
@@ -63,7 +78,8 @@ def test_gpt2_124m_without_allocating_it(tmp_path):
         "x = torch.randint(0, 50304, (8, 1024))\n"
         "rows = {p: estimate(lambda: GPT(cfg), (x, x), precision=p).to_dict() for p in ('fp32', 'bf16-pure')}\n"
         "print(json.dumps({'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
-        " 'rows': rows}))\n")
+        " 'rows': rows}))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -72,8 +88,12 @@ def test_gpt2_124m_without_allocating_it(tmp_path):
     from ampkit.models.builtin import GPT, GPTConfig
 
     with torch.device("meta"):  # the parameter count, without allocating
-        n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12,
-                                                 n_embd=768)).parameters())
+        n = sum(
+            p.numel()
+            for p in GPT(
+                GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+            ).parameters()
+        )
     assert n > 120e6 and fp32["parts"]["parameters"] == 4 * n
     assert fp32["peak_bytes"] > 2**30  # far more than this process ever held
     assert pure["parts"]["parameters"] * 2 == fp32["parts"]["parameters"]  # bf16 weights
@@ -104,18 +124,39 @@ def test_largest_batch_fits_and_the_next_does_not():
 def test_plan_cli_and_bad_input(capsys):
     from ampkit.cli import main
 
-    assert main(["plan", "--model", "gpt", "--size", "tiny", "--memory", "24MiB", "--precisions", "fp32,bf16-pure",
-                 "--batch_size", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt",
+                "--size",
+                "tiny",
+                "--memory",
+                "24MiB",
+                "--precisions",
+                "fp32,bf16-pure",
+                "--batch_size",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     rows = {r["precision"]: r for r in out["rows"]}
     assert out["memory_bytes"] == 24 * 2**20
     assert rows["bf16-pure"]["largest_batch"] > rows["fp32"]["largest_batch"] >= 1
     assert rows["fp32"]["largest_batch_activation_checkpointing"] >= rows["fp32"]["largest_batch"]
     assert rows["bf16-pure"]["saving_vs_fp32"] > 0
-    for argv, says in ((["--memory", "8XB"], "memory size '8XB' is not understood"),
-                       (["--memory", "1GiB", "--device", "l4"], "choose cpu or one of: cuda")):  # (a budget
+    for argv, says in (
+        (["--memory", "8XB"], "memory size '8XB' is not understood"),
+        (["--memory", "1GiB", "--device", "l4"], "choose cpu or one of: cuda"),
+    ):  # (a budget
         # below the state alone is no error since issue 36: that row says why, tests/cli/test_plan.py)
-        assert main(["plan", "--model", "gpt", "--size", "tiny", "--precisions", "fp32", *argv]) == 2
+        assert (
+            main(["plan", "--model", "gpt", "--size", "tiny", "--precisions", "fp32", *argv]) == 2
+        )
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
 
@@ -125,9 +166,35 @@ def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     from ampkit.cli import main
     from ampkit.plan.estimate import largest_batch
 
-    common = ["train", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--steps", "2", "--json",
-              "--no-progress", "--precision", "fp32"]
-    assert main([*common, "--batch_size", "auto", "--memory_budget", "2MiB", "--log_dir", str(tmp_path / "a")]) == 0
+    common = [
+        "train",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--json",
+        "--no-progress",
+        "--precision",
+        "fp32",
+    ]
+    assert (
+        main(
+            [
+                *common,
+                "--batch_size",
+                "auto",
+                "--memory_budget",
+                "2MiB",
+                "--log_dir",
+                str(tmp_path / "a"),
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
 
     def batch_of(b):
@@ -138,11 +205,36 @@ def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     assert main([*common, "--batch_size", "auto", "--log_dir", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "--batch_size auto needs --memory_budget" in err and len(err.strip().splitlines()) == 1
-    assert main([*common, "--batch_size", "16", "--target_effective_batch_size", "64",
-                 "--log_dir", str(tmp_path / "c")]) == 0
+    assert (
+        main(
+            [
+                *common,
+                "--batch_size",
+                "16",
+                "--target_effective_batch_size",
+                "64",
+                "--log_dir",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
     assert (s["batch_size"], s["accumulation_steps"]) == (16, 4)
-    assert main([*common, "--batch_size", "auto", "--memory_budget", "8XB", "--log_dir", str(tmp_path / "d")]) == 2
+    assert (
+        main(
+            [
+                *common,
+                "--batch_size",
+                "auto",
+                "--memory_budget",
+                "8XB",
+                "--log_dir",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 2
+    )
     assert "memory size '8XB' is not understood" in capsys.readouterr().err
 
 
@@ -176,6 +268,22 @@ def test_plan_default_rows_are_every_precision_fp8_with_torchao(capsys):
     pytest.importorskip("torchao")
     from ampkit.cli import main
 
-    assert main(["plan", "--model", "mlp", "--size", "tiny", "--memory", "64MiB", "--batch_size", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--memory",
+                "64MiB",
+                "--batch_size",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = [r["precision"] for r in json.loads(capsys.readouterr().out)["rows"]]
     assert rows == ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"]

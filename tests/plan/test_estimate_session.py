@@ -21,7 +21,9 @@ def gpt():
 @pytest.mark.slow
 def test_a_session_measures_what_fresh_estimates_report(precision):
     with Session(gpt, "adamw", precision) as s:
-        measures = {b: s.measure(gpt_batch(b)) for b in (3, 1, 5)}  # any order: each step starts from the same state
+        measures = {
+            b: s.measure(gpt_batch(b)) for b in (3, 1, 5)
+        }  # any order: each step starts from the same state
     for b, m in measures.items():
         e = estimate(gpt, gpt_batch(b), precision=precision)
         assert m.peak_bytes == e.peak_bytes and m.parts == e.parts, b
@@ -40,6 +42,7 @@ def test_the_curve_from_two_measures_predicts_every_batch_exactly():
 
 def exhaustive(factory, batch_of, budget, precision, top=64):
     """The reference: a bisection over fresh estimates for the last batch in [1, top] that fits."""
+
     def fits(b):
         return estimate(factory, batch_of(b), precision=precision).peak_bytes <= budget
 
@@ -116,10 +119,21 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
 
     monkeypatch.setattr(estimate_session.Session, "__enter__", counting_enter)
     monkeypatch.setattr(estimate_session.Session, "measure", counting_measure)
-    args = argparse.Namespace(model="gpt", size="tiny", model_config=None, data=None, block_size=None,
-                              memory="8MiB", precisions="fp32,bf16", batch_size=4, json=True,
-                              workers=1)  # counted in this process (forked workers count in theirs)
-    monkeypatch.setattr(plan_cli, "_stack", lambda args: None)  # the full model measured (a user's model)
+    args = argparse.Namespace(
+        model="gpt",
+        size="tiny",
+        model_config=None,
+        data=None,
+        block_size=None,
+        memory="8MiB",
+        precisions="fp32,bf16",
+        batch_size=4,
+        json=True,
+        workers=1,
+    )  # counted in this process (forked workers count in theirs)
+    monkeypatch.setattr(
+        plan_cli, "_stack", lambda args: None
+    )  # the full model measured (a user's model)
     rows = plan_cli.plan_rows(args)
     assert counts["sessions"] == 4 and counts["measures"] <= 2 * (5 + 5)
     for r in rows:  # the answers are the exhaustive ones
@@ -128,13 +142,17 @@ def test_a_plan_row_builds_the_model_twice_and_measures_a_handful_of_batches(mon
     monkeypatch.undo()
     monkeypatch.setattr(estimate_session.Session, "__enter__", counting_enter)
     depths = []
-    monkeypatch.setattr(estimate_session.Session, "measure", lambda self, batch: (
-        depths.append(len(self.model.blocks)), measure(self, batch))[1])
+    monkeypatch.setattr(
+        estimate_session.Session,
+        "measure",
+        lambda self, batch: (depths.append(len(self.model.blocks)), measure(self, batch))[1],
+    )
     by_depth = plan_cli.plan_rows(args)  # gpt is a stack of blocks: 1- and 2-block copies only
     assert max(depths) == 2 and len(depths) <= 2 * 2 * (2 * 2)
     assert [r["largest_batch"] for r in by_depth] == [r["largest_batch"] for r in rows]
-    assert [r["largest_batch_activation_checkpointing"] for r in by_depth] == \
-        [r["largest_batch_activation_checkpointing"] for r in rows]
+    assert [r["largest_batch_activation_checkpointing"] for r in by_depth] == [
+        r["largest_batch_activation_checkpointing"] for r in rows
+    ]
     assert [r["peak_bytes"] for r in by_depth] == [r["peak_bytes"] for r in rows]
 
 
@@ -153,7 +171,11 @@ def test_checkpointing_switched_in_a_session_measures_what_a_fresh_session_does(
         fresh = s.measure(gpt_batch(5))
     assert (on.peak_bytes, on.parts, on.timeline) == (fresh.peak_bytes, fresh.parts, fresh.timeline)
     assert on.parts["activations"] < plain.parts["activations"]
-    assert (off.peak_bytes, off.parts, off.timeline) == (plain.peak_bytes, plain.parts, plain.timeline)
+    assert (off.peak_bytes, off.parts, off.timeline) == (
+        plain.peak_bytes,
+        plain.parts,
+        plain.timeline,
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"])
@@ -172,5 +194,10 @@ def test_the_cheap_warm_up_leaves_what_a_training_step_leaves(precision, monkeyp
         with Session(gpt, "adamw", precision, activation_checkpointing=True) as s:
             got[mode].append(s.measure(gpt_batch(3)))
     for a, b in zip(got["step"], got["cheap"]):
-        assert (a.peak_bytes, a.parts, a.by_dtype, a.timeline, a.phases) == \
-            (b.peak_bytes, b.parts, b.by_dtype, b.timeline, b.phases)
+        assert (a.peak_bytes, a.parts, a.by_dtype, a.timeline, a.phases) == (
+            b.peak_bytes,
+            b.parts,
+            b.by_dtype,
+            b.timeline,
+            b.phases,
+        )

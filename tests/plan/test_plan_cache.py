@@ -12,8 +12,21 @@ from ampkit.plan import session as estimate_session
 
 
 def _args(**kw):
-    base = dict(model="gpt", size="tiny", memory="24MiB", precisions="bf16,fp16", batch_size=4, json=True,
-                workers=1, seed=0, data=None, block_size=None, model_config=None, verify=False, no_cache=False)
+    base = dict(
+        model="gpt",
+        size="tiny",
+        memory="24MiB",
+        precisions="bf16,fp16",
+        batch_size=4,
+        json=True,
+        workers=1,
+        seed=0,
+        data=None,
+        block_size=None,
+        model_config=None,
+        verify=False,
+        no_cache=False,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -39,11 +52,15 @@ def test_a_repeat_plan_measures_nothing_and_answers_the_same(counted):
     assert counts["sessions"] == 2 + 1  # bf16 at depths 1 and 2; fp16 as bf16's twin
     files = sorted(where.glob("*.json"))
     assert len(files) == 2
-    again = plan_cli.plan_rows(_args(memory="32MiB", batch_size=6))  # another budget and batch: the same steps
+    again = plan_cli.plan_rows(
+        _args(memory="32MiB", batch_size=6)
+    )  # another budget and batch: the same steps
     assert counts["sessions"] == 3
     fresh = plan_cli.plan_rows(_args(memory="32MiB", batch_size=6, no_cache=True))
     assert counts["sessions"] == 6 and again == fresh
-    assert [r["largest_batch"] for r in again] != [r["largest_batch"] for r in first]  # the budget did change them
+    assert [r["largest_batch"] for r in again] != [
+        r["largest_batch"] for r in first
+    ]  # the budget did change them
     # a file that does not parse (or lost its entries) is measured again and replaced
     files[0].write_text("{not json")
     files[1].write_text(json.dumps({"measures": {}}))
@@ -58,20 +75,26 @@ def test_the_name_changes_with_what_the_measures_depend_on(monkeypatch, tmp_path
     with plan_cache.use(tmp_path):
         k = plan_cache.key("gpt", "bf16", "adamw", batch, depths=(1, 2))
         assert k == plan_cache.key("gpt", "bf16", "AdamW", batch, depths=(1, 2))
-        others = {plan_cache.key("gpt", "fp16", "adamw", batch, depths=(1, 2)),
-                  plan_cache.key("gpt2", "bf16", "adamw", batch, depths=(1, 2)),
-                  plan_cache.key("gpt", "bf16", "sgd", batch, depths=(1, 2)),
-                  plan_cache.key("gpt", "bf16", "adamw", (batch[0][:, :8], batch[1]), depths=(1, 2)),
-                  plan_cache.key("gpt", "bf16", "adamw", batch, depths=(1, 3))}
+        others = {
+            plan_cache.key("gpt", "fp16", "adamw", batch, depths=(1, 2)),
+            plan_cache.key("gpt2", "bf16", "adamw", batch, depths=(1, 2)),
+            plan_cache.key("gpt", "bf16", "sgd", batch, depths=(1, 2)),
+            plan_cache.key("gpt", "bf16", "adamw", (batch[0][:, :8], batch[1]), depths=(1, 2)),
+            plan_cache.key("gpt", "bf16", "adamw", batch, depths=(1, 3)),
+        }
         assert k not in others and len(others) == 5
-        assert plan_cache.key("gpt", "bf16", lambda p: torch.optim.SGD(p, lr=0.1), batch) is None  # a callable
+        assert (
+            plan_cache.key("gpt", "bf16", lambda p: torch.optim.SGD(p, lr=0.1), batch) is None
+        )  # a callable
         assert plan_cache.key("", "bf16", "adamw", batch) is None  # a model with no spec: not kept
     assert plan_cache.key("gpt", "bf16", "adamw", batch) is None  # outside use(): no cache
     monkeypatch.setenv("AMPKIT_PLAN_CACHE", "off")
     assert plan_cache.cache_dir() is None
     monkeypatch.delenv("AMPKIT_PLAN_CACHE")
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    assert plan_cache.cache_dir() == tmp_path / "plan"  # beside the measured auto choices and the native kernels
+    assert (
+        plan_cache.cache_dir() == tmp_path / "plan"
+    )  # beside the measured auto choices and the native kernels
     monkeypatch.delenv("AMPKIT_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert plan_cache.cache_dir() == tmp_path / "home" / ".cache" / "ampkit" / "plan"

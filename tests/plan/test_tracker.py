@@ -63,12 +63,20 @@ def _data(name, size, b):
     return builtin(name, size, batch_size=b, seed=0)[1](0)
 
 
-CASES = [("gpt", "tiny", "fp32", False), ("gpt", "tiny", "bf16", True), ("gpt", "tiny", "fp16", False),
-         ("gpt", "tiny", "bf16-pure", True), ("mlp", "small", "fp16-pure", False), ("cnn", "tiny", "bf16", False)]
+CASES = [
+    ("gpt", "tiny", "fp32", False),
+    ("gpt", "tiny", "bf16", True),
+    ("gpt", "tiny", "fp16", False),
+    ("gpt", "tiny", "bf16-pure", True),
+    ("mlp", "small", "fp16-pure", False),
+    ("cnn", "tiny", "bf16", False),
+]
 
 
 @pytest.mark.parametrize("name,size,precision,ckpt", CASES)
-def test_every_operation_leaves_the_bytes_memtracker_counts(name, size, precision, ckpt, monkeypatch):
+def test_every_operation_leaves_the_bytes_memtracker_counts(
+    name, size, precision, ckpt, monkeypatch
+):
     with Session(lambda: build(name, size), "adamw", precision, activation_checkpointing=ckpt) as s:
         ours, ref = _both(s, _data(name, size, 3), monkeypatch)
     assert len(ours.timeline) > 20 and max(ours.timeline) > 50_000
@@ -81,10 +89,14 @@ def test_every_operation_leaves_the_bytes_memtracker_counts(name, size, precisio
 def test_fp8_and_the_ladder_rungs_too(precision, monkeypatch):
     if precision == "fp8":
         pytest.importorskip("torchao")
-    with Session(lambda: build("gpt", "tiny"), "adamw", precision, activation_checkpointing=True) as s:
+    with Session(
+        lambda: build("gpt", "tiny"), "adamw", precision, activation_checkpointing=True
+    ) as s:
         ours, ref = _both(s, _data("gpt", "tiny", 4), monkeypatch)
     assert ours.timeline == ref.timeline and ours.peak_bytes == ref.peak_bytes
-    if precision == "fp8":  # the forward's bytes at the peak: MemTracker's ACT less the backward's 4-byte seed
+    if (
+        precision == "fp8"
+    ):  # the forward's bytes at the peak: MemTracker's ACT less the backward's 4-byte seed
         act, act_ref = ours.parts["activations"], ref.parts["activations"]
         assert 0 <= act_ref - act <= 8 and act > 100_000
     else:

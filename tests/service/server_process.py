@@ -22,9 +22,13 @@ def serve(data: str, *extra: str, env: dict | None = None, launcher: str = "") -
     port = free_port()
     env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice", **(env or {})}
     start = ["-c", launcher] if launcher else ["-m", "ampkit"]
-    proc = subprocess.Popen([sys.executable, *start, "serve", "--port", str(port), "--data_dir",
-                             data, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *start, "serve", "--port", str(port), "--data_dir", data, *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=ALICE)
     deadline = time.monotonic() + 90
     while True:

@@ -22,7 +22,9 @@ ALICE = {"Authorization": "Bearer tok-alice"}
 
 @pytest.mark.slow  # the run is a real `ampkit train` process
 def test_create_app_mounted_in_another_app_serves_and_runs(tmp_path):
-    amp_app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), poll_s=0.1), tokens={"tok-alice": "alice"})
+    amp_app = create_app(
+        ServiceConfig(data_dir=str(tmp_path / "svc"), poll_s=0.1), tokens={"tok-alice": "alice"}
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -40,11 +42,16 @@ def test_create_app_mounted_in_another_app_serves_and_runs(tmp_path):
         assert c.get("/own").json() == {"mine": True}
         assert c.get("/ampkit/health").status_code == 200
         assert c.get("/ampkit/v1/runs").status_code == 401  # the token still guards it
-        r = c.post("/ampkit/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=ALICE)
+        r = c.post(
+            "/ampkit/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=ALICE
+        )
         assert r.status_code == 201, r.text
         rid = r.json()["id"]
         deadline = time.monotonic() + 180
-        while (run := c.get(f"/ampkit/v1/runs/{rid}", headers=ALICE).json())["status"] not in ("succeeded", "failed"):
+        while (run := c.get(f"/ampkit/v1/runs/{rid}", headers=ALICE).json())["status"] not in (
+            "succeeded",
+            "failed",
+        ):
             assert time.monotonic() < deadline, run
             time.sleep(0.2)
         assert run["status"] == "succeeded", run
@@ -57,13 +64,21 @@ def test_optimized_honours_epochs_when_the_effective_batch_exceeds_the_data(tmp_
     pytest.importorskip("transformers")
     app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc")), tokens={"tok-alice": "alice"})
     c = TestClient(app)  # no lifespan: the runner does not start, the runs stay queued
-    body = {"model_name": "gpt2", "model_overrides": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64},
-            "dataset_config": {"texts": ["first text", "second text"], "max_length": 32},
-            "training_config": {"batch_size": 2}, "target_effective_batch_size": 8, "use_mixed_precision": False}
+    body = {
+        "model_name": "gpt2",
+        "model_overrides": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64},
+        "dataset_config": {"texts": ["first text", "second text"], "max_length": 32},
+        "training_config": {"batch_size": 2},
+        "target_effective_batch_size": 8,
+        "use_mixed_precision": False,
+    }
     got = {}
     for epochs in (1, 5, 16):
-        r = c.post("/finetuning/optimized", json={**body, "training_config": {"batch_size": 2, "epochs": epochs}},
-                   headers=ALICE)
+        r = c.post(
+            "/finetuning/optimized",
+            json={**body, "training_config": {"batch_size": 2, "epochs": epochs}},
+            headers=ALICE,
+        )
         assert r.status_code == 201, r.text
         out = r.json()
         assert out["effective_batch_size"] == 8 and out["epochs"] == epochs

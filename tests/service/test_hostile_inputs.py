@@ -24,13 +24,18 @@ ALICE = {"Authorization": "Bearer tok-alice"}
 BOB = {"Authorization": "Bearer tok-bob"}
 NUL, SURROGATE, LONG = "a\x00b", "a\ud800b", "x" * 200_000
 TEXTS = ["hello world", "second text"]
-GPT2 = {"model": "gpt2", "model_overrides": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}}
+GPT2 = {
+    "model": "gpt2",
+    "model_overrides": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64},
+}
 
 
 def post(c: TestClient, path: str, body: dict, headers: dict = ALICE):
     """POST ``body`` as JSON written with ensure_ascii (a lone surrogate travels as ``\\ud800``, as
     a hostile client sends it)."""
-    return c.post(path, content=json.dumps(body), headers={**headers, "content-type": "application/json"})
+    return c.post(
+        path, content=json.dumps(body), headers={**headers, "content-type": "application/json"}
+    )
 
 
 @pytest.fixture
@@ -48,17 +53,21 @@ def _is_422(r, *words: str) -> None:
 
 # --- 1. strings: NUL, lone surrogates, absurd lengths; the scheduler never wedges -----------------
 
+
 @pytest.mark.parametrize("bad", [NUL, SURROGATE, LONG], ids=["nul", "surrogate", "long"])
-@pytest.mark.parametrize("field,body", [
-    ("model_overrides", lambda v: {**GPT2, "model_overrides": {"summary_type": v}}),
-    ("model_overrides", lambda v: {**GPT2, "model_overrides": {v: 1}}),
-    ("user_id", lambda v: {"model": "mlp", "user_id": v}),
-    ("keep_fp32", lambda v: {"model": "mlp", "amp": {"keep_fp32": [v]}}),
-    ("amp", lambda v: {"model": "mlp", "amp": {v: 1}}),
-    ("model", lambda v: {"model": v}),
-    ("precision", lambda v: {"precision": v}),
-    ("device", lambda v: {"device": v}),
-])
+@pytest.mark.parametrize(
+    "field,body",
+    [
+        ("model_overrides", lambda v: {**GPT2, "model_overrides": {"summary_type": v}}),
+        ("model_overrides", lambda v: {**GPT2, "model_overrides": {v: 1}}),
+        ("user_id", lambda v: {"model": "mlp", "user_id": v}),
+        ("keep_fp32", lambda v: {"model": "mlp", "amp": {"keep_fp32": [v]}}),
+        ("amp", lambda v: {"model": "mlp", "amp": {v: 1}}),
+        ("model", lambda v: {"model": v}),
+        ("precision", lambda v: {"precision": v}),
+        ("device", lambda v: {"device": v}),
+    ],
+)
 def test_bad_strings_in_a_run_are_422_naming_the_field(client, bad, field, body):
     r = post(client, "/v1/runs", body(bad))
     _is_422(r, field)
@@ -78,15 +87,21 @@ def test_bad_strings_on_the_brief_routes_are_422(client, bad):
     _is_422(post(client, "/finetuning/mixed-precision", {**brief, "user_id": bad}), "user_id")
     _is_422(post(client, "/finetuning/optimized", {**brief, "device": bad}), "device")
     _is_422(post(client, "/finetuning/setup-mixed-precision", {"dtype": bad}), "dtype")
-    _is_422(post(client, "/finetuning/optimize-mixed-precision", {"gpu_memory_gb": 8, "model_name": bad}),
-            "model_name")
+    _is_422(
+        post(
+            client, "/finetuning/optimize-mixed-precision", {"gpu_memory_gb": 8, "model_name": bad}
+        ),
+        "model_name",
+    )
     _is_422(post(client, "/v1/recommend", {"precisions": bad}), "precisions")
 
 
 def test_a_stored_surrogate_does_not_break_the_listing(client):
     """A row written by an older server (before these checks) still lists and shows: no 500."""
     store = client.app.state.store
-    store.create("old1", "alice", "train", {"model": "mlp", "user_id": SURROGATE}, "/nonexistent/old1")
+    store.create(
+        "old1", "alice", "train", {"model": "mlp", "user_id": SURROGATE}, "/nonexistent/old1"
+    )
     r = client.get("/v1/runs", headers=ALICE)
     assert r.status_code == 200 and r.json()["runs"][0]["user_id"] == SURROGATE
     assert client.get("/v1/runs/old1", headers=ALICE).status_code == 200
@@ -101,7 +116,13 @@ def test_a_run_whose_launch_raises_fails_and_the_queue_moves_on(tmp_path, monkey
     monkeypatch.setattr(runner_mod, "command_for", _fake_command)
     store = Store(str(tmp_path))
     for i, model in enumerate([NUL, "x" * 3_000_000, "fine"]):  # oldest first: the bad ones lead
-        store.create(f"r{i}", "alice" if i < 2 else "bob", "recommend", {"model": model}, str(tmp_path / f"r{i}"))
+        store.create(
+            f"r{i}",
+            "alice" if i < 2 else "bob",
+            "recommend",
+            {"model": model},
+            str(tmp_path / f"r{i}"),
+        )
         time.sleep(0.01)
     for _ in range(2):  # the second Runner is a restarted server on the same store
         runner = Runner(store, max_concurrent=1, poll_s=0.05)
@@ -113,7 +134,9 @@ def test_a_run_whose_launch_raises_fails_and_the_queue_moves_on(tmp_path, monkey
             time.sleep(0.05)
     for i in range(2):
         bad = store.get(f"r{i}")
-        assert bad["status"] == "failed" and bad["error"].startswith("could not start"), bad["error"][:200]
+        assert bad["status"] == "failed" and bad["error"].startswith("could not start"), bad[
+            "error"
+        ][:200]
 
 
 def test_a_launch_error_with_a_surrogate_is_stored(tmp_path, monkeypatch):
@@ -132,13 +155,21 @@ def test_a_launch_error_with_a_surrogate_is_stored(tmp_path, monkeypatch):
 SMUGGLE = {"n_layer": 1, "n_embd": 32, "n_head": 2, "summary_type": "cls_index,vocab_size=2000000"}
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/finetuning/optimize-mixed-precision", {"model_name": "gpt2", "gpu_memory_gb": 8, "model_overrides": SMUGGLE}),
-    ("/finetuning/mixed-precision", {"model_name": "gpt2", "dataset_config": {"texts": TEXTS},
-                                     "model_overrides": SMUGGLE}),
-    ("/v1/runs", {"model": "gpt2", "model_overrides": SMUGGLE}),
-    ("/finetuning/setup-mixed-precision", {"model_overrides": SMUGGLE}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/finetuning/optimize-mixed-precision",
+            {"model_name": "gpt2", "gpu_memory_gb": 8, "model_overrides": SMUGGLE},
+        ),
+        (
+            "/finetuning/mixed-precision",
+            {"model_name": "gpt2", "dataset_config": {"texts": TEXTS}, "model_overrides": SMUGGLE},
+        ),
+        ("/v1/runs", {"model": "gpt2", "model_overrides": SMUGGLE}),
+        ("/finetuning/setup-mixed-precision", {"model_overrides": SMUGGLE}),
+    ],
+)
 def test_a_separator_inside_an_override_value_is_422(client, path, body):
     _is_422(post(client, path, body), "summary_type", "vocab_size=2000000")
 
@@ -161,66 +192,111 @@ def test_the_size_check_counts_the_config_the_run_builds(tmp_path):
     from ampkit.service.schemas import RunSpec
 
     spec = RunSpec(**GPT2).model_dump()
-    assert parse_overrides(run_tables(spec, str(tmp_path))["train"]["model_config"]) == spec["model_overrides"]
-    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), max_params=100_000), tokens=TOKENS)
-    r = post(TestClient(app), "/v1/runs", {**GPT2, "model_overrides": {**GPT2["model_overrides"], "n_layer": 4}})
+    assert (
+        parse_overrides(run_tables(spec, str(tmp_path))["train"]["model_config"])
+        == spec["model_overrides"]
+    )
+    app = create_app(
+        ServiceConfig(data_dir=str(tmp_path / "svc"), max_params=100_000), tokens=TOKENS
+    )
+    r = post(
+        TestClient(app),
+        "/v1/runs",
+        {**GPT2, "model_overrides": {**GPT2["model_overrides"], "n_layer": 4}},
+    )
     assert r.status_code == 422 and "over this server's limit" in r.text, r.text
 
 
 # --- 3. numbers, override names and config classes: 422 with the value, why and the choices --------
 
+
 def raw(c: TestClient, path: str, text: str, headers: dict = ALICE):
     return c.post(path, content=text, headers={**headers, "content-type": "application/json"})
 
 
-@pytest.mark.parametrize("text,words", [
-    ('{"lr": NaN}', ["lr", "finite"]),
-    ('{"lr": Infinity}', ["lr", "finite"]),
-    ('{"init_scale": 1e400}', ["init_scale", "finite"]),
-    ('{"max_seconds": Infinity}', ["max_seconds", "finite"]),
-    ('{"seed": 18446744073709551616}', ["seed", "9223372036854775807"]),
-    ('{"steps": true}', ["steps", "integer"]),
-    ('{"steps": "5"}', ["steps", "integer"]),
-    ('{"batch_size": 1e300}', ["batch_size"]),
-    ('{"save_model": 1}', ["save_model", "bool"]),
-    ('{"amp": {"growth_factor": NaN}}', ["amp", "finite"]),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ('{"lr": NaN}', ["lr", "finite"]),
+        ('{"lr": Infinity}', ["lr", "finite"]),
+        ('{"init_scale": 1e400}', ["init_scale", "finite"]),
+        ('{"max_seconds": Infinity}', ["max_seconds", "finite"]),
+        ('{"seed": 18446744073709551616}', ["seed", "9223372036854775807"]),
+        ('{"steps": true}', ["steps", "integer"]),
+        ('{"steps": "5"}', ["steps", "integer"]),
+        ('{"batch_size": 1e300}', ["batch_size"]),
+        ('{"save_model": 1}', ["save_model", "bool"]),
+        ('{"amp": {"growth_factor": NaN}}', ["amp", "finite"]),
+    ],
+)
 def test_bad_numbers_are_422(client, text, words):
     _is_422(raw(client, "/v1/runs", text), *words)
 
 
-@pytest.mark.parametrize("overrides,words", [
-    ({"n_layer": "--resume"}, ["n_layer", "--resume", "integer", "12"]),
-    ({"n_layer": 1e300}, ["n_layer", "1e+300", "integer"]),
-    ({"n_layer": True}, ["n_layer", "integer"]),
-    ({"layer_norm_epsilon": 1e300}, ["layer_norm_epsilon", "1e+300"]),
-    ({"__class__": 1}, ["__class__", "choose from", "n_layer"]),
-    ({"_attn_implementation": "eager"}, ["_attn_implementation", "choose from"]),
-    ({"dtype": "float16"}, ["dtype", "choose from"]),
-    ({"activation_function": "true"}, ["activation_function", "word"]),
-    ({"to_dict": 1}, ["to_dict", "choose from"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ({"n_layer": "--resume"}, ["n_layer", "--resume", "integer", "12"]),
+        ({"n_layer": 1e300}, ["n_layer", "1e+300", "integer"]),
+        ({"n_layer": True}, ["n_layer", "integer"]),
+        ({"layer_norm_epsilon": 1e300}, ["layer_norm_epsilon", "1e+300"]),
+        ({"__class__": 1}, ["__class__", "choose from", "n_layer"]),
+        ({"_attn_implementation": "eager"}, ["_attn_implementation", "choose from"]),
+        ({"dtype": "float16"}, ["dtype", "choose from"]),
+        ({"activation_function": "true"}, ["activation_function", "word"]),
+        ({"to_dict": 1}, ["to_dict", "choose from"]),
+    ],
+)
 def test_bad_overrides_are_422_with_the_choices(client, overrides, words):
     pytest.importorskip("transformers")
     body = {**GPT2, "model_overrides": {**GPT2["model_overrides"], **overrides}}
     _is_422(post(client, "/v1/runs", body), *words)
-    _is_422(post(client, "/finetuning/optimize-mixed-precision",
-                  {"gpu_memory_gb": 8, "model_name": "gpt2", "model_overrides": body["model_overrides"]}), *words)
+    _is_422(
+        post(
+            client,
+            "/finetuning/optimize-mixed-precision",
+            {"gpu_memory_gb": 8, "model_name": "gpt2", "model_overrides": body["model_overrides"]},
+        ),
+        *words,
+    )
 
 
-@pytest.mark.parametrize("model", ["transformers.AutoConfig", "transformers.GPTQConfig", "transformers.PretrainedConfig",
-                                   "torch.nn.Config", "os.path.Config"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "transformers.AutoConfig",
+        "transformers.GPTQConfig",
+        "transformers.PretrainedConfig",
+        "torch.nn.Config",
+        "os.path.Config",
+    ],
+)
 def test_config_classes_that_are_not_model_configs_are_422(client, model):
     pytest.importorskip("transformers")
     choices = "GPT2Config" if model.startswith("transformers.") else "transformers.<Name>Config"
     _is_422(post(client, "/v1/runs", {"model": model}), model.rsplit(".", 1)[1], choices)
-    _is_422(post(client, "/finetuning/optimize-mixed-precision", {"gpu_memory_gb": 8, "model_name": model}), choices)
+    _is_422(
+        post(
+            client,
+            "/finetuning/optimize-mixed-precision",
+            {"gpu_memory_gb": 8, "model_name": model},
+        ),
+        choices,
+    )
 
 
 def test_a_good_override_still_passes(client):
     pytest.importorskip("transformers")
-    body = {**GPT2, "model_overrides": {**GPT2["model_overrides"], "activation_function": "gelu",
-                                        "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False, "hidden_size": 32}}
+    body = {
+        **GPT2,
+        "model_overrides": {
+            **GPT2["model_overrides"],
+            "activation_function": "gelu",
+            "layer_norm_epsilon": 1e-6,
+            "tie_word_embeddings": False,
+            "hidden_size": 32,
+        },
+    }
     r = post(client, "/v1/runs", body)
     assert r.status_code == 201, r.text
 
@@ -228,26 +304,36 @@ def test_a_good_override_still_passes(client):
 BRIEF = {"model_name": "gpt2", "dataset_config": {"texts": TEXTS}}
 
 
-@pytest.mark.parametrize("path,text", [
-    ("/finetuning/mixed-precision", json.dumps({**BRIEF, "mixed_precision_config": {"init_scale": float("inf")}})),
-    ("/finetuning/mixed-precision", json.dumps({**BRIEF, "training_config": {"epochs": True}})),
-    ("/finetuning/mixed-precision", json.dumps({**BRIEF, "training_config": {"learning_rate": float("nan")}})),
-    ("/finetuning/optimized", json.dumps({**BRIEF, "target_effective_batch_size": 1e300})),
-    ("/finetuning/optimized", json.dumps({**BRIEF, "max_seconds": float("inf")})),
-    ("/finetuning/optimize-mixed-precision", '{"gpu_memory_gb": NaN}'),
-    ("/finetuning/optimize-mixed-precision", '{"gpu_memory_gb": 8, "batch_size": true}'),
-    ("/finetuning/setup-mixed-precision", '{"init_scale": 1e400}'),
-    ("/finetuning/setup-mixed-precision", '{"enabled": "yes"}'),
-    ("/v1/recommend", '{"max_seconds": Infinity}'),
-    ("/v1/recommend", '{"device": "tpu:9999999999999999999999"}'),
-    ("/v1/runs", '{"device": "cuda:99999999999999999999999"}'),
-])
+@pytest.mark.parametrize(
+    "path,text",
+    [
+        (
+            "/finetuning/mixed-precision",
+            json.dumps({**BRIEF, "mixed_precision_config": {"init_scale": float("inf")}}),
+        ),
+        ("/finetuning/mixed-precision", json.dumps({**BRIEF, "training_config": {"epochs": True}})),
+        (
+            "/finetuning/mixed-precision",
+            json.dumps({**BRIEF, "training_config": {"learning_rate": float("nan")}}),
+        ),
+        ("/finetuning/optimized", json.dumps({**BRIEF, "target_effective_batch_size": 1e300})),
+        ("/finetuning/optimized", json.dumps({**BRIEF, "max_seconds": float("inf")})),
+        ("/finetuning/optimize-mixed-precision", '{"gpu_memory_gb": NaN}'),
+        ("/finetuning/optimize-mixed-precision", '{"gpu_memory_gb": 8, "batch_size": true}'),
+        ("/finetuning/setup-mixed-precision", '{"init_scale": 1e400}'),
+        ("/finetuning/setup-mixed-precision", '{"enabled": "yes"}'),
+        ("/v1/recommend", '{"max_seconds": Infinity}'),
+        ("/v1/recommend", '{"device": "tpu:9999999999999999999999"}'),
+        ("/v1/runs", '{"device": "cuda:99999999999999999999999"}'),
+    ],
+)
 def test_bad_numbers_on_every_route_are_422(client, path, text):
     r = raw(client, path, text)
     assert r.status_code == 422, (r.status_code, r.text[:500])
 
 
 # --- 4. what used to be accepted and then fail at start is a 422 at submit --------------------------
+
 
 def test_cuda_on_a_server_without_cuda_is_422(client, monkeypatch):
     import torch
@@ -272,14 +358,19 @@ def test_keep_fp32_that_matches_no_module_is_422(client, model, extra):
     if model == "gpt2":
         pytest.importorskip("transformers")
     body = {"model": model, **extra}
-    _is_422(post(client, "/v1/runs", {**body, "amp": {"keep_fp32": ["no_such_module*"]}}), "keep_fp32",
-            "no_such_module*", "matches no module")
+    _is_422(
+        post(client, "/v1/runs", {**body, "amp": {"keep_fp32": ["no_such_module*"]}}),
+        "keep_fp32",
+        "no_such_module*",
+        "matches no module",
+    )
     good = {"mlp": ["*"], "gpt": ["torch.nn.LayerNorm"], "gpt2": ["*ln_f"]}[model]
     r = post(client, "/v1/runs", {**body, "amp": {"keep_fp32": good}})
     assert r.status_code == 201, r.text
 
 
 # --- 5. listings without texts, the queue cap per owner, a default max_seconds ---------------------
+
 
 @pytest.mark.slow
 def test_listings_do_not_carry_the_training_texts(client):
@@ -288,7 +379,11 @@ def test_listings_do_not_carry_the_training_texts(client):
     assert r.status_code == 201 and "some training text" not in r.text
     rid = r.json()["id"]
     listing = client.get("/v1/runs", headers=ALICE)
-    assert listing.status_code == 200 and "some training text" not in listing.text and len(listing.content) < 5_000
+    assert (
+        listing.status_code == 200
+        and "some training text" not in listing.text
+        and len(listing.content) < 5_000
+    )
     one = client.get(f"/v1/runs/{rid}", headers=ALICE).json()
     assert "texts" not in one["spec"] and one["texts_count"] == 20
     assert one["texts_bytes"] == sum(len(t.encode()) for t in big)
@@ -301,11 +396,15 @@ def test_the_queue_cap_is_per_owner(tmp_path):
     assert [post(c, "/v1/runs", {"steps": 1}).status_code for _ in range(3)] == [201, 201, 429]
     full = post(c, "/v1/runs", {"steps": 1})
     assert full.status_code == 429 and full.headers["retry-after"] and "per owner" in full.text
-    assert post(c, "/v1/runs", {"steps": 1}, headers=BOB).status_code == 201  # bob is not blocked by alice
+    assert (
+        post(c, "/v1/runs", {"steps": 1}, headers=BOB).status_code == 201
+    )  # bob is not blocked by alice
 
 
 def test_a_run_without_max_seconds_gets_the_servers_default(tmp_path):
-    c = TestClient(create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), max_seconds=600), tokens=TOKENS))
+    c = TestClient(
+        create_app(ServiceConfig(data_dir=str(tmp_path / "svc"), max_seconds=600), tokens=TOKENS)
+    )
     assert post(c, "/v1/runs", {"steps": 1}).json()["spec"]["max_seconds"] == 600
     assert post(c, "/v1/runs", {"steps": 1, "max_seconds": 5}).json()["spec"]["max_seconds"] == 5
     assert post(c, "/v1/recommend", {}).json()["spec"]["max_seconds"] == 600
@@ -314,25 +413,48 @@ def test_a_run_without_max_seconds_gets_the_servers_default(tmp_path):
 
 # --- on a real server: the bad-input sweep gets no 5xx, and another owner's run still succeeds ------
 
+
 def _sweep() -> list[tuple[str, str]]:
     """(path, raw JSON body): at least 30 hostile or malformed bodies over every submitting route."""
     bodies = []
     for bad in (NUL, SURROGATE, "x" * 200_000):
-        bodies += [("/v1/runs", json.dumps({**GPT2, "model_overrides": {"summary_type": bad}})),
-                   ("/v1/runs", json.dumps({"model": "mlp", "user_id": bad})),
-                   ("/v1/runs", json.dumps({"model": "mlp", "amp": {"keep_fp32": [bad]}})),
-                   ("/finetuning/mixed-precision", json.dumps({**BRIEF, "user_id": bad})),
-                   ("/finetuning/optimize-mixed-precision", json.dumps({"gpu_memory_gb": 8, "model_name": bad}))]
-    for text in ('{"lr": NaN}', '{"lr": Infinity}', '{"init_scale": 1e400}', '{"seed": 18446744073709551616}',
-                 '{"steps": true}', '{"max_seconds": Infinity}', '{"device": "cuda:99"}', '{"model": "cnn", "texts": ["ab"]}',
-                 '{"amp": {"keep_fp32": ["nothing_here"]}}', '{"model": "transformers.AutoConfig"}',
-                 '{"model": "transformers.GPTQConfig"}', '{"model": "gpt2", "model_overrides": {"__class__": 1}}',
-                 '{"model": "gpt2", "model_overrides": {"_attn_implementation": "x"}}',
-                 '{"model": "gpt2", "model_overrides": {"n_layer": "--resume"}}',
-                 '{"model": "gpt2", "model_overrides": {"n_layer": 1e300}}', '[]', '"x"', '{"amp": []}'):
+        bodies += [
+            ("/v1/runs", json.dumps({**GPT2, "model_overrides": {"summary_type": bad}})),
+            ("/v1/runs", json.dumps({"model": "mlp", "user_id": bad})),
+            ("/v1/runs", json.dumps({"model": "mlp", "amp": {"keep_fp32": [bad]}})),
+            ("/finetuning/mixed-precision", json.dumps({**BRIEF, "user_id": bad})),
+            (
+                "/finetuning/optimize-mixed-precision",
+                json.dumps({"gpu_memory_gb": 8, "model_name": bad}),
+            ),
+        ]
+    for text in (
+        '{"lr": NaN}',
+        '{"lr": Infinity}',
+        '{"init_scale": 1e400}',
+        '{"seed": 18446744073709551616}',
+        '{"steps": true}',
+        '{"max_seconds": Infinity}',
+        '{"device": "cuda:99"}',
+        '{"model": "cnn", "texts": ["ab"]}',
+        '{"amp": {"keep_fp32": ["nothing_here"]}}',
+        '{"model": "transformers.AutoConfig"}',
+        '{"model": "transformers.GPTQConfig"}',
+        '{"model": "gpt2", "model_overrides": {"__class__": 1}}',
+        '{"model": "gpt2", "model_overrides": {"_attn_implementation": "x"}}',
+        '{"model": "gpt2", "model_overrides": {"n_layer": "--resume"}}',
+        '{"model": "gpt2", "model_overrides": {"n_layer": 1e300}}',
+        "[]",
+        '"x"',
+        '{"amp": []}',
+    ):
         bodies.append(("/v1/runs", text))
-    bodies.append(("/finetuning/optimize-mixed-precision",
-                   json.dumps({"gpu_memory_gb": 8, "model_overrides": SMUGGLE})))
+    bodies.append(
+        (
+            "/finetuning/optimize-mixed-precision",
+            json.dumps({"gpu_memory_gb": 8, "model_overrides": SMUGGLE}),
+        )
+    )
     return bodies
 
 
@@ -352,14 +474,20 @@ def test_wedge_bodies_then_another_owners_run_succeeds(tmp_path):
     s = Server(str(tmp_path / "svc"))
     try:
         c = s.client
-        codes = [c.post(path, content=text, headers={**ALICE, "content-type": "application/json"}).status_code
-                 for path, text in _sweep()]
+        codes = [
+            c.post(
+                path, content=text, headers={**ALICE, "content-type": "application/json"}
+            ).status_code
+            for path, text in _sweep()
+        ]
         assert len(codes) >= 30 and all(400 <= code < 500 for code in codes), codes
         assert c.get("/v1/runs", headers=ALICE).json()["runs"] == []  # nothing bad was queued
         r = c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=BOB)
         assert r.status_code == 201, r.text
         deadline = time.monotonic() + 120
-        while (run := c.get(f"/v1/runs/{r.json()['id']}", headers=BOB).json())["status"] != "succeeded":
+        while (run := c.get(f"/v1/runs/{r.json()['id']}", headers=BOB).json())[
+            "status"
+        ] != "succeeded":
             assert run["status"] in ("queued", "running") and time.monotonic() < deadline, run
             time.sleep(0.2)
     finally:

@@ -69,7 +69,9 @@ def test_jobs_run_in_a_worker_process_and_identical_requests_hit_the_cache(jobs)
     assert jobs.cached(("pid",)) == ("succeeded", job["result"])
     assert jobs.wait(again, 30)["result"] == job["result"]
     bad = jobs.wait(jobs.submit("alice", ("neg",), "math:factorial", (-1,)), 60)
-    assert bad["status"] == "invalid" and "negative" in bad["error"]  # a ValueError: the client's error (422)
+    assert (
+        bad["status"] == "invalid" and "negative" in bad["error"]
+    )  # a ValueError: the client's error (422)
     assert jobs.get(bad["id"], "bob") is None and jobs.get(bad["id"], "alice") is bad
 
 
@@ -86,8 +88,15 @@ def test_a_job_past_the_time_limit_is_stopped_and_the_next_one_runs(jobs):
 
 
 # a byte-level GPT-2 small enough that the whole plan is a few dozen fake-tensor steps
-SMALL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64, "vocab_size": 256, "bos_token_id": 0,
-         "eos_token_id": 0}
+SMALL = {
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 2,
+    "n_positions": 64,
+    "vocab_size": 256,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 
 
 @pytest.mark.slow
@@ -118,13 +127,23 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
     try:
         # a server's first Hugging Face request imports transformers and its GPT-2 (~10 s here, once):
         # this one does, and is refused before any plan (a 175B config over the parameter cap)
-        huge = {"model_name": "gpt2", "gpu_memory_gb": 8, "model_overrides": {"n_layer": 96, "n_embd": 12288,
-                                                                              "n_head": 96}}
-        r = s.client.post("/finetuning/optimize-mixed-precision", json=huge, headers=ALICE, timeout=120)
+        huge = {
+            "model_name": "gpt2",
+            "gpu_memory_gb": 8,
+            "model_overrides": {"n_layer": 96, "n_embd": 12288, "n_head": 96},
+        }
+        r = s.client.post(
+            "/finetuning/optimize-mixed-precision", json=huge, headers=ALICE, timeout=120
+        )
         assert r.status_code == 422 and "over this server's limit" in r.text, r.text
         th.start()
-        body = {"model_name": "gpt2", "model_overrides": SMALL, "gpu_memory_gb": 0.02, "batch_size": 4,
-                "max_length": 64}
+        body = {
+            "model_name": "gpt2",
+            "model_overrides": SMALL,
+            "gpu_memory_gb": 0.02,
+            "batch_size": 4,
+            "max_length": 64,
+        }
         t = time.monotonic()
         r = s.client.post("/finetuning/optimize-mixed-precision", json=body, headers=ALICE)
         first_s = time.monotonic() - t
@@ -141,14 +160,21 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
         assert r.status_code == 200, r.text
         answer = r.json()
         rows = {row["precision"]: row for row in answer["recommendations"]}
-        assert set(rows) >= {"fp32", "bf16", "fp16"} and all(row["max_batch_size"] >= 1 for row in rows.values())
+        assert set(rows) >= {"fp32", "bf16", "fp16"} and all(
+            row["max_batch_size"] >= 1 for row in rows.values()
+        )
         t = time.monotonic()
         again = s.client.post("/finetuning/optimize-mixed-precision", json=body, headers=BOB)
         repeat_s = time.monotonic() - t
         assert again.status_code == 200, again.text
-        print(f"planner route: first answer in {first_s:.2f} s, "
-              f"repeat 200 (cached) in {repeat_s:.3f} s")
-        assert again.json()["cached"] is True and again.json()["recommendations"] == answer["recommendations"]
+        print(
+            f"planner route: first answer in {first_s:.2f} s, "
+            f"repeat 200 (cached) in {repeat_s:.3f} s"
+        )
+        assert (
+            again.json()["cached"] is True
+            and again.json()["recommendations"] == answer["recommendations"]
+        )
         # heavy work never in a request thread: the full 124M GPT-2 at 1024 tokens is a 202 at once
         # (after the route's short wait), two in flight per owner, the third a 429
         big = {"model_name": "gpt2", "gpu_memory_gb": 8, "max_length": 1024}
@@ -157,8 +183,11 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
         server_jobs().submit("(blocker)", ("sleep", 120), "time:sleep", (120,))
         for i, code in enumerate((202, 202, 429)):
             t = time.monotonic()
-            r = s.client.post("/finetuning/optimize-mixed-precision", json={**big, "batch_size": 8 + i},
-                              headers=ALICE)
+            r = s.client.post(
+                "/finetuning/optimize-mixed-precision",
+                json={**big, "batch_size": 8 + i},
+                headers=ALICE,
+            )
             assert r.status_code == code, r.text
             print(f"GPT-2 124M plan request {i}: {r.status_code} in {time.monotonic() - t:.2f} s")
         assert "Retry-After" in r.headers
@@ -170,5 +199,7 @@ def test_planner_route_answers_or_queues_repeats_from_cache_and_others_are_serve
         s.stop()
     lat.sort()
     p99 = lat[int(0.99 * (len(lat) - 1))]
-    print(f"other client: {len(lat)} requests, p50 {lat[len(lat) // 2] * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms")
+    print(
+        f"other client: {len(lat)} requests, p50 {lat[len(lat) // 2] * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms"
+    )
     assert codes and all(code == 200 for code in codes), codes  # answered all along (latency: docs)

@@ -21,12 +21,16 @@ COMMITTED = ROOT / "docs" / "reference" / "rest-api.md"
 
 @pytest.fixture(scope="module")
 def openapi(tmp_path_factory):
-    return create_app(ServiceConfig(data_dir=str(tmp_path_factory.mktemp("ref"))), tokens={}).openapi()
+    return create_app(
+        ServiceConfig(data_dir=str(tmp_path_factory.mktemp("ref"))), tokens={}
+    ).openapi()
 
 
 def test_the_committed_reference_is_the_generated_one(openapi):
     text = COMMITTED.read_text(encoding="utf-8")
-    assert text == rest_reference(openapi), "docs/reference/rest-api.md is out of date: run `python -m ampkit.cli.docs`"
+    assert text == rest_reference(openapi), (
+        "docs/reference/rest-api.md is out of date: run `python -m ampkit.cli.docs`"
+    )
     assert text == rest_reference()  # the default: the app's own description
 
 
@@ -38,7 +42,12 @@ def test_every_route_parameter_and_body_field_is_in_it(openapi):
             assert f"### `{method.upper()} {path}`" in text
             for p in op.get("parameters", []):
                 assert p["in"] == "path" or f"| `{p['name']}` |" in text
-            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            body = (
+                op.get("requestBody", {})
+                .get("content", {})
+                .get("application/json", {})
+                .get("schema")
+            )
             if body:
                 name = body["$ref"].rsplit("/", 1)[-1]
                 for field in schemas[name]["properties"]:
@@ -51,8 +60,13 @@ def test_every_route_parameter_and_body_field_is_in_it(openapi):
 def test_a_changed_route_or_field_makes_it_stale(openapi, tmp_path):
     before = rest_reference(openapi)
     added = copy.deepcopy(openapi)
-    added["components"]["schemas"]["RunSpec"]["properties"]["warmup_steps"] = {"type": "integer", "default": 0}
-    assert rest_reference(added) != before and "| `warmup_steps` | integer | `0` |" in rest_reference(added)
+    added["components"]["schemas"]["RunSpec"]["properties"]["warmup_steps"] = {
+        "type": "integer",
+        "default": 0,
+    }
+    assert rest_reference(
+        added
+    ) != before and "| `warmup_steps` | integer | `0` |" in rest_reference(added)
     bounds = copy.deepcopy(openapi)
     bounds["components"]["schemas"]["RunSpec"]["properties"]["steps"]["maximum"] = 10.0
     assert rest_reference(bounds) != before

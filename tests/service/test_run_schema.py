@@ -84,7 +84,9 @@ def _probes(name: str) -> list:
     for k in ("gt", "ge", "le", "lt"):
         if k in b:
             out += [b[k], step(b[k], -1), step(b[k], 1)]
-    return [kind(v) if kind is float and not isinstance(v, bool) and abs(v) < 1e300 else v for v in out]
+    return [
+        kind(v) if kind is float and not isinstance(v, bool) and abs(v) < 1e300 else v for v in out
+    ]
 
 
 @pytest.mark.parametrize("name", NUMBERS)
@@ -97,14 +99,18 @@ def test_every_number_the_service_takes_trains_and_only_its_caps_are_tighter(nam
         ok = _service_accepts(name, value)
         trained = _train({**RunSpec().model_dump(), name: value}, tmp_path)
         train_ok = not isinstance(trained, ValueError)
-        assert train_ok or not ok, f"{name}={value!r}: the service accepts it, ampkit train refuses: {trained}"
+        assert train_ok or not ok, (
+            f"{name}={value!r}: the service accepts it, ampkit train refuses: {trained}"
+        )
         if train_ok and not ok:
             upper = _bounds(name).get("le", _bounds(name).get("lt"))
-            assert upper is not None and value > upper, \
+            assert upper is not None and value > upper, (
                 f"{name}={value!r}: ampkit train accepts it, the service refuses it (a lower bound or type differs)"
+            )
             capped_above.append(value)
-    assert bool(capped_above) == (name in SERVICE_CAPS), \
+    assert bool(capped_above) == (name in SERVICE_CAPS), (
         f"{name}: SERVICE_CAPS must list exactly the fields whose upper bound training does not have"
+    )
 
 
 def test_choices_are_the_same_names():
@@ -119,7 +125,9 @@ def test_an_empty_request_trains_like_ampkit_train_but_for_the_listed_defaults(t
     args, config = _train(RunSpec().model_dump(), tmp_path)
     plain = PARSER.parse_args(["train"])
     differ = {k for k, v in vars(plain).items() if k != "config" and getattr(args, k) != v}
-    assert differ == set(SERVICE_DEFAULTS), "a RunSpec default differs from ampkit train's: list it with a reason"
+    assert differ == set(SERVICE_DEFAULTS), (
+        "a RunSpec default differs from ampkit train's: list it with a reason"
+    )
     for name, (value, why) in SERVICE_DEFAULTS.items():
         assert FIELDS[name].default == value == getattr(args, train_key(name)) and why
     assert config == engine_config(plain, frozenset(), {})

@@ -27,7 +27,9 @@ class Server:
     def __init__(self, data_dir: str, **config: object) -> None:
         self.port, self.data_dir = free_port(), data_dir
         app = create_app(ServiceConfig(data_dir=data_dir, poll_s=0.1, **config), tokens=TOKENS)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -93,8 +95,12 @@ def test_validation_is_4xx_with_the_cli_messages(server):
     assert c.post("/v1/runs", json={"model": "evil.module:f"}, headers=ALICE).status_code == 422
     assert c.post("/v1/runs", json={"steps": 0}, headers=ALICE).status_code == 422
     assert c.post("/v1/runs", json={"stepz": 5}, headers=ALICE).status_code == 422
-    assert c.post("/v1/runs", content=b"{not json", headers={**ALICE, "content-type": "application/json"}
-                  ).status_code == 422
+    assert (
+        c.post(
+            "/v1/runs", content=b"{not json", headers={**ALICE, "content-type": "application/json"}
+        ).status_code
+        == 422
+    )
     big = {"model": "mlp", "pad": "x" * (1 << 20)}
     assert c.post("/v1/runs", json=big, headers=ALICE).status_code == 413
     assert c.get("/v1/compare?ids=a", headers=ALICE).status_code == 422
@@ -106,15 +112,23 @@ def test_validation_is_4xx_with_the_cli_messages(server):
 @pytest.mark.slow
 def test_bf16_run_succeeds_with_paged_metrics_and_compares_with_fp32(server):
     c = server.client
-    ids = [c.post("/v1/runs", json={"model": "mlp", "steps": 30, "precision": p, "log_every": 5}, headers=ALICE
-                  ).json()["id"] for p in ("fp32", "bf16")]
+    ids = [
+        c.post(
+            "/v1/runs",
+            json={"model": "mlp", "steps": 30, "precision": p, "log_every": 5},
+            headers=ALICE,
+        ).json()["id"]
+        for p in ("fp32", "bf16")
+    ]
     runs = [server.wait(i, ("succeeded", "failed")) for i in ids]
     assert [r["status"] for r in runs] == ["succeeded", "succeeded"], runs
     assert runs[1]["summary"]["precision"] == "bf16" and runs[1]["summary"]["optimizer_steps"] == 30
     assert runs[1]["skipped_steps"] == 0
     records, after = [], 0
     while True:
-        page = c.get(f"/v1/runs/{ids[1]}/metrics", params={"after": after, "limit": 7}, headers=ALICE).json()
+        page = c.get(
+            f"/v1/runs/{ids[1]}/metrics", params={"after": after, "limit": 7}, headers=ALICE
+        ).json()
         records += page["records"]
         if not page["records"]:
             break
@@ -134,17 +148,30 @@ def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
     c = server.client
     long = {"model": "mlp", "steps": 1_000_000, "precision": "fp32"}
     first = c.post("/v1/runs", json=long, headers=ALICE).json()["id"]
-    second = c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=ALICE).json()["id"]
+    second = c.post(
+        "/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}, headers=ALICE
+    ).json()["id"]
     server.wait(first, ("running",), timeout=30)
     time.sleep(0.5)
-    assert c.get(f"/v1/runs/{second}", headers=ALICE).json()["status"] == "queued"  # max_concurrent=1
+    assert (
+        c.get(f"/v1/runs/{second}", headers=ALICE).json()["status"] == "queued"
+    )  # max_concurrent=1
     run = server.server.config.app.state.store.get(first)
     pid = run["pid"]
-    with open(f"/proc/{pid}/cmdline", "rb") as f:  # the run's settings travel in its run.toml, not as flags
+    with open(
+        f"/proc/{pid}/cmdline", "rb"
+    ) as f:  # the run's settings travel in its run.toml, not as flags
         argv = f.read().decode().split("\0")[:-1]
     d = run["run_dir"]
-    assert argv[argv.index("train") + 1:] == ["--config", f"{d}/run.toml", "--json", "--log_dir", f"{d}/log-0",
-                                              "--checkpoint_dir", f"{d}/ckpt"]
+    assert argv[argv.index("train") + 1 :] == [
+        "--config",
+        f"{d}/run.toml",
+        "--json",
+        "--log_dir",
+        f"{d}/log-0",
+        "--checkpoint_dir",
+        f"{d}/ckpt",
+    ]
     r = c.delete(f"/v1/runs/{first}", headers=ALICE)
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
     deadline = time.monotonic() + 120  # catches a process the cancel left running (not a timing)
@@ -158,7 +185,9 @@ def test_cancel_kills_the_process_group_and_queue_holds_the_next(server):
 @pytest.mark.slow
 def test_timeout_fails_the_run(server):
     c = server.client
-    rid = c.post("/v1/runs", json={"model": "mlp", "steps": 1_000_000, "max_seconds": 3}, headers=ALICE).json()["id"]
+    rid = c.post(
+        "/v1/runs", json={"model": "mlp", "steps": 1_000_000, "max_seconds": 3}, headers=ALICE
+    ).json()["id"]
     run = server.wait(rid, ("failed", "succeeded"), timeout=60)
     assert run["status"] == "failed" and run["error"].startswith("timeout")
 
@@ -169,6 +198,7 @@ def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path
     import subprocess
 
     data = str(tmp_path / "svc")
+
     def start() -> tuple[subprocess.Popen, httpx.Client]:
         return serve(data, "--max_concurrent", "2")
 
@@ -186,7 +216,9 @@ def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path
         wait(c, rid, "running")
     ckpt = os.path.join(data, "runs", lose, "ckpt")
     deadline = time.monotonic() + 60
-    while not (os.path.isdir(ckpt) and any(n.endswith(".pt") for n in os.listdir(ckpt))):  # past a checkpoint
+    while not (
+        os.path.isdir(ckpt) and any(n.endswith(".pt") for n in os.listdir(ckpt))
+    ):  # past a checkpoint
         assert time.monotonic() < deadline
         time.sleep(0.2)
     from ampkit.service.store import Store
@@ -216,8 +248,17 @@ def test_kill_9_and_restart_readopts_live_runs_and_interrupts_dead_ones(tmp_path
 @pytest.mark.slow
 def test_recommend_runs_tune_as_a_job(server):
     c = server.client
-    r = c.post("/v1/recommend", json={"model": "mlp", "size": "tiny", "steps": 3, "batch_size": 8,
-                                      "precisions": "fp32,bf16"}, headers=ALICE)
+    r = c.post(
+        "/v1/recommend",
+        json={
+            "model": "mlp",
+            "size": "tiny",
+            "steps": 3,
+            "batch_size": 8,
+            "precisions": "fp32,bf16",
+        },
+        headers=ALICE,
+    )
     assert r.status_code == 201 and r.json()["kind"] == "recommend"
     run = server.wait(r.json()["id"], ("succeeded", "failed"), timeout=180)
     assert run["status"] == "succeeded", run
@@ -225,7 +266,9 @@ def test_recommend_runs_tune_as_a_job(server):
     assert out["recommendation"]["precision"] in ("fp32", "bf16")
     assert {m["precision"] for m in out["bench"]["results"]} == {"fp32", "bf16"}
     assert all(m["step_ms"] > 0 for m in out["bench"]["results"])
-    assert c.post("/v1/recommend", json={"precisions": "fp32,fp12"}, headers=ALICE).status_code == 422
+    assert (
+        c.post("/v1/recommend", json={"precisions": "fp32,fp12"}, headers=ALICE).status_code == 422
+    )
 
 
 @pytest.mark.slow
@@ -238,7 +281,13 @@ def test_bounded_load_on_the_list_route(server):
 
     store = server.server.config.app.state.store
     seed_runs(store, 30, str(server.data_dir), owner="alice")
-    r = load(str(server.client.base_url).rstrip("/"), requests=200, clients=4, timeout_s=60, token="tok-alice")
+    r = load(
+        str(server.client.base_url).rstrip("/"),
+        requests=200,
+        clients=4,
+        timeout_s=60,
+        token="tok-alice",
+    )
     assert r["requests"] == 200 and r["errors"] == 0, r  # (its latency: docs/benchmarks.md)
 
 
@@ -247,16 +296,27 @@ def test_precision_config_reaches_the_run(server):
     """`amp` carries MixedPrecisionConfig fields to the run (the [amp] table of its run.toml): growth every 3
     finite steps from 1024 gives 8192 after 9 fp16 steps (torch's default interval would give 1024)."""
     c = server.client
-    r = c.post("/v1/runs", json={"model": "mlp", "steps": 9, "precision": "fp16", "init_scale": 1024,
-                                 "amp": {"growth_interval": 3, "hysteresis": 2, "keep_fp32": ["net.0"]}},
-               headers=ALICE)
+    r = c.post(
+        "/v1/runs",
+        json={
+            "model": "mlp",
+            "steps": 9,
+            "precision": "fp16",
+            "init_scale": 1024,
+            "amp": {"growth_interval": 3, "hysteresis": 2, "keep_fp32": ["net.0"]},
+        },
+        headers=ALICE,
+    )
     assert r.status_code == 201, r.text
     run = server.wait(r.json()["id"], ("succeeded", "failed"))
     assert run["status"] == "succeeded", run
     s = run["summary"]
     assert s["skipped_steps"] == 0 and s["final_scale"] == 1024 * 2**3
-    for bad, says in (({"growth_intervall": 3}, "growth_intervall"), ({"precision": "bf16"}, "run's own field"),
-                      ({"growth_factor": 0.5}, "growth_factor")):
+    for bad, says in (
+        ({"growth_intervall": 3}, "growth_intervall"),
+        ({"precision": "bf16"}, "run's own field"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+    ):
         r = c.post("/v1/runs", json={"model": "mlp", "amp": bad}, headers=ALICE)
         assert r.status_code == 422 and says in r.text, r.text
 

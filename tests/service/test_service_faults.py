@@ -59,11 +59,12 @@ def _queue(store: Store, run_id: str, spec: dict, data_dir: str) -> dict:
 
 # --- section 3: damaged files are detected, never used ---------------------------------------------
 
+
 def _cut_at_line(path: str, key: str) -> None:
     """Keep the lines of ``path`` up to (not including) the one that starts with ``key``: TOML still."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines(keepends=True)
-    keep = lines[:next(i for i, ln in enumerate(lines) if ln.startswith(key))]
+    keep = lines[: next(i for i, ln in enumerate(lines) if ln.startswith(key))]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(keep)
 
@@ -76,8 +77,10 @@ def test_a_cut_run_file_and_an_empty_database_are_each_reported_and_never_used(t
     from tests.service.test_service_runfile import _subparser
 
     # a run file cut at a line boundary is still TOML (4 steps of 40): `ampkit train --config` refuses it
-    path = write_run_file(RunSpec(model="mlp", steps=40, batch_size=4, log_every=1).model_dump(),
-                          str(tmp_path / "run"))
+    path = write_run_file(
+        RunSpec(model="mlp", steps=40, batch_size=4, log_every=1).model_dump(),
+        str(tmp_path / "run"),
+    )
     sub = _subparser("train")
     assert read_config_file(sub, path).train["steps"] == 40  # whole: read as before
     _cut_at_line(path, "steps")
@@ -95,7 +98,9 @@ def test_a_cut_run_file_and_an_empty_database_are_each_reported_and_never_used(t
     with pytest.raises(OSError) as e:  # DamagedStore
         Store(str(data))
     msg = str(e.value)
-    assert str(data / "ampkit.db") in msg and "empty" in msg and "backup" in msg and "move it" in msg, msg
+    assert (
+        str(data / "ampkit.db") in msg and "empty" in msg and "backup" in msg and "move it" in msg
+    ), msg
     assert (data / "ampkit.db").stat().st_size == 0
     (data / "ampkit.db").write_bytes(b"not a database at all" * 100)
     with pytest.raises(OSError, match="not an SQLite database"):
@@ -122,7 +127,12 @@ def test_a_new_store_is_whole_and_reopens(tmp_path):
     store = Store(str(tmp_path / "svc"))
     store.create("r0", "alice", "train", {"model": "mlp"}, str(tmp_path / "r0"))
     assert Store(str(tmp_path / "svc")).get("r0")["owner"] == "alice"
-    assert sorted(os.listdir(tmp_path / "svc")) == ["ampkit.db", "ampkit.db-shm", "ampkit.db-wal", "runs"]
+    assert sorted(os.listdir(tmp_path / "svc")) == [
+        "ampkit.db",
+        "ampkit.db-shm",
+        "ampkit.db-wal",
+        "runs",
+    ]
 
 
 def test_the_runner_refuses_a_cut_run_file(tmp_path):
@@ -135,6 +145,7 @@ def test_the_runner_refuses_a_cut_run_file(tmp_path):
 
 
 # --- section 4: the service keeps serving through faults ---------------------------------------------
+
 
 class _FullDisk:
     """A writer on a full disk: every write raises ENOSPC."""
@@ -156,8 +167,18 @@ def test_a_disk_full_episode_does_not_end_the_scheduler(tmp_path, monkeypatch):
     """While the disk is full the database cannot be written and neither can the log: the run that
     failed meanwhile is recorded failed once there is room, and the run queued behind it starts."""
     store = Store(str(tmp_path))
-    bad = _queue(store, "a", {"model": "gpt", "texts": ["hello there", "general kenobi"], "max_length": 8,
-                              "steps": 2, "precision": "fp32"}, str(tmp_path))
+    bad = _queue(
+        store,
+        "a",
+        {
+            "model": "gpt",
+            "texts": ["hello there", "general kenobi"],
+            "max_length": 8,
+            "steps": 2,
+            "precision": "fp32",
+        },
+        str(tmp_path),
+    )
     os.unlink(os.path.join(bad["run_dir"], TEXTS_FILE))  # its process fails at start (no data file)
     time.sleep(0.01)
     _queue(store, "b", {"model": "mlp", "steps": 1, "precision": "fp32"}, str(tmp_path))
@@ -181,18 +202,24 @@ def test_a_disk_full_episode_does_not_end_the_scheduler(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "stderr", _FullDisk())
         _wait(lambda: not runner_mod._alive(pid, bad["run_dir"]), why="run a's process did not end")
         _wait(lambda: runner.unrecorded.get("a"), why="the runner never saw run a end")
-        time.sleep(1.0)  # ~20 ticks with the disk full (not a duration check: the assertions hold at any speed)
+        time.sleep(
+            1.0
+        )  # ~20 ticks with the disk full (not a duration check: the assertions hold at any speed)
         assert runner._thread.is_alive(), "the scheduler thread ended"
         assert runner.scheduler()["alive"] and runner.scheduler()["error"], runner.scheduler()
         assert store.get("a")["status"] == "running"  # not written yet: the disk is full
         full["on"] = False
         monkeypatch.setattr(sys, "stderr", sys.__stderr__)
-        _wait(lambda: store.get("b")["status"] in ("succeeded", "failed"),
-              why=f"run b never ran after the episode: {store.get('b')}")
+        _wait(
+            lambda: store.get("b")["status"] in ("succeeded", "failed"),
+            why=f"run b never ran after the episode: {store.get('b')}",
+        )
         a, b = store.get("a"), store.get("b")
         assert a["status"] == "failed" and TEXTS_FILE in (a["error"] or ""), a
         assert b["status"] == "succeeded", b
-        assert runner.scheduler()["alive"] and runner.scheduler()["error"] is None, runner.scheduler()
+        assert runner.scheduler()["alive"] and runner.scheduler()["error"] is None, (
+            runner.scheduler()
+        )
     finally:
         log.removeHandler(handler)
         runner.stop()
@@ -210,15 +237,22 @@ def test_health_says_whether_the_scheduler_is_alive(tmp_path):
         app.state.runner.stop()  # the scheduler thread ends (as one killed by an error would)
         r = c.get("/health")
         assert r.status_code == 503, r.text
-        assert r.json()["status"] == "degraded" and r.json()["scheduler"]["alive"] is False, r.json()
+        assert r.json()["status"] == "degraded" and r.json()["scheduler"]["alive"] is False, (
+            r.json()
+        )
 
 
 def _start_serve(data: str) -> subprocess.Popen:
     from tests.support.dist_helpers import free_port
 
     env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice"}
-    return subprocess.Popen([sys.executable, "-m", "ampkit", "serve", "--port", str(free_port()), "--data_dir", data],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ampkit", "serve", "--port", str(free_port()), "--data_dir", data],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
@@ -237,7 +271,11 @@ def test_a_second_server_on_one_data_dir_is_refused(tmp_path):
             end(second)
         err = err.decode()
         assert second.returncode == 2, err[-2000:]
-        assert os.path.realpath(data) in err and f"pid {first.pid}" in err and "another ampkit server" in err, err
+        assert (
+            os.path.realpath(data) in err
+            and f"pid {first.pid}" in err
+            and "another ampkit server" in err
+        ), err
         assert client.get("/health").status_code == 200  # the first keeps serving
     finally:
         client.close()
@@ -252,13 +290,19 @@ def test_the_lock_is_shared_within_a_process_and_refused_across(tmp_path):
 
     key = lock.hold(str(tmp_path))
     again = lock.hold(str(tmp_path))  # an embedded app and serve() in one process share it
-    code = ("import sys; from ampkit.service import lock\n"
-            "try:\n    lock.hold(sys.argv[1])\nexcept lock.DataDirBusy as e:\n    print(e); sys.exit(3)\n")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; from ampkit.service import lock\n"
+        "try:\n    lock.hold(sys.argv[1])\nexcept lock.DataDirBusy as e:\n    print(e); sys.exit(3)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 3 and f"pid {os.getpid()}" in out.stdout, (out.stdout, out.stderr)
     lock.release(again)
     lock.release(key)
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, (out.stdout, out.stderr)
 
 
@@ -275,7 +319,9 @@ def test_serve_refuses_an_empty_database(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 2 and str(data / "ampkit.db") in err.decode() and "empty" in err.decode(), err
+    assert (
+        proc.returncode == 2 and str(data / "ampkit.db") in err.decode() and "empty" in err.decode()
+    ), err
     assert (data / "ampkit.db").stat().st_size == 0
 
 
@@ -298,21 +344,33 @@ def test_a_deep_config_is_sized_without_building_its_blocks(tmp_path, monkeypatc
     monkeypatch.setattr(modeling_gpt2.GPT2Block, "__init__", counted)
     deps.hf_parameters.cache_clear()
     n = deps.hf_parameters("gpt2", (("n_layer", 8000),))
-    d, v, pos = 768, 50257, 1024  # GPT-2's own arithmetic: embeddings, 8000 blocks, the final norm (head tied)
+    d, v, pos = (
+        768,
+        50257,
+        1024,
+    )  # GPT-2's own arithmetic: embeddings, 8000 blocks, the final norm (head tied)
     assert n == v * d + pos * d + 8000 * (12 * d * d + 13 * d) + 2 * d
     assert len(built) <= 6, f"{len(built)} GPT-2 blocks built to count the parameters"
     app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc")), tokens=TOKENS)
-    r = TestClient(app).post("/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layer": 8000}},
-                             headers=ALICE)
+    r = TestClient(app).post(
+        "/v1/runs", json={"model": "gpt2", "model_overrides": {"n_layer": 8000}}, headers=ALICE
+    )
     assert r.status_code == 422 and "over this server's limit" in r.text, r.text
     assert len(built) <= 6
 
 
 # every request model, with the least body it takes
-BODIES = {RunSpec: {}, RecommendSpec: {}, MixedPrecisionBody: {}, SetupBody: {},
-          DatasetConfig: {"texts": ["ab"]}, TrainingConfig: {},
-          TrainBody: {"dataset_config": {"texts": ["ab"]}}, OptimizedBody: {"dataset_config": {"texts": ["ab"]}},
-          OptimizeBody: {"gpu_memory_gb": 8}}
+BODIES = {
+    RunSpec: {},
+    RecommendSpec: {},
+    MixedPrecisionBody: {},
+    SetupBody: {},
+    DatasetConfig: {"texts": ["ab"]},
+    TrainingConfig: {},
+    TrainBody: {"dataset_config": {"texts": ["ab"]}},
+    OptimizedBody: {"dataset_config": {"texts": ["ab"]}},
+    OptimizeBody: {"gpu_memory_gb": 8},
+}
 
 
 def _numbers(annotation: object) -> bool:
@@ -344,8 +402,11 @@ def test_bool_lr_and_max_seconds_are_422(tmp_path):
     for body in ({"lr": True}, {"max_seconds": True}, {"weight_decay": False}):
         r = c.post("/v1/runs", json={"model": "mlp", **body}, headers=ALICE)
         assert r.status_code == 422 and next(iter(body)) in r.text, r.text
-    r = c.post("/finetuning/mixed-precision", headers=ALICE,
-               json={"dataset_config": {"texts": ["ab"]}, "training_config": {"learning_rate": True}})
+    r = c.post(
+        "/finetuning/mixed-precision",
+        headers=ALICE,
+        json={"dataset_config": {"texts": ["ab"]}, "training_config": {"learning_rate": True}},
+    )
     assert r.status_code == 422 and "learning_rate" in r.text, r.text
 
 
@@ -361,6 +422,7 @@ def test_a_new_data_dir_is_private(tmp_path):
 
 
 # --- section 5: memory_savings_gb for every finished run ------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_worker_that_cannot_start_does_not_stop_the_next_job(monkeypatch):
@@ -386,6 +448,8 @@ def test_a_worker_that_cannot_start_does_not_stop_the_next_job(monkeypatch):
         first = jobs.wait(jobs.submit("x", "k1", "os.path:join", ("a", "b")), 120)
         assert first["status"] == "failed" and "cannot start" in first["error"], first
         second = jobs.wait(jobs.submit("x", "k2", "os.path:join", ("a", "b")), 300)
-        assert second["status"] == "succeeded" and second["result"] == os.path.join("a", "b"), second
+        assert second["status"] == "succeeded" and second["result"] == os.path.join("a", "b"), (
+            second
+        )
     finally:
         jobs.close()

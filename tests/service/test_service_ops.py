@@ -42,15 +42,25 @@ class Server:
     def __init__(self, data_dir: str, header_timeout: float = 10.0, **config: object) -> None:
         self.port, self.data_dir = free_port(), data_dir
         self.app = create_app(ServiceConfig(data_dir=data_dir, poll_s=0.1, **config), tokens=TOKENS)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    http=guarded_protocol(header_timeout), timeout_keep_alive=1))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                http=guarded_protocol(header_timeout),
+                timeout_keep_alive=1,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30, headers=ALICE)
+        self.client = httpx.Client(
+            base_url=f"http://127.0.0.1:{self.port}", timeout=30, headers=ALICE
+        )
 
     def wait(self, run_id: str, statuses: tuple[str, ...], timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
@@ -99,6 +109,7 @@ def _pid_of(run_id: str) -> int | None:
 
 # --- 3. restart recovery and resume ---------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_run_that_finished_while_the_server_was_down_is_succeeded_with_its_summary(tmp_path):
     from ampkit.service.store import Store
@@ -106,12 +117,16 @@ def test_a_run_that_finished_while_the_server_was_down_is_succeeded_with_its_sum
     data = str(tmp_path / "svc")
     proc, c = _serve(data)
     try:
-        rid = c.post("/v1/runs", json={"model": "mlp", "steps": 40, "precision": "fp32"}).json()["id"]
+        rid = c.post("/v1/runs", json={"model": "mlp", "steps": 40, "precision": "fp32"}).json()[
+            "id"
+        ]
         deadline = time.monotonic() + 60
         while (pid := Store(data).get(rid)["pid"]) is None:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGKILL)  # the server dies; the run (its own session) goes on and finishes
+        os.kill(
+            proc.pid, signal.SIGKILL
+        )  # the server dies; the run (its own session) goes on and finishes
         proc.wait(timeout=10)
     finally:
         _end(proc)
@@ -125,7 +140,11 @@ def test_a_run_that_finished_while_the_server_was_down_is_succeeded_with_its_sum
     try:
         run = c.get(f"/v1/runs/{rid}").json()
         assert run["status"] == "succeeded", run
-        assert run["summary"]["optimizer_steps"] == 40 and run["summary"]["final_loss"] > 0 and run["error"] is None
+        assert (
+            run["summary"]["optimizer_steps"] == 40
+            and run["summary"]["final_loss"] > 0
+            and run["error"] is None
+        )
     finally:
         _end(proc)
         c.close()
@@ -137,8 +156,14 @@ def test_fallback_then_cancel_then_resume_continues_in_bf16_and_succeeds(tmp_pat
     factory = "tests.service.unstable_factory:make"
     s = Server(str(tmp_path / "svc"), allowed_factories=(factory,))
     try:
-        spec = {"model": factory, "precision": "fp16", "init_scale": 65536.0, "steps": 400, "checkpoint_every": 20,
-                "amp": {"fallback": "fp16,bf16"}}
+        spec = {
+            "model": factory,
+            "precision": "fp16",
+            "init_scale": 65536.0,
+            "steps": 400,
+            "checkpoint_every": 20,
+            "amp": {"fallback": "fp16,bf16"},
+        }
         r = s.client.post("/v1/runs", json=spec)
         assert r.status_code == 201, r.text
         rid = r.json()["id"]
@@ -147,7 +172,11 @@ def test_fallback_then_cancel_then_resume_continues_in_bf16_and_succeeds(tmp_pat
         while True:  # fell back, and a checkpoint after the fallback exists
             run = s.client.get(f"/v1/runs/{rid}").json()
             fell = [e["step"] for e in run.get("events", []) if e.get("kind") == "fallback"]
-            steps = [int(n[5:13]) for n in os.listdir(ckpt) if n.startswith("ckpt-")] if os.path.isdir(ckpt) else []
+            steps = (
+                [int(n[5:13]) for n in os.listdir(ckpt) if n.startswith("ckpt-")]
+                if os.path.isdir(ckpt)
+                else []
+            )
             if fell and steps and max(steps) > fell[0]:
                 break
             assert run["status"] in ("queued", "running") and time.monotonic() < deadline, run
@@ -169,11 +198,14 @@ def test_fallback_then_cancel_then_resume_continues_in_bf16_and_succeeds(tmp_pat
 
 # --- 5. body cap while reading, connection deadlines -------------------------------------------
 
+
 @pytest.mark.slow
 def test_an_8_mib_chunked_body_gets_413_before_it_is_read(server):
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-alice\r\n"
-                 b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-alice\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     chunk, sent, answer = b"x" * 65536, 0, b""
     try:
         while sent < 8 << 20:
@@ -230,16 +262,27 @@ def test_silent_and_slow_header_connections_are_closed(server):
 
 # --- 6. private files and docs ------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_files_are_private_under_umask_022(tmp_path):
     old = os.umask(0o022)
     try:
         s = Server(str(tmp_path / "svc"))
         try:
-            r = s.client.post("/v1/runs", json={"model": "gpt", "size": "tiny", "steps": 4, "precision": "fp32",
-                                                "texts": ["one private sentence", "and another one"],
-                                                "max_length": 8, "batch_size": 2, "checkpoint_every": 2,
-                                                "save_model": True})
+            r = s.client.post(
+                "/v1/runs",
+                json={
+                    "model": "gpt",
+                    "size": "tiny",
+                    "steps": 4,
+                    "precision": "fp32",
+                    "texts": ["one private sentence", "and another one"],
+                    "max_length": 8,
+                    "batch_size": 2,
+                    "checkpoint_every": 2,
+                    "save_model": True,
+                },
+            )
             assert r.status_code == 201, r.text
             run = s.wait(r.json()["id"], ("succeeded", "failed"))
             assert run["status"] == "succeeded", run
@@ -251,12 +294,20 @@ def test_files_are_private_under_umask_022(tmp_path):
     seen = {"db": 0, "wal": 0, "texts": 0, "model": 0, "log": 0, "ckpt": 0}
     for root, dirs, files in os.walk(data):
         for d in dirs:
-            assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700, os.path.join(root, d)
+            assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700, os.path.join(
+                root, d
+            )
         for f in files:
             path = os.path.join(root, f)
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, (path, oct(os.stat(path).st_mode))
-            for key, part in (("db", "ampkit.db"), ("wal", "-wal"), ("texts", "texts.json"), ("model", "model"),
-                              ("log", "log.jsonl"), ("ckpt", "ckpt-")):
+            for key, part in (
+                ("db", "ampkit.db"),
+                ("wal", "-wal"),
+                ("texts", "texts.json"),
+                ("model", "model"),
+                ("log", "log.jsonl"),
+                ("ckpt", "ckpt-"),
+            ):
                 seen[key] += part in f or (key == "model" and "model" in root)
     assert stat.S_IMODE(os.stat(data).st_mode) == 0o700
     assert all(seen.values()), seen  # every kind of file was there to be checked
@@ -285,9 +336,13 @@ def test_private_docs_need_the_token(tmp_path):
 
 # --- 7. disk full ---------------------------------------------------------------------------------
 
+
 def _unshare_works() -> bool:
     try:
-        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=10).returncode == 0
+        return (
+            subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=10).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -295,12 +350,19 @@ def _unshare_works() -> bool:
 @pytest.mark.slow
 def test_submit_on_a_file_size_limit_is_507_and_the_server_goes_on(tmp_path):
     """ENOSPC's unprivileged twin: RLIMIT_FSIZE (EFBIG) on the server, the texts file of a run past it."""
-    launcher = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-                "resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000)); "
-                "from ampkit.cli import main; sys.exit(main(sys.argv[1:]))")
+    launcher = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000)); "
+        "from ampkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     proc, c = _serve(str(tmp_path / "svc"), launcher=launcher)
     try:
-        spec = {"model": "gpt", "size": "tiny", "steps": 2, "texts": ["a long sentence " * 50] * 600}
+        spec = {
+            "model": "gpt",
+            "size": "tiny",
+            "steps": 2,
+            "texts": ["a long sentence " * 50] * 600,
+        }
         r = c.post("/v1/runs", json=spec)
         assert r.status_code == 507, r.text
         assert "disk is full" in r.json()["detail"] and r.headers["retry-after"]
@@ -312,27 +374,49 @@ def test_submit_on_a_file_size_limit_is_507_and_the_server_goes_on(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _unshare_works(), reason="cannot mount a tmpfs here (no unprivileged user namespaces)")
+@pytest.mark.skipif(
+    not _unshare_works(), reason="cannot mount a tmpfs here (no unprivileged user namespaces)"
+)
 def test_disk_full_tmpfs_start_refused_with_a_reason_submit_507(tmp_path):
     full, sig = str(tmp_path / "full"), str(tmp_path / "sig")
     os.makedirs(full)
     os.makedirs(sig)
     # 1. a server started on a full disk says why and exits non-zero
     fill = f"mount -t tmpfs -o size=256k tmpfs {full} && (dd if=/dev/zero of={full}/filler bs=4k 2>/dev/null; true)"
-    out = subprocess.run(["unshare", "-rm", "sh", "-c", f"{fill} && exec {sys.executable} -m ampkit serve "
-                          f"--port {free_port()} --data_dir {full}/svc"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "AMPKIT_TOKEN": "t"})
+    out = subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f"{fill} && exec {sys.executable} -m ampkit serve "
+            f"--port {free_port()} --data_dir {full}/svc",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "AMPKIT_TOKEN": "t"},
+    )
     assert out.returncode != 0
-    assert "No space left on device" in out.stderr and f"{full}/svc" in out.stderr, out.stderr[-2000:]
+    assert "No space left on device" in out.stderr and f"{full}/svc" in out.stderr, out.stderr[
+        -2000:
+    ]
     # 2. a server whose disk fills up: submit answers 507; a run that ends is not shown running
-    script = (f"mount -t tmpfs -o size=4m tmpfs {full} && {{ {sys.executable} -m ampkit serve --port $PORT "
-              f"--data_dir {full}/svc & }} && while [ ! -e {sig}/fill ]; do sleep 0.1; done; "
-              f"dd if=/dev/zero of={full}/filler bs=4k 2>/dev/null; touch {sig}/filled; "
-              f"while [ ! -e {sig}/free ]; do sleep 0.1; done; rm {full}/filler; touch {sig}/freed; wait")
+    script = (
+        f"mount -t tmpfs -o size=4m tmpfs {full} && {{ {sys.executable} -m ampkit serve --port $PORT "
+        f"--data_dir {full}/svc & }} && while [ ! -e {sig}/fill ]; do sleep 0.1; done; "
+        f"dd if=/dev/zero of={full}/filler bs=4k 2>/dev/null; touch {sig}/filled; "
+        f"while [ ! -e {sig}/free ]; do sleep 0.1; done; rm {full}/filler; touch {sig}/freed; wait"
+    )
     port = free_port()
     env = {**os.environ, "AMPKIT_TOKENS": "alice:tok-alice", "PORT": str(port)}
-    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", script], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        ["unshare", "-rm", "sh", "-c", script],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=ALICE)
     try:
         deadline = time.monotonic() + 90
@@ -342,11 +426,17 @@ def test_disk_full_tmpfs_start_refused_with_a_reason_submit_507(tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[
+                -2000:
+            ]
             time.sleep(0.2)
-        rid = c.post("/v1/runs", json={"model": "mlp", "steps": 1_000_000, "precision": "fp32"}).json()["id"]
+        rid = c.post(
+            "/v1/runs", json={"model": "mlp", "steps": 1_000_000, "precision": "fp32"}
+        ).json()["id"]
         deadline = time.monotonic() + 60
-        while (pid := _pid_of(rid)) is None or c.get(f"/v1/runs/{rid}").json()["status"] != "running":
+        while (pid := _pid_of(rid)) is None or c.get(f"/v1/runs/{rid}").json()[
+            "status"
+        ] != "running":
             assert time.monotonic() < deadline
             time.sleep(0.1)
         open(os.path.join(sig, "fill"), "w").close()
@@ -354,7 +444,10 @@ def test_disk_full_tmpfs_start_refused_with_a_reason_submit_507(tmp_path):
         while not os.path.exists(os.path.join(sig, "filled")):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        r = c.post("/v1/runs", json={"model": "gpt", "size": "tiny", "steps": 2, "texts": ["some words"] * 50})
+        r = c.post(
+            "/v1/runs",
+            json={"model": "gpt", "size": "tiny", "steps": 2, "texts": ["some words"] * 50},
+        )
         assert r.status_code == 507, r.text
         assert "disk is full" in r.json()["detail"]
         os.killpg(pid, signal.SIGKILL)  # the run ends while the disk is full
@@ -368,7 +461,10 @@ def test_disk_full_tmpfs_start_refused_with_a_reason_submit_507(tmp_path):
         while not os.path.exists(os.path.join(sig, "freed")):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        assert c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}).status_code == 201
+        assert (
+            c.post("/v1/runs", json={"model": "mlp", "steps": 2, "precision": "fp32"}).status_code
+            == 201
+        )
         listed = {r["id"]: r["status"] for r in c.get("/v1/runs").json()["runs"]}
         assert listed[rid] == "failed"
     finally:
@@ -379,6 +475,7 @@ def test_disk_full_tmpfs_start_refused_with_a_reason_submit_507(tmp_path):
 
 
 # --- 8. request log, killed runs, the temperature hold ------------------------------------------
+
 
 @pytest.mark.slow
 def test_one_request_log_line_per_call(server):
@@ -400,10 +497,17 @@ def test_one_request_log_line_per_call(server):
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
-    lines = [json.loads(r.getMessage().partition(" ")[2]) for r in records if r.getMessage().startswith("request ")]
+    lines = [
+        json.loads(r.getMessage().partition(" ")[2])
+        for r in records
+        if r.getMessage().startswith("request ")
+    ]
     assert [(x["owner"], x["method"], x["route"], x["status"]) for x in lines] == [
-        ("alice", "GET", "/v1/runs", 200), ("alice", "GET", "/v1/runs/{run_id}", 404),
-        (None, "GET", "/v1/runs", 401), ("alice", "POST", "/v1/runs", 413)]
+        ("alice", "GET", "/v1/runs", 200),
+        ("alice", "GET", "/v1/runs/{run_id}", 404),
+        (None, "GET", "/v1/runs", 401),
+        ("alice", "POST", "/v1/runs", 413),
+    ]
     assert all(isinstance(x["ms"], float) and 0 <= x["ms"] < 30_000 for x in lines)
 
 
@@ -412,7 +516,9 @@ def test_a_run_killed_from_outside_says_which_signal(server):
     rid = server.client.post("/v1/runs", json=LONG).json()["id"]
     server.wait(rid, ("running",))
     deadline = time.monotonic() + 60
-    while not server.client.get(f"/v1/runs/{rid}/metrics").json()["records"]:  # training, past its header
+    while not server.client.get(f"/v1/runs/{rid}/metrics").json()[
+        "records"
+    ]:  # training, past its header
         assert time.monotonic() < deadline
         time.sleep(0.1)
     os.killpg(server.app.state.store.get(rid)["pid"], signal.SIGKILL)
@@ -440,7 +546,14 @@ def test_queued_runs_wait_while_a_device_is_too_hot(tmp_path):
     store = Store(str(tmp_path / "svc"))
     runner = Runner(store, max_gpu_temp=80.0, read_temps=read_sensor)
     runner.hold.every_s = 0.0  # read the sensor on every tick
-    spec = {"model": "mlp", "size": "tiny", "steps": 2, "precision": "fp32", "device": "cpu", "batch_size": 8}
+    spec = {
+        "model": "mlp",
+        "size": "tiny",
+        "steps": 2,
+        "precision": "fp32",
+        "device": "cpu",
+        "batch_size": 8,
+    }
     from ampkit.service.runfile import write_run_file
 
     d = str(tmp_path / "svc" / "runs" / "r1")

@@ -37,12 +37,30 @@ from ampkit.service.schemas import RecommendSpec, RunSpec  # noqa: E402
 SERVICE = pathlib.Path(__file__).resolve().parents[2] / "src" / "ampkit" / "service"
 
 # Every field away from its default, so that every key is written.
-FULL = RunSpec(model="gpt2", size="small", precision="fp16", steps=7, batch_size=3, accumulation_steps=2, lr=5e-5,
-               seed=11, init_scale=1024.0, device="cpu", max_seconds=30.0, checkpoint_every=4, log_every=2,
-               model_overrides={"n_layer": 2, "n_embd": 64, "tie_word_embeddings": False},
-               texts=['say "hi"\n', "tab\there", "ünïcode ✓ 🙂"], max_length=32, epochs=2,
-               target_effective_batch_size=6, activation_checkpointing=True, save_model=True, user_id=123,
-               amp={"growth_interval": 3, "hysteresis": 2, "keep_fp32": ["lm_head", "*.ln_*"], "min_scale": 1})
+FULL = RunSpec(
+    model="gpt2",
+    size="small",
+    precision="fp16",
+    steps=7,
+    batch_size=3,
+    accumulation_steps=2,
+    lr=5e-5,
+    seed=11,
+    init_scale=1024.0,
+    device="cpu",
+    max_seconds=30.0,
+    checkpoint_every=4,
+    log_every=2,
+    model_overrides={"n_layer": 2, "n_embd": 64, "tie_word_embeddings": False},
+    texts=['say "hi"\n', "tab\there", "ünïcode ✓ 🙂"],
+    max_length=32,
+    epochs=2,
+    target_effective_batch_size=6,
+    activation_checkpointing=True,
+    save_model=True,
+    user_id=123,
+    amp={"growth_interval": 3, "hysteresis": 2, "keep_fp32": ["lm_head", "*.ln_*"], "min_scale": 1},
+)
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
@@ -55,15 +73,18 @@ def _subparser(command: str) -> argparse.ArgumentParser:
 
 def _options(command: str) -> dict[str, argparse.Action]:
     """dest -> action of the command's options (the names its --config [train] table takes)."""
-    return {a.dest: a for a in _subparser(command)._actions if a.option_strings and a.dest != "help"}
+    return {
+        a.dest: a for a in _subparser(command)._actions if a.option_strings and a.dest != "help"
+    }
 
 
 def test_every_runspec_field_is_a_train_option(tmp_path):
     options = _options("train")
     fields = set(RunSpec.model_fields) - set(SERVICE_ONLY)
     assert set(SERVICE_ONLY) <= set(RunSpec.model_fields)  # no stale exemptions
-    assert {train_key(f) for f in fields} <= set(options) - {"config", "json"}, \
-        sorted({train_key(f) for f in fields} - set(options))
+    assert {train_key(f) for f in fields} <= set(options) - {"config", "json"}, sorted(
+        {train_key(f) for f in fields} - set(options)
+    )
     tables = run_tables(FULL.model_dump(), str(tmp_path))
     assert set(tables["train"]) == {train_key(f) for f in fields}  # every field travels, none twice
     assert tables["amp"] == FULL.amp
@@ -107,10 +128,26 @@ def test_command_line_holds_only_the_fixed_flags():
     run = {"kind": "train", "spec": FULL.model_dump(), "run_dir": d, "resumes": 0}
     cmd = command_for(run)
     assert cmd[1:4] == ["-m", "ampkit", "train"]
-    assert cmd[4:] == ["--config", f"{d}/run.toml", "--json", "--log_dir", f"{d}/log-0", "--checkpoint_dir", f"{d}/ckpt"]
+    assert cmd[4:] == [
+        "--config",
+        f"{d}/run.toml",
+        "--json",
+        "--log_dir",
+        f"{d}/log-0",
+        "--checkpoint_dir",
+        f"{d}/ckpt",
+    ]
     again = command_for({**run, "resumes": 2})
-    assert again[4:] == ["--config", f"{d}/run.toml", "--json", "--log_dir", f"{d}/log-2", "--checkpoint_dir",
-                         f"{d}/ckpt", "--resume"]
+    assert again[4:] == [
+        "--config",
+        f"{d}/run.toml",
+        "--json",
+        "--log_dir",
+        f"{d}/log-2",
+        "--checkpoint_dir",
+        f"{d}/ckpt",
+        "--resume",
+    ]
     options = {o for a in _options("train").values() for o in a.option_strings}
     assert all(w in options for w in again[4:] if w.startswith("--"))
 
@@ -120,10 +157,16 @@ def test_recommend_command_uses_tune_options():
     cmd = command_for({"kind": "recommend", "spec": spec, "run_dir": "/d", "resumes": 0})
     assert cmd[3] == "tune"
     args = _subparser("tune").parse_args(cmd[4:])
-    assert (args.model, args.size, args.precisions, args.batch_size) == ("mlp", "tiny", ["fp32", "bf16"], 16)
+    assert (args.model, args.size, args.precisions, args.batch_size) == (
+        "mlp",
+        "tiny",
+        ["fp32", "bf16"],
+        16,
+    )
 
 
 # --- the TOML writer ------------------------------------------------------------------------------
+
 
 def test_toml_strings_escape_quotes_backslashes_and_control_characters():
     nasty = 'a"b\\c\n\r\t\b\f\x00\x01\x1f\x7f é ✓ 🙂 """ \'\'\' [x] = #'
@@ -133,9 +176,22 @@ def test_toml_strings_escape_quotes_backslashes_and_control_characters():
 
 
 def test_toml_numbers_bools_lists_and_none():
-    values = {"i": -3, "big": 2**62, "f": 5e-05, "g": 65536.0, "h": 1e300, "neg0": -0.0, "inf": math.inf,
-              "ninf": -math.inf, "t": True, "fl": False, "l": [1, 2.5, "x", True], "nested": [[1], ["a"]],
-              "tup": ("a", "b"), "none": None}
+    values = {
+        "i": -3,
+        "big": 2**62,
+        "f": 5e-05,
+        "g": 65536.0,
+        "h": 1e300,
+        "neg0": -0.0,
+        "inf": math.inf,
+        "ninf": -math.inf,
+        "t": True,
+        "fl": False,
+        "l": [1, 2.5, "x", True],
+        "nested": [[1], ["a"]],
+        "tup": ("a", "b"),
+        "none": None,
+    }
     back = tomllib.loads(dumps_toml({"amp": values}))["amp"]
     assert "none" not in back  # TOML has no null: left out, the reader's default
     for k, v in values.items():
@@ -154,14 +210,20 @@ def test_toml_writer_refuses_what_toml_cannot_carry():
         dumps_toml({"t": {"l": [1, None]}})
 
 
-@given(st.text(st.characters(blacklist_categories=("Cs",))), st.lists(st.text(max_size=5), max_size=4),
-       st.integers(min_value=-2**63, max_value=2**63 - 1), st.floats(allow_nan=False))
+@given(
+    st.text(st.characters(blacklist_categories=("Cs",))),
+    st.lists(st.text(max_size=5), max_size=4),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False),
+)
 def test_toml_round_trips_any_text_and_number(s, items, i, x):
-    assert tomllib.loads(dumps_toml({"t": {"s": s, "l": items, "i": i, "x": x, s or "k": 1}})) == \
-        {"t": {"s": s, "l": items, "i": i, "x": x, s or "k": 1}}
+    assert tomllib.loads(dumps_toml({"t": {"s": s, "l": items, "i": i, "x": x, s or "k": 1}})) == {
+        "t": {"s": s, "l": items, "i": i, "x": x, s or "k": 1}
+    }
 
 
 # --- validation once, at submit; the routes' wiring ------------------------------------------------
+
 
 def test_submit_validates_the_engine_config_once_and_writes_run_toml(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
@@ -173,29 +235,51 @@ def test_submit_validates_the_engine_config_once_and_writes_run_toml(tmp_path, m
     client = TestClient(app)  # no lifespan: the runner does not start, nothing is launched
     calls = []
     real = MixedPrecisionConfig.__post_init__
-    monkeypatch.setattr(MixedPrecisionConfig, "__post_init__", lambda self: (calls.append(1), real(self))[1])
-    body = {"model": "mlp", "steps": 3, "precision": "fp16", "init_scale": 1024,
-            "amp": {"growth_interval": 3, "fallback": "16-mixed,bf16-mixed", "keep_fp32": "net.0"}}
+    monkeypatch.setattr(
+        MixedPrecisionConfig, "__post_init__", lambda self: (calls.append(1), real(self))[1]
+    )
+    body = {
+        "model": "mlp",
+        "steps": 3,
+        "precision": "fp16",
+        "init_scale": 1024,
+        "amp": {"growth_interval": 3, "fallback": "16-mixed,bf16-mixed", "keep_fp32": "net.0"},
+    }
     r = client.post("/v1/runs", json=body, headers={"Authorization": "Bearer tok"})
     assert r.status_code == 201, r.text
     assert len(calls) == 1  # one MixedPrecisionConfig for the whole request
     run = r.json()
-    assert run["spec"]["amp"] == {"growth_interval": 3, "fallback": "fp16,bf16", "keep_fp32": ["net.0"]}
+    assert run["spec"]["amp"] == {
+        "growth_interval": 3,
+        "fallback": "fp16,bf16",
+        "keep_fp32": ["net.0"],
+    }
     with open(os.path.join(str(tmp_path), "runs", run["id"], RUN_FILE), "rb") as f:
         data = tomllib.load(f)
     assert data["amp"] == run["spec"]["amp"]
     assert data["train"]["precision"] == "fp16" and data["train"]["init_scale"] == 1024.0
     calls.clear()
-    r = client.post("/v1/runs", json={**body, "amp": {"max_scale": 512}}, headers={"Authorization": "Bearer tok"})
-    assert r.status_code == 422 and "init_scale" in r.text and len(calls) == 1  # init_scale 1024 > max_scale
-    assert not os.path.exists(os.path.join(str(tmp_path), "runs")) or len(os.listdir(tmp_path / "runs")) == 1
+    r = client.post(
+        "/v1/runs",
+        json={**body, "amp": {"max_scale": 512}},
+        headers={"Authorization": "Bearer tok"},
+    )
+    assert (
+        r.status_code == 422 and "init_scale" in r.text and len(calls) == 1
+    )  # init_scale 1024 > max_scale
+    assert (
+        not os.path.exists(os.path.join(str(tmp_path), "runs"))
+        or len(os.listdir(tmp_path / "runs")) == 1
+    )
 
 
 def test_sizes_and_models_come_from_their_home():
     from ampkit.models.builtin import MODELS, SIZES
     from ampkit.service.deps import allowed_model
 
-    assert RunSpec.model_json_schema()["properties"]["size"]["enum"] == list(next(iter(SIZES.values())))
+    assert RunSpec.model_json_schema()["properties"]["size"]["enum"] == list(
+        next(iter(SIZES.values()))
+    )
     with pytest.raises(ValueError, match=", ".join(MODELS)):
         allowed_model("nope", ())
 
@@ -217,7 +301,9 @@ def test_no_import_circle_in_the_service():
                     continue  # above the service package
                 target = ".".join(base + (node.module.split(".") if node.module else []))
                 deps.add(target)
-                deps |= {f"{target}.{a.name}".lstrip(".") for a in node.names}  # submodules imported by name
+                deps |= {
+                    f"{target}.{a.name}".lstrip(".") for a in node.names
+                }  # submodules imported by name
         graph[mod.removesuffix(".__init__")] = deps
 
     def visit(node, stack):

@@ -48,16 +48,29 @@ def _supervise(tmp_path, code: str, **popen) -> subprocess.Popen:
 
 # --- the supervisor alone -------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("code, rc", [("import sys; sys.exit(3)", 3), ("print('done')", 0),
-                                      ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9)])
+@pytest.mark.parametrize(
+    "code, rc",
+    [
+        ("import sys; sys.exit(3)", 3),
+        ("print('done')", 0),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9),
+    ],
+)
 def test_supervisor_records_the_exit_status_and_exits_alike(tmp_path, code, rc):
     proc = _supervise(tmp_path, code, stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=60)
     record = read_record(str(tmp_path), 0)
     assert record["returncode"] == rc and proc.returncode == rc, (record, proc.returncode)
-    assert record["supervisor"] == proc.pid and record["pid"] != proc.pid and record["ended"] >= record["started"]
-    assert out == (b"done\n" if rc == 0 else b"")  # the run's stdout is the supervisor's; it adds nothing
+    assert (
+        record["supervisor"] == proc.pid
+        and record["pid"] != proc.pid
+        and record["ended"] >= record["started"]
+    )
+    assert out == (
+        b"done\n" if rc == 0 else b""
+    )  # the run's stdout is the supervisor's; it adds nothing
     assert stat.S_IMODE(os.stat(tmp_path / "exit-0.json").st_mode) == 0o600
     assert [n for n in os.listdir(tmp_path) if ".tmp" in n] == []
 
@@ -80,8 +93,10 @@ def test_killing_the_runs_group_leaves_the_supervisor_to_record_it(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_the_supervisor_reaches_the_run_and_is_recorded(tmp_path):
-    code = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
-            "print('ready', flush=True)\ntime.sleep(60)")
+    code = (
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+        "print('ready', flush=True)\ntime.sleep(60)"
+    )
     proc = _supervise(tmp_path, code, stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline() == b"ready\n"
@@ -97,7 +112,9 @@ def test_sigterm_to_the_supervisor_reaches_the_run_and_is_recorded(tmp_path):
 @pytest.mark.slow
 def test_a_command_that_cannot_start_is_recorded_with_the_reason(tmp_path):
     d = str(tmp_path)
-    write_private(launch_path(d, 0), json.dumps({"argv": [str(tmp_path / "no-such-program")]}).encode())
+    write_private(
+        launch_path(d, 0), json.dumps({"argv": [str(tmp_path / "no-such-program")]}).encode()
+    )
     proc = subprocess.run(supervisor_command(d, 0), capture_output=True, timeout=60)
     record = read_record(d, 0)
     assert proc.returncode == 127 == record["returncode"] and "pid" not in record
@@ -105,6 +122,7 @@ def test_a_command_that_cannot_start_is_recorded_with_the_reason(tmp_path):
 
 
 # --- a restarted server and the runs it re-adopts -------------------------------------------------
+
 
 def _wait(client, rid: str, statuses: tuple[str, ...], timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
@@ -124,10 +142,16 @@ def test_a_restarted_server_reports_how_readopted_runs_end(tmp_path):
     pids: dict[str, int] = {}
     try:
         names = ("sig", "unknown", "cancel", "finish", "down")
-        ids = {n: c.post("/v1/runs", json={**LONG, "steps": 30} if n == "finish" else LONG).json()["id"]
-               for n in names}
+        ids = {
+            n: c.post("/v1/runs", json={**LONG, "steps": 30} if n == "finish" else LONG).json()[
+                "id"
+            ]
+            for n in names
+        }
 
-        def stop_started() -> bool:  # each run is stopped (SIGSTOP) as soon as it has a pid: no CPU until needed
+        def stop_started() -> (
+            bool
+        ):  # each run is stopped (SIGSTOP) as soon as it has a pid: no CPU until needed
             for n, rid in ids.items():
                 if n not in pids and (pid := Store(data).get(rid)["pid"]):
                     os.killpg(pid, signal.SIGSTOP)
@@ -147,18 +171,24 @@ def test_a_restarted_server_reports_how_readopted_runs_end(tmp_path):
 
         proc, c = _serve(data, "--max_concurrent", "5")  # server B, same state
         down = c.get(f"/v1/runs/{ids['down']}").json()
-        assert down["status"] == "interrupted" and down["error"].startswith("killed by signal 9 (SIGKILL)"), down
+        assert down["status"] == "interrupted" and down["error"].startswith(
+            "killed by signal 9 (SIGKILL)"
+        ), down
         assert "resume" in down["error"]
         for n in ("sig", "unknown", "cancel", "finish"):
             assert c.get(f"/v1/runs/{ids[n]}").json()["status"] == "running", n  # re-adopted
 
-        os.killpg(pids["sig"], signal.SIGKILL)  # B is not its parent: only the supervisor's record says how
+        os.killpg(
+            pids["sig"], signal.SIGKILL
+        )  # B is not its parent: only the supervisor's record says how
         run = _wait(c, ids["sig"], ("failed", "succeeded", "interrupted"))
         assert run["status"] == "failed" and run["error"] == "killed by signal 9 (SIGKILL)", run
 
         os.killpg(pids["unknown"], signal.SIGKILL)
         run = _wait(c, ids["unknown"], ("failed", "succeeded", "interrupted"))
-        assert run["status"] == "failed" and run["error"].startswith("ended, exit status unknown"), run
+        assert run["status"] == "failed" and run["error"].startswith(
+            "ended, exit status unknown"
+        ), run
 
         os.killpg(pids["finish"], signal.SIGCONT)
         run = _wait(c, ids["finish"], ("failed", "succeeded"), timeout=180)
@@ -167,13 +197,21 @@ def test_a_restarted_server_reports_how_readopted_runs_end(tmp_path):
         assert read_record(dirs["finish"], 0)["returncode"] == 0
 
         os.killpg(pids["cancel"], signal.SIGCONT)
-        _until(lambda: c.get(f"/v1/runs/{ids['cancel']}/metrics").json()["total"] > 0, 180, "the run to train")
+        _until(
+            lambda: c.get(f"/v1/runs/{ids['cancel']}/metrics").json()["total"] > 0,
+            180,
+            "the run to train",
+        )
         r = c.delete(f"/v1/runs/{ids['cancel']}")
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
         assert not _alive(pids["cancel"])  # the process group is gone when the cancel returns
         with open(os.path.join(dirs["cancel"], "stderr-0.log"), encoding="utf-8") as f:
-            assert "stopped by SIGTERM after optimizer step" in f.read()  # B's SIGTERM reached it: a checkpoint
-        _until(lambda: "returncode" in read_record(dirs["cancel"], 0), 10, "the cancelled run's record")
+            assert (
+                "stopped by SIGTERM after optimizer step" in f.read()
+            )  # B's SIGTERM reached it: a checkpoint
+        _until(
+            lambda: "returncode" in read_record(dirs["cancel"], 0), 10, "the cancelled run's record"
+        )
         assert c.get(f"/v1/runs/{ids['cancel']}").json()["status"] == "cancelled"
     finally:
         for pid in pids.values():
@@ -200,8 +238,11 @@ def test_health_answers_while_the_first_hugging_face_request_imports_transformer
             t0 = time.monotonic()
             # a field gpt2's config does not have: checked against transformers' GPT2Config, then 422
             # (no run starts)
-            r = c.post("/v1/runs", json={"model": "gpt2", "steps": 1, "model_overrides": {"no_such_field": 1}},
-                       timeout=300)
+            r = c.post(
+                "/v1/runs",
+                json={"model": "gpt2", "steps": 1, "model_overrides": {"no_such_field": 1}},
+                timeout=300,
+            )
             done.update(status=r.status_code, seconds=time.monotonic() - t0)
 
         thread = threading.Thread(target=first_hf_request)

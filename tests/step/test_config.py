@@ -18,22 +18,25 @@ def test_defaults_match_torch_gradscaler():
     assert cfg.hysteresis == 1 and cfg.min_scale is None and cfg.max_scale is None
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("growth_factor", 0.5, "growth_factor=0.5"),
-    ("growth_factor", 1.0, "> 1.0"),
-    ("init_scale", 0, "init_scale=0"),
-    ("init_scale", float("inf"), "finite"),
-    ("init_scale", -1.0, "> 0"),
-    ("backoff_factor", 1.0, "0 < backoff_factor < 1"),
-    ("backoff_factor", 0.0, "0 < backoff_factor < 1"),
-    ("growth_interval", 0, ">= 1"),
-    ("hysteresis", 0, ">= 1"),
-    ("accumulation_steps", 0, ">= 1"),
-    ("clip_grad_norm", -1.0, "> 0"),
-    ("min_scale", 0.0, "> 0"),
-    ("init_scale", 2.0**-130, "2**-126"),  # below the loss scale's floor
-    ("init_scale", 2.0**128, "2**127"),  # infinite as the fp32 scale tensor
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("growth_factor", 0.5, "growth_factor=0.5"),
+        ("growth_factor", 1.0, "> 1.0"),
+        ("init_scale", 0, "init_scale=0"),
+        ("init_scale", float("inf"), "finite"),
+        ("init_scale", -1.0, "> 0"),
+        ("backoff_factor", 1.0, "0 < backoff_factor < 1"),
+        ("backoff_factor", 0.0, "0 < backoff_factor < 1"),
+        ("growth_interval", 0, ">= 1"),
+        ("hysteresis", 0, ">= 1"),
+        ("accumulation_steps", 0, ">= 1"),
+        ("clip_grad_norm", -1.0, "> 0"),
+        ("min_scale", 0.0, "> 0"),
+        ("init_scale", 2.0**-130, "2**-126"),  # below the loss scale's floor
+        ("init_scale", 2.0**128, "2**127"),  # infinite as the fp32 scale tensor
+    ],
+)
 def test_invalid_values_name_field_and_range(field, value, fragment):
     with pytest.raises(ConfigError) as e:
         MixedPrecisionConfig(**{field: value})
@@ -41,8 +44,15 @@ def test_invalid_values_name_field_and_range(field, value, fragment):
     assert isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("field,value", [("growth_interval", 2.5), ("accumulation_steps", "4"),
-                                         ("dynamic_scaling", 1), ("hysteresis", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("growth_interval", 2.5),
+        ("accumulation_steps", "4"),
+        ("dynamic_scaling", 1),
+        ("hysteresis", True),
+    ],
+)
 def test_wrong_types_rejected(field, value):
     with pytest.raises(ConfigError, match=field):
         MixedPrecisionConfig(**{field: value})
@@ -67,8 +77,14 @@ def test_precision_canonicalised():
 
 
 def test_roundtrip_and_replace():
-    cfg = MixedPrecisionConfig(precision="fp16", init_scale=1024, hysteresis=3, min_scale=1.0,
-                               accumulation_steps=4, clip_grad_norm=1.0)
+    cfg = MixedPrecisionConfig(
+        precision="fp16",
+        init_scale=1024,
+        hysteresis=3,
+        min_scale=1.0,
+        accumulation_steps=4,
+        clip_grad_norm=1.0,
+    )
     again = MixedPrecisionConfig.from_dict(cfg.to_dict())
     assert again == cfg
     assert isinstance(cfg.init_scale, float)
@@ -95,10 +111,14 @@ def test_from_toml(tmp_path):
 
 # ---------------------------------------------------------------- deterministic
 
+
 @contextlib.contextmanager
 def saved_determinism():
     """Restore torch's global determinism flags and CUBLAS_WORKSPACE_CONFIG afterwards."""
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     try:

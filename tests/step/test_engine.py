@@ -15,18 +15,32 @@ from ..support.reference_loop import torch_amp_loop
 from .test_config import saved_determinism
 
 ACCUM, STEPS = 4, 50
-BAD = {(3, 1), (10, 0), (11, 3), (27, 2), (40, 0)}  # (optimizer step, micro-step) with non-finite loss
+BAD = {
+    (3, 1),
+    (10, 0),
+    (11, 3),
+    (27, 2),
+    (40, 0),
+}  # (optimizer step, micro-step) with non-finite loss
 
 
 def make_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.LayerNorm(32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 5),
+    )
 
 
 def batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)
+    ]
 
 
 def make_opt(model, fused):
@@ -34,20 +48,36 @@ def make_opt(model, fused):
 
 
 def reference_loop(precision, fused, data):
-    """The hand-written torch.autocast + torch.amp.GradScaler loop users write today (tests/support/reference_loop.py)."""
+    """The hand-written torch.autocast + torch.amp.GradScaler loop users write today
+    (tests/support/reference_loop.py)."""
     model = make_model()
-    model, scaler, _ = torch_amp_loop(model, make_opt(model, fused), data, precision, steps=STEPS, accum=ACCUM,
-                                      clip=1.0, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                                      scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 5},
-                                      skip_nonfinite=True, poison=BAD)
+    model, scaler, _ = torch_amp_loop(
+        model,
+        make_opt(model, fused),
+        data,
+        precision,
+        steps=STEPS,
+        accum=ACCUM,
+        clip=1.0,
+        loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        scaler_kwargs={"init_scale": 2.0**10, "growth_interval": 5},
+        skip_nonfinite=True,
+        poison=BAD,
+    )
     return model, scaler
 
 
 def ampkit_loop(precision, fused, data):
     model = make_model()
     opt = make_opt(model, fused)
-    amp = MixedPrecision(precision, device="cpu", init_scale=2.0**10, growth_interval=5,
-                         accumulation_steps=ACCUM, clip_grad_norm=1.0)
+    amp = MixedPrecision(
+        precision,
+        device="cpu",
+        init_scale=2.0**10,
+        growth_interval=5,
+        accumulation_steps=ACCUM,
+        clip_grad_norm=1.0,
+    )
     model, opt = amp.setup(model, opt)
     boundaries = 0
     for step in range(STEPS):
@@ -171,7 +201,9 @@ def test_no_host_sync_with_fused_optimizer(precision, clip, monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("path", ["native", "sums"])
-def test_the_cpu_check_reads_on_the_host_and_steps_like_the_device_path(precision, path, monkeypatch):
+def test_the_cpu_check_reads_on_the_host_and_steps_like_the_device_path(
+    precision, path, monkeypatch
+):
     """On the CPU without clipping: on optimizer steps (none between) no host read where the native
     kernel reads every gradient in one C call; else one for the small gradients' fused check and one
     per large gradient's sum; the same parameters as the device path, bitwise."""
@@ -183,7 +215,11 @@ def test_the_cpu_check_reads_on_the_host_and_steps_like_the_device_path(precisio
         pytest.skip("no C compiler here: the native kernels are not built")
     monkeypatch.setenv("AMPKIT_NO_NATIVE", "0" if path == "native" else "1")
     sizes = [p.numel() for p in make_model().parameters()]
-    reads = 0 if path == "native" else any(n < SUM_FROM for n in sizes) + sum(n >= SUM_FROM for n in sizes)
+    reads = (
+        0
+        if path == "native"
+        else any(n < SUM_FROM for n in sizes) + sum(n >= SUM_FROM for n in sizes)
+    )
     counts = _train_counting(precision, fused=True, clip=None)
     assert counts == [0, reads] * (len(counts) // 2)
 
@@ -209,8 +245,11 @@ def test_the_cpu_check_reads_on_the_host_and_steps_like_the_device_path(precisio
 
 def test_non_fused_optimizer_syncs_once_per_optimizer_step():
     # (non-fused AdamW itself reads its step counters with .item(); SGD does not)
-    counts = _train_counting("fp16", fused=False,
-                             opt_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+    counts = _train_counting(
+        "fp16",
+        fused=False,
+        opt_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+    )
     # one read of found_inf per optimizer step (every 2nd micro-step), as torch.amp.GradScaler
     assert counts == [0, 1] * (len(counts) // 2)
 
@@ -232,7 +271,9 @@ def test_disabled_context_runs_fp32():
             assert model(x).dtype == torch.float32
 
 
-@pytest.mark.parametrize("precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)])
+@pytest.mark.parametrize(
+    "precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)]
+)
 def test_autocast_dtype(precision, dtype):
     amp = MixedPrecision(precision, device="cpu")
     model = amp.setup(make_model())
@@ -266,7 +307,11 @@ def test_switch_runtime_and_state_dict_roundtrip():
     with amp.autocast():
         assert model(data[0][0]).dtype == torch.bfloat16
     events = amp.stats()["events"]
-    assert events[-1]["kind"] == "precision_switch" and events[-1]["from"] == "fp16" and events[-1]["to"] == "bf16"
+    assert (
+        events[-1]["kind"] == "precision_switch"
+        and events[-1]["from"] == "fp16"
+        and events[-1]["to"] == "bf16"
+    )
     state = amp.state_dict()
     fresh = MixedPrecision("fp16", device="cpu")
     fresh.load_state_dict(state)
@@ -280,7 +325,9 @@ def test_state_dict_resume_fp16_bitwise():
     def run(chunks):
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        amp = MixedPrecision("fp16", device="cpu", init_scale=2.0**14, growth_interval=3, accumulation_steps=2)
+        amp = MixedPrecision(
+            "fp16", device="cpu", init_scale=2.0**14, growth_interval=3, accumulation_steps=2
+        )
         model, opt = amp.setup(model, opt)
         state = None
         for lo, hi in chunks:
@@ -298,7 +345,9 @@ def test_state_dict_resume_fp16_bitwise():
                     loss = F.cross_entropy(model(x), y) * (math.inf if i in (5, 21) else 1.0)
                 amp.backward(loss)
                 amp.step(opt)
-            state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+            state = copy.deepcopy(
+                {"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()}
+            )
         return model, amp
 
     a, amp_a = run([(0, 40)])
@@ -310,6 +359,7 @@ def test_state_dict_resume_fp16_bitwise():
 
 
 # ---------------------------------------------------------------- bad input
+
 
 def test_fp8_on_cpu_is_a_precision_error():
     with pytest.raises(PrecisionError, match="fp8 needs an NVIDIA GPU"):
@@ -422,8 +472,16 @@ def test_equivalent_to_hand_written_loop_cuda(precision):
     got = make_model().to(dev)
     o1 = torch.optim.AdamW(ref.parameters(), fused=True)
     o2 = torch.optim.AdamW(got.parameters(), fused=True)
-    torch_amp_loop(ref, o1, data, precision, steps=len(data), clip=1.0, device=dev,
-                   loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    torch_amp_loop(
+        ref,
+        o1,
+        data,
+        precision,
+        steps=len(data),
+        clip=1.0,
+        device=dev,
+        loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+    )
     amp = MixedPrecision(precision, device=dev, clip_grad_norm=1.0)
     got, o2 = amp.setup(got, o2)
     for x, y in data:
@@ -472,8 +530,12 @@ def burst(amp, opt_name, bad=200, good=100, when=lambda amp: True):
 def assert_all_finite(amp, model, opt):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(m).all() for m in amp.master_params())
-    assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.is_floating_point())
+    assert all(
+        torch.isfinite(v).all()
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.is_floating_point()
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
@@ -486,7 +548,9 @@ def test_overflow_burst_without_fallback_ends_in_a_clear_error(precision, opt):
     assert errors and errors[0][0] < 200  # within the burst
     msg = str(errors[0][1])
     assert "exhausted" in msg and "consecutive skipped steps" in msg
-    assert "'5'" in msg and "5.weight" in msg and "0.weight" not in msg  # the culprit, not the others
+    assert (
+        "'5'" in msg and "5.weight" in msg and "0.weight" not in msg
+    )  # the culprit, not the others
     assert all(i < 200 for i, _ in errors)  # after the burst, training goes on
     assert_all_finite(amp, model, optimizer)
     kinds = [e["kind"] for e in amp.stats()["events"]]
@@ -499,7 +563,9 @@ def test_overflow_burst_without_fallback_ends_in_a_clear_error(precision, opt):
 def test_overflow_burst_with_fallback_falls_back(precision, opt):
     # fp16-only overflow (as a layer out of fp16's range): one fallback, then bf16 trains
     amp = MixedPrecision(precision, device="cpu", fallback=True)
-    model, optimizer, errors, scales = burst(amp, opt, when=lambda a: a.precision.name.startswith("fp16"))
+    model, optimizer, errors, scales = burst(
+        amp, opt, when=lambda a: a.precision.name.startswith("fp16")
+    )
     assert not errors and min(scales) > 0
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
     assert [(e["from"], e["to"]) for e in fb] == [(precision, precision.replace("fp16", "bf16"))]
@@ -513,8 +579,15 @@ def test_persistent_burst_with_fallback_walks_the_chain_then_raises(precision):
     amp = MixedPrecision(precision, device="cpu", fallback=True)
     model, optimizer, errors, scales = burst(amp, "adamw_fused")
     fb = [(e["from"], e["to"]) for e in amp.stats()["events"] if e["kind"] == "fallback"]
-    assert fb == [(precision, precision.replace("fp16", "bf16")), (precision.replace("fp16", "bf16"), "fp32")]
-    assert errors and errors[0][0] < 200 and "last precision of the fallback chain" in str(errors[0][1])
+    assert fb == [
+        (precision, precision.replace("fp16", "bf16")),
+        (precision.replace("fp16", "bf16"), "fp32"),
+    ]
+    assert (
+        errors
+        and errors[0][0] < 200
+        and "last precision of the fallback chain" in str(errors[0][1])
+    )
     assert "'5'" in str(errors[0][1])
     assert min(scales) > 0 and amp.precision.name == "fp32"
     assert_all_finite(amp, model, optimizer)
@@ -536,6 +609,7 @@ def test_exhausted_guard_adds_no_sync_in_steady_state():
 
 
 # ---------------------------------------------------------------- deterministic
+
 
 @pytest.mark.parametrize("mode", [True, "warn"])
 def test_setup_applies_determinism(mode):

@@ -38,7 +38,9 @@ def test_default_patience_and_interval():
 def test_fallback_event_carries_diagnosis():
     torch.manual_seed(0)
     model = Unstable()
-    amp = MixedPrecision("fp16", device="cpu", fallback=True, fallback_patience=2, fallback_check_every=1)
+    amp = MixedPrecision(
+        "fp16", device="cpu", fallback=True, fallback_patience=2, fallback_check_every=1
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.setup(model, opt)
     batches = data(10)
@@ -49,7 +51,9 @@ def test_fallback_event_carries_diagnosis():
             return model(x, y)
 
     report = amp.diagnose(closure)
-    assert report.found and report.module == "big" and report.phase == "forward" and report.fp32_finite
+    assert (
+        report.found and report.module == "big" and report.phase == "forward" and report.fp32_finite
+    )
     for x, y in batches:
         with amp.autocast():
             loss = model(x, y)
@@ -80,7 +84,9 @@ def test_exhausted_chain_raises_with_the_story():
             return (self.lin(x).sum() * float("nan")).abs()
 
     with pytest.raises(NumericsError, match="last precision of the fallback chain"):
-        run(40, model=AlwaysNaN(), fallback="fp16,fp32", fallback_patience=2, fallback_check_every=2)
+        run(
+            40, model=AlwaysNaN(), fallback="fp16,fp32", fallback_patience=2, fallback_check_every=2
+        )
 
 
 class NaNAt(torch.nn.Module):
@@ -103,7 +109,9 @@ def test_transient_nonfinite_steps_in_unscaled_precision_are_skipped(check_every
     bad = {3, 9, 15, 16, 17, 30, 31, 32, 33, 34, 35, 36}
     model = NaNAt(bad)
     before = copy.deepcopy(model.lin)
-    amp, model, opt, losses = run(60, precision="bf16", model=model, fallback=True, fallback_check_every=check_every)
+    amp, model, opt, losses = run(
+        60, precision="bf16", model=model, fallback=True, fallback_check_every=check_every
+    )
     assert amp.precision.name == "bf16"
     assert not [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
     assert amp.stats()["skipped_steps"] == len(bad)
@@ -115,10 +123,20 @@ def test_transient_nonfinite_steps_in_unscaled_precision_are_skipped(check_every
 @pytest.mark.parametrize("patience,check_every", [(8, 10), (4, 2), (1, 1)])
 def test_persistent_nonfinite_steps_in_unscaled_precision_fall_back(patience, check_every):
     bad = set(range(5, 5 + patience))  # exactly fallback_patience consecutive NaN steps
-    amp, model, *_ = run(5 + patience + 3 * check_every + 2, precision="bf16", model=NaNAt(bad), fallback=True,
-                         fallback_patience=patience, fallback_check_every=check_every)
+    amp, model, *_ = run(
+        5 + patience + 3 * check_every + 2,
+        precision="bf16",
+        model=NaNAt(bad),
+        fallback=True,
+        fallback_patience=patience,
+        fallback_check_every=check_every,
+    )
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
-    assert len(fb) == 1 and (fb[0]["from"], fb[0]["to"]) == ("bf16", "fp32") and amp.precision.name == "fp32"
+    assert (
+        len(fb) == 1
+        and (fb[0]["from"], fb[0]["to"]) == ("bf16", "fp32")
+        and amp.precision.name == "fp32"
+    )
     assert fb[0]["trigger"] == "nonfinite_unscaled" and fb[0]["consecutive_skips"] == patience
     assert f"patience {patience}" in fb[0]["reason"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -131,10 +149,19 @@ def test_min_scale_trigger():
             self.lin = torch.nn.Linear(16, 4)
 
         def forward(self, x, y):
-            return torch.nn.functional.cross_entropy(self.lin(x), y) * 1e30  # gradients overflow in fp32 too
+            return (
+                torch.nn.functional.cross_entropy(self.lin(x), y) * 1e30
+            )  # gradients overflow in fp32 too
 
-    amp, *_ = run(30, model=Overflow(), fallback="fp16,bf16", init_scale=8.0, min_scale=1.0,
-                  fallback_patience=100, fallback_check_every=2)
+    amp, *_ = run(
+        30,
+        model=Overflow(),
+        fallback="fp16,bf16",
+        init_scale=8.0,
+        min_scale=1.0,
+        fallback_patience=100,
+        fallback_check_every=2,
+    )
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
     assert fb and fb[0]["trigger"] == "min_scale"
 
@@ -149,10 +176,20 @@ def test_scale_floor_trigger_without_min_scale():
         def forward(self, x, y):
             return torch.nn.functional.cross_entropy(self.lin(x), y) * float("inf")
 
-    amp, *_ = run(40, model=Inf(), fallback="fp16,bf16", init_scale=2.0**-120, fallback_patience=1000,
-                  fallback_check_every=2)
+    amp, *_ = run(
+        40,
+        model=Inf(),
+        fallback="fp16,bf16",
+        init_scale=2.0**-120,
+        fallback_patience=1000,
+        fallback_check_every=2,
+    )
     fb = [e for e in amp.stats()["events"] if e["kind"] == "fallback"]
-    assert fb and fb[0]["trigger"] == "scale_floor" and fb[0]["scale"] == torch.finfo(torch.float32).tiny
+    assert (
+        fb
+        and fb[0]["trigger"] == "scale_floor"
+        and fb[0]["scale"] == torch.finfo(torch.float32).tiny
+    )
 
 
 def test_exhausted_guard_at_min_scale_without_fallback():
@@ -162,9 +199,13 @@ def test_exhausted_guard_at_min_scale_without_fallback():
             self.lin = torch.nn.Linear(16, 4)
 
         def forward(self, x, y):
-            return torch.nn.functional.cross_entropy(self.lin(x), y) * 1e30  # gradients overflow in fp32 too
+            return (
+                torch.nn.functional.cross_entropy(self.lin(x), y) * 1e30
+            )  # gradients overflow in fp32 too
 
-    with pytest.raises(NumericsError, match=r"exhausted.*min_scale=1.*\d+ consecutive skipped steps.*'lin'"):
+    with pytest.raises(
+        NumericsError, match=r"exhausted.*min_scale=1.*\d+ consecutive skipped steps.*'lin'"
+    ):
         run(30, model=Overflow(), init_scale=8.0, min_scale=1.0, fallback_check_every=2)
 
 
@@ -180,7 +221,9 @@ def test_checking_triggers_adds_no_sync():
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
-    amp = MixedPrecision("fp16", device="cpu", fallback=True, fallback_check_every=3, clip_grad_norm=1.0)
+    amp = MixedPrecision(
+        "fp16", device="cpu", fallback=True, fallback_check_every=3, clip_grad_norm=1.0
+    )
     model, opt = amp.setup(model, opt)
     with SyncCounter() as c:
         for x, y in data(20):

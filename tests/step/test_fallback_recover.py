@@ -15,7 +15,12 @@ class Flaky(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inp, self.mid, self.norm, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+        self.inp, self.mid, self.norm, self.head = (
+            nn.Linear(16, 32),
+            nn.Linear(32, 32),
+            nn.LayerNorm(32),
+            nn.Linear(32, 4),
+        )
         self.trouble = False
 
     def forward(self, x, y):
@@ -48,7 +53,9 @@ def run(amp, steps=90, switches=None, state_at=None):
             loss = model(x, y)
         amp.backward(loss)
         amp.step(opt)
-        if switches and i + 1 in switches:  # where the engine switched: right after optimizer step i + 1
+        if (
+            switches and i + 1 in switches
+        ):  # where the engine switched: right after optimizer step i + 1
             amp.switch(switches[i + 1])
         precisions.append(amp.precision.name)
         if state_at == i + 1:
@@ -63,14 +70,26 @@ def test_retry_after_clean_steps_backs_off_and_equals_hand_switching():
     events = [e for e in amp.events if e.kind in ("fallback", "fallback_retry")]
     kinds = [e.kind for e in events]
     assert kinds[:6] == ["fallback", "fallback_retry"] * 3
-    assert all(e.data["from"] == "fp16" and e.data["to"] == "bf16" for e in events if e.kind == "fallback")
-    assert all(e.data["from"] == "bf16" and e.data["to"] == "fp16" for e in events if e.kind == "fallback_retry")
+    assert all(
+        e.data["from"] == "fp16" and e.data["to"] == "bf16" for e in events if e.kind == "fallback"
+    )
+    assert all(
+        e.data["from"] == "bf16" and e.data["to"] == "fp16"
+        for e in events
+        if e.kind == "fallback_retry"
+    )
     retries = [e.data["recover_after"] for e in events if e.kind == "fallback_retry"]
     assert retries[:3] == [4, 8, 16]  # the wait doubles each time trouble returns
     # the time spent in bf16 before each retry grows with the interval
-    stays = [b.step - a.step for a, b in zip(events, events[1:]) if (a.kind, b.kind) == ("fallback", "fallback_retry")]
+    stays = [
+        b.step - a.step
+        for a, b in zip(events, events[1:])
+        if (a.kind, b.kind) == ("fallback", "fallback_retry")
+    ]
     assert stays == sorted(stays) and stays[-1] > stays[0]
-    assert precisions[-1] == "fp16" and kinds[-1] == "fallback_retry"  # trouble gone: it stays back in fp16
+    assert (
+        precisions[-1] == "fp16" and kinds[-1] == "fallback_retry"
+    )  # trouble gone: it stays back in fp16
     assert [e.data["recover_after"] for e in events if e.kind == "fallback"][1:3] == [8, 16]
 
     # the same switches by hand, at the same steps, with no fallback policy: bitwise the same weights

@@ -16,15 +16,22 @@ NAN_AT = (2, 6)  # batches holding a NaN input: each moves one rung down the cha
 
 def _mlp(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+    )
 
 
 def _setup(fallback, masters: str = "stochastic", state_dtype: str = "bf16"):
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    amp = MixedPrecision("bf16-pure", masters=masters, state_dtype=state_dtype, fallback=fallback,
-                         fallback_patience=1, fallback_check_every=1)
+    amp = MixedPrecision(
+        "bf16-pure",
+        masters=masters,
+        state_dtype=state_dtype,
+        fallback=fallback,
+        fallback_patience=1,
+        fallback_check_every=1,
+    )
     model, opt = amp.setup(model, opt)
     return model, opt, amp
 
@@ -59,13 +66,20 @@ def test_chain_moves_rung_by_rung_and_records_each_move() -> None:
         seen.append(_rung(amp))
     moves = [e for e in amp.events if e.kind == "fallback"]
     assert [(e.data["from_rung"], e.data["to_rung"]) for e in moves] == [
-        ("bf16-pure:stochastic+bf16", "bf16-pure:split"), ("bf16-pure:split", "fp32")]
-    assert [(e.data["from"], e.data["to"]) for e in moves] == [("bf16-pure", "bf16-pure"), ("bf16-pure", "fp32")]
+        ("bf16-pure:stochastic+bf16", "bf16-pure:split"),
+        ("bf16-pure:split", "fp32"),
+    ]
+    assert [(e.data["from"], e.data["to"]) for e in moves] == [
+        ("bf16-pure", "bf16-pure"),
+        ("bf16-pure", "fp32"),
+    ]
     assert all(e.data["trigger"] == "nonfinite_unscaled" for e in moves)
     # Batch i is optimizer step i + 1; the check after the non-finite step acts (module doc: at most
     # 2 * check_every steps later).
     assert [e.step for e in moves] == [NAN_AT[0] + 2, NAN_AT[1] + 2]
-    assert seen[NAN_AT[0]] == "bf16-pure:stochastic+bf16" and seen[NAN_AT[0] + 1] == "bf16-pure:split"
+    assert (
+        seen[NAN_AT[0]] == "bf16-pure:stochastic+bf16" and seen[NAN_AT[0] + 1] == "bf16-pure:split"
+    )
     assert seen[NAN_AT[1]] == "bf16-pure:split" and seen[NAN_AT[1] + 1] == "fp32" == seen[-1]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert next(model.parameters()).dtype == torch.float32
@@ -118,7 +132,10 @@ def test_resume_after_a_fallback_keeps_the_rung() -> None:
     for x, y in _batches(4, seed=3, nan_at=(0,)):
         _step(amp2, model2, opt2, x, y)
     assert amp2.precision.name == "fp32"
-    assert [e.data.get("to_rung") for e in amp2.events if e.kind == "fallback"] == ["bf16-pure:split", "fp32"]
+    assert [e.data.get("to_rung") for e in amp2.events if e.kind == "fallback"] == [
+        "bf16-pure:split",
+        "fp32",
+    ]
 
 
 def test_a_plain_bf16_pure_entry_matches_any_rung() -> None:
@@ -129,14 +146,25 @@ def test_a_plain_bf16_pure_entry_matches_any_rung() -> None:
     assert (move.data["from_rung"], move.data["to"]) == ("bf16-pure:kahan", "fp32")
 
 
-@pytest.mark.parametrize("chain,says", [
-    ("bf16-pure:half,fp32", ["'bf16-pure:half'", "fp32, split, kahan, stochastic, none"]),
-    ("bf16-pure:split+fp16,fp32", ["'bf16-pure:split+fp16'", "[+bf16]"]),
-    ("bf16-pure:stochastic+bf16,fp16-pure:split,fp32", ["'fp16-pure:split'", "only bf16-pure has a memory ladder"]),
-    ("bf16-pure:split,fp32", ["does not contain the training precision 'bf16-pure:stochastic+bf16'",
-                              "'bf16-pure:stochastic+bf16,fp32'"]),
-    ("bf16-pure:stochastic+bf16,bf16-pure:stochastic+bf16,fp32", ["names an entry twice"]),
-])
+@pytest.mark.parametrize(
+    "chain,says",
+    [
+        ("bf16-pure:half,fp32", ["'bf16-pure:half'", "fp32, split, kahan, stochastic, none"]),
+        ("bf16-pure:split+fp16,fp32", ["'bf16-pure:split+fp16'", "[+bf16]"]),
+        (
+            "bf16-pure:stochastic+bf16,fp16-pure:split,fp32",
+            ["'fp16-pure:split'", "only bf16-pure has a memory ladder"],
+        ),
+        (
+            "bf16-pure:split,fp32",
+            [
+                "does not contain the training precision 'bf16-pure:stochastic+bf16'",
+                "'bf16-pure:stochastic+bf16,fp32'",
+            ],
+        ),
+        ("bf16-pure:stochastic+bf16,bf16-pure:stochastic+bf16,fp32", ["names an entry twice"]),
+    ],
+)
 def test_bad_chain_entries_say_what_and_why(chain: str, says: list[str]) -> None:
     with pytest.raises(PrecisionError) as err:
         MixedPrecision("bf16-pure", masters="stochastic", state_dtype="bf16", fallback=chain)

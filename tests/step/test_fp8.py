@@ -31,20 +31,34 @@ def test_fp8_trains_close_to_bf16(recipe):
     model, amp, losses = train("fp8", fp8_recipe=recipe)
     _, _, ref = train("bf16")
     converted = [r["name"] for r in amp.fp8_report() if r["converted"]]
-    assert converted and all(type(model.get_submodule(n)).__name__ == "Float8Linear" for n in converted)
+    assert converted and all(
+        type(model.get_submodule(n)).__name__ == "Float8Linear" for n in converted
+    )
     assert losses[-1] < losses[0]  # it learns
-    assert abs(losses[-1] - ref[-1]) / ref[-1] < 0.05  # and stays near bf16 (fp8 has 3-4 significant bits)
+    assert (
+        abs(losses[-1] - ref[-1]) / ref[-1] < 0.05
+    )  # and stays near bf16 (fp8 has 3-4 significant bits)
 
 
 def test_report_filter_first_last_shapes_and_keep_fp32():
     model, amp, _ = train("fp8", steps=1, keep_fp32=("blocks.1.mlp.*",))
     report = {r["name"]: r for r in amp.fp8_report()}
-    assert not report["blocks.0.attn.qkv"]["converted"] and "first" in report["blocks.0.attn.qkv"]["reason"]
+    assert (
+        not report["blocks.0.attn.qkv"]["converted"]
+        and "first" in report["blocks.0.attn.qkv"]["reason"]
+    )
     assert not report["lm_head"]["converted"] and "last" in report["lm_head"]["reason"]
-    assert not report["blocks.1.mlp.0"]["converted"] and "keep_fp32" in report["blocks.1.mlp.0"]["reason"]
+    assert (
+        not report["blocks.1.mlp.0"]["converted"]
+        and "keep_fp32" in report["blocks.1.mlp.0"]["reason"]
+    )
     assert report["blocks.0.mlp.0"]["converted"]
-    odd = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 24), torch.nn.Linear(24, 16),
-                              torch.nn.Linear(16, 16))
+    odd = torch.nn.Sequential(
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 24),
+        torch.nn.Linear(24, 16),
+        torch.nn.Linear(16, 16),
+    )
     amp2 = MixedPrecision("fp8", device="cpu", fp8_emulate=True)
     amp2.setup(odd, torch.optim.SGD(odd.parameters(), lr=0.1))
     assert "not a multiple of 16" in {r["name"]: r for r in amp2.fp8_report()}["1"]["reason"]
@@ -61,7 +75,9 @@ def test_state_dict_keys_and_weights_only_round_trip():
     loaded = torch.load(buf, weights_only=True)
     fresh, amp2, _ = train("fp8", steps=0)
     fresh.load_state_dict(loaded["model"])
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
 
 
 def test_clear_errors():
@@ -84,7 +100,10 @@ def test_fallback_fp8_to_bf16_reverts_the_modules():
     assert amp._fallback.chain[:2] == ("fp8", "bf16")
     weights = copy.deepcopy(model.state_dict())
     amp.switch("bf16")
-    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules()) and amp.fp8_report() == []
+    assert (
+        not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+        and amp.fp8_report() == []
+    )
     assert all(torch.equal(a, b) for a, b in zip(weights.values(), model.state_dict().values()))
 
 
@@ -93,12 +112,54 @@ def test_cli_fp8_emulated_and_compile(tmp_path, capsys):
 
     from ampkit.cli import main
 
-    assert main(["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--batch-size", "2", "--steps", "2",
-                 "--precision", "fp8", "--fp8_emulate", "--fp8_recipe", "rowwise", "--json", "--no-progress",
-                 "--log_dir", str(tmp_path / "r")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "gpt",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--batch-size",
+                "2",
+                "--steps",
+                "2",
+                "--precision",
+                "fp8",
+                "--fp8_emulate",
+                "--fp8_recipe",
+                "rowwise",
+                "--json",
+                "--no-progress",
+                "--log_dir",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["precision"] == "fp8"
-    assert main(["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--precision", "fp8",
-                 "--steps", "1", "--log_dir", str(tmp_path / "r2")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "gpt",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--precision",
+                "fp8",
+                "--steps",
+                "1",
+                "--log_dir",
+                str(tmp_path / "r2"),
+            ]
+        )
+        == 2
+    )
     assert "fp8_emulate" in capsys.readouterr().err
 
 

@@ -33,7 +33,9 @@ def check_path(request, monkeypatch):
 def net():
     torch.manual_seed(0)
     # 65536 and 32768 elements: checked by sums; the last layer (and the biases) are small
-    return nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 4))
+    return nn.Sequential(
+        nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 4)
+    )
 
 
 def batch(i):
@@ -56,10 +58,12 @@ def engine(**kw):
 
 def poison(param, value, where=0):
     """A hook that writes ``value`` into one element of ``param``'s incoming gradient."""
+
     def hook(g):
         g = g.clone()
         g.view(-1)[where] = value
         return g
+
     return param.register_hook(hook)
 
 
@@ -68,7 +72,9 @@ def test_the_model_has_large_and_small_gradients():
     assert sum(n >= SUM_FROM for n in sizes) == 2 and sum(n < SUM_FROM for n in sizes) == 4
 
 
-@pytest.mark.parametrize("index", [0, 2, 5, 4])  # the first weight, the last large one, the last bias, a tiny weight
+@pytest.mark.parametrize(
+    "index", [0, 2, 5, 4]
+)  # the first weight, the last large one, the last bias, a tiny weight
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nonfinite_value_in_any_gradient_skips_the_step(index, value):
     amp, model, opt = engine()
@@ -199,7 +205,15 @@ def test_the_native_check_agrees_with_isfinite(dtype, check_path):
     g = torch.Generator().manual_seed(1)
     info = torch.finfo(dtype)
     for size in (1, 7, 511, 512, 513, 1023, 1024, 1025, 4096 + 3, 70_000):
-        for value in (info.max, -info.max, info.tiny / 8, float("inf"), -float("inf"), float("nan"), None):
+        for value in (
+            info.max,
+            -info.max,
+            info.tiny / 8,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            None,
+        ):
             t = torch.randn(size, generator=g).to(dtype)
             if value is not None:
                 t[int(torch.randint(0, size, (1,), generator=g))] = value
@@ -230,7 +244,9 @@ def test_the_native_check_split_over_threads_agrees_with_isfinite(threads, check
             t = tensors[int(torch.randint(0, len(tensors), (1,), generator=g))]
             info = torch.finfo(t.dtype)
             values = [float("nan"), float("inf"), -float("inf"), info.tiny / 8, info.max]
-            t[int(torch.randint(0, t.numel(), (1,), generator=g))] = values[int(torch.randint(0, 5, (1,), generator=g))]
+            t[int(torch.randint(0, t.numel(), (1,), generator=g))] = values[
+                int(torch.randint(0, 5, (1,), generator=g))
+            ]
         want = not all(bool(torch.isfinite(t).all()) for t in tensors)
         assert native.any_nonfinite(tensors, threads=threads) is want
 
@@ -251,4 +267,6 @@ def test_without_a_compiler_the_sums_decide(monkeypatch, tmp_path, check_path):
             assert native.any_nonfinite([t]) is None
             p = nn.Parameter(torch.zeros_like(t))
             p.grad = t
-            assert cpu_all_finite(torch.optim.SGD([p], lr=0.1), allow_fp16=True) is (value is None or math.isfinite(value))
+            assert cpu_all_finite(torch.optim.SGD([p], lr=0.1), allow_fp16=True) is (
+                value is None or math.isfinite(value)
+            )

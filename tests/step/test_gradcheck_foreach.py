@@ -11,14 +11,16 @@ HAS_CUDA = torch.cuda.is_available()
 
 def _grads(device, special=None):
     g = torch.Generator().manual_seed(0)
-    out = [torch.randn(n, generator=g) * 1e3 for n in (1, 17, 4099)] + [torch.randn(3, 5, generator=g)]
+    out = [torch.randn(n, generator=g) * 1e3 for n in (1, 17, 4099)] + [
+        torch.randn(3, 5, generator=g)
+    ]
     if special is not None:
         out[2][1234] = special
     return [t.to(device, torch.bfloat16) for t in out]
 
 
 @pytest.mark.parametrize("special", [None, float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("inv", [1.0, 2.0 ** -13, 0.3])
+@pytest.mark.parametrize("inv", [1.0, 2.0**-13, 0.3])
 def test_the_same_found_inf_and_bits_as_torchs_kernel(special, inv):
     ours, ref = _grads("cpu", special), _grads("cpu", special)
     f_ours, f_ref = torch.zeros(()), torch.zeros(())

@@ -8,7 +8,8 @@ The cases of pytorch/pytorch ``test/test_cuda.py`` (``TestCuda.test_grad_scaling
 ``TestTorchDeviceType``), re-written for ``device="cpu"`` with the same scenarios, values and checks
 (torch's source is read, not copied). The models, data and
 optimizers are built as torch's helper ``torch.testing._internal.common_cuda._create_scaling_case``
-builds them (re-written here: importing it needs ``expecttest``). Each test runs twice: with ``torch.amp.GradScaler`` (the cases hold for
+builds them (re-written here: importing it needs ``expecttest``). Each test runs twice: with
+``torch.amp.GradScaler`` (the cases hold for
 it as written) and with ``LossScaler`` given the same keyword arguments; the checks are torch's
 (scale after N growths and M backoffs; gradients, optimizer state and parameters equal to the
 unscaled control run with torch's tolerances; pickling between iterations).
@@ -25,23 +26,39 @@ from ampkit import LossScaler
 DEVICE = "cpu"
 
 
-def _create_scaling_models_optimizers(device=DEVICE, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
+def _create_scaling_models_optimizers(
+    device=DEVICE, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None
+):
     """As torch's helper of that name: a model to scale and an identical control model, each with its optimizer."""
-    mod_control = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(device=device)
-    mod_scaling = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(device=device)
+    mod_control = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(
+        device=device
+    )
+    mod_scaling = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(
+        device=device
+    )
     with torch.no_grad():
         for c, s in zip(mod_control.parameters(), mod_scaling.parameters()):
             s.copy_(c)
     kwargs = {"lr": 1.0, **(optimizer_kwargs or {})}
-    return (mod_control, mod_scaling, optimizer_ctor(mod_control.parameters(), **kwargs),
-            optimizer_ctor(mod_scaling.parameters(), **kwargs))
+    return (
+        mod_control,
+        mod_scaling,
+        optimizer_ctor(mod_control.parameters(), **kwargs),
+        optimizer_ctor(mod_scaling.parameters(), **kwargs),
+    )
 
 
-def _create_scaling_case(device=DEVICE, dtype=torch.float, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
+def _create_scaling_case(
+    device=DEVICE, dtype=torch.float, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None
+):
     """As torch's helper of that name: the models, 4 random (input, target) batches, MSE, skip at iteration 2."""
-    data = [tuple(torch.randn((8, 8), dtype=dtype, device=device) for _ in range(2)) for _ in range(4)]
+    data = [
+        tuple(torch.randn((8, 8), dtype=dtype, device=device) for _ in range(2)) for _ in range(4)
+    ]
     models = _create_scaling_models_optimizers(device, optimizer_ctor, optimizer_kwargs)
     return (*models, data, torch.nn.MSELoss().to(device), 2)
+
+
 SCALERS = {"GradScaler": lambda **kw: torch.amp.GradScaler(DEVICE, **kw), "LossScaler": LossScaler}
 
 
@@ -54,14 +71,26 @@ def assert_close(a, b, atol, rtol=1e-05):
     torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
 
 
-def run_scaling_case(make_scaler, run, unskipped, skipped, atol=1e-7, optimizer_ctor=torch.optim.SGD,
-                     optimizer_kwargs=None):
+def run_scaling_case(
+    make_scaler,
+    run,
+    unskipped,
+    skipped,
+    atol=1e-7,
+    optimizer_ctor=torch.optim.SGD,
+    optimizer_kwargs=None,
+):
     """torch's ``_run_scaling_case``: the scaling run against an unscaled control, scaling on and off."""
     for enabled in True, False:  # scaling can be disabled without changing the loop
-        mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, skip_iter = _create_scaling_case(
-            device=DEVICE, optimizer_ctor=optimizer_ctor, optimizer_kwargs=optimizer_kwargs)
+        mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, skip_iter = (
+            _create_scaling_case(
+                device=DEVICE, optimizer_ctor=optimizer_ctor, optimizer_kwargs=optimizer_kwargs
+            )
+        )
         # a modest initial scale and an unrealistically large growth rate magnify growth errors
-        scaler = make_scaler(init_scale=128.0, growth_factor=2.0, enabled=enabled, growth_interval=1)
+        scaler = make_scaler(
+            init_scale=128.0, growth_factor=2.0, enabled=enabled, growth_interval=1
+        )
         run(data, mod_control, opt_control, scaler, loss_fn, skip_iter, False)
         ret = run(data, mod_scaling, opt_scaling, scaler, loss_fn, skip_iter, True)
         scaler = ret if ret else scaler
@@ -100,7 +129,9 @@ def test_grad_scaling_state_dict(make_scaler, lazy_init_scale):
     s1 = make_scaler(init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
     s1._init_growth_tracker = 7  # a value for load_state_dict to overwrite
     if lazy_init_scale:
-        s1.scale(torch.full((1,), 4.0, dtype=torch.float32, device=DEVICE))  # the scale tensor exists
+        s1.scale(
+            torch.full((1,), 4.0, dtype=torch.float32, device=DEVICE)
+        )  # the scale tensor exists
         assert isinstance(s1._scale, torch.FloatTensor)
     s1.load_state_dict(s0.state_dict())
     assert s1.get_scale() == 3.0
@@ -145,7 +176,17 @@ def test_grad_scale_will_not_overflow(make_scaler):
 def test_grad_scaling_autocast(make_scaler, optimizer_kwargs):
     """No scaling, no autocast against scaling + autocast; a second pass pickles the scaler every step."""
     for try_pickle in (False, True):
-        def run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api, try_pickle=try_pickle):
+
+        def run(
+            data,
+            model,
+            optimizer,
+            scaler,
+            loss_fn,
+            skip_iter,
+            try_scaling_api,
+            try_pickle=try_pickle,
+        ):
             for i, (input, target) in enumerate(data):
                 optimizer.zero_grad()
                 with torch.autocast(DEVICE, dtype=torch.half, enabled=try_scaling_api):
@@ -162,7 +203,9 @@ def test_grad_scaling_autocast(make_scaler, optimizer_kwargs):
             return scaler
 
         # atol=1e-3: pure fp32 arithmetic against a mixture of low precision and fp32
-        run_scaling_case(make_scaler, run, unskipped=3, skipped=1, atol=1e-3, optimizer_kwargs=optimizer_kwargs)
+        run_scaling_case(
+            make_scaler, run, unskipped=3, skipped=1, atol=1e-3, optimizer_kwargs=optimizer_kwargs
+        )
 
 
 def test_grad_scaling_clipping(make_scaler):
@@ -185,6 +228,7 @@ def test_grad_scaling_clipping(make_scaler):
 
 def test_grad_scaling_clipping_separate_unscale(make_scaler):
     """``unscale_`` before clipping -- on a disabled scaler too (a no-op there, as GradScaler's)."""
+
     def run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         max_norm = 0.2
         for i, (input, target) in enumerate(data):
@@ -205,12 +249,15 @@ def test_grad_scaling_clipping_separate_unscale(make_scaler):
 
 def test_grad_scaling_penalty(make_scaler):
     """Gradient penalty: ``autograd.grad`` of the scaled loss, unscaled by hand."""
+
     def run(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         for i, (input, target) in enumerate(data):
             optimizer.zero_grad()
             loss = loss_fn(model(input), target)
             if try_scaling_api:
-                grad_params = torch.autograd.grad(scaler.scale(loss), model.parameters(), create_graph=True)
+                grad_params = torch.autograd.grad(
+                    scaler.scale(loss), model.parameters(), create_graph=True
+                )
                 inv_scale = 1.0 / scaler.get_scale()
                 grad_params = [p * inv_scale for p in grad_params]
             else:
@@ -250,8 +297,12 @@ def test_grad_scaling_accumulation(make_scaler):
 @pytest.mark.parametrize("enabled", [True, False])
 def test_grad_scaling_multiple(make_scaler, enabled):
     """Two models and two optimizers, both fed by two losses (one unscaled separately)."""
-    mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = _create_scaling_case(DEVICE)
-    mod_control1, mod_scaling1, opt_control1, opt_scaling1 = _create_scaling_models_optimizers(DEVICE)
+    mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = (
+        _create_scaling_case(DEVICE)
+    )
+    mod_control1, mod_scaling1, opt_control1, opt_scaling1 = _create_scaling_models_optimizers(
+        DEVICE
+    )
     scaler = make_scaler(init_scale=128.0, growth_factor=2.0, enabled=enabled, growth_interval=1)
 
     def run(model0, model1, optimizer0, optimizer1, try_scaling_api):
@@ -279,10 +330,16 @@ def test_grad_scaling_multiple(make_scaler, enabled):
     run(mod_control0, mod_control1, opt_control0, opt_control1, False)
     run(mod_scaling0, mod_scaling1, opt_scaling0, opt_scaling1, True)
     # grown 3 times, backed off once
-    expected = 128.0 * scaler.get_growth_factor() ** 3 * scaler.get_backoff_factor() ** 1 if enabled else 1.0
+    expected = (
+        128.0 * scaler.get_growth_factor() ** 3 * scaler.get_backoff_factor() ** 1
+        if enabled
+        else 1.0
+    )
     assert scaler.get_scale() == expected
-    for c, s in zip(chain(mod_control0.parameters(), mod_control1.parameters()),
-                    chain(mod_scaling0.parameters(), mod_scaling1.parameters())):
+    for c, s in zip(
+        chain(mod_control0.parameters(), mod_control1.parameters()),
+        chain(mod_scaling0.parameters(), mod_scaling1.parameters()),
+    ):
         assert_close(c, s, atol=1e-7)
 
 
@@ -312,7 +369,11 @@ def test_setters_and_update_new_scale(make_scaler):
     scaler.set_growth_factor(3.0)
     scaler.set_backoff_factor(0.25)
     scaler.set_growth_interval(5)
-    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 5)
+    assert (
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+    ) == (3.0, 0.25, 5)
     assert scaler.state_dict()["growth_factor"] == 3.0
     scaler.scale(torch.ones(()))
     scaler.update(new_scale=16.0)
@@ -338,7 +399,10 @@ def test_pickling_only_between_iterations(make_scaler):
 
 def test_loss_scaler_settings_rejected_with_a_reason():
     scaler = LossScaler()
-    for setter, bad in ((scaler.set_growth_factor, 1.0), (scaler.set_backoff_factor, 1.5),
-                        (scaler.set_growth_interval, 0)):
+    for setter, bad in (
+        (scaler.set_growth_factor, 1.0),
+        (scaler.set_backoff_factor, 1.5),
+        (scaler.set_growth_interval, 0),
+    ):
         with pytest.raises(ValueError, match="invalid"):
             setter(bad)

@@ -18,10 +18,19 @@ from ampkit.step.precision import resolve_precision
 VOCAB, DIM, CTX = 64, 16, 4
 
 # precision, rung: every form the optimizer can step in backward bitwise
-EXACT = [("fp32", {}), ("bf16", {}), ("bf16-pure", {}), ("bf16-pure", {"masters": "split"}),
-         ("bf16-pure", {"masters": "kahan"}), ("bf16-pure", {"masters": "split", "keep_fp32": ("norm",)}),
-         pytest.param("bf16-pure", {"masters": "none", "allow_stall": True},
-                      marks=pytest.mark.filterwarnings("ignore:bf16-pure with masters='none'"))]
+EXACT = [
+    ("fp32", {}),
+    ("bf16", {}),
+    ("bf16-pure", {}),
+    ("bf16-pure", {"masters": "split"}),
+    ("bf16-pure", {"masters": "kahan"}),
+    ("bf16-pure", {"masters": "split", "keep_fp32": ("norm",)}),
+    pytest.param(
+        "bf16-pure",
+        {"masters": "none", "allow_stall": True},
+        marks=pytest.mark.filterwarnings("ignore:bf16-pure with masters='none'"),
+    ),
+]
 OPTIMIZERS = ["sgd", "sgd-momentum", "adamw", "adamw-fused"]
 
 
@@ -44,7 +53,10 @@ class TiedLM(torch.nn.Module):
 def _opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
-    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3}]  # two groups, two lrs
+    groups = [
+        {"params": decay},
+        {"params": rest, "weight_decay": 0.0, "lr": 3e-3},
+    ]  # two groups, two lrs
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.05)
     if kind == "sgd-momentum":
@@ -62,8 +74,10 @@ def _opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _batches(n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (8, CTX), generator=g), torch.randint(0, VOCAB, (8,), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, VOCAB, (8, CTX), generator=g), torch.randint(0, VOCAB, (8,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _build(inb: bool, precision: str, rung: dict, opt_kind: str = "adamw", seed: int = 0):
@@ -103,7 +117,11 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("opt_kind", OPTIMIZERS)
-@pytest.mark.parametrize(("precision", "rung"), EXACT, ids=lambda v: "-".join(map(str, v.values())) if isinstance(v, dict) else v)
+@pytest.mark.parametrize(
+    ("precision", "rung"),
+    EXACT,
+    ids=lambda v: "-".join(map(str, v.values())) if isinstance(v, dict) else v,
+)
 def test_bitwise_equal_to_the_ordinary_step(precision, rung, opt_kind) -> None:
     batches = _batches(3)
     ref = _build(False, precision, rung, opt_kind)
@@ -112,7 +130,9 @@ def test_bitwise_equal_to_the_ordinary_step(precision, rung, opt_kind) -> None:
     results = _train(amp, model, opt, batches)
     _assert_bitwise(_state(ref[0], ref[2]), _state(amp, opt))
     assert all(not r.found_inf for r in results)
-    assert all(p.grad is None for p in [*model.parameters(), *amp.master_params()])  # nothing left held
+    assert all(
+        p.grad is None for p in [*model.parameters(), *amp.master_params()]
+    )  # nothing left held
 
 
 @pytest.mark.parametrize("opt_kind", ["adafactor", "rmsprop", "adagrad"])
@@ -125,7 +145,12 @@ def test_bitwise_when_the_check_is_made_on_the_device(monkeypatch) -> None:
     same update), another reads it (one sync); forced here by taking away the host decision."""
     monkeypatch.setattr(in_backward, "cpu_all_finite", lambda *a, **k: None)
     batches = _batches(3)
-    for kind, rung in [("adamw-fused", {}), ("sgd-momentum", {}), ("adam", {}), ("adamw-fused", {"masters": "split"})]:
+    for kind, rung in [
+        ("adamw-fused", {}),
+        ("sgd-momentum", {}),
+        ("adam", {}),
+        ("adamw-fused", {"masters": "split"}),
+    ]:
         ref = _build(False, "bf16-pure", rung, kind)
         _train(*ref, batches)
         amp, model, opt = _build(True, "bf16-pure", rung, kind)
@@ -133,12 +158,19 @@ def test_bitwise_when_the_check_is_made_on_the_device(monkeypatch) -> None:
         _assert_bitwise(_state(ref[0], ref[2]), _state(amp, opt))
 
 
-@pytest.mark.parametrize("rung", [{"masters": "stochastic"}, {"state_dtype": "bf16"},
-                                  {"masters": "stochastic", "state_dtype": "bf16"}])
+@pytest.mark.parametrize(
+    "rung",
+    [
+        {"masters": "stochastic"},
+        {"state_dtype": "bf16"},
+        {"masters": "stochastic", "state_dtype": "bf16"},
+    ],
+)
 def test_stochastic_rounding_rungs(rung) -> None:
     """The random bits are drawn in backward order, not model order: with one weight the order is the
     same (bitwise); with several, one step lands each value on the same fp32 value's other bf16
     neighbour at most (within one bf16 spacing of the ordinary step)."""
+
     def one_weight(inb: bool):
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 8, bias=False)
@@ -163,7 +195,9 @@ def test_stochastic_rounding_rungs(rung) -> None:
     a, b = _state(ref[0], ref[2]), _state(amp, opt)
     for k in a:
         if a[k].is_floating_point() and a[k].dim():
-            spacing = torch.finfo(torch.bfloat16).eps * a[k].abs().float()  # >= one bf16 spacing at |a|
+            spacing = (
+                torch.finfo(torch.bfloat16).eps * a[k].abs().float()
+            )  # >= one bf16 spacing at |a|
             assert torch.all((a[k].float() - b[k].float()).abs() <= spacing), k
 
 
@@ -172,7 +206,9 @@ def _grad_peak(inb: bool, precision: str, rung: dict) -> tuple[int, int, int]:
     model = TiedLM()
     live: list[int] = []
 
-    def count(_: torch.Tensor) -> None:  # registered first: runs before ampkit's hook frees the gradient
+    def count(
+        _: torch.Tensor,
+    ) -> None:  # registered first: runs before ampkit's hook frees the gradient
         tensors = [*model.parameters(), *amp.master_params()]
         live.append(sum(t.grad.nbytes for t in tensors if t.grad is not None))
 
@@ -251,12 +287,15 @@ def test_a_nonfinite_loss_takes_no_update() -> None:
     assert not opt.state  # no optimizer state was made either
 
 
-@pytest.mark.parametrize(("settings", "words"), [
-    ({"accumulation_steps": 2}, ["accumulation_steps=2", "must be 1"]),
-    ({"clip_grad_norm": 1.0}, ["clip_grad_norm=1.0", "must be None", "global norm"]),
-    ({"precision": "fp16"}, ["precision='fp16'", "without loss scaling", "bf16"]),
-    ({"precision": "fp16-pure"}, ["precision='fp16-pure'", "without loss scaling"]),
-])
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"accumulation_steps": 2}, ["accumulation_steps=2", "must be 1"]),
+        ({"clip_grad_norm": 1.0}, ["clip_grad_norm=1.0", "must be None", "global norm"]),
+        ({"precision": "fp16"}, ["precision='fp16'", "without loss scaling", "bf16"]),
+        ({"precision": "fp16-pure"}, ["precision='fp16-pure'", "without loss scaling"]),
+    ],
+)
 def test_refused_where_it_cannot_be_exact(settings, words) -> None:
     settings = {"precision": "bf16", **settings}
     with pytest.raises(ConfigError) as e:
@@ -270,7 +309,9 @@ def test_refusals_at_setup_and_in_use() -> None:
     cpu = device_info(torch.device("cpu"))
     model = TiedLM()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    why = in_backward.refusal(resolve_precision("fp16", cpu), [sgd], "none")  # e.g. 'auto' on a pre-Ampere GPU
+    why = in_backward.refusal(
+        resolve_precision("fp16", cpu), [sgd], "none"
+    )  # e.g. 'auto' on a pre-Ampere GPU
     assert "'fp16'" in why and "dynamic loss scaling" in why and "bf16" in why
     why = in_backward.refusal(resolve_precision("bf16", cpu), [sgd], "ddp")
     assert "DDP" in why and "optimizer_in_backward=False" in why

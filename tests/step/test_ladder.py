@@ -19,18 +19,30 @@ from ampkit.step.policies.pure.ladder import (
 )
 from ampkit.step.policies.pure.rounding import BLOCK
 
-RUNGS = [("fp32", "fp32", 14), ("split", "fp32", 12), ("kahan", "fp32", 12), ("stochastic", "fp32", 10),
-         ("stochastic", "bf16", 6), ("none", "fp32", 6)]
+RUNGS = [
+    ("fp32", "fp32", 14),
+    ("split", "fp32", 12),
+    ("kahan", "fp32", 12),
+    ("stochastic", "fp32", 10),
+    ("stochastic", "bf16", 6),
+    ("none", "fp32", 6),
+]
 
 
 def _amp(masters: str, state_dtype: str = "fp32", **kw) -> MixedPrecision:
-    return MixedPrecision("bf16-pure", masters=masters, state_dtype=state_dtype, allow_stall=masters == "none", **kw)
+    return MixedPrecision(
+        "bf16-pure", masters=masters, state_dtype=state_dtype, allow_stall=masters == "none", **kw
+    )
 
 
 def _mlp(seed: int = 0, width: int = 32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
-                               torch.nn.Linear(width, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, width),
+        torch.nn.LayerNorm(width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 4),
+    )
 
 
 def _opt(kind: str, params) -> torch.optim.Optimizer:
@@ -53,14 +65,20 @@ def _train(amp: MixedPrecision, model, opt, steps: int, seed: int) -> None:
 
 def test_split_round_trip_is_exact_and_rounds_to_nearest() -> None:
     x = torch.randn(4096) * torch.logspace(-30, 30, 4096)
-    ties = torch.tensor([1.0 + 2**-8, -(1.0 + 2**-8), 1.0 + 3 * 2**-8, 3.0 + 2**-7])  # exact half-way values
+    ties = torch.tensor(
+        [1.0 + 2**-8, -(1.0 + 2**-8), 1.0 + 3 * 2**-8, 3.0 + 2**-7]
+    )  # exact half-way values
     x = torch.cat([x, ties, torch.tensor([0.0, -0.0, 1e-40, -1e-40])])  # zeros, subnormals
     hi, rem = torch.empty(x.shape, dtype=torch.bfloat16), torch.empty(x.shape, dtype=torch.int16)
     split_fp32(x.clone(), hi, rem)
     back = join_split(hi, rem, torch.empty_like(x))
-    assert torch.equal(back.view(torch.int32), x.view(torch.int32))  # bitwise, -0.0 and subnormals included
+    assert torch.equal(
+        back.view(torch.int32), x.view(torch.int32)
+    )  # bitwise, -0.0 and subnormals included
     # round to nearest: within half a bf16 spacing; ties go away from zero
-    assert torch.equal(hi[:-8], x[:-8].to(torch.bfloat16))  # random values: no ties, the same as RNE
+    assert torch.equal(
+        hi[:-8], x[:-8].to(torch.bfloat16)
+    )  # random values: no ties, the same as RNE
     assert hi[-8:-4].float().tolist() == [1.0 + 2**-7, -(1.0 + 2**-7), 1.0 + 4 * 2**-8, 3.0 + 2**-6]
 
 
@@ -69,9 +87,13 @@ def _ties_away_reference(x: torch.Tensor) -> torch.Tensor:
     two bf16 neighbours (toward zero / away from zero); a tie or an overflow past bf16's max goes away."""
     bits = x.view(torch.int32)
     down = (bits & -0x10000).view(torch.float32)  # the high 16 bits: toward zero
-    up = (down.view(torch.int32) + 0x10000).view(torch.float32)  # the next bf16 away from zero (maybe inf)
+    up = (down.view(torch.int32) + 0x10000).view(
+        torch.float32
+    )  # the next bf16 away from zero (maybe inf)
     xd, dd = x.double(), down.double()
-    ud = torch.where(up.isinf(), torch.sign(xd) * 2.0**128, up.double())  # inf's place one spacing past max
+    ud = torch.where(
+        up.isinf(), torch.sign(xd) * 2.0**128, up.double()
+    )  # inf's place one spacing past max
     pick_up = (xd - dd).abs() >= (ud - xd).abs()
     return torch.where(pick_up, up, down).to(torch.bfloat16)
 
@@ -82,21 +104,49 @@ def test_split_and_kahan_edge_cases_across_blocks() -> None:
     g = torch.Generator().manual_seed(3)
     n = 2 * BLOCK + 123
     x = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
-    big = torch.tensor([3.3961776e38, 3.3895314e38, 3.4028235e38, 3.3963e38], dtype=torch.float32)  # max_bf16 ..
-    ties = (torch.randint(0x00800000, 0x7F000000, (64,), generator=g, dtype=torch.int32) & -0x10000 | 0x8000)
-    special = torch.cat([big, -big, ties.view(torch.float32), -ties.view(torch.float32),
-                         torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45, -1e-45, float("inf"), -float("inf")])])
-    k = special.numel() // 2  # the first half just before a block boundary, the rest at random after it
-    idx = torch.cat([torch.arange(BLOCK - k, BLOCK), BLOCK + torch.randperm(n - BLOCK, generator=g)[:special.numel() - k]])
+    big = torch.tensor(
+        [3.3961776e38, 3.3895314e38, 3.4028235e38, 3.3963e38], dtype=torch.float32
+    )  # max_bf16 ..
+    ties = (
+        torch.randint(0x00800000, 0x7F000000, (64,), generator=g, dtype=torch.int32) & -0x10000
+        | 0x8000
+    )
+    special = torch.cat(
+        [
+            big,
+            -big,
+            ties.view(torch.float32),
+            -ties.view(torch.float32),
+            torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45, -1e-45, float("inf"), -float("inf")]),
+        ]
+    )
+    k = (
+        special.numel() // 2
+    )  # the first half just before a block boundary, the rest at random after it
+    idx = torch.cat(
+        [
+            torch.arange(BLOCK - k, BLOCK),
+            BLOCK + torch.randperm(n - BLOCK, generator=g)[: special.numel() - k],
+        ]
+    )
     x[idx] = special
     hi, rem = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
     split_fp32(x.clone(), hi, rem)
     back = join_split(hi, rem, torch.empty(n))
-    assert torch.equal(back.view(torch.int32), x.view(torch.int32))  # exact, -0.0/subnormals/inf included
+    assert torch.equal(
+        back.view(torch.int32), x.view(torch.int32)
+    )  # exact, -0.0/subnormals/inf included
     finite = x.isfinite()
-    assert torch.equal(hi[finite].view(torch.int16), _ties_away_reference(x[finite]).view(torch.int16))
+    assert torch.equal(
+        hi[finite].view(torch.int16), _ties_away_reference(x[finite]).view(torch.int16)
+    )
     assert torch.equal(hi[~finite].float(), x[~finite])
-    assert hi[idx[:4]].isinf().tolist() == [True, False, True, True]  # a tie past max, max, above: inf, exact back
+    assert hi[idx[:4]].isinf().tolist() == [
+        True,
+        False,
+        True,
+        True,
+    ]  # a tie past max, max, above: inf, exact back
     # kahan: the bf16 RNE weight + the bf16 of the exact rounding error
     comp = torch.empty(n, dtype=torch.bfloat16)
     kahan_split(x.clone(), hi, comp, torch.empty(n))
@@ -112,9 +162,13 @@ def test_split_and_kahan_edge_cases_across_blocks() -> None:
 
 
 @pytest.mark.parametrize("masters,state_dtype,expected", RUNGS)
-def test_bytes_per_parameter_from_live_tensors(masters: str, state_dtype: str, expected: int) -> None:
+def test_bytes_per_parameter_from_live_tensors(
+    masters: str, state_dtype: str, expected: int
+) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     amp = _amp(masters, state_dtype)
     with pytest.warns(UserWarning, match="stall") if masters == "none" else _null():
@@ -251,7 +305,9 @@ def test_lr_scheduler_after_setup_and_keep_fp32() -> None:
     norm_before = model[1].weight.detach().clone()
     _train(amp, model, opt, 2, seed=1)
     sched.step()
-    assert model[1].weight.dtype == torch.float32 and not torch.equal(model[1].weight.detach(), norm_before)
+    assert model[1].weight.dtype == torch.float32 and not torch.equal(
+        model[1].weight.detach(), norm_before
+    )
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
 
 
@@ -262,5 +318,7 @@ def test_bad_rungs_are_refused() -> None:
         MixedPrecision("bf16-pure", masters="halves")
     with pytest.raises(ConfigError, match="state_dtype='fp8'.*bf16"):
         MixedPrecision("bf16-pure", state_dtype="fp8")
-    with pytest.raises(ConfigError, match="bf16-pure"):  # refused when the engine is built (was: at setup)
+    with pytest.raises(
+        ConfigError, match="bf16-pure"
+    ):  # refused when the engine is built (was: at setup)
         MixedPrecision("fp16-pure", masters="split")

@@ -80,8 +80,17 @@ def _grad(w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (torch.cos(w.float() * c) * c).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rung", [Rung("split"), Rung("kahan"), Rung("stochastic"), Rung("stochastic", "bf16"),
-                                  Rung("fp32", "bf16")], ids=str)
+@pytest.mark.parametrize(
+    "rung",
+    [
+        Rung("split"),
+        Rung("kahan"),
+        Rung("stochastic"),
+        Rung("stochastic", "bf16"),
+        Rung("fp32", "bf16"),
+    ],
+    ids=str,
+)
 def test_the_pieces_step_bitwise_as_one_whole_tensor_step(rung):
     """A weight of 300 x 517 elements through a 64 KiB scratch (several pieces, a ragged last one)
     against a reference computed here: fused AdamW on the whole fp32 tensor, then the rung's
@@ -92,7 +101,9 @@ def test_the_pieces_step_bitwise_as_one_whole_tensor_step(rung):
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(w0.clone())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    lw = LadderWeights(model, [opt], torch.bfloat16, (), rung.masters, rung.state_dtype, scratch_bytes=64 << 10)
+    lw = LadderWeights(
+        model, [opt], torch.bfloat16, (), rung.masters, rung.state_dtype, scratch_bytes=64 << 10
+    )
     segs = [s for call in plan([w0.numel()], [0], lw.budget, cut=True) for s in call]
     assert len(segs) > 3 and lw._buf.numel() + lw._tmp.numel() <= (64 << 10) // 4
     gen = torch.Generator()
@@ -130,7 +141,11 @@ def test_the_pieces_step_bitwise_as_one_whole_tensor_step(rung):
                     s.copy_(out.float())
         with torch.no_grad():  # what the rung keeps is where the next step starts
             if rung.masters == "kahan":
-                ref.copy_(eager.kahan_join(hi, extra, torch.empty(hi.numel()), torch.empty(hi.numel())).view(hi.shape))
+                ref.copy_(
+                    eager.kahan_join(
+                        hi, extra, torch.empty(hi.numel()), torch.empty(hi.numel())
+                    ).view(hi.shape)
+                )
             elif rung.masters == "stochastic":
                 ref.copy_(hi.float())
         assert torch.equal(model.w.detach().view(torch.int16), hi.view(torch.int16))
@@ -147,11 +162,14 @@ def test_the_pieces_step_bitwise_as_one_whole_tensor_step(rung):
 def test_an_optimizer_that_is_not_element_wise_sees_whole_weights():
     """A subclass of AdamW may not be element-wise (a per-tensor norm): its weights go whole through
     a buffer that lives only inside the step, and nothing larger than the scratch is kept."""
+
     class NormedAdamW(torch.optim.AdamW):
         seen: list = []
 
         def step(self, closure=None):  # noqa: ANN001,ANN201
-            self.seen += [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.grad is not None]
+            self.seen += [
+                tuple(p.shape) for g in self.param_groups for p in g["params"] if p.grad is not None
+            ]
             return super().step(closure)
 
     model = torch.nn.Module()
@@ -176,12 +194,19 @@ def test_the_step_peak_falls_by_the_rungs_savings():
     x = (torch.randint(0, 16384, (4, 64)),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peaks = {r: estimate(EmbeddingHeavy, x, precision=join_spec("bf16-pure", r)).peak_bytes for r in LADDER}
+        peaks = {
+            r: estimate(EmbeddingHeavy, x, precision=join_spec("bf16-pure", r)).peak_bytes
+            for r in LADDER
+        }
     n = sum(p.numel() for p in EmbeddingHeavy().parameters())
     for rung in LADDER[1:]:
         saved = (LADDER[0].bytes_per_param() - rung.bytes_per_param()) * n
         # (+ the bounded scratch: one piece's fp32 values and states, fixed whatever the model)
-        assert peaks[rung] <= peaks[LADDER[0]] - saved + SCRATCH_BYTES, (str(rung), peaks[rung], peaks[LADDER[0]])
+        assert peaks[rung] <= peaks[LADDER[0]] - saved + SCRATCH_BYTES, (
+            str(rung),
+            peaks[rung],
+            peaks[LADDER[0]],
+        )
 
 
 def test_fake_tensors_step_only_the_ends_of_a_cut_weight_and_measure_the_same_peak(monkeypatch):
@@ -195,7 +220,10 @@ def test_fake_tensors_step_only_the_ends_of_a_cut_weight_and_measure_the_same_pe
     from ampkit.step.policies.pure import ladder
 
     n = 3 * 4096 + 17
-    assert [(s.start, s.stop) for [s] in plan([n], [0], 4096, cut=True, ends_only=True)] == [(0, 4096), (12288, n)]
+    assert [(s.start, s.stop) for [s] in plan([n], [0], 4096, cut=True, ends_only=True)] == [
+        (0, 4096),
+        (12288, n),
+    ]
     assert len(plan([n], [0], 4096, cut=True)) == 4
     assert plan([n], [0], 4096, cut=True, ends_only=True)[0] == plan([n], [0], 4096, cut=True)[0]
 

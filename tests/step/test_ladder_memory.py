@@ -14,16 +14,23 @@ from ampkit.step.policies.pure.ladder import bytes_per_param, parse_rung
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x).float().pow(2).mean()
 
 
-@pytest.mark.parametrize("spec,masters,state_dtype", [("bf16-pure", "fp32", "fp32"),
-                                                      ("bf16-pure:split", "split", "fp32"),
-                                                      ("bf16-pure:stochastic+bf16", "stochastic", "bf16"),
-                                                      ("bf16-pure:none", "none", "fp32")])
+@pytest.mark.parametrize(
+    "spec,masters,state_dtype",
+    [
+        ("bf16-pure", "fp32", "fp32"),
+        ("bf16-pure:split", "split", "fp32"),
+        ("bf16-pure:stochastic+bf16", "stochastic", "bf16"),
+        ("bf16-pure:none", "none", "fp32"),
+    ],
+)
 def test_estimate_counts_each_rung(spec: str, masters: str, state_dtype: str) -> None:
     n = 2 * (256 * 256 + 256)
     with warnings.catch_warnings():
@@ -38,8 +45,10 @@ def test_estimate_counts_each_rung(spec: str, masters: str, state_dtype: str) ->
 def test_parse_rung() -> None:
     assert parse_rung("bf16-pure") == ("bf16-pure", {})
     assert parse_rung(torch.bfloat16) == (torch.bfloat16, {})
-    assert parse_rung("bf16-pure:kahan") == ("bf16-pure", {"masters": "kahan", "state_dtype": "fp32",
-                                                          "allow_stall": False})
+    assert parse_rung("bf16-pure:kahan") == (
+        "bf16-pure",
+        {"masters": "kahan", "state_dtype": "fp32", "allow_stall": False},
+    )
     assert parse_rung("bf16-pure:stochastic+bf16")[1]["state_dtype"] == "bf16"
     with pytest.raises(ValueError, match="bf16-pure:<masters>.*split"):
         parse_rung("bf16-pure:halves")
@@ -47,7 +56,9 @@ def test_parse_rung() -> None:
 
 
 @pytest.mark.parametrize("rung", ["split", "kahan"])
-def test_the_estimate_runs_the_bit_passes_unblocked_and_counts_the_same_bytes(rung: str, monkeypatch) -> None:
+def test_the_estimate_runs_the_bit_passes_unblocked_and_counts_the_same_bytes(
+    rung: str, monkeypatch
+) -> None:
     """Under fake tensors the split/join passes run as one block (they are in place: blocking
     changes no byte, only how many operations the estimate dispatches); the peak and every part
     equal those of the blocked passes the CPU runs."""

@@ -55,17 +55,23 @@ def test_masters_follow_fp32_bitwise_while_plain_bf16_freezes():
         control().backward()
         opt.step()
         opt.zero_grad()
-    assert torch.equal(control.w, torch.ones(1000, dtype=torch.bfloat16))  # every update rounded away
+    assert torch.equal(
+        control.w, torch.ones(1000, dtype=torch.bfloat16)
+    )  # every update rounded away
 
 
 def mlp(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 5)
+    )
 
 
 def data(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)
+    ]
 
 
 OPTIMIZERS = {
@@ -163,7 +169,9 @@ def test_accumulation_sums_upcast_grads_exactly_and_clipping_sees_fp32_masters()
         amp.backward(loss)
     masters = amp.master_params()
     assert all(p.grad is None for p in model.parameters())  # the half gradients were absorbed
-    assert all(m.grad.dtype == torch.float32 and torch.equal(m.grad, r) for m, r in zip(masters, ref))
+    assert all(
+        m.grad.dtype == torch.float32 and torch.equal(m.grad, r) for m, r in zip(masters, ref)
+    )
     expected = torch.nn.utils.get_total_norm(ref)
     result = amp.step(opt, clip_grad_norm=1e-3)
     assert result.grad_norm.dtype == torch.float32 and torch.equal(result.grad_norm, expected)
@@ -236,7 +244,9 @@ def test_switch_between_pure_forms_and_back_to_fp32():
     amp.switch("fp32")
     assert amp.master_params() == [] and all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(p, m) for p, m in zip(model.parameters(), masters))
-    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for p in model.parameters()
+    }
     train(2)  # the optimizer state followed its parameters
     assert all(len(opt.state[p]) > 0 for p in model.parameters())
 
@@ -259,7 +269,9 @@ def test_switch_between_pure_forms_keeps_masters_and_optimizer_state():
     assert all(torch.equal(a, b) for a, b in zip(amp.master_params(), masters))
     for m, before in zip(amp.master_params(), states):
         assert all(torch.equal(opt.state[m][k], v) for k, v in before.items())
-    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(m) for m in amp.master_params()}
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(m) for m in amp.master_params()
+    }
     assert_model_is_rounded_masters(model, amp, torch.bfloat16)
 
 
@@ -278,7 +290,9 @@ def _trainer(precision, ckdir):
     amp = MixedPrecision(precision, device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = amp.setup(model, opt)
-    return Trainer(model, opt, amp, batches, progress=False, checkpoint_dir=str(ckdir), fallback=False)
+    return Trainer(
+        model, opt, amp, batches, progress=False, checkpoint_dir=str(ckdir), fallback=False
+    )
 
 
 def test_resume_is_bitwise_and_needs_the_masters(tmp_path):
@@ -292,14 +306,18 @@ def test_resume_is_bitwise_and_needs_the_masters(tmp_path):
     resumed.fit(3)
     for a, b in zip(full.amp.master_params(), resumed.amp.master_params()):
         assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(full.model.parameters(), resumed.model.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(full.model.parameters(), resumed.model.parameters())
+    )
     # Control: the same checkpoint without the masters resumes from the rounded bf16 weights.
     control = _trainer("bf16-pure", tmp_path / "b")
     state = control.checkpoints.load_latest()[1]
     state["amp"]["masters"] = None
     control.load_state_dict(state)
     control.fit(3)
-    assert not all(torch.equal(a, b) for a, b in zip(full.amp.master_params(), control.amp.master_params()))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(full.amp.master_params(), control.amp.master_params())
+    )
 
 
 def test_cli_o2_and_bf16_pure_train_bench_tune_and_resume(tmp_path, capsys):
@@ -309,24 +327,112 @@ def test_cli_o2_and_bf16_pure_train_bench_tune_and_resume(tmp_path, capsys):
 
     common = ["--model", "mlp", "--size", "tiny", "--device", "cpu", "--batch-size", "8"]
     ck = str(tmp_path / "ck")
-    assert main(["train", *common, "--precision", "bf16-pure", "--steps", "4", "--checkpoint_dir", ck,
-                 "--checkpoint_every", "2", "--json", "--no-progress", "--log_dir", str(tmp_path / "l1")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--precision",
+                "bf16-pure",
+                "--steps",
+                "4",
+                "--checkpoint_dir",
+                ck,
+                "--checkpoint_every",
+                "2",
+                "--json",
+                "--no-progress",
+                "--log_dir",
+                str(tmp_path / "l1"),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["precision"] == "bf16-pure"
-    assert main(["train", *common, "--precision", "bf16-pure", "--steps", "6", "--checkpoint_dir", ck, "--resume",
-                 "--json", "--no-progress", "--log_dir", str(tmp_path / "l2")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--precision",
+                "bf16-pure",
+                "--steps",
+                "6",
+                "--checkpoint_dir",
+                ck,
+                "--resume",
+                "--json",
+                "--no-progress",
+                "--log_dir",
+                str(tmp_path / "l2"),
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
     assert s["precision"] == "bf16-pure" and s["optimizer_steps"] == 6
     # O2 = the pure form of auto's dtype (fp32 where auto picks fp32, e.g. a CPU without bf16 support)
-    assert main(["train", *common, "--amp_opt_level", "O2", "--steps", "2", "--json", "--no-progress",
-                 "--log_dir", str(tmp_path / "l3")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--amp_opt_level",
+                "O2",
+                "--steps",
+                "2",
+                "--json",
+                "--no-progress",
+                "--log_dir",
+                str(tmp_path / "l3"),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["precision"] in ("fp32", "bf16-pure", "fp16-pure")
     out = tmp_path / "b.json"
-    assert main(["bench", *common, "--precisions", "fp32,bf16-pure,fp16-pure", "--steps", "2", "--warmup", "1",
-                 "--repeats", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *common,
+                "--precisions",
+                "fp32,bf16-pure,fp16-pure",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = {r["precision"]: r for r in json.loads(out.read_text())["results"]}
     assert results["bf16-pure"]["status"] == "ok" and results["fp16-pure"]["status"] == "ok"
-    assert main(["tune", *common, "--precisions", "bf16-pure", "--steps", "2", "--warmup", "1", "--repeats", "1",
-                 "--out", str(tmp_path / "t.toml"), "--tolerance", "1.0"]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                *common,
+                "--precisions",
+                "bf16-pure",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--repeats",
+                "1",
+                "--out",
+                str(tmp_path / "t.toml"),
+                "--tolerance",
+                "1.0",
+            ]
+        )
+        == 0
+    )
 
 
 def test_pure_precision_on_a_sharded_model_keeps_no_second_master_copy():
@@ -364,18 +470,58 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
     from ampkit.loop.checkpoint import load_checkpoint
 
     def run(*args):
-        r = subprocess.run([sys.executable, "-m", "ampkit", "train", "--model", "gpt", "--size", "tiny",
-                            "--device", "cpu", "--batch-size", "2", "--precision", "bf16-pure", "--no-progress",
-                            *args], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ampkit",
+                "train",
+                "--model",
+                "gpt",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--batch-size",
+                "2",
+                "--precision",
+                "bf16-pure",
+                "--no-progress",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr
 
     # one uninterrupted run keeps its step-2 checkpoint too; a fresh process resumes a copy of it
-    run("--steps", "4", "--checkpoint_dir", str(tmp_path / "a"), "--checkpoint_every", "2", "--log_dir", str(tmp_path / "la"))
+    run(
+        "--steps",
+        "4",
+        "--checkpoint_dir",
+        str(tmp_path / "a"),
+        "--checkpoint_every",
+        "2",
+        "--log_dir",
+        str(tmp_path / "la"),
+    )
     (tmp_path / "b").mkdir()
     shutil.copy(tmp_path / "a" / "ckpt-00000002.pt", tmp_path / "b")
-    run("--steps", "4", "--checkpoint_dir", str(tmp_path / "b"), "--checkpoint_every", "2", "--resume",
-        "--log_dir", str(tmp_path / "lc"))
+    run(
+        "--steps",
+        "4",
+        "--checkpoint_dir",
+        str(tmp_path / "b"),
+        "--checkpoint_every",
+        "2",
+        "--resume",
+        "--log_dir",
+        str(tmp_path / "lc"),
+    )
     a = load_checkpoint(str(tmp_path / "a" / "ckpt-00000004.pt"))
     b = load_checkpoint(str(tmp_path / "b" / "ckpt-00000004.pt"))
-    assert a["amp"]["masters"] and all(torch.equal(v, b["amp"]["masters"][k]) for k, v in a["amp"]["masters"].items())
+    assert a["amp"]["masters"] and all(
+        torch.equal(v, b["amp"]["masters"][k]) for k, v in a["amp"]["masters"].items()
+    )
     assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())

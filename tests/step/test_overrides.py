@@ -46,20 +46,25 @@ def test_fp32_override_matches_fp32_reference_for_that_layer():
     apply_fp32_overrides(model, ["big"], "cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = model.big(x)
-    ref = torch.nn.functional.linear(x.float(), model.big.weight, model.big.bias)  # fp32 op, fp32 weights
+    ref = torch.nn.functional.linear(
+        x.float(), model.big.weight, model.big.bias
+    )  # fp32 op, fp32 weights
     assert plain.dtype == torch.bfloat16 and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     assert (plain.float() - ref).abs().max() > 0  # without the override the op ran in bf16
 
 
-@pytest.mark.parametrize("patterns,expected", [
-    (["big"], {"big": ["big"]}),
-    (["*.weight_never", "head"], None),
-    ([torch.nn.LayerNorm], {"torch.nn.modules.normalization.LayerNorm": ["norm"]}),
-    (["LayerNorm"], {"LayerNorm": ["norm"]}),
-    (["torch.nn.Linear"], {"torch.nn.Linear": ["big", "head", "inp"]}),
-    (["b*"], {"b*": ["big"]}),
-])
+@pytest.mark.parametrize(
+    "patterns,expected",
+    [
+        (["big"], {"big": ["big"]}),
+        (["*.weight_never", "head"], None),
+        ([torch.nn.LayerNorm], {"torch.nn.modules.normalization.LayerNorm": ["norm"]}),
+        (["LayerNorm"], {"LayerNorm": ["norm"]}),
+        (["torch.nn.Linear"], {"torch.nn.Linear": ["big", "head", "inp"]}),
+        (["b*"], {"b*": ["big"]}),
+    ],
+)
 def test_pattern_matching(patterns, expected):
     model = Unstable()
     if expected is None:
@@ -75,7 +80,12 @@ def test_nested_globs_on_gpt():
 
     model = build("gpt", "tiny")
     got = match_modules(model, ["*.ln_*", "lm_head"])
-    assert sorted(got["*.ln_*"]) == ["blocks.0.ln_1", "blocks.0.ln_2", "blocks.1.ln_1", "blocks.1.ln_2"]
+    assert sorted(got["*.ln_*"]) == [
+        "blocks.0.ln_1",
+        "blocks.0.ln_2",
+        "blocks.1.ln_1",
+        "blocks.1.ln_2",
+    ]
     assert got["lm_head"] == ["lm_head"]
 
 

@@ -14,9 +14,15 @@ from ampkit.step.policies import policy_for
 
 #: (precision, engine keywords): every family, every rung of the memory ladder
 FORMS = [
-    ("fp32", {}), ("tf32", {}), ("bf16", {}), ("fp16", {}),
-    ("bf16-pure", {}), ("bf16-pure", {"masters": "split"}), ("bf16-pure", {"masters": "kahan"}),
-    ("bf16-pure", {"masters": "stochastic"}), ("bf16-pure", {"masters": "stochastic", "state_dtype": "bf16"}),
+    ("fp32", {}),
+    ("tf32", {}),
+    ("bf16", {}),
+    ("fp16", {}),
+    ("bf16-pure", {}),
+    ("bf16-pure", {"masters": "split"}),
+    ("bf16-pure", {"masters": "kahan"}),
+    ("bf16-pure", {"masters": "stochastic"}),
+    ("bf16-pure", {"masters": "stochastic", "state_dtype": "bf16"}),
     ("bf16-pure", {"state_dtype": "bf16"}),
     ("fp16-pure", {}),
     ("fp8", {"fp8_emulate": True}),
@@ -71,8 +77,14 @@ def test_every_family_keeps_the_contract(precision, kw):
 
     amp, model, opt = _engine(precision, kw)  # 3 steps, then everything through state dicts
     _steps(amp, model, opt, 0, 3)
-    saved = copy.deepcopy({"amp": amp.state_dict(), "model": model.state_dict(), "opt": opt.state_dict(),
-                           "rng": torch.get_rng_state()})
+    saved = copy.deepcopy(
+        {
+            "amp": amp.state_dict(),
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+    )
     _steps(amp, model, opt, 3, 1)  # the old engine runs on; the saved state must not follow it
     amp, model, opt = _engine(precision, kw)
     model.load_state_dict(saved["model"])
@@ -92,9 +104,13 @@ def test_every_family_keeps_the_contract(precision, kw):
     assert {n: p.dtype for n, p in model.named_parameters()} == dtypes
     assert all(type(m).__module__.startswith("torch.nn") for m in model.modules())
     for m in model.modules():
-        assert not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+        assert not (
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        )
     for k, v in model.state_dict().items():
-        assert torch.equal(v, got[0][k]), f"{precision} {kw}: released {k} is not the engine's fp32 weight"
+        assert torch.equal(v, got[0][k]), (
+            f"{precision} {kw}: released {k} is not the engine's fp32 weight"
+        )
 
 
 def test_one_policy_for():

@@ -7,25 +7,60 @@ from ampkit.step.precision import CANONICAL, parse_precision
 
 
 def cuda(cap, name="GPU"):
-    return DeviceInfo(type="cuda", name=name, index=0, capability=cap, bf16=cap >= (8, 0),
-                      fp16=True, fp8=cap >= (8, 9))
+    return DeviceInfo(
+        type="cuda",
+        name=name,
+        index=0,
+        capability=cap,
+        bf16=cap >= (8, 0),
+        fp16=True,
+        fp8=cap >= (8, 9),
+    )
 
 
 def cpu(*flags):
-    return DeviceInfo(type="cpu", name="cpu", bf16=True, cpu=CpuFeatures(model="Test CPU", flags=tuple(flags), capability="AVX2"))
+    return DeviceInfo(
+        type="cpu",
+        name="cpu",
+        bf16=True,
+        cpu=CpuFeatures(model="Test CPU", flags=tuple(flags), capability="AVX2"),
+    )
 
 
 MPS = DeviceInfo(type="mps", name="Apple MPS", bf16=False, fp16=True)
 
 
-@pytest.mark.parametrize("spec,name", [
-    ("fp32", "fp32"), ("no", "fp32"), ("O0", "fp32"), ("32", "fp32"), ("32-true", "fp32"), (32, "fp32"),
-    ("16", "fp16"), ("16-mixed", "fp16"), ("half", "fp16"), ("float16", "fp16"), ("torch.float16", "fp16"),
-    ("bf16-mixed", "bf16"), ("bfloat16", "bf16"), (" BF16 ", "bf16"), ("Bf16-Mixed", "bf16"),
-    ("bf16-true", "bf16-pure"), ("16-true", "fp16-pure"), ("tf32", "tf32"), ("fp8", "fp8"),
-    ("O1", "auto"), ("mixed", "auto"), ("auto", "auto"), ("o2", "o2"),
-    (torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32"),
-])
+@pytest.mark.parametrize(
+    "spec,name",
+    [
+        ("fp32", "fp32"),
+        ("no", "fp32"),
+        ("O0", "fp32"),
+        ("32", "fp32"),
+        ("32-true", "fp32"),
+        (32, "fp32"),
+        ("16", "fp16"),
+        ("16-mixed", "fp16"),
+        ("half", "fp16"),
+        ("float16", "fp16"),
+        ("torch.float16", "fp16"),
+        ("bf16-mixed", "bf16"),
+        ("bfloat16", "bf16"),
+        (" BF16 ", "bf16"),
+        ("Bf16-Mixed", "bf16"),
+        ("bf16-true", "bf16-pure"),
+        ("16-true", "fp16-pure"),
+        ("tf32", "tf32"),
+        ("fp8", "fp8"),
+        ("O1", "auto"),
+        ("mixed", "auto"),
+        ("auto", "auto"),
+        ("o2", "o2"),
+        (torch.float16, "fp16"),
+        (torch.bfloat16, "bf16"),
+        (torch.float32, "fp32"),
+    ],
+)
 def test_parse_aliases(spec, name):
     assert parse_precision(spec) == name
 
@@ -45,12 +80,22 @@ def test_unknown_precision_suggests_close_name():
         parse_precision("bf61")
 
 
-@pytest.mark.parametrize("info,expected", [
-    (cuda((9, 0), "H100"), "bf16"), (cuda((8, 0), "A100"), "bf16"), (cuda((8, 6)), "bf16"),
-    (cuda((7, 0), "V100"), "fp16"), (cuda((7, 5), "T4"), "fp16"), (cuda((6, 1), "P40"), "fp32"),
-    (cpu("avx512f", "amx_bf16", "amx_tile"), "bf16"), (cpu("avx512f", "avx512_bf16"), "bf16"),
-    (cpu("avx2"), "fp32"), (cpu("avx512f"), "fp32"), (MPS, "fp16"),
-])
+@pytest.mark.parametrize(
+    "info,expected",
+    [
+        (cuda((9, 0), "H100"), "bf16"),
+        (cuda((8, 0), "A100"), "bf16"),
+        (cuda((8, 6)), "bf16"),
+        (cuda((7, 0), "V100"), "fp16"),
+        (cuda((7, 5), "T4"), "fp16"),
+        (cuda((6, 1), "P40"), "fp32"),
+        (cpu("avx512f", "amx_bf16", "amx_tile"), "bf16"),
+        (cpu("avx512f", "avx512_bf16"), "bf16"),
+        (cpu("avx2"), "fp32"),
+        (cpu("avx512f"), "fp32"),
+        (MPS, "fp16"),
+    ],
+)
 def test_auto_rule(info, expected):
     p = resolve_precision("auto", info)
     assert p.name == expected
@@ -69,26 +114,41 @@ def test_o2_is_pure_form_of_auto():
     assert resolve_precision("O2", cpu("avx2")).name == "fp32"
 
 
-@pytest.mark.parametrize("name,param,compute,scaler", [
-    ("fp32", torch.float32, torch.float32, False), ("tf32", torch.float32, torch.float32, False),
-    ("bf16", torch.float32, torch.bfloat16, False), ("fp16", torch.float32, torch.float16, True),
-    ("bf16-pure", torch.bfloat16, torch.bfloat16, False), ("fp16-pure", torch.float16, torch.float16, True),
-])
+@pytest.mark.parametrize(
+    "name,param,compute,scaler",
+    [
+        ("fp32", torch.float32, torch.float32, False),
+        ("tf32", torch.float32, torch.float32, False),
+        ("bf16", torch.float32, torch.bfloat16, False),
+        ("fp16", torch.float32, torch.float16, True),
+        ("bf16-pure", torch.bfloat16, torch.bfloat16, False),
+        ("fp16-pure", torch.float16, torch.float16, True),
+    ],
+)
 def test_precision_fields(name, param, compute, scaler):
     p = resolve_precision(name, cuda((9, 0)))
-    assert (p.name, p.param_dtype, p.compute_dtype, p.needs_scaler) == (name, param, compute, scaler)
+    assert (p.name, p.param_dtype, p.compute_dtype, p.needs_scaler) == (
+        name,
+        param,
+        compute,
+        scaler,
+    )
     import dataclasses
+
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.name = "x"  # frozen
 
 
-@pytest.mark.parametrize("spec,info,fragment", [
-    ("fp8", cpu("avx2"), "fp8 needs an NVIDIA GPU"),
-    ("fp8", cuda((8, 0), "A100"), "A100"),
-    ("bf16", cuda((7, 0), "V100"), "V100"),
-    ("bf16", MPS, "mps"),
-    ("tf32", cuda((7, 5), "T4"), "T4"),
-])
+@pytest.mark.parametrize(
+    "spec,info,fragment",
+    [
+        ("fp8", cpu("avx2"), "fp8 needs an NVIDIA GPU"),
+        ("fp8", cuda((8, 0), "A100"), "A100"),
+        ("bf16", cuda((7, 0), "V100"), "V100"),
+        ("bf16", MPS, "mps"),
+        ("tf32", cuda((7, 5), "T4"), "T4"),
+    ],
+)
 def test_unsupported_combination_names_device_and_reason(spec, info, fragment):
     with pytest.raises(PrecisionError) as e:
         resolve_precision(spec, info)
@@ -111,7 +171,15 @@ def test_real_probe_is_consistent():
     feats = cpu_features()
     assert info.type == "cpu" and info.cpu == feats
     assert resolve_precision("auto", "cpu").name == ("bf16" if feats.native_bf16 else "fp32")
-    assert set(feats.flags) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile"}
+    assert set(feats.flags) <= {
+        "avx2",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_fp16",
+        "amx_bf16",
+        "amx_fp16",
+        "amx_tile",
+    }
     assert info.to_dict()["cpu"]["native_bf16"] == feats.native_bf16
 
 
@@ -126,9 +194,16 @@ def test_one_list_of_names_each_with_a_family():
 
     assert ("auto", *NAMES) == CANONICAL
     families = {n: resolve_precision(n, cuda((9, 0))).family for n in NAMES}
-    assert families == {"fp32": "full", "tf32": "full", "bf16": "autocast", "fp16": "autocast",
-                        "bf16-pure": "pure", "fp16-pure": "pure", "fp8": "fp8",
-                        "fp8-rowwise": "fp8"}
+    assert families == {
+        "fp32": "full",
+        "tf32": "full",
+        "bf16": "autocast",
+        "fp16": "autocast",
+        "bf16-pure": "pure",
+        "fp16-pure": "pure",
+        "fp8": "fp8",
+        "fp8-rowwise": "fp8",
+    }
     assert precision_dtypes("bf16-true") == (torch.bfloat16, torch.bfloat16)
     assert precision_dtypes("16-mixed") == (torch.float32, torch.float16)
     for device_dependent in ("auto", "O2", "O1"):
@@ -141,9 +216,18 @@ def test_apex_levels_in_the_alias_table(alias, name):
     assert parse_precision(alias) == name
 
 
-@pytest.mark.parametrize("name,policy", [("fp32", "FullPolicy"), ("tf32", "FullPolicy"), ("bf16", "AutocastPolicy"),
-                                         ("fp16", "AutocastPolicy"), ("bf16-pure", "PurePolicy"),
-                                         ("fp16-pure", "PurePolicy"), ("fp8", "Fp8Policy")])
+@pytest.mark.parametrize(
+    "name,policy",
+    [
+        ("fp32", "FullPolicy"),
+        ("tf32", "FullPolicy"),
+        ("bf16", "AutocastPolicy"),
+        ("fp16", "AutocastPolicy"),
+        ("bf16-pure", "PurePolicy"),
+        ("fp16-pure", "PurePolicy"),
+        ("fp8", "Fp8Policy"),
+    ],
+)
 def test_policy_for_picks_the_family(name, policy):
     from ampkit import MixedPrecisionConfig
     from ampkit.step.policies import policy_for

@@ -144,8 +144,14 @@ def test_lightning_reads_fp8_rowwise_as_bf16_mixed_not_fp32():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32", "fp16", "auto"])
-@pytest.mark.parametrize("rung", [{"masters": "split"}, {"masters": "stochastic", "state_dtype": "bf16"},
-                                  {"state_dtype": "bf16"}])
+@pytest.mark.parametrize(
+    "rung",
+    [
+        {"masters": "split"},
+        {"masters": "stochastic", "state_dtype": "bf16"},
+        {"state_dtype": "bf16"},
+    ],
+)
 def test_a_rung_on_a_precision_without_the_ladder_is_refused_at_construction(precision, rung):
     """Issue 35: a memory-ladder rung on bf16 (or any form without the ladder) was silently ignored
     (fp32 masters trained instead); now the engine refuses it, naming where the ladder lives."""
@@ -172,10 +178,16 @@ def test_the_opt_level_combination_is_read_from_the_rows():
     from ampkit.step.config import canonical_precision
     from ampkit.step.precision import OPT_LEVELS, PrecisionError, opt_level_form
 
-    level_flag = next(a for a in subparser(build_parser(), "train")._actions if a.dest == "amp_opt_level")
+    level_flag = next(
+        a for a in subparser(build_parser(), "train")._actions if a.dest == "amp_opt_level"
+    )
     assert tuple(level_flag.choices) == OPT_LEVELS
     for level in OPT_LEVELS:  # the level alone is its precision alias
-        assert opt_level_form(None, level) == canonical_precision(level) == with_opt_level(None, level)[0]
+        assert (
+            opt_level_form(None, level)
+            == canonical_precision(level)
+            == with_opt_level(None, level)[0]
+        )
     for name, row in REGISTRY.items():
         assert opt_level_form(name, "O0") == "fp32"
         for level, form in (("O1", row.o1_form), ("O2", row.o2_form)):

@@ -27,12 +27,17 @@ PRECISIONS = ["fp32", "bf16", "fp16"]
 
 def make_model(seed=0, width=16):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 4)
+    )
 
 
 def batches(n, seed=1, size=6):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def torch_autocast(precision):
@@ -52,8 +57,10 @@ POISON = 3  # the iteration whose first loss is multiplied by inf (fp16 skips it
 # ---------------------------------------------------------------- multiple losses into one step
 def two_models():
     models = torch.nn.ModuleList([make_model(0), make_model(1)])
-    opts = [torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
-            torch.optim.AdamW(models[1].parameters(), lr=1e-2)]
+    opts = [
+        torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
+        torch.optim.AdamW(models[1].parameters(), lr=1e-2),
+    ]
     return models, opts
 
 
@@ -135,7 +142,9 @@ def test_an_open_micro_step_must_be_finished_before_step():
     assert amp.stats()["pending_micro_steps"] == 1
     with pytest.raises(RuntimeError, match="micro_step_done"):
         amp.step(opt)
-    amp.backward(F.cross_entropy(model(x), y))  # same micro-step: the window still has room for one more
+    amp.backward(
+        F.cross_entropy(model(x), y)
+    )  # same micro-step: the window still has room for one more
     assert amp.stats()["pending_micro_steps"] == 1 and not amp.step(opt).boundary
     amp.backward(F.cross_entropy(model(x), y))
     assert amp.step(opt).boundary
@@ -157,8 +166,9 @@ def penalty_torch(precision, data):
             loss = F.cross_entropy(model(x), y)
         if i == POISON and precision == "fp16":
             loss = loss * math.inf
-        scaled_grad_params = torch.autograd.grad(outputs=scaler.scale(loss), inputs=model.parameters(),
-                                                 create_graph=True)
+        scaled_grad_params = torch.autograd.grad(
+            outputs=scaler.scale(loss), inputs=model.parameters(), create_graph=True
+        )
         inv_scale = 1.0 / scaler.get_scale()
         grad_params = [p * inv_scale for p in scaled_grad_params]
         with torch_autocast(precision):
@@ -184,7 +194,9 @@ def penalty_ampkit(precision, data):
             loss = F.cross_entropy(model(x), y)
         if i == POISON and precision == "fp16":
             loss = loss * math.inf
-        scaled_grad_params = torch.autograd.grad(amp.scale(loss), model.parameters(), create_graph=True)
+        scaled_grad_params = torch.autograd.grad(
+            amp.scale(loss), model.parameters(), create_graph=True
+        )
         inv_scale = 1.0 / amp.get_scale()
         grad_params = [p * inv_scale for p in scaled_grad_params]
         with amp.autocast():
@@ -215,7 +227,9 @@ def test_scale_is_the_loss_scale_only():
     loss = torch.tensor(3.0, requires_grad=True)
     assert amp.scale(loss).item() == 24.0 and amp.get_scale() == 8.0
     assert [t.item() for t in amp.scale([loss, loss * 2])] == [24.0, 48.0]
-    bf16 = MixedPrecision("bf16", device="cpu", accumulation_steps=4)  # no division by the window either
+    bf16 = MixedPrecision(
+        "bf16", device="cpu", accumulation_steps=4
+    )  # no division by the window either
     assert bf16.scale(loss) is loss and bf16.get_scale() == 1.0
 
 
@@ -225,7 +239,7 @@ def normalized_torch(model, precision, data, accum, clip):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16", **SCALER)
     for start in range(0, len(data), accum):
-        window = data[start:start + accum]
+        window = data[start : start + accum]
         num_items = sum(len(y) for _, y in window)
         for x, y in window:
             with torch_autocast(precision):
@@ -241,10 +255,12 @@ def normalized_torch(model, precision, data, accum, clip):
 
 def normalized_ampkit(model, precision, data, accum, clip):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    amp = MixedPrecision(precision, device="cpu", accumulation_steps=accum, clip_grad_norm=clip, **SCALER)
+    amp = MixedPrecision(
+        precision, device="cpu", accumulation_steps=accum, clip_grad_norm=clip, **SCALER
+    )
     model, opt = amp.setup(model, opt)
     for start in range(0, len(data), accum):
-        window = data[start:start + accum]
+        window = data[start : start + accum]
         num_items = sum(len(y) for _, y in window)
         for j, (x, y) in enumerate(window):
             with amp.autocast():
@@ -258,7 +274,11 @@ def normalized_ampkit(model, precision, data, accum, clip):
 @pytest.mark.parametrize("accum", [1, 3])
 def test_normalized_loss_bitwise(precision, accum):
     # batch sizes vary (HF's num_items_in_batch exists for that); 10 micro-batches: a short last window
-    data = [b for i, size in enumerate([5, 7, 6, 3, 8, 6, 4, 7, 5, 6]) for b in batches(1, seed=i, size=size)]
+    data = [
+        b
+        for i, size in enumerate([5, 7, 6, 3, 8, 6, 4, 7, 5, 6])
+        for b in batches(1, seed=i, size=size)
+    ]
     base = make_model()
     ref = normalized_torch(copy.deepcopy(base), precision, data, accum, clip=0.5)
     got, amp = normalized_ampkit(copy.deepcopy(base), precision, data, accum, clip=0.5)

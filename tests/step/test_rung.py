@@ -18,19 +18,33 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "ampkit"
 def test_the_rung_value_parses_and_spells_back():
     for rung in (*LADDER, Rung("none")):
         assert Rung.parse(str(rung)) == rung
-    assert str(Rung("stochastic", "bf16")) == "stochastic+bf16" and Rung().plain and Rung("none").stalls
+    assert (
+        str(Rung("stochastic", "bf16")) == "stochastic+bf16"
+        and Rung().plain
+        and Rung("none").stalls
+    )
     assert split_spec("bf16-pure:kahan") == ("bf16-pure", Rung("kahan"))
-    assert split_spec("BF16-TRUE:split+bf16") == ("bf16-pure", Rung("split", "bf16"))  # the alias, canonical
+    assert split_spec("BF16-TRUE:split+bf16") == (
+        "bf16-pure",
+        Rung("split", "bf16"),
+    )  # the alias, canonical
     assert split_spec("O2:split") == ("O2", Rung("split"))  # O2 resolves to a pure form later
     assert split_spec("fp16") == ("fp16", None)
     assert join_spec("bf16-pure", Rung("stochastic", "bf16")) == "bf16-pure:stochastic+bf16"
-    assert Rung("split").bytes_per_param() == 12 and Rung("stochastic", "bf16").bytes_per_param() == 6
+    assert (
+        Rung("split").bytes_per_param() == 12 and Rung("stochastic", "bf16").bytes_per_param() == 6
+    )
 
 
-@pytest.mark.parametrize("spec,words", [("bf16-pure:halves", ["'bf16-pure:halves'", "split, kahan"]),
-                                        ("bf16-pure:split+fp8", ["<masters>[+bf16]"]),
-                                        ("bf16:split", ["bf16 has no ladder", "bf16-pure:split"]),
-                                        ("fp16-pure:stochastic", ["bf16-pure:stochastic"])])
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ("bf16-pure:halves", ["'bf16-pure:halves'", "split, kahan"]),
+        ("bf16-pure:split+fp8", ["<masters>[+bf16]"]),
+        ("bf16:split", ["bf16 has no ladder", "bf16-pure:split"]),
+        ("fp16-pure:stochastic", ["bf16-pure:stochastic"]),
+    ],
+)
 def test_a_bad_rung_is_refused_naming_the_valid_choices(spec, words):
     for parse in (split_spec, lambda s: MixedPrecisionConfig(precision=s)):
         with pytest.raises(ValueError) as e:
@@ -43,23 +57,34 @@ def test_a_bad_rung_is_refused_naming_the_valid_choices(spec, words):
 def test_the_spelling_and_the_separate_fields_are_one_value():
     spelled = MixedPrecisionConfig(precision="bf16-pure:stochastic+bf16")
     fields = MixedPrecisionConfig(precision="bf16-pure", masters="stochastic", state_dtype="bf16")
-    assert spelled == fields and spelled.precision == "bf16-pure" and spelled.spec == "bf16-pure:stochastic+bf16"
+    assert (
+        spelled == fields
+        and spelled.precision == "bf16-pure"
+        and spelled.spec == "bf16-pure:stochastic+bf16"
+    )
     assert spelled.rung == Rung("stochastic", "bf16")
-    assert MixedPrecisionConfig(precision="bf16-pure:split", masters="split") == MixedPrecisionConfig(
-        precision="bf16-pure:split")  # saying the same thing twice is fine
-    with pytest.raises(ConfigError, match="says masters='split', but masters='kahan'.*one of: fp32, split"):
+    assert MixedPrecisionConfig(
+        precision="bf16-pure:split", masters="split"
+    ) == MixedPrecisionConfig(precision="bf16-pure:split")  # saying the same thing twice is fine
+    with pytest.raises(
+        ConfigError, match="says masters='split', but masters='kahan'.*one of: fp32, split"
+    ):
         MixedPrecisionConfig(precision="bf16-pure:split", masters="kahan")
     # a precision with its rung replaces the rung; the old separate fields do not contradict it
     assert fields.replace(precision="bf16-pure:split").spec == "bf16-pure:split"
     assert MixedPrecisionConfig.from_dict(spelled.to_dict()) == spelled
     with pytest.raises(ConfigError, match="allow_stall"):
         MixedPrecisionConfig(precision="bf16-pure:none", allow_stall=False)
-    assert MixedPrecisionConfig(precision="bf16-pure:none").allow_stall  # spelling the rung forces it
+    assert MixedPrecisionConfig(
+        precision="bf16-pure:none"
+    ).allow_stall  # spelling the rung forces it
 
 
 def test_the_engine_takes_the_spelling_and_the_fields(tmp_path):
     assert MixedPrecision("bf16-pure:split", device="cpu").config.spec == "bf16-pure:split"
-    assert MixedPrecision("bf16-pure", device="cpu", masters="kahan").config.spec == "bf16-pure:kahan"
+    assert (
+        MixedPrecision("bf16-pure", device="cpu", masters="kahan").config.spec == "bf16-pure:kahan"
+    )
     path = tmp_path / "amp.toml"
     path.write_text('[amp]\nprecision = "bf16-pure:stochastic+bf16"\n')
     assert MixedPrecisionConfig.from_toml(str(path)).rung == Rung("stochastic", "bf16")
@@ -76,7 +101,9 @@ def test_the_cli_and_the_bench_rows_spell_it_the_same():
     argv = ["train", "--precision", "bf16-pure:stochastic+bf16"]
     parser = build_parser()
     inv = parse_invocation(parser, parser.parse_args(argv), argv)
-    assert engine_config(inv.args, inv.flags_given, inv.file.amp).spec == "bf16-pure:stochastic+bf16"
+    assert (
+        engine_config(inv.args, inv.flags_given, inv.file.amp).spec == "bf16-pure:stochastic+bf16"
+    )
     assert precision_list("fp32,bf16-pure:split") == ["fp32", "bf16-pure:split"]
     assert ladder_specs() == RUNGS and all(split_spec(r)[1] in LADDER for r in RUNGS)
 

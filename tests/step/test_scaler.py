@@ -61,7 +61,9 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("clip", [False, True])
 def test_matches_torch_gradscaler(opt, clip):
     kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
-    m_ref, m_amp, s_ref, s_amp, k_ref, k_amp = run_pair(OPTIMIZERS[opt], 300, 0.25, kwargs, seed=7, clip=clip)
+    m_ref, m_amp, s_ref, s_amp, k_ref, k_amp = run_pair(
+        OPTIMIZERS[opt], 300, 0.25, kwargs, seed=7, clip=clip
+    )
     assert s_ref == s_amp
     assert k_ref == k_amp
     assert len(set(s_ref)) > 3  # the scale really moved both ways
@@ -79,8 +81,14 @@ def test_matches_torch_with_non_default_factors():
 class DeepSpeedReference:
     """DeepSpeed's DynamicLossScaler.update_scale, transcribed from its documented semantics."""
 
-    def __init__(self, init_scale, scale_factor, scale_window, hysteresis, consecutive, min_scale=0.0):
-        self.cur_scale, self.scale_factor, self.scale_window = init_scale, scale_factor, scale_window
+    def __init__(
+        self, init_scale, scale_factor, scale_window, hysteresis, consecutive, min_scale=0.0
+    ):
+        self.cur_scale, self.scale_factor, self.scale_window = (
+            init_scale,
+            scale_factor,
+            scale_window,
+        )
         self.delayed_shift = self.cur_hysteresis = hysteresis
         self.consecutive_hysteresis, self.min_scale = consecutive, min_scale
         self.cur_iter, self.last_overflow_iter = 0, -1
@@ -129,7 +137,15 @@ def test_hysteresis_matches_deepspeed(hysteresis, consecutive, seed):
     for o in overflows:
         ref.update_scale(o)
         expected.append(ref.cur_scale)
-    ls = LossScaler(2.0**12, 2.0, 0.5, 4, hysteresis=hysteresis, consecutive_hysteresis=consecutive, min_scale=1.0)
+    ls = LossScaler(
+        2.0**12,
+        2.0,
+        0.5,
+        4,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_scale=1.0,
+    )
     got = drive(ls, overflows)
     assert got == expected
     assert len(set(got)) > 2
@@ -273,13 +289,20 @@ def test_invalid_construction():
         LossScaler(init_scale=0)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"backoff_factor": 1.0}, "backoff_factor"), ({"growth_interval": 0}, "growth_interval"),
-    ({"growth_interval": 2.5}, "growth_interval"), ({"hysteresis": 0}, "hysteresis"),
-    ({"min_scale": -1.0}, "min_scale"), ({"max_scale": float("inf")}, "max_scale"),
-    ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "max_scale"),
-    ({"min_scale": 1.0, "max_scale": 2.0}, "init_scale"), ({"init_scale": 2.0**-127}, "init_scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 2.5}, "growth_interval"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"min_scale": -1.0}, "min_scale"),
+        ({"max_scale": float("inf")}, "max_scale"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "max_scale"),
+        ({"min_scale": 1.0, "max_scale": 2.0}, "init_scale"),
+        ({"init_scale": 2.0**-127}, "init_scale"),
+    ],
+)
 def test_scaler_validates_its_own_knobs(kwargs, name, monkeypatch):
     """The scaler checks its arguments itself (no MixedPrecisionConfig is built), with a ConfigError naming the knob."""
     import ampkit.step.config as config
@@ -288,7 +311,9 @@ def test_scaler_validates_its_own_knobs(kwargs, name, monkeypatch):
         raise AssertionError("LossScaler built a MixedPrecisionConfig to check its arguments")
 
     monkeypatch.setattr(config.MixedPrecisionConfig, "__post_init__", boom)
-    LossScaler(init_scale=8.0, min_scale=1.0, max_scale=16.0, hysteresis=2)  # valid: no config involved
+    LossScaler(
+        init_scale=8.0, min_scale=1.0, max_scale=16.0, hysteresis=2
+    )  # valid: no config involved
     with pytest.raises(config.ConfigError, match=f"invalid {name}="):
         LossScaler(**kwargs)
 
@@ -370,11 +395,15 @@ def test_floor_keeps_weights_finite_after_a_long_burst(hysteresis, opt):
         assert ls.get_scale() >= TINY
     assert ls.get_scale() >= TINY
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert all(torch.isfinite(v).all() for s in o.state.values() for v in s.values() if torch.is_tensor(v))
+    assert all(
+        torch.isfinite(v).all() for s in o.state.values() for v in s.values() if torch.is_tensor(v)
+    )
 
 
 def test_floor_with_min_scale_and_new_scale():
-    ls = LossScaler(1.0, 2.0, 0.5, 100, min_scale=2.0**-130)  # a min_scale below the floor is raised to it
+    ls = LossScaler(
+        1.0, 2.0, 0.5, 100, min_scale=2.0**-130
+    )  # a min_scale below the floor is raised to it
     assert min(drive(ls, [True] * 140)) == TINY
     assert ls.floor == TINY
     ls.update(new_scale=0.0)
@@ -400,8 +429,15 @@ def test_floor_adds_no_sync():
 
 def test_loads_a_subnormal_torch_scale_at_the_floor():
     ls = LossScaler()
-    ls.load_state_dict({"scale": 2.0**-140, "growth_factor": 2.0, "backoff_factor": 0.5,
-                        "growth_interval": 2000, "_growth_tracker": 0})
+    ls.load_state_dict(
+        {
+            "scale": 2.0**-140,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "_growth_tracker": 0,
+        }
+    )
     assert ls.get_scale() == TINY
 
 
@@ -426,12 +462,19 @@ def test_a_loaded_state_counts_its_skips_and_growth_before_first_use():
 def make_wide_model(seed=0):
     """Weights on both sides of gradcheck.SUM_FROM: the large one is checked by a read-only sum."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
-                               torch.nn.Linear(256, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 4),
+    )
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("bad", ["finite-overflowing-sum", "inf", "-inf", "nan", "inf-and-minus-inf", "last-tensor"])
+@pytest.mark.parametrize(
+    "bad", ["finite-overflowing-sum", "inf", "-inf", "nan", "inf-and-minus-inf", "last-tensor"]
+)
 @pytest.mark.parametrize("wide", [False, True], ids=["small-tensors", "a-large-tensor"])
 def test_unit_scale_check_on_cpu_is_exact(opt, bad, wide):
     """A unit scale only checks; on the CPU the check is decided on the host (large gradients by a
@@ -459,7 +502,11 @@ def test_unit_scale_check_on_cpu_is_exact(opt, bad, wide):
         elif bad == "last-tensor":
             grads[-1].view(-1)[-1] = math.nan
         else:
-            (big if wide else grads[1]).view(-1)[2] = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[bad]
+            (big if wide else grads[1]).view(-1)[2] = {
+                "inf": math.inf,
+                "-inf": -math.inf,
+                "nan": math.nan,
+            }[bad]
     grads_before = [p.grad.clone() for p in amp.parameters()]
     before = [p.detach().clone() for p in amp.parameters()]
     ls.step(o_amp)

@@ -25,8 +25,10 @@ ACCUM, STEPS, CLIP = 4, 5, 0.5
 def nanogpt_optimizer(model, fused):
     """nanoGPT's ``configure_optimizers``: 2-D weights decay, biases and norms do not."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), fused=fused)
 
 
@@ -38,9 +40,11 @@ def gpt_and_data():
 
 
 def nanogpt_loop(model, data, precision, fused):
-    """nanoGPT train.py's inner loop: the shared hand-written loop (tests/support/reference_loop.py) with its optimizer."""
-    return torch_amp_loop(model, nanogpt_optimizer(model, fused), data, precision, steps=STEPS, accum=ACCUM,
-                          clip=CLIP)[0]
+    """nanoGPT train.py's inner loop: the shared hand-written loop (tests/support/reference_loop.py)
+    with its optimizer."""
+    return torch_amp_loop(
+        model, nanogpt_optimizer(model, fused), data, precision, steps=STEPS, accum=ACCUM, clip=CLIP
+    )[0]
 
 
 def nanogpt_on_ampkit(model, data, precision, fused):
@@ -86,6 +90,7 @@ def test_clip_order_is_model_order_not_group_order():
 
 # ---------------------------------------------------------------------------- window guards
 
+
 def tiny_setup(accum=4, precision="fp32"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
@@ -128,15 +133,25 @@ def test_step_once_after_a_micro_batch_loop():
 
 # ---------------------------------------------------------------------------- the short last window (timm)
 
+
 def conv_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 4),
+    )
 
 
 def image_loader(n=10, seed=3):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def timm_epoch(model, loader, precision, accum_steps, clip):
@@ -168,11 +183,17 @@ def timm_epoch(model, loader, precision, accum_steps, clip):
 
 def timm_on_ampkit(model, loader, precision, accum_steps, clip, mode):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    amp = MixedPrecision(precision, device="cpu", accumulation_steps=accum_steps, clip_grad_norm=clip)
+    amp = MixedPrecision(
+        precision, device="cpu", accumulation_steps=accum_steps, clip_grad_norm=clip
+    )
     model, optimizer = amp.setup(model, optimizer)
     last_accum_steps = len(loader) % accum_steps
     for batch_idx, (inp, target) in enumerate(loader):
-        if mode == "set_window" and last_accum_steps and batch_idx == len(loader) - last_accum_steps:
+        if (
+            mode == "set_window"
+            and last_accum_steps
+            and batch_idx == len(loader) - last_accum_steps
+        ):
             amp.set_window(last_accum_steps)
         with amp.autocast():
             loss = F.cross_entropy(model(inp), target)
@@ -200,7 +221,10 @@ def test_timm_short_last_window_flush_is_the_mean(precision):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     # Without flush the last two micro-batches would be left unstepped: a real difference.
     unflushed = timm_on_ampkit_unflushed(copy.deepcopy(base), loader, precision)
-    assert not all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(ref.parameters(), unflushed.parameters()))
+    assert not all(
+        torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+        for p, q in zip(ref.parameters(), unflushed.parameters())
+    )
 
 
 def timm_on_ampkit_unflushed(model, loader, precision):

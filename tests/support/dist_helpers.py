@@ -23,10 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           kwargs: dict[str, Any], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: str,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -43,4 +56,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, **kwargs: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_entry, args=(world, free_port(), fn, args, kwargs, out), nprocs=world, join=True)
-        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return [
+            torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)
+        ]

@@ -18,7 +18,14 @@ class SyncCounter(TorchDispatchMode):
 
 
 #: what a crash during a multi-process shutdown leaves on stderr (a rare race once did)
-CRASH_MARKERS = ("terminate called", "Aborted", "Traceback", "SIGABRT", "core dumped", "destroy_process_group")
+CRASH_MARKERS = (
+    "terminate called",
+    "Aborted",
+    "Traceback",
+    "SIGABRT",
+    "core dumped",
+    "destroy_process_group",
+)
 
 
 def assert_exits_cleanly(r, what: str = "") -> None:

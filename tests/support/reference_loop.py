@@ -21,8 +21,21 @@ def call_model(model, batch):
     return model(*batch)
 
 
-def torch_amp_loop(model, optimizer, batches, precision, *, steps, accum=1, clip=None, device="cpu",
-                   loss_fn=call_model, scaler_kwargs=None, skip_nonfinite=False, poison=()):
+def torch_amp_loop(
+    model,
+    optimizer,
+    batches,
+    precision,
+    *,
+    steps,
+    accum=1,
+    clip=None,
+    device="cpu",
+    loss_fn=call_model,
+    scaler_kwargs=None,
+    skip_nonfinite=False,
+    poison=(),
+):
     """Train ``model`` for ``steps`` optimizer steps of ``accum`` micro-batches from ``batches`` (a list).
 
     ``skip_nonfinite``: in bf16/fp32 also skip a step whose gradient norm is non-finite (ampkit

@@ -13,8 +13,9 @@ from ampkit.train.trainer import Trainer, TrainingInterrupted
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+        )
 
     def forward(self, x, y):
         return torch.nn.functional.mse_loss(self.net(x).float(), y)
@@ -31,10 +32,14 @@ def loader(kind):
     generator, or by a DistributedSampler (set_epoch each epoch)."""
     ds = dataset()
     if kind == "generator":
-        return DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7))
+        return DataLoader(
+            ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7)
+        )
     if kind == "global":
         return DataLoader(ds, batch_size=16, shuffle=True)
-    return DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=3))
+    return DataLoader(
+        ds, batch_size=16, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=3)
+    )
 
 
 def setup(precision="bf16", accum=1):
@@ -85,7 +90,9 @@ def test_dataloader_epochs_bitwise_with_hand_loop_and_epoch_records(tmp_path, ac
     ref, ref_amp = hand_loop(loader("generator"), 3, accum=accum)
     model, opt, amp = setup(accum=accum)
     torch.manual_seed(123)
-    summary = Trainer(model, opt, amp, loader("generator"), log_dir=str(tmp_path), log_every=3).fit(epochs=3)
+    summary = Trainer(model, opt, amp, loader("generator"), log_dir=str(tmp_path), log_every=3).fit(
+        epochs=3
+    )
     assert_bitwise(model, ref)
     steps_per_epoch = -(-7 // accum)  # 7 batches: 6 of 16 and one of 4
     assert amp.optimizer_steps == ref_amp.optimizer_steps == 3 * steps_per_epoch
@@ -95,11 +102,15 @@ def test_dataloader_epochs_bitwise_with_hand_loop_and_epoch_records(tmp_path, ac
     steps = [r for r in log if r["type"] == "step"]
     for e in epochs:
         assert e["samples"] == 100 and e["steps"] == steps_per_epoch and e["seconds"] > 0
-        mine = steps[e["epoch"] * steps_per_epoch:(e["epoch"] + 1) * steps_per_epoch]
+        mine = steps[e["epoch"] * steps_per_epoch : (e["epoch"] + 1) * steps_per_epoch]
         assert mine[-1]["step"] == e["step"]
-        assert [r["epoch"] for r in mine] == [e["epoch"]] * steps_per_epoch  # each step record carries its epoch
+        assert [r["epoch"] for r in mine] == [
+            e["epoch"]
+        ] * steps_per_epoch  # each step record carries its epoch
         assert e["loss"] == pytest.approx(sum(r["loss"] for r in mine) / steps_per_epoch, rel=1e-6)
-    assert [e["epoch"] for e in summary.epochs] == [0, 1, 2] and summary.epochs[0]["samples_per_s"] > 0
+    assert [e["epoch"] for e in summary.epochs] == [0, 1, 2] and summary.epochs[0][
+        "samples_per_s"
+    ] > 0
     assert summary.samples_per_s > 0  # counted from the batches (16 per step)
     assert summary.epochs[1]["loss"] < summary.epochs[0]["loss"] * 1.5
 
@@ -115,18 +126,35 @@ def test_resume_inside_an_epoch_is_bitwise(tmp_path, kind):
 
     model, opt, amp = setup()
     torch.manual_seed(123)
-    first = Trainer(model, opt, amp, loader(kind), callbacks=[StopAt()], checkpoint_dir=str(tmp_path / "ck"),
-                    log_dir=str(tmp_path / "log"))
+    first = Trainer(
+        model,
+        opt,
+        amp,
+        loader(kind),
+        callbacks=[StopAt()],
+        checkpoint_dir=str(tmp_path / "ck"),
+        log_dir=str(tmp_path / "log"),
+    )
     with pytest.raises(TrainingInterrupted):
         first.fit(epochs=3)
     assert amp.optimizer_steps == 10 and first.source.epoch == 1 and first.source.in_epoch == 3
     state = torch.load(sorted((tmp_path / "ck").glob("*.pt"))[-1], weights_only=True)
-    assert state["run"]["epoch"] == 1 and state["run"]["batch_in_epoch"] == 3 and state["run"]["loss"] > 0
+    assert (
+        state["run"]["epoch"] == 1
+        and state["run"]["batch_in_epoch"] == 3
+        and state["run"]["loss"] > 0
+    )
 
     torch.manual_seed(999)  # the resumed process's own RNG: replaced by the checkpoint's
     model, opt, amp = setup()
-    second = Trainer(model, opt, amp, loader(kind), checkpoint_dir=str(tmp_path / "ck"),
-                     log_dir=str(tmp_path / "log"))
+    second = Trainer(
+        model,
+        opt,
+        amp,
+        loader(kind),
+        checkpoint_dir=str(tmp_path / "ck"),
+        log_dir=str(tmp_path / "log"),
+    )
     assert second.resume() is not None
     summary = second.fit(epochs=3)
     assert_bitwise(model, ref)
@@ -139,7 +167,9 @@ def test_resume_inside_an_epoch_is_bitwise(tmp_path, kind):
     assert epochs[1]["loss"] == pytest.approx(sum(r["loss"] for r in steps[7:14]) / 7, rel=1e-6)
     stop = next(r for r in log if r.get("kind") == "stop")
     checkpoint = [r for r in log if r.get("kind") == "checkpoint"][-1]
-    assert stop["epoch"] == checkpoint["epoch"] == 1 and stop["loss"] == pytest.approx(steps[9]["loss"])
+    assert stop["epoch"] == checkpoint["epoch"] == 1 and stop["loss"] == pytest.approx(
+        steps[9]["loss"]
+    )
 
 
 def test_list_and_factory_and_one_shot_generator():

@@ -78,8 +78,19 @@ def trainer(model, batches, accum, tmp_path=None):
     opt = torch.optim.SGD(model.parameters(), lr=LR)  # compared up to rounding: assert_same_sgd_run
     model, opt = amp.setup(model, opt)
     log_dir = str(tmp_path) if tmp_path else None
-    return recording(Trainer(model, opt, amp, batches, loss_fn=loss_fn, progress=False,
-                             fallback=False, log_dir=log_dir, tensorboard=False))
+    return recording(
+        Trainer(
+            model,
+            opt,
+            amp,
+            batches,
+            loss_fn=loss_fn,
+            progress=False,
+            fallback=False,
+            log_dir=log_dir,
+            tensorboard=False,
+        )
+    )
 
 
 class OOMOnce:
@@ -104,10 +115,14 @@ def test_oom_mid_run_rebatches_and_matches_the_smaller_batch_run(tmp_path):
     oom.model[0].register_forward_pre_hook(hook)
     summary = oom.fit(6)
     assert hook.fired
-    assert summary.optimizer_steps == ref.amp.optimizer_steps == 6  # no step lost, none counted twice
+    assert (
+        summary.optimizer_steps == ref.amp.optimizer_steps == 6
+    )  # no step lost, none counted twice
     assert_same_sgd_run(oom, ref, n_terms=16)  # steps 1-3: one batch of 16 against two of 8
     events = [e for e in _events(tmp_path) if e["kind"] == "oom_rebatch"]
-    assert len(events) == 1 and events[0]["micro_batch"] == 8 and events[0]["accumulation_steps"] == 2
+    assert (
+        len(events) == 1 and events[0]["micro_batch"] == 8 and events[0]["accumulation_steps"] == 2
+    )
     assert oom.split == 2 and oom.amp.config.accumulation_steps == 2
 
 
@@ -140,6 +155,7 @@ def test_split_batch_keeps_every_sample_once():
 
 # --- batch_size="auto": the largest micro-batch that fits a budget, chosen from the estimate ---
 
+
 def _gpt_trainer(tmp_path, **kwargs):
     """GPT tiny on batches of 32 x 64 tokens, fp32, SGD (see assert_same_sgd_run)."""
     from ampkit.models.builtin import builtin
@@ -149,8 +165,18 @@ def _gpt_trainer(tmp_path, **kwargs):
     amp = MixedPrecision("fp32", device="cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt = amp.setup(model, opt)
-    return recording(Trainer(model, opt, amp, data, progress=False, log_dir=str(tmp_path),
-                             tensorboard=False, **kwargs))
+    return recording(
+        Trainer(
+            model,
+            opt,
+            amp,
+            data,
+            progress=False,
+            log_dir=str(tmp_path),
+            tensorboard=False,
+            **kwargs,
+        )
+    )
 
 
 @pytest.mark.slow

@@ -40,7 +40,11 @@ from .test_rollback import Net, data
 STEPS = {"rollback": 12, "fallback": 9}
 CORRUPT = (6, 7)  # data indices whose targets are x1000: optimizer steps 7 and 8 (after the warmup)
 GUARD = {"every": 3, "warmup": 3, "keep": 3}  # reads at steps 3, 6, 9, ...
-FALLBACK = {"init_scale": 1e9, "fallback_patience": 2, "fallback_check_every": 3}  # overflows; falls back at 6
+FALLBACK = {
+    "init_scale": 1e9,
+    "fallback_patience": 2,
+    "fallback_check_every": 3,
+}  # overflows; falls back at 6
 
 
 class Small(nn.Module):
@@ -55,21 +59,41 @@ class Small(nn.Module):
 def trainer(case: str, ckdir: Path, every: int | None, callbacks: tuple = ()) -> Trainer:
     """A fresh run of ``case``: ``rollback`` (bf16, x1000 spikes at steps 7 and 8: step 9's read
     rolls back to step 6 and drops the first; the replay meets the second, so step 9's read rolls
-    back from that snapshot again, which is then suspect: to step 3) or ``fallback`` (fp16 with ``init_scale=1e9``: step 3's check reads 3 consecutive overflows, step
+    back from that snapshot again, which is then suspect: to step 3) or ``fallback`` (fp16 with
+    ``init_scale=1e9``: step 3's check reads 3 consecutive overflows, step
     6 acts on that reading and falls back to bf16): stops before, between and after the reads."""
-    seed_everything(0)  # torch, Python, numpy: all checkpointed, so all compared (across processes too)
+    seed_everything(
+        0
+    )  # torch, Python, numpy: all checkpointed, so all compared (across processes too)
     if case == "rollback":
         model, amp = Net(), ampkit.MixedPrecision("bf16", device="cpu")
-        batches, extra = data(bad=True, corrupt=CORRUPT, nan=()), {"spike_rollback": GUARD, "fallback": False}
+        batches, extra = (
+            data(bad=True, corrupt=CORRUPT, nan=()),
+            {"spike_rollback": GUARD, "fallback": False},
+        )
     else:
         model, amp = Small(), ampkit.MixedPrecision("fp16", device="cpu", **FALLBACK)
         batches, extra = data(bad=False, corrupt=(), nan=()), {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = amp.setup(model, opt)
-    extra["scheduler"] = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.9)  # checkpointed and snapshotted too
+    extra["scheduler"] = torch.optim.lr_scheduler.StepLR(
+        opt, 2, gamma=0.9
+    )  # checkpointed and snapshotted too
     # diagnose=False: the first-skip diagnosis is an observation made at the monitor's reads (not state)
-    return Trainer(model, opt, amp, batches, loss_fn=lambda m, b: m(*b), diagnose=False, callbacks=callbacks,
-                   checkpoint_dir=str(ckdir), checkpoint_every=every, keep_last=None, progress=False, **extra)
+    return Trainer(
+        model,
+        opt,
+        amp,
+        batches,
+        loss_fn=lambda m, b: m(*b),
+        diagnose=False,
+        callbacks=callbacks,
+        checkpoint_dir=str(ckdir),
+        checkpoint_every=every,
+        keep_last=None,
+        progress=False,
+        **extra,
+    )
 
 
 class Keep:
@@ -109,12 +133,21 @@ def differences(a: Any, b: Any, where: str = "state") -> list[str]:
     """Where two training states differ (tensors: dtype, shape and every bit); wall-clock fields and
     the run's id are not training state."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-            and a.shape == b.shape and torch.equal(a, b)
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
         return [] if same else [where]
     if isinstance(a, dict) and isinstance(b, dict):
         keys = (set(a) | set(b)) - {"seconds", "id"}
-        return [d for k in sorted(keys, key=str) for d in differences(a.get(k), b.get(k), f"{where}.{k}")]
+        return [
+            d
+            for k in sorted(keys, key=str)
+            for d in differences(a.get(k), b.get(k), f"{where}.{k}")
+        ]
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{where}: {len(a)} vs {len(b)} items"]
@@ -131,8 +164,11 @@ def run(request, tmp_path_factory):
     t.fit(STEPS[case])
     events = [(e.kind, e.step) for e in t.amp.events]
     if case == "rollback":
-        assert [(e.step, e.data["offending_step"], e.data["rolled_back_to"]) for e in t.amp.events
-                if e.kind == "spike"] == [(6, 7, 6), (3, 7, 3)]  # (recorded after the restore)
+        assert [
+            (e.step, e.data["offending_step"], e.data["rolled_back_to"])
+            for e in t.amp.events
+            if e.kind == "spike"
+        ] == [(6, 7, 6), (3, 7, 3)]  # (recorded after the restore)
     else:
         assert ("fallback", 6) in events and t.amp.precision.name == "bf16"
     return case, root, keep.copies, t.state_dict()
@@ -141,8 +177,10 @@ def run(request, tmp_path_factory):
 def test_a_kill_after_any_checkpoint_resumes_bitwise(run):
     case, _, copies, end = run
     assert len(copies) >= STEPS[case]
-    bad = {f"checkpoint #{i} (step {step})": differences(finish(case, Path(path).parent), end)[:4]
-           for i, (step, path) in enumerate(copies)}
+    bad = {
+        f"checkpoint #{i} (step {step})": differences(finish(case, Path(path).parent), end)[:4]
+        for i, (step, path) in enumerate(copies)
+    }
     assert not {k: v for k, v in bad.items() if v}
 
 
@@ -154,7 +192,9 @@ def test_a_graceful_stop_at_any_step_resumes_bitwise(run):
         with pytest.raises(TrainingInterrupted) as stop:
             trainer(case, ckdir, every=None, callbacks=(StopAt(k),)).fit(STEPS[case])
         assert stop.value.checkpoint is not None
-        bad[f"stop at step {k} (checkpoint of step {stop.value.step})"] = differences(finish(case, ckdir), end)[:4]
+        bad[f"stop at step {k} (checkpoint of step {stop.value.step})"] = differences(
+            finish(case, ckdir), end
+        )[:4]
     assert not {k: v for k, v in bad.items() if v}
 
 
@@ -177,7 +217,10 @@ t.fit(STEPS[case] - t.amp.optimizer_steps)
 """
 
 
-REAL = {"rollback": (8, signal.SIGTERM), "fallback": (5, signal.SIGKILL)}  # after the spike; before the decision
+REAL = {
+    "rollback": (8, signal.SIGTERM),
+    "fallback": (5, signal.SIGKILL),
+}  # after the spike; before the decision
 
 
 @pytest.mark.slow
@@ -189,10 +232,18 @@ def test_a_real_signal_then_a_new_process_resumes_bitwise(run, tmp_path):
     root = Path(__file__).resolve().parents[2]
     child = [sys.executable, "-c", CHILD, case, str(tmp_path / "ck")]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    first = subprocess.run([*child, str(at), str(int(sig))], cwd=root, env=env, capture_output=True, text=True,
-                           timeout=600)
+    first = subprocess.run(
+        [*child, str(at), str(int(sig))],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert first.returncode == (143 if sig == signal.SIGTERM else -9), first.stderr[-2000:]
-    second = subprocess.run([*child, "0", "0"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(
+        [*child, "0", "0"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     final = load_checkpoint(str(tmp_path / "ck" / f"ckpt-{STEPS[case]:08d}.pt"))
     assert not differences({k: final[k] for k in run[3]}, run[3])

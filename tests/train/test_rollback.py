@@ -31,7 +31,9 @@ def data(bad: bool, corrupt: tuple[int, ...] = (CORRUPT,), nan: tuple[int, ...] 
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(16, 8, generator=g) for _ in range(STEPS + 8)]
     ws = torch.randn(8, 4, generator=g)
-    ys = [x @ ws for x in xs]  # computed once: an fp32 matmul's last bits may depend on memory alignment
+    ys = [
+        x @ ws for x in xs
+    ]  # computed once: an fp32 matmul's last bits may depend on memory alignment
     order = [i for i in range(STEPS + 8) if bad or i not in corrupt + nan]
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +94,9 @@ def test_hand_written_loop_rolls_back_and_ends_like_a_run_without_the_bad_batche
     amp, guard = guarded(precision, bad=True)
     spikes = [e for e in amp.events if e.kind == "spike"]
     assert [e.data["batches"] for e in spikes] == [[CORRUPT], [NAN]]
-    assert spikes[0].data["offending_step"] == CORRUPT + 1 and spikes[1].data["offending_step"] == NAN
+    assert (
+        spikes[0].data["offending_step"] == CORRUPT + 1 and spikes[1].data["offending_step"] == NAN
+    )
     assert "loss_zscore" in spikes[0].data["cause"]
     assert {"nonfinite_loss", "nonfinite_grads"} <= set(spikes[1].data["cause"])
     assert spikes[0].data["loss"] > 1000 and spikes[1].data["loss"] == "nan"
@@ -120,8 +124,18 @@ def test_a_clean_run_records_nothing_and_matches_an_unguarded_run(precision):
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
 def test_trainer_spike_rollback(precision, tmp_path):
     model, opt, amp = build(precision)
-    trainer = Trainer(model, opt, amp, data(bad=True), loss_fn=lambda m, b: m(*b), fallback=False, diagnose=False,
-                      spike_rollback={"every": 4}, log_dir=str(tmp_path), log_every=4)
+    trainer = Trainer(
+        model,
+        opt,
+        amp,
+        data(bad=True),
+        loss_fn=lambda m, b: m(*b),
+        fallback=False,
+        diagnose=False,
+        spike_rollback={"every": 4},
+        log_dir=str(tmp_path),
+        log_every=4,
+    )
     summary = trainer.fit(STEPS)
     assert amp.optimizer_steps == STEPS
     assert [e.data["batches"] for e in amp.events if e.kind == "spike"] == [[CORRUPT], [NAN]]
@@ -136,16 +150,32 @@ def test_rollback_restores_the_scheduler_and_goes_further_back_when_a_snapshot_i
     bad = {"corrupt": (CORRUPT, CORRUPT + 1), "nan": ()}
     model, opt, amp = build("bf16")
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.9)
-    trainer = Trainer(model, opt, amp, data(True, **bad), loss_fn=lambda m, b: m(*b), fallback=False, diagnose=False,
-                      scheduler=sched, spike_rollback={"every": 4, "keep": 3})
+    trainer = Trainer(
+        model,
+        opt,
+        amp,
+        data(True, **bad),
+        loss_fn=lambda m, b: m(*b),
+        fallback=False,
+        diagnose=False,
+        scheduler=sched,
+        spike_rollback={"every": 4, "keep": 3},
+    )
     trainer.fit(STEPS)
     spikes = [e.data for e in amp.events if e.kind == "spike"]
     assert [s["batches"] for s in spikes] == [[CORRUPT], [CORRUPT + 1]]
     assert spikes[1]["rolled_back_to"] < spikes[0]["rolled_back_to"]  # one snapshot further back
     ref_model, ref_opt, ref_amp = build("bf16")
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, gamma=0.9)
-    Trainer(ref_model, ref_opt, ref_amp, data(False, **bad), loss_fn=lambda m, b: m(*b), fallback=False,
-            scheduler=ref_sched).fit(STEPS)
+    Trainer(
+        ref_model,
+        ref_opt,
+        ref_amp,
+        data(False, **bad),
+        loss_fn=lambda m, b: m(*b),
+        fallback=False,
+        scheduler=ref_sched,
+    ).fit(STEPS)
     assert sched.state_dict() == ref_sched.state_dict()
     assert_bitwise(amp.full_precision_state_dict(), ref_amp.full_precision_state_dict())
 

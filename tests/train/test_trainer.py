@@ -72,20 +72,39 @@ def test_trainer_eval_callbacks_scheduler(tmp_path):
     model, data = builtin("gpt", "tiny", batch_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    amp = MixedPrecision("fp16", device="cpu", init_scale=2.0**30)  # the first steps overflow and are skipped
+    amp = MixedPrecision(
+        "fp16", device="cpu", init_scale=2.0**30
+    )  # the first steps overflow and are skipped
     model, opt = amp.setup(model, opt)
     rec = Recorder()
     val = TextBatches(batch_size=2, block_size=64, split="val")
-    t = Trainer(model, opt, amp, data, progress=False, eval_batches=val, eval_every=3, eval_steps=2,
-                eval_precision="fp32", callbacks=[rec], scheduler=sched, checkpoint_dir=str(tmp_path),
-                checkpoint_every=6, log_dir=str(tmp_path / "log"))
+    t = Trainer(
+        model,
+        opt,
+        amp,
+        data,
+        progress=False,
+        eval_batches=val,
+        eval_every=3,
+        eval_steps=2,
+        eval_precision="fp32",
+        callbacks=[rec],
+        scheduler=sched,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=6,
+        log_dir=str(tmp_path / "log"),
+    )
     summary = t.fit(6)
     skipped = summary.skipped_steps
     assert skipped >= 1
     # the scheduler stepped only after real optimizer steps
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 ** (6 - skipped))
     kinds = [c[0] for c in rec.calls]
-    assert kinds.count("step") == 6 and kinds.count("eval") == 2 and ("ckpt", "00000006.pt") in rec.calls
+    assert (
+        kinds.count("step") == 6
+        and kinds.count("eval") == 2
+        and ("ckpt", "00000006.pt") in rec.calls
+    )
     assert rec.calls[-1] == ("end", 6)
     log = [json.loads(line) for line in (tmp_path / "log" / "log.jsonl").read_text().splitlines()]
     evals = [r for r in log if r.get("kind") == "eval"]
@@ -110,11 +129,17 @@ def test_trainer_bad_arguments(tmp_path):
         Trainer(model, opt, amp, data, eval_every=2)
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["--amp_opt_level", "O2", "--precision", "fp32"], "conflicting flags"),  # (fp16 + O0: O0 wins, seed 004)
-    (["--amp_opt_level", "O1", "--precision", "fp32"], "conflicting flags"),
-    (["--model", "mlp", "--grad_ckpt"], "--grad_ckpt_modules"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (
+            ["--amp_opt_level", "O2", "--precision", "fp32"],
+            "conflicting flags",
+        ),  # (fp16 + O0: O0 wins, seed 004)
+        (["--amp_opt_level", "O1", "--precision", "fp32"], "conflicting flags"),
+        (["--model", "mlp", "--grad_ckpt"], "--grad_ckpt_modules"),
+    ],
+)
 def test_train_flag_conflicts(argv, fragment, capsys):
     assert main(["train", "--steps", "1", "--device", "cpu", *argv]) == 2
     assert fragment in capsys.readouterr().err
@@ -122,18 +147,67 @@ def test_train_flag_conflicts(argv, fragment, capsys):
 
 @pytest.mark.slow
 def test_train_cli_opt_level_scaler_flags_epochs_grad_ckpt_eval(tmp_path, capsys):
-    rc = main(["train", "--model", "mlp", "--size", "tiny", "--epochs", "1", "--batch_size", "2000",
-               "--amp_opt_level", "O0", "--grad_scaler_growth_interval", "7", "--grad_scaler_backoff", "0.25",
-               "--device", "cpu", "--json", "--log_dir", str(tmp_path / "a"), "--eval_every", "2"])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "tiny",
+            "--epochs",
+            "1",
+            "--batch_size",
+            "2000",
+            "--amp_opt_level",
+            "O0",
+            "--grad_scaler_growth_interval",
+            "7",
+            "--grad_scaler_backoff",
+            "0.25",
+            "--device",
+            "cpu",
+            "--json",
+            "--log_dir",
+            str(tmp_path / "a"),
+            "--eval_every",
+            "2",
+        ]
+    )
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["precision"] == "fp32" and s["optimizer_steps"] == 5  # 10,000 samples / 2,000 per batch
-    rc = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "3", "--batch_size", "2", "--grad_ckpt",
-               "--precision", "fp16", "--grad_scaler_growth_interval", "1", "--grad_scaler_init", "8",
-               "--device", "cpu", "--json", "--log_dir", str(tmp_path / "b")])
+    assert (
+        s["precision"] == "fp32" and s["optimizer_steps"] == 5
+    )  # 10,000 samples / 2,000 per batch
+    rc = main(
+        [
+            "train",
+            "--model",
+            "gpt",
+            "--size",
+            "tiny",
+            "--steps",
+            "3",
+            "--batch_size",
+            "2",
+            "--grad_ckpt",
+            "--precision",
+            "fp16",
+            "--grad_scaler_growth_interval",
+            "1",
+            "--grad_scaler_init",
+            "8",
+            "--device",
+            "cpu",
+            "--json",
+            "--log_dir",
+            str(tmp_path / "b"),
+        ]
+    )
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["final_scale"] == 64.0  # 8 doubled on each of 3 finite steps: growth_interval=1 applied
+    assert (
+        s["final_scale"] == 64.0
+    )  # 8 doubled on each of 3 finite steps: growth_interval=1 applied
 
 
 def test_fit_epochs():
@@ -142,7 +216,9 @@ def test_fit_epochs():
     amp = MixedPrecision("fp32", device="cpu", accumulation_steps=2)
     model, opt = amp.setup(model, opt)
     t = Trainer(model, opt, amp, data, progress=False)
-    assert t.fit(epochs=1).optimizer_steps == 2  # 10,000 samples / 2,500 per batch / 2 micro-batches
+    assert (
+        t.fit(epochs=1).optimizer_steps == 2
+    )  # 10,000 samples / 2,500 per batch / 2 micro-batches
     with pytest.raises(ValueError, match="exactly one"):
         t.fit(3, epochs=1)
 
@@ -168,14 +244,39 @@ def test_trainer_turns_fallback_on_by_default():
     assert amp2.config.fallback is False
 
 
-@pytest.mark.parametrize("flags, level, precision", [(["--amp_opt_level", "O0"], "O0", "fp32"),
-                                                     (["--precision", "bf16-pure"], "O2", "bf16-pure")])
+@pytest.mark.parametrize(
+    "flags, level, precision",
+    [(["--amp_opt_level", "O0"], "O0", "fp32"), (["--precision", "bf16-pure"], "O2", "bf16-pure")],
+)
 def test_run_header_names_the_opt_level(tmp_path, capsys, flags, level, precision):
     from ampkit.train.summary import opt_level
 
-    rc = main(["train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--batch_size", "64",
-               *flags, "--device", "cpu", "--no_progress", "--log_dir", str(tmp_path)])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--batch_size",
+            "64",
+            *flags,
+            "--device",
+            "cpu",
+            "--no_progress",
+            "--log_dir",
+            str(tmp_path),
+        ]
+    )
     out = " ".join(capsys.readouterr().out.split())  # rich wraps the header
     assert rc == 0 and f"in {precision} (opt level {level})" in out
-    assert [opt_level(p) for p in ("fp32", "bf16", "fp16", "fp16-pure", "tf32", "fp8")] == \
-        ["O0", "O1", "O1", "O2", "-", "-"]
+    assert [opt_level(p) for p in ("fp32", "bf16", "fp16", "fp16-pure", "tf32", "fp8")] == [
+        "O0",
+        "O1",
+        "O1",
+        "O2",
+        "-",
+        "-",
+    ]

@@ -37,7 +37,14 @@ from ..step.hardware import cpu_features
 from ..step.precision import REFERENCE
 from .speed import Timing, paired_ratio, speed_words, within_noise
 
-__all__ = ["Choice", "auto_decision", "cache_path", "confirm_auto", "measured_choice", "model_signature"]
+__all__ = [
+    "Choice",
+    "auto_decision",
+    "cache_path",
+    "confirm_auto",
+    "measured_choice",
+    "model_signature",
+]
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,9 @@ class Choice:
 
 
 def cache_path() -> str:
-    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
+    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "ampkit"
+    )
     return os.path.join(root, "auto-precision.json")
 
 
@@ -65,14 +74,29 @@ def model_signature(model: torch.nn.Module, batch: Any) -> str:
     built from it, so every caller -- CLI, Trainer, library -- finds the same verdict for the
     same model and batch, whatever label it prints."""
     params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    items = (
+        batch.values()
+        if isinstance(batch, dict)
+        else batch
+        if isinstance(batch, (tuple, list))
+        else [batch]
+    )
     tensors = [(list(t.shape), str(t.dtype)) for t in items if isinstance(t, torch.Tensor)]
     return json.dumps([type(model).__qualname__, params, tensors])
 
 
 def _key(signature: str, candidate: str) -> str:
     cpu = cpu_features()
-    text = json.dumps([cpu.model, sorted(cpu.flags), torch.__version__, torch.get_num_threads(), signature, candidate])
+    text = json.dumps(
+        [
+            cpu.model,
+            sorted(cpu.flags),
+            torch.__version__,
+            torch.get_num_threads(),
+            signature,
+            candidate,
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -95,8 +119,15 @@ def _write_cache(data: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def _time_steps(model: torch.nn.Module, batches: Callable[[int], Any], precision: str, device: torch.device,
-                steps: int, blocks: int, loss_fn: LossFn) -> list[float]:
+def _time_steps(
+    model: torch.nn.Module,
+    batches: Callable[[int], Any],
+    precision: str,
+    device: torch.device,
+    steps: int,
+    blocks: int,
+    loss_fn: LossFn,
+) -> list[float]:
     """Per-block mean step time (s) of ``steps`` AdamW steps, after one warm-up step."""
     model = copy.deepcopy(model)
     amp = MixedPrecision(precision, device=device)
@@ -113,8 +144,15 @@ def _time_steps(model: torch.nn.Module, batches: Callable[[int], Any], precision
     return out
 
 
-def _measure(model: torch.nn.Module, batches: Callable[[int], Any], candidate: str, device: torch.device,
-             steps: int, blocks: int, loss_fn: LossFn) -> tuple[float, float]:
+def _measure(
+    model: torch.nn.Module,
+    batches: Callable[[int], Any],
+    candidate: str,
+    device: torch.device,
+    steps: int,
+    blocks: int,
+    loss_fn: LossFn,
+) -> tuple[float, float]:
     """fp32's median step time over ``candidate``'s, in interleaved blocks, and the spread of the
     blocks' paired ratios (:func:`.speed.paired_ratio`). The RNG states (torch, numpy, Python) are
     put back afterwards: measuring leaves the run's random stream where it was."""
@@ -130,9 +168,19 @@ def _measure(model: torch.nn.Module, batches: Callable[[int], Any], candidate: s
     return paired_ratio(times["fp32"], times[candidate])
 
 
-def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candidate: str, device: torch.device, *,
-                    label: Optional[str] = None, batch_size: Optional[int] = None, steps: int = 2, blocks: int = 3,
-                    use_cache: bool = True, loss_fn: LossFn = batch_loss) -> Choice:
+def measured_choice(
+    model: torch.nn.Module,
+    batches: Callable[[int], Any],
+    candidate: str,
+    device: torch.device,
+    *,
+    label: Optional[str] = None,
+    batch_size: Optional[int] = None,
+    steps: int = 2,
+    blocks: int = 3,
+    use_cache: bool = True,
+    loss_fn: LossFn = batch_loss,
+) -> Choice:
     """Train ``candidate`` (the hardware pick) against fp32 on copies of ``model`` and choose.
 
     Interleaved blocks of ``steps`` steps each (``blocks`` per precision), median per precision;
@@ -145,7 +193,9 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
     cache miss.
     """
     if candidate == REFERENCE:
-        return Choice("fp32", "fp32 is the hardware rule's pick; nothing to measure", {"fp32": 1.0}, False)
+        return Choice(
+            "fp32", "fp32 is the hardware rule's pick; nothing to measure", {"fp32": 1.0}, False
+        )
     label = label or type(model).__name__
     key = _key(model_signature(model, batches(0)), candidate)
     cache = _read_cache() if use_cache else {}
@@ -158,25 +208,55 @@ def measured_choice(model: torch.nn.Module, batches: Callable[[int], Any], candi
     else:
         speedup, spread = _measure(model, batches, candidate, device, steps, blocks, loss_fn)
         cached = False
-        timed = Timing("whole training step", torch.get_num_threads(), blocks, spread,
-                       f"{steps} step{'s' if steps != 1 else ''}").describe()
+        timed = Timing(
+            "whole training step",
+            torch.get_num_threads(),
+            blocks,
+            spread,
+            f"{steps} step{'s' if steps != 1 else ''}",
+        ).describe()
         if use_cache:
             kept = spread if math.isfinite(spread) else None
-            cache[key] = {"speedup": speedup, "spread": kept, "timed": timed, "label": label, "batch_size": batch_size, "candidate": candidate,
-                          "cpu": cpu_features().model, "torch": torch.__version__, "measured": time.time()}
+            cache[key] = {
+                "speedup": speedup,
+                "spread": kept,
+                "timed": timed,
+                "label": label,
+                "batch_size": batch_size,
+                "candidate": candidate,
+                "cpu": cpu_features().model,
+                "torch": torch.__version__,
+                "measured": time.time(),
+            }
             _write_cache(cache)
     how = "cached measurement" if cached else "measured just now"
     how += f": {timed}" if timed else ""
     speeds = {"fp32": 1.0, candidate: speedup}
     if speedup > 1.0 and not within_noise(speedup, spread):
-        return Choice(candidate, f"{candidate} trains {label} {speedup:.2f}x as fast as fp32 here ({how})",
-                      speeds, cached, timed)
+        return Choice(
+            candidate,
+            f"{candidate} trains {label} {speedup:.2f}x as fast as fp32 here ({how})",
+            speeds,
+            cached,
+            timed,
+        )
     if speedup > 1.0:
-        return Choice("fp32", f"the hardware rule picks {candidate}, but {candidate} trains {label} at "
-                              f"{speed_words(speedup, spread)} here ({how}): not clearly faster, so fp32",
-                      speeds, cached, timed)
-    return Choice("fp32", f"the hardware rule picks {candidate}, but {candidate} trains {label} at {speedup:.2f}x "
-                          f"fp32's speed here ({how}), so fp32", speeds, cached, timed)
+        return Choice(
+            "fp32",
+            f"the hardware rule picks {candidate}, but {candidate} trains {label} at "
+            f"{speed_words(speedup, spread)} here ({how}): not clearly faster, so fp32",
+            speeds,
+            cached,
+            timed,
+        )
+    return Choice(
+        "fp32",
+        f"the hardware rule picks {candidate}, but {candidate} trains {label} at {speedup:.2f}x "
+        f"fp32's speed here ({how}), so fp32",
+        speeds,
+        cached,
+        timed,
+    )
 
 
 def auto_decision(amp: MixedPrecision) -> Optional[dict[str, Any]]:
@@ -186,9 +266,16 @@ def auto_decision(amp: MixedPrecision) -> Optional[dict[str, Any]]:
     return next((dict(e.data) for e in amp.events if e.kind == "auto_precision"), None)
 
 
-def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
-                 loss_fn: LossFn = batch_loss, label: Optional[str] = None, use_cache: bool = True,
-                 announce: Optional[Callable[[str], None]] = None) -> Choice:
+def confirm_auto(
+    amp: MixedPrecision,
+    model: torch.nn.Module,
+    batches: Any,
+    *,
+    loss_fn: LossFn = batch_loss,
+    label: Optional[str] = None,
+    use_cache: bool = True,
+    announce: Optional[Callable[[str], None]] = None,
+) -> Choice:
     """Settle ``auto`` by measurement: the one check that ``MixedPrecision("auto")`` users, the
     :class:`~ampkit.train.trainer.Trainer` and ``ampkit train --precision auto`` share.
 
@@ -207,22 +294,51 @@ def confirm_auto(amp: MixedPrecision, model: torch.nn.Module, batches: Any, *,
     """
     done = auto_decision(amp)
     if done is not None:
-        return Choice(str(done["precision"]), str(done["reason"]), dict(done.get("speedups", {})),
-                      bool(done.get("cached", False)), str(done.get("timed", "")))
+        return Choice(
+            str(done["precision"]),
+            str(done["reason"]),
+            dict(done.get("speedups", {})),
+            bool(done.get("cached", False)),
+            str(done.get("timed", "")),
+        )
     current = Choice(amp.precision.name, amp.precision.reason, {}, False)
-    if (amp.config.precision != "auto" or amp.device.type != "cpu" or amp.precision.name == REFERENCE
-            or amp.optimizer_steps > 0 or world_size() > 1):  # several processes: the hardware rule, alike on all
+    if (
+        amp.config.precision != "auto"
+        or amp.device.type != "cpu"
+        or amp.precision.name == REFERENCE
+        or amp.optimizer_steps > 0
+        or world_size() > 1
+    ):  # several processes: the hardware rule, alike on all
         return current
     size = getattr(batches, "batch_size", None)
     batches = BatchSource(batches).as_function()  # a DataLoader, a list: its first batches, cycled
-    if announce is not None and not (use_cache and _key(model_signature(model, batches(0)), amp.precision.name)
-                                     in _read_cache()):
-        announce(f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ...")
-    choice = measured_choice(model, batches, amp.precision.name, amp.device, label=label, loss_fn=loss_fn,
-                             batch_size=size, use_cache=use_cache)
+    if announce is not None and not (
+        use_cache and _key(model_signature(model, batches(0)), amp.precision.name) in _read_cache()
+    ):
+        announce(
+            f"auto: the hardware rule picks {amp.precision.name}; timing it against fp32 on this model ..."
+        )
+    choice = measured_choice(
+        model,
+        batches,
+        amp.precision.name,
+        amp.device,
+        label=label,
+        loss_fn=loss_fn,
+        batch_size=size,
+        use_cache=use_cache,
+    )
     if choice.precision != amp.precision.name:
         amp.switch(choice.precision, reason=choice.reason)
-        amp.set_fallback(amp.config.fallback)  # the chain from the new precision, as a new engine builds it
-    amp.record_event("auto_precision", precision=choice.precision, reason=choice.reason,
-                     speedups=dict(choice.speedups), cached=choice.cached, timed=choice.timed)
+        amp.set_fallback(
+            amp.config.fallback
+        )  # the chain from the new precision, as a new engine builds it
+    amp.record_event(
+        "auto_precision",
+        precision=choice.precision,
+        reason=choice.reason,
+        speedups=dict(choice.speedups),
+        cached=choice.cached,
+        timed=choice.timed,
+    )
     return choice

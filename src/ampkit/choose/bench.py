@@ -53,7 +53,7 @@ def with_rungs(precisions: Optional[Sequence[str]]) -> list[str]:
     if not at:
         return list(dict.fromkeys(names + list(RUNGS)))
     i = at[0]
-    return list(dict.fromkeys(names[:i] + list(RUNGS) + names[i + 1:]))
+    return list(dict.fromkeys(names[:i] + list(RUNGS) + names[i + 1 :]))
 
 
 @dataclass
@@ -72,8 +72,12 @@ class BenchResult:
     speedup_spread: Optional[float] = None  # the blocks' paired speed-ups' spread (inf: one block)
     activation_bytes: Optional[int] = None
     static_bytes: Optional[int] = None  # parameters + gradients + optimizer state (+ scaler), exact
-    bytes_per_param: Optional[float] = None  # weights + masters + optimizer state between steps, per parameter
-    peak_mem_bytes: Optional[int] = None  # CUDA only: this run's resident state + one step's peak on top
+    bytes_per_param: Optional[float] = (
+        None  # weights + masters + optimizer state between steps, per parameter
+    )
+    peak_mem_bytes: Optional[int] = (
+        None  # CUDA only: this run's resident state + one step's peak on top
+    )
     final_loss: Optional[float] = None  # mean of the last few steps' losses
     loss_gap: Optional[float] = None  # (final_loss - fp32 final_loss) / fp32 final_loss
     skipped_steps: int = 0
@@ -120,23 +124,49 @@ class BenchReport:
     def table(self) -> Any:
         from rich.table import Table
 
-        t = Table(title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps",
-                  caption=f"timed: {self.timed}; a speed-up inside its repeats' spread says "
-                          "'within noise'")
-        cols = ("precision", "ms/step", "p10–p90", "speed-up", "samples/s", "tokens/s", "activations",
-                "params+grads+opt", "B/param", "peak", "final loss", "gap vs fp32", "skipped", "fallbacks")
+        t = Table(
+            title=f"ampkit bench: {self.model} on {self.device_name} ({self.device}), {self.steps} steps",
+            caption=f"timed: {self.timed}; a speed-up inside its repeats' spread says "
+            "'within noise'",
+        )
+        cols = (
+            "precision",
+            "ms/step",
+            "p10–p90",
+            "speed-up",
+            "samples/s",
+            "tokens/s",
+            "activations",
+            "params+grads+opt",
+            "B/param",
+            "peak",
+            "final loss",
+            "gap vs fp32",
+            "skipped",
+            "fallbacks",
+        )
         for c in cols:
             t.add_column(c, justify="left" if c == "precision" else "right")
         for r in self.results:
             if r.status != "ok":
                 t.add_row(r.precision, "[yellow]skipped[/]", *[""] * (len(cols) - 2))
                 continue
-            t.add_row(r.precision, _f(r.step_ms, "{:.2f}"), f"{_f(r.step_ms_p10, '{:.2f}')}–{_f(r.step_ms_p90, '{:.2f}')}",
-                      _speedup_cell(r), _f(r.samples_per_s, "{:,.0f}"), _f(r.tokens_per_s, "{:,.0f}"),
-                      _mib(r.activation_bytes), _mib(r.static_bytes), _f(r.bytes_per_param, "{:.2f}"),
-                      _mib(r.peak_mem_bytes),
-                      _f(r.final_loss, "{:.4f}"), _f(None if r.loss_gap is None else 100 * r.loss_gap, "{:+.2f}%"),
-                      str(r.skipped_steps), str(r.fallbacks))
+            t.add_row(
+                r.precision,
+                _f(r.step_ms, "{:.2f}"),
+                f"{_f(r.step_ms_p10, '{:.2f}')}–{_f(r.step_ms_p90, '{:.2f}')}",
+                _speedup_cell(r),
+                _f(r.samples_per_s, "{:,.0f}"),
+                _f(r.tokens_per_s, "{:,.0f}"),
+                _mib(r.activation_bytes),
+                _mib(r.static_bytes),
+                _f(r.bytes_per_param, "{:.2f}"),
+                _mib(r.peak_mem_bytes),
+                _f(r.final_loss, "{:.4f}"),
+                _f(None if r.loss_gap is None else 100 * r.loss_gap, "{:+.2f}%"),
+                str(r.skipped_steps),
+                str(r.fallbacks),
+            )
         return t
 
     def plot(self, path: str) -> str:
@@ -197,7 +227,9 @@ class _Run:
     """One precision's training in ``compare``: its steps, where it is in the data, what it measured."""
 
     steps: Steps
-    losses: list[torch.Tensor] = field(default_factory=list)  # each optimizer step's mean loss (device)
+    losses: list[torch.Tensor] = field(
+        default_factory=list
+    )  # each optimizer step's mean loss (device)
     times: list[float] = field(default_factory=list)  # ms per optimizer step, one per timed block
     index: int = 0  # the next batch
 
@@ -235,8 +267,10 @@ def compare(
     batch factory may expose ``samples_per_batch`` / ``tokens_per_batch`` for throughput.
     """
     if steps < 1 or warmup < 0 or repeats < 1 or accumulation_steps < 1:
-        raise ValueError(f"steps={steps} and repeats={repeats} must be >= 1, warmup={warmup} >= 0, "
-                         f"accumulation_steps={accumulation_steps} >= 1")
+        raise ValueError(
+            f"steps={steps} and repeats={repeats} must be >= 1, warmup={warmup} >= 0, "
+            f"accumulation_steps={accumulation_steps} >= 1"
+        )
     dev = normalize_device(device)
     info = device_info(dev)
     batch_factory = IndexedBatches.of(batch_factory)
@@ -248,14 +282,26 @@ def compare(
             base, rung = split_spec(name)  # "bf16-pure:split": a rung of bf16-pure's ladder
             p = resolve_precision(base, info, emulate_fp8=bool(amp_overrides.get("fp8_emulate")))
         except (PrecisionError, ValueError) as e:
-            results[name] = BenchResult(precision=name, status="skipped",
-                                        reason=str(e).split(": ", 1)[-1].split(". Choose")[0])
+            results[name] = BenchResult(
+                precision=name,
+                status="skipped",
+                reason=str(e).split(": ", 1)[-1].split(". Choose")[0],
+            )
             continue
         label = join_spec(p.name, rung)
         if label in results:  # e.g. "auto" resolved to one already listed
             continue
-        results[label], run = _start(p, model_factory, batch_factory, dev, seed, lr, accumulation_steps, fallback,
-                                     {**amp_overrides, **(rung.fields() if rung else {})})
+        results[label], run = _start(
+            p,
+            model_factory,
+            batch_factory,
+            dev,
+            seed,
+            lr,
+            accumulation_steps,
+            fallback,
+            {**amp_overrides, **(rung.fields() if rung else {})},
+        )
         results[label].precision = label
         if run is not None:
             runs[label] = run
@@ -269,15 +315,30 @@ def compare(
     for name, run in runs.items():
         if ref is not None and run.times and len(run.times) == len(ref.times):
             results[name].speedup_spread = paired_ratio(ref.times, run.times)[1]
-    return BenchReport(results=list(results.values()), device=str(dev), device_name=info.name,
-                       model=model_name, steps=steps, batch_size=getattr(batch_factory, "batch_size", None),
-                       accumulation_steps=accumulation_steps, threads=torch.get_num_threads(),
-                       repeats=min(repeats, steps))
+    return BenchReport(
+        results=list(results.values()),
+        device=str(dev),
+        device_name=info.name,
+        model=model_name,
+        steps=steps,
+        batch_size=getattr(batch_factory, "batch_size", None),
+        accumulation_steps=accumulation_steps,
+        threads=torch.get_num_threads(),
+        repeats=min(repeats, steps),
+    )
 
 
-def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_factory: Callable[[int], Any],
-           dev: torch.device, seed: int, lr: float, accumulation_steps: int, fallback: bool,
-           amp_overrides: dict[str, Any]) -> tuple[BenchResult, Optional[_Run]]:
+def _start(
+    p: Precision,
+    model_factory: Callable[[], torch.nn.Module],
+    batch_factory: Callable[[int], Any],
+    dev: torch.device,
+    seed: int,
+    lr: float,
+    accumulation_steps: int,
+    fallback: bool,
+    amp_overrides: dict[str, Any],
+) -> tuple[BenchResult, Optional[_Run]]:
     """``p``'s result row and its run: the model from ``seed``, a fused AdamW, the engine set up;
     a skipped row (and no run) when the engine cannot apply ``p``."""
     torch.manual_seed(seed)
@@ -285,8 +346,13 @@ def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_fac
     fused = dev.type in ("cpu", "cuda") and all(q.is_floating_point() for q in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
     try:
-        amp = MixedPrecision(p.name, device=dev, accumulation_steps=accumulation_steps, fallback=fallback,
-                             **amp_overrides)
+        amp = MixedPrecision(
+            p.name,
+            device=dev,
+            accumulation_steps=accumulation_steps,
+            fallback=fallback,
+            **amp_overrides,
+        )
         model, opt = amp.setup(model, opt)
     except (PrecisionError, ValueError) as e:
         return BenchResult(precision=p.name, status="skipped", reason=str(e)), None
@@ -296,8 +362,14 @@ def _start(p: Precision, model_factory: Callable[[], torch.nn.Module], batch_fac
     return BenchResult(precision=p.name, activation_bytes=act), _Run(Steps(model, opt, amp))
 
 
-def _timed_blocks(runs: dict[str, _Run], batches: Callable[[int], Any], steps: int, repeats: int,
-                  accumulation_steps: int, dev: torch.device) -> None:
+def _timed_blocks(
+    runs: dict[str, _Run],
+    batches: Callable[[int], Any],
+    steps: int,
+    repeats: int,
+    accumulation_steps: int,
+    dev: torch.device,
+) -> None:
     """``steps`` optimizer steps per run in ``repeats`` blocks, the runs' order rotating each round."""
     block = max(1, steps // repeats)
     names = list(runs)
@@ -305,7 +377,7 @@ def _timed_blocks(runs: dict[str, _Run], batches: Callable[[int], Any], steps: i
     for r in range(repeats):
         n = block if r < repeats - 1 else steps - done
         done += n
-        order = names[r % len(names):] + names[: r % len(names)] if names else []
+        order = names[r % len(names) :] + names[: r % len(names)] if names else []
         for name in order:
             run = runs[name]
             _sync(dev)
@@ -315,8 +387,14 @@ def _timed_blocks(runs: dict[str, _Run], batches: Callable[[int], Any], steps: i
             run.times.append((time.perf_counter() - t0) / n * 1e3)
 
 
-def _measurements(res: BenchResult, run: _Run, batch_factory: Callable[[int], Any], accumulation_steps: int,
-                  loss_window: int, dev: torch.device) -> None:
+def _measurements(
+    res: BenchResult,
+    run: _Run,
+    batch_factory: Callable[[int], Any],
+    accumulation_steps: int,
+    loss_window: int,
+    dev: torch.device,
+) -> None:
     """Fill ``res`` from ``run``: step times, throughput, losses, engine counters, memory."""
     amp, model, times = run.steps.amp, run.steps.model, sorted(run.times)
     res.losses = [float(v) for v in torch.stack(run.losses).tolist()]

@@ -48,8 +48,10 @@ def paired_ratio(reference: Sequence[float], candidate: Sequence[float]) -> tupl
     """``median(reference) / median(candidate)`` (> 1: the candidate is faster) and the spread of
     the paired ratios ``reference[i] / candidate[i]`` (module doc). Times in any one unit."""
     if not reference or len(reference) != len(candidate):
-        raise ValueError(f"paired_ratio needs two equally long, non-empty lists of times "
-                         f"(got {len(reference)} and {len(candidate)})")
+        raise ValueError(
+            f"paired_ratio needs two equally long, non-empty lists of times "
+            f"(got {len(reference)} and {len(candidate)})"
+        )
     ratio = statistics.median(reference) / statistics.median(candidate)
     if len(reference) < 2:
         return ratio, math.inf

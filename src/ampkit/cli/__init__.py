@@ -26,12 +26,25 @@ from .parser import TopParser
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = (info, train, audit, bench, plan, explain, report, slurm, export, serve)  # each adds its parser(s)
+COMMANDS = (
+    info,
+    train,
+    audit,
+    bench,
+    plan,
+    explain,
+    report,
+    slurm,
+    export,
+    serve,
+)  # each adds its parser(s)
 
 
 def build_parser() -> TopParser:
     """Every command's parser; usage errors are one line (:mod:`ampkit.cli.parser`)."""
-    parser = TopParser(prog="ampkit", description="Mixed-precision training for PyTorch: fast, safe and visible.")
+    parser = TopParser(
+        prog="ampkit", description="Mixed-precision training for PyTorch: fast, safe and visible."
+    )
     parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
     sub = parser.add_commands(dest="command", metavar="COMMAND")
     for command in COMMANDS:
@@ -55,10 +68,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         leave(1, together=False)
         raise
     leave(code, together=code == 0 or stopped_together)
-    exit_worker(code)  # not through the interpreter's teardown: a gloo thread may still hold tensors
+    exit_worker(
+        code
+    )  # not through the interpreter's teardown: a gloo thread may still hold tensors
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> tuple[int, bool]:
+def _run(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
+) -> tuple[int, bool]:
     """``(exit status, whether every rank stopped together after the same step)``."""
     return _status(args.command, lambda: args.func(parse_invocation(parser, args, argv)))
 
@@ -72,19 +89,31 @@ def _status(command: str, run: Callable[[], Optional[int]]) -> tuple[int, bool]:
     except NumericsError as e:
         print(f"{who}: training failed numerically: {e}", file=sys.stderr)
         return 3, False
-    except (PrecisionError, ConfigError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
+    except (
+        PrecisionError,
+        ConfigError,
+        ValueError,
+        FileNotFoundError,
+        ImportError,
+        CheckpointError,
+    ) as e:
         print(f"{who}: error: {e}", file=sys.stderr)
         return 2, False
     except OSError as e:  # a filesystem fault during the run (full disk, vanished directory, ...)
         where = f": {e.filename!r}" if getattr(e, "filename", None) else ""
         print(f"{who}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2, False
-    except TrainingInterrupted as e:  # a graceful stop: the trainer checkpointed and said how to resume
+    except (
+        TrainingInterrupted
+    ) as e:  # a graceful stop: the trainer checkpointed and said how to resume
         return e.exit_code, True  # every rank stopped after the same step
     except KeyboardInterrupt as e:  # before training started (or a command without a graceful stop)
         code = getattr(e, "exit_code", 130)
-        print(f"{who}: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'})"
-              + (" before training started; nothing to save" if command == "train" else ""), file=sys.stderr)
+        print(
+            f"{who}: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'})"
+            + (" before training started; nothing to save" if command == "train" else ""),
+            file=sys.stderr,
+        )
         return code, False
 
 

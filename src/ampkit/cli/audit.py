@@ -33,8 +33,10 @@ def cmd_audit(inv: Invocation) -> int:
     keep = ", ".join(report.recommended_keep_fp32) or "none"
     console.print(f"[bold]keep in fp32:[/] {keep}")
     if report.recommended_init_scale:
-        console.print(f"[bold]recommended init_scale:[/] {report.recommended_init_scale:g} "
-                      f"(largest reference gradient {report.max_grad:.3g})")
+        console.print(
+            f"[bold]recommended init_scale:[/] {report.recommended_init_scale:g} "
+            f"(largest reference gradient {report.max_grad:.3g})"
+        )
     for note in report.notes:
         console.print(f"note: {escape(note)}")
     return 0
@@ -43,8 +45,12 @@ def cmd_audit(inv: Invocation) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("audit", help="per-layer numerics: what breaks in fp16/bf16 and why")
     model_flags(p, size="tiny")
-    flag(p, "precision", default="fp16", help="the precision to audit against the fp64/fp32 reference: "
-         + precision_help("fp16"))
+    flag(
+        p,
+        "precision",
+        default="fp16",
+        help="the precision to audit against the fp64/fp32 reference: " + precision_help("fp16"),
+    )
     flag(p, "batch_size", type=positive_int, default=4, help="example batch size (default: 4)")
     flag(p, "seed", type=seed_int, default=0, help="random seed")
     flag(p, "top", type=positive_int, default=25, help="rows to show (default: 25)")

@@ -33,7 +33,9 @@ class FileSettings:
 def explicit_flags(sub: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset[str]:
     """Destinations of the options actually typed on the command line (to let them win over a file)."""
     by_option = {o: a for a in sub._actions for o in a.option_strings}
-    return frozenset(by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option)
+    return frozenset(
+        by_option[t.split("=", 1)[0]].dest for t in argv if t.split("=", 1)[0] in by_option
+    )
 
 
 def train_keys(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -52,11 +54,15 @@ def read_config_file(sub: argparse.ArgumentParser, path: str) -> FileSettings:
     data = read_toml(path)
     unknown = [k for k in data if k not in ("amp", "train")]
     if unknown:
-        raise ConfigError(f"config file {path!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
-                          "expected [amp] and/or [train]")
+        raise ConfigError(
+            f"config file {path!r}: unknown table(s) {', '.join(map(repr, unknown))}; "
+            "expected [amp] and/or [train]"
+        )
     amp = data.get("amp", {})
     if not isinstance(amp, dict):
-        raise ConfigError(f"config file {path!r}: [amp] must be a table of MixedPrecisionConfig fields")
+        raise ConfigError(
+            f"config file {path!r}: [amp] must be a table of MixedPrecisionConfig fields"
+        )
     try:  # aliases (min_loss_scale, dtype, ...) become their fields, once, here
         amp = canonical_config_keys(amp)
     except ConfigError as e:
@@ -67,9 +73,13 @@ def read_config_file(sub: argparse.ArgumentParser, path: str) -> FileSettings:
         action = keys.get(key)
         if action is None:
             valid = sorted(k for k, a in keys.items() if k == a.dest)
-            raise ConfigError(f"config file {path!r}: {unknown_key_message([key], valid, '[train] key')}")
+            raise ConfigError(
+                f"config file {path!r}: {unknown_key_message([key], valid, '[train] key')}"
+            )
         if action.dest in train:
-            raise ConfigError(f"config file {path!r}: [train] sets {action.dest} twice (as {key!r} too)")
+            raise ConfigError(
+                f"config file {path!r}: [train] sets {action.dest} twice (as {key!r} too)"
+            )
         train[action.dest] = _value(action, key, value, path)
     return FileSettings(amp, train)
 
@@ -91,7 +101,9 @@ def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
                 raise ValueError
             value = action.type(str(value))
         except (ValueError, TypeError, argparse.ArgumentTypeError):
-            raise ConfigError(f"{where} is not a valid {getattr(action.type, '__name__', 'value').strip('_')}") from None
+            raise ConfigError(
+                f"{where} is not a valid {getattr(action.type, '__name__', 'value').strip('_')}"
+            ) from None
     elif not isinstance(value, str):
         raise ConfigError(f"{where} must be a string")
     if action.choices is not None and value not in action.choices:
@@ -113,7 +125,11 @@ def resolved_toml(inv: Any) -> str:
 
     notes: list[str] = []
     config = engine_config(inv.args, inv.flags_given, inv.file.amp, notes)
-    train = {k: v for k, v in sorted(vars(inv.args).items()) if k not in (*_NOT_PRINTED, *ENGINE_FIELDS)}
-    head = ["# ampkit train --print_config: the resolved settings; `ampkit train --config FILE` reads them back"]
+    train = {
+        k: v for k, v in sorted(vars(inv.args).items()) if k not in (*_NOT_PRINTED, *ENGINE_FIELDS)
+    }
+    head = [
+        "# ampkit train --print_config: the resolved settings; `ampkit train --config FILE` reads them back"
+    ]
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + tomlio.dumps({"amp": config.to_dict(), "train": train})

@@ -30,9 +30,15 @@ def cli_reference() -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {a.dest: a.help for a in sub._choices_actions}
-    out = [GENERATED, "", "# `ampkit` command-line reference", "",
-           "Every `--flag_name` also answers to `--flag-name`; abbreviations are refused. `ampkit train`'s engine "
-           "options are generated from `MixedPrecisionConfig` (see [config.md](config.md)).", ""]
+    out = [
+        GENERATED,
+        "",
+        "# `ampkit` command-line reference",
+        "",
+        "Every `--flag_name` also answers to `--flag-name`; abbreviations are refused. `ampkit train`'s engine "
+        "options are generated from `MixedPrecisionConfig` (see [config.md](config.md)).",
+        "",
+    ]
     for name in sub.choices:
         out += _command(name, helps.get(name) or "", subparser(parser, name))
     return "\n".join(out).rstrip() + "\n"
@@ -44,45 +50,75 @@ def _command(name: str, summary: str, p: argparse.ArgumentParser) -> list[str]:
         actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
         if not actions:
             continue
-        title = "positional arguments" if group.title == "positional arguments" else group.title or "options"
+        title = (
+            "positional arguments"
+            if group.title == "positional arguments"
+            else group.title or "options"
+        )
         out += [f"**{title}**", "", "| option | help |", "| --- | --- |"]
         out += [f"| {_spellings(a)} | {_text(a.help or '')} |" for a in actions]
         out.append("")
     if name == "train":
-        out += ["**`ampkit train`'s own defaults** (where they differ from `MixedPrecisionConfig`'s)", "",
-                "| field | here | why |", "| --- | --- | --- |"]
+        out += [
+            "**`ampkit train`'s own defaults** (where they differ from `MixedPrecisionConfig`'s)",
+            "",
+            "| field | here | why |",
+            "| --- | --- | --- |",
+        ]
         out += [f"| `{k}` | `{v!r}` | {_text(why)} |" for k, (v, why) in TRAIN_DEFAULTS.items()]
-        out += ["", "Precedence: the command line, then the `--config` file's `[train]` table, then its `[amp]` "
-                "table, then the defaults above, then `MixedPrecisionConfig`'s.", ""]
+        out += [
+            "",
+            "Precedence: the command line, then the `--config` file's `[train]` table, then its `[amp]` "
+            "table, then the defaults above, then `MixedPrecisionConfig`'s.",
+            "",
+        ]
     return out
 
 
 def _spellings(a: argparse.Action) -> str:
     if not a.option_strings:
         return f"`{a.dest}`"
-    names = [o for o in a.option_strings if "-" not in o[2:]] or a.option_strings  # the underscore spellings
+    names = [
+        o for o in a.option_strings if "-" not in o[2:]
+    ] or a.option_strings  # the underscore spellings
     value = ""
     if a.nargs != 0:
-        meta = a.metavar or ("{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.dest.upper())
-        value = f" [{meta}]" if a.nargs == "?" else f" {meta}" + (" ..." if a.nargs in ("+", "*") else "")
+        meta = a.metavar or (
+            "{" + ",".join(map(str, a.choices)) + "}" if a.choices else a.dest.upper()
+        )
+        value = (
+            f" [{meta}]"
+            if a.nargs == "?"
+            else f" {meta}" + (" ..." if a.nargs in ("+", "*") else "")
+        )
     return ", ".join(f"`{o}{value}`" for o in names).replace("|", "\\|")
 
 
 def config_reference() -> str:
     """Markdown: every MixedPrecisionConfig field with its type, default, help and CLI spellings."""
-    out = [GENERATED, "", "# `MixedPrecisionConfig` reference", "",
-           "Every knob of `ampkit.MixedPrecision` (`ampkit.step.config`): pass them as keywords "
-           "(`MixedPrecision('fp16', hysteresis=2)`), as a `MixedPrecisionConfig`, as the `[amp]` table of "
-           "`ampkit train --config FILE.toml`, or as `ampkit train --<field>`.", "",
-           "| field | type | default | help | `ampkit train` |", "| --- | --- | --- | --- | --- |"]
+    out = [
+        GENERATED,
+        "",
+        "# `MixedPrecisionConfig` reference",
+        "",
+        "Every knob of `ampkit.MixedPrecision` (`ampkit.step.config`): pass them as keywords "
+        "(`MixedPrecision('fp16', hysteresis=2)`), as a `MixedPrecisionConfig`, as the `[amp]` table of "
+        "`ampkit train --config FILE.toml`, or as `ampkit train --<field>`.",
+        "",
+        "| field | type | default | help | `ampkit train` |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for f in fields_help():
         flags = [f"--{f.name}", *(f"--{a}" for a in ALIASES.get(f.name, ()))]
         if f.kind is bool or f.toggle:
             flags.append(f"--no_{f.name}")
         here = f" (train: `{TRAIN_DEFAULTS[f.name][0]!r}`)" if f.name in TRAIN_DEFAULTS else ""
         choices = f" Choices: {', '.join(f'`{c!r}`' for c in f.choices)}." if f.choices else ""
-        out.append(f"| `{f.name}` | `{f.annotation}` | `{f.default!r}`{here} | {_text(f.help)}.{choices} | "
-                   + ", ".join(f"`{x}`" for x in flags) + " |")
+        out.append(
+            f"| `{f.name}` | `{f.annotation}` | `{f.default!r}`{here} | {_text(f.help)}.{choices} | "
+            + ", ".join(f"`{x}`" for x in flags)
+            + " |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -109,9 +145,17 @@ def _read(path: str) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ampkit.cli.docs", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join("docs", "reference"), help="directory (default: docs/reference)")
-    p.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
+    p = argparse.ArgumentParser(
+        prog="python -m ampkit.cli.docs", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join("docs", "reference"),
+        help="directory (default: docs/reference)",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="compare instead of writing; exit 1 on a difference"
+    )
     args = p.parse_args(argv)
     stale = []
     for name, make in REFERENCES.items():
@@ -119,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             text = make()
         except ImportError as e:  # rest-api.md without the serve extra: said, and a --check fails
-            print(f"{path}: not generated ({e}; pip install -e \".[serve]\")", file=sys.stderr)
+            print(f'{path}: not generated ({e}; pip install -e ".[serve]")', file=sys.stderr)
             stale += [path] if args.check else []
             continue
         if args.check:

@@ -23,8 +23,9 @@ def explain(args: Any) -> tuple[MixedPrecision, list[dict[str, Any]]]:
     device = normalize_device(args.device)
     model, batches = model_and_data(args, device)
     keep = tuple(k for k in (args.keep_fp32 or "").split(",") if k.strip())
-    amp = MixedPrecision(args.precision, device=device, accumulation_steps=args.accumulation_steps,
-                         keep_fp32=keep)
+    amp = MixedPrecision(
+        args.precision, device=device, accumulation_steps=args.accumulation_steps, keep_fp32=keep
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type in ("cuda", "cpu"))
     model, optimizer = amp.setup(model, optimizer)
     run = Steps(model, optimizer, amp)
@@ -48,15 +49,41 @@ def cmd_explain(inv: Invocation) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("explain", help="the precision manifest: each parameter's storage, compute, gradient, "
-                       "accumulation, reduce, master and optimizer-state dtypes, and the loss scaling")
+    p = sub.add_parser(
+        "explain",
+        help="the precision manifest: each parameter's storage, compute, gradient, "
+        "accumulation, reduce, master and optimizer-state dtypes, and the loss scaling",
+    )
     model_flags(p, size="tiny")
     flag(p, "precision", default="bf16", help="the precision to explain: " + precision_help("bf16"))
-    flag(p, "keep_fp32", default=None, metavar="GLOBS", help="modules to keep in fp32, comma-separated "
-         "qualified-name globs, e.g. '*.ln*,lm_head' (default: none)")
-    flag(p, "accumulation_steps", type=positive_int, default=1, help="micro-steps per optimizer step (default: 1)")
-    flag(p, "batch_size", type=positive_int, default=2, help="batch size of the one step taken (default: 2)")
+    flag(
+        p,
+        "keep_fp32",
+        default=None,
+        metavar="GLOBS",
+        help="modules to keep in fp32, comma-separated "
+        "qualified-name globs, e.g. '*.ln*,lm_head' (default: none)",
+    )
+    flag(
+        p,
+        "accumulation_steps",
+        type=positive_int,
+        default=1,
+        help="micro-steps per optimizer step (default: 1)",
+    )
+    flag(
+        p,
+        "batch_size",
+        type=positive_int,
+        default=2,
+        help="batch size of the one step taken (default: 2)",
+    )
     flag(p, "seed", type=seed_int, default=0, help="random seed")
-    flag(p, "all", action="store_true", help="one row per parameter (default: a module's agreeing rows merged)")
+    flag(
+        p,
+        "all",
+        action="store_true",
+        help="one row per parameter (default: a module's agreeing rows merged)",
+    )
     flag(p, "json", action="store_true", help="print the manifest and the violations as JSON")
     p.set_defaults(func=cmd_explain)

@@ -29,9 +29,13 @@ from .invocation import Invocation
 MATMUL_REPEATS = 5
 
 
-def _matmul_seconds(device: torch.device, dtypes: dict[str, torch.dtype], n: int,
-                    repeats: int = MATMUL_REPEATS, budget_s: float = 0.03,
-                    ) -> dict[str, list[float]]:
+def _matmul_seconds(
+    device: torch.device,
+    dtypes: dict[str, torch.dtype],
+    n: int,
+    repeats: int = MATMUL_REPEATS,
+    budget_s: float = 0.03,
+) -> dict[str, list[float]]:
     """Seconds per n x n matmul for each dtype that runs here, one figure per repeat, the dtypes
     interleaved repeat by repeat (drift hits all alike); a rough, quick measurement."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -74,17 +78,32 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
         speeds = {k: 2 * n**3 / statistics.median(v) / 1e12 for k, v in secs.items()}
         ratios = {k: paired_ratio(secs[REFERENCE], v) for k, v in secs.items() if REFERENCE in secs}
         spread = max((s for k, (_, s) in ratios.items() if k != REFERENCE), default=0.0)
-        timed = Timing(f"one {n}x{n} matmul (not a training step)", torch.get_num_threads(),
-                       MATMUL_REPEATS, spread).describe()
+        timed = Timing(
+            f"one {n}x{n} matmul (not a training step)",
+            torch.get_num_threads(),
+            MATMUL_REPEATS,
+            spread,
+        ).describe()
     precisions = []
     for name in CANONICAL[1:]:
         try:
             p = resolve_precision(name, info)
-            row = {"name": name, "runs": True, "reason": p.reason, "what": DESCRIPTIONS[name],
-                   "note": cpu_emulation_note(name, info)}
+            row = {
+                "name": name,
+                "runs": True,
+                "reason": p.reason,
+                "what": DESCRIPTIONS[name],
+                "note": cpu_emulation_note(name, info),
+            }
         except PrecisionError as e:
             why = str(e).split(": ", 1)[-1].split(". Choose")[0]
-            row = {"name": name, "runs": False, "reason": why, "what": DESCRIPTIONS[name], "note": why}
+            row = {
+                "name": name,
+                "runs": False,
+                "reason": why,
+                "what": DESCRIPTIONS[name],
+                "note": why,
+            }
         # a half dtype's plain matmul speed-up says something about it (not about fp8 or tf32)
         spec = REGISTRY[name]
         plain = spec.hardware is None and not spec.reduced_matmul
@@ -98,10 +117,13 @@ def info_report(device: Optional[str] = None, measure: bool = True) -> dict[str,
     if dev.type != "cpu":
         devices.append(device_info("cpu").to_dict())
     return {
-        "ampkit": __version__, "torch": torch.__version__,
+        "ampkit": __version__,
+        "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "device": str(dev), "devices": devices, "cpu": cpu_features().to_dict(),
+        "device": str(dev),
+        "devices": devices,
+        "cpu": cpu_features().to_dict(),
         "matmul_tflops": {k: round(v, 3) for k, v in speeds.items()},
         "matmul_timed": timed,
         "precisions": precisions,
@@ -121,17 +143,27 @@ def cmd_info(inv: Invocation) -> int:
     console = Console()
     console.print(f"[bold]ampkit {report['ampkit']}[/] · torch {report['torch']}")
     for d in report["devices"]:
-        extra = f" · compute capability {'.'.join(map(str, d['capability']))}" if d["capability"] else ""
+        extra = (
+            f" · compute capability {'.'.join(map(str, d['capability']))}"
+            if d["capability"]
+            else ""
+        )
         mem = f" · {d['memory_bytes'] / 2**30:.0f} GiB" if d["memory_bytes"] else ""
         console.print(f"device [bold]{d['type']}[/]: {d['name']}{extra}{mem}")
     cpu = report["cpu"]
-    console.print(f"CPU ISA: {', '.join(cpu['flags']) or 'none of interest'} (ATen dispatch: {cpu['capability']}); "
-                  f"native bf16: {'yes' if cpu['native_bf16'] else 'no'}, native fp16: {'yes' if cpu['native_fp16'] else 'no'}")
+    console.print(
+        f"CPU ISA: {', '.join(cpu['flags']) or 'none of interest'} (ATen dispatch: {cpu['capability']}); "
+        f"native bf16: {'yes' if cpu['native_bf16'] else 'no'}, native fp16: {'yes' if cpu['native_fp16'] else 'no'}"
+    )
     if report["matmul_tflops"]:
-        console.print("matmul TFLOP/s on " + report["device"] + ": "
-                      + ", ".join(f"{k} {v:.3g}" for k, v in report["matmul_tflops"].items())
-                      + f" (timed: {report['matmul_timed']}; "
-                      "`ampkit bench` times whole training steps)")
+        console.print(
+            "matmul TFLOP/s on "
+            + report["device"]
+            + ": "
+            + ", ".join(f"{k} {v:.3g}" for k, v in report["matmul_tflops"].items())
+            + f" (timed: {report['matmul_timed']}; "
+            "`ampkit bench` times whole training steps)"
+        )
     table = Table(title=f"precisions on {report['device']}")
     for col in ("precision", "runs here", "matmul vs fp32", "what it is", "here"):
         table.add_column(col)
@@ -145,7 +177,9 @@ def cmd_info(inv: Invocation) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("info", help="hardware, what each precision does here, and what 'auto' picks")
+    p = sub.add_parser(
+        "info", help="hardware, what each precision does here, and what 'auto' picks"
+    )
     flag(p, "device", default=None, help="device to describe (default: best available)")
     flag(p, "json", action="store_true", help="print machine-readable JSON")
     flag(p, "no_measure", action="store_true", help="skip the quick matmul speed measurement")

@@ -32,6 +32,7 @@ class Terminated(KeyboardInterrupt):
 def sigterm_interrupts() -> Iterator[None]:
     """Outside ``Trainer.fit`` (which stops gracefully), SIGTERM ends the command like Ctrl-C does,
     with a message and exit status 143, instead of killing it silently."""
+
     def handler(signum: int, frame: Any) -> None:
         raise Terminated()
 

@@ -26,7 +26,9 @@ class Invocation:
     args: argparse.Namespace
     argv: tuple[str, ...] = ()
     explicit: frozenset[str] = frozenset()  # destinations of the options typed on the command line
-    file: FileSettings = field(default_factory=FileSettings)  # the --config file's [amp] and [train]
+    file: FileSettings = field(
+        default_factory=FileSettings
+    )  # the --config file's [amp] and [train]
 
     @property
     def command(self) -> str:
@@ -63,7 +65,9 @@ def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argumen
     return sub.choices[command]
 
 
-def parse_invocation(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> Invocation:
+def parse_invocation(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]
+) -> Invocation:
     """``args`` (parsed from ``argv``) with its ``--config`` file read and merged under the typed flags."""
     sub = subparser(parser, args.command)
     explicit = explicit_flags(sub, argv)

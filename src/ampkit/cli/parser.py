@@ -45,8 +45,11 @@ class TopParser(argparse.ArgumentParser):
         self.commands = sub.choices
         return sub
 
-    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
-                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+    def parse_args(
+        self,
+        args: Optional[Sequence[str]] = None,  # type: ignore[override]
+        namespace: Optional[argparse.Namespace] = None,
+    ) -> argparse.Namespace:
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
             command = getattr(ns, "command", None)
@@ -60,7 +63,10 @@ class TopParser(argparse.ArgumentParser):
             word = message.split("invalid choice: ", 1)[1].split(" ", 1)[0].strip("'")
             close = difflib.get_close_matches(word, list(self.commands), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            self.exit(2, f"ampkit: unknown command {word!r}{hint}; choose one of: {', '.join(self.commands)}\n")
+            self.exit(
+                2,
+                f"ampkit: unknown command {word!r}{hint}; choose one of: {', '.join(self.commands)}\n",
+            )
         self.exit(2, f"ampkit: error: {message}\n")
 
 

@@ -21,16 +21,18 @@ DEFAULT = ",".join(PLAN_PRECISIONS)  # and fp8 where torchao is installed
 LIMIT = 1 << 16  # the largest batch a plan reports
 
 
-
 def _unmeasured(name: str) -> bool:
     """True for a precision whose activations the estimate cannot follow (fp8): it plans longest."""
     row = REGISTRY.get(name.partition(":")[0])
     return row is not None and not row.measures_activations
 
+
 #: a GPU plan's rows: the autocast reference and every rung of bf16-pure's memory ladder, with fp32 and
 #: bf16 optimizer states (a card without bf16 plans fp16's instead)
-GPU_DEFAULT = ("fp32,bf16,bf16-pure,bf16-pure:split,bf16-pure:kahan,bf16-pure:stochastic,bf16-pure:fp32+bf16,"
-               "bf16-pure:split+bf16,bf16-pure:stochastic+bf16")
+GPU_DEFAULT = (
+    "fp32,bf16,bf16-pure,bf16-pure:split,bf16-pure:kahan,bf16-pure:stochastic,bf16-pure:fp32+bf16,"
+    "bf16-pure:split+bf16,bf16-pure:stochastic+bf16"
+)
 
 
 def default_precisions(target: Any = None) -> str:
@@ -55,7 +57,9 @@ def _model_only(args: argparse.Namespace, factory: Any) -> Any:
     from ..models.hf_configs import build_hf, is_hf, parse_overrides
 
     if is_hf(args.model):
-        return functools.partial(build_hf, args.model, parse_overrides(getattr(args, "model_config", None)))
+        return functools.partial(
+            build_hf, args.model, parse_overrides(getattr(args, "model_config", None))
+        )
     return functools.partial(build, args.model, args.size) if args.model in MODELS else factory
 
 
@@ -82,8 +86,10 @@ def budget_of(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.memory) if args.memory is not None else None
     if target is None:
         if memory is None:
-            raise ValueError("--memory is needed for a plan of the CPU (e.g. --memory 8GiB); or name the GPU the "
-                             "plan is for: --device h100-80gb")
+            raise ValueError(
+                "--memory is needed for a plan of the CPU (e.g. --memory 8GiB); or name the GPU the "
+                "plan is for: --device h100-80gb"
+            )
         return memory
     return target.budget(memory)
 
@@ -91,15 +97,23 @@ def budget_of(args: argparse.Namespace) -> int:
 def _why_not(r: Any, budget: int) -> Optional[str]:
     """Why a row fits no batch at all: its state alone, or batch 1's activations."""
     if r.static_bytes > budget:
-        return (f"its parameters, gradients, masters and optimizer state alone need {_size(r.static_bytes)}, "
-                f"more than the budget's {_size(budget)}")
+        return (
+            f"its parameters, gradients, masters and optimizer state alone need {_size(r.static_bytes)}, "
+            f"more than the budget's {_size(budget)}"
+        )
     if r.largest == 0:
         return f"not even batch 1 fits the budget's {_size(budget)} (activations and temporaries)"
     return None
 
 
-def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
-           stack: Any) -> list[dict[str, Any]]:
+def _group(
+    factory: Any,
+    batch_of: Any,
+    budget: int,
+    precisions: list[str],
+    args: argparse.Namespace,
+    stack: Any,
+) -> list[dict[str, Any]]:
     """The rows of precisions planned together (:func:`ampkit.plan.depth_plan.plan_precisions`: the first
     by depth extrapolation for a stack of blocks, else each search builds the full model once and
     measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference):
@@ -111,28 +125,59 @@ def _group(factory: Any, batch_of: Any, budget: int, precisions: list[str], args
     refused = {p: target.refuses(p) for p in precisions} if target is not None else {}
     asked = [p for p in precisions if not refused.get(p)]
     rows = []
-    with plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()), \
-            plan_devices.use(target):
+    with (
+        plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()),
+        plan_devices.use(target),
+    ):
         if asked:
-            rows = plan_precisions(factory, batch_of, budget, asked, args.batch_size, stack=stack,
-                                   verify=getattr(args, "verify", False), limit=LIMIT)
+            rows = plan_precisions(
+                factory,
+                batch_of,
+                budget,
+                asked,
+                args.batch_size,
+                stack=stack,
+                verify=getattr(args, "verify", False),
+                limit=LIMIT,
+            )
     by_name = dict(zip(asked, rows))
     out = []
     for p in precisions:
         if refused.get(p):
-            out.append({"precision": p, "peak_bytes": None, "parts": None, "batch_size": args.batch_size,
-                        "fits": False, "largest_batch": 0, "largest_batch_activation_checkpointing": 0,
-                        "largest_batch_optimizer_in_backward": 0,
-                        "largest_batch_optimizer_in_backward_activation_checkpointing": 0,
-                        "method": "refused", "verified": None, "why_not": refused[p]})
+            out.append(
+                {
+                    "precision": p,
+                    "peak_bytes": None,
+                    "parts": None,
+                    "batch_size": args.batch_size,
+                    "fits": False,
+                    "largest_batch": 0,
+                    "largest_batch_activation_checkpointing": 0,
+                    "largest_batch_optimizer_in_backward": 0,
+                    "largest_batch_optimizer_in_backward_activation_checkpointing": 0,
+                    "method": "refused",
+                    "verified": None,
+                    "why_not": refused[p],
+                }
+            )
             continue
         r = by_name[p]
-        out.append({"precision": r.precision, "peak_bytes": r.peak_bytes, "parts": dict(r.parts),
-                    "batch_size": args.batch_size, "fits": r.peak_bytes <= budget,
-                    "largest_batch": r.largest, "largest_batch_activation_checkpointing": r.largest_checkpointed,
-                    "largest_batch_optimizer_in_backward": r.largest_in_backward,
-                    "largest_batch_optimizer_in_backward_activation_checkpointing": r.largest_in_backward_checkpointed,
-                    "method": r.method, "verified": r.verified, "why_not": _why_not(r, budget)})
+        out.append(
+            {
+                "precision": r.precision,
+                "peak_bytes": r.peak_bytes,
+                "parts": dict(r.parts),
+                "batch_size": args.batch_size,
+                "fits": r.peak_bytes <= budget,
+                "largest_batch": r.largest,
+                "largest_batch_activation_checkpointing": r.largest_checkpointed,
+                "largest_batch_optimizer_in_backward": r.largest_in_backward,
+                "largest_batch_optimizer_in_backward_activation_checkpointing": r.largest_in_backward_checkpointed,
+                "method": r.method,
+                "verified": r.verified,
+                "why_not": _why_not(r, budget),
+            }
+        )
     return out
 
 
@@ -153,8 +198,14 @@ def workers(n_rows: int, asked: Optional[int] = None) -> int:
     return min(n, n_rows)
 
 
-def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args: argparse.Namespace,
-          stack: Any) -> list[dict[str, Any]]:
+def _rows(
+    factory: Any,
+    batch_of: Any,
+    budget: int,
+    precisions: list[str],
+    args: argparse.Namespace,
+    stack: Any,
+) -> list[dict[str, Any]]:
     """Each precision's row, in the order asked; the groups are independent, so ``workers()`` forked
     processes share them (the costlier first: fp8's casts, then the pairs)."""
     global _JOB
@@ -179,8 +230,12 @@ def _rows(factory: Any, batch_of: Any, budget: int, precisions: list[str], args:
             # one intra-op thread in each child: its measures run fake tensors (no kernels), and a forked
             # child must not start the parent's OpenMP pool (what DataLoader workers do too). An executor,
             # not a Pool: a child killed from outside (the OOM killer) fails the plan instead of hanging it
-            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"),
-                                     initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            with ProcessPoolExecutor(
+                n,
+                mp_context=multiprocessing.get_context("fork"),
+                initializer=torch.set_num_threads,
+                initargs=(1,),
+            ) as pool:
                 done = list(pool.map(_job_rows, todo))
         finally:
             _JOB = None
@@ -194,7 +249,9 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     factory, batch_of = estimate_inputs(argparse.Namespace(**{**vars(args), "seed": 0}))
     factory = _model_only(args, factory)
     stack = _stack(args)
-    given = args.precisions or default_precisions(_device(args))  # --precisions' list (checked), or a string
+    given = args.precisions or default_precisions(
+        _device(args)
+    )  # --precisions' list (checked), or a string
     precisions = precision_list(given) if isinstance(given, str) else list(given)
     rows = _rows(factory, batch_of, budget, precisions, args, stack)
     ref = next((r for r in rows if r["precision"] == REFERENCE), None)
@@ -206,28 +263,50 @@ def plan_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _method_line(rows: list[dict[str, Any]]) -> str:
     """How the rows were found, for the caption and ``--json``'s ``"method"``."""
-    twins = [f"{r['precision']} as {r['method'][len('depth, as '):]}" for r in rows
-             if r["method"].startswith("depth, as ")]
+    twins = [
+        f"{r['precision']} as {r['method'][len('depth, as ') :]}"
+        for r in rows
+        if r["method"].startswith("depth, as ")
+    ]
     rungs = [f"{r['precision']}" for r in rows if r["method"].startswith("depth, rung of ")]
     rows = [r for r in rows if r["method"] != "refused"]
-    methods = {"depth" if r["method"].startswith(("depth, as ", "depth, rung of ")) else r["method"] for r in rows}
-    if rungs:  # a ladder's rungs: the fits of the first row of their precision, shifted by their own bytes
-        note = (f"{', '.join(rungs)}: the same extrapolation plus the rung's own difference in each phase's peak "
-                "(its masters and optimizer state), measured on the 1- and 2-block copies at batch 4")
+    methods = {
+        "depth" if r["method"].startswith(("depth, as ", "depth, rung of ")) else r["method"]
+        for r in rows
+    }
+    if (
+        rungs
+    ):  # a ladder's rungs: the fits of the first row of their precision, shifted by their own bytes
+        note = (
+            f"{', '.join(rungs)}: the same extrapolation plus the rung's own difference in each phase's peak "
+            "(its masters and optimizer state), measured on the 1- and 2-block copies at batch 4"
+        )
         rest = _method_line([r for r in rows if not r["method"].startswith("depth, rung of ")])
         return f"{rest}; {note}"
     if twins:  # e.g. fp16: byte for byte bf16's steps where both were measured (1 block, batch 4)
-        note = (f"{', '.join(twins)}: the same extrapolation plus its own difference in each phase's peak (the "
-                "loss scaler's few bytes), measured on a 1-block copy at batch 4 with and without checkpointing")
-        return f"{METHOD_NOTE}; {note}" if methods == {"depth"} else f"per row: {', '.join(sorted(methods))}; {note}"
+        note = (
+            f"{', '.join(twins)}: the same extrapolation plus its own difference in each phase's peak (the "
+            "loss scaler's few bytes), measured on a 1-block copy at batch 4 with and without checkpointing"
+        )
+        return (
+            f"{METHOD_NOTE}; {note}"
+            if methods == {"depth"}
+            else f"per row: {', '.join(sorted(methods))}; {note}"
+        )
     if methods == {"measured"}:
         return "measured: the full model's training step on fake tensors (B fits, B + 1 does not)"
     if methods == {"depth"}:
         return METHOD_NOTE
     if methods == {"depth, verified"}:
         agreed = all(r["verified"] for r in rows)
-        return ("depth extrapolation, verified: the full model measured at the batch and at each answer B and "
-                f"B + 1 ({'the extrapolation had every value' if agreed else 'the extrapolation missed somewhere; the measured values are shown'})")
+        return (
+            "depth extrapolation, verified: the full model measured at the batch and at each answer B and "
+            + (
+                "B + 1 (the extrapolation had every value)"
+                if agreed
+                else "B + 1 (the extrapolation missed somewhere; the measured values are shown)"
+            )
+        )
     return f"per row (see each row's method): {', '.join(sorted(methods))}; depth: {METHOD_NOTE}"
 
 
@@ -256,18 +335,39 @@ def cmd_plan(inv: Invocation) -> int:
     budget = budget_of(args)
     memory = parse_bytes(args.memory) if args.memory is not None else target.memory_bytes
     if args.json:
-        print(json.dumps({"model": model_label(args), "memory_bytes": memory, "budget_bytes": budget,
-                          "device": device, "device_name": name,
-                          **({"device_info": target.to_dict()} if target is not None else {}),
-                          "method": _method_line(rows), "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": model_label(args),
+                    "memory_bytes": memory,
+                    "budget_bytes": budget,
+                    "device": device,
+                    "device_name": name,
+                    **({"device_info": target.to_dict()} if target is not None else {}),
+                    "method": _method_line(rows),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
         return 0
     from rich.table import Table
 
     where = f"{name} ({device})" if target is not None else f"{device} ({name})"
-    table = Table(title=f"ampkit plan for {where}: {model_label(args)}, budget {_size(budget)} of {_size(memory)}, "
-                        f"batch {args.batch_size}")
-    for col in ("precision", "peak at batch", "fits", "largest batch", "… with act. ckpt", "… opt. in bwd",
-                "… both", "saving vs fp32"):
+    table = Table(
+        title=f"ampkit plan for {where}: {model_label(args)}, budget {_size(budget)} of {_size(memory)}, "
+        f"batch {args.batch_size}"
+    )
+    for col in (
+        "precision",
+        "peak at batch",
+        "fits",
+        "largest batch",
+        "… with act. ckpt",
+        "… opt. in bwd",
+        "… both",
+        "saving vs fp32",
+    ):
         table.add_column(col, justify="right" if col != "precision" else "left")
     notes = []
 
@@ -277,41 +377,96 @@ def cmd_plan(inv: Invocation) -> int:
     for r in rows:
         saving = f"{100 * r['saving_vs_fp32']:.0f}%" if r["saving_vs_fp32"] is not None else "—"
         peak = f"{r['peak_bytes'] / 2**20:,.0f} MiB" if r["peak_bytes"] is not None else "—"
-        table.add_row(r["precision"], peak, "yes" if r["fits"] else "no", cell(r["largest_batch"]),
-                      cell(r["largest_batch_activation_checkpointing"]), cell(r["largest_batch_optimizer_in_backward"]),
-                      cell(r["largest_batch_optimizer_in_backward_activation_checkpointing"]), saving)
+        table.add_row(
+            r["precision"],
+            peak,
+            "yes" if r["fits"] else "no",
+            cell(r["largest_batch"]),
+            cell(r["largest_batch_activation_checkpointing"]),
+            cell(r["largest_batch_optimizer_in_backward"]),
+            cell(r["largest_batch_optimizer_in_backward_activation_checkpointing"]),
+            saving,
+        )
         if r.get("why_not"):
             notes.append(f"{r['precision']}: {r['why_not']}")
-    kernels = ("its allocator's blocks, cuBLAS workspaces and fused attention; the budget is its memory less "
-               "the CUDA context and fragmentation" if target is not None else "its kernels' memory")
-    lever = ("opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
-             "gradients held at each operation replaced by the largest parameter's")
-    table.caption = "\n".join([f"figures for {where}, {kernels}; {_method_line(rows)}", lever,
-                               *(f"no batch fits {n}" for n in notes)])
+    kernels = (
+        "its allocator's blocks, cuBLAS workspaces and fused attention; the budget is its memory less "
+        "the CUDA context and fragmentation"
+        if target is not None
+        else "its kernels' memory"
+    )
+    lever = (
+        "opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
+        "gradients held at each operation replaced by the largest parameter's"
+    )
+    table.caption = "\n".join(
+        [
+            f"figures for {where}, {kernels}; {_method_line(rows)}",
+            lever,
+            *(f"no batch fits {n}" for n in notes),
+        ]
+    )
     wide_console().print(table)
     return 0
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="will it fit? predicted memory per precision, the largest batch for a budget")
-    model_flags(p, size="small", device=False)  # the estimate runs on fake tensors: --device is what it plans for
-    flag(p, "device", default="cpu", metavar="DEVICE",
-         help="the device the plan is for, planned from this machine (no GPU needed): cpu (default: this CPU's "
-              f"kernels), cuda (a GPU of --memory) or a named GPU: {', '.join(n for n in DEVICES if n != 'cuda')}")
-    flag(p, "memory", default=None,
-         help="the memory budget, e.g. 8GiB, 512MiB, 16GB (needed for cpu and cuda; a named GPU: its memory)")
-    flag(p, "precisions", type=precision_list, default=None,
-         help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao; for a GPU: {GPU_DEFAULT})")
-    flag(p, "batch_size", type=positive_int, default=16, help="batch size to predict the peak for (default: 16)")
-    flag(p, "verify", action="store_true",
-         help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "
-              "are otherwise extrapolated from 1- and 2-block copies: seconds instead of minutes)")
-    flag(p, "workers", type=positive_int, default=None,
-         help="processes that measure the precisions side by side (default: one per CPU core, up to one per "
-              "precision; 1: one after another)")
-    flag(p, "no_cache", action="store_true",
-         help="measure every step afresh: by default a repeat plan of the same model (another --memory or "
-              "--batch_size) reads the steps measured before from plan/ in $AMPKIT_CACHE_DIR (~/.cache/ampkit); "
-              "AMPKIT_PLAN_CACHE=off turns that off too")
+    p = sub.add_parser(
+        "plan", help="will it fit? predicted memory per precision, the largest batch for a budget"
+    )
+    model_flags(
+        p, size="small", device=False
+    )  # the estimate runs on fake tensors: --device is what it plans for
+    flag(
+        p,
+        "device",
+        default="cpu",
+        metavar="DEVICE",
+        help="the device the plan is for, planned from this machine (no GPU needed): cpu (default: this CPU's "
+        f"kernels), cuda (a GPU of --memory) or a named GPU: {', '.join(n for n in DEVICES if n != 'cuda')}",
+    )
+    flag(
+        p,
+        "memory",
+        default=None,
+        help="the memory budget, e.g. 8GiB, 512MiB, 16GB (needed for cpu and cuda; a named GPU: its memory)",
+    )
+    flag(
+        p,
+        "precisions",
+        type=precision_list,
+        default=None,
+        help=f"comma-separated (default: {DEFAULT}, and fp8 with torchao; for a GPU: {GPU_DEFAULT})",
+    )
+    flag(
+        p,
+        "batch_size",
+        type=positive_int,
+        default=16,
+        help="batch size to predict the peak for (default: 16)",
+    )
+    flag(
+        p,
+        "verify",
+        action="store_true",
+        help="measure the full model at --batch_size and at each answer B and B + 1 (gpt and Hugging Face models "
+        "are otherwise extrapolated from 1- and 2-block copies: seconds instead of minutes)",
+    )
+    flag(
+        p,
+        "workers",
+        type=positive_int,
+        default=None,
+        help="processes that measure the precisions side by side (default: one per CPU core, up to one per "
+        "precision; 1: one after another)",
+    )
+    flag(
+        p,
+        "no_cache",
+        action="store_true",
+        help="measure every step afresh: by default a repeat plan of the same model (another --memory or "
+        "--batch_size) reads the steps measured before from plan/ in $AMPKIT_CACHE_DIR (~/.cache/ampkit); "
+        "AMPKIT_PLAN_CACHE=off turns that off too",
+    )
     flag(p, "json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -20,8 +20,11 @@ def latest_run(path: str) -> Optional[str]:
 
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, LOG_NAME)):
         return path
-    runs = [os.path.join(path, d) for d in os.listdir(path)
-            if os.path.isfile(os.path.join(path, d, LOG_NAME))]
+    runs = [
+        os.path.join(path, d)
+        for d in os.listdir(path)
+        if os.path.isfile(os.path.join(path, d, LOG_NAME))
+    ]
     return max(runs, key=lambda r: os.path.getmtime(os.path.join(r, LOG_NAME)), default=None)
 
 
@@ -31,9 +34,11 @@ def cmd_report(inv: Invocation) -> int:
 
     run_dir = latest_run(args.run_dir)
     if run_dir is None:
-        raise FileNotFoundError(f"{args.run_dir!r} holds no run (a directory with a log.jsonl, as "
-                                "`ampkit train` writes under runs/); pass a run directory or a "
-                                "directory of runs")
+        raise FileNotFoundError(
+            f"{args.run_dir!r} holds no run (a directory with a log.jsonl, as "
+            "`ampkit train` writes under runs/); pass a run directory or a "
+            "directory of runs"
+        )
     metrics = args.metrics.split(",") if args.metrics else None
     out = make_report(run_dir, compare=args.compare or (), out_dir=args.out, metrics=metrics)
     if run_dir != args.run_dir and not args.json:
@@ -49,7 +54,9 @@ def cmd_report(inv: Invocation) -> int:
     for label, s in out["summaries"].items():
         console.print(summary_table(s, title=label))
         if out["evals"].get(label):
-            console.print("eval loss: " + ", ".join(f"step {st}: {v:.4f}" for st, v in out["evals"][label]))
+            console.print(
+                "eval loss: " + ", ".join(f"step {st}: {v:.4f}" for st, v in out["evals"][label])
+            )
     for note in out["notes"]:
         console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(f"wrote {len(out['pngs'])} plots and {out['markdown']}")
@@ -58,10 +65,21 @@ def cmd_report(inv: Invocation) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="plots and a Markdown summary from a run's logs")
-    p.add_argument("run_dir", nargs="?", default="runs",
-                   help="a run directory written by `ampkit train` (or its log.jsonl), or a "
-                        "directory of runs: its latest (default: runs, where ampkit train writes them)")
-    flag(p, "compare", nargs="+", default=None, metavar="RUN_DIR", help="overlay these runs (e.g. fp32 vs bf16)")
+    p.add_argument(
+        "run_dir",
+        nargs="?",
+        default="runs",
+        help="a run directory written by `ampkit train` (or its log.jsonl), or a "
+        "directory of runs: its latest (default: runs, where ampkit train writes them)",
+    )
+    flag(
+        p,
+        "compare",
+        nargs="+",
+        default=None,
+        metavar="RUN_DIR",
+        help="overlay these runs (e.g. fp32 vs bf16)",
+    )
     flag(p, "out", default=None, help="where to write (default: RUN_DIR/report)")
     flag(p, "metrics", default=None, help="comma-separated subset of: loss, scale, speed, memory")
     flag(p, "json", action="store_true", help="print paths and summaries as JSON")

@@ -36,22 +36,34 @@ def resume_hint(args: argparse.Namespace, argv: Sequence[str]) -> str:
     return f"Resume with: {shlex.join(['ampkit', *words])}"
 
 
-def apply_resume_flags(requested: MixedPrecisionConfig, given: set[str], lr: float, amp: MixedPrecision,
-                       optimizer: torch.optim.Optimizer, path: str) -> list[str]:
+def apply_resume_flags(
+    requested: MixedPrecisionConfig,
+    given: set[str],
+    lr: float,
+    amp: MixedPrecision,
+    optimizer: torch.optim.Optimizer,
+    path: str,
+) -> list[str]:
     """Settings chosen for a resumed run (``given``; values in ``requested``) against the checkpoint's:
     precision (via ``switch``), lr and clipping are honoured; accumulation and keep_fp32 refused."""
     cfg, notes = amp.config, []
     where = os.path.basename(path)
     if "accumulation_steps" in given and requested.accumulation_steps != cfg.accumulation_steps:
-        raise ValueError(f"--accumulation_steps {requested.accumulation_steps} differs from the checkpoint's "
-                         f"{cfg.accumulation_steps} ({where}): changing it mid-run changes the effective batch; resume "
-                         f"with --accumulation_steps {cfg.accumulation_steps} or start a new run")
+        raise ValueError(
+            f"--accumulation_steps {requested.accumulation_steps} differs from the checkpoint's "
+            f"{cfg.accumulation_steps} ({where}): changing it mid-run changes the effective batch; resume "
+            f"with --accumulation_steps {cfg.accumulation_steps} or start a new run"
+        )
     if "keep_fp32" in given and tuple(requested.keep_fp32) != tuple(cfg.keep_fp32):
-        raise ValueError(f"--keep_fp32 {','.join(requested.keep_fp32) or '(none)'!r} differs from the checkpoint's "
-                         f"{','.join(cfg.keep_fp32) or '(none)'!r} ({where}); resume without it or start a new run")
+        raise ValueError(
+            f"--keep_fp32 {','.join(requested.keep_fp32) or '(none)'!r} differs from the checkpoint's "
+            f"{','.join(cfg.keep_fp32) or '(none)'!r} ({where}); resume without it or start a new run"
+        )
     if "clip_grad_norm" in given and requested.clip_grad_norm != cfg.clip_grad_norm:
         amp.config = cfg.replace(clip_grad_norm=requested.clip_grad_norm)
-        notes.append(f"--clip_grad_norm {requested.clip_grad_norm} replaces the checkpoint's {cfg.clip_grad_norm}")
+        notes.append(
+            f"--clip_grad_norm {requested.clip_grad_norm} replaces the checkpoint's {cfg.clip_grad_norm}"
+        )
     old_lr = optimizer.param_groups[0]["lr"]
     if "lr" in given and old_lr != lr:
         for group in optimizer.param_groups:
@@ -60,18 +72,23 @@ def apply_resume_flags(requested: MixedPrecisionConfig, given: set[str], lr: flo
     if "precision" in given and requested.precision != "auto":
         current, setting = amp.precision.name, run_setting(amp)
         try:
-            wanted = resolve_precision(requested.precision, amp.device_info,
-                                       emulate_fp8=amp.config.fp8_emulate).name
+            wanted = resolve_precision(
+                requested.precision, amp.device_info, emulate_fp8=amp.config.fp8_emulate
+            ).name
         except PrecisionError:
             wanted = requested.precision  # switch() below raises the clear error
         if wanted == setting and current != setting:
             # The same command line again (a requeue, a restart): not a request to undo the fallback.
-            notes.append(f"--precision {requested.precision} is the run's own setting; it fell back to {current} "
-                         f"({_fallback_story(amp)}): continuing in {current} (give another --precision to switch)")
+            notes.append(
+                f"--precision {requested.precision} is the run's own setting; it fell back to {current} "
+                f"({_fallback_story(amp)}): continuing in {current} (give another --precision to switch)"
+            )
         elif wanted != current:
             amp.switch(requested.precision, reason="--precision given on resume")
-            notes.append(f"--precision {requested.precision} switches the checkpoint's {current} to "
-                         f"{amp.precision.name}")
+            notes.append(
+                f"--precision {requested.precision} switches the checkpoint's {current} to "
+                f"{amp.precision.name}"
+            )
     elif "precision" in given:
         notes.append(f"--precision auto keeps the checkpoint's {amp.precision.name}")
     return notes
@@ -91,5 +108,9 @@ def run_setting(amp: MixedPrecision) -> str:
 
 
 def _fallback_story(amp: MixedPrecision) -> str:
-    steps = [f"{e.data['from']} -> {e.data['to']} at step {e.step}" for e in amp.events if e.kind == "fallback"]
+    steps = [
+        f"{e.data['from']} -> {e.data['to']} at step {e.step}"
+        for e in amp.events
+        if e.kind == "fallback"
+    ]
     return "; ".join(steps) or "an earlier switch"

@@ -55,9 +55,11 @@ def claim_checkpoint_dir(path: str, *, resume: bool, overwrite: bool) -> None:
         return
     if not overwrite:
         names = ", ".join(os.path.basename(p) for _, p in existing[-3:])
-        raise RunDirError(f"--checkpoint_dir {path!r} already holds {len(existing)} checkpoint(s) of another run "
-                          f"({names}); pass --resume to continue that run, --overwrite to replace it, or choose "
-                          "another directory")
+        raise RunDirError(
+            f"--checkpoint_dir {path!r} already holds {len(existing)} checkpoint(s) of another run "
+            f"({names}); pass --resume to continue that run, --overwrite to replace it, or choose "
+            "another directory"
+        )
     for _, p in existing:
         if os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)

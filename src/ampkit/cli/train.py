@@ -24,16 +24,11 @@ from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
 from ..train.summary import opt_level
-from . import parallel
+from . import parallel, train_flags
 from .common import (
     estimate_inputs,
-    flag,
     model_and_data,
     model_label,
-    positive_float,
-    positive_int,
-    seed_int,
-    unit_float,
 )
 from .config_file import resolved_toml
 from .flags import add_engine_flags, debug_flags, engine_config, model_flags
@@ -44,12 +39,9 @@ from .rundirs import RUNS, RunDir, check_writable, claim_checkpoint_dir, prepare
 from .train_summary import EpochLines, numerical_failure, print_summary
 
 
-def _batch_size_arg(text: str) -> Any:
-    return "auto" if str(text).strip().lower() == "auto" else positive_int(text)
-
-
-def choose_batch(args: argparse.Namespace, accumulation: int, device: torch.device,
-                 precision: str) -> tuple[int, int, Optional[str]]:
+def choose_batch(
+    args: argparse.Namespace, accumulation: int, device: torch.device, precision: str
+) -> tuple[int, int, Optional[str]]:
     """``(batch_size, accumulation_steps, why)`` after ``--batch_size auto`` and
     ``--target_effective_batch_size``; ``why`` is None when neither applies."""
     why, batch = None, args.batch_size
@@ -57,25 +49,37 @@ def choose_batch(args: argparse.Namespace, accumulation: int, device: torch.devi
         from ..plan.estimate import largest_batch, parse_bytes
 
         if args.memory_budget is None and device.type != "cuda":
-            raise ValueError("--batch_size auto needs --memory_budget on this device (e.g. --memory_budget 8GiB); "
-                             "only on CUDA is the device's free memory the default budget")
-        budget = (parse_bytes(args.memory_budget) if args.memory_budget is not None
-                  else torch.cuda.mem_get_info(device)[0])
+            raise ValueError(
+                "--batch_size auto needs --memory_budget on this device (e.g. --memory_budget 8GiB); "
+                "only on CUDA is the device's free memory the default budget"
+            )
+        budget = (
+            parse_bytes(args.memory_budget)
+            if args.memory_budget is not None
+            else torch.cuda.mem_get_info(device)[0]
+        )
         factory, batch_of = estimate_inputs(args)
-        batch, at = largest_batch(factory, batch_of, budget, precision,
-                                  device=device if device.type == "cuda" else "cpu")
+        batch, at = largest_batch(
+            factory, batch_of, budget, precision, device=device if device.type == "cuda" else "cpu"
+        )
         if batch < 1:
-            raise ValueError(f"--memory_budget {args.memory_budget}: not even a batch of 1 fits "
-                             f"({at.peak_bytes / 2**20:,.0f} MiB predicted in {precision})")
-        why = (f"batch size {batch}: the largest whose predicted peak ({at.peak_bytes / 2**20:,.0f} MiB in "
-               f"{precision}) fits {budget / 2**20:,.0f} MiB")
+            raise ValueError(
+                f"--memory_budget {args.memory_budget}: not even a batch of 1 fits "
+                f"({at.peak_bytes / 2**20:,.0f} MiB predicted in {precision})"
+            )
+        why = (
+            f"batch size {batch}: the largest whose predicted peak ({at.peak_bytes / 2**20:,.0f} MiB in "
+            f"{precision}) fits {budget / 2**20:,.0f} MiB"
+        )
     if args.target_effective_batch_size:
         n = args.target_effective_batch_size
         batch = min(batch, n)
         while n % batch:
             batch -= 1  # the largest micro-batch <= the chosen one that divides the target
         accumulation = n // batch
-        why = (why + "; " if why else "") + (f"effective batch {n} = batch {batch} x accumulation {accumulation}")
+        why = (why + "; " if why else "") + (
+            f"effective batch {n} = batch {batch} x accumulation {accumulation}"
+        )
     return batch, accumulation, why
 
 
@@ -83,7 +87,9 @@ def cmd_train(inv: Invocation) -> int:
     if inv.args.print_config:
         print(resolved_toml(inv), end="")
         return 0
-    status = parallel.maybe_relaunch(inv.args, inv.argv)  # --nproc_per_node: torchrun runs this command N times
+    status = parallel.maybe_relaunch(
+        inv.args, inv.argv
+    )  # --nproc_per_node: torchrun runs this command N times
     if status is not None:
         return status
     with sigterm_interrupts():
@@ -96,9 +102,13 @@ def _cmd_train(inv: Invocation) -> int:
     args = inv.args
     several = init(args.device)  # a worker of several: join the process group
     if several and args.save_model:
-        raise ValueError("--save_model writes one process's model; with several processes use --checkpoint_dir, "
-                         "then `ampkit export CKPT OUT.pt`")
-    console = Console(stderr=args.json, quiet=not is_main())  # keep stdout pure JSON with --json; rank 0 speaks
+        raise ValueError(
+            "--save_model writes one process's model; with several processes use --checkpoint_dir, "
+            "then `ampkit export CKPT OUT.pt`"
+        )
+    console = Console(
+        stderr=args.json, quiet=not is_main()
+    )  # keep stdout pure JSON with --json; rank 0 speaks
     notes: list[str] = []
     config = engine_config(args, inv.flags_given, inv.file.amp, notes)
     if args.debug:
@@ -113,26 +123,36 @@ def _cmd_train(inv: Invocation) -> int:
         console.print(f"[yellow]note:[/] {escape(note)}")
     if args.debug:
         console.print(debug_mode(amp))
-    batch, accumulation, why = choose_batch(args, config.accumulation_steps, device, amp.precision.name)
+    batch, accumulation, why = choose_batch(
+        args, config.accumulation_steps, device, amp.precision.name
+    )
     if why:
         console.print(why)
         if accumulation != amp.config.accumulation_steps:
             amp.set_accumulation_steps(accumulation)
-    resolved = argparse.Namespace(**{**vars(args), "batch_size": batch, "accumulation_steps": accumulation})
+    resolved = argparse.Namespace(
+        **{**vars(args), "batch_size": batch, "accumulation_steps": accumulation}
+    )
     run = TrainInvocation(resolved, inv.argv, amp.config, inv.given, why)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
     log_dir = args.log_dir  # None: runs/<stamp>-<precision>, once the precision that runs is known
-    locks: list[Any] = []  # the run's directories, checked and locked (rank 0) before anything is built
+    locks: list[
+        Any
+    ] = []  # the run's directories, checked and locked (rank 0) before anything is built
     try:
         problem = None
         if is_main():
             try:
                 if args.checkpoint_dir:
                     locks.append(prepare_dir(args.checkpoint_dir, "--checkpoint_dir"))
-                    claim_checkpoint_dir(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+                    claim_checkpoint_dir(
+                        args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite
+                    )
                 if log_dir is None:
-                    check_writable(RUNS, "--log_dir")  # the default's parent; the run's own dir comes later
+                    check_writable(
+                        RUNS, "--log_dir"
+                    )  # the default's parent; the run's own dir comes later
                 elif os.path.abspath(log_dir) != os.path.abspath(args.checkpoint_dir or "\0"):
                     locks.append(prepare_dir(log_dir, "--log_dir"))
             except Exception as e:
@@ -150,8 +170,9 @@ def _cmd_train(inv: Invocation) -> int:
             lock.release()
 
 
-def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision,
-           where: RunDir) -> int:
+def _train(
+    run: TrainInvocation, console: Any, device: torch.device, amp: MixedPrecision, where: RunDir
+) -> int:
     """Build, train, report: the run's steps top to bottom."""
     args = run.args
     model, batches, amp, why = _model_and_engine(args, console, device, amp)
@@ -167,8 +188,9 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
         console.print(line)
     trackers = _trackers(args, amp, log_dir) if is_main() else []
     settings = trainer.settings  # the trackers are the monitor's sinks beside log.jsonl, in-process
-    trainer.settings = dataclasses.replace(settings, log=dataclasses.replace(settings.log, dir=log_dir,
-                                                                             sinks=trackers))
+    trainer.settings = dataclasses.replace(
+        settings, log=dataclasses.replace(settings.log, dir=log_dir, sinks=trackers)
+    )
     steps = _total_steps(args, batches, amp)
     remaining = steps - amp.optimizer_steps
     if remaining < 1:
@@ -181,7 +203,9 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     finally:
         for sink in trackers:
             sink.close()  # (the monitor closed them unless fit failed before opening it: no-op)
-    failure = numerical_failure(summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis)
+    failure = numerical_failure(
+        summary, remaining, summary.skipped_steps - start_skipped, trainer.diagnosis
+    )
     for note in trainer.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
     seconds = time.perf_counter() - started
@@ -194,26 +218,35 @@ def _train(run: TrainInvocation, console: Any, device: torch.device, amp: MixedP
     return 0
 
 
-def _model_and_engine(args: argparse.Namespace, console: Any, device: torch.device,
-                      amp: MixedPrecision) -> tuple[torch.nn.Module, Any, MixedPrecision, str]:
+def _model_and_engine(
+    args: argparse.Namespace, console: Any, device: torch.device, amp: MixedPrecision
+) -> tuple[torch.nn.Module, Any, MixedPrecision, str]:
     """The model and its data on ``device``, and the engine after ``auto``'s measured check."""
     model, batches = model_and_data(args, device)
     model.to(device)
     why = amp.precision.reason
-    if not args.resume:  # auto confirmed by measurement on a CPU (as the Trainer would); resuming keeps the checkpoint's
+    # auto confirmed by measurement on a CPU (as the Trainer would); resuming keeps the checkpoint's
+    if not args.resume:
         from ..choose.autoselect import confirm_auto
 
-        why = confirm_auto(amp, model, batches, label=model_label(args), announce=console.print).reason
+        why = confirm_auto(
+            amp, model, batches, label=model_label(args), announce=console.print
+        ).reason
     return model, batches, amp, why
 
 
-def _setup(args: argparse.Namespace, device: torch.device, model: torch.nn.Module,
-           amp: MixedPrecision) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[str]]:
+def _setup(
+    args: argparse.Namespace, device: torch.device, model: torch.nn.Module, amp: MixedPrecision
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[str]]:
     """Activation checkpointing, DDP/FSDP2, the optimizer, ``amp.setup``; the lines saying what it built."""
     lines = _activation_checkpointing(args, model)
     model = parallel.wrap(args, model, amp.precision, device)  # several processes: DDP or FSDP2
-    fused = device.type in ("cuda", "cpu") and all(p.is_floating_point() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
+    fused = device.type in ("cuda", "cpu") and all(
+        p.is_floating_point() for p in model.parameters()
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused
+    )
     model, optimizer = amp.setup(model, optimizer)
     if amp.overridden_modules:
         lines.append(f"kept in fp32: {', '.join(amp.overridden_modules)}")
@@ -223,18 +256,35 @@ def _setup(args: argparse.Namespace, device: torch.device, model: torch.nn.Modul
     return model, optimizer, lines
 
 
-def _header(args: argparse.Namespace, device: torch.device, model: torch.nn.Module, amp: MixedPrecision,
-            why: str) -> str:
+def _header(
+    args: argparse.Namespace,
+    device: torch.device,
+    model: torch.nn.Module,
+    amp: MixedPrecision,
+    why: str,
+) -> str:
     """The run's first line: the model, where, and the precision that runs (after a resume: the
     checkpoint's, after its fallbacks) with why."""
     n_params = sum(p.numel() for p in model.parameters())
-    where = f"{device} x {world_size()} processes ({args.parallel})" if world_size() > 1 else str(device)
-    return (f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-            f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}")
+    where = (
+        f"{device} x {world_size()} processes ({args.parallel})"
+        if world_size() > 1
+        else str(device)
+    )
+    return (
+        f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
+        f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}"
+    )
 
 
-def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             amp: MixedPrecision, batches: Any) -> Any:
+def _trainer(
+    args: argparse.Namespace,
+    console: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    amp: MixedPrecision,
+    batches: Any,
+) -> Any:
     """The Trainer, its log directory still unset (:meth:`RunDir.settle` names it after a resume)."""
     from ..train.trainer import Trainer
 
@@ -248,13 +298,24 @@ def _trainer(args: argparse.Namespace, console: Any, model: torch.nn.Module, opt
             eval_batches = lambda i: batches(10_000_000 + i)  # noqa: E731 - batches the run never trains on
     from ..train.trainer_config import CheckpointConfig, EvalConfig, LogConfig
 
-    trainer = Trainer(model, optimizer, amp, batches, diagnose=not args.no_diagnose,
-                      fallback=False,  # the engine above is already configured from the flags
-                      log=LogConfig(dir=None, every=args.log_every, console=console,
-                                    progress=not args.no_progress and not args.json),
-                      checkpoint=CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every,
-                                                  keep_last=args.keep_last),
-                      evaluation=EvalConfig(eval_batches, every=args.eval_every, precision=args.eval_precision))
+    trainer = Trainer(
+        model,
+        optimizer,
+        amp,
+        batches,
+        diagnose=not args.no_diagnose,
+        fallback=False,  # the engine above is already configured from the flags
+        log=LogConfig(
+            dir=None,
+            every=args.log_every,
+            console=console,
+            progress=not args.no_progress and not args.json,
+        ),
+        checkpoint=CheckpointConfig(
+            args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
+        ),
+        evaluation=EvalConfig(eval_batches, every=args.eval_every, precision=args.eval_precision),
+    )
     return trainer
 
 
@@ -277,12 +338,15 @@ def _total_steps(args: argparse.Namespace, batches: Any, amp: MixedPrecision) ->
         return int(args.steps)
     per_epoch = getattr(batches, "batches_per_epoch", None)
     if per_epoch is None:
-        raise ValueError("--epochs needs data with a batches_per_epoch attribute; use --steps for this model")
+        raise ValueError(
+            "--epochs needs data with a batches_per_epoch attribute; use --steps for this model"
+        )
     return max(1, args.epochs * per_epoch // amp.config.accumulation_steps)
 
 
-def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision,
-            optimizer: torch.optim.Optimizer) -> list[str]:
+def _resume(
+    run: TrainInvocation, trainer: Any, amp: MixedPrecision, optimizer: torch.optim.Optimizer
+) -> list[str]:
     """Load the newest good checkpoint, then apply the settings given for this run (or start
     fresh); the lines saying what it did."""
     args = run.args
@@ -290,23 +354,41 @@ def _resume(run: TrainInvocation, trainer: Any, amp: MixedPrecision,
     path = trainer.resume()
     if path is None:
         if not args.allow_fresh:
-            raise ValueError(f"--resume: no checkpoint in {args.checkpoint_dir!r}; pass --allow_fresh to start "
-                             "from scratch instead")
+            raise ValueError(
+                f"--resume: no checkpoint in {args.checkpoint_dir!r}; pass --allow_fresh to start "
+                "from scratch instead"
+            )
         return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
-    return ([f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]"]
-            + [f"[yellow]note:[/] {escape(note)}" for note in notes])
+    return [
+        f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]"
+    ] + [f"[yellow]note:[/] {escape(note)}" for note in notes]
 
 
-def _save_model(args: argparse.Namespace, console: Any, model: torch.nn.Module, amp: MixedPrecision,
-                summary: Any) -> Optional[str]:
+def _save_model(
+    args: argparse.Namespace,
+    console: Any,
+    model: torch.nn.Module,
+    amp: MixedPrecision,
+    summary: Any,
+) -> Optional[str]:
     if not args.save_model or not is_main():
         return None
     from ..models.modelfile import save_model
 
-    path = save_model(model, amp, args.save_model, {
-        "model": args.model, "size": args.size, "model_config": args.model_config,
-        "precision": amp.precision.name, "optimizer_steps": amp.optimizer_steps, "run_id": summary.run_id})
+    path = save_model(
+        model,
+        amp,
+        args.save_model,
+        {
+            "model": args.model,
+            "size": args.size,
+            "model_config": args.model_config,
+            "precision": amp.precision.name,
+            "optimizer_steps": amp.optimizer_steps,
+            "run_id": summary.run_id,
+        },
+    )
     console.print(f"model saved to [bold]{path}[/]")
     return path
 
@@ -317,10 +399,14 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) 
         from ..models.hf_configs import is_hf
 
         if is_hf(args.model):  # the layers: the elements of every ModuleList
-            targets = [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+            targets = [
+                f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)
+            ]
         elif args.model != "gpt":
-            raise ValueError("--grad_ckpt needs --grad_ckpt_modules for this model (module types or name globs, "
-                             "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks")
+            raise ValueError(
+                "--grad_ckpt needs --grad_ckpt_modules for this model (module types or name globs, "
+                "e.g. 'TransformerBlock' or 'layers.*'); the built-in GPT checkpoints its blocks"
+            )
         else:
             targets = ["blocks.*"]
     if not targets:
@@ -330,9 +416,13 @@ def _activation_checkpointing(args: argparse.Namespace, model: torch.nn.Module) 
     try:
         done = apply_activation_checkpointing(model, targets)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"--grad_ckpt_modules {args.grad_ckpt_modules or ','.join(targets)!r}: {e}") from None
-    return [f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
-            f"{', ...' if len(done) > 4 else ''})"]
+        raise ValueError(
+            f"--grad_ckpt_modules {args.grad_ckpt_modules or ','.join(targets)!r}: {e}"
+        ) from None
+    return [
+        f"activation checkpointing: {len(done)} module(s) ({', '.join(done[:4])}"
+        f"{', ...' if len(done) > 4 else ''})"
+    ]
 
 
 def debug_mode(amp: MixedPrecision) -> str:
@@ -340,85 +430,24 @@ def debug_mode(amp: MixedPrecision) -> str:
     overflows are expected and skipped, not errors). Returns what it turned on."""
     check_nan = not amp.precision.needs_scaler
     torch.autograd.set_detect_anomaly(True, check_nan=check_nan)
-    return ("debug: logging.getLogger('ampkit') at DEBUG on stderr; torch.autograd.set_detect_anomaly(True"
-            + (")" if check_nan else ", check_nan=False): fp16's overflows are handled by loss scaling"))
+    return (
+        "debug: logging.getLogger('ampkit') at DEBUG on stderr; torch.autograd.set_detect_anomaly(True"
+        + (")" if check_nan else ", check_nan=False): fp16's overflows are handled by loss scaling")
+    )
 
 
 def add_parser(sub: Any) -> None:
     """The train command: model and data, engine (generated from MixedPrecisionConfig), then one
     argument group per concern below, each its own function (``ampkit train --help`` shows the groups)."""
-    p = sub.add_parser("train", help="train a built-in model on local data, or yours (module:factory)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train a built-in model on local data, or yours (module:factory)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     model_flags(p, size="small")
     add_engine_flags(p)
-    for group in (_length_and_batch_flags, _optimizer_flags, _logging_flags, _evaluation_flags,
-                  _checkpoint_flags, _output_flags):
+    for group in train_flags.GROUPS:
         group(p)
     debug_flags(p)
     parallel.add_flags(p)
     p.set_defaults(func=cmd_train)
-
-
-def _length_and_batch_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run length, batch and memory")
-    flag(g, "steps", type=positive_int, default=100, help="optimizer steps; with --resume, the total to reach (default: 100)")
-    flag(g, "epochs", type=positive_int, default=None, help="train this many epochs instead of --steps")
-    flag(g, "batch_size", type=_batch_size_arg, default=16,
-         help="micro-batch size, or 'auto': the largest that fits --memory_budget by the estimate (default: 16)")
-    flag(g, "memory_budget", default=None,
-         help="with --batch_size auto: the memory to fit, e.g. 8GiB (default on CUDA: the device's free memory)")
-    flag(g, "target_effective_batch_size", type=positive_int, default=None,
-         help="derive --accumulation_steps so that batch_size x accumulation_steps equals this")
-    flag(g, "grad_ckpt", action="store_true", help="activation checkpointing (the built-in GPT's blocks)")
-    flag(g, "grad_ckpt_modules", default=None,
-         help="activation-checkpoint these module types / name globs (comma-separated); implies --grad_ckpt")
-
-
-def _optimizer_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("optimizer and seed")
-    flag(g, "lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
-    flag(g, "weight_decay", type=unit_float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    flag(g, "seed", type=seed_int, default=0, help="seed of every generator the run uses: torch (CPU and CUDA), "
-         "Python's random, numpy (default: 0)")
-
-
-def _logging_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("logging")
-    flag(g, "log_every", type=positive_int, default=10, help="read metrics to the host every N steps (default: 10)")
-    flag(g, "log_dir", default=None, help="run directory for logs (default: runs/<timestamp>-<precision>)")
-    flag(g, "no_progress", action="store_true", help="no progress bar")
-    flag(g, "no_diagnose", action="store_true", help="do not localize the first skipped step")
-    flag(g, "mlflow", default=None, metavar="URI", help="also log to MLflow at this tracking URI, e.g. "
-         "file:///tmp/mlruns (needs ampkit[mlflow])")
-    flag(g, "wandb", default=None, metavar="PROJECT", help="also log to this Weights & Biases project "
-         "(WANDB_MODE=offline works without an account; needs ampkit[wandb])")
-
-
-def _evaluation_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("evaluation")
-    flag(g, "eval_every", type=positive_int, default=None, help="evaluate on held-out batches every N steps")
-    flag(g, "eval_precision", default="train", choices=["train", "fp32"],
-         help="evaluate in the training precision or strict fp32 (default: train)")
-
-
-def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpoints and resume")
-    flag(g, "checkpoint_dir", default=None, help="write checkpoints here (atomically)")
-    flag(g, "checkpoint_every", type=positive_int, default=None, help="checkpoint every N optimizer steps")
-    flag(g, "keep_last", type=positive_int, default=3, help="checkpoints to keep (default: 3)")
-    flag(g, "resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint_dir "
-                                                  "(--steps is the total to reach)")
-    flag(g, "allow_fresh", action="store_true", help="with --resume: start fresh when there is no checkpoint")
-    flag(g, "overwrite", action="store_true", help="start a new run in a --checkpoint_dir that holds another run's "
-                                                    "checkpoints, deleting them")
-
-
-def _output_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("settings file and output")
-    flag(g, "config", default=None, metavar="FILE.toml",
-         help="read settings from TOML: an [amp] table (MixedPrecisionConfig fields) and a [train] table "
-              "(these options' names, e.g. steps = 200); flags given on the command line override the file")
-    flag(g, "json", action="store_true", help="print the summary as JSON")
-    flag(g, "save_model", default=None, metavar="DIR",
-         help="save the trained weights (fp32) to DIR at the end: save_pretrained for Hugging Face models, "
-              "else DIR/model.pt")

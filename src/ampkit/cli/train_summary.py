@@ -23,36 +23,66 @@ class EpochLines:
 
     def on_step_end(self, trainer: Any, step: int, result: Any) -> None:
         records = trainer.epochs.records
-        for r in records[self.shown:]:
+        for r in records[self.shown :]:
             loss = f"{r['loss']:.4f}" if r["loss"] is not None else "—"
             speed = f" · {r['samples_per_s']:,.0f} samples/s" if r["samples_per_s"] else ""
-            self.console.print(f"epoch {r['epoch'] + 1}{f'/{self.total}' if self.total else ''} · {r['steps']} "
-                               f"steps · mean loss {loss} · {r['seconds']:.1f} s{speed}")
+            self.console.print(
+                f"epoch {r['epoch'] + 1}{f'/{self.total}' if self.total else ''} · {r['steps']} "
+                f"steps · mean loss {loss} · {r['seconds']:.1f} s{speed}"
+            )
         self.shown = len(records)
 
 
-def print_summary(run: TrainInvocation, console: Any, amp: MixedPrecision, summary: Any, log_dir: str, why: str,
-                   failure: Optional[str], model_path: Optional[str], seconds: float) -> None:
+def print_summary(
+    run: TrainInvocation,
+    console: Any,
+    amp: MixedPrecision,
+    summary: Any,
+    log_dir: str,
+    why: str,
+    failure: Optional[str],
+    model_path: Optional[str],
+    seconds: float,
+) -> None:
     args = run.args
     if args.json:
         if is_main():
             out = {k: v for k, v in summary.to_dict().items() if k != "losses"}
-            out.update(model=args.model, size=args.size, batch_size=args.batch_size, batch_reason=run.batch_reason,
-                       accumulation_steps=amp.config.accumulation_steps, precision_reason=why, failure=failure,
-                       model_path=model_path, seconds=seconds)
+            out.update(
+                model=args.model,
+                size=args.size,
+                batch_size=args.batch_size,
+                batch_reason=run.batch_reason,
+                accumulation_steps=amp.config.accumulation_steps,
+                precision_reason=why,
+                failure=failure,
+                model_path=model_path,
+                seconds=seconds,
+            )
             print(json.dumps(json_safe(out), indent=2, allow_nan=False))
         return
     for e in amp.events:
         if e.kind == "fallback":
-            src, dst = e.data.get("from_rung") or e.data["from"], e.data.get("to_rung") or e.data["to"]
-            console.print(f"[yellow]fell back[/] {src} → {dst} at step {e.step}: {e.data['reason']}")
+            src, dst = (
+                e.data.get("from_rung") or e.data["from"],
+                e.data.get("to_rung") or e.data["to"],
+            )
+            console.print(
+                f"[yellow]fell back[/] {src} → {dst} at step {e.step}: {e.data['reason']}"
+            )
         elif e.kind == "fallback_retry":
-            console.print(f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}")
-    console.print(f"{summary.optimizer_steps} steps in {duration(seconds)} · ms/step {summary.ms_per_step:.1f}"
-                  + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
-                  + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}")
+            console.print(
+                f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}"
+            )
+    console.print(
+        f"{summary.optimizer_steps} steps in {duration(seconds)} · ms/step {summary.ms_per_step:.1f}"
+        + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
+        + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}"
+    )
     if summary.eval_losses:
-        console.print("eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses))
+        console.print(
+            "eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses)
+        )
     console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
 
 
@@ -74,7 +104,9 @@ def numerical_failure(summary: Any, steps: int, skipped: int, diagnosis: Any) ->
     if problem and diagnosis:
         problem += f"; diagnosis: {diagnosis}"
     elif problem:
-        problem += "; run with the diagnosis on (no --no_diagnose) or `ampkit audit` to find the layer"
+        problem += (
+            "; run with the diagnosis on (no --no_diagnose) or `ampkit audit` to find the layer"
+        )
     return problem
 
 

@@ -124,7 +124,7 @@ def _sha256(path: str) -> str:
 def _share(items: list[str]) -> list[str]:
     """This rank's share of ``items`` (every ``world``-th one)."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return items[rank()::world]
+    return items[rank() :: world]
 
 
 def _gather(mine: dict[str, str]) -> dict[str, str]:
@@ -174,8 +174,11 @@ def verify(directory: str) -> Optional[str]:
 def model_shapes(directory: str) -> dict[str, tuple[int, ...]]:
     """The global shape of every model tensor a checkpoint holds (from its ``.metadata``; no tensor is read)."""
     meta = dcp.FileSystemReader(directory).read_metadata()
-    return {k[len("model."):]: tuple(v.size) for k, v in meta.state_dict_metadata.items()
-            if k.startswith("model.") and hasattr(v, "size")}
+    return {
+        k[len("model.") :]: tuple(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
 
 
 def _keys(directory: str) -> set[str]:
@@ -183,13 +186,18 @@ def _keys(directory: str) -> set[str]:
     return set(meta.state_dict_metadata)
 
 
-def load(directory: str, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
+def load(
+    directory: str, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save` into copies of ``model_state``/``optimizer_state``
     (live tensors from :func:`capture`, which give the shapes and shardings). Returns the saved
     state (``model``, ``optimizer``, this rank's ``rng``, the rest). A collective."""
     clone = lambda t: t.detach().clone()  # noqa: E731
-    payload: dict[str, Any] = {"model": tree_map_only(torch.Tensor, clone, model_state),
-                               "optimizer": tree_map_only(torch.Tensor, clone, optimizer_state), "extra": b""}
+    payload: dict[str, Any] = {
+        "model": tree_map_only(torch.Tensor, clone, model_state),
+        "optimizer": tree_map_only(torch.Tensor, clone, optimizer_state),
+        "extra": b"",
+    }
     mine = f"rng.rank{rank()}"
     has_rng = mine in _keys(directory)  # a checkpoint from a different world size lacks some ranks
     if has_rng:
@@ -216,8 +224,12 @@ def consolidate(directory: str, rank_rng: int = 0) -> dict[str, Any]:
         raise ValueError(f"it is damaged: {damage}")
     sd: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does, without the round trip through a pickle file.
-    _load_state_dict(sd, storage_reader=dcp.FileSystemReader(directory), planner=_SafeEmptyLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        sd,
+        storage_reader=dcp.FileSystemReader(directory),
+        planner=_SafeEmptyLoadPlanner(),
+        no_dist=True,
+    )
     out = dict(_unblob(sd["extra"]))
     out["model"] = sd["model"]
     out["optimizer"] = id_keyed(sd["optimizer"])

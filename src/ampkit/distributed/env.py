@@ -20,8 +20,22 @@ from typing import Any, NoReturn, Optional, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATUS_DIR_ENV", "abandon", "barrier", "broadcast_object", "die_with_parent", "exit_worker", "init",
-           "is_main", "launched", "leave", "local_device", "rank", "shutdown", "world_size"]
+__all__ = [
+    "STATUS_DIR_ENV",
+    "abandon",
+    "barrier",
+    "broadcast_object",
+    "die_with_parent",
+    "exit_worker",
+    "init",
+    "is_main",
+    "launched",
+    "leave",
+    "local_device",
+    "rank",
+    "shutdown",
+    "world_size",
+]
 
 #: set by ``ampkit train --nproc_per_node`` (:mod:`ampkit.distributed.launch`): a directory where
 #: each worker leaves its exit status (``rank<r>``), so the launcher can return the status of the
@@ -54,15 +68,22 @@ def is_main() -> bool:
 
 def local_device(device: Union[str, torch.device, None]) -> torch.device:
     """``device`` made specific to this process: ``cuda`` becomes ``cuda:LOCAL_RANK``."""
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    dev = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return dev
 
 
-def init(device: Union[str, torch.device, None] = None, *, backend: Optional[str] = None,
-         timeout_s: float = 600.0) -> bool:
+def init(
+    device: Union[str, torch.device, None] = None,
+    *,
+    backend: Optional[str] = None,
+    timeout_s: float = 600.0,
+) -> bool:
     """Join the process group torchrun describes; returns False (and does nothing) in a single
     process. ``backend`` defaults to nccl on CUDA, gloo otherwise. Idempotent."""
     if not launched():
@@ -75,7 +96,9 @@ def init(device: Union[str, torch.device, None] = None, *, backend: Optional[str
     chosen = backend or ("nccl" if dev.type == "cuda" else "gloo")
     valid = ("nccl", "gloo", "mpi", "xccl", "ucc")
     if chosen not in valid:
-        raise ValueError(f"backend={chosen!r} is not a torch.distributed backend; choose one of {', '.join(valid)}")
+        raise ValueError(
+            f"backend={chosen!r} is not a torch.distributed backend; choose one of {', '.join(valid)}"
+        )
     die_with_parent(signal.SIGKILL)  # torchrun gone (even by SIGKILL): no orphan keeps training
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
     atexit.register(shutdown)
@@ -118,7 +141,9 @@ def leave(code: int, *, together: bool) -> None:
 def abandon() -> None:
     """Leave the process group without waiting for the other ranks."""
     if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):  # tearing down after a failure; the failure is what matters
+        with contextlib.suppress(
+            Exception
+        ):  # tearing down after a failure; the failure is what matters
             dist.destroy_process_group()
 
 
@@ -162,4 +187,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-

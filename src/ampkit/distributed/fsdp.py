@@ -46,8 +46,10 @@ def fsdp_policy(precision: Union[str, Precision]) -> MixedPrecisionPolicy:
     :func:`ampkit.step.policies.policy_for`'s, a different thing.)"""
     name = precision.name if isinstance(precision, Precision) else parse_precision(precision)
     if name == "auto":
-        raise ValueError("fsdp_policy('auto'): resolve the precision for a device first "
-                         "(ampkit.resolve_precision('auto', ampkit.device_info(device)))")
+        raise ValueError(
+            "fsdp_policy('auto'): resolve the precision for a device first "
+            "(ampkit.resolve_precision('auto', ampkit.device_info(device)))"
+        )
     from ..step.parallel.fsdp import mixed_precision_policy
 
     return mixed_precision_policy(*precision_dtypes(name))
@@ -59,13 +61,24 @@ policy_for = fsdp_policy
 
 def _default_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every element of every ``nn.ModuleList`` (transformer blocks, as torchtitan shards them)."""
-    return [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst
-            if any(True for _ in m.parameters())]
+    return [
+        m
+        for lst in model.modules()
+        if isinstance(lst, torch.nn.ModuleList)
+        for m in lst
+        if any(True for _ in m.parameters())
+    ]
 
 
-def shard(model: torch.nn.Module, precision: Union[str, Precision] = "auto", *,
-          mesh: Any = None, blocks: Union[Sequence[torch.nn.Module], Callable[[torch.nn.Module], bool], None] = None,
-          reshard_after_forward: bool = True, device: Union[str, torch.device, None] = None) -> torch.nn.Module:
+def shard(
+    model: torch.nn.Module,
+    precision: Union[str, Precision] = "auto",
+    *,
+    mesh: Any = None,
+    blocks: Union[Sequence[torch.nn.Module], Callable[[torch.nn.Module], bool], None] = None,
+    reshard_after_forward: bool = True,
+    device: Union[str, torch.device, None] = None,
+) -> torch.nn.Module:
     """Apply ``fully_shard`` to ``model``'s blocks and then to ``model``, with ``precision``'s policy.
 
     Args:
@@ -92,7 +105,9 @@ def shard(model: torch.nn.Module, precision: Union[str, Precision] = "auto", *,
         chosen = list(blocks)
     for m in chosen:
         if m is model:
-            raise ValueError("blocks= must not contain the model itself: the root is sharded last anyway")
+            raise ValueError(
+                "blocks= must not contain the model itself: the root is sharded last anyway"
+            )
         fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model

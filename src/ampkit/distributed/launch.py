@@ -65,21 +65,39 @@ def strip_flags(argv: Sequence[str], names: Sequence[str] = LAUNCH_FLAGS) -> lis
     return out
 
 
-def torchrun_command(argv: Sequence[str], *, nproc_per_node: int, nnodes: str = "1", node_rank: Optional[int] = None,
-                     rdzv_endpoint: Optional[str] = None, rdzv_id: Optional[str] = None,
-                     rdzv_backend: str = "c10d") -> list[str]:
+def torchrun_command(
+    argv: Sequence[str],
+    *,
+    nproc_per_node: int,
+    nnodes: str = "1",
+    node_rank: Optional[int] = None,
+    rdzv_endpoint: Optional[str] = None,
+    rdzv_id: Optional[str] = None,
+    rdzv_backend: str = "c10d",
+) -> list[str]:
     """The torchrun command line that runs ``ampkit <argv>`` on ``nproc_per_node`` processes per node."""
     if nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node {nproc_per_node} must be >= 1")
     multi_node = str(nnodes) not in ("1", "1:1")
     # torchrun itself, through a wrapper that exits quietly (128 + signal) when stopped by a signal.
-    cmd = [sys.executable, "-m", "ampkit.distributed.torchrun", f"--nproc_per_node={nproc_per_node}",
-           f"--nnodes={nnodes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ampkit.distributed.torchrun",
+        f"--nproc_per_node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+    ]
     if rdzv_endpoint:
-        cmd += [f"--rdzv_backend={rdzv_backend}", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id or 'ampkit'}"]
+        cmd += [
+            f"--rdzv_backend={rdzv_backend}",
+            f"--rdzv_endpoint={rdzv_endpoint}",
+            f"--rdzv_id={rdzv_id or 'ampkit'}",
+        ]
     elif multi_node:
-        raise ValueError(f"--nnodes {nnodes} needs --rdzv_endpoint HOST:PORT (a port on the first node, "
-                         "reachable from every node)")
+        raise ValueError(
+            f"--nnodes {nnodes} needs --rdzv_endpoint HOST:PORT (a port on the first node, "
+            "reachable from every node)"
+        )
     else:
         cmd.append("--standalone")
     if node_rank is not None:
@@ -95,17 +113,26 @@ def relaunch(argv: Sequence[str], **kwargs: Any) -> int:
     forwarded: list[int] = []
     previous: dict[int, Any] = {}
     try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM)
+        )
 
         def forward(signum: int, frame: Any) -> None:
             if forwarded:
-                print(f"ampkit: {signal.Signals(signum).name} received again: already stopping the workers "
-                      "(kill -9 this process to end the job at once)", file=sys.stderr, flush=True)
+                print(
+                    f"ampkit: {signal.Signals(signum).name} received again: already stopping the workers "
+                    "(kill -9 this process to end the job at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
             forwarded.append(signum)
-            print(f"ampkit: {signal.Signals(signum).name} received: forwarding it to the workers "
-                  "(they finish the step in flight and checkpoint it)", file=sys.stderr, flush=True)
+            print(
+                f"ampkit: {signal.Signals(signum).name} received: forwarding it to the workers "
+                "(they finish the step in flight and checkpoint it)",
+                file=sys.stderr,
+                flush=True,
+            )
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
 

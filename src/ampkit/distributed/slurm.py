@@ -42,12 +42,14 @@ def _take(flags: list[str], name: str) -> Optional[str]:
             if i + 1 >= len(flags):
                 raise ValueError(f"{a} needs a value")
             value = flags[i + 1]
-            del flags[i:i + 2]
+            del flags[i : i + 2]
             return value
     return None
 
 
-def _env_flags(flags: list[str], env_flags: Mapping[str, Sequence[str]]) -> tuple[list[str], list[str], str]:
+def _env_flags(
+    flags: list[str], env_flags: Mapping[str, Sequence[str]]
+) -> tuple[list[str], list[str], str]:
     """Make ``ampkit train``'s value flags settable from the environment at submission.
 
     A flag given in ``flags`` (any of its spellings) becomes the default of its variable, named
@@ -65,16 +67,20 @@ def _env_flags(flags: list[str], env_flags: Mapping[str, Sequence[str]]) -> tupl
             continue
         defaults.append(f"{var}=${{{var}:-{shlex.quote(value)}}}")
         words += f' --{name} "${var}"'
-    loop = [] if not rest else [
-        "# Any other `ampkit train` flag from the environment at submission: a variable named like the flag",
-        "# in upper case (BATCH_SIZE=512 sbatch job.sh -> --batch_size 512).",
-        "ENV_FLAGS=()",
-        f"for name in {' '.join(rest)}; do",
-        '    var=${name^^}',
-        '    if [ -n "${!var:-}" ]; then ENV_FLAGS+=("--$name" "${!var}"); fi',
-        "done",
-        'if [ ${#ENV_FLAGS[@]} -gt 0 ]; then echo "ampkit: from the environment: ${ENV_FLAGS[*]}"; fi',
-    ]
+    loop = (
+        []
+        if not rest
+        else [
+            "# Any other `ampkit train` flag from the environment at submission: a variable named like the flag",
+            "# in upper case (BATCH_SIZE=512 sbatch job.sh -> --batch_size 512).",
+            "ENV_FLAGS=()",
+            f"for name in {' '.join(rest)}; do",
+            "    var=${name^^}",
+            '    if [ -n "${!var:-}" ]; then ENV_FLAGS+=("--$name" "${!var}"); fi',
+            "done",
+            'if [ ${#ENV_FLAGS[@]} -gt 0 ]; then echo "ampkit: from the environment: ${ENV_FLAGS[*]}"; fi',
+        ]
+    )
     if loop:
         words += ' ${ENV_FLAGS[@]+"${ENV_FLAGS[@]}"}'  # (an empty array under set -u, bash < 4.4)
     return defaults, loop, words
@@ -114,26 +120,39 @@ def _config_train_table(path: str) -> dict:
     try:
         table = read_toml(path).get("train", {})
     except (ConfigError, OSError) as e:
-        raise ValueError(f"--config {path!r}: ampkit slurm reads it to see whether [train] sets checkpoint_dir or "
-                         f"overwrite, and cannot: {e}") from None
+        raise ValueError(
+            f"--config {path!r}: ampkit slurm reads it to see whether [train] sets checkpoint_dir or "
+            f"overwrite, and cannot: {e}"
+        ) from None
     return table if isinstance(table, dict) else {}
 
 
-def _check_values(nodes: int, gpus_per_node: int, port: int, time: Optional[str], signal_seconds: int) -> None:
+def _check_values(
+    nodes: int, gpus_per_node: int, port: int, time: Optional[str], signal_seconds: int
+) -> None:
     """Raise ``ValueError`` naming the first bad value of :func:`sbatch_script`."""
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"--nodes {nodes} and --gpus_per_node {gpus_per_node} must both be >= 1")
     if not 1 <= port <= 65535:
         raise ValueError(f"--port {port} is not a TCP port (1..65535)")
     if time is not None and not _TIME.match(time):
-        raise ValueError(f"--time {time!r} is not a Slurm time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)")
-    if isinstance(signal_seconds, bool) or not isinstance(signal_seconds, int) \
-            or not 1 <= signal_seconds <= _MAX_SIGNAL_SECONDS:
-        raise ValueError(f"--signal_seconds {signal_seconds!r} must be a whole number of seconds from 1 to "
-                         f"{_MAX_SIGNAL_SECONDS} (how long before the time limit Slurm sends the USR1 warning)")
+        raise ValueError(
+            f"--time {time!r} is not a Slurm time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)"
+        )
+    if (
+        isinstance(signal_seconds, bool)
+        or not isinstance(signal_seconds, int)
+        or not 1 <= signal_seconds <= _MAX_SIGNAL_SECONDS
+    ):
+        raise ValueError(
+            f"--signal_seconds {signal_seconds!r} must be a whole number of seconds from 1 to "
+            f"{_MAX_SIGNAL_SECONDS} (how long before the time limit Slurm sends the USR1 warning)"
+        )
     if time is not None and signal_seconds >= _time_seconds(time):
-        raise ValueError(f"--signal_seconds {signal_seconds} is not shorter than --time {time} "
-                         f"({_time_seconds(time)} s): the USR1 warning would come before the job could train")
+        raise ValueError(
+            f"--signal_seconds {signal_seconds} is not shorter than --time {time} "
+            f"({_time_seconds(time)} s): the USR1 warning would come before the job could train"
+        )
 
 
 # The batch shell's signal handling (see sbatch_script's docstring).
@@ -155,7 +174,7 @@ _SIGNAL_HANDLING = [
     '        echo "ampkit: SIG$1 while already stopping after SIG$SIGNAL: still waiting for srun" >&2',
     "        return 0",
     "    fi",
-    '    SIGNAL=$1',
+    "    SIGNAL=$1",
     '    if [ "$1" = USR1 ]; then',
     '        echo "ampkit: time limit near: checkpointing, then requeue of job $SLURM_JOB_ID" >&2',
     "    else",
@@ -178,7 +197,7 @@ def _wait_then_requeue_or_exit(resubmit: str) -> list[str]:
         "# wait returns early when a trapped signal arrives: wait again until srun has really ended.",
         "while :; do",
         '    WOKEN=""',
-        '    STATUS=0',
+        "    STATUS=0",
         '    wait "$SRUN_PID" || STATUS=$?',
         '    if [ -z "$WOKEN" ]; then break; fi',
         "done",
@@ -192,7 +211,9 @@ def _wait_then_requeue_or_exit(resubmit: str) -> list[str]:
         '        echo "ampkit: job $SLURM_JOB_ID requeued (srun exited $STATUS); it resumes when it runs again" >&2',
         "        exit 0",
         "    fi",
-        '    echo "ampkit: scontrol requeue $SLURM_JOB_ID failed; to resume, submit again: ' + resubmit + '" >&2',
+        '    echo "ampkit: scontrol requeue $SLURM_JOB_ID failed; to resume, submit again: '
+        + resubmit
+        + '" >&2',
         "    exit 1",
         "fi",
         'echo "ampkit: stopped by SIGTERM (srun exited $STATUS); Slurm requeues a preempted job (--requeue), '
@@ -201,11 +222,22 @@ def _wait_then_requeue_or_exit(resubmit: str) -> list[str]:
     ]
 
 
-def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int, partition: Optional[str] = None,
-                  time: Optional[str] = None, job_name: str = "ampkit", account: Optional[str] = None,
-                  cpus_per_task: Optional[int] = None, output: str = "%x-%j.out", port: int = 29500,
-                  precision: str = "bf16", signal_seconds: int = 120,
-                  env_flags: Optional[Mapping[str, Sequence[str]]] = None) -> str:
+def sbatch_script(
+    train_flags: Sequence[str],
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    partition: Optional[str] = None,
+    time: Optional[str] = None,
+    job_name: str = "ampkit",
+    account: Optional[str] = None,
+    cpus_per_task: Optional[int] = None,
+    output: str = "%x-%j.out",
+    port: int = 29500,
+    precision: str = "bf16",
+    signal_seconds: int = 120,
+    env_flags: Optional[Mapping[str, Sequence[str]]] = None,
+) -> str:
     """An sbatch script running ``ampkit train <train_flags>`` on ``nodes`` x ``gpus_per_node`` workers.
 
     ``--precision`` in ``train_flags`` becomes the default of ``$PRECISION``; launch flags
@@ -233,28 +265,54 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
 
     for name in LAUNCH_FLAGS:
         if _take(list(flags), name) is not None:
-            raise ValueError(f"--{name} belongs to the script (srun + torchrun set it), not to the train flags")
+            raise ValueError(
+                f"--{name} belongs to the script (srun + torchrun set it), not to the train flags"
+            )
     config = _take(list(flags), "config")
     file_train = _config_train_table(config) if config else {}
     if _has_switch(flags, "overwrite") or file_train.get("overwrite") is True:
-        where = f"[train] overwrite in --config {config}" if not _has_switch(flags, "overwrite") else "--overwrite"
-        raise ValueError(f"{where}: the script resumes the run after a requeue, and --overwrite would delete its "
-                         "checkpoints; remove it (or empty the --checkpoint_dir yourself before submitting)")
+        where = (
+            f"[train] overwrite in --config {config}"
+            if not _has_switch(flags, "overwrite")
+            else "--overwrite"
+        )
+        raise ValueError(
+            f"{where}: the script resumes the run after a requeue, and --overwrite would delete its "
+            "checkpoints; remove it (or empty the --checkpoint_dir yourself before submitting)"
+        )
     precision = _take_any(flags, (env_flags or {}).get("precision", ("precision",))) or precision
-    env_defaults, env_loop, env_words = _env_flags(flags, {k: v for k, v in (env_flags or {}).items() if k != "precision"})
+    env_defaults, env_loop, env_words = _env_flags(
+        flags, {k: v for k, v in (env_flags or {}).items() if k != "precision"}
+    )
     own_dir = _take(list(flags), "checkpoint_dir") is None and "checkpoint_dir" not in file_train
     extra = [] if _has_switch(flags, "resume") else ["--resume"]
     extra += [] if _has_switch(flags, "allow_fresh") else ["--allow_fresh"]
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={gpus_per_node}", f"#SBATCH --output={output}"]
-    for key, value in (("partition", partition), ("time", time), ("account", account),
-                       ("cpus-per-task", cpus_per_task)):
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --output={output}",
+    ]
+    for key, value in (
+        ("partition", partition),
+        ("time", time),
+        ("account", account),
+        ("cpus-per-task", cpus_per_task),
+    ):
         if value is not None:
             lines.append(f"#SBATCH --{key}={value}")
-    lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --signal=B:USR1@{signal_seconds}"]
+    lines += [
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --signal=B:USR1@{signal_seconds}",
+    ]
     q = shlex.quote
     # A new submission is a new job id: it resumes only in the same checkpoint directory.
-    resubmit = "CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch <this script>" if own_dir else "sbatch <this script>"
+    resubmit = (
+        "CHECKPOINT_DIR=$CHECKPOINT_DIR sbatch <this script>" if own_dir else "sbatch <this script>"
+    )
     # How long torchrun waits for its workers after SIGTERM before SIGKILL (recent torch reads
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT; older ones wait 30 s): most of the warning time, leaving
     # some for the requeue.
@@ -269,10 +327,12 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         *env_defaults,
     ]
     if own_dir:
-        lines.append("CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}  # the job id survives requeues")
+        lines.append(
+            "CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/$SLURM_JOB_ID}  # the job id survives requeues"
+        )
     lines += [
         "PYTHON=${PYTHON:-python3}",
-        'export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}',
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{grace}}}"
         "  # torchrun's wait for checkpointing workers",
         "",
@@ -289,8 +349,12 @@ def sbatch_script(train_flags: Sequence[str], *, nodes: int, gpus_per_node: int,
         'srun --kill-on-bad-exit=1 "$PYTHON" -m torch.distributed.run \\',
         '    --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \\',
         '    --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" \\',
-        '    -m ampkit train --precision "$PRECISION"' + "".join(f" {q(f)}" for f in flags)
-        + env_words + "".join(f" {f}" for f in extra) + (' --checkpoint_dir "$CHECKPOINT_DIR"' if own_dir else "") + " &",
+        '    -m ampkit train --precision "$PRECISION"'
+        + "".join(f" {q(f)}" for f in flags)
+        + env_words
+        + "".join(f" {f}" for f in extra)
+        + (' --checkpoint_dir "$CHECKPOINT_DIR"' if own_dir else "")
+        + " &",
         *_wait_then_requeue_or_exit(resubmit),
         "",
     ]

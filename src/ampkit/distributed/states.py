@@ -24,7 +24,9 @@ def is_wrapped(model: torch.nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel) or bool(fsdp_modules(model))
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def capture(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model_state, optimizer_state)`` (module doc). Under FSDP2 a collective: call on every rank."""
     if not is_wrapped(model):
         return model.state_dict(), optimizer.state_dict()
@@ -33,8 +35,12 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     return get_state_dict(model, optimizer)
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
-            optimizer_state: dict[str, Any]) -> None:
+def restore(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> None:
     """Load what :func:`capture` returned (either form) into ``model`` and ``optimizer``."""
     if not is_wrapped(model):
         model.load_state_dict(model_state)
@@ -42,8 +48,12 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_stat
         return
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=fqn_keyed(optimizer_state, model, optimizer))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=fqn_keyed(optimizer_state, model, optimizer),
+    )
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -56,8 +66,11 @@ def _is_fqn_keyed(state: dict[str, Any]) -> bool:
     return any(isinstance(p, str) for g in groups for p in g.get("params", ()))
 
 
-def id_keyed(state: dict[str, Any], model: torch.nn.Module | None = None,
-             optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def id_keyed(
+    state: dict[str, Any],
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
     """An optimizer state keyed by parameter number, as ``optimizer.load_state_dict`` wants.
 
     Numbers follow ``optimizer``'s groups (its parameters named through ``model``), or, without
@@ -75,11 +88,19 @@ def id_keyed(state: dict[str, Any], model: torch.nn.Module | None = None,
     for group in order:
         for name in group:
             number.setdefault(name, len(number))
-    groups = [{**g, "params": [number[n] for n in names]} for g, names in zip(state["param_groups"], order)]
-    return {"state": {number[k]: v for k, v in state["state"].items() if k in number}, "param_groups": groups}
+    groups = [
+        {**g, "params": [number[n] for n in names]}
+        for g, names in zip(state["param_groups"], order)
+    ]
+    return {
+        "state": {number[k]: v for k, v in state["state"].items() if k in number},
+        "param_groups": groups,
+    }
 
 
-def fqn_keyed(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def fqn_keyed(
+    state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """An optimizer state keyed by parameter name (what ``set_state_dict`` wants), from either form."""
     if _is_fqn_keyed(state):
         return state

@@ -18,18 +18,26 @@ def require(module: str, extra: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{what} needs the {module.split('.')[0]} package: pip install \"ampkit[{extra}]\"") from e
+        raise ImportError(
+            f'{what} needs the {module.split(".")[0]} package: pip install "ampkit[{extra}]"'
+        ) from e
 
 
-def make_engine(precision: Union[str, torch.dtype, Precision, None], amp: Optional[MixedPrecision],
-                device: Union[str, torch.device, None], overrides: dict[str, Any]) -> MixedPrecision:
+def make_engine(
+    precision: Union[str, torch.dtype, Precision, None],
+    amp: Optional[MixedPrecision],
+    device: Union[str, torch.device, None],
+    overrides: dict[str, Any],
+) -> MixedPrecision:
     """``amp`` as given, or a new engine for ``precision`` on ``device``; refuses both at once."""
     if amp is not None:
         if not isinstance(amp, MixedPrecision):
             raise TypeError(f"amp must be an ampkit.MixedPrecision, got {type(amp).__name__}")
         if precision is not None or overrides:
-            raise ValueError("pass either amp=MixedPrecision(...) or a precision with settings, not both "
-                             f"(got precision={precision!r} and {sorted(overrides)})")
+            raise ValueError(
+                "pass either amp=MixedPrecision(...) or a precision with settings, not both "
+                f"(got precision={precision!r} and {sorted(overrides)})"
+            )
         return amp
     return MixedPrecision(precision, device=device, **overrides)
 

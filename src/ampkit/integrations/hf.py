@@ -49,7 +49,9 @@ class AmpkitOptimizer:
         if closure is not None:
             raise ValueError("AmpkitTrainer's optimizer step takes no closure")
         trainer = self._trainer
-        result = trainer.amp.step(self.optimizer, flush=True)  # flush: the epoch's last window may be short
+        result = trainer.amp.step(
+            self.optimizer, flush=True
+        )  # flush: the epoch's last window may be short
         trainer.last_step_skipped = skipped(result)
         trainer.unscaled = False
 
@@ -78,8 +80,10 @@ class AmpkitTrainer(_tf.Trainer):
         self.unscaled = False  # unscale_ ran since the last step (LossScaler allows one per step)
         super().__init__(*args, **kwargs)
         if self.args.bf16 or self.args.fp16:
-            raise ValueError(f"AmpkitTrainer got TrainingArguments(bf16={self.args.bf16}, fp16={self.args.fp16}): "
-                             f"the precision is amp's ({amp.precision.name}); leave bf16 and fp16 off")
+            raise ValueError(
+                f"AmpkitTrainer got TrainingArguments(bf16={self.args.bf16}, fp16={self.args.fp16}): "
+                f"the precision is amp's ({amp.precision.name}); leave bf16 and fp16 off"
+            )
         accumulate = self.args.gradient_accumulation_steps
         if amp.config.accumulation_steps != accumulate:
             amp.set_accumulation_steps(accumulate)
@@ -105,7 +109,9 @@ class AmpkitTrainer(_tf.Trainer):
         super().create_optimizer(model) if model is not None else super().create_optimizer()
         if not isinstance(self.optimizer, AmpkitOptimizer):
             raw = self.optimizer
-            self.amp.setup(self.model, raw)  # the pure precisions: half weights, fp32 masters in raw
+            self.amp.setup(
+                self.model, raw
+            )  # the pure precisions: half weights, fp32 masters in raw
             self.optimizer = AmpkitOptimizer(raw, self)
         return self.optimizer
 
@@ -127,7 +133,9 @@ class AmpkitTrainer(_tf.Trainer):
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         path = os.path.join(checkpoint, AMP_STATE) if checkpoint is not None else None
         if path is not None and os.path.isfile(path):
-            self.amp.load_state_dict(torch.load(path, map_location=self.amp.device, weights_only=True))
+            self.amp.load_state_dict(
+                torch.load(path, map_location=self.amp.device, weights_only=True)
+            )
 
     def _unscale(self) -> None:
         if self.amp.precision.needs_scaler and not self.unscaled:
@@ -159,7 +167,9 @@ class AmpkitCallback(_tf.TrainerCallback):
     * ``events``: the engine's notable events (fallbacks, precision switches) seen so far.
     """
 
-    def __init__(self, amp: MixedPrecision, sinks: Sequence[Any] = (), *, log_every: int = 10) -> None:
+    def __init__(
+        self, amp: MixedPrecision, sinks: Sequence[Any] = (), *, log_every: int = 10
+    ) -> None:
         if not isinstance(amp, MixedPrecision):
             raise TypeError(f"amp must be an ampkit.MixedPrecision, got {type(amp).__name__}")
         self.amp, self.sinks, self.log_every = amp, list(sinks), log_every
@@ -174,8 +184,14 @@ class AmpkitCallback(_tf.TrainerCallback):
         if self.sinks and self.monitor is None:
             self.monitor = Monitor(self.amp, self.sinks, log_every=self.log_every)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict[str, Any]] = None,
-               **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
         if logs is None:
             return
         stats = self.amp.stats()

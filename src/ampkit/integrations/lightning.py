@@ -30,23 +30,31 @@ from ..step.precision import Precision, precision_row
 from .common import SkipAwareScheduler, make_engine, require, skipped, stepped_params
 
 _pl = require("lightning.pytorch", "lightning", "ampkit.integrations.lightning")
-_fabric_precision = require("lightning.fabric.plugins.precision", "lightning", "ampkit.integrations.lightning")
+_fabric_precision = require(
+    "lightning.fabric.plugins.precision", "lightning", "ampkit.integrations.lightning"
+)
 
 __all__ = ["AmpkitFabricPrecision", "AmpkitPrecision"]
-
 
 
 class _Engine:
     """The engine glue both plugins share: built lazily on the model's device, stepped with flush."""
 
-    def _init_engine(self, precision: Union[str, torch.dtype, Precision, None], amp: Optional[MixedPrecision],
-                     device: Union[str, torch.device, None], overrides: dict[str, Any]) -> None:
+    def _init_engine(
+        self,
+        precision: Union[str, torch.dtype, Precision, None],
+        amp: Optional[MixedPrecision],
+        device: Union[str, torch.device, None],
+        overrides: dict[str, Any],
+    ) -> None:
         if amp is not None or device is not None:
             self.amp: Optional[MixedPrecision] = make_engine(precision, amp, device, overrides)
             name = self.amp.precision.name
         else:
             self.amp = None  # built in connect/convert_module, on the model's device
-            name = make_engine(precision, None, "cpu", overrides).precision.name  # validates the name and settings now
+            name = make_engine(
+                precision, None, "cpu", overrides
+            ).precision.name  # validates the name and settings now
         self._spec = (precision, overrides)
         self.last_step_skipped = False
         # Lightning's name for the same kind of training, for code that reads ``trainer.precision``
@@ -61,17 +69,23 @@ class _Engine:
 
     def _require(self) -> MixedPrecision:
         if self.amp is None:
-            raise RuntimeError("the ampkit precision plugin has no model yet: Lightning calls connect() "
-                               "(Trainer.fit) or convert_module() (Fabric.setup) first")
+            raise RuntimeError(
+                "the ampkit precision plugin has no model yet: Lightning calls connect() "
+                "(Trainer.fit) or convert_module() (Fabric.setup) first"
+            )
         return self.amp
 
     def _step(self, optimizer: Any) -> Any:
         """The engine's boundary; returns its :class:`StepResult` (``last_step_skipped`` set)."""
         amp = self._require()
-        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning/Fabric wrap the torch optimizer
+        raw = getattr(
+            optimizer, "optimizer", optimizer
+        )  # Lightning/Fabric wrap the torch optimizer
         if isinstance(raw, torch.optim.LBFGS):
-            raise ValueError("the ampkit precision plugin cannot step LBFGS (it re-evaluates a closure); "
-                             "use a first-order optimizer")
+            raise ValueError(
+                "the ampkit precision plugin cannot step LBFGS (it re-evaluates a closure); "
+                "use a first-order optimizer"
+            )
         result = amp.step(raw, flush=True, zero_grad=False)  # Lightning/Fabric zero the gradients
         self.last_step_skipped = skipped(result)
         return result
@@ -121,9 +135,15 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
     ``LightningModule.backward`` override is not called: the engine runs the backward.
     """
 
-    def __init__(self, precision: Union[str, torch.dtype, Precision, None] = None, *,
-                 amp: Optional[MixedPrecision] = None, device: Union[str, torch.device, None] = None,
-                 diagnose: bool = True, **settings: Any) -> None:
+    def __init__(
+        self,
+        precision: Union[str, torch.dtype, Precision, None] = None,
+        *,
+        amp: Optional[MixedPrecision] = None,
+        device: Union[str, torch.device, None] = None,
+        diagnose: bool = True,
+        **settings: Any,
+    ) -> None:
         self._init_engine(precision, amp, device, settings)
         self.diagnose = diagnose
         self.diagnosis: Any = None  # the NonFiniteReport of the first skipped step
@@ -133,7 +153,9 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
         self._batch = data  # (Lightning passes every training batch here: kept for a diagnosis)
         return data
 
-    def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
+    def connect(
+        self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]
+    ) -> tuple[Any, list[Any], list[Any]]:
         amp = self._engine_for(model)
         trainer = getattr(model, "_trainer", None)
         accumulate = getattr(trainer, "accumulate_grad_batches", 1) or 1
@@ -141,25 +163,38 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
             amp.set_accumulation_steps(accumulate)
         amp.setup(model, *optimizers)
         for config in lr_schedulers:
-            if config.interval == "step" and not config.reduce_on_plateau and \
-                    not isinstance(config.scheduler, SkipAwareScheduler):
-                config.scheduler = SkipAwareScheduler(config.scheduler, lambda: self.last_step_skipped)
+            if (
+                config.interval == "step"
+                and not config.reduce_on_plateau
+                and not isinstance(config.scheduler, SkipAwareScheduler)
+            ):
+                config.scheduler = SkipAwareScheduler(
+                    config.scheduler, lambda: self.last_step_skipped
+                )
         return model, optimizers, lr_schedulers
 
     def forward_context(self) -> Any:
         return self._forward()
 
-    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
         if args:
-            raise TypeError(f"the ampkit precision plugin passes keyword arguments only to backward, got {args!r}")
+            raise TypeError(
+                f"the ampkit precision plugin passes keyword arguments only to backward, got {args!r}"
+            )
         self._require().backward(tensor, normalized=True, **kwargs)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         """Run the closure (forward and backward), unscale (fp16) so that Lightning's
         ``on_before_optimizer_step`` and clipping see true gradients, then the engine's step.
         Returns the closure's loss, or None when the step was skipped (non-finite gradients)."""
         if kwargs:
-            raise TypeError(f"the ampkit precision plugin takes no optimizer.step() arguments, got {sorted(kwargs)}")
+            raise TypeError(
+                f"the ampkit precision plugin takes no optimizer.step() arguments, got {sorted(kwargs)}"
+            )
         closure_result = closure()
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self.last_step_skipped = False  # training_step returned None: nothing to step
@@ -167,24 +202,37 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
         self._unscale(optimizer)
         self._after_closure(model, optimizer)
         result = self._step(optimizer)
-        if self.last_step_skipped and self.diagnose and self.diagnosis is None and self._batch is not None:
+        if (
+            self.last_step_skipped
+            and self.diagnose
+            and self.diagnosis is None
+            and self._batch is not None
+        ):
             self._diagnose(model, result)
         return None if self.last_step_skipped else closure_result
 
     def _diagnose(self, model: Any, result: Any) -> None:
-        batch, index, amp = self._batch, model.trainer.fit_loop.epoch_loop.batch_idx, self._require()
+        batch, index, amp = (
+            self._batch,
+            model.trainer.fit_loop.epoch_loop.batch_idx,
+            self._require(),
+        )
 
         def loss() -> torch.Tensor:
             with amp.autocast():
                 out = model.training_step(batch, index)
             return out["loss"] if isinstance(out, dict) else out
 
-        scale = float(result.scale) if result.scale is not None else None  # the skipped step's scale
+        scale = (
+            float(result.scale) if result.scale is not None else None
+        )  # the skipped step's scale
         self.diagnosis = amp.diagnose(loss, scale=scale)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         model = self._require().model
-        params = stepped_params(self.amp, model) if model is not None else self.main_params(optimizer)
+        params = (
+            stepped_params(self.amp, model) if model is not None else self.main_params(optimizer)
+        )
         torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip_val)
 
     def teardown(self) -> None:
@@ -201,9 +249,14 @@ class AmpkitFabricPrecision(_Engine, _fabric_precision.Precision):
     ``optimizer.step()`` returns None and ``last_step_skipped`` is True when it was skipped.
     """
 
-    def __init__(self, precision: Union[str, torch.dtype, Precision, None] = None, *,
-                 amp: Optional[MixedPrecision] = None, device: Union[str, torch.device, None] = None,
-                 **settings: Any) -> None:
+    def __init__(
+        self,
+        precision: Union[str, torch.dtype, Precision, None] = None,
+        *,
+        amp: Optional[MixedPrecision] = None,
+        device: Union[str, torch.device, None] = None,
+        **settings: Any,
+    ) -> None:
         self._init_engine(precision, amp, device, settings)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -215,9 +268,13 @@ class AmpkitFabricPrecision(_Engine, _fabric_precision.Precision):
     def forward_context(self) -> Any:
         return self._forward()
 
-    def backward(self, tensor: torch.Tensor, model: Optional[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, model: Optional[torch.nn.Module], *args: Any, **kwargs: Any
+    ) -> None:
         if args:
-            raise TypeError(f"the ampkit precision plugin passes keyword arguments only to backward, got {args!r}")
+            raise TypeError(
+                f"the ampkit precision plugin passes keyword arguments only to backward, got {args!r}"
+            )
         self._require().backward(tensor, normalized=True, **kwargs)
 
     def _register(self, optimizer: Any) -> None:
@@ -226,14 +283,20 @@ class AmpkitFabricPrecision(_Engine, _fabric_precision.Precision):
         if any(o is raw for o in amp.optimizers):
             return
         if amp.policy.keeps_masters:
-            raise RuntimeError(f"precision {amp.precision.name} keeps fp32 masters in the optimizer: call "
-                               "plugin.amp.setup(model, optimizer) before fabric.setup(model, optimizer)")
+            raise RuntimeError(
+                f"precision {amp.precision.name} keeps fp32 masters in the optimizer: call "
+                "plugin.amp.setup(model, optimizer) before fabric.setup(model, optimizer)"
+            )
         assert amp.model is not None
-        amp.setup(amp.model, *amp.optimizers, raw)  # (no casts for these precisions: gradients untouched)
+        amp.setup(
+            amp.model, *amp.optimizers, raw
+        )  # (no casts for these precisions: gradients untouched)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(f"the ampkit precision plugin takes no optimizer.step() arguments, got {sorted(kwargs)}")
+            raise TypeError(
+                f"the ampkit precision plugin takes no optimizer.step() arguments, got {sorted(kwargs)}"
+            )
         self._register(optimizer)
         self._step(optimizer)
         return None

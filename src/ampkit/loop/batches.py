@@ -41,7 +41,11 @@ def _is_index_function(batches: Any) -> bool:
         params = inspect.signature(batches).parameters.values()
     except (TypeError, ValueError):
         return True  # a builtin we cannot inspect: today's contract, a function of the index
-    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return bool(required) or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
@@ -50,12 +54,16 @@ def check_batches(batches: Any, what: str = "batches", *, reiterable: bool = Fal
     ``reiterable``: a one-shot iterator (a generator object), which gives one pass only, is refused too.
     ``what`` names the argument in the message (``"eval_batches"``)."""
     if not callable(batches) and not hasattr(batches, "__iter__"):
-        raise TypeError(f"{what}={type(batches).__name__!r} is neither a function of the batch index, "
-                        "an iterable of batches (a DataLoader, a list) nor a function returning an "
-                        "iterator")
+        raise TypeError(
+            f"{what}={type(batches).__name__!r} is neither a function of the batch index, "
+            "an iterable of batches (a DataLoader, a list) nor a function returning an "
+            "iterator"
+        )
     if reiterable and hasattr(batches, "__iter__") and iter(batches) is batches:
-        raise TypeError(f"{what} is a one-shot iterator ({type(batches).__name__}), which can be read "
-                        "only once: pass a list, a DataLoader or a function returning a fresh iterator")
+        raise TypeError(
+            f"{what} is a one-shot iterator ({type(batches).__name__}), which can be read "
+            "only once: pass a list, a DataLoader or a function returning a fresh iterator"
+        )
 
 
 def held_out(batches: Any, count: int) -> tuple[Callable[[int], Any], int]:
@@ -119,7 +127,12 @@ def _epoch_setters(batches: Any) -> list[Any]:
     """Objects with ``set_epoch`` (the iterable, its sampler, its batch sampler's sampler), once each."""
     found: dict[int, Any] = {}
     batch_sampler = getattr(batches, "batch_sampler", None)
-    for h in (batches, getattr(batches, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+    for h in (
+        batches,
+        getattr(batches, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ):
         if h is not None and callable(getattr(h, "set_epoch", None)):
             found.setdefault(id(h), h)
     return list(found.values())
@@ -146,7 +159,9 @@ class BatchSource:
         self._exhausted = False
         self._finished: list[int] = []
         self._epoch_rng: Optional[dict[str, Any]] = None  # random states at the start of this pass
-        self._resume_rng: Optional[dict[str, Any]] = None  # set by load_state_dict until the pass reopens
+        self._resume_rng: Optional[dict[str, Any]] = (
+            None  # set by load_state_dict until the pass reopens
+        )
         self._one_shot_used = False
 
     # ------------------------------------------------------------------ shape of an epoch
@@ -210,9 +225,11 @@ class BatchSource:
             self._close_if_done()
             self._fill(1)
         if not self._ahead:
-            raise ValueError(f"the data yielded no batches in epoch {self.epoch} (an empty loader, or a one-shot "
-                             "generator already used up: pass a list, a DataLoader or a function returning a fresh "
-                             "iterator)")
+            raise ValueError(
+                f"the data yielded no batches in epoch {self.epoch} (an empty loader, or a one-shot "
+                "generator already used up: pass a list, a DataLoader or a function returning a fresh "
+                "iterator)"
+            )
         self.in_epoch += 1
         self.micro_index += 1
         return self._ahead.popleft()
@@ -235,7 +252,9 @@ class BatchSource:
         if per is not None and self.in_epoch >= per:
             return True
         if per is None and not self._ahead:
-            self._fill(1)  # an epoch of unknown length: look one batch ahead to learn whether it ended
+            self._fill(
+                1
+            )  # an epoch of unknown length: look one batch ahead to learn whether it ended
         return self._exhausted and not self._ahead
 
     def _close_if_done(self) -> None:
@@ -265,17 +284,24 @@ class BatchSource:
             torch.set_rng_state(resume["cpu"])
             for g, state in zip(gens, resume.get("generators", [])):
                 g.set_state(state)
-        self._epoch_rng = {"cpu": torch.get_rng_state(), "generators": [g.get_state() for g in gens]}
+        self._epoch_rng = {
+            "cpu": torch.get_rng_state(),
+            "generators": [g.get_state() for g in gens],
+        }
         self._iter = self._make_iter()
         skip = self.in_epoch if resume is not None else 0
         for k in range(skip):
             try:
                 next(self._iter)
             except StopIteration:
-                raise ValueError(f"resuming epoch {self.epoch} at batch {skip}: the data now has only {k} batches "
-                                 "in this epoch (was it changed since the checkpoint?)") from None
+                raise ValueError(
+                    f"resuming epoch {self.epoch} at batch {skip}: the data now has only {k} batches "
+                    "in this epoch (was it changed since the checkpoint?)"
+                ) from None
         if now is not None:
-            torch.set_rng_state(now)  # the checkpoint's global state, as the uninterrupted run had it here
+            torch.set_rng_state(
+                now
+            )  # the checkpoint's global state, as the uninterrupted run had it here
 
     def _make_iter(self) -> Iterator[Any]:
         b = self.batches
@@ -294,8 +320,10 @@ class BatchSource:
         if self.indexed:
             return [self.batches(i) for i in range(count)]
         if hasattr(self.batches, "__iter__") and iter(self.batches) is self.batches:
-            raise ValueError("cannot measure on a one-shot generator: pass a list, a DataLoader or a function "
-                             "returning a fresh iterator")
+            raise ValueError(
+                "cannot measure on a one-shot generator: pass a list, a DataLoader or a function "
+                "returning a fresh iterator"
+            )
         gens = _generators(self.batches)
         saved = torch.get_rng_state(), [g.get_state() for g in gens]
         try:
@@ -334,7 +362,9 @@ class BatchSource:
         """``{"data_pass": ...}``: the random states the current pass started from (an iterable in
         the middle of a pass; else ``{}``). Saved with each rank's own RNG, since ranks differ."""
         rng = self._epoch_rng if not self.indexed and self._iter is not None else None
-        return {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}} if rng else {}
+        return (
+            {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}} if rng else {}
+        )
 
     def load_state_dict(self, state: dict[str, Any], rng: Optional[dict[str, Any]] = None) -> None:
         """Restore :meth:`state_dict` (and :meth:`rng_state`, from the checkpoint's ``rng``); the pass
@@ -351,12 +381,17 @@ class BatchSource:
         self._ahead.clear()
         self._resume_rng = (rng or {}).get("data_pass")
         if self.in_epoch and self._resume_rng is None:
-            self._resume_rng = {"cpu": torch.get_rng_state(), "generators": []}  # no saved states: skip only
+            self._resume_rng = {
+                "cpu": torch.get_rng_state(),
+                "generators": [],
+            }  # no saved states: skip only
 
     def seek(self, micro_index: int) -> None:
         """Move a function of the index to batch ``micro_index`` (a spike rollback goes back);
         an iterable cannot be moved back in place."""
         if not self.indexed:
-            raise ValueError("only batches given as a function of the index can be moved back (spike_rollback "
-                             "with an iterable: use SpikeGuard in your own loop, see docs/guides/when-training-goes-wrong.md)")
+            raise ValueError(
+                "only batches given as a function of the index can be moved back (spike_rollback "
+                "with an iterable: use SpikeGuard in your own loop, see docs/guides/when-training-goes-wrong.md)"
+            )
         self.load_state_dict({"micro_index": micro_index})

@@ -28,9 +28,22 @@ import torch
 
 from .digest import DIGEST_SUFFIX, HashingWriter, check_digest, digest_path, write_digest
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatch", "DirLock", "ShardedCheckpointManager",
-           "capture_rng", "check_state", "export_single_file", "list_checkpoints", "load_checkpoint", "model_mismatch",
-           "restore_rng", "save_checkpoint", "torch_reason"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMismatch",
+    "DirLock",
+    "ShardedCheckpointManager",
+    "capture_rng",
+    "check_state",
+    "export_single_file",
+    "list_checkpoints",
+    "load_checkpoint",
+    "model_mismatch",
+    "restore_rng",
+    "save_checkpoint",
+    "torch_reason",
+]
 
 FORMAT_VERSION = 1
 
@@ -87,8 +100,10 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
         if not isinstance(cause, OSError) and not isinstance(e, OSError):
             raise
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
-        raise CheckpointError(f"could not write checkpoint {path!r}: {reason} (the previous checkpoint, "
-                              "if any, is intact)") from e
+        raise CheckpointError(
+            f"could not write checkpoint {path!r}: {reason} (the previous checkpoint, "
+            "if any, is intact)"
+        ) from e
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -109,12 +124,18 @@ def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
-            raise CheckpointError(f"checkpoint {path!r} holds objects that weights_only loading refuses, so it "
-                                  f"was not loaded: {torch_reason(e)}") from None
-        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt and was not loaded "
-                              f"({type(e).__name__}: {torch_reason(e)})") from None
+            raise CheckpointError(
+                f"checkpoint {path!r} holds objects that weights_only loading refuses, so it "
+                f"was not loaded: {torch_reason(e)}"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {path!r} is truncated or corrupt and was not loaded "
+            f"({type(e).__name__}: {torch_reason(e)})"
+        ) from None
     if not isinstance(state, dict) or "ampkit_checkpoint" not in state:
-        raise CheckpointError(f"{path!r} is not an ampkit checkpoint (no 'ampkit_checkpoint' marker)")
+        raise CheckpointError(
+            f"{path!r} is not an ampkit checkpoint (no 'ampkit_checkpoint' marker)"
+        )
     return state
 
 
@@ -137,8 +158,13 @@ def capture_rng() -> dict[str, Any]:
         import numpy as np
 
         name, keys, pos, has_gauss, gauss = np.random.get_state()
-        out["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        out["numpy"] = {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     except ImportError:
         pass
     version, internal, gauss = random.getstate()
@@ -157,7 +183,15 @@ def restore_rng(state: dict[str, Any]) -> None:
             import numpy as np
 
             n = state["numpy"]
-            np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+            np.random.set_state(
+                (
+                    n["name"],
+                    n["keys"].numpy().astype("uint32"),
+                    n["pos"],
+                    n["has_gauss"],
+                    n["gauss"],
+                )
+            )
         except ImportError:
             pass
     if "python" in state:
@@ -169,9 +203,13 @@ class CheckpointManager:
     """Numbered checkpoints in one directory: ``save`` (atomic, keep the last ``keep_last``),
     ``load_latest`` (newest readable one; corrupt ones are reported and skipped)."""
 
-    def __init__(self, directory: str, *, keep_last: Optional[int] = 3, prefix: str = "ckpt") -> None:
+    def __init__(
+        self, directory: str, *, keep_last: Optional[int] = 3, prefix: str = "ckpt"
+    ) -> None:
         if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every checkpoint)")
+            raise ValueError(
+                f"keep_last={keep_last} must be >= 1 (or None to keep every checkpoint)"
+            )
         self.directory, self.keep_last, self.prefix = directory, keep_last, prefix
 
     def path(self, step: int) -> str:
@@ -230,13 +268,16 @@ class CheckpointManager:
                 problems.append(str(e))
                 continue
             if problems:
-                warnings.warn(f"{'; '.join(problems)}; falling back to the previous checkpoint "
-                              f"{path!r}", stacklevel=2)
+                warnings.warn(
+                    f"{'; '.join(problems)}; falling back to the previous checkpoint {path!r}",
+                    stacklevel=2,
+                )
             return path, state
         if problems:
-            raise CheckpointError(f"every checkpoint in {self.directory!r} is damaged or "
-                                  f"unreadable ({len(problems)} file(s)), so none was loaded: "
-                                  + "; ".join(problems))
+            raise CheckpointError(
+                f"every checkpoint in {self.directory!r} is damaged or "
+                f"unreadable ({len(problems)} file(s)), so none was loaded: " + "; ".join(problems)
+            )
         return None
 
 
@@ -248,8 +289,14 @@ class ShardedCheckpointManager(CheckpointManager):
     ``template()`` returns the live ``(model_state, optimizer_state)`` to load into
     (:func:`ampkit.distributed.states.capture`). Every method is a collective."""
 
-    def __init__(self, directory: str, template: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *,
-                 keep_last: Optional[int] = 3, prefix: str = "ckpt") -> None:
+    def __init__(
+        self,
+        directory: str,
+        template: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+        *,
+        keep_last: Optional[int] = 3,
+        prefix: str = "ckpt",
+    ) -> None:
         super().__init__(directory, keep_last=keep_last, prefix=prefix)
         self.template = template
 
@@ -273,22 +320,28 @@ class ShardedCheckpointManager(CheckpointManager):
         try:
             shapes = dcp.model_shapes(path)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file
-            raise CheckpointError(f"checkpoint {path!r} is unreadable and was not loaded "
-                                  f"({type(e).__name__}: {torch_reason(e)})") from None
+            raise CheckpointError(
+                f"checkpoint {path!r} is unreadable and was not loaded "
+                f"({type(e).__name__}: {torch_reason(e)})"
+            ) from None
         # Keys and shapes first, from the metadata: a different model is named, not "unreadable".
         own = {k: tuple(v.shape) for k, v in template[0].items() if isinstance(v, torch.Tensor)}
         model_mismatch(shapes, own, f"checkpoint {path!r}")
-        return _dcp_read(lambda: dcp.load(path, *template), f"checkpoint {path!r} is unreadable and was not loaded")
+        return _dcp_read(
+            lambda: dcp.load(path, *template),
+            f"checkpoint {path!r} is unreadable and was not loaded",
+        )
 
     def save(self, step: int, state: dict[str, Any]) -> str:
         from ..distributed import dcp, is_main
 
-        path = dcp.save({**state, "step": step, "ampkit_checkpoint": FORMAT_VERSION}, self.path(step))
+        path = dcp.save(
+            {**state, "step": step, "ampkit_checkpoint": FORMAT_VERSION}, self.path(step)
+        )
         if self.keep_last is not None and is_main():
             for _, old in self.list()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
-
 
 
 def _dcp_read(read: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
@@ -308,29 +361,46 @@ def export_single_file(directory: str, path: str) -> str:
     ``ampkit train --resume``). Returns ``path``."""
     from ..distributed import dcp
 
-    state = _dcp_read(lambda: dcp.consolidate(directory), f"{directory!r} could not be read as a sharded checkpoint")
+    state = _dcp_read(
+        lambda: dcp.consolidate(directory),
+        f"{directory!r} could not be read as a sharded checkpoint",
+    )
     state.pop("ampkit_checkpoint", None)
     return save_checkpoint(state, path)
 
 
-def check_state(state: dict[str, Any], own: dict[str, Any], optimizer: torch.optim.Optimizer, source: str) -> None:
+def check_state(
+    state: dict[str, Any], own: dict[str, Any], optimizer: torch.optim.Optimizer, source: str
+) -> None:
     """Raise :class:`CheckpointError` unless ``state`` (a trainer state) fits a model whose state is
     ``own`` and ``optimizer``: keys, shapes, parameter groups, the engine's state. Loads nothing."""
     missing_keys = [k for k in ("model", "optimizer", "amp") if not isinstance(state.get(k), dict)]
     if missing_keys:
-        raise CheckpointError(f"{source} lacks {', '.join(missing_keys)} (a partial or foreign training state); "
-                              "nothing was loaded")
+        raise CheckpointError(
+            f"{source} lacks {', '.join(missing_keys)} (a partial or foreign training state); "
+            "nothing was loaded"
+        )
     theirs = state["model"]
-    model_mismatch({k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in theirs.items()},
-                   {k: tuple(v.shape) for k, v in own.items() if isinstance(v, torch.Tensor)}, source)
+    model_mismatch(
+        {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in theirs.items()},
+        {k: tuple(v.shape) for k, v in own.items() if isinstance(v, torch.Tensor)},
+        source,
+    )
     groups = state["optimizer"].get("param_groups")
     ours = [len(g["params"]) for g in optimizer.param_groups]
-    if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != ours \
-            or not isinstance(state["optimizer"].get("state"), dict):
-        raise CheckpointError(f"{source}: the optimizer state does not fit this optimizer (parameter groups of "
-                              f"sizes {ours} expected); nothing was loaded")
+    if (
+        not isinstance(groups, list)
+        or [len(g.get("params", ())) for g in groups] != ours
+        or not isinstance(state["optimizer"].get("state"), dict)
+    ):
+        raise CheckpointError(
+            f"{source}: the optimizer state does not fit this optimizer (parameter groups of "
+            f"sizes {ours} expected); nothing was loaded"
+        )
     if not {"precision", "config"} <= set(state["amp"]):
-        raise CheckpointError(f"{source}: the engine state lacks 'precision'/'config'; nothing was loaded")
+        raise CheckpointError(
+            f"{source}: the engine state lacks 'precision'/'config'; nothing was loaded"
+        )
 
 
 def model_mismatch(theirs: dict[str, Any], own: dict[str, tuple[int, ...]], source: str) -> None:
@@ -338,18 +408,28 @@ def model_mismatch(theirs: dict[str, Any], own: dict[str, tuple[int, ...]], sour
     tensors when a checkpoint's model (``theirs``: key -> shape) does not fit ``own``."""
     missing = sorted(set(own) - set(theirs))
     unexpected = sorted(set(theirs) - set(own))
-    shapes = sorted(k for k in set(own) & set(theirs) if theirs[k] is None or tuple(theirs[k]) != own[k])
+    shapes = sorted(
+        k for k in set(own) & set(theirs) if theirs[k] is None or tuple(theirs[k]) != own[k]
+    )
     if missing or unexpected or shapes:
         parts = []
         for label, keys in (("missing", missing), ("unexpected", unexpected)):
             if keys:
                 parts.append(f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
         if shapes:
-            parts.append("shape mismatch: " + ", ".join(
-                f"{k} {tuple(theirs[k]) if theirs[k] is not None else '(not a tensor)'} in the checkpoint vs "
-                f"{own[k]} here" for k in shapes[:4]) + (" ..." if len(shapes) > 4 else ""))
-        raise CheckpointMismatch(f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded "
-                                 "(a different --model/--size or model config than the run that wrote it?)")
+            parts.append(
+                "shape mismatch: "
+                + ", ".join(
+                    f"{k} {tuple(theirs[k]) if theirs[k] is not None else '(not a tensor)'} in the checkpoint vs "
+                    f"{own[k]} here"
+                    for k in shapes[:4]
+                )
+                + (" ..." if len(shapes) > 4 else "")
+            )
+        raise CheckpointMismatch(
+            f"{source} does not fit this model ({'; '.join(parts)}); nothing was loaded "
+            "(a different --model/--size or model config than the run that wrote it?)"
+        )
 
 
 def list_checkpoints(directory: str, prefix: str = "ckpt") -> list[tuple[int, str]]:
@@ -386,8 +466,10 @@ class DirLock:
         except BlockingIOError:
             holder = _lock_holder(fd)
             os.close(fd)
-            raise CheckpointError(f"{self.what} {self.directory!r} is in use by another ampkit run"
-                                  f"{f' (pid {holder})' if holder else ''}; give this run its own directory") from None
+            raise CheckpointError(
+                f"{self.what} {self.directory!r} is in use by another ampkit run"
+                f"{f' (pid {holder})' if holder else ''}; give this run its own directory"
+            ) from None
         # Nothing is written into the file: taking the lock leaves the directory byte-identical
         # (a refused resume changes nothing); the holder's pid comes from the kernel's lock table.
         self._fd = fd

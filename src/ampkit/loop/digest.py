@@ -107,6 +107,8 @@ def check_digest(path: str) -> Optional[str]:
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     if got != want:
-        return (f"is damaged: its SHA-256 ({got[:16]}...) does not match the digest recorded in "
-                f"{name} ({want[:16]}...)")
+        return (
+            f"is damaged: its SHA-256 ({got[:16]}...) does not match the digest recorded in "
+            f"{name} ({want[:16]}...)"
+        )
     return None

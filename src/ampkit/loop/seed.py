@@ -37,7 +37,9 @@ def seed_everything(seed: int, deterministic: Union[bool, str, None] = False) ->
         np.random.seed(int(seed) % 2**32)
     except ImportError:
         pass
-    mode: Union[bool, str] = {None: False, "true": True, "false": False}.get(deterministic, deterministic)  # type: ignore[arg-type]
+    mode: Union[bool, str] = {None: False, "true": True, "false": False}.get(
+        deterministic, deterministic
+    )  # type: ignore[arg-type]
     if mode:
         from ..step.determinism import apply_determinism
 

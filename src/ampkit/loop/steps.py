@@ -84,9 +84,16 @@ class Steps:
         loss = self.forward_backward(batch)
         return loss, self.amp.step(self.optimizer)
 
-    def optimizer_step(self, batches: Callable[[int], Any], start: int, *, count: int = 1, split: int = 1,
-                       index: Optional[Callable[[int], int]] = None,
-                       on_batch: Optional[Callable[[int, Any], None]] = None) -> StepOutcome:
+    def optimizer_step(
+        self,
+        batches: Callable[[int], Any],
+        start: int,
+        *,
+        count: int = 1,
+        split: int = 1,
+        index: Optional[Callable[[int], int]] = None,
+        on_batch: Optional[Callable[[int, Any], None]] = None,
+    ) -> StepOutcome:
         """One optimizer step from ``count`` batches, ``batches(index(start))`` onwards (``index``
         maps a data position to a batch index; default the position itself), each cut into
         ``split`` micro-batches. ``amp``'s accumulation must be ``count * split`` for the window to
@@ -103,7 +110,9 @@ class Steps:
                 losses.append(loss)
         return StepOutcome(result, tuple(losses))
 
-    def eval_loss(self, batches: Callable[[int], Any], count: int, context: Callable[[], Any]) -> torch.Tensor:
+    def eval_loss(
+        self, batches: Callable[[int], Any], count: int, context: Callable[[], Any]
+    ) -> torch.Tensor:
         """The mean loss of ``batches(0 .. count-1)`` under ``context()`` (e.g. ``amp.autocast``),
         in eval mode and without gradients (the model's mode is restored). A device tensor, not read."""
         was_training = self.model.training
@@ -118,8 +127,9 @@ class Steps:
             self.model.train(was_training)
         return torch.stack(losses).mean()
 
-    def run(self, batches: Callable[[int], Any], steps: int, *, start: int = 0,
-            count: int = 1) -> tuple[list[torch.Tensor], int]:
+    def run(
+        self, batches: Callable[[int], Any], steps: int, *, start: int = 0, count: int = 1
+    ) -> tuple[list[torch.Tensor], int]:
         """``steps`` optimizer steps of ``count`` batches each, from ``batches(start)`` on. Returns
         each step's mean loss (:meth:`StepOutcome.mean_loss`, device tensors) and the next batch index."""
         means = []

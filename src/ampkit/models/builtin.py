@@ -14,8 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "SIZES", "build", "builtin",
-           "load_factory", "user_model"]
+__all__ = [
+    "CNN",
+    "CNNConfig",
+    "GPT",
+    "GPTConfig",
+    "MLP",
+    "MLPConfig",
+    "MODELS",
+    "SIZES",
+    "build",
+    "builtin",
+    "load_factory",
+    "user_model",
+]
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,9 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be >= 1")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
+            )
 
 
 class _Attention(nn.Module):
@@ -49,8 +63,9 @@ class _Attention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
@@ -60,8 +75,9 @@ class _Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = _Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -163,7 +179,12 @@ class CNN(nn.Module):
         layers: list[nn.Module] = []
         c_in, c = 3, cfg.channels
         for _ in range(cfg.n_blocks):
-            layers += [nn.Conv2d(c_in, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(c_in, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             c_in, c = c, c * 2
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(c_in, cfg.n_classes)
@@ -199,12 +220,22 @@ MODELS = tuple(SIZES)
 def config_of(name: str, size: str = "small") -> Any:
     """The configuration of a built-in model (``GPTConfig``, ``MLPConfig``, ``CNNConfig``) by name and size."""
     if name not in SIZES:
-        raise ValueError(f"unknown built-in model {name!r}; choose one of: {', '.join(MODELS)} "
-                         "(or give your own as module:factory)")
+        raise ValueError(
+            f"unknown built-in model {name!r}; choose one of: {', '.join(MODELS)} "
+            "(or give your own as module:factory)"
+        )
     if size not in SIZES[name]:
-        raise ValueError(f"unknown size {size!r} for model {name!r}; choose one of: {', '.join(SIZES[name])}")
+        raise ValueError(
+            f"unknown size {size!r} for model {name!r}; choose one of: {', '.join(SIZES[name])}"
+        )
     kwargs = SIZES[name][size]
-    return GPTConfig(**kwargs) if name == "gpt" else CNNConfig(**kwargs) if name == "cnn" else MLPConfig(**kwargs)
+    return (
+        GPTConfig(**kwargs)
+        if name == "gpt"
+        else CNNConfig(**kwargs)
+        if name == "cnn"
+        else MLPConfig(**kwargs)
+    )
 
 
 def build(name: str, size: str = "small") -> nn.Module:
@@ -220,7 +251,9 @@ def load_factory(spec: str) -> Any:
     import sys
 
     if ":" not in spec:
-        raise ValueError(f"model {spec!r} is neither a built-in ({', '.join(MODELS)}) nor 'module:factory'")
+        raise ValueError(
+            f"model {spec!r} is neither a built-in ({', '.join(MODELS)}) nor 'module:factory'"
+        )
     mod_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # let users name a module in the current directory
@@ -246,22 +279,41 @@ def user_model(spec: str, **kwargs: Any) -> tuple[nn.Module, Any]:
 
     factory = load_factory(spec)
     params = inspect.signature(factory).parameters
-    accepted = {k: v for k, v in kwargs.items() if k in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())}
+    accepted = {
+        k: v
+        for k, v in kwargs.items()
+        if k in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    }
     try:
         out = factory(**accepted)
     except TypeError as e:
-        raise ValueError(f"calling factory {spec!r} failed: {e}; a factory takes no arguments or some of "
-                         "batch_size, seed, size, device, and returns (model, batch_fn)") from None
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module) and callable(out[1])):
-        raise ValueError(f"factory {spec!r} must return (model, batch_fn): an nn.Module whose model(*batch) "
-                         f"returns the scalar loss, and a function batch_fn(i) -> batch tuple; got "
-                         f"{type(out).__name__}{'' if not isinstance(out, tuple) else ' of ' + str(len(out))}")
+        raise ValueError(
+            f"calling factory {spec!r} failed: {e}; a factory takes no arguments or some of "
+            "batch_size, seed, size, device, and returns (model, batch_fn)"
+        ) from None
+    if not (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[0], nn.Module)
+        and callable(out[1])
+    ):
+        raise ValueError(
+            f"factory {spec!r} must return (model, batch_fn): an nn.Module whose model(*batch) "
+            f"returns the scalar loss, and a function batch_fn(i) -> batch tuple; got "
+            f"{type(out).__name__}{'' if not isinstance(out, tuple) else ' of ' + str(len(out))}"
+        )
     return out
 
 
-def builtin(name: str, size: str = "small", *, batch_size: int = 16, seed: int = 0,
-            device: Optional[torch.device] = None, meta: bool = False) -> tuple[nn.Module, Any]:
+def builtin(
+    name: str,
+    size: str = "small",
+    *,
+    batch_size: int = 16,
+    seed: int = 0,
+    device: Optional[torch.device] = None,
+    meta: bool = False,
+) -> tuple[nn.Module, Any]:
     """A built-in model and its local data: ``(model, batch_fn)``, like a user factory. ``meta``:
     the data only (the model is None: a caller that wants the data's shapes builds nothing)."""
     from .data import ClassificationBatches, ImageBatches, TextBatches
@@ -269,11 +321,23 @@ def builtin(name: str, size: str = "small", *, batch_size: int = 16, seed: int =
     cfg = config_of(name, size)
     model: Any = None if meta else build(name, size)
     if name == "gpt":
-        data: Any = TextBatches(batch_size=batch_size, block_size=cfg.block_size, seed=seed, device=device)
+        data: Any = TextBatches(
+            batch_size=batch_size, block_size=cfg.block_size, seed=seed, device=device
+        )
     elif name == "cnn":
-        data = ImageBatches(batch_size=batch_size, image_size=cfg.image_size, n_classes=cfg.n_classes,
-                            seed=seed, device=device)
+        data = ImageBatches(
+            batch_size=batch_size,
+            image_size=cfg.image_size,
+            n_classes=cfg.n_classes,
+            seed=seed,
+            device=device,
+        )
     else:
-        data = ClassificationBatches(batch_size=batch_size, in_features=cfg.in_features, n_classes=cfg.n_classes,
-                                     seed=seed, device=device)
+        data = ClassificationBatches(
+            batch_size=batch_size,
+            in_features=cfg.in_features,
+            n_classes=cfg.n_classes,
+            seed=seed,
+            device=device,
+        )
     return model, data

@@ -15,8 +15,16 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ClassificationBatches", "ImageBatches", "TextBatches", "TextSamples", "batch_size", "load_texts",
-           "split_batch", "stdlib_corpus"]
+__all__ = [
+    "ClassificationBatches",
+    "ImageBatches",
+    "TextBatches",
+    "TextSamples",
+    "batch_size",
+    "load_texts",
+    "split_batch",
+    "stdlib_corpus",
+]
 
 
 @functools.lru_cache(maxsize=4)
@@ -25,7 +33,9 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     root = sysconfig.get_paths()["stdlib"]
     chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__")
+        )
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue
@@ -41,7 +51,9 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
         if total >= max_bytes:
             break
     if total < 10_000:
-        raise RuntimeError(f"found only {total} bytes of Python source under {root!r}; cannot build the corpus")
+        raise RuntimeError(
+            f"found only {total} bytes of Python source under {root!r}; cannot build the corpus"
+        )
     blob = b"".join(chunks)[:max_bytes]
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -69,13 +81,21 @@ class TextBatches:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.block_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} and block_size={self.block_size} must be >= 1")
+            raise ValueError(
+                f"batch_size={self.batch_size} and block_size={self.block_size} must be >= 1"
+            )
         if self.split not in ("train", "val"):
             raise ValueError(f"split={self.split!r}; choose 'train' or 'val'")
-        corpus = stdlib_corpus(self.max_bytes) if self.path is None else _file_bytes(self.path, self.max_bytes)
+        corpus = (
+            stdlib_corpus(self.max_bytes)
+            if self.path is None
+            else _file_bytes(self.path, self.max_bytes)
+        )
         if len(corpus) * min(self.val_fraction, 1 - self.val_fraction) < self.block_size + 2:
-            raise ValueError(f"{self.path or 'the corpus'} holds {len(corpus)} bytes: too few for windows of "
-                             f"{self.block_size} tokens in both splits; give more text or a smaller block size")
+            raise ValueError(
+                f"{self.path or 'the corpus'} holds {len(corpus)} bytes: too few for windows of "
+                f"{self.block_size} tokens in both splits; give more text or a smaller block size"
+            )
         cut = int(len(corpus) * (1 - self.val_fraction))
         self._data = corpus[:cut] if self.split == "train" else corpus[cut:]
 
@@ -94,15 +114,21 @@ class TextBatches:
         return self.batch_size
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + (7 if self.split == "val" else 0))
-        starts = torch.randint(len(self._data) - self.block_size - 1, (self.batch_size,), generator=g)
+        g = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + index + (7 if self.split == "val" else 0)
+        )
+        starts = torch.randint(
+            len(self._data) - self.block_size - 1, (self.batch_size,), generator=g
+        )
         offsets = torch.arange(self.block_size + 1)
         windows = self._data[starts[:, None] + offsets].long()
         x, y = windows[:, :-1], windows[:, 1:]
         return _on(self.device, x, y)
 
 
-def _on(device: Optional[torch.device], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _on(
+    device: Optional[torch.device], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch moved to ``device`` (asynchronously; CPU batches stay as they are)."""
     if device is not None and device.type != "cpu":
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -112,7 +138,11 @@ def _on(device: Optional[torch.device], x: torch.Tensor, y: torch.Tensor) -> tup
 def _file_bytes(path: str, max_bytes: int) -> torch.Tensor:
     with open(path, "rb") as f:
         blob = f.read(max_bytes)
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone() if blob else torch.zeros(0, dtype=torch.uint8)
+    return (
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+        if blob
+        else torch.zeros(0, dtype=torch.uint8)
+    )
 
 
 def load_texts(path: str) -> list[str]:
@@ -129,8 +159,10 @@ def load_texts(path: str) -> list[str]:
         items = items.get("texts")
     texts = [t.get("text") if isinstance(t, dict) else t for t in (items or [])]
     if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError(f"{path}: expected a list of strings (or {{\"texts\": [...]}}; .jsonl: one string or "
-                         "{\"text\": ...} per line)")
+        raise ValueError(
+            f'{path}: expected a list of strings (or {{"texts": [...]}}; .jsonl: one string or '
+            '{"text": ...} per line)'
+        )
     return texts
 
 
@@ -151,12 +183,18 @@ class TextSamples:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_length < 1:
-            raise ValueError(f"batch_size={self.batch_size} and max_length={self.max_length} must be >= 1")
+            raise ValueError(
+                f"batch_size={self.batch_size} and max_length={self.max_length} must be >= 1"
+            )
         encoded = [t.encode("utf-8")[: self.max_length + 1] for t in self.texts]
         short = [i for i, b in enumerate(encoded) if len(b) < 2]
         if not encoded or short:
-            raise ValueError(f"texts {short} have fewer than 2 bytes: each text needs at least one next byte to "
-                             "predict" if encoded else "no texts given")
+            raise ValueError(
+                f"texts {short} have fewer than 2 bytes: each text needs at least one next byte to "
+                "predict"
+                if encoded
+                else "no texts given"
+            )
         self._orders: dict[int, list[int]] = {}
         length = max(len(b) for b in encoded) - 1
         self._x = torch.zeros(len(encoded), length, dtype=torch.long)
@@ -233,7 +271,9 @@ class ClassificationBatches(_Generated):
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
         g = torch.Generator().manual_seed(10_007 + self.seed)
-        self._teacher = torch.randn(self.in_features, self.n_classes, generator=g) / self.in_features**0.5
+        self._teacher = (
+            torch.randn(self.in_features, self.n_classes, generator=g) / self.in_features**0.5
+        )
 
     epoch_samples: int = 10_000  # generated data has no natural epoch; this many samples make one
 
@@ -256,24 +296,36 @@ class ImageBatches(_Generated):
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.image_size < 4:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1 and image_size={self.image_size} >= 4")
+            raise ValueError(
+                f"batch_size={self.batch_size} must be >= 1 and image_size={self.image_size} >= 4"
+            )
         g = torch.Generator().manual_seed(20_011 + self.seed)
         coarse = torch.randn(self.n_classes, 3, 4, 4, generator=g)
-        self._patterns = torch.nn.functional.interpolate(coarse, size=self.image_size, mode="bilinear",
-                                                         align_corners=False)
+        self._patterns = torch.nn.functional.interpolate(
+            coarse, size=self.image_size, mode="bilinear", align_corners=False
+        )
 
     epoch_samples: int = 10_000  # generated data has no natural epoch; this many samples make one
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         y = torch.randint(self.n_classes, (self.batch_size,), generator=g)
-        x = torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=g) + self._patterns[y]
+        x = (
+            torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=g)
+            + self._patterns[y]
+        )
         return _on(self.device, x, y)
 
 
 def batch_size(batch: Any) -> int:
     """Samples in ``batch``: the first dimension of its first tensor with one."""
-    for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]):
+    for t in (
+        batch.values()
+        if isinstance(batch, dict)
+        else batch
+        if isinstance(batch, (tuple, list))
+        else [batch]
+    ):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return int(t.shape[0])
     raise TypeError("cannot split this batch: it holds no tensor with a batch dimension")
@@ -285,7 +337,11 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
         return [batch]
 
     def cut(t: Any) -> list[Any]:
-        return list(torch.tensor_split(t, parts)) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * parts
+        return (
+            list(torch.tensor_split(t, parts))
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+            else [t] * parts
+        )
 
     if isinstance(batch, dict):
         cols = {k: cut(v) for k, v in batch.items()}

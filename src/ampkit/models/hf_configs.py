@@ -20,9 +20,13 @@ from torch import nn
 
 __all__ = ["ALIASES", "CausalLM", "build_hf", "hf_config", "is_hf", "parse_overrides"]
 
-ALIASES = {"gpt2": "transformers.GPT2Config", "llama": "transformers.LlamaConfig",
-           "mistral": "transformers.MistralConfig", "qwen2": "transformers.Qwen2Config",
-           "bert": "transformers.BertConfig"}
+ALIASES = {
+    "gpt2": "transformers.GPT2Config",
+    "llama": "transformers.LlamaConfig",
+    "mistral": "transformers.MistralConfig",
+    "qwen2": "transformers.Qwen2Config",
+    "bert": "transformers.BertConfig",
+}
 
 
 def is_hf(spec: str) -> bool:
@@ -41,20 +45,32 @@ def _config_file(path: str) -> tuple[Any, dict[str, Any]]:
         with open(path) as f:
             raw = json.load(f)
     except OSError as e:
-        raise ValueError(f"--model {path!r}: the config file cannot be read ({e.strerror or e})") from None
+        raise ValueError(
+            f"--model {path!r}: the config file cannot be read ({e.strerror or e})"
+        ) from None
     except ValueError as e:
         raise ValueError(f"--model {path!r} is not a JSON config file: {e}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"--model {path!r}: a config file holds one JSON object (a model's config.json)")
+        raise ValueError(
+            f"--model {path!r}: a config file holds one JSON object (a model's config.json)"
+        )
     try:
         from transformers import CONFIG_MAPPING
     except ImportError as e:
-        raise ValueError(f"model {path!r} needs transformers (pip install 'ampkit[hf]'): {e}") from None
+        raise ValueError(
+            f"model {path!r} needs transformers (pip install 'ampkit[hf]'): {e}"
+        ) from None
     kind = raw.get("model_type")
     if kind not in CONFIG_MAPPING:
-        raise ValueError(f"--model {path!r}: model_type {kind!r} is not a transformers model family; e.g. "
-                         f"{', '.join(a for a in ALIASES)} (the config.json of a Hugging Face model names its own)")
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version", "architectures")}
+        raise ValueError(
+            f"--model {path!r}: model_type {kind!r} is not a transformers model family; e.g. "
+            f"{', '.join(a for a in ALIASES)} (the config.json of a Hugging Face model names its own)"
+        )
+    fields = {
+        k: v
+        for k, v in raw.items()
+        if k not in ("model_type", "transformers_version", "architectures")
+    }
     return CONFIG_MAPPING[kind], fields
 
 
@@ -67,7 +83,9 @@ def parse_overrides(text: Optional[str]) -> dict[str, Any]:
             continue
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
-            raise ValueError(f"--model_config item {item!r} is not key=value (e.g. n_layer=2,n_embd=64)")
+            raise ValueError(
+                f"--model_config item {item!r} is not key=value (e.g. n_layer=2,n_embd=64)"
+            )
         value: Any = raw.strip()
         low = value.lower()
         if low in ("true", "false"):
@@ -97,19 +115,29 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
         try:
             module = importlib.import_module(mod_name)
         except ImportError as e:
-            extra = " (pip install 'ampkit[hf]')" if mod_name.split(".")[0] == "transformers" else ""
-            raise ValueError(f"model {spec!r} needs {mod_name!r}, which cannot be imported{extra}: {e}") from None
+            extra = (
+                " (pip install 'ampkit[hf]')" if mod_name.split(".")[0] == "transformers" else ""
+            )
+            raise ValueError(
+                f"model {spec!r} needs {mod_name!r}, which cannot be imported{extra}: {e}"
+            ) from None
         cls = getattr(module, cls_name, None)
         if cls is None:
-            raise ValueError(f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})")
+            raise ValueError(
+                f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})"
+            )
     overrides = {**fields, **(overrides or {})}
     config = cls(**fields)
     unknown = [k for k in overrides if not hasattr(config, k)]
     if unknown:
-        raise ValueError(f"{cls_name} has no field(s) {', '.join(map(repr, unknown))} (from --model_config)")
+        raise ValueError(
+            f"{cls_name} has no field(s) {', '.join(map(repr, unknown))} (from --model_config)"
+        )
     config = cls(**overrides) if overrides else config
     if getattr(config, "vocab_size", 256) < 256:
-        raise ValueError(f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256")
+        raise ValueError(
+            f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256"
+        )
     return config
 
 
@@ -140,7 +168,9 @@ class CausalLM(nn.Module):
         logits = self.hf(input_ids=idx).logits
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+        )
 
     def save(self, directory: str) -> None:
         """``save_pretrained`` (safetensors + config.json): ``AutoModelForCausalLM.from_pretrained`` loads it."""

@@ -21,18 +21,26 @@ from ..step.engine import MixedPrecision
 __all__ = ["save_model"]
 
 
-def save_model(model: torch.nn.Module, amp: MixedPrecision, directory: str, meta: dict[str, Any]) -> str:
+def save_model(
+    model: torch.nn.Module, amp: MixedPrecision, directory: str, meta: dict[str, Any]
+) -> str:
     from .hf_configs import CausalLM
 
     directory = os.path.abspath(directory)
     tmp = directory + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    state = {k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu()
-             for k, v in amp.full_precision_state_dict().items()}
+    state = {
+        k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu()
+        for k, v in amp.full_precision_state_dict().items()
+    }
     if isinstance(model, CausalLM):
-        model.hf.save_pretrained(tmp, state_dict={k[len("hf."):]: v for k, v in state.items() if k.startswith("hf.")})
-        cfg_path = os.path.join(tmp, "config.json")  # save_pretrained records the live (training) dtype;
+        model.hf.save_pretrained(
+            tmp, state_dict={k[len("hf.") :]: v for k, v in state.items() if k.startswith("hf.")}
+        )
+        cfg_path = os.path.join(
+            tmp, "config.json"
+        )  # save_pretrained records the live (training) dtype;
         with open(cfg_path, encoding="utf-8") as f:  # the weights written are fp32
             cfg = json.load(f)
         cfg.update({k: "float32" for k in ("dtype", "torch_dtype") if k in cfg})

@@ -19,7 +19,13 @@ import torch
 from ..step.precision import Precision, PrecisionError, resolve_precision
 from .monitor.core import peak_memory_bytes
 
-__all__ = ["ActivationReport", "MemoryBreakdown", "activations", "breakdown", "peak"]  # + estimate (lazy)
+__all__ = [
+    "ActivationReport",
+    "MemoryBreakdown",
+    "activations",
+    "breakdown",
+    "peak",
+]  # + estimate (lazy)
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "scaler")
 
@@ -59,8 +65,14 @@ class MemoryBreakdown:
         return sum(self.cells.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"total": self.total, "by_category": self.by_category, "by_dtype": self.by_dtype,
-                "cells": [{"category": c, "dtype": d, "bytes": n} for (c, d), n in sorted(self.cells.items())]}
+        return {
+            "total": self.total,
+            "by_category": self.by_category,
+            "by_dtype": self.by_dtype,
+            "cells": [
+                {"category": c, "dtype": d, "bytes": n} for (c, d), n in sorted(self.cells.items())
+            ],
+        }
 
     def table(self, title: str = "memory by category and dtype") -> Any:
         from rich.table import Table
@@ -74,7 +86,9 @@ class MemoryBreakdown:
         for cat in CATEGORIES:
             row = [_mib(self.cells.get((cat, d), 0)) for d in dtypes]
             t.add_row(cat, *row, _mib(self.by_category[cat]))
-        t.add_row("total", *[_mib(self.by_dtype[d]) for d in dtypes], _mib(self.total), style="bold")
+        t.add_row(
+            "total", *[_mib(self.by_dtype[d]) for d in dtypes], _mib(self.total), style="bold"
+        )
         return t
 
 
@@ -82,8 +96,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.3f} MiB" if n else "—"
 
 
-def breakdown(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-              amp: Any = None) -> MemoryBreakdown:
+def breakdown(
+    model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, amp: Any = None
+) -> MemoryBreakdown:
     """Bytes of parameters, gradients, optimizer state, master weights and scaler state, by dtype.
 
     Each storage is counted once, in the first category that holds it (in the order above).
@@ -140,9 +155,14 @@ class ActivationReport:
     details: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "total": self.total, "by_dtype": self.by_dtype,
-                "by_module": self.by_module, "tensors": self.tensors,
-                "excluded_parameter_bytes": self.excluded_parameter_bytes}
+        return {
+            "precision": self.precision,
+            "total": self.total,
+            "by_dtype": self.by_dtype,
+            "by_module": self.by_module,
+            "tensors": self.tensors,
+            "excluded_parameter_bytes": self.excluded_parameter_bytes,
+        }
 
 
 def activations(
@@ -164,26 +184,41 @@ def activations(
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     p = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
     if not p.row.measures_activations:
-        raise PrecisionError(f"activations() does not measure {p.name} yet (torchao's fp8 casts "
-                             "are not followed); choose fp32, tf32, bf16, fp16 or a pure form")
+        raise PrecisionError(
+            f"activations() does not measure {p.name} yet (torchao's fp8 casts "
+            "are not followed); choose fp32, tf32, bf16, fp16 or a pure form"
+        )
     # A model set up for a pure precision already holds half weights; others run on a cast copy.
     cast = p.is_pure and not any(q.dtype == p.param_dtype for q in model.parameters())
     run_model = copy.deepcopy(model).to(p.param_dtype) if cast else model
-    args, kwargs = (example_inputs, {}) if not isinstance(example_inputs, dict) else ((), example_inputs)
+    args, kwargs = (
+        (example_inputs, {}) if not isinstance(example_inputs, dict) else ((), example_inputs)
+    )
     if isinstance(args, torch.Tensor):
         args = (args,)
     if p.is_pure:
-        args = tuple(a.to(p.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    with torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled), \
-            saved_activations(run_model, by_module=True) as saved:
+        args = tuple(
+            a.to(p.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args
+        )
+    with (
+        torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled),
+        saved_activations(run_model, by_module=True) as saved,
+    ):
         out = run_model(*args, **kwargs)
         if loss_fn is not None:
             saved.current[:] = ["(loss)"]
             out = loss_fn(out)
     del out
-    return ActivationReport(precision=p.name, total=saved.total, by_dtype=dict(saved.by_dtype),
-                            by_module=dict(saved.by_module), tensors=len(saved.details),
-                            excluded_parameter_bytes=saved.excluded, details=saved.details)
+    return ActivationReport(
+        precision=p.name,
+        total=saved.total,
+        by_dtype=dict(saved.by_dtype),
+        by_module=dict(saved.by_module),
+        tensors=len(saved.details),
+        excluded_parameter_bytes=saved.excluded,
+        details=saved.details,
+    )
 
 
 class SavedActivations:
@@ -215,23 +250,37 @@ class SavedActivations:
         self.by_dtype[_dtype_name(t.dtype)] += n
         self.by_module[self.current[-1]] += n
         if self.keep_details:
-            self.details.append({"module": self.current[-1], "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
-                                 "bytes": n})
+            self.details.append(
+                {
+                    "module": self.current[-1],
+                    "dtype": _dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "bytes": n,
+                }
+            )
         return t
 
 
 @contextlib.contextmanager
-def saved_activations(model: torch.nn.Module, *, by_module: bool = False) -> Iterator[SavedActivations]:
+def saved_activations(
+    model: torch.nn.Module, *, by_module: bool = False
+) -> Iterator[SavedActivations]:
     """Count the tensors autograd saves for backward while the block runs (``saved_tensors_hooks``):
     :func:`activations` on a forward it runs itself, the memory estimate on the forward of the step
     it measures (one forward instead of two). ``by_module``: attribute each to the top-level child
     running at the time (forward hooks) and keep a line per tensor."""
-    saved = SavedActivations({_key(t) for t in list(model.parameters()) + list(model.buffers())}, by_module)
+    saved = SavedActivations(
+        {_key(t) for t in list(model.parameters()) + list(model.buffers())}, by_module
+    )
     handles = []
     if by_module:
         for name, child in _units(model):
-            handles.append(child.register_forward_pre_hook(lambda m, a, _n=name: saved.current.append(_n)))
-            handles.append(child.register_forward_hook(lambda m, a, o: saved.current.pop() and None))
+            handles.append(
+                child.register_forward_pre_hook(lambda m, a, _n=name: saved.current.append(_n))
+            )
+            handles.append(
+                child.register_forward_hook(lambda m, a, o: saved.current.pop() and None)
+            )
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             yield saved
@@ -256,4 +305,3 @@ def peak(device: Union[str, torch.device, None] = None) -> int:
     from ..step.hardware import normalize_device
 
     return peak_memory_bytes(normalize_device(device))
-

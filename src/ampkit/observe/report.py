@@ -41,8 +41,10 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
         raise FileNotFoundError(f"run directory {path!r} does not exist")
     log = os.path.join(path, LOG_NAME) if os.path.isdir(path) else path
     if not os.path.isfile(log):
-        raise FileNotFoundError(f"{path!r} holds no {LOG_NAME}; pass a run directory written by "
-                                "`ampkit train --log_dir DIR` (or a .jsonl log file)")
+        raise FileNotFoundError(
+            f"{path!r} holds no {LOG_NAME}; pass a run directory written by "
+            "`ampkit train --log_dir DIR` (or a .jsonl log file)"
+        )
     records = read_jsonl(log)
     notes: tuple[str, ...] = ()
     run_ids = list(dict.fromkeys(r.get("run_id") for r in records if r.get("run_id")))
@@ -50,16 +52,28 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     if len(run_ids) > 1:
         # Several runs appended to one log (a reused --log_dir): never merge them.
         records = [r for r in records if r.get("run_id") == run_id]
-        notes = (f"{log} holds {len(run_ids)} runs ({', '.join(run_ids)}); showing the last one, {run_id}. "
-                 "Give each run its own --log_dir.",)
+        notes = (
+            f"{log} holds {len(run_ids)} runs ({', '.join(run_ids)}); showing the last one, {run_id}. "
+            "Give each run its own --log_dir.",
+        )
     steps = [r for r in records if r.get("type") == "step"]
     if not steps:
-        raise ValueError(f"{log!r} holds no step records; was the run stopped before its first log interval?")
+        raise ValueError(
+            f"{log!r} holds no step records; was the run stopped before its first log interval?"
+        )
     events = [r for r in records if r.get("type") == "event"]
-    name = label or os.path.basename(os.path.normpath(path if os.path.isdir(path) else os.path.dirname(path) or path))
+    name = label or os.path.basename(
+        os.path.normpath(path if os.path.isdir(path) else os.path.dirname(path) or path)
+    )
     precisions = sorted({r.get("precision") for r in steps if r.get("precision")})
-    return Run(path=path, label=f"{name} ({', '.join(precisions)})", steps=steps, events=events, run_id=run_id,
-               notes=notes)
+    return Run(
+        path=path,
+        label=f"{name} ({', '.join(precisions)})",
+        steps=steps,
+        events=events,
+        run_id=run_id,
+        notes=notes,
+    )
 
 
 def _parse_metrics(metrics: Optional[Sequence[str]]) -> list[str]:
@@ -68,7 +82,9 @@ def _parse_metrics(metrics: Optional[Sequence[str]]) -> list[str]:
     chosen = [m.strip() for m in metrics if m.strip()]
     unknown = [m for m in chosen if m not in METRICS]
     if unknown:
-        raise ValueError(f"unknown metric(s) {', '.join(map(repr, unknown))}; known metrics: {', '.join(METRICS)}")
+        raise ValueError(
+            f"unknown metric(s) {', '.join(map(repr, unknown))}; known metrics: {', '.join(METRICS)}"
+        )
     return chosen
 
 
@@ -86,7 +102,11 @@ def _plot_loss(plt: Any, runs: list[Run], path: str) -> None:
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     for run in runs:
         ax.plot(*_series(run, "loss"), label=run.label, linewidth=1.2)
-        skipped = [(r["step"], r["loss"]) for r in run.steps if r.get("skipped") and r.get("loss") is not None]
+        skipped = [
+            (r["step"], r["loss"])
+            for r in run.steps
+            if r.get("skipped") and r.get("loss") is not None
+        ]
         if skipped:
             ax.scatter(*zip(*skipped), marker="x", color="red", zorder=3, s=20)
         evals = _evals(run)
@@ -101,7 +121,11 @@ def _plot_loss(plt: Any, runs: list[Run], path: str) -> None:
 
 
 def _evals(run: Run) -> list[tuple[int, float]]:
-    return [(e["step"], e["loss"]) for e in run.events if e.get("kind") == "eval" and e.get("loss") is not None]
+    return [
+        (e["step"], e["loss"])
+        for e in run.events
+        if e.get("kind") == "eval" and e.get("loss") is not None
+    ]
 
 
 def _plot_scale(plt: Any, runs: list[Run], path: str) -> None:
@@ -112,16 +136,36 @@ def _plot_scale(plt: Any, runs: list[Run], path: str) -> None:
         if xs:
             any_scale = True
             line = ax.step(xs, ys, where="post", label=run.label)[0]
-            ov = [(e["step"], e["scale_before"]) for e in run.events
-                  if e.get("kind") == "overflow" and e.get("scale_before") is not None]
+            ov = [
+                (e["step"], e["scale_before"])
+                for e in run.events
+                if e.get("kind") == "overflow" and e.get("scale_before") is not None
+            ]
             if ov:
-                ax.scatter(*zip(*ov), marker="v", color=line.get_color(), edgecolor="red", zorder=3,
-                           label=f"{run.label}: overflow ({len(ov)})")
+                ax.scatter(
+                    *zip(*ov),
+                    marker="v",
+                    color=line.get_color(),
+                    edgecolor="red",
+                    zorder=3,
+                    label=f"{run.label}: overflow ({len(ov)})",
+                )
     if any_scale:
         ax.set_yscale("log", base=2)
     else:
-        ax.text(0.5, 0.5, "no loss scaling in these runs (bf16/fp32)", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="optimizer step", ylabel="loss scale", title="loss scale (▼ = overflow, step skipped)")
+        ax.text(
+            0.5,
+            0.5,
+            "no loss scaling in these runs (bf16/fp32)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+    ax.set(
+        xlabel="optimizer step",
+        ylabel="loss scale",
+        title="loss scale (▼ = overflow, step skipped)",
+    )
     ax.grid(alpha=0.3)
     if any_scale:
         ax.legend()
@@ -163,19 +207,36 @@ _PLOTS = {"loss": _plot_loss, "scale": _plot_scale, "speed": _plot_speed, "memor
 
 
 def _markdown(runs: list[Run], pngs: list[str]) -> str:
-    cols = [("precision", "precision", "{}"), ("steps", "steps", "{}"), ("final loss", "final_loss", "{:.4f}"),
-            ("ms/step (median)", "step_time_ms_median", "{:.2f}"), ("ms/step (p90)", "step_time_ms_p90", "{:.2f}"),
-            ("tokens/s", "tokens_per_s", "{:,.0f}"), ("samples/s", "samples_per_s", "{:,.0f}"),
-            ("skipped", "skipped_steps", "{}"), ("overflow rate", "overflow_rate", "{:.2%}"),
-            ("scale min/max/last", None, ""), ("peak MiB", "peak_mem_bytes", "")]
-    lines = ["# ampkit run report", "", "| run | " + " | ".join(c[0] for c in cols) + " |",
-             "| --- |" + " ---: |" * len(cols)]
+    cols = [
+        ("precision", "precision", "{}"),
+        ("steps", "steps", "{}"),
+        ("final loss", "final_loss", "{:.4f}"),
+        ("ms/step (median)", "step_time_ms_median", "{:.2f}"),
+        ("ms/step (p90)", "step_time_ms_p90", "{:.2f}"),
+        ("tokens/s", "tokens_per_s", "{:,.0f}"),
+        ("samples/s", "samples_per_s", "{:,.0f}"),
+        ("skipped", "skipped_steps", "{}"),
+        ("overflow rate", "overflow_rate", "{:.2%}"),
+        ("scale min/max/last", None, ""),
+        ("peak MiB", "peak_mem_bytes", ""),
+    ]
+    lines = [
+        "# ampkit run report",
+        "",
+        "| run | " + " | ".join(c[0] for c in cols) + " |",
+        "| --- |" + " ---: |" * len(cols),
+    ]
     for run in runs:
         s = run.summary
         cells = []
         for _, key, fmt in cols:
             if key is None:
-                cells.append("/".join("—" if s[k] is None else f"{s[k]:g}" for k in ("scale_min", "scale_max", "scale_last")))
+                cells.append(
+                    "/".join(
+                        "—" if s[k] is None else f"{s[k]:g}"
+                        for k in ("scale_min", "scale_max", "scale_last")
+                    )
+                )
             elif key == "peak_mem_bytes":
                 cells.append(f"{s[key] / 2**20:,.1f}" if s.get(key) else "—")
             else:
@@ -184,23 +245,48 @@ def _markdown(runs: list[Run], pngs: list[str]) -> str:
         lines.append(f"| {run.label} | " + " | ".join(cells) + " |")
     evals = [(run.label, _evals(run)) for run in runs if _evals(run)]
     if evals:
-        lines += ["", "## Held-out evaluation", "", "| run | step | eval loss |", "| --- | ---: | ---: |"]
-        lines += [f"| {label} | {step} | {loss:.4f} |" for label, pts in evals for step, loss in pts]
+        lines += [
+            "",
+            "## Held-out evaluation",
+            "",
+            "| run | step | eval loss |",
+            "| --- | ---: | ---: |",
+        ]
+        lines += [
+            f"| {label} | {step} | {loss:.4f} |" for label, pts in evals for step, loss in pts
+        ]
     notes = [n for run in runs for n in run.notes]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    events = [(run.label, e) for run in runs for e in run.events if e.get("kind") not in ("summary", "overflow", "eval")]
+    events = [
+        (run.label, e)
+        for run in runs
+        for e in run.events
+        if e.get("kind") not in ("summary", "overflow", "eval")
+    ]
     if events:
         lines += ["", "## Events", ""]
         for label, e in events:
-            details = {k: v for k, v in e.items() if k not in ("schema_version", "type", "kind", "step", "time")}
-            lines.append(f"- {label}, step {e['step']}: **{e['kind']}** {json.dumps(details, default=str)}")
-    lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs]
+            details = {
+                k: v
+                for k, v in e.items()
+                if k not in ("schema_version", "type", "kind", "step", "time")
+            }
+            lines.append(
+                f"- {label}, step {e['step']}: **{e['kind']}** {json.dumps(details, default=str)}"
+            )
+    lines += ["", "## Plots", ""] + [
+        f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs
+    ]
     return "\n".join(lines) + "\n"
 
 
-def make_report(run_dir: str, compare: Sequence[str] = (), out_dir: Optional[str] = None,
-                metrics: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def make_report(
+    run_dir: str,
+    compare: Sequence[str] = (),
+    out_dir: Optional[str] = None,
+    metrics: Optional[Sequence[str]] = None,
+) -> dict[str, Any]:
     """Write PNG plots and ``report.md`` for ``run_dir`` (overlaid with ``compare`` runs).
 
     Returns ``{"out_dir", "pngs", "markdown", "summaries"}``. Default ``out_dir``: ``RUN_DIR/report``.
@@ -223,5 +309,11 @@ def make_report(run_dir: str, compare: Sequence[str] = (), out_dir: Optional[str
     md_path = os.path.join(out, "report.md")
     with open(md_path, "w", encoding="utf-8") as f:
         f.write(_markdown(runs, pngs))
-    return {"out_dir": out, "pngs": pngs, "markdown": md_path, "summaries": {r.label: r.summary for r in runs},
-            "evals": {r.label: _evals(r) for r in runs}, "notes": [n for r in runs for n in r.notes]}
+    return {
+        "out_dir": out,
+        "pngs": pngs,
+        "markdown": md_path,
+        "summaries": {r.label: r.summary for r in runs},
+        "evals": {r.label: _evals(r) for r in runs},
+        "notes": [n for r in runs for n in r.notes],
+    }

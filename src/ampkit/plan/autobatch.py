@@ -24,7 +24,9 @@ from .estimate import estimate, parse_bytes
 
 __all__ = ["AutoBatch", "HEADROOM", "check_auto_args", "choose_split", "device_budget"]
 
-HEADROOM = 0.9  # of the CUDA memory left to this process: fragmentation and what the estimate misses
+HEADROOM = (
+    0.9  # of the CUDA memory left to this process: fragmentation and what the estimate misses
+)
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,21 @@ class AutoBatch:
 def check_auto_args(batch_size: Any, memory_budget: Any, world_size: int) -> None:
     """The Trainer's ``batch_size``/``memory_budget`` arguments, checked at construction."""
     if batch_size not in (None, "auto"):
-        raise ValueError(f"batch_size={batch_size!r}; choose 'auto' (the largest micro-batch of the data's "
-                         "batches that fits memory_budget) or None (the batches as they come)")
+        raise ValueError(
+            f"batch_size={batch_size!r}; choose 'auto' (the largest micro-batch of the data's "
+            "batches that fits memory_budget) or None (the batches as they come)"
+        )
     if memory_budget is not None:
         if batch_size != "auto":
-            raise ValueError(f"memory_budget={memory_budget!r} is only used with batch_size='auto' (got batch_size={batch_size!r})")
+            raise ValueError(
+                f"memory_budget={memory_budget!r} is only used with batch_size='auto' (got batch_size={batch_size!r})"
+            )
         parse_bytes(memory_budget)  # a bad budget fails here, not at fit()
     if batch_size == "auto" and world_size > 1:
-        raise ValueError("batch_size='auto' chooses for one process; under DDP/FSDP give each rank's batch "
-                         "(`ampkit plan` predicts it)")
+        raise ValueError(
+            "batch_size='auto' chooses for one process; under DDP/FSDP give each rank's batch "
+            "(`ampkit plan` predicts it)"
+        )
 
 
 def device_budget(device: torch.device, memory_budget: Union[str, int, float, None]) -> int:
@@ -59,8 +67,10 @@ def device_budget(device: torch.device, memory_budget: Union[str, int, float, No
     if memory_budget is not None:
         return parse_bytes(memory_budget)
     if device.type != "cuda":
-        raise ValueError(f"batch_size='auto' needs a memory budget on {device.type} (e.g. memory_budget='8GiB'); "
-                         "only on CUDA is the device's free memory the default budget")
+        raise ValueError(
+            f"batch_size='auto' needs a memory budget on {device.type} (e.g. memory_budget='8GiB'); "
+            "only on CUDA is the device's free memory the default budget"
+        )
     free, _ = torch.cuda.mem_get_info(device)
     return int(HEADROOM * (free + torch.cuda.memory_reserved(device)))
 
@@ -78,12 +88,20 @@ def _same_optimizer(optimizer: torch.optim.Optimizer) -> Any:
     return lambda params: type(optimizer)(params, **kwargs)
 
 
-def choose_split(model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str, device: torch.device,
-                 batch: Any, budget: int) -> AutoBatch:
+def choose_split(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: str,
+    device: torch.device,
+    batch: Any,
+    budget: int,
+) -> AutoBatch:
     """The smallest divisor ``split`` of the batch whose micro-batch's predicted peak fits ``budget``."""
     n = batch_size(batch)
     if n < 1:
-        raise ValueError("batch_size='auto' needs batches with a leading batch dimension (tensors of shape [B, ...])")
+        raise ValueError(
+            "batch_size='auto' needs batches with a leading batch dimension (tensors of shape [B, ...])"
+        )
     divisors = [s for s in range(1, n + 1) if n % s == 0]
     opt = _same_optimizer(optimizer)
     seen: dict[int, int] = {}
@@ -95,10 +113,15 @@ def choose_split(model: torch.nn.Module, optimizer: torch.optim.Optimizer, preci
         return seen[split]
 
     if peak(divisors[-1]) > budget:
-        raise ValueError(f"memory budget {budget / 2**20:,.0f} MiB: not even a micro-batch of 1 fits "
-                         f"({seen[divisors[-1]] / 2**20:,.0f} MiB predicted in {precision}); give more memory, "
-                         "a smaller model, or a half precision")
-    lo, hi = 0, len(divisors) - 1  # divisors[hi] fits; find the first that fits (peak falls with the split)
+        raise ValueError(
+            f"memory budget {budget / 2**20:,.0f} MiB: not even a micro-batch of 1 fits "
+            f"({seen[divisors[-1]] / 2**20:,.0f} MiB predicted in {precision}); give more memory, "
+            "a smaller model, or a half precision"
+        )
+    lo, hi = (
+        0,
+        len(divisors) - 1,
+    )  # divisors[hi] fits; find the first that fits (peak falls with the split)
     while lo < hi:
         mid = (lo + hi) // 2
         if peak(divisors[mid]) <= budget:
@@ -107,12 +130,22 @@ def choose_split(model: torch.nn.Module, optimizer: torch.optim.Optimizer, preci
             lo = mid + 1
     split = divisors[hi]
     micro = n // split
-    reason = (f"micro-batch {micro} ({'the whole batch' if split == 1 else f'batch {n} cut in {split}'}): "
-              f"predicted peak {seen[split] / 2**20:,.0f} MiB in {precision} fits the budget of "
-              f"{budget / 2**20:,.0f} MiB")
+    reason = (
+        f"micro-batch {micro} ({'the whole batch' if split == 1 else f'batch {n} cut in {split}'}): "
+        f"predicted peak {seen[split] / 2**20:,.0f} MiB in {precision} fits the budget of "
+        f"{budget / 2**20:,.0f} MiB"
+    )
     if split > 1:
-        reason += f"; micro-batch {n // divisors[hi - 1]} would need {seen[divisors[hi - 1]] / 2**20:,.0f} MiB" \
-            if divisors[hi - 1] in seen else ""
-    return AutoBatch(batch=n, split=split, micro_batch=micro, budget_bytes=budget, predicted_bytes=seen[split],
-                     reason=reason)
-
+        reason += (
+            f"; micro-batch {n // divisors[hi - 1]} would need {seen[divisors[hi - 1]] / 2**20:,.0f} MiB"
+            if divisors[hi - 1] in seen
+            else ""
+        )
+    return AutoBatch(
+        batch=n,
+        split=split,
+        micro_batch=micro,
+        budget_bytes=budget,
+        predicted_bytes=seen[split],
+        reason=reason,
+    )

@@ -33,7 +33,9 @@ from .session import Measure
 
 __all__ = ["cache_dir", "current", "key", "load", "save", "use"]
 
-_DIR: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("ampkit_plan_cache", default=None)
+_DIR: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar(
+    "ampkit_plan_cache", default=None
+)
 
 
 @contextlib.contextmanager
@@ -55,7 +57,9 @@ def cache_dir() -> Optional[Path]:
     """Where plans keep their measures: ``plan/`` under ampkit's cache directory (None: turned off)."""
     if os.environ.get("AMPKIT_PLAN_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
         return None
-    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
+    root = os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "ampkit"
+    )
     return Path(root) / "plan"
 
 
@@ -95,9 +99,15 @@ def key(model: str, precision: str, optimizer: Any, batch: Any, **settings: Any)
     from .devices import current as target
 
     device = target()
-    spec = {"model": model, "precision": precision, "optimizer": optimizer.lower(), "batch": _shapes(batch),
-            "device": device.name if device is not None else "cpu",
-            **{k: repr(v) for k, v in sorted(settings.items())}, "environment": _environment()}
+    spec = {
+        "model": model,
+        "precision": precision,
+        "optimizer": optimizer.lower(),
+        "batch": _shapes(batch),
+        "device": device.name if device is not None else "cpu",
+        **{k: repr(v) for k, v in sorted(settings.items())},
+        "environment": _environment(),
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -108,10 +118,19 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
         return None
     try:
         raw = json.loads((directory / f"{name}.json").read_text())
-        return {k: Measure(m["precision"], int(m["peak_bytes"]), {p: int(v) for p, v in m["parts"].items()},
-                           {d: int(v) for d, v in m["by_dtype"].items()}, tuple(int(x) for x in m["timeline"]),
-                           tuple(int(x) for x in m["phases"]), tuple(int(x) for x in m.get("grads", ())),
-                           int(m.get("largest_grad", 0))) for k, m in raw["measures"].items()}
+        return {
+            k: Measure(
+                m["precision"],
+                int(m["peak_bytes"]),
+                {p: int(v) for p, v in m["parts"].items()},
+                {d: int(v) for d, v in m["by_dtype"].items()},
+                tuple(int(x) for x in m["timeline"]),
+                tuple(int(x) for x in m["phases"]),
+                tuple(int(x) for x in m.get("grads", ())),
+                int(m.get("largest_grad", 0)),
+            )
+            for k, m in raw["measures"].items()
+        }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -121,10 +140,21 @@ def save(name: Optional[str], measures: dict[str, Measure]) -> None:
     directory = current()
     if directory is None or name is None:
         return
-    body = {"measures": {k: {"precision": m.precision, "peak_bytes": m.peak_bytes, "parts": m.parts,
-                             "by_dtype": m.by_dtype, "timeline": list(m.timeline), "phases": list(m.phases),
-                             "grads": list(m.grads), "largest_grad": m.largest_grad}
-                         for k, m in measures.items()}}
+    body = {
+        "measures": {
+            k: {
+                "precision": m.precision,
+                "peak_bytes": m.peak_bytes,
+                "parts": m.parts,
+                "by_dtype": m.by_dtype,
+                "timeline": list(m.timeline),
+                "phases": list(m.phases),
+                "grads": list(m.grads),
+                "largest_grad": m.largest_grad,
+            }
+            for k, m in measures.items()
+        }
+    }
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")

@@ -31,16 +31,30 @@ import torch
 from . import cache as plan_cache
 from .session import PARTS, Curve, Measure, Session
 
-__all__ = ["BATCHES", "DEPTHS", "METHOD_NOTE", "DepthError", "DepthFit", "PlanRow", "Stack", "by_depth",
-           "measure_both", "measure_depths", "phases", "stack_for"]
+__all__ = [
+    "BATCHES",
+    "DEPTHS",
+    "METHOD_NOTE",
+    "DepthError",
+    "DepthFit",
+    "PlanRow",
+    "Stack",
+    "by_depth",
+    "measure_both",
+    "measure_depths",
+    "phases",
+    "stack_for",
+]
 
 DEPTHS = (1, 2)  # the shallow copies measured (peaks are affine in the depth from one block on)
 BATCHES = (4, 5)  # the batch sizes each is measured at: batches 1 and 2 can run other operations (a
 # size-1 or size-2 dimension takes another path; fp8's casts at batch 3), which no line through them would foresee
-METHOD_NOTE = ("estimated by depth extrapolation from 1- and 2-block copies of the model (each phase's peak "
-               "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3, 6 and 12 layers and "
-               "the built-in gpt small/medium, see docs/benchmarks.md); --verify measures the full model at the "
-               "answer")
+METHOD_NOTE = (
+    "estimated by depth extrapolation from 1- and 2-block copies of the model (each phase's peak "
+    "extrapolated, then the largest taken; measured error 0 bytes on GPT-2 at 3, 6 and 12 layers and "
+    "the built-in gpt small/medium, see docs/benchmarks.md); --verify measures the full model at the "
+    "answer"
+)
 
 
 class DepthError(ValueError):
@@ -55,7 +69,9 @@ class Stack:
     name: str
     depth: int
     factory: Callable[[int], Callable[[], torch.nn.Module]]
-    spec: str = ""  # the configuration, as text: names its measures in the plan cache ("": not kept)
+    spec: str = (
+        ""  # the configuration, as text: names its measures in the plan cache ("": not kept)
+    )
 
 
 def _gpt(cfg: dict[str, Any]) -> torch.nn.Module:
@@ -74,7 +90,9 @@ def _hf_at(spec: str, overrides: dict[str, Any], key: str, n: int) -> Callable[[
     return functools.partial(build_hf, spec, {**overrides, key: n})
 
 
-def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any]] = None) -> Optional[Stack]:
+def stack_for(
+    model: str, size: str = "small", overrides: Optional[dict[str, Any]] = None
+) -> Optional[Stack]:
     """The built-in ``gpt`` at ``size``, or a Hugging Face config model with a layer count
     (``num_hidden_layers``, ``n_layer`` for GPT-2), as a :class:`Stack`; None for any other model
     (an MLP, a CNN, a user's ``module:factory``): those are measured whole."""
@@ -83,8 +101,12 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
 
     if model == "gpt" and size in SIZES["gpt"]:
         cfg = dict(SIZES["gpt"][size])
-        return Stack(f"gpt/{size}", int(cfg["n_layer"]), functools.partial(_gpt_at, cfg),
-                     json.dumps(["gpt", cfg], sort_keys=True, default=repr))
+        return Stack(
+            f"gpt/{size}",
+            int(cfg["n_layer"]),
+            functools.partial(_gpt_at, cfg),
+            json.dumps(["gpt", cfg], sort_keys=True, default=repr),
+        )
     if not is_hf(model):
         return None
     config = hf_config(model, overrides)
@@ -93,17 +115,25 @@ def stack_for(model: str, size: str = "small", overrides: Optional[dict[str, Any
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         return None
     rest = {k: v for k, v in (overrides or {}).items() if k not in (key, "num_hidden_layers")}
-    spec = [model, rest, key] + ([config.to_dict()] if model.endswith(".json") else [])  # a file: its fields
-    return Stack(model, depth, functools.partial(_hf_at, model, rest, key),
-                 json.dumps(spec, sort_keys=True, default=repr))
+    spec = [model, rest, key] + (
+        [config.to_dict()] if model.endswith(".json") else []
+    )  # a file: its fields
+    return Stack(
+        model,
+        depth,
+        functools.partial(_hf_at, model, rest, key),
+        json.dumps(spec, sort_keys=True, default=repr),
+    )
 
 
 def phases(m: Measure) -> list[Measure]:
     """The measure cut into what is extrapolated separately: the forward, the backward, the
     optimizer step (timeline slices), and the parts' sum (the estimate's floor for the peak)."""
     cuts = [0, *m.phases, len(m.timeline)]
-    out = [Measure(m.precision, max(m.timeline[a:b], default=0), {}, {}, m.timeline[a:b])
-           for a, b in zip(cuts, cuts[1:])]
+    out = [
+        Measure(m.precision, max(m.timeline[a:b], default=0), {}, {}, m.timeline[a:b])
+        for a, b in zip(cuts, cuts[1:])
+    ]
     out.append(Measure(m.precision, sum(m.parts.values()) - m.parts["temporaries"], {}, {}, ()))
     return out
 
@@ -119,7 +149,9 @@ class DepthFit:
         depths = sorted({d for d, _ in measures})
         self.batches = sorted({b for _, b in measures})
         if len(depths) != 2 or len(self.batches) < 2 or len(measures) != 2 * len(self.batches):
-            raise DepthError(f"a depth fit needs measures at 2 depths x 2 or more batches, got {sorted(measures)}")
+            raise DepthError(
+                f"a depth fit needs measures at 2 depths x 2 or more batches, got {sorted(measures)}"
+            )
         (self.d1, self.d2), (self.b1, self.b2) = depths, self.batches[-2:]
         self.measures = measures
         self.offsets: tuple[int, ...] = ()  # per phase, added to every peak (:meth:`shifted`)
@@ -128,13 +160,20 @@ class DepthFit:
             lo, hi = phases(measures[(d, self.b1)]), phases(measures[(d, self.b2)])
             self.curves[d] = [Curve(self.b1, x, self.b2, y) for x, y in zip(lo, hi)]
         if not all(c.ok for cs in self.curves.values() for c in cs):
-            raise DepthError(f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
-                             "not affine in the batch there")
-        for (d, b), m in measures.items():  # the fit reproduces what it was fitted on, or it is refused
+            raise DepthError(
+                f"the steps at batch {self.b1} and {self.b2} ran different operations: the memory is "
+                "not affine in the batch there"
+            )
+        for (
+            d,
+            b,
+        ), m in measures.items():  # the fit reproduces what it was fitted on, or it is refused
             got = max(math.ceil(v - 1e-6) for v in self._phase_peaks(d, b))
             if got != m.peak_bytes:
-                raise DepthError(f"the phases' maximum ({got}) is not the peak measured ({m.peak_bytes}) at depth "
-                                 f"{d}, batch {b}")
+                raise DepthError(
+                    f"the phases' maximum ({got}) is not the peak measured ({m.peak_bytes}) at depth "
+                    f"{d}, batch {b}"
+                )
 
     def _at(self, depth: int, f: Callable[[int], float]) -> float:
         v1, v2 = f(self.d1), f(self.d2)
@@ -148,10 +187,16 @@ class DepthFit:
 
     def _phase_peaks(self, depth: int, batch: int) -> list[float]:
         if batch in self.batches:  # measured: each phase's own peak, extrapolated in the depth
-            peaks = {d: [p.peak_bytes for p in phases(self.measures[(d, batch)])] for d in (self.d1, self.d2)}
+            peaks = {
+                d: [p.peak_bytes for p in phases(self.measures[(d, batch)])]
+                for d in (self.d1, self.d2)
+            }
             out = [self._at(depth, lambda d, i=i: peaks[d][i]) for i in range(len(peaks[self.d1]))]
         else:
-            out = [self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch)) for c in range(len(self.curves[self.d1]))]
+            out = [
+                self._at(depth, lambda d, c=c: self.curves[d][c].peak(batch))
+                for c in range(len(self.curves[self.d1]))
+            ]
         return [v + o for v, o in zip(out, self.offsets)] if self.offsets else out
 
     def peak(self, depth: int, batch: int) -> int:
@@ -160,6 +205,7 @@ class DepthFit:
 
     def parts(self, depth: int, batch: int) -> dict[str, int]:
         """Every part of :data:`PARTS` at ``depth`` x ``batch`` (bilinear; temporaries: what the peak adds)."""
+
         def part(name: str, d: int) -> float:
             if batch in self.batches:
                 return self.measures[(d, batch)].parts[name]
@@ -190,44 +236,87 @@ class DepthFit:
         return lo
 
 
-def measure_depths(stack: Stack, precision: str, batch_of: Callable[[int], Any], *, optimizer: Any = "adamw",
-                   activation_checkpointing: bool = False, depths: tuple[int, int] = DEPTHS,
-                   batches: tuple[int, ...] = BATCHES) -> DepthFit:
+def measure_depths(
+    stack: Stack,
+    precision: str,
+    batch_of: Callable[[int], Any],
+    *,
+    optimizer: Any = "adamw",
+    activation_checkpointing: bool = False,
+    depths: tuple[int, int] = DEPTHS,
+    batches: tuple[int, ...] = BATCHES,
+) -> DepthFit:
     """Build ``stack`` at each of ``depths``, measure each at ``batches``: the :class:`DepthFit`."""
-    return measure_both(stack, precision, batch_of, (activation_checkpointing,), optimizer=optimizer, depths=depths,
-                        batches=batches)[activation_checkpointing]
+    return measure_both(
+        stack,
+        precision,
+        batch_of,
+        (activation_checkpointing,),
+        optimizer=optimizer,
+        depths=depths,
+        batches=batches,
+    )[activation_checkpointing]
 
 
-def measure_both(stack: Stack, precision: str, batch_of: Callable[[int], Any], checkpointing: tuple[bool, ...],
-                 *, optimizer: Any = "adamw", depths: tuple[int, int] = DEPTHS,
-                 batches: tuple[int, ...] = BATCHES) -> dict[bool, DepthFit]:
+def measure_both(
+    stack: Stack,
+    precision: str,
+    batch_of: Callable[[int], Any],
+    checkpointing: tuple[bool, ...],
+    *,
+    optimizer: Any = "adamw",
+    depths: tuple[int, int] = DEPTHS,
+    batches: tuple[int, ...] = BATCHES,
+) -> dict[bool, DepthFit]:
     """:func:`measure_depths` for each activation checkpointing setting in ``checkpointing``, one
     session (one build and warm-up) per depth: the setting is switched between measures."""
     measures = _measures(stack, precision, batch_of, checkpointing, optimizer, depths, batches)
     return {c: DepthFit(m) for c, m in measures.items()}
 
 
-def _measures(stack: Stack, precision: str, batch_of: Callable[[int], Any], checkpointing: tuple[bool, ...],
-              optimizer: Any, depths: tuple[int, ...], batches: tuple[int, ...]
-              ) -> dict[bool, dict[tuple[int, int], Measure]]:
+def _measures(
+    stack: Stack,
+    precision: str,
+    batch_of: Callable[[int], Any],
+    checkpointing: tuple[bool, ...],
+    optimizer: Any,
+    depths: tuple[int, ...],
+    batches: tuple[int, ...],
+) -> dict[bool, dict[tuple[int, int], Measure]]:
     """The measures of :func:`measure_both` (read from ``ampkit plan``'s cache where it has them)."""
-    name = plan_cache.key(stack.spec, precision, optimizer, batch_of(batches[0]), depths=depths, batches=batches,
-                          checkpointing=checkpointing)
+    name = plan_cache.key(
+        stack.spec,
+        precision,
+        optimizer,
+        batch_of(batches[0]),
+        depths=depths,
+        batches=batches,
+        checkpointing=checkpointing,
+    )
     kept = plan_cache.load(name)
     try:  # a repeat plan: the measures made before
         if kept is not None:
-            return {c: {(d, b): kept[f"{int(c)},{d},{b}"] for d in depths for b in batches} for c in checkpointing}
+            return {
+                c: {(d, b): kept[f"{int(c)},{d},{b}"] for d in depths for b in batches}
+                for c in checkpointing
+            }
     except KeyError:
         pass
     measures: dict[bool, dict[tuple[int, int], Measure]] = {c: {} for c in checkpointing}
     for d in depths:
-        with Session(stack.factory(d), optimizer, precision, activation_checkpointing=checkpointing[0]) as s:
+        with Session(
+            stack.factory(d), optimizer, precision, activation_checkpointing=checkpointing[0]
+        ) as s:
             for i, ckpt in enumerate(checkpointing):
                 if i:
                     s.checkpointing(ckpt)
-                for b in batches:  # the warm-up runs at the first batch: its shapes are the measure's
+                for (
+                    b
+                ) in batches:  # the warm-up runs at the first batch: its shapes are the measure's
                     measures[ckpt][(d, b)] = s.measure(batch_of(b))
-    plan_cache.save(name, {f"{int(c)},{d},{b}": m for c, ms in measures.items() for (d, b), m in ms.items()})
+    plan_cache.save(
+        name, {f"{int(c)},{d},{b}": m for c, ms in measures.items() for (d, b), m in ms.items()}
+    )
     return measures
 
 
@@ -257,10 +346,18 @@ class PlanRow:
         return sum(v for k, v in self.parts.items() if k not in ("activations", "temporaries"))
 
 
-def by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budget: int, limit: int,
-              checkpointing: tuple[bool, ...], optimizer: Any, at_batch: int,
-              fits: Optional[dict[bool, DepthFit]] = None, measured_as: Optional[str] = None
-              ) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
+def by_depth(
+    stack: Stack,
+    precision: str,
+    batch_of: Callable[[int], Any],
+    budget: int,
+    limit: int,
+    checkpointing: tuple[bool, ...],
+    optimizer: Any,
+    at_batch: int,
+    fits: Optional[dict[bool, DepthFit]] = None,
+    measured_as: Optional[str] = None,
+) -> tuple[dict[bool, int], Any, dict[bool, DepthFit]]:
     """The largest batch by depth extrapolation per checkpointing setting, ``(label, peak,
     parts)`` at ``at_batch`` without checkpointing, and the fits. Batches below :data:`BATCHES` (an
     answer of 0-3, ``at_batch`` 1-3) are measured too, at both depths, and added to that setting's
@@ -268,28 +365,51 @@ def by_depth(stack: Stack, precision: str, batch_of: Callable[[int], Any], budge
     (shifted) fits they are measured in ``measured_as``, the precision the fits are of (None: a
     :class:`DepthError` instead)."""
     given = fits is not None
-    fits = fits if fits is not None else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
+    fits = (
+        fits
+        if fits is not None
+        else measure_both(stack, precision, batch_of, checkpointing, optimizer=optimizer)
+    )
     best = {c: f.largest(stack.depth, budget, limit) for c, f in fits.items()}
     b1 = fits[False].b1
     # parameters, gradients, masters and optimizer state: the parts' phase (shifted too) less the activations
-    static = fits[False]._phase_peaks(stack.depth, b1)[-1] - fits[False].parts(stack.depth, b1)["activations"]
-    beyond = static > budget  # the state alone does not fit: no batch does, none is measured below b1
+    static = (
+        fits[False]._phase_peaks(stack.depth, b1)[-1]
+        - fits[False].parts(stack.depth, b1)["activations"]
+    )
+    beyond = (
+        static > budget
+    )  # the state alone does not fit: no batch does, none is measured below b1
     low = tuple(c for c in checkpointing if best[c] < b1 and not beyond and fits[c].batches[0] > 1)
-    redo = tuple(c for c in checkpointing
-                 if c in low or (not c and not beyond and at_batch < b1 and at_batch not in fits[c].batches))
+    redo = tuple(
+        c
+        for c in checkpointing
+        if c in low or (not c and not beyond and at_batch < b1 and at_batch not in fits[c].batches)
+    )
     if redo and given and measured_as is None:
         raise DepthError("the answer is below the measured batches: the twin is planned on its own")
     # every batch below b1 where the answer is there, else only --batch_size's (one session per depth)
     for batches in dict.fromkeys(tuple(range(1, b1)) if c in low else (at_batch,) for c in redo):
-        settings = tuple(c for c in redo if (tuple(range(1, b1)) if c in low else (at_batch,)) == batches)
-        below = _measures(stack, measured_as or precision, batch_of, settings, optimizer, DEPTHS, batches)
-        fits = {**fits, **{c: DepthFit({**fits[c].measures, **below[c]}).shifted(fits[c].offsets)
-                           for c in settings}}  # 4 and 5 as measured
+        settings = tuple(
+            c for c in redo if (tuple(range(1, b1)) if c in low else (at_batch,)) == batches
+        )
+        below = _measures(
+            stack, measured_as or precision, batch_of, settings, optimizer, DEPTHS, batches
+        )
+        fits = {
+            **fits,
+            **{
+                c: DepthFit({**fits[c].measures, **below[c]}).shifted(fits[c].offsets)
+                for c in settings
+            },
+        }  # 4 and 5 as measured
     for c in checkpointing:
         if beyond:
             best[c] = 0
         elif best[c] < b1:
-            best[c] = next((b for b in range(b1 - 1, 0, -1) if fits[c].peak(stack.depth, b) <= budget), 0)
+            best[c] = next(
+                (b for b in range(b1 - 1, 0, -1) if fits[c].peak(stack.depth, b) <= budget), 0
+            )
     use = fits[False]
     label = use.measures[(use.d1, use.b1)].precision
     return best, (label, use.peak(stack.depth, at_batch), use.parts(stack.depth, at_batch)), fits

@@ -20,9 +20,17 @@ from .session import Measure, Session, fit
 __all__ = ["TWINS", "plan_groups", "plan_precision", "plan_precisions"]
 
 
-def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: Callable[[int], Any], budget: int,
-              limit: int, ckpt: bool, optimizer: Any, at_batch: Optional[int], guess: Optional[int]
-              ) -> tuple[Optional[Measure], int]:
+def _measured(
+    factory: Callable[[], torch.nn.Module],
+    precision: str,
+    batch_of: Callable[[int], Any],
+    budget: int,
+    limit: int,
+    ckpt: bool,
+    optimizer: Any,
+    at_batch: Optional[int],
+    guess: Optional[int],
+) -> tuple[Optional[Measure], int]:
     """The full model measured: the step at ``at_batch`` (if given) and the exact largest batch
     (:func:`fit`, started from ``guess`` and ``guess + 1`` when there is one)."""
     with Session(factory, optimizer, precision, activation_checkpointing=ckpt) as session:
@@ -34,9 +42,19 @@ def _measured(factory: Callable[[], torch.nn.Module], precision: str, batch_of: 
         return at, fit(session, batch_of, budget, limit, first=first)[0]
 
 
-def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
-                   precision: str, batch_size: int, *, stack: Optional[Stack] = None, checkpointing: bool = True,
-                   verify: bool = False, limit: int = 1 << 16, optimizer: Any = "adamw") -> PlanRow:
+def plan_precision(
+    factory: Callable[[], torch.nn.Module],
+    batch_of: Callable[[int], Any],
+    budget: int,
+    precision: str,
+    batch_size: int,
+    *,
+    stack: Optional[Stack] = None,
+    checkpointing: bool = True,
+    verify: bool = False,
+    limit: int = 1 << 16,
+    optimizer: Any = "adamw",
+) -> PlanRow:
     """One precision's row of a plan for a budget of ``budget`` bytes.
 
     With a ``stack`` (:func:`stack_for`) the peaks come from shallow copies (:class:`DepthFit`:
@@ -46,39 +64,99 @@ def plan_precision(factory: Callable[[], torch.nn.Module], batch_of: Callable[[i
     extrapolation had them. Without a stack -- or when the shallow measures do not make a
     consistent fit (:class:`DepthError`) -- the full model is measured: ``B`` fits and ``B + 1``
     does not, by the estimate of the full model's step."""
-    return _plan(factory, batch_of, budget, precision, batch_size, stack, checkpointing, verify, limit, optimizer)[0]
+    return _plan(
+        factory,
+        batch_of,
+        budget,
+        precision,
+        batch_size,
+        stack,
+        checkpointing,
+        verify,
+        limit,
+        optimizer,
+    )[0]
 
 
-def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int, precision: str,
-          batch_size: int, stack: Optional[Stack], checkpointing: bool, verify: bool, limit: int, optimizer: Any
-          ) -> tuple[PlanRow, Optional[dict[bool, DepthFit]]]:
+def _plan(
+    factory: Callable[[], torch.nn.Module],
+    batch_of: Callable[[int], Any],
+    budget: int,
+    precision: str,
+    batch_size: int,
+    stack: Optional[Stack],
+    checkpointing: bool,
+    verify: bool,
+    limit: int,
+    optimizer: Any,
+) -> tuple[PlanRow, Optional[dict[bool, DepthFit]]]:
     """:func:`plan_precision`, and the depth fits its row came from (None: measured whole or verified)."""
     if stack is not None:
         try:
-            found, at_b, fits = by_depth(stack, precision, batch_of, budget, limit,
-                                          (False, True) if checkpointing else (False,), optimizer, batch_size)
+            found, at_b, fits = by_depth(
+                stack,
+                precision,
+                batch_of,
+                budget,
+                limit,
+                (False, True) if checkpointing else (False,),
+                optimizer,
+                batch_size,
+            )
         except DepthError:
             stack = None
         else:
             best, best_ckpt = found[False], found.get(True)
 
             obw = largest_in_backward(fits, stack.depth, budget, limit)
-            row = PlanRow(at_b[0], batch_size, at_b[1], at_b[2], best, best_ckpt, "depth", None, obw[False],
-                          obw.get(True))
+            row = PlanRow(
+                at_b[0],
+                batch_size,
+                at_b[1],
+                at_b[2],
+                best,
+                best_ckpt,
+                "depth",
+                None,
+                obw[False],
+                obw.get(True),
+            )
             if not verify:
                 return row, fits
-            at, exact = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best)
-            exact_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None,
-                                   best_ckpt)[1] if checkpointing else None
+            at, exact = _measured(
+                factory, precision, batch_of, budget, limit, False, optimizer, batch_size, best
+            )
+            exact_ckpt = (
+                _measured(
+                    factory, precision, batch_of, budget, limit, True, optimizer, None, best_ckpt
+                )[1]
+                if checkpointing
+                else None
+            )
             assert at is not None
             agreed = (at.peak_bytes, exact, exact_ckpt) == (row.peak_bytes, best, best_ckpt)
-            return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), exact, exact_ckpt,
-                           "depth, verified", agreed), None
-    at, best = _measured(factory, precision, batch_of, budget, limit, False, optimizer, batch_size, None)
+            return PlanRow(
+                at.precision,
+                batch_size,
+                at.peak_bytes,
+                dict(at.parts),
+                exact,
+                exact_ckpt,
+                "depth, verified",
+                agreed,
+            ), None
+    at, best = _measured(
+        factory, precision, batch_of, budget, limit, False, optimizer, batch_size, None
+    )
     assert at is not None
-    best_ckpt = _measured(factory, precision, batch_of, budget, limit, True, optimizer, None, None)[1] \
-        if checkpointing else None
-    return PlanRow(at.precision, batch_size, at.peak_bytes, dict(at.parts), best, best_ckpt, "measured"), None
+    best_ckpt = (
+        _measured(factory, precision, batch_of, budget, limit, True, optimizer, None, None)[1]
+        if checkpointing
+        else None
+    )
+    return PlanRow(
+        at.precision, batch_size, at.peak_bytes, dict(at.parts), best, best_ckpt, "measured"
+    ), None
 
 
 #: precisions whose steps differ only by the loss scaler's scalars (the same element sizes; fp16 adds a
@@ -87,7 +165,9 @@ def _plan(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any]
 TWINS = tuple((n, r.twin) for n, r in REGISTRY.items() if r.twin and n < r.twin)
 
 
-def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool = False) -> list[list[str]]:
+def plan_groups(
+    precisions: Sequence[str], stack: Optional[Stack], verify: bool = False
+) -> list[list[str]]:
     """The precisions :func:`plan_precisions` plans together where they are asked of a stack model (not
     with ``verify``: each is measured whole then): both of a :data:`TWINS` pair, and the rungs of a
     memory ladder (``bf16-pure:split``, ``bf16-pure:stochastic+bf16``) with their precision, the plain
@@ -109,41 +189,112 @@ def plan_groups(precisions: Sequence[str], stack: Optional[Stack], verify: bool 
     return out
 
 
-def plan_precisions(factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
-                    precisions: list[str], batch_size: int, *, stack: Optional[Stack] = None,
-                    checkpointing: bool = True, verify: bool = False, limit: int = 1 << 16,
-                    optimizer: Any = "adamw") -> list[PlanRow]:
+def plan_precisions(
+    factory: Callable[[], torch.nn.Module],
+    batch_of: Callable[[int], Any],
+    budget: int,
+    precisions: list[str],
+    batch_size: int,
+    *,
+    stack: Optional[Stack] = None,
+    checkpointing: bool = True,
+    verify: bool = False,
+    limit: int = 1 << 16,
+    optimizer: Any = "adamw",
+) -> list[PlanRow]:
     """:func:`plan_precision` for each of ``precisions`` (in order). Where the first is planned by
     depth extrapolation, each later one is measured on the 1-block copy at the first batch (each
     checkpointing setting: one small session) and, where its parts there are the first's, takes the
     first's fits shifted by its own difference in each phase's peak (:func:`~.depth_rungs.twin_fits`; method
     ``"depth, as <first>"``) -- for :data:`TWINS` the loss scaler's scalars, the same at every depth
     and batch (tested against their own fits). Anything else, or ``verify``: its own plan."""
-    first, fits = _plan(factory, batch_of, budget, precisions[0], batch_size, stack, checkpointing, verify, limit,
-                        optimizer)
+    first, fits = _plan(
+        factory,
+        batch_of,
+        budget,
+        precisions[0],
+        batch_size,
+        stack,
+        checkpointing,
+        verify,
+        limit,
+        optimizer,
+    )
 
     rows = [first]
     family = parse_rung(precisions[0])[0]
     for p in precisions[1:]:
-        if fits is not None and stack is not None and parse_rung(p)[0] == family and p != precisions[0]:
-            got = rung_row(stack, p, batch_of, budget, limit, optimizer, batch_size, fits, first.precision,
-                            precisions[0])
+        if (
+            fits is not None
+            and stack is not None
+            and parse_rung(p)[0] == family
+            and p != precisions[0]
+        ):
+            got = rung_row(
+                stack,
+                p,
+                batch_of,
+                budget,
+                limit,
+                optimizer,
+                batch_size,
+                fits,
+                first.precision,
+                precisions[0],
+            )
             if got is not None:
                 rows.append(got[0])
                 fits = got[1]
                 continue
-        twin = twin_fits(stack, p, batch_of, fits, optimizer) if fits is not None and stack is not None else None
+        twin = (
+            twin_fits(stack, p, batch_of, fits, optimizer)
+            if fits is not None and stack is not None
+            else None
+        )
         if twin is not None:
             try:
-                found, at_b, grown = by_depth(stack, p, batch_of, budget, limit, tuple(twin[1]), optimizer,
-                                               batch_size, fits=twin[1])
+                found, at_b, grown = by_depth(
+                    stack,
+                    p,
+                    batch_of,
+                    budget,
+                    limit,
+                    tuple(twin[1]),
+                    optimizer,
+                    batch_size,
+                    fits=twin[1],
+                )
             except DepthError:
                 twin = None
             else:
                 obw = largest_in_backward(grown, stack.depth, budget, limit)
-                rows.append(PlanRow(twin[0], batch_size, at_b[1], at_b[2], found[False], found.get(True),
-                                    f"depth, as {first.precision}", None, obw[False], obw.get(True)))
+                rows.append(
+                    PlanRow(
+                        twin[0],
+                        batch_size,
+                        at_b[1],
+                        at_b[2],
+                        found[False],
+                        found.get(True),
+                        f"depth, as {first.precision}",
+                        None,
+                        obw[False],
+                        obw.get(True),
+                    )
+                )
         if twin is None:
-            rows.append(plan_precision(factory, batch_of, budget, p, batch_size, stack=stack,
-                                       checkpointing=checkpointing, verify=verify, limit=limit, optimizer=optimizer))
+            rows.append(
+                plan_precision(
+                    factory,
+                    batch_of,
+                    budget,
+                    p,
+                    batch_size,
+                    stack=stack,
+                    checkpointing=checkpointing,
+                    verify=verify,
+                    limit=limit,
+                    optimizer=optimizer,
+                )
+            )
     return rows

@@ -41,14 +41,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["CONTEXT_BYTES", "DEVICES", "FRAGMENTATION", "GPU", "current", "gpu_attention", "parse_device", "use"]
+__all__ = [
+    "CONTEXT_BYTES",
+    "DEVICES",
+    "FRAGMENTATION",
+    "GPU",
+    "current",
+    "gpu_attention",
+    "parse_device",
+    "use",
+]
 
 MiB = 1 << 20
 SMALL = 1 << 20  # kSmallSize: the largest request packed into 2 MiB small segments
 MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: from here a request gets a segment of its own
 ROUND_LARGE = 2 * MiB  # kRoundLarge: such a segment's rounding
 MIN_BLOCK = 512  # kMinBlockSize: every request's rounding
-CONTEXT_BYTES = 768 * MiB  # the CUDA context with torch's and cuBLAS's kernels loaded (lazy loading)
+CONTEXT_BYTES = (
+    768 * MiB
+)  # the CUDA context with torch's and cuBLAS's kernels loaded (lazy loading)
 FRAGMENTATION = 0.03  # of the memory left after the context: cached segments no request fits
 
 
@@ -73,8 +84,9 @@ class GPU:
 
     def workspace_bytes(self) -> int:
         """cuBLAS's two workspaces for this architecture (``CUBLAS_WORKSPACE_CONFIG`` when set)."""
-        cfg = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "") or (":4096:8" if self.capability[0] >= 9
-                                                                  else ":4096:2:16:8")
+        cfg = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "") or (
+            ":4096:8" if self.capability[0] >= 9 else ":4096:2:16:8"
+        )
         try:
             nums = [int(x) for x in cfg.strip(":").split(":")]
             per_handle = sum(size * count for size, count in zip(nums[::2], nums[1::2])) * 1024
@@ -87,15 +99,21 @@ class GPU:
         device's, less the CUDA context and the fragmentation allowance."""
         total = memory if memory is not None else self.memory_bytes
         if total is None:
-            raise ValueError(f"--device {self.name}: the memory of an unnamed CUDA device is not known here; give "
-                             f"--memory (e.g. 80GiB) or a named device ({', '.join(DEVICES)})")
+            raise ValueError(
+                f"--device {self.name}: the memory of an unnamed CUDA device is not known here; give "
+                f"--memory (e.g. 80GiB) or a named device ({', '.join(DEVICES)})"
+            )
         if self.memory_bytes is not None and total > self.memory_bytes:
-            raise ValueError(f"--memory {total / 2**30:.2f} GiB is more than the {self.label}'s "
-                             f"{self.memory_bytes / 2**30:.2f} GiB")
+            raise ValueError(
+                f"--memory {total / 2**30:.2f} GiB is more than the {self.label}'s "
+                f"{self.memory_bytes / 2**30:.2f} GiB"
+            )
         left = total - CONTEXT_BYTES
         if left <= 0:
-            raise ValueError(f"{total / 2**20:,.0f} MiB is no more than the CUDA context alone "
-                             f"({CONTEXT_BYTES / 2**20:,.0f} MiB)")
+            raise ValueError(
+                f"{total / 2**20:,.0f} MiB is no more than the CUDA context alone "
+                f"({CONTEXT_BYTES / 2**20:,.0f} MiB)"
+            )
         return int(left * (1 - FRAGMENTATION))
 
     def refuses(self, precision: str) -> Optional[str]:
@@ -107,36 +125,51 @@ class GPU:
 
         row = REGISTRY.get(precision.partition(":")[0])
         sm = f"sm_{self.capability[0]}{self.capability[1]}"
-        if row is not None and torch.bfloat16 in (row.compute_dtype, row.param_dtype) and not self.bf16:
+        if (
+            row is not None
+            and torch.bfloat16 in (row.compute_dtype, row.param_dtype)
+            and not self.bf16
+        ):
             return f"the {self.label} ({sm}) has no bf16"
         if row is not None and row.hardware is not None and not getattr(self, row.hardware, False):
             return f"the {self.label} ({sm}) has no {row.hardware} matmuls"  # the row's DeviceInfo flag
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.name, "device_name": self.label, "device_memory_bytes": self.memory_bytes,
-                "capability": list(self.capability), "supports_bf16": self.bf16, "supports_fp8": self.fp8}
+        return {
+            "device": self.name,
+            "device_name": self.label,
+            "device_memory_bytes": self.memory_bytes,
+            "capability": list(self.capability),
+            "supports_bf16": self.bf16,
+            "supports_fp8": self.fp8,
+        }
 
 
 def _gpu(name: str, label: str, mib: Optional[int], cap: tuple[int, int], fp8: bool = False) -> GPU:
-    return GPU(name, label, mib * MiB if mib is not None else None, cap, bf16=cap >= (8, 0), fp8=fp8)
+    return GPU(
+        name, label, mib * MiB if mib is not None else None, cap, bf16=cap >= (8, 0), fp8=fp8
+    )
 
 
 #: the named devices: nvidia-smi's total memory (MiB) of each card
-DEVICES: dict[str, GPU] = {g.name: g for g in (
-    _gpu("cuda", "CUDA GPU (Hopper-class, memory from --memory)", None, (9, 0), fp8=True),
-    _gpu("h200-141gb", "NVIDIA H200 141GB", 143771, (9, 0), fp8=True),
-    _gpu("h100-80gb", "NVIDIA H100 80GB HBM3", 81559, (9, 0), fp8=True),
-    _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, (8, 0)),
-    _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, (8, 0)),
-    _gpu("l40s-48gb", "NVIDIA L40S", 46068, (8, 9), fp8=True),
-    _gpu("a6000-48gb", "NVIDIA RTX A6000", 49140, (8, 6)),
-    _gpu("l4-24gb", "NVIDIA L4", 23034, (8, 9), fp8=True),
-    _gpu("a10g-24gb", "NVIDIA A10G", 23028, (8, 6)),
-    _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, (8, 9), fp8=True),
-    _gpu("t4-16gb", "NVIDIA T4", 15360, (7, 5)),
-    _gpu("v100-32gb", "NVIDIA V100 32GB", 32768, (7, 0)),
-)}
+DEVICES: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        _gpu("cuda", "CUDA GPU (Hopper-class, memory from --memory)", None, (9, 0), fp8=True),
+        _gpu("h200-141gb", "NVIDIA H200 141GB", 143771, (9, 0), fp8=True),
+        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3", 81559, (9, 0), fp8=True),
+        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, (8, 0)),
+        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, (8, 0)),
+        _gpu("l40s-48gb", "NVIDIA L40S", 46068, (8, 9), fp8=True),
+        _gpu("a6000-48gb", "NVIDIA RTX A6000", 49140, (8, 6)),
+        _gpu("l4-24gb", "NVIDIA L4", 23034, (8, 9), fp8=True),
+        _gpu("a10g-24gb", "NVIDIA A10G", 23028, (8, 6)),
+        _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, (8, 9), fp8=True),
+        _gpu("t4-16gb", "NVIDIA T4", 15360, (7, 5)),
+        _gpu("v100-32gb", "NVIDIA V100 32GB", 32768, (7, 0)),
+    )
+}
 
 
 def parse_device(name: str) -> Optional[GPU]:
@@ -147,10 +180,14 @@ def parse_device(name: str) -> Optional[GPU]:
         return None
     if key in DEVICES:
         return DEVICES[key]
-    raise ValueError(f"--device {name!r} is not a device a plan knows; choose cpu or one of: {', '.join(DEVICES)}")
+    raise ValueError(
+        f"--device {name!r} is not a device a plan knows; choose cpu or one of: {', '.join(DEVICES)}"
+    )
 
 
-_CURRENT: contextvars.ContextVar[Optional[GPU]] = contextvars.ContextVar("ampkit_plan_device", default=None)
+_CURRENT: contextvars.ContextVar[Optional[GPU]] = contextvars.ContextVar(
+    "ampkit_plan_device", default=None
+)
 
 
 @contextlib.contextmanager
@@ -181,8 +218,15 @@ def gpu_attention() -> Iterator[None]:
 
     original = F.scaled_dot_product_attention
 
-    def fused(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-              *args: Any, **kwargs: Any) -> Any:
+    def fused(
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         return original(query, key, value, attn_mask, 0.0, *args, **kwargs)
 
     F.scaled_dot_product_attention = fused

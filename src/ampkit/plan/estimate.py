@@ -33,6 +33,7 @@ from .session import PARTS, Measure, Session, fit  # noqa: F401  (PARTS: re-expo
 
 __all__ = ["PLAN_PRECISIONS", "MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
 
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted memory of one training step: ``peak_bytes`` and its parts (bytes)."""
@@ -68,20 +69,45 @@ def estimate(
     the fake mode is per thread, so two at once in threads would see each other's modules.
     """
     real_batch = batch(0) if callable(batch) else batch
-    with Session(model_or_factory, optimizer, precision, device, activation_checkpointing) as session:
+    with Session(
+        model_or_factory, optimizer, precision, device, activation_checkpointing
+    ) as session:
         m = session.measure(real_batch)
     return _from_measure(m, session.dev, real_batch)
 
 
 def _from_measure(m: Measure, dev: torch.device, batch: Any) -> MemoryEstimate:
-    shapes = [list(t.shape) for t in (batch if isinstance(batch, (tuple, list)) else [batch])
-              if isinstance(t, torch.Tensor)]
-    return MemoryEstimate(precision=m.precision, device=str(dev), peak_bytes=m.peak_bytes, parts=dict(m.parts),
-                          by_dtype=dict(m.by_dtype), batch_shapes=shapes)
+    shapes = [
+        list(t.shape)
+        for t in (batch if isinstance(batch, (tuple, list)) else [batch])
+        if isinstance(t, torch.Tensor)
+    ]
+    return MemoryEstimate(
+        precision=m.precision,
+        device=str(dev),
+        peak_bytes=m.peak_bytes,
+        parts=dict(m.parts),
+        by_dtype=dict(m.by_dtype),
+        batch_shapes=shapes,
+    )
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: Union[str, int, float]) -> int:
@@ -93,18 +119,27 @@ def parse_bytes(text: Union[str, int, float]) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory size {text!r} is not understood; write a number with a unit, e.g. 8GiB, "
-                             "512MiB, 16GB (units: B, KB/KiB, MB/MiB, GB/GiB, TB/TiB)")
+            raise ValueError(
+                f"memory size {text!r} is not understood; write a number with a unit, e.g. 8GiB, "
+                "512MiB, 16GB (units: B, KB/KiB, MB/MiB, GB/GiB, TB/TiB)"
+            )
         value, unit = float(m.group(1)), m.group(2).lower()
     if not value > 0:
         raise ValueError(f"memory size {text!r} must be > 0")
     return int(value * _UNITS[unit])
 
 
-def largest_batch(model_factory: Callable[[], torch.nn.Module], batch_of: Callable[[int], Any], budget: int,
-                  precision: str = "fp32", *, activation_checkpointing: Union[bool, Sequence[str]] = False,
-                  optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw",
-                  limit: int = 1 << 16, device: Union[str, torch.device, None] = "cpu") -> tuple[int, Any]:
+def largest_batch(
+    model_factory: Callable[[], torch.nn.Module],
+    batch_of: Callable[[int], Any],
+    budget: int,
+    precision: str = "fp32",
+    *,
+    activation_checkpointing: Union[bool, Sequence[str]] = False,
+    optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw",
+    limit: int = 1 << 16,
+    device: Union[str, torch.device, None] = "cpu",
+) -> tuple[int, Any]:
     """The largest batch ``B`` whose estimated peak fits ``budget``: ``estimate(B) <= budget <
     estimate(B + 1)``. Returns ``(B, estimate at B)``; ``(0, estimate at 1)`` when not even one
     sample fits. The model is built and warmed up once; two measured batch sizes give the affine

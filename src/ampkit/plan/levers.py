@@ -24,7 +24,9 @@ def in_backward(m: Measure) -> Measure:
     """``m`` with the optimizer in backward (the module's rule). A measure without a gradient timeline
     (one from an older plan cache) raises ``ValueError``."""
     if len(m.grads) != len(m.timeline):
-        raise ValueError("this measure has no gradient timeline to plan the optimizer in backward from")
+        raise ValueError(
+            "this measure has no gradient timeline to plan the optimizer in backward from"
+        )
     keep = m.largest_grad
     timeline = tuple(t - g + min(g, keep) for t, g in zip(m.timeline, m.grads))
     parts = dict(m.parts)
@@ -32,5 +34,13 @@ def in_backward(m: Measure) -> Measure:
     floor = sum(v for k, v in parts.items() if k != "temporaries")
     peak = max(max(timeline, default=0), floor)
     parts["temporaries"] = peak - floor
-    return Measure(m.precision, peak, parts, dict(m.by_dtype), timeline, m.phases, tuple(min(g, keep) for g in m.grads),
-                   keep)
+    return Measure(
+        m.precision,
+        peak,
+        parts,
+        dict(m.by_dtype),
+        timeline,
+        m.phases,
+        tuple(min(g, keep) for g in m.grads),
+        keep,
+    )

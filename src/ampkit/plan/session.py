@@ -34,14 +34,23 @@ from .tracker import StepTracker
 
 __all__ = ["LOCK", "PARTS", "Curve", "Measure", "Session", "cuda_workspace_bytes", "to_device"]
 
-PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporaries")
+PARTS = (
+    "parameters",
+    "gradients",
+    "master_weights",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+)
 
 # the tracker installs global module hooks: estimates run one at a time per process.
 LOCK = threading.RLock()
 WARM_UP = "cheap"  # or "step": the warm-up runs the model's own training step
 
 
-def _optimizer(spec: Union[str, Callable[..., torch.optim.Optimizer]], params: Any, fused: bool) -> torch.optim.Optimizer:
+def _optimizer(
+    spec: Union[str, Callable[..., torch.optim.Optimizer]], params: Any, fused: bool
+) -> torch.optim.Optimizer:
     if callable(spec):
         return spec(params)
     name = str(spec).lower()
@@ -51,7 +60,9 @@ def _optimizer(spec: Union[str, Callable[..., torch.optim.Optimizer]], params: A
         return torch.optim.Adam(params, lr=1e-3, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=fused)
-    raise ValueError(f"optimizer={spec!r}; choose 'adamw', 'adam', 'sgd' or pass a callable params -> optimizer")
+    raise ValueError(
+        f"optimizer={spec!r}; choose 'adamw', 'adam', 'sgd' or pass a callable params -> optimizer"
+    )
 
 
 def _fake(obj: Any, mode: Any, dev: torch.device) -> Any:
@@ -105,15 +116,22 @@ def to_device(model: torch.nn.Module, dev: torch.device) -> None:
                 if id(t) not in new:
                     with torch.no_grad():
                         moved = t.detach().to(dev)
-                    new[id(t)] = torch.nn.Parameter(moved, requires_grad=t.requires_grad) if is_param else moved
+                    new[id(t)] = (
+                        torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+                        if is_param
+                        else moved
+                    )
                 table[name] = new[id(t)]
 
 
 def _checkpoint(model: torch.nn.Module, ckpt: Union[bool, Sequence[str]]) -> None:
     from ..step.activation_checkpointing import apply_activation_checkpointing
 
-    targets = (list(ckpt) if not isinstance(ckpt, bool) else
-               [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)])
+    targets = (
+        list(ckpt)
+        if not isinstance(ckpt, bool)
+        else [f"{n}.*" for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    )
     apply_activation_checkpointing(model, targets)
 
 
@@ -137,16 +155,25 @@ class Measure:
 class Session:
     """``with Session(factory, ...) as s: s.measure(batch)``: see the module's docstring."""
 
-    def __init__(self, model_or_factory: Any, optimizer: Any = "adamw", precision: str = "fp32",
-                 device: Union[str, torch.device, None] = "cpu",
-                 activation_checkpointing: Union[bool, Sequence[str]] = False) -> None:
+    def __init__(
+        self,
+        model_or_factory: Any,
+        optimizer: Any = "adamw",
+        precision: str = "fp32",
+        device: Union[str, torch.device, None] = "cpu",
+        activation_checkpointing: Union[bool, Sequence[str]] = False,
+    ) -> None:
         self.dev = torch.device(device) if device is not None else torch.device("cpu")
         if self.dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("estimating for a CUDA device needs a CUDA build of torch with a GPU; use device='cpu' "
-                             "here (parameter, gradient, master and optimizer bytes are the same; activations too)")
+            raise ValueError(
+                "estimating for a CUDA device needs a CUDA build of torch with a GPU; use device='cpu' "
+                "here (parameter, gradient, master and optimizer bytes are the same; activations too)"
+            )
         self._args = (model_or_factory, optimizer, precision, activation_checkpointing)
         self._warm = False
-        self.target = plan_devices.current()  # a GPU planned from here: its allocator, workspaces, kernels
+        self.target = (
+            plan_devices.current()
+        )  # a GPU planned from here: its allocator, workspaces, kernels
 
     def __enter__(self) -> Session:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -179,7 +206,9 @@ class Session:
         if ckpt:
             _checkpoint(model, ckpt)
         opt = _optimizer(optimizer, model.parameters(), self.dev.type in ("cpu", "cuda"))
-        self.amp = MixedPrecision(precision, device=self.dev, fp8_emulate=True)  # "bf16-pure:split": a rung
+        self.amp = MixedPrecision(
+            precision, device=self.dev, fp8_emulate=True
+        )  # "bf16-pure:split": a rung
         self.label = join_spec(self.amp.precision.name, split_spec(precision)[1])
         self.model, self.opt = self.amp.setup(model, opt)
         self._tracker: Any = None
@@ -234,7 +263,9 @@ class Session:
         kept = getattr(getattr(amp, "policy", None), "master_storage", list)()
         tracker.track_external(model, opt, *amp.master_params(), *kept)
         self._tracker, self._marks, self._saved = tracker, [], None
-        kernels = plan_devices.gpu_attention() if self.target is not None else contextlib.nullcontext()
+        kernels = (
+            plan_devices.gpu_attention() if self.target is not None else contextlib.nullcontext()
+        )
         try:
             with tracker, kernels:
                 self.run.forward_backward(fake_batch)
@@ -251,9 +282,17 @@ class Session:
             act_bytes = tracker.peak_forward_bytes
         else:
             saved = self._saved  # None only if the step never computed its loss here: count apart
-            act_bytes = saved.total if saved is not None else int(activations(model, fake_batch, amp.precision).total)
+            act_bytes = (
+                saved.total
+                if saved is not None
+                else int(activations(model, fake_batch, amp.precision).total)
+            )
         # held by the CUDA libraries, not by any tensor
-        ws = self.target.workspace_bytes() if self.target is not None else cuda_workspace_bytes(self.dev)
+        ws = (
+            self.target.workspace_bytes()
+            if self.target is not None
+            else cuda_workspace_bytes(self.dev)
+        )
         peak = tracker.peak + ws
         cats = static.by_category
         parts = {k: int(cats.get(k, 0)) for k in PARTS[:4]}
@@ -262,8 +301,16 @@ class Session:
         parts["temporaries"] = peak - sum(parts.values())
         numels = [p.numel() for p in model.parameters()]
         largest = parts["gradients"] * max(numels, default=0) // max(1, sum(numels))
-        return Measure(self.label, peak, parts, dict(static.by_dtype), tuple(t + ws for t in tracker.timeline),
-                       tuple(self._marks), tuple(tracker.grad_timeline), largest)
+        return Measure(
+            self.label,
+            peak,
+            parts,
+            dict(static.by_dtype),
+            tuple(t + ws for t in tracker.timeline),
+            tuple(self._marks),
+            tuple(tracker.grad_timeline),
+            largest,
+        )
 
 
 class Curve:
@@ -279,7 +326,9 @@ class Curve:
         self.ok = len(m1.timeline) == len(m2.timeline)
         self.b1, span = b1, b2 - b1
         pairs = list(zip(m1.timeline, m2.timeline)) if self.ok else []
-        pairs.append((m1.peak_bytes, m2.peak_bytes))  # the peak itself (parts included), as a last point
+        pairs.append(
+            (m1.peak_bytes, m2.peak_bytes)
+        )  # the peak itself (parts included), as a last point
         self.points = [(x, (y - x) / span) for x, y in pairs]
 
     def peak(self, batch: int) -> int:
@@ -291,8 +340,10 @@ class Curve:
         if not self.ok or len(m.timeline) + 1 != len(self.points):
             return False
         k = batch - self.b1
-        return all(round(x + d * k) == y for (x, d), y in zip(self.points, m.timeline)) and \
-            self.peak(batch) == m.peak_bytes
+        return (
+            all(round(x + d * k) == y for (x, d), y in zip(self.points, m.timeline))
+            and self.peak(batch) == m.peak_bytes
+        )
 
     def largest(self, budget: int, lo: int, hi: int) -> int:
         """The largest batch in ``[lo, hi]`` whose predicted peak fits ``budget`` (``lo - 1``: none).
@@ -307,8 +358,13 @@ class Curve:
         return lo
 
 
-def fit(session: Session, batch_of: Callable[[int], Any], budget: int, limit: int,
-        first: Optional[tuple[int, Measure]] = None) -> tuple[int, Measure, dict[int, Measure]]:
+def fit(
+    session: Session,
+    batch_of: Callable[[int], Any],
+    budget: int,
+    limit: int,
+    first: Optional[tuple[int, Measure]] = None,
+) -> tuple[int, Measure, dict[int, Measure]]:
     """The largest batch ``B <= limit`` whose measured peak fits ``budget`` while ``B + 1``'s does
     not (B = ``limit`` when it fits): a :class:`Curve` through two measures predicts ``B``, which is
     measured with ``B + 1``; a miss draws the next curve through the measures nearest the answer,
@@ -322,7 +378,9 @@ def fit(session: Session, batch_of: Callable[[int], Any], budget: int, limit: in
         return seen[b]
 
     above = sorted(b for b in seen if b >= 2)
-    if limit >= 3 and len(above) < 2:  # the first curve's two points (batch 1 is measured only if needed)
+    if (
+        limit >= 3 and len(above) < 2
+    ):  # the first curve's two points (batch 1 is measured only if needed)
         base = above[0] if above else 2
         at(base), at(base + 1 if base < limit else base - 1)
     for _ in range(4):

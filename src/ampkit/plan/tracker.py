@@ -27,7 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 __all__ = ["StepTracker"]
 
-_CUDA_BLOCK = 512  # the CUDA caching allocator's smallest block (MemTracker's _PYTORCH_MIN_ALLOCATE)
+_CUDA_BLOCK = (
+    512  # the CUDA caching allocator's smallest block (MemTracker's _PYTORCH_MIN_ALLOCATE)
+)
 
 
 def _storages(t: torch.Tensor) -> list[Any]:
@@ -56,13 +58,19 @@ class StepTracker(TorchDispatchMode):
         self._block = block
         self.timeline: list[int] = []
         self.total = self.forward_total = self.peak = self.peak_forward_bytes = 0
-        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, bytes, made by the forward, made at]
-        self.grad_timeline: list[int] = []  # the gradients' bytes after each operation (mark_gradients)
+        self._live: dict[
+            int, list[Any]
+        ] = {}  # id(storage) -> [weakref, bytes, made by the forward, made at]
+        self.grad_timeline: list[
+            int
+        ] = []  # the gradients' bytes after each operation (mark_gradients)
         self._grads: set[int] = set()
         self.grad_total = 0
         self._marked = False
         self._phase = "forward"
-        self._in_module = 0  # modules being run (a checkpointed block's recomputation in the backward)
+        self._in_module = (
+            0  # modules being run (a checkpointed block's recomputation in the backward)
+        )
         self._hooks: list[Any] = []
 
     # what is registered or made -------------------------------------------------------------
@@ -83,7 +91,12 @@ class StepTracker(TorchDispatchMode):
                     entry[1] = n
                 continue
             key = id(st)
-            self._live[key] = [weakref.ref(st, functools.partial(self._freed, key)), n, forward, len(self.timeline)]
+            self._live[key] = [
+                weakref.ref(st, functools.partial(self._freed, key)),
+                n,
+                forward,
+                len(self.timeline),
+            ]
             self.total += n
             if forward:
                 self.forward_total += n
@@ -132,7 +145,7 @@ class StepTracker(TorchDispatchMode):
                 self.grad_total += entry[1]
                 made[max(0, entry[3])] += entry[1]
         held, self.grad_timeline = 0, []
-        for n in made[:len(self.timeline)]:
+        for n in made[: len(self.timeline)]:
             held += n
             self.grad_timeline.append(held)
 
@@ -158,8 +171,10 @@ class StepTracker(TorchDispatchMode):
             register_module_forward_pre_hook,
         )
 
-        self._hooks = [register_module_forward_pre_hook(self._enter_module),
-                       register_module_forward_hook(self._exit_module, always_call=True)]
+        self._hooks = [
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._exit_module, always_call=True),
+        ]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -170,7 +185,9 @@ class StepTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "namespace", "") == "prim":  # metadata queries (prim.device): nothing allocated
+        if (
+            getattr(func, "namespace", "") == "prim"
+        ):  # metadata queries (prim.device): nothing allocated
             return out
         forward = self._made_by_forward()
         if isinstance(out, torch.Tensor):

@@ -44,13 +44,21 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
     """The service's app: one store, one runner (started and stopped with the app) and the routers.
     ``tokens`` maps each token to its owner (default: :func:`ampkit.service.auth.load_tokens`)."""
     store = Store(config.data_dir)
-    runner = Runner(store, max_concurrent=config.max_concurrent, poll_s=config.poll_s,
-                    max_gpu_temp=config.max_gpu_temp)
-    svc = Service(config, store, runner, tokens if tokens is not None else load_tokens(config.data_dir))
+    runner = Runner(
+        store,
+        max_concurrent=config.max_concurrent,
+        poll_s=config.poll_s,
+        max_gpu_temp=config.max_gpu_temp,
+    )
+    svc = Service(
+        config, store, runner, tokens if tokens is not None else load_tokens(config.data_dir)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        key = lock.hold(config.data_dir)  # one server per data directory (DataDirBusy names the holder)
+        key = lock.hold(
+            config.data_dir
+        )  # one server per data directory (DataDirBusy names the holder)
         try:
             runner.start()
             yield
@@ -58,9 +66,16 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         finally:
             lock.release(key)
 
-    hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.private_docs else {}
-    app = FastAPI(title="ampkit", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
-                  **hidden)
+    hidden = (
+        {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.private_docs else {}
+    )
+    app = FastAPI(
+        title="ampkit",
+        version=__version__,
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+        **hidden,
+    )
     app.exception_handler(RequestValidationError)(invalid_request)
     app.exception_handler(HTTPException)(http_error)
     app.exception_handler(OSError)(storage_error)
@@ -68,7 +83,9 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
     app.state.service = svc
     app.state.store, app.state.runner, app.state.config = store, runner, config
     app.add_middleware(BodyCap, cap=lambda scope: config.body_cap)
-    app.add_middleware(RequestLog, owner=lambda scope: _owner_of(svc, scope))  # outermost: sees every answer
+    app.add_middleware(
+        RequestLog, owner=lambda scope: _owner_of(svc, scope)
+    )  # outermost: sees every answer
     app.include_router(runs.router)
     app.include_router(finetuning.router)
     app.include_router(ui_router)  # the web UI at / and /ui/ (ui/routes.py)
@@ -99,10 +116,14 @@ async def storage_error(request: Request, exc: Exception) -> Response:
     """507 when the disk (or the database) is full: the request was not stored; anything else is re-raised."""
     if not disk_full(exc):
         raise exc
-    return SafeJSONResponse({"detail": f"the server's disk is full; nothing was stored ({type(exc).__name__}: "
-                                       f"{exc}); retry when an operator has freed space"}, status_code=507,
-                            headers={"Retry-After": "60"})
-
+    return SafeJSONResponse(
+        {
+            "detail": f"the server's disk is full; nothing was stored ({type(exc).__name__}: "
+            f"{exc}); retry when an operator has freed space"
+        },
+        status_code=507,
+        headers={"Retry-After": "60"},
+    )
 
 
 class SafeJSONResponse(JSONResponse):
@@ -111,7 +132,9 @@ class SafeJSONResponse(JSONResponse):
     non-finite floats as strings."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(_finite(content), ensure_ascii=True, separators=(",", ":")).encode("ascii")
+        return json.dumps(_finite(content), ensure_ascii=True, separators=(",", ":")).encode(
+            "ascii"
+        )
 
 
 def _finite(x: Any) -> Any:
@@ -127,11 +150,21 @@ def _finite(x: Any) -> Any:
 async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
     """422 naming each bad field and why; the value as sent is shown cut short (a 200,000-character
     string is not echoed back) and escaped."""
-    errors = [{"loc": [x if not isinstance(x, str) or len(x) <= 80 else shown(x) for x in e.get("loc", ())],
-               "msg": e.get("msg", ""), "type": e.get("type", ""),
-               "input": shown(e.get("input"), 120)} for e in exc.errors()]
+    errors = [
+        {
+            "loc": [
+                x if not isinstance(x, str) or len(x) <= 80 else shown(x) for x in e.get("loc", ())
+            ],
+            "msg": e.get("msg", ""),
+            "type": e.get("type", ""),
+            "input": shown(e.get("input"), 120),
+        }
+        for e in exc.errors()
+    ]
     return SafeJSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
-    return SafeJSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+    return SafeJSONResponse(
+        {"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers
+    )

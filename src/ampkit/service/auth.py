@@ -21,7 +21,9 @@ def load_tokens(data_dir: str, env: Optional[Mapping[str, str]] = None) -> dict[
         for item in env["AMPKIT_TOKENS"].split(","):
             owner, sep, token = item.strip().partition(":")
             if not sep or not owner or not token:
-                raise ValueError(f"AMPKIT_TOKENS item {item!r} is not OWNER:TOKEN (e.g. alice:s3cret,bob:t0ken)")
+                raise ValueError(
+                    f"AMPKIT_TOKENS item {item!r} is not OWNER:TOKEN (e.g. alice:s3cret,bob:t0ken)"
+                )
             out[token] = owner
         return out
     if env.get("AMPKIT_TOKEN"):
@@ -36,7 +38,11 @@ def load_tokens(data_dir: str, env: Optional[Mapping[str, str]] = None) -> dict[
         with open(path, encoding="utf-8") as f:
             tokens = json.load(f)
     except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); it maps each token to its owner") from None
-    if not isinstance(tokens, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tokens.items()):
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); it maps each token to its owner"
+        ) from None
+    if not isinstance(tokens, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tokens.items()
+    ):
         raise ValueError(f"{path} must be a JSON object mapping each token to its owner")
     return tokens

@@ -13,8 +13,23 @@ from typing import Annotated, Any, Union
 
 from pydantic import AfterValidator, Field, Strict
 
-__all__ = ["MAX_INT", "MAX_KEYS", "MAX_STR", "Bool", "Float", "Int", "Key", "Name", "OverrideValue", "Text", "check_hf_class",
-           "check_overrides", "model_config_names", "plain", "shown"]
+__all__ = [
+    "MAX_INT",
+    "MAX_KEYS",
+    "MAX_STR",
+    "Bool",
+    "Float",
+    "Int",
+    "Key",
+    "Name",
+    "OverrideValue",
+    "Text",
+    "check_hf_class",
+    "check_overrides",
+    "model_config_names",
+    "plain",
+    "shown",
+]
 
 MAX_STR = 256  # characters of a name, label or pattern
 MAX_KEYS = 64  # entries of model_overrides / amp
@@ -23,15 +38,35 @@ _CONFIG_INT = 2**31 - 1  # a config field's integer: layers, heads, widths, toke
 _CONFIG_FLOAT = 1e6  # a config field's float: dropouts, epsilons, ranges
 _TOKEN = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # a string override value: one word, no separator
 # Config attributes that describe the file, the hub or the build rather than the model's shape.
-_META = {"transformers_version", "architectures", "dtype", "torch_dtype", "problem_type", "id2label", "label2id",
-         "return_dict", "output_hidden_states", "output_attentions", "is_encoder_decoder", "tokenizer_class",
-         "prefix", "task_specific_params", "finetuning_task", "name_or_path", "attn_implementation"}
+_META = {
+    "transformers_version",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "problem_type",
+    "id2label",
+    "label2id",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "is_encoder_decoder",
+    "tokenizer_class",
+    "prefix",
+    "task_specific_params",
+    "finetuning_task",
+    "name_or_path",
+    "attn_implementation",
+}
 
 
 def shown(value: Any, n: int = 60) -> str:
     """``value`` for a message: its repr (escapes, so a surrogate or NUL prints), cut to ``n`` characters."""
     text = repr(value)
-    return text if len(text) <= n else f"{text[:n]}... ({len(value) if isinstance(value, str) else len(text)} chars)"
+    return (
+        text
+        if len(text) <= n
+        else f"{text[:n]}... ({len(value) if isinstance(value, str) else len(text)} chars)"
+    )
 
 
 def plain(value: str, limit: int = MAX_STR) -> str:
@@ -70,7 +105,15 @@ def model_config_names() -> tuple[str, ...]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return tuple(sorted({CONFIG_MAPPING_NAMES[t] for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in CONFIG_MAPPING_NAMES}))
+    return tuple(
+        sorted(
+            {
+                CONFIG_MAPPING_NAMES[t]
+                for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                if t in CONFIG_MAPPING_NAMES
+            }
+        )
+    )
 
 
 def check_hf_class(path: str) -> None:
@@ -80,18 +123,29 @@ def check_hf_class(path: str) -> None:
     try:
         names = model_config_names()
     except ImportError:
-        raise ValueError(f"model {path!r} needs transformers, which this server does not have "
-                         "(pip install 'ampkit[hf]')") from None
+        raise ValueError(
+            f"model {path!r} needs transformers, which this server does not have "
+            "(pip install 'ampkit[hf]')"
+        ) from None
     if mod != "transformers" or name not in names:
-        some = ", ".join(n for n in ("GPT2Config", "LlamaConfig", "BertConfig", "MistralConfig") if n in names)
-        raise ValueError(f"model {shown(path)} is not a model config with a causal LM; choose "
-                         f"transformers.<Name>Config for one of {len(names)} ({some}, ...)")
+        some = ", ".join(
+            n for n in ("GPT2Config", "LlamaConfig", "BertConfig", "MistralConfig") if n in names
+        )
+        raise ValueError(
+            f"model {shown(path)} is not a model config with a causal LM; choose "
+            f"transformers.<Name>Config for one of {len(names)} ({some}, ...)"
+        )
 
 
 def _fields(config: Any) -> dict[str, Any]:
     """Public, scalar fields of a config instance (and the names its ``attribute_map`` aliases)."""
-    out = {k: v for k, v in vars(config).items()
-           if not k.startswith("_") and k not in _META and (v is None or isinstance(v, (bool, int, float, str)))}
+    out = {
+        k: v
+        for k, v in vars(config).items()
+        if not k.startswith("_")
+        and k not in _META
+        and (v is None or isinstance(v, (bool, int, float, str)))
+    }
     for alias, target in getattr(type(config), "attribute_map", {}).items():
         if target in out and not alias.startswith("_"):
             out[alias] = out[target]
@@ -100,7 +154,9 @@ def _fields(config: Any) -> dict[str, Any]:
 
 def _check_value(cls_name: str, key: str, default: Any, value: Any) -> None:
     want = type(default)
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a word"}.get(want, "a scalar")
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a word"}.get(
+        want, "a scalar"
+    )
     if isinstance(value, bool) or want is bool:
         ok = want in (bool, type(None)) and isinstance(value, bool)
     elif isinstance(value, int):
@@ -110,14 +166,24 @@ def _check_value(cls_name: str, key: str, default: Any, value: Any) -> None:
         ok = want in (float, type(None)) and abs(value) <= _CONFIG_FLOAT
         kind = f"a number within +-{_CONFIG_FLOAT:g}" if want is not int else kind
     elif isinstance(value, str):
-        ok = want in (str, type(None)) and bool(_TOKEN.fullmatch(value)) and \
-            value.lower() not in ("true", "false", "none", "null") and _not_number(value)
-        kind = f"{kind} of letters, digits and _.+- (no separators)" if want in (str, type(None)) else kind
+        ok = (
+            want in (str, type(None))
+            and bool(_TOKEN.fullmatch(value))
+            and value.lower() not in ("true", "false", "none", "null")
+            and _not_number(value)
+        )
+        kind = (
+            f"{kind} of letters, digits and _.+- (no separators)"
+            if want in (str, type(None))
+            else kind
+        )
     else:
         ok = value is None
     if not ok:
-        raise ValueError(f"model_overrides.{key}: {shown(value)} is not valid; {cls_name}.{key} takes {kind} "
-                         f"(its default is {default!r})")
+        raise ValueError(
+            f"model_overrides.{key}: {shown(value)} is not valid; {cls_name}.{key} takes {kind} "
+            f"(its default is {default!r})"
+        )
 
 
 def _not_number(s: str) -> bool:
@@ -143,6 +209,8 @@ def check_overrides(model: str, overrides: dict[str, Any]) -> None:
     for key, value in overrides.items():
         if key not in fields:
             choices = ", ".join(sorted(fields))
-            raise ValueError(f"model_overrides: {shown(key)} is not a field you may set on {cls.__name__}; "
-                             f"choose from {choices}")
+            raise ValueError(
+                f"model_overrides: {shown(key)} is not a field you may set on {cls.__name__}; "
+                f"choose from {choices}"
+            )
         _check_value(cls.__name__, key, fields[key], value)

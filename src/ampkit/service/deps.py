@@ -18,8 +18,21 @@ from .runner import Runner
 from .schemas import ServiceConfig
 from .store import Store
 
-__all__ = ["OwnedRun", "Owner", "Service", "Svc", "allowed_model", "check_size", "check_starts", "hf_parameters", "lookup", "owner",
-           "owned_run", "service", "submit"]
+__all__ = [
+    "OwnedRun",
+    "Owner",
+    "Service",
+    "Svc",
+    "allowed_model",
+    "check_size",
+    "check_starts",
+    "hf_parameters",
+    "lookup",
+    "owner",
+    "owned_run",
+    "service",
+    "submit",
+]
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,11 @@ def owner(request: Request, svc: Annotated[Service, Depends(service)]) -> str:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     who = svc.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
     if who is None:
-        raise HTTPException(401, "missing or invalid token: send Authorization: Bearer <token>",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401,
+            "missing or invalid token: send Authorization: Bearer <token>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     return who
 
 
@@ -54,8 +70,9 @@ def lookup(svc: Service, run_id: str, who: str) -> dict[str, Any]:
     return run
 
 
-def owned_run(run_id: str, who: Annotated[str, Depends(owner)],
-              svc: Annotated[Service, Depends(service)]) -> dict[str, Any]:
+def owned_run(
+    run_id: str, who: Annotated[str, Depends(owner)], svc: Annotated[Service, Depends(service)]
+) -> dict[str, Any]:
     return lookup(svc, run_id, who)
 
 
@@ -72,20 +89,35 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
     try:
         allowed_model(spec["model"], svc.config.allowed_factories)
         if spec.get("model_overrides") and not is_hf(spec["model"]):
-            raise ValueError(f"model_overrides are for Hugging Face config models, not {spec['model']!r}")
+            raise ValueError(
+                f"model_overrides are for Hugging Face config models, not {spec['model']!r}"
+            )
         if is_hf(spec["model"]):
             check_overrides(spec["model"], spec.get("model_overrides") or {})
         # the size of the config the run builds: its overrides as `ampkit train` reads them back from run.toml
-        built = parse_overrides(run_tables(spec, "")["train"]["model_config"]) if kind == "train" else {}
+        built = (
+            parse_overrides(run_tables(spec, "")["train"]["model_config"])
+            if kind == "train"
+            else {}
+        )
         check_size(spec["model"], built or spec.get("model_overrides") or {}, svc.config.max_params)
         check_starts(spec, built)
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
-    if svc.store.count("queued", owner=who) >= svc.config.queue_cap:  # per owner: one owner cannot fill it for all
-        raise HTTPException(429, f"you have {svc.config.queue_cap} runs waiting, this server's limit per owner; "
-                                 "retry when one has started", headers={"Retry-After": "10"})
+    if (
+        svc.store.count("queued", owner=who) >= svc.config.queue_cap
+    ):  # per owner: one owner cannot fill it for all
+        raise HTTPException(
+            429,
+            f"you have {svc.config.queue_cap} runs waiting, this server's limit per owner; "
+            "retry when one has started",
+            headers={"Retry-After": "10"},
+        )
     if spec.get("max_seconds") is None and svc.config.max_seconds:
-        spec = {**spec, "max_seconds": svc.config.max_seconds}  # the server's default limit (ampkit serve)
+        spec = {
+            **spec,
+            "max_seconds": svc.config.max_seconds,
+        }  # the server's default limit (ampkit serve)
     run_id = uuid.uuid4().hex[:12]
     run_dir = os.path.join(os.path.abspath(svc.config.data_dir), "runs", run_id)
     if kind == "train":
@@ -109,10 +141,15 @@ def allowed_model(model: str, factories: tuple[str, ...]) -> str:
     if is_hf(model) and model.startswith("transformers."):
         check_hf_class(model)  # a model config with a causal LM: not AutoConfig, GPTQConfig, ...
         return model
-    extra = f" or an allowed factory ({', '.join(factories)})" if factories else \
-        " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
-    raise ValueError(f"model {shown(model)} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
-                     f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}")
+    extra = (
+        f" or an allowed factory ({', '.join(factories)})"
+        if factories
+        else " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
+    )
+    raise ValueError(
+        f"model {shown(model)} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
+        f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}"
+    )
 
 
 @functools.lru_cache(maxsize=128)
@@ -140,9 +177,13 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
         return count(functools.partial(build_hf, model, dict(overrides)))
     except ValueError:
         raise
-    except Exception as e:  # the config's own checks (a width not divisible by the heads, ...): a 422
-        raise ValueError(f"model {model!r} cannot be built with {dict(overrides) or 'its defaults'}: "
-                         f"{type(e).__name__}: {e}") from None
+    except (
+        Exception
+    ) as e:  # the config's own checks (a width not divisible by the heads, ...): a 422
+        raise ValueError(
+            f"model {model!r} cannot be built with {dict(overrides) or 'its defaults'}: "
+            f"{type(e).__name__}: {e}"
+        ) from None
 
 
 def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:
@@ -153,8 +194,10 @@ def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int])
         return
     n = hf_parameters(model, tuple(sorted(overrides.items())))
     if n > max_params:
-        raise ValueError(f"model {model!r} with {overrides or 'its defaults'} has {n / 1e6:,.0f}M parameters, over "
-                         f"this server's limit of {max_params / 1e6:,.0f}M (ampkit serve --max_params)")
+        raise ValueError(
+            f"model {model!r} with {overrides or 'its defaults'} has {n / 1e6:,.0f}M parameters, over "
+            f"this server's limit of {max_params / 1e6:,.0f}M (ampkit serve --max_params)"
+        )
 
 
 def check_device(device: str) -> None:
@@ -171,13 +214,17 @@ def check_device(device: str) -> None:
         if n == 0:
             raise ValueError(f"device {device!r}: this server has no CUDA device; choose cpu")
         if dev.index is not None and dev.index >= n:
-            raise ValueError(f"device {device!r}: this server has {n} CUDA device(s); choose cpu or cuda:0..{n - 1}")
+            raise ValueError(
+                f"device {device!r}: this server has {n} CUDA device(s); choose cpu or cuda:0..{n - 1}"
+            )
         return
     mps = getattr(torch.backends, "mps", None)
     if dev.type == "mps" and mps is not None and mps.is_available():
         return
-    raise ValueError(f"device {device!r} is not available on this server; choose cpu"
-                     + (" or cuda" if torch.cuda.is_available() else ""))
+    raise ValueError(
+        f"device {device!r} is not available on this server; choose cpu"
+        + (" or cuda" if torch.cuda.is_available() else "")
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -202,11 +249,15 @@ def check_starts(spec: dict[str, Any], overrides: dict[str, Any]) -> None:
     check_device(spec["device"])
     text_model = spec["model"] == "gpt" or is_hf(spec["model"])
     if spec.get("texts") and not text_model:
-        raise ValueError(f"texts are training data for text models (gpt, Hugging Face configs), not "
-                         f"{spec['model']!r}, which trains on its own generated data")
+        raise ValueError(
+            f"texts are training data for text models (gpt, Hugging Face configs), not "
+            f"{spec['model']!r}, which trains on its own generated data"
+        )
     keep = (spec.get("amp") or {}).get("keep_fp32")
     if keep and (text_model or spec["model"] in MODELS):
-        tree = _module_tree(spec["model"], spec.get("size", "tiny"), tuple(sorted(overrides.items())))
+        tree = _module_tree(
+            spec["model"], spec.get("size", "tiny"), tuple(sorted(overrides.items()))
+        )
         try:
             match_modules(tree, keep)
         except (TypeError, ValueError) as e:

@@ -22,8 +22,13 @@ def _smi_temperatures() -> dict[int, float]:
     if exe is None:
         return {}
     try:
-        out = subprocess.run([exe, "--query-gpu=index,temperature.gpu", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5, check=True).stdout
+        out = subprocess.run(
+            [exe, "--query-gpu=index,temperature.gpu", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     temps = {}
@@ -50,8 +55,13 @@ def gpu_status() -> list[dict[str, Any]]:
     smi: Optional[dict[int, float]] = None
     out = []
     for i in range(n):
-        row: dict[str, Any] = {"index": i, "name": None, "temperature_c": None, "memory_used_bytes": None,
-                               "memory_total_bytes": None}
+        row: dict[str, Any] = {
+            "index": i,
+            "name": None,
+            "temperature_c": None,
+            "memory_used_bytes": None,
+            "memory_total_bytes": None,
+        }
         try:
             row["name"] = torch.cuda.get_device_name(i)
             free, total = torch.cuda.mem_get_info(i)  # the whole device's, every process included
@@ -78,8 +88,12 @@ class TempHold:
     ``read`` returns the temperatures now (default :func:`gpu_temperatures`); it is read at most
     every ``every_s`` seconds. ``reason`` is why runs are held, or ``None``."""
 
-    def __init__(self, max_temp: Optional[float], read: Optional[Callable[[], list[float]]] = None,
-                 every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        max_temp: Optional[float],
+        read: Optional[Callable[[], list[float]]] = None,
+        every_s: float = 5.0,
+    ) -> None:
         self.max_temp, self.read, self.every_s = max_temp, read or gpu_temperatures, every_s
         self.reason: Optional[str] = None
         self._checked = -float("inf")
@@ -94,7 +108,16 @@ class TempHold:
                 hot = [t for t in self.read() if t > self.max_temp]
             except Exception as e:  # an unreadable sensor does not stop the queue; it is reported
                 hot, self.reason = [], None
-                print(f"ampkit serve: cannot read the GPU temperature: {type(e).__name__}: {e}", file=sys.stderr)
-            self.reason = (f"a device is at {max(hot):g} °C, over this server's limit of {self.max_temp:g} °C "
-                           "(ampkit serve --max_gpu_temp): queued runs wait") if hot else None
+                print(
+                    f"ampkit serve: cannot read the GPU temperature: {type(e).__name__}: {e}",
+                    file=sys.stderr,
+                )
+            self.reason = (
+                (
+                    f"a device is at {max(hot):g} °C, over this server's limit of {self.max_temp:g} °C "
+                    "(ampkit serve --max_gpu_temp): queued runs wait"
+                )
+                if hot
+                else None
+            )
         return self.reason is not None

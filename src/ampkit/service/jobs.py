@@ -44,7 +44,10 @@ def _serve(conn: Any) -> None:  # the worker process's loop
         target, args = msg
         module, _, name = target.partition(":")
         try:
-            out: tuple[str, Any] = ("succeeded", getattr(importlib.import_module(module), name)(*args))
+            out: tuple[str, Any] = (
+                "succeeded",
+                getattr(importlib.import_module(module), name)(*args),
+            )
         except ValueError as e:
             out = ("invalid", str(e))
         except Exception as e:  # noqa: BLE001 - reported to the client as the job's error
@@ -74,7 +77,9 @@ class Jobs:
 
     def in_flight(self, who: str) -> int:
         with self._lock:
-            return sum(1 for j in self._jobs.values() if j["owner"] == who and j["status"] not in _DONE)
+            return sum(
+                1 for j in self._jobs.values() if j["owner"] == who and j["status"] not in _DONE
+            )
 
     def submit(self, who: str, key: Any, target: str, args: tuple[Any, ...]) -> dict[str, Any]:
         """``who``'s job for ``key``: an unfinished one of theirs for the same key, else a new one."""
@@ -82,9 +87,19 @@ class Jobs:
             for j in self._jobs.values():
                 if j["owner"] == who and j["key"] == key and j["status"] not in _DONE:
                     return j
-            job = {"id": uuid.uuid4().hex[:12], "owner": who, "key": key, "target": target, "args": args,
-                   "status": "queued", "result": None, "error": None, "created": time.time(),
-                   "started": None, "finished": None}
+            job = {
+                "id": uuid.uuid4().hex[:12],
+                "owner": who,
+                "key": key,
+                "target": target,
+                "args": args,
+                "status": "queued",
+                "result": None,
+                "error": None,
+                "created": time.time(),
+                "started": None,
+                "finished": None,
+            }
             self._jobs[job["id"]] = job
             while len(self._jobs) > self.keep:  # forget the oldest finished jobs
                 old = next((k for k, j in self._jobs.items() if j["status"] in _DONE), None)
@@ -100,7 +115,10 @@ class Jobs:
     def pending(self, who: str, key: Any) -> bool:
         """Whether ``who`` has an unfinished job for ``key``."""
         with self._lock:
-            return any(j["owner"] == who and j["key"] == key and j["status"] not in _DONE for j in self._jobs.values())
+            return any(
+                j["owner"] == who and j["key"] == key and j["status"] not in _DONE
+                for j in self._jobs.values()
+            )
 
     def get(self, job_id: str, who: str) -> Optional[dict[str, Any]]:
         """``who``'s job ``job_id`` (None for another owner's, as if it did not exist)."""
@@ -133,7 +151,9 @@ class Jobs:
                 self._step(self._q.get())
             except BaseException as e:  # noqa: BLE001 - the loop outlives any one job
                 with contextlib.suppress(BaseException):
-                    logging.getLogger("ampkit.service").error("job loop error: %s: %s", type(e).__name__, e)
+                    logging.getLogger("ampkit.service").error(
+                        "job loop error: %s: %s", type(e).__name__, e
+                    )
 
     def _step(self, job_id: str) -> None:
         if job_id == "\0reopen":
@@ -142,7 +162,9 @@ class Jobs:
         job = self._jobs.get(job_id)
         if job is None or job["status"] in _DONE:
             return
-        hit = self.cached(job["key"]) or (("failed", "the server is shutting down") if self._closed else None)
+        hit = self.cached(job["key"]) or (
+            ("failed", "the server is shutting down") if self._closed else None
+        )
         if hit is not None:
             self._finish(job, *hit)
             return
@@ -163,7 +185,9 @@ class Jobs:
             env_threads = os.environ.get("OMP_NUM_THREADS")
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             try:
-                self._proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="ampkit-planner")
+                self._proc = ctx.Process(
+                    target=_serve, args=(child,), daemon=True, name="ampkit-planner"
+                )
                 self._proc.start()
             finally:
                 if env_threads is None:
@@ -174,12 +198,16 @@ class Jobs:
                 raise RuntimeError(f"the worker process did not start within {STARTUP_S} s")
         self._conn.send((target, args))
         if not self._conn.poll(self.timeout_s):
-            raise TimeoutError(f"the job ran past this server's limit of {self.timeout_s:g} s and was stopped")
+            raise TimeoutError(
+                f"the job ran past this server's limit of {self.timeout_s:g} s and was stopped"
+            )
         return self._conn.recv()
 
     def _stop_worker(self) -> None:
         proc, self._proc, self._conn = self._proc, None, None
-        if proc is not None and proc.pid is not None:  # a worker that never started has nothing to kill
+        if (
+            proc is not None and proc.pid is not None
+        ):  # a worker that never started has nothing to kill
             proc.kill()
             proc.join(5)
 

@@ -36,8 +36,10 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not (self.per_minute > 0 and self.burst >= 1 and self.in_flight >= 1):
-            raise ValueError(f"limits per_minute={self.per_minute}, burst={self.burst}, in_flight={self.in_flight}: "
-                             "per_minute must be > 0, burst and in_flight >= 1")
+            raise ValueError(
+                f"limits per_minute={self.per_minute}, burst={self.burst}, in_flight={self.in_flight}: "
+                "per_minute must be > 0, burst and in_flight >= 1"
+            )
 
     def take(self, who: str, kind: str) -> None:
         """Spend one request of ``who``'s ``kind`` bucket, or 429 with the wait in ``Retry-After``."""
@@ -49,21 +51,31 @@ class Limits:
             if tokens < 1.0:
                 self._buckets[(who, kind)] = (tokens, now)
                 wait = max(1, math.ceil((1.0 - tokens) / rate))
-                raise HTTPException(429, f"too many {kind} requests: {self.burst} at once, then "
-                                         f"{self.per_minute:g} a minute per owner; retry in {wait} s",
-                                    headers={"Retry-After": str(wait)})
+                raise HTTPException(
+                    429,
+                    f"too many {kind} requests: {self.burst} at once, then "
+                    f"{self.per_minute:g} a minute per owner; retry in {wait} s",
+                    headers={"Retry-After": str(wait)},
+                )
             self._buckets[(who, kind)] = (tokens - 1.0, now)
-            if len(self._buckets) > 10_000:  # forget idle owners (a full bucket is the default anyway)
-                full = [k for k, (t, s) in self._buckets.items() if t + (now - s) * rate >= self.burst]
+            if (
+                len(self._buckets) > 10_000
+            ):  # forget idle owners (a full bucket is the default anyway)
+                full = [
+                    k for k, (t, s) in self._buckets.items() if t + (now - s) * rate >= self.burst
+                ]
                 for k in full:
                     del self._buckets[k]
 
     def check_in_flight(self, who: str, running: int, kind: str = "planner") -> None:
         """429 when ``who`` already has ``in_flight`` jobs queued or running."""
         if running >= self.in_flight:
-            raise HTTPException(429, f"you have {running} {kind} jobs in flight, this server's limit per owner; "
-                                     "poll them (their job URL) and retry when one is done",
-                                headers={"Retry-After": "5"})
+            raise HTTPException(
+                429,
+                f"you have {running} {kind} jobs in flight, this server's limit per owner; "
+                "poll them (their job URL) and retry when one is done",
+                headers={"Retry-After": "5"},
+            )
 
 
 _GUARD = threading.Lock()

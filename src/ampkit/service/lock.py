@@ -44,10 +44,15 @@ def hold(data_dir: str) -> str:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-            raise DataDirBusy(errno.EBUSY, f"another ampkit server{holder} is using the data directory {key} "
-                                           f"(it holds {path}); stop it first, or give this server another "
-                                           "--data_dir") from None
-        with contextlib.suppress(OSError):  # the pid is for the message; the lock is what counts (a full disk)
+            raise DataDirBusy(
+                errno.EBUSY,
+                f"another ampkit server{holder} is using the data directory {key} "
+                f"(it holds {path}); stop it first, or give this server another "
+                "--data_dir",
+            ) from None
+        with contextlib.suppress(
+            OSError
+        ):  # the pid is for the message; the lock is what counts (a full disk)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _HELD[key] = [fd, 1]

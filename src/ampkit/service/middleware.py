@@ -23,9 +23,17 @@ Message = dict[str, Any]
 
 async def _reply(send: Callable[..., Any], status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})  # the rest of the body is never read: close
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )  # the rest of the body is never read: close
     await send({"type": "http.response.body", "body": body})
 
 
@@ -36,14 +44,18 @@ class BodyCap:
     def __init__(self, app: Any, cap: Callable[[Scope], int]) -> None:
         self.app, self.cap = app, cap
 
-    async def __call__(self, scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         cap = self.cap(scope)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > cap):
             shown = length.decode("latin-1")[:40]
-            return await _reply(send, 413, f"request body of {shown} bytes exceeds the limit of {cap}")
+            return await _reply(
+                send, 413, f"request body of {shown} bytes exceeds the limit of {cap}"
+            )
         if length is None and scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -54,8 +66,9 @@ class BodyCap:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                return await _reply(send, 413, f"request body exceeds the limit of {cap} bytes "
-                                               f"({size} read so far)")
+                return await _reply(
+                    send, 413, f"request body exceeds the limit of {cap} bytes ({size} read so far)"
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -66,6 +79,7 @@ class BodyCap:
 def _replay(messages: list[Message], receive: Callable[..., Any]) -> Callable[..., Any]:
     async def replay() -> Message:
         return messages.pop(0) if messages else await receive()
+
     return replay
 
 
@@ -76,7 +90,9 @@ class RequestLog:
     def __init__(self, app: Any, owner: Callable[[Scope], Any]) -> None:
         self.app, self.owner = app, owner
 
-    async def __call__(self, scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status, logged = time.perf_counter(), [500], [False]
@@ -86,10 +102,19 @@ class RequestLog:
                 return
             logged[0] = True
             route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
-            log.info("request %s", json.dumps({
-                "owner": self.owner(scope), "method": scope.get("method"), "route": route,
-                "status": status[0], "ms": round((time.perf_counter() - start) * 1000, 2)},
-                ensure_ascii=True))
+            log.info(
+                "request %s",
+                json.dumps(
+                    {
+                        "owner": self.owner(scope),
+                        "method": scope.get("method"),
+                        "route": route,
+                        "status": status[0],
+                        "ms": round((time.perf_counter() - start) * 1000, 2),
+                    },
+                    ensure_ascii=True,
+                ),
+            )
 
         async def sent(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -24,7 +24,9 @@ MAX_BATCH = 1 << 16  # the largest batch a plan reports
 _AUTOCAST = tuple(n for n in PLAN_PRECISIONS if REGISTRY[n].opt_level == "O1")
 
 
-Overrides = tuple[tuple[str, Any], ...]  # a config's overrides, hashable for the caches; never a joined string
+Overrides = tuple[
+    tuple[str, Any], ...
+]  # a config's overrides, hashable for the caches; never a joined string
 
 
 def _text_model(model: str, overrides: Overrides, size: str) -> tuple[Callable[[], Any], int]:
@@ -33,10 +35,14 @@ def _text_model(model: str, overrides: Overrides, size: str) -> tuple[Callable[[
     from ..models.hf_configs import build_hf, hf_config, is_hf, max_positions
 
     if is_hf(model):
-        return functools.partial(build_hf, model, dict(overrides)), max_positions(hf_config(model, dict(overrides)))
+        return functools.partial(build_hf, model, dict(overrides)), max_positions(
+            hf_config(model, dict(overrides))
+        )
     if model == "gpt":
         return functools.partial(build, model, size), build(model, size).config.block_size
-    raise ValueError(f"memory predictions here are for text models (gpt, Hugging Face configs), not {model!r}")
+    raise ValueError(
+        f"memory predictions here are for text models (gpt, Hugging Face configs), not {model!r}"
+    )
 
 
 def _tokens(batch: int, length: int) -> tuple[Any, Any]:
@@ -46,8 +52,14 @@ def _tokens(batch: int, length: int) -> tuple[Any, Any]:
     return x, x.clone()
 
 
-def peaks(model: str, overrides: Overrides, size: str, batch: int, length: int,
-          precisions: tuple[str, ...]) -> dict[str, int]:
+def peaks(
+    model: str,
+    overrides: Overrides,
+    size: str,
+    batch: int,
+    length: int,
+    precisions: tuple[str, ...],
+) -> dict[str, int]:
     """Predicted peak bytes per precision for a text model at ``batch`` x ``length`` tokens (the
     worker process runs this: :mod:`ampkit.service.jobs`)."""
     from ..plan.estimate import estimate
@@ -62,7 +74,9 @@ def _overrides(d: dict[str, Any]) -> Overrides:
     return tuple(sorted(d.items()))
 
 
-def savings_gb(spec: dict[str, Any], precision: Optional[str], wait_s: float = 300.0) -> Optional[float]:
+def savings_gb(
+    spec: dict[str, Any], precision: Optional[str], wait_s: float = 300.0
+) -> Optional[float]:
     """Predicted fp32 peak minus ``precision``'s for a run's spec, in GiB; None when no estimate can
     be made (a model that is not a text model, ...; or none within ``wait_s``): that is no reason
     to refuse a run. The estimate runs in the worker process; this thread only waits."""
@@ -74,11 +88,21 @@ def savings_gb(spec: dict[str, Any], precision: Optional[str], wait_s: float = 3
         if texts:  # samples are padded to the longest text, up to max_length
             length = min(length, max(len(t.encode("utf-8")) for t in texts) - 1)
         batch = min(spec["batch_size"], len(texts)) if texts else spec["batch_size"]
-        key = (spec["model"], _overrides(spec.get("model_overrides") or {}), spec.get("size", "small"),
-               batch, max(1, length), ("fp32", precision))
+        key = (
+            spec["model"],
+            _overrides(spec.get("model_overrides") or {}),
+            spec.get("size", "small"),
+            batch,
+            max(1, length),
+            ("fp32", precision),
+        )
         got = _jobs().cached(("peaks", key))
-        if got is None:  # worked out by the worker process; identical asks share the job, then the cache
-            job = _jobs().wait(_jobs().submit("(server)", ("peaks", key), f"{__name__}:peaks", key), wait_s)
+        if (
+            got is None
+        ):  # worked out by the worker process; identical asks share the job, then the cache
+            job = _jobs().wait(
+                _jobs().submit("(server)", ("peaks", key), f"{__name__}:peaks", key), wait_s
+            )
             got = (job["status"], job["result"] if job["status"] == "succeeded" else job["error"])
         if got[0] != "succeeded":
             return None
@@ -90,8 +114,16 @@ def savings_gb(spec: dict[str, Any], precision: Optional[str], wait_s: float = 3
 
 def plan_key(body: OptimizeBody, max_params: Optional[int]) -> tuple[Any, ...]:
     """What a plan depends on: identical requests have the same key (and share the cached answer)."""
-    return ("plan", body.model_name, _overrides(body.model_overrides), body.size, body.batch_size, body.max_length,
-            float(body.gpu_memory_gb), max_params)
+    return (
+        "plan",
+        body.model_name,
+        _overrides(body.model_overrides),
+        body.size,
+        body.batch_size,
+        body.max_length,
+        float(body.gpu_memory_gb),
+        max_params,
+    )
 
 
 def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, Any]:
@@ -105,8 +137,9 @@ def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, A
     return plan_answer(b)
 
 
-def _plan_rows(factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, stack: Any
-               ) -> list[dict[str, Any]]:
+def _plan_rows(
+    factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, stack: Any
+) -> list[dict[str, Any]]:
     """Every precision's row (:func:`ampkit.plan.depth_plan.plan_precisions`, as ``ampkit plan``: by depth
     extrapolation for a stack of blocks, fp16 and fp16-pure as bf16's and bf16-pure's twins; else
     the full model measured)."""
@@ -114,11 +147,24 @@ def _plan_rows(factory: Callable[[], Any], length: int, body: OptimizeBody, budg
 
     rows: dict[str, dict[str, Any]] = {}
     for group in plan_groups(PLAN_PRECISIONS, stack):
-        found = plan_precisions(factory, lambda b: _tokens(b, length), budget, group, body.batch_size, stack=stack,
-                                checkpointing=False, limit=MAX_BATCH)
+        found = plan_precisions(
+            factory,
+            lambda b: _tokens(b, length),
+            budget,
+            group,
+            body.batch_size,
+            stack=stack,
+            checkpointing=False,
+            limit=MAX_BATCH,
+        )
         for p, r in zip(group, found):
-            rows[p] = {"precision": p, "predicted_peak_gb": round(r.peak_bytes / GiB, 3),
-                       "fits": r.peak_bytes <= budget, "max_batch_size": r.largest, "method": r.method}
+            rows[p] = {
+                "precision": p,
+                "predicted_peak_gb": round(r.peak_bytes / GiB, 3),
+                "fits": r.peak_bytes <= budget,
+                "max_batch_size": r.largest,
+                "method": r.method,
+            }
     return [rows[p] for p in PLAN_PRECISIONS]
 
 
@@ -133,14 +179,26 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     stack = stack_for(body.model_name, body.size, dict(overrides))
     rows = _plan_rows(factory, min(body.max_length, limit), body, budget, stack)
     fp32 = rows[0]
-    best_half = max((r for r in rows if r["precision"] in _AUTOCAST), key=lambda r: r["max_batch_size"])
-    use = (not fp32["fits"] and best_half["fits"]) or best_half["max_batch_size"] > fp32["max_batch_size"]
-    reason = (f"{best_half['precision']} fits batch {best_half['max_batch_size']} in {body.gpu_memory_gb:g} GB vs "
-              f"fp32's {fp32['max_batch_size']}; its peak at batch {body.batch_size} is "
-              f"{best_half['predicted_peak_gb']:.2f} GB vs {fp32['predicted_peak_gb']:.2f} GB")
-    return {"model_name": body.model_name, "gpu_memory_gb": body.gpu_memory_gb, "batch_size": body.batch_size,
-            "should_use_mixed_precision": bool(use), "reason": reason,
-            "recommended_precision": best_half["precision"] if use else "fp32", "recommendations": rows,
-            "note": "predicted by ampkit.plan.estimate.estimate (a training step on fake tensors, AdamW; rows with "
-                    "method 'depth': extrapolated from 1- and 2-block copies of the model, ampkit.plan.depth) "
-                    "with this server's kernels"}
+    best_half = max(
+        (r for r in rows if r["precision"] in _AUTOCAST), key=lambda r: r["max_batch_size"]
+    )
+    use = (not fp32["fits"] and best_half["fits"]) or best_half["max_batch_size"] > fp32[
+        "max_batch_size"
+    ]
+    reason = (
+        f"{best_half['precision']} fits batch {best_half['max_batch_size']} in {body.gpu_memory_gb:g} GB vs "
+        f"fp32's {fp32['max_batch_size']}; its peak at batch {body.batch_size} is "
+        f"{best_half['predicted_peak_gb']:.2f} GB vs {fp32['predicted_peak_gb']:.2f} GB"
+    )
+    return {
+        "model_name": body.model_name,
+        "gpu_memory_gb": body.gpu_memory_gb,
+        "batch_size": body.batch_size,
+        "should_use_mixed_precision": bool(use),
+        "reason": reason,
+        "recommended_precision": best_half["precision"] if use else "fp32",
+        "recommendations": rows,
+        "note": "predicted by ampkit.plan.estimate.estimate (a training step on fake tensors, AdamW; rows with "
+        "method 'depth': extrapolated from 1- and 2-block copies of the model, ampkit.plan.depth) "
+        "with this server's kernels",
+    }

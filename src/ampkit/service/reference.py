@@ -108,8 +108,10 @@ training routes answer with this view of a run:
 """
 
 
-GENERATED = ("<!-- generated from the app's OpenAPI by `python -m ampkit.cli.docs`; do not edit: "
-             "tests/cli/test_cli_flags.py checks it -->")
+GENERATED = (
+    "<!-- generated from the app's OpenAPI by `python -m ampkit.cli.docs`; do not edit: "
+    "tests/cli/test_cli_flags.py checks it -->"
+)
 
 
 def rest_reference(openapi: Optional[dict[str, Any]] = None) -> str:
@@ -122,7 +124,16 @@ def rest_reference(openapi: Optional[dict[str, Any]] = None) -> str:
         with tempfile.TemporaryDirectory() as d:  # the app opens its store; nothing is served
             openapi = create_app(ServiceConfig(data_dir=d), tokens={}).openapi()
     schemas = openapi.get("components", {}).get("schemas", {})
-    out = [GENERATED, "", "# REST API reference (`ampkit serve`)", "", API_TEXT.strip(), "", "## Routes", ""]
+    out = [
+        GENERATED,
+        "",
+        "# REST API reference (`ampkit serve`)",
+        "",
+        API_TEXT.strip(),
+        "",
+        "## Routes",
+        "",
+    ]
     shown: set[str] = set()
     for path, ops in openapi["paths"].items():
         for method, op in ops.items():
@@ -130,16 +141,23 @@ def rest_reference(openapi: Optional[dict[str, Any]] = None) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _route(method: str, path: str, op: dict[str, Any], schemas: dict[str, Any], shown: set[str]) -> list[str]:
+def _route(
+    method: str, path: str, op: dict[str, Any], schemas: dict[str, Any], shown: set[str]
+) -> list[str]:
     ok = next((c for c in op.get("responses", {}) if c.startswith("2")), "200")
     out = [f"### `{method} {path}`" + (f" → {ok}" if ok != "200" else ""), ""]
     if op.get("description"):
         out += [op["description"].strip(), ""]
     params = [p for p in op.get("parameters", []) if p.get("in") == "query"]
     if params:
-        out += ["| query parameter | type | default | constraint | meaning |", "| --- | --- | --- | --- | --- |"]
-        out += [_row(p["name"], p.get("schema", {}), p.get("required", False), p.get("description", ""))
-                for p in params]
+        out += [
+            "| query parameter | type | default | constraint | meaning |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        out += [
+            _row(p["name"], p.get("schema", {}), p.get("required", False), p.get("description", ""))
+            for p in params
+        ]
         out.append("")
     body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
     if body:
@@ -153,10 +171,19 @@ def _model(name: str, schemas: dict[str, Any], shown: set[str]) -> list[str]:
         return [f"Body: [`{name}`](#{name.lower()}), as above.", ""]
     shown.add(name)
     schema = schemas[name]
-    unknown = "an unknown field is a 422" if schema.get("additionalProperties") is False else \
-        "unknown fields are ignored"
-    out = [f"#### `{name}`", "", f"Body (JSON object; {unknown}):", "",
-           "| field | type | default | constraint | meaning |", "| --- | --- | --- | --- | --- |"]
+    unknown = (
+        "an unknown field is a 422"
+        if schema.get("additionalProperties") is False
+        else "unknown fields are ignored"
+    )
+    out = [
+        f"#### `{name}`",
+        "",
+        f"Body (JSON object; {unknown}):",
+        "",
+        "| field | type | default | constraint | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     required = set(schema.get("required", ()))
     nested = []
     for field, prop in schema.get("properties", {}).items():
@@ -175,7 +202,15 @@ def _row(name: str, schema: dict[str, Any], required: bool, meaning: str) -> str
         default = f"`{_json(schema['default'])}`"
     else:  # pydantic leaves out None and default factories' values
         types = {v.get("type") for v in _variants(schema)}
-        default = "`null`" if "null" in types else "`{}`" if "object" in types else "`[]`" if "array" in types else "—"
+        default = (
+            "`null`"
+            if "null" in types
+            else "`{}`"
+            if "object" in types
+            else "`[]`"
+            if "array" in types
+            else "—"
+        )
     cells = [f"`{name}`", _type(schema), default, _constraint(schema), " ".join(meaning.split())]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -201,18 +236,32 @@ def _type(schema: dict[str, Any]) -> str:
 def _constraint(schema: dict[str, Any]) -> str:
     parts = []
     for v in _variants(schema):
-        lo = f"> {_num(v['exclusiveMinimum'])}" if "exclusiveMinimum" in v else \
-            f"≥ {_num(v['minimum'])}" if "minimum" in v else ""
-        hi = f"< {_num(v['exclusiveMaximum'])}" if "exclusiveMaximum" in v else \
-            f"≤ {_num(v['maximum'])}" if "maximum" in v else ""
+        lo = (
+            f"> {_num(v['exclusiveMinimum'])}"
+            if "exclusiveMinimum" in v
+            else f"≥ {_num(v['minimum'])}"
+            if "minimum" in v
+            else ""
+        )
+        hi = (
+            f"< {_num(v['exclusiveMaximum'])}"
+            if "exclusiveMaximum" in v
+            else f"≤ {_num(v['maximum'])}"
+            if "maximum" in v
+            else ""
+        )
         if v.get("type") == "integer" and v.get("maximum") == 2.0**63:
             hi = "≤ 2^63 - 1"  # the signed 64-bit maximum, which the JSON schema's float rounds up
         parts.append(", ".join(x for x in (lo, hi) if x))
         if "enum" in v:
             parts.append("one of " + ", ".join(f"`{x}`" for x in v["enum"]))
-        for key, what in (("minItems", "at least {} item(s)"), ("maxItems", "at most {} items"),
-                          ("minLength", "at least {} characters"), ("maxLength", "at most {} characters"),
-                          ("maxProperties", "at most {} entries")):
+        for key, what in (
+            ("minItems", "at least {} item(s)"),
+            ("maxItems", "at most {} items"),
+            ("minLength", "at least {} characters"),
+            ("maxLength", "at most {} characters"),
+            ("maxProperties", "at most {} entries"),
+        ):
             if key in v:
                 parts.append(what.format(v[key]))
     return "; ".join(p for p in parts if p)

@@ -28,8 +28,20 @@ from ..step import tomlio
 from ..step.config import check_run_file as _check_sealed
 from ..step.config import seal_run_file
 
-__all__ = ["RUN_FILE", "SERVICE_CAPS", "SERVICE_DEFAULTS", "SERVICE_ONLY", "TEXTS_FILE", "TRAIN_ONLY", "check_run_file", "dumps_toml", "private_dir", "run_tables",
-           "train_key", "write_run_file"]
+__all__ = [
+    "RUN_FILE",
+    "SERVICE_CAPS",
+    "SERVICE_DEFAULTS",
+    "SERVICE_ONLY",
+    "TEXTS_FILE",
+    "TRAIN_ONLY",
+    "check_run_file",
+    "dumps_toml",
+    "private_dir",
+    "run_tables",
+    "train_key",
+    "write_run_file",
+]
 
 RUN_FILE = "run.toml"
 #: TOML text of ``{table: {key: value}}``, ``None`` left out (:func:`ampkit.step.tomlio.dumps`).
@@ -37,8 +49,12 @@ dumps_toml = tomlio.dumps
 TEXTS_FILE = "texts.json"
 
 # RunSpec fields whose ``ampkit train`` option has another name (the REST names came first).
-_RENAMED = {"max_length": "block_size", "activation_checkpointing": "grad_ckpt", "model_overrides": "model_config",
-            "texts": "data"}
+_RENAMED = {
+    "max_length": "block_size",
+    "activation_checkpointing": "grad_ckpt",
+    "model_overrides": "model_config",
+    "texts": "data",
+}
 # RunSpec fields that are not training options, and why.
 SERVICE_ONLY = {
     "max_seconds": "a wall-clock limit the runner enforces by ending the run's process group",
@@ -53,14 +69,32 @@ SERVICE_ONLY = {
 SERVICE_DEFAULTS: dict[str, tuple[Any, str]] = {
     "model": ("mlp", "an empty request trains the smallest built-in model, not the GPT"),
     "size": ("tiny", "an empty request is a cheap run on a shared server"),
-    "device": ("cpu", "a run takes a GPU only when its request asks for one (`ampkit train`: the best device)"),
-    "checkpoint_every": (10, "every run can be resumed (POST /v1/runs/{id}/resume needs a checkpoint)"),
-    "log_every": (5, "clients poll the metrics route: twice the points of the command line's console"),
+    "device": (
+        "cpu",
+        "a run takes a GPU only when its request asks for one (`ampkit train`: the best device)",
+    ),
+    "checkpoint_every": (
+        10,
+        "every run can be resumed (POST /v1/runs/{id}/resume needs a checkpoint)",
+    ),
+    "log_every": (
+        5,
+        "clients poll the metrics route: twice the points of the command line's console",
+    ),
 }
 # RunSpec fields with an upper bound that ``ampkit train`` does not have: a request is untrusted
 # input, and one request must not hold the server for months or ask for memory no machine has.
-SERVICE_CAPS: tuple[str, ...] = ("steps", "batch_size", "accumulation_steps", "lr", "max_length", "epochs",
-                                 "target_effective_batch_size", "checkpoint_every", "log_every")
+SERVICE_CAPS: tuple[str, ...] = (
+    "steps",
+    "batch_size",
+    "accumulation_steps",
+    "lr",
+    "max_length",
+    "epochs",
+    "target_effective_batch_size",
+    "checkpoint_every",
+    "log_every",
+)
 # ``ampkit train`` options a request cannot set, and why (every other option is a RunSpec field, or a
 # MixedPrecisionConfig field of its ``amp`` dict).
 TRAIN_ONLY: dict[str, str] = {
@@ -81,7 +115,7 @@ TRAIN_ONLY: dict[str, str] = {
     "print_config": "prints and exits: not a run",
     "debug": "anomaly mode is for a person at a terminal, and slow",
     "amp_opt_level": "the precision field takes O0, O1 and O2 as names; a level with a dtype is one name "
-                     "(bf16 with O2 is bf16-pure)",
+    "(bf16 with O2 is bf16-pure)",
     "nproc_per_node": "one process per run on this server",
     "nnodes": "one process per run on this server",
     "node_rank": "one process per run on this server",
@@ -121,7 +155,9 @@ def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
     if spec.get("texts"):
         with _private_text(os.path.join(run_dir, TEXTS_FILE)) as f:
             json.dump(spec["texts"], f)
-    return tomlio.write(os.path.join(run_dir, RUN_FILE), text, mode=0o600)  # atomic: never half a file
+    return tomlio.write(
+        os.path.join(run_dir, RUN_FILE), text, mode=0o600
+    )  # atomic: never half a file
 
 
 def check_run_file(run_dir: str) -> None:

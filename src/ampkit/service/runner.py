@@ -73,20 +73,52 @@ def command_for(run: dict[str, Any]) -> list[str]:
     spec, d = run["spec"], run["run_dir"]
     base = [sys.executable, "-m", "ampkit"]
     if run["kind"] == "recommend":
-        return [*base, "tune", "--model", spec["model"], "--size", spec["size"], "--device", spec["device"],
-                "--batch_size", str(spec["batch_size"]), "--steps", str(spec["steps"]), "--repeats", "2",
-                "--warmup", "2", "--precisions", spec["precisions"], "--json", "--out", os.path.join(d, "tune.toml")]
+        return [
+            *base,
+            "tune",
+            "--model",
+            spec["model"],
+            "--size",
+            spec["size"],
+            "--device",
+            spec["device"],
+            "--batch_size",
+            str(spec["batch_size"]),
+            "--steps",
+            str(spec["steps"]),
+            "--repeats",
+            "2",
+            "--warmup",
+            "2",
+            "--precisions",
+            spec["precisions"],
+            "--json",
+            "--out",
+            os.path.join(d, "tune.toml"),
+        ]
     attempt = int(run.get("resumes") or 0)
-    cmd = [*base, "train", "--config", os.path.join(d, RUN_FILE), "--json", "--log_dir",
-           os.path.join(d, f"log-{attempt}"), "--checkpoint_dir", os.path.join(d, "ckpt")]
+    cmd = [
+        *base,
+        "train",
+        "--config",
+        os.path.join(d, RUN_FILE),
+        "--json",
+        "--log_dir",
+        os.path.join(d, f"log-{attempt}"),
+        "--checkpoint_dir",
+        os.path.join(d, "ckpt"),
+    ]
     return [*cmd, "--resume"] if attempt else cmd
 
 
 def read_log(run_dir: str) -> list[str]:
     """Complete JSONL lines of every attempt's log, in order (a line still being written is left out)."""
     out: list[str] = []
-    attempts = sorted((n for n in os.listdir(run_dir) if n.startswith("log-")), key=lambda n: int(n[4:])) \
-        if os.path.isdir(run_dir) else []
+    attempts = (
+        sorted((n for n in os.listdir(run_dir) if n.startswith("log-")), key=lambda n: int(n[4:]))
+        if os.path.isdir(run_dir)
+        else []
+    )
     for name in attempts:
         try:
             with open(os.path.join(run_dir, name, "log.jsonl"), encoding="utf-8") as f:
@@ -94,7 +126,9 @@ def read_log(run_dir: str) -> list[str]:
         except OSError:
             continue
         lines = text.split("\n")
-        out += [ln for ln in lines[:-1] if ln.strip()]  # the last piece has no newline yet (or is empty)
+        out += [
+            ln for ln in lines[:-1] if ln.strip()
+        ]  # the last piece has no newline yet (or is empty)
     return out
 
 
@@ -133,15 +167,24 @@ def _kill_group(pid: int, grace_s: float = 2.0) -> None:
 class Runner:
     """Starts, watches, times out and cancels runs (module doc)."""
 
-    def __init__(self, store: Store, *, max_concurrent: int = 1, poll_s: float = 0.2,
-                 max_gpu_temp: Optional[float] = None, read_temps: Optional[Callable[[], list[float]]] = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_concurrent: int = 1,
+        poll_s: float = 0.2,
+        max_gpu_temp: Optional[float] = None,
+        read_temps: Optional[Callable[[], list[float]]] = None,
+    ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent={max_concurrent} must be >= 1")
         self.store, self.max_concurrent, self.poll_s = store, max_concurrent, poll_s
         self.hold = TempHold(max_gpu_temp, read_temps)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._adopted: dict[str, int] = {}
-        self.unrecorded: dict[str, dict[str, Any]] = {}  # run id -> how it ended, while the database is full
+        self.unrecorded: dict[
+            str, dict[str, Any]
+        ] = {}  # run id -> how it ended, while the database is full
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ampkit-runner", daemon=True)
@@ -165,14 +208,24 @@ class Runner:
             ended, rc = _outcome(run)
             if not ended:
                 self._adopted[run["id"]] = run["pid"]
-            elif (rc is not None and rc >= 0) or _summary(run) is not None:  # it ended while the server was down
+            elif (rc is not None and rc >= 0) or _summary(
+                run
+            ) is not None:  # it ended while the server was down
                 self._finish(run["id"], rc)
             else:
-                why = (f"killed by signal {-rc} ({_signame(-rc)}) while the server was stopped" if rc is not None
-                       else "the server stopped while this run was running")
-                self.store.update(run["id"], expect=("running",), status="interrupted", ended=time.time(),
-                                  error=f"{why}; POST /v1/runs/{run['id']}/resume continues it from its last "
-                                        "checkpoint")
+                why = (
+                    f"killed by signal {-rc} ({_signame(-rc)}) while the server was stopped"
+                    if rc is not None
+                    else "the server stopped while this run was running"
+                )
+                self.store.update(
+                    run["id"],
+                    expect=("running",),
+                    status="interrupted",
+                    ended=time.time(),
+                    error=f"{why}; POST /v1/runs/{run['id']}/resume continues it from its last "
+                    "checkpoint",
+                )
 
     def _loop(self) -> None:
         """Tick until stopped. Nothing raised in a tick ends the loop (a full disk, a locked
@@ -181,7 +234,9 @@ class Runner:
             try:
                 self._noted = None
                 self.tick()
-                self.last_error = self._noted  # an error the tick handled itself (a write it retries)
+                self.last_error = (
+                    self._noted
+                )  # an error the tick handled itself (a write it retries)
             except BaseException as e:  # noqa: BLE001 - the scheduler outlives any one tick
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
                 _report(f"scheduler error (next tick retries): {self.last_error}")
@@ -207,12 +262,19 @@ class Runner:
             for run in self.store.list(status="running", limit=1_000_000):
                 limit = run["spec"].get("max_seconds")
                 over = limit and run["started"] and now - run["started"] > limit
-                if over and self.store.update(run["id"], expect=("running",), status="failed", ended=now,
-                                              error=f"timeout: still running after max_seconds={limit}"):
+                if over and self.store.update(
+                    run["id"],
+                    expect=("running",),
+                    status="failed",
+                    ended=now,
+                    error=f"timeout: still running after max_seconds={limit}",
+                ):
                     self._kill(run["id"], run["pid"])
             running = len(self._procs) + len(self._adopted)
             if running < self.max_concurrent and not self.hold.held():
-                queued = sorted(self.store.list(status="queued", limit=1_000_000), key=lambda r: r["created"])
+                queued = sorted(
+                    self.store.list(status="queued", limit=1_000_000), key=lambda r: r["created"]
+                )
                 for run in queued[: self.max_concurrent - running]:
                     self._launch_or_fail(run)
 
@@ -236,10 +298,18 @@ class Runner:
         run with the reason, so that the runs queued after it still start."""
         try:
             self._launch(run)
-        except Exception as e:  # the update may fail too (a full disk): the run stays queued, next tick retries
-            self.store.update(run["id"], expect=("queued",), status="failed", ended=time.time(),
-                              error=f"could not start: {type(e).__name__}: {e}"[:2000]
-                              .encode("utf-8", "backslashreplace").decode("utf-8"))
+        except (
+            Exception
+        ) as e:  # the update may fail too (a full disk): the run stays queued, next tick retries
+            self.store.update(
+                run["id"],
+                expect=("queued",),
+                status="failed",
+                ended=time.time(),
+                error=f"could not start: {type(e).__name__}: {e}"[:2000]
+                .encode("utf-8", "backslashreplace")
+                .decode("utf-8"),
+            )
 
     def _launch(self, run: dict[str, Any]) -> None:
         d = run["run_dir"]
@@ -252,14 +322,27 @@ class Runner:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(exit_path(d, attempt))  # a record left by an earlier launch of this attempt
         write_private(launch_path(d, attempt), json.dumps({"argv": command_for(run)}).encode())
-        with _private(os.path.join(d, f"stdout-{attempt}.json")) as out, \
-                _private(os.path.join(d, f"stderr-{attempt}.log")) as err:
-            proc = subprocess.Popen(supervisor_command(d, attempt), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=d, umask=0o077)
+        with (
+            _private(os.path.join(d, f"stdout-{attempt}.json")) as out,
+            _private(os.path.join(d, f"stderr-{attempt}.log")) as err,
+        ):
+            proc = subprocess.Popen(
+                supervisor_command(d, attempt),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=d,
+                umask=0o077,
+            )
         pid = _started_pid(proc, d, attempt)
         try:
-            started = self.store.update(run["id"], expect=("queued",), status="running", started=time.time(), pid=pid)
-        except BaseException:  # not recorded (a full disk): the run stays queued and must not run twice
+            started = self.store.update(
+                run["id"], expect=("queued",), status="running", started=time.time(), pid=pid
+            )
+        except (
+            BaseException
+        ):  # not recorded (a full disk): the run stays queued and must not run twice
             started = False
             raise
         finally:
@@ -276,7 +359,9 @@ class Runner:
             self.unrecorded.pop(run_id, None)
             return True
         except Exception as e:  # a full disk, a locked database: the run stays watched
-            self._noted = f"cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}"[:500]
+            self._noted = (
+                f"cannot record the end of run {run_id} (will retry): {type(e).__name__}: {e}"[:500]
+            )
             _report(self._noted)
             return False
 
@@ -302,9 +387,19 @@ class Runner:
             if rc is not None:
                 error = failure or tail or f"exit status {rc}"
             else:  # no exit record: its supervisor was killed (or an older server started it without one)
-                error = failure or "ended, exit status unknown" + (f"; its stderr ends: {tail}" if tail else "")
-        fields = {"status": "succeeded" if ok else "failed", "ended": time.time(), "summary": summary, "error": error}
-        self.unrecorded[run_id] = {**fields, "pid": None}  # shown until the row says so (a full disk)
+                error = failure or "ended, exit status unknown" + (
+                    f"; its stderr ends: {tail}" if tail else ""
+                )
+        fields = {
+            "status": "succeeded" if ok else "failed",
+            "ended": time.time(),
+            "summary": summary,
+            "error": error,
+        }
+        self.unrecorded[run_id] = {
+            **fields,
+            "pid": None,
+        }  # shown until the row says so (a full disk)
         self.store.update(run_id, expect=("running",), **fields)
 
     def _kill(self, run_id: str, pid: Optional[int]) -> None:
@@ -319,8 +414,13 @@ class Runner:
         """Cancel a queued or running run; the process group is gone when this returns. False if it had ended."""
         with self._lock:
             run = self.store.get(run_id)
-            if run is None or not self.store.update(run_id, expect=("queued", "running"), status="cancelled",
-                                                    ended=time.time(), error="cancelled by its owner"):
+            if run is None or not self.store.update(
+                run_id,
+                expect=("queued", "running"),
+                status="cancelled",
+                ended=time.time(),
+                error="cancelled by its owner",
+            ):
                 return False
             if run["status"] == "running":
                 self._kill(run_id, run["pid"])
@@ -341,7 +441,9 @@ def _outcome(run: dict[str, Any]) -> tuple[bool, Optional[int]]:
     return (not _alive(record_pid(record, "supervisor"), d)), None
 
 
-def _started_pid(proc: subprocess.Popen[bytes], run_dir: str, attempt: int, timeout: float = 30.0) -> int:
+def _started_pid(
+    proc: subprocess.Popen[bytes], run_dir: str, attempt: int, timeout: float = 30.0
+) -> int:
     """The pid of the run's process, once its supervisor ``proc`` has started it; raises
     ``RuntimeError`` with the reason when it could not (the supervisor has ended)."""
     deadline = time.monotonic() + timeout
@@ -352,8 +454,10 @@ def _started_pid(proc: subprocess.Popen[bytes], run_dir: str, attempt: int, time
             return pid
         if proc.poll() is not None:
             tail = _tail(os.path.join(run_dir, f"stderr-{attempt}.log"))
-            raise RuntimeError(record.get("error")
-                               or f"its supervisor exited with status {proc.returncode} before starting it: {tail}")
+            raise RuntimeError(
+                record.get("error")
+                or f"its supervisor exited with status {proc.returncode} before starting it: {tail}"
+            )
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()

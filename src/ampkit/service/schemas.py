@@ -24,8 +24,19 @@ from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValu
 from .runfile import SERVICE_DEFAULTS
 from .settings import MAX_SECONDS, SERVE_NUMBERS
 
-__all__ = ["DatasetConfig", "MixedPrecisionBody", "OptimizeBody", "OptimizedBody", "RecommendSpec", "RunSpec",
-           "ServiceConfig", "SetupBody", "TrainBody", "TrainingConfig", "run_view"]
+__all__ = [
+    "DatasetConfig",
+    "MixedPrecisionBody",
+    "OptimizeBody",
+    "OptimizedBody",
+    "RecommendSpec",
+    "RunSpec",
+    "ServiceConfig",
+    "SetupBody",
+    "TrainBody",
+    "TrainingConfig",
+    "run_view",
+]
 
 # Every size name of the built-in models, in their order (all share tiny ... large today).
 SIZE_NAMES = tuple(dict.fromkeys(size for sizes in SIZES.values() for size in sizes))
@@ -39,27 +50,43 @@ def _check_overrides(v: dict[str, Any]) -> dict[str, Any]:
     a field that no check saw."""
     bad = [k for k in v if not k.isidentifier()]
     if bad:
-        raise ValueError(f"model_overrides: keys must be identifiers (bad: {', '.join(map(shown, bad))})")
+        raise ValueError(
+            f"model_overrides: keys must be identifiers (bad: {', '.join(map(shown, bad))})"
+        )
     for k, x in v.items():
         if isinstance(x, str) and ("," in x or "=" in x):
-            raise ValueError(f"model_overrides.{k}: {shown(x)} holds a ',' or '=' (a value is one word, not "
-                             "more key=value pairs)")
+            raise ValueError(
+                f"model_overrides.{k}: {shown(x)} holds a ',' or '=' (a value is one word, not "
+                "more key=value pairs)"
+            )
     return v
 
 
 # a Hugging Face config's fields
-Overrides = Annotated[dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)]
-UserId = Optional[Union[Annotated[Int, Field(ge=-MAX_INT - 1, le=MAX_INT)], Name]]  # a label (the owner is the token's)
+Overrides = Annotated[
+    dict[Key, OverrideValue], Field(max_length=MAX_KEYS), AfterValidator(_check_overrides)
+]
+UserId = Optional[
+    Union[Annotated[Int, Field(ge=-MAX_INT - 1, le=MAX_INT)], Name]
+]  # a label (the owner is the token's)
 
 # Field meanings shared by several bodies (the OpenAPI description, and docs/reference/rest-api.md)
-MODEL = ("`gpt`, `mlp`, `cnn`, a Hugging Face config (`gpt2`, `llama`, `bert`, `transformers.<Name>Config`), or a "
-         "factory listed in `AMPKIT_ALLOWED_FACTORIES`")
-PRECISION = "any precision name or alias (`bf16`, `fp16`, `bf16-pure`, `16-mixed`, `bfloat16`, `O2`, ...)"
+MODEL = (
+    "`gpt`, `mlp`, `cnn`, a Hugging Face config (`gpt2`, `llama`, `bert`, `transformers.<Name>Config`), or a "
+    "factory listed in `AMPKIT_ALLOWED_FACTORIES`"
+)
+PRECISION = (
+    "any precision name or alias (`bf16`, `fp16`, `bf16-pure`, `16-mixed`, `bfloat16`, `O2`, ...)"
+)
 DEVICE = "`cpu`, `cuda`, `cuda:1`, `mps`: one this server has"
-MAX_SECONDS_TEXT = ("the run fails with `timeout` after this long; null: the server's `--max_seconds` "
-                    "(default 24 h)")
-OVERRIDES = ("a Hugging Face config's public scalar fields, each a value of the field's type (see Errors); only "
-             "for Hugging Face models")
+MAX_SECONDS_TEXT = (
+    "the run fails with `timeout` after this long; null: the server's `--max_seconds` "
+    "(default 24 h)"
+)
+OVERRIDES = (
+    "a Hugging Face config's public scalar fields, each a value of the field's type (see Errors); only "
+    "for Hugging Face models"
+)
 USER_ID = "a label kept with the run (the owner is the token's)"
 
 
@@ -119,55 +146,100 @@ class RunSpec(BaseModel):
     accumulation_steps: Int = Field(1, ge=1, le=4096, description="micro-steps per optimizer step")
     lr: Float = Field(1e-3, gt=0, le=10, description="AdamW learning rate")
     weight_decay: Float = Field(0.01, ge=0, le=1, description="AdamW weight decay")
-    seed: Int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1],
-                      description="seed of every generator the run uses: a signed 64-bit integer, as `--seed`")
-    init_scale: Optional[Float] = Field(None, ge=SCALE_RANGE[0], le=SCALE_RANGE[1],
-                                        description="initial loss scale (fp16 forms); null: 65536")
+    seed: Int = Field(
+        0,
+        ge=SEED_RANGE[0],
+        le=SEED_RANGE[1],
+        description="seed of every generator the run uses: a signed 64-bit integer, as `--seed`",
+    )
+    init_scale: Optional[Float] = Field(
+        None,
+        ge=SCALE_RANGE[0],
+        le=SCALE_RANGE[1],
+        description="initial loss scale (fp16 forms); null: 65536",
+    )
     device: Name = Field(_own("device"), description=DEVICE)
     max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
-    checkpoint_every: Int = Field(_own("checkpoint_every"), ge=1, le=1_000_000, description="checkpoint every N "
-                                  "optimizer steps (a resume continues from the newest)")
-    log_every: Int = Field(_own("log_every"), ge=1, le=1_000_000, description="log metrics every N optimizer steps")
+    checkpoint_every: Int = Field(
+        _own("checkpoint_every"),
+        ge=1,
+        le=1_000_000,
+        description="checkpoint every N optimizer steps (a resume continues from the newest)",
+    )
+    log_every: Int = Field(
+        _own("log_every"), ge=1, le=1_000_000, description="log metrics every N optimizer steps"
+    )
     model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
-    texts: Optional[list[Text]] = Field(None, min_length=1, description="training texts (bytes as tokens, each at "
-                                        "least 2 bytes, no NUL) for `gpt` and Hugging Face models; null: the "
-                                        "built-in corpus")
-    max_length: Optional[Int] = Field(None, ge=1, le=8192, description="tokens per sample for text models "
-                                      "(`--block_size`); null: the model's maximum, up to 1024")
-    epochs: Optional[Int] = Field(None, ge=1, le=100_000, description="train this many epochs instead of `steps`")
-    target_effective_batch_size: Optional[Int] = Field(None, ge=1, le=1_000_000, description="derive "
-                                                       "`accumulation_steps` so that batch_size x accumulation_steps "
-                                                       "equals this (the micro-batch becomes its largest divisor "
-                                                       "<= batch_size)")
-    activation_checkpointing: Bool = Field(False, description="activation checkpointing (`--grad_ckpt`): the "
-                                           "GPT's blocks, a Hugging Face model's layers")
-    save_model: Bool = Field(False, description="write the trained fp32 weights to the run's `model/` "
-                             "(`model_path` in the answer)")
+    texts: Optional[list[Text]] = Field(
+        None,
+        min_length=1,
+        description="training texts (bytes as tokens, each at "
+        "least 2 bytes, no NUL) for `gpt` and Hugging Face models; null: the "
+        "built-in corpus",
+    )
+    max_length: Optional[Int] = Field(
+        None,
+        ge=1,
+        le=8192,
+        description="tokens per sample for text models "
+        "(`--block_size`); null: the model's maximum, up to 1024",
+    )
+    epochs: Optional[Int] = Field(
+        None, ge=1, le=100_000, description="train this many epochs instead of `steps`"
+    )
+    target_effective_batch_size: Optional[Int] = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="derive "
+        "`accumulation_steps` so that batch_size x accumulation_steps "
+        "equals this (the micro-batch becomes its largest divisor "
+        "<= batch_size)",
+    )
+    activation_checkpointing: Bool = Field(
+        False,
+        description="activation checkpointing (`--grad_ckpt`): the "
+        "GPT's blocks, a Hugging Face model's layers",
+    )
+    save_model: Bool = Field(
+        False,
+        description="write the trained fp32 weights to the run's `model/` "
+        "(`model_path` in the answer)",
+    )
     user_id: UserId = Field(None, description=USER_ID)
-    amp: Annotated[dict[Key, Union[Scalar, Annotated[list[Name], Field(max_length=MAX_KEYS)]]],
-                   Field(max_length=MAX_KEYS)] = Field(
-        default_factory=dict, description="other `MixedPrecisionConfig` fields (docs/reference/config.md) or their "
+    amp: Annotated[
+        dict[Key, Union[Scalar, Annotated[list[Name], Field(max_length=MAX_KEYS)]]],
+        Field(max_length=MAX_KEYS),
+    ] = Field(
+        default_factory=dict,
+        description="other `MixedPrecisionConfig` fields (docs/reference/config.md) or their "
         "aliases, checked as a `--config` file's [amp] table; `precision`, `accumulation_steps` and `init_scale` "
-        "are the run's own fields")
+        "are the run's own fields",
+    )
 
     @field_validator("texts")
     @classmethod
     def _texts(cls, v: Optional[list[str]]) -> Optional[list[str]]:
         short = [i for i, t in enumerate(v or []) if len(t.encode("utf-8")) < 2]
         if short:
-            raise ValueError(f"texts {short[:10]} have fewer than 2 bytes: each text needs at least one next "
-                             "byte to predict")
+            raise ValueError(
+                f"texts {short[:10]} have fewer than 2 bytes: each text needs at least one next "
+                "byte to predict"
+            )
         return v
 
     @field_validator("amp")
     @classmethod
     def _amp(cls, v: dict[str, Any]) -> dict[str, Any]:
-        v = canonical_config_keys(v)  # aliases (min_loss_scale, dtype, ...) become fields: the one table
+        v = canonical_config_keys(
+            v
+        )  # aliases (min_loss_scale, dtype, ...) become fields: the one table
         clash = [k for k in ("precision", "accumulation_steps", "init_scale") if k in v]
         if clash:
-            raise ValueError(f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp")
+            raise ValueError(
+                f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp"
+            )
         return v
-
 
     @field_validator("device")
     @classmethod
@@ -196,7 +268,9 @@ class RecommendSpec(BaseModel):
     size: SizeName = Field("tiny", description="the built-in model's size preset")
     batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
     steps: Int = Field(10, ge=1, le=10_000, description="steps measured per precision")
-    precisions: Name = Field("fp32,bf16,fp16", description="the precisions to compare, comma-separated")
+    precisions: Name = Field(
+        "fp32,bf16,fp16", description="the precisions to compare, comma-separated"
+    )
     device: Name = Field("cpu", description=DEVICE)
     max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
 
@@ -216,16 +290,31 @@ def run_view(run: dict[str, Any]) -> dict[str, Any]:
     megabytes): ``texts_count`` and ``texts_bytes`` say what the run trains on."""
     summary = run.get("summary") or {}
     texts = run["spec"].get("texts") or []
-    spec = {k: v for k, v in run["spec"].items() if k != "texts"}  # the data is not echoed: its count and size
-    return {"id": run["id"], "kind": run["kind"], "status": run["status"], "spec": spec,
-            "texts_count": len(texts), "texts_bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
-            "created": run["created"], "started": run["started"], "ended": run["ended"], "error": run["error"],
-            "resumes": run["resumes"], "summary": summary or None, "skipped_steps": summary.get("skipped_steps"),
-            "model_path": summary.get("model_path"), "scaler_scale": summary.get("final_scale"),
-            "user_id": run["spec"].get("user_id")}
+    spec = {
+        k: v for k, v in run["spec"].items() if k != "texts"
+    }  # the data is not echoed: its count and size
+    return {
+        "id": run["id"],
+        "kind": run["kind"],
+        "status": run["status"],
+        "spec": spec,
+        "texts_count": len(texts),
+        "texts_bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
+        "created": run["created"],
+        "started": run["started"],
+        "ended": run["ended"],
+        "error": run["error"],
+        "resumes": run["resumes"],
+        "summary": summary or None,
+        "skipped_steps": summary.get("skipped_steps"),
+        "model_path": summary.get("model_path"),
+        "scaler_scale": summary.get("final_scale"),
+        "user_id": run["spec"].get("user_id"),
+    }
 
 
 # --- the fine-tuning brief's bodies: unknown fields ignored, missing optional ones defaulted -----
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
@@ -234,8 +323,9 @@ class _Body(BaseModel):
 class MixedPrecisionBody(_Body):
     enabled: Bool = Field(True, description="false: fp32, whatever `dtype` says")
     dtype: Name = Field("float16", description=PRECISION)
-    init_scale: Optional[Float] = Field(65536.0, ge=SCALE_RANGE[0], le=SCALE_RANGE[1],
-                                        description="initial loss scale (fp16 forms)")
+    init_scale: Optional[Float] = Field(
+        65536.0, ge=SCALE_RANGE[0], le=SCALE_RANGE[1], description="initial loss scale (fp16 forms)"
+    )
     memory_efficient: Bool = Field(False, description="activation checkpointing")
 
     @field_validator("dtype")
@@ -250,7 +340,9 @@ class SetupBody(MixedPrecisionBody):
 
 
 class DatasetConfig(_Body):
-    texts: list[Text] = Field(min_length=1, description="training texts (bytes as tokens, each at least 2 bytes)")
+    texts: list[Text] = Field(
+        min_length=1, description="training texts (bytes as tokens, each at least 2 bytes)"
+    )
     max_length: Int = Field(512, ge=1, le=8192, description="tokens per sample")
 
 
@@ -258,7 +350,9 @@ class TrainingConfig(_Body):
     epochs: Int = Field(1, ge=1, le=100_000, description="passes over the texts")
     learning_rate: Float = Field(5e-5, gt=0, le=10, description="AdamW learning rate")
     weight_decay: Float = Field(0.01, ge=0, le=1, description="AdamW weight decay")
-    batch_size: Int = Field(8, ge=1, le=65_536, description="micro-batch size, capped at the number of texts")
+    batch_size: Int = Field(
+        8, ge=1, le=65_536, description="micro-batch size, capped at the number of texts"
+    )
 
 
 class TrainBody(_Body):
@@ -268,7 +362,8 @@ class TrainBody(_Body):
     training_config: TrainingConfig = Field(default_factory=TrainingConfig)
     user_id: UserId = Field(None, description=USER_ID)
     mixed_precision_config: Optional[MixedPrecisionBody] = Field(
-        None, description="null: the owner's stored setup (`setup-mixed-precision`), else fp16")
+        None, description="null: the owner's stored setup (`setup-mixed-precision`), else fp16"
+    )
     device: Name = Field("cpu", description=DEVICE)
     max_seconds: Optional[Float] = Field(None, gt=0, le=MAX_SECONDS, description=MAX_SECONDS_TEXT)
 
@@ -276,17 +371,27 @@ class TrainBody(_Body):
 
 
 class OptimizedBody(TrainBody):
-    use_mixed_precision: Bool = Field(True, description="`auto`'s hardware pick, or bf16 where `auto` stays fp32; "
-                                      "false: fp32")
-    use_gradient_accumulation: Bool = Field(True, description="reach `target_effective_batch_size` by accumulation")
-    target_effective_batch_size: Int = Field(64, ge=1, le=1_000_000, description="the micro-batch is its largest "
-                                             "divisor <= the batch, the accumulation the quotient")
+    use_mixed_precision: Bool = Field(
+        True, description="`auto`'s hardware pick, or bf16 where `auto` stays fp32; false: fp32"
+    )
+    use_gradient_accumulation: Bool = Field(
+        True, description="reach `target_effective_batch_size` by accumulation"
+    )
+    target_effective_batch_size: Int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="the micro-batch is its largest "
+        "divisor <= the batch, the accumulation the quotient",
+    )
 
 
 class OptimizeBody(_Body):
     model_name: Name = Field("gpt2", description="a text model: a Hugging Face config or `gpt`")
     model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
     size: SizeName = Field("small", description="for `model_name` `gpt`")
-    gpu_memory_gb: Float = Field(gt=0, le=1_000_000, description="the GPU's memory, GiB (2^30 bytes)")
+    gpu_memory_gb: Float = Field(
+        gt=0, le=1_000_000, description="the GPU's memory, GiB (2^30 bytes)"
+    )
     batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
     max_length: Int = Field(512, ge=2, le=8192, description="tokens per sample")

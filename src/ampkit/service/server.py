@@ -76,7 +76,9 @@ def preflight(data_dir: str) -> None:
     """Raise ``OSError`` naming the data directory and the reason when the server could not keep
     its state there (it cannot create it, write to it, or the disk is full)."""
     try:
-        if not os.path.isdir(data_dir):  # a new data directory is private (0700) whatever the umask;
+        if not os.path.isdir(
+            data_dir
+        ):  # a new data directory is private (0700) whatever the umask;
             os.makedirs(data_dir, mode=0o700)  # an existing one keeps the mode its operator gave it
             os.chmod(data_dir, 0o700)
         probe = os.path.join(data_dir, f".write-test-{os.getpid()}")
@@ -88,19 +90,29 @@ def preflight(data_dir: str) -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as e:
-        raise OSError(e.errno, f"cannot keep the service's state in {os.path.abspath(data_dir)}: "
-                               f"{e.strerror or e}") from None
+        raise OSError(
+            e.errno,
+            f"cannot keep the service's state in {os.path.abspath(data_dir)}: {e.strerror or e}",
+        ) from None
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, *, header_timeout: float = 10.0, keep_alive: int = 5,
-          **config: Any) -> None:
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    header_timeout: float = 10.0,
+    keep_alive: int = 5,
+    **config: Any,
+) -> None:
     """Run the service with uvicorn until interrupted (``config``: :class:`ServiceConfig` fields).
     Raises ``OSError`` (the CLI prints it and exits 2) when the data directory cannot hold its state."""
     from .schemas import ServiceConfig
 
     cfg = ServiceConfig(**config)
     preflight(cfg.data_dir)
-    key = lock.hold(cfg.data_dir)  # a second server on this directory: DataDirBusy (the CLI says it, exits 2)
+    key = lock.hold(
+        cfg.data_dir
+    )  # a second server on this directory: DataDirBusy (the CLI says it, exits 2)
     try:
         _serve(cfg, host, port, header_timeout, keep_alive)
     finally:
@@ -114,16 +126,30 @@ def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: in
     from .store import disk_full
 
     try:
-        app = create_app(cfg)  # a damaged database: DamagedStore (an OSError naming the file and the way back)
+        app = create_app(
+            cfg
+        )  # a damaged database: DamagedStore (an OSError naming the file and the way back)
     except sqlite3.Error as e:  # opening the database: a full disk, a read-only or corrupt file
         code = errno.ENOSPC if disk_full(e) else errno.EIO
-        raise OSError(code, f"cannot open the service's database in {os.path.abspath(cfg.data_dir)}: {e}") from None
+        raise OSError(
+            code, f"cannot open the service's database in {os.path.abspath(cfg.data_dir)}: {e}"
+        ) from None
     _log_to_stderr()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           http=guarded_protocol(header_timeout), timeout_keep_alive=keep_alive,
-                                           h11_max_incomplete_event_size=64 * 1024))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            http=guarded_protocol(header_timeout),
+            timeout_keep_alive=keep_alive,
+            h11_max_incomplete_event_size=64 * 1024,
+        )
+    )
     server.run()
-    if getattr(server, "started", True) is False:  # the lifespan failed (uvicorn logged why): not a clean exit
+    if (
+        getattr(server, "started", True) is False
+    ):  # the lifespan failed (uvicorn logged why): not a clean exit
         raise OSError(errno.EIO, "the service did not start (see the error above)")
 
 

@@ -28,19 +28,47 @@ class Bounded:
 
     def bounds(self) -> dict[str, float]:
         """``{"gt": 0, "le": 150}``: the bounds given, as pydantic's ``Field`` and the CLI's parser take them."""
-        return {k: v for k, v in (("gt", self.gt), ("ge", self.ge), ("le", self.le)) if v is not None}
+        return {
+            k: v for k, v in (("gt", self.gt), ("ge", self.ge), ("le", self.le)) if v is not None
+        }
 
 
 SERVE_NUMBERS: dict[str, Bounded] = {
     "port": Bounded(int, 8000, "port (default: 8000)", ge=1, le=65_535),
     "max_concurrent": Bounded(int, 1, "runs at a time (default: 1)", ge=1),
-    "queue_cap": Bounded(int, 16, "queued runs per owner before that owner's new ones get 429 (default: 16)", ge=1),
-    "max_seconds": Bounded(float, 86_400.0, "a run's time limit when its request gives none, in seconds "
-                           "(default: 86400; at most 30 days)", gt=0, le=MAX_SECONDS, unit="seconds"),
-    "max_params": Bounded(int, 2_000_000_000, "refuse Hugging Face config models with more parameters "
-                          "(default: 2e9)", ge=1),
-    "max_gpu_temp": Bounded(float, None, "hold queued runs while a GPU is hotter than this many °C (default: "
-                            "no hold)", gt=0, le=150, unit="°C"),
-    "header_timeout": Bounded(float, 10.0, "close a connection whose request head, or a pause in its body, takes "
-                              "longer (seconds; default: 10)", gt=0, le=3600, unit="seconds"),
+    "queue_cap": Bounded(
+        int, 16, "queued runs per owner before that owner's new ones get 429 (default: 16)", ge=1
+    ),
+    "max_seconds": Bounded(
+        float,
+        86_400.0,
+        "a run's time limit when its request gives none, in seconds "
+        "(default: 86400; at most 30 days)",
+        gt=0,
+        le=MAX_SECONDS,
+        unit="seconds",
+    ),
+    "max_params": Bounded(
+        int,
+        2_000_000_000,
+        "refuse Hugging Face config models with more parameters (default: 2e9)",
+        ge=1,
+    ),
+    "max_gpu_temp": Bounded(
+        float,
+        None,
+        "hold queued runs while a GPU is hotter than this many °C (default: no hold)",
+        gt=0,
+        le=150,
+        unit="°C",
+    ),
+    "header_timeout": Bounded(
+        float,
+        10.0,
+        "close a connection whose request head, or a pause in its body, takes "
+        "longer (seconds; default: 10)",
+        gt=0,
+        le=3600,
+        unit="seconds",
+    ),
 }

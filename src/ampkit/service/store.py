@@ -71,8 +71,13 @@ class Store:
         if os.path.exists(self.path):
             check_database(self.path)  # damaged: refused, never taken for a new one
         elif os.path.exists(self.path + "-wal") and os.path.getsize(self.path + "-wal") > 0:
-            raise DamagedStore(errno.ENOENT, _damaged(self.path, "it is missing but its -wal file is there (the "
-                                                                 "database was deleted or moved)"))
+            raise DamagedStore(
+                errno.ENOENT,
+                _damaged(
+                    self.path,
+                    "it is missing but its -wal file is there (the database was deleted or moved)",
+                ),
+            )
         else:
             _create(self.path)  # only a missing file means a new service
         self._local = threading.local()
@@ -89,7 +94,9 @@ class Store:
     def _conn(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)  # autocommit; explicit BEGIN below
+            db = sqlite3.connect(
+                self.path, timeout=30, isolation_level=None
+            )  # autocommit; explicit BEGIN below
             db.row_factory = sqlite3.Row
             db.execute("PRAGMA synchronous=FULL")
             db.execute("PRAGMA busy_timeout=30000")
@@ -105,10 +112,14 @@ class Store:
             out[k] = json.loads(out[k]) if out.get(k) else None
         return out
 
-    def create(self, run_id: str, owner: str, kind: str, spec: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    def create(
+        self, run_id: str, owner: str, kind: str, spec: dict[str, Any], run_dir: str
+    ) -> dict[str, Any]:
         with self._db() as db:
-            db.execute("INSERT INTO runs (id, owner, kind, status, spec, created, run_dir) VALUES (?,?,?,?,?,?,?)",
-                       (run_id, owner, kind, "queued", json.dumps(spec), time.time(), run_dir))
+            db.execute(
+                "INSERT INTO runs (id, owner, kind, status, spec, created, run_dir) VALUES (?,?,?,?,?,?,?)",
+                (run_id, owner, kind, "queued", json.dumps(spec), time.time(), run_dir),
+            )
         row = self.get(run_id)
         assert row is not None
         return row
@@ -121,7 +132,9 @@ class Store:
             return None  # another owner's run does not exist for you
         return out
 
-    def list(self, owner: Optional[str] = None, status: Optional[str] = None, limit: int = 100) -> list[dict[str, Any]]:
+    def list(
+        self, owner: Optional[str] = None, status: Optional[str] = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
         sql, args = "SELECT * FROM runs WHERE 1=1", []
         if owner is not None:
             sql += " AND owner = ?"
@@ -146,16 +159,22 @@ class Store:
     def put_setting(self, owner: str, name: str, value: Any) -> None:
         """An owner's named setting (JSON), e.g. the mixed-precision setup of the compatibility API."""
         with self._db() as db:
-            db.execute("INSERT INTO settings (owner, name, value, updated) VALUES (?,?,?,?) ON CONFLICT(owner, name) "
-                       "DO UPDATE SET value = excluded.value, updated = excluded.updated",
-                       (owner, name, json.dumps(value), time.time()))
+            db.execute(
+                "INSERT INTO settings (owner, name, value, updated) VALUES (?,?,?,?) ON CONFLICT(owner, name) "
+                "DO UPDATE SET value = excluded.value, updated = excluded.updated",
+                (owner, name, json.dumps(value), time.time()),
+            )
 
     def get_setting(self, owner: str, name: str) -> Any:
         with self._db() as db:
-            row = db.execute("SELECT value FROM settings WHERE owner = ? AND name = ?", (owner, name)).fetchone()
+            row = db.execute(
+                "SELECT value FROM settings WHERE owner = ? AND name = ?", (owner, name)
+            ).fetchone()
         return None if row is None else json.loads(row[0])
 
-    def update(self, run_id: str, *, expect: Optional[tuple[str, ...]] = None, **fields: Any) -> bool:
+    def update(
+        self, run_id: str, *, expect: Optional[tuple[str, ...]] = None, **fields: Any
+    ) -> bool:
         """Set ``fields``; with ``expect``, only if the status is one of those (atomic). True if changed."""
         for k in _JSON:
             if k in fields and fields[k] is not None:
@@ -184,11 +203,15 @@ def check_database(path: str) -> None:
         with open(path, "rb") as f:
             head = f.read(len(_HEADER))
     except OSError as e:
-        raise DamagedStore(e.errno or errno.EIO, _damaged(path, f"it cannot be read ({e.strerror or e})")) from None
+        raise DamagedStore(
+            e.errno or errno.EIO, _damaged(path, f"it cannot be read ({e.strerror or e})")
+        ) from None
     if not head:
         raise DamagedStore(errno.EIO, _damaged(path, "it is empty (0 bytes)"))
     if head != _HEADER:
-        raise DamagedStore(errno.EIO, _damaged(path, "it is not an SQLite database (its header is wrong)"))
+        raise DamagedStore(
+            errno.EIO, _damaged(path, "it is not an SQLite database (its header is wrong)")
+        )
     try:
         db = sqlite3.connect(path, timeout=30)
         try:
@@ -205,10 +228,12 @@ def check_database(path: str) -> None:
 
 def _damaged(path: str, why: str) -> str:
     path = os.path.abspath(path)
-    return (f"the service's database {path} is damaged: {why}. Refusing to start rather than forget every run. "
-            f"To recover: stop every server on this data directory, then restore {os.path.basename(path)} from a "
-            f"backup, or move it (and any -wal/-shm beside it) aside to start with an empty database "
-            f"(runs/ is kept, but the database will not list its runs)")
+    return (
+        f"the service's database {path} is damaged: {why}. Refusing to start rather than forget every run. "
+        f"To recover: stop every server on this data directory, then restore {os.path.basename(path)} from a "
+        f"backup, or move it (and any -wal/-shm beside it) aside to start with an empty database "
+        f"(runs/ is kept, but the database will not list its runs)"
+    )
 
 
 def _create(path: str) -> None:
@@ -248,7 +273,9 @@ def disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
     if isinstance(exc, sqlite3.Error):
-        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+        return getattr(
+            exc, "sqlite_errorcode", None
+        ) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
     return False
 
 
@@ -267,5 +294,7 @@ class _Tx:
             self.db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
             if self.db.in_transaction:  # a COMMIT that failed (a full disk) leaves it open: end it,
-                with contextlib.suppress(sqlite3.Error):  # or every later BEGIN on this connection fails
+                with contextlib.suppress(
+                    sqlite3.Error
+                ):  # or every later BEGIN on this connection fails
                     self.db.execute("ROLLBACK")

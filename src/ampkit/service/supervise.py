@@ -36,7 +36,16 @@ import sys
 import time
 from typing import Any, Optional
 
-__all__ = ["SUPERVISOR", "exit_path", "launch_path", "main", "read_record", "record_pid", "supervisor_command", "write_private"]
+__all__ = [
+    "SUPERVISOR",
+    "exit_path",
+    "launch_path",
+    "main",
+    "read_record",
+    "record_pid",
+    "supervisor_command",
+    "write_private",
+]
 
 SUPERVISOR = os.path.abspath(__file__)
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -52,7 +61,14 @@ def exit_path(run_dir: str, attempt: int) -> str:
 
 def supervisor_command(run_dir: str, attempt: int) -> list[str]:
     """The command line that runs attempt ``attempt`` of the run in ``run_dir`` under a supervisor."""
-    return [sys.executable, "-I", "-S", SUPERVISOR, launch_path(run_dir, attempt), exit_path(run_dir, attempt)]
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        SUPERVISOR,
+        launch_path(run_dir, attempt),
+        exit_path(run_dir, attempt),
+    ]
 
 
 def read_record(run_dir: str, attempt: int) -> dict[str, Any]:
@@ -75,7 +91,7 @@ def write_private(path: str, data: bytes) -> None:
         os.fchmod(fd, 0o600)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -98,7 +114,9 @@ def _record(path: str, record: dict[str, Any]) -> bool:
     try:
         write_private(path, json.dumps(record).encode())
         return True
-    except OSError as e:  # a full disk: the exit status still reaches a parent server (the module doc)
+    except (
+        OSError
+    ) as e:  # a full disk: the exit status still reaches a parent server (the module doc)
         _say(f"cannot write {path}: {type(e).__name__}: {e}")
         return False
 
@@ -119,7 +137,9 @@ def main(argv: list[str]) -> int:
         _record(out, {**record, "returncode": 127, "error": error, "ended": time.time()})
         return 127
     record.update(pid=child.pid, started=time.time())
-    if not _record(out, record):  # nobody could learn the run's pid: do not leave it running unwatched
+    if not _record(
+        out, record
+    ):  # nobody could learn the run's pid: do not leave it running unwatched
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGKILL)
         child.wait()
@@ -150,7 +170,9 @@ def _exit_like(rc: int) -> int:
         signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError):
         os.kill(os.getpid(), sig)
-        time.sleep(1)  # delivery is asynchronous; a signal that does not end a process falls through
+        time.sleep(
+            1
+        )  # delivery is asynchronous; a signal that does not end a process falls through
     return 128 + sig
 
 

@@ -43,10 +43,14 @@ class Window:
 
     def set_size(self, k: int) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.size:
-            raise ValueError(f"window size {k!r} must be an integer in 1..accumulation_steps ({self.size})")
+            raise ValueError(
+                f"window size {k!r} must be an integer in 1..accumulation_steps ({self.size})"
+            )
         if self.micro:
-            raise RuntimeError(f"set_window({k}) called inside a window ({self.micro} micro-step(s) done with "
-                               f"divisor {self._current}); call it before the window's first backward()")
+            raise RuntimeError(
+                f"set_window({k}) called inside a window ({self.micro} micro-step(s) done with "
+                f"divisor {self._current}); call it before the window's first backward()"
+            )
         self._current = k
 
     def add_micro(self) -> None:
@@ -56,7 +60,8 @@ class Window:
                 f"backward() called {self.micro + 1} times in a window of {self._current} micro-step(s) "
                 f"(accumulation_steps={self.size}) without step(): the extra gradients would be summed into one "
                 "optimizer step. Call amp.step(optimizer) after every backward() (it steps at the boundary), "
-                "or once after exactly accumulation_steps backward() calls")
+                "or once after exactly accumulation_steps backward() calls"
+            )
         self.micro += 1
 
     def flush_factor(self) -> Optional[float]:

@@ -26,16 +26,21 @@ _CACHE: dict[type, type] = {}
 
 def _checkpointed(cls: type) -> type:
     if cls not in _CACHE:
+
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return cls.forward(self, *args, **kwargs)  # nothing to save in eval / no_grad
             return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
 
-        _CACHE[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_ampkit_original": cls})
+        _CACHE[cls] = type(
+            f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_ampkit_original": cls}
+        )
     return _CACHE[cls]
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, targets: Iterable[Union[str, type]]) -> list[str]:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, targets: Iterable[Union[str, type]]
+) -> list[str]:
     """Checkpoint every module matching ``targets``; returns their qualified names. A target that
     matches nothing raises ``ValueError`` listing close names. Nested matches: the outermost wins."""
     matched = match_modules(model, targets)

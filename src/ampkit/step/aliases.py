@@ -24,27 +24,66 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["FLAG_ALIASES", "KEY_ALIASES", "PRECISION_ALIASES", "SCALING_STRATEGIES", "SHOWN_PRECISION_ALIASES",
-           "SWITCH_KEYS", "UnknownKeyError", "canonical_keys", "unknown_key_message"]
+__all__ = [
+    "FLAG_ALIASES",
+    "KEY_ALIASES",
+    "PRECISION_ALIASES",
+    "SCALING_STRATEGIES",
+    "SHOWN_PRECISION_ALIASES",
+    "SWITCH_KEYS",
+    "UnknownKeyError",
+    "canonical_keys",
+    "unknown_key_message",
+]
 
 #: alias -> precision name (lower case, ``_`` read as ``-``). ``o2`` is kept as ``o2``: the pure
 #: form of ``auto``'s dtype, which only :func:`ampkit.step.precision.resolve_precision` can finish.
 PRECISION_ALIASES: dict[str, str] = {
     # torch dtypes and plain words
-    "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32", "full": "fp32",
-    "half": "fp16", "float16": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
-    "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "torch.float": "fp32",
+    "full": "fp32",
+    "half": "fp16",
+    "float16": "fp16",
+    "torch.float16": "fp16",
+    "torch.half": "fp16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
     # apex's optimisation levels (what O1/O2 make of a given precision: precision.opt_level_form)
-    "o0": "fp32", "o1": "auto", "o2": "o2",
+    "o0": "fp32",
+    "o1": "auto",
+    "o2": "o2",
     # Lightning's precision flags (PrecisionRow.lightning_name is the other direction)
-    "32": "fp32", "32-true": "fp32", "16": "fp16", "16-mixed": "fp16", "bf16-mixed": "bf16",
-    "bf16-true": "bf16-pure", "16-true": "fp16-pure",
+    "32": "fp32",
+    "32-true": "fp32",
+    "16": "fp16",
+    "16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16-pure",
+    "16-true": "fp16-pure",
     # Accelerate's mixed_precision (fp16, bf16 and fp8 are ampkit's names too) and other tools
-    "no": "fp32", "mixed": "auto", "tf32-mixed": "tf32",
+    "no": "fp32",
+    "mixed": "auto",
+    "tf32-mixed": "tf32",
 }
 #: The aliases an unknown precision's error lists (a few of each kind; the table has more).
-SHOWN_PRECISION_ALIASES = ("O0", "O1", "O2", "no", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "32", "half",
-                           "bfloat16", "float16", "float32")
+SHOWN_PRECISION_ALIASES = (
+    "O0",
+    "O1",
+    "O2",
+    "no",
+    "16-mixed",
+    "bf16-mixed",
+    "bf16-true",
+    "16-true",
+    "32",
+    "half",
+    "bfloat16",
+    "float16",
+    "float32",
+)
 
 #: alias -> field. Only unambiguous names: each means exactly the field it maps to.
 KEY_ALIASES: dict[str, str] = {
@@ -77,8 +116,15 @@ KEY_ALIASES: dict[str, str] = {
 
 #: The :data:`KEY_ALIASES` that ``ampkit train`` also takes as flags (``--max_grad_norm 1``; each
 #: with its hyphen spelling too). The others are config keys only.
-FLAG_ALIASES: tuple[str, ...] = ("mixed_precision", "grad_scaler_init", "grad_scaler_growth_interval",
-                                 "grad_scaler_backoff", "grad_accum_steps", "max_grad_norm", "fallback_chain")
+FLAG_ALIASES: tuple[str, ...] = (
+    "mixed_precision",
+    "grad_scaler_init",
+    "grad_scaler_growth_interval",
+    "grad_scaler_backoff",
+    "grad_accum_steps",
+    "max_grad_norm",
+    "fallback_chain",
+)
 
 #: ``scaling_strategy`` (the seed guides' ``ScalingStrategy`` enum) -> the fields it means.
 #: ADAPTIVE ("dynamic, but tolerant of a lone overflow") is DeepSpeed's hysteresis: skip every
@@ -131,13 +177,18 @@ def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, A
     out: dict[str, Any] = {}
     given: dict[str, str] = {}  # field -> the key that set it
     unknown = []
-    switches = {k: v for k, v in data.items()
-                if k in SWITCH_KEYS and k not in valid and "precision" in valid}
+    switches = {
+        k: v
+        for k, v in data.items()
+        if k in SWITCH_KEYS and k not in valid and "precision" in valid
+    }
     for key, value in data.items():
         if key in switches:
             if value is not True and value is not False:  # `is`: 1, "no" and None are not the bools
-                raise ValueError(f"invalid {key}={value!r}: must be true or false (true: mixed "
-                                 "precision, the precision given or auto; false: fp32)")
+                raise ValueError(
+                    f"invalid {key}={value!r}: must be true or false (true: mixed "
+                    "precision, the precision given or auto; false: fp32)"
+                )
             continue
         if key in _STRATEGY_KEYS and key not in valid:
             pairs = list(_strategy(key, value).items())
@@ -150,8 +201,10 @@ def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, A
             continue
         for name, v in pairs:
             if name in out and not _same(out[name], v):
-                raise ValueError(f"{key}={value!r} and {given[name]}={out[name]!r} both set {name}, to different "
-                                 "values; give one of them")
+                raise ValueError(
+                    f"{key}={value!r} and {given[name]}={out[name]!r} both set {name}, to different "
+                    "values; give one of them"
+                )
             out[name], given[name] = v, key
     if unknown:
         raise UnknownKeyError(unknown_key_message(unknown, valid))
@@ -168,9 +221,11 @@ def _strategy(key: str, value: Any) -> dict[str, Any]:
     name = getattr(value, "name", value)  # an enum member
     text = str(name).rsplit(".", 1)[-1].strip().lower()
     if text not in SCALING_STRATEGIES:
-        raise ValueError(f"invalid {key}={value!r}: must be one of {', '.join(s.upper() for s in SCALING_STRATEGIES)} "
-                         f"(CONSTANT: dynamic_scaling=False; DYNAMIC: dynamic_scaling=True; ADAPTIVE: "
-                         "dynamic_scaling=True, hysteresis=2, consecutive_hysteresis=True)")
+        raise ValueError(
+            f"invalid {key}={value!r}: must be one of {', '.join(s.upper() for s in SCALING_STRATEGIES)} "
+            f"(CONSTANT: dynamic_scaling=False; DYNAMIC: dynamic_scaling=True; ADAPTIVE: "
+            "dynamic_scaling=True, hysteresis=2, consecutive_hysteresis=True)"
+        )
     return dict(SCALING_STRATEGIES[text])
 
 

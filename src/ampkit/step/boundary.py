@@ -25,8 +25,11 @@ __all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
 class ClipOrder:
     """Parameters to clip for a set of optimizers, in model order; cached until the groups change."""
 
-    def __init__(self, model: torch.nn.Module,
-                 stepped: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        stepped: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ) -> None:
         self._model = model
         self._stepped = stepped  # pure precisions: the optimizer steps (and clips) the fp32 masters
         self._cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
@@ -41,7 +44,11 @@ class ClipOrder:
         if cached is None:
             stepped = {id(p): p for o in opts for g in o.param_groups for p in g["params"]}
             stepped_of = self._stepped
-            ordered = self._model.parameters() if stepped_of is None else map(stepped_of, self._model.parameters())
+            ordered = (
+                self._model.parameters()
+                if stepped_of is None
+                else map(stepped_of, self._model.parameters())
+            )
             cached = [p for p in ordered if id(p) in stepped]
             seen = {id(p) for p in cached}
             cached += [p for i, p in stepped.items() if i not in seen]
@@ -49,9 +56,13 @@ class ClipOrder:
         return cached
 
 
-def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params: list[torch.Tensor],
-                   clip: Optional[float], flush_factor: Optional[float]
-                   ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+def optimizer_step(
+    scaler: LossScaler,
+    opts: list[torch.optim.Optimizer],
+    params: list[torch.Tensor],
+    clip: Optional[float],
+    flush_factor: Optional[float],
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Unscale, clip, check, step (or skip) and update; returns ``(grad_norm, scale, found_inf)``.
 
     ``scale`` is the scale this step's gradients carried (None without a scaler), ``found_inf``
@@ -95,7 +106,9 @@ def optimizer_step(scaler: LossScaler, opts: list[torch.optim.Optimizer], params
             for opt in opts:
                 scaler.unscale_(opt)
         grad_norm = clip_norm(params, clip)
-    with phase("ampkit.optimizer_step"):  # (without clipping, the unscale and check happen in scaler.step)
+    with phase(
+        "ampkit.optimizer_step"
+    ):  # (without clipping, the unscale and check happen in scaler.step)
         for opt in opts:
             scaler.step(opt)
         scaler.update()

@@ -13,7 +13,8 @@ At an optimizer step (the accumulation boundary) the order is the hand-written t
 unscale_ (if clipping) -> clip (model order) -> step, skipped if non-finite -> update -> zero_grad
 (:mod:`ampkit.step.boundary`; window bookkeeping: :mod:`ampkit.step.accumulate`).
 
-The engine knows nothing about logging, plots or the CLI: observers subscribe to its events (:meth:`MixedPrecision.subscribe`).
+The engine knows nothing about logging, plots or the CLI: observers subscribe to its events
+(:meth:`MixedPrecision.subscribe`).
 """
 
 from __future__ import annotations
@@ -75,20 +76,29 @@ class MixedPrecision:
     and :class:`ampkit.step.config.ConfigError` for invalid settings.
     """
 
-    def __init__(self, precision: Union[str, torch.dtype, Precision, None] = None, *,
-                 device: Union[str, torch.device, None] = None, config: Optional[MixedPrecisionConfig] = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self,
+        precision: Union[str, torch.dtype, Precision, None] = None,
+        *,
+        device: Union[str, torch.device, None] = None,
+        config: Optional[MixedPrecisionConfig] = None,
+        **overrides: Any,
+    ) -> None:
         cfg = config if config is not None else MixedPrecisionConfig()
         if not isinstance(cfg, MixedPrecisionConfig):
             raise TypeError(f"config must be a MixedPrecisionConfig, got {type(cfg).__name__}")
         if precision is not None:
-            overrides["precision"] = precision.name if isinstance(precision, Precision) else precision
+            overrides["precision"] = (
+                precision.name if isinstance(precision, Precision) else precision
+            )
         if overrides:
             cfg = cfg.replace(**overrides)
         self.config: MixedPrecisionConfig = cfg
         self.device: torch.device = normalize_device(device)
         self.device_info: DeviceInfo = device_info(self.device)
-        self.precision: Precision = resolve_precision(cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate)
+        self.precision: Precision = resolve_precision(
+            cfg.precision, self.device_info, emulate_fp8=cfg.fp8_emulate
+        )
         self._parallel: Parallel = Parallel()
         self._policy: PrecisionPolicy = policy_for(self.precision, cfg, self.device, asked=True)
         self._backward_context: Optional[contextlib.AbstractContextManager[Any]] = None
@@ -98,23 +108,36 @@ class MixedPrecision:
         self._window = Window(cfg.accumulation_steps)
         self._clip_order: Optional[ClipOrder] = None
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
-        self._stream, self._manifest = EventStream(), ManifestWatch()  # events; the manifest's checks
+        self._stream, self._manifest = (
+            EventStream(),
+            ManifestWatch(),
+        )  # events; the manifest's checks
         self._window_loss: Optional[torch.Tensor] = None
         self._open_micro = False  # backward(micro_step_done=False) left the micro-step open
-        self._normalized = False  # the window's losses are normalised over it (backward(normalized=True))
+        self._normalized = (
+            False  # the window's losses are normalised over it (backward(normalized=True))
+        )
         self._overrides: Optional[Fp32Overrides] = None
-        self._skipped_before: Optional[torch.Tensor] = None  # skips counted by scalers since replaced
+        self._skipped_before: Optional[torch.Tensor] = (
+            None  # skips counted by scalers since replaced
+        )
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
-        self._in_backward = InBackward() if cfg.optimizer_in_backward else None  # step/in_backward.py
+        self._in_backward = (
+            InBackward() if cfg.optimizer_in_backward else None
+        )  # step/in_backward.py
         watch(self)  # logging.getLogger("ampkit"): subscribes only when enabled
 
     def _make_scaler(self, precision: Precision) -> LossScaler:
         if precision.needs_scaler:
             scaler = LossScaler.from_config(self.config, device=self.device)
         else:  # no scaling arithmetic at all; still finite-checks when skip_nonfinite is on
-            scaler = LossScaler(1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device)
-        scaler.found_inf_hook = self._parallel.found_inf_reducer()  # data parallel: same skips on all ranks
+            scaler = LossScaler(
+                1.0, dynamic=False, enabled=self.config.skip_nonfinite, device=self.device
+            )
+        scaler.found_inf_hook = (
+            self._parallel.found_inf_reducer()
+        )  # data parallel: same skips on all ranks
         return scaler
 
     # ------------------------------------------------------------------ set-up
@@ -139,21 +162,29 @@ class MixedPrecision:
         (process-wide: :func:`ampkit.step.determinism.apply_determinism`).
         """
         check_setup(model, optimizers, self.config.keep_fp32)  # before anything changes
-        if levers := before_setup(model, self.config):  # refuses nn.DataParallel; memory_efficient's levers
+        if levers := before_setup(
+            model, self.config
+        ):  # refuses nn.DataParallel; memory_efficient's levers
             self._emit("memory_efficient", {"levers": levers})
         if self.config.deterministic is not False:
             apply_determinism(self.config.deterministic)
         if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
-            model.to(self.device)  # (skipped when already there: also lets fake-tensor models through)
+            model.to(
+                self.device
+            )  # (skipped when already there: also lets fake-tensor models through)
         if self._model is not None:
             self._policy.release()  # a second setup(): the previous model gets its fp32 form back
         self._model = model
         self._optimizers = list(optimizers)
         self._parallel = adapter_for(model)
         self._scaler.found_inf_hook = self._parallel.found_inf_reducer()
-        self._policy = policy_for(self.precision, self.config, self.device, shards_params=self._parallel.shards_params)
+        self._policy = policy_for(
+            self.precision, self.config, self.device, shards_params=self._parallel.shards_params
+        )
         self._prepare(model)  # before the overrides: fp8 conversion swaps modules
-        self._manifest.setup(self)  # (a pure precision on a model fully_shard-ed without its policy: see there)
+        self._manifest.setup(
+            self
+        )  # (a pure precision on a model fully_shard-ed without its policy: see there)
         if self._overrides is not None:
             self._overrides.remove()
         if self.config.keep_fp32:
@@ -169,8 +200,12 @@ class MixedPrecision:
         self._backward_context = policy.backward_context()  # reusable: asked once, not per step
         self._parallel.use_masters(policy.keeps_masters)
         self._clip_order = ClipOrder(model, policy.stepped if policy.keeps_masters else None)
-        if self._in_backward is not None:  # the optimizer steps in backward: hooks on the model's parameters
-            self._in_backward.attach(model, self._optimizers, self.precision, policy, self._parallel.name, self._scaler)
+        if (
+            self._in_backward is not None
+        ):  # the optimizer steps in backward: hooks on the model's parameters
+            self._in_backward.attach(
+                model, self._optimizers, self.precision, policy, self._parallel.name, self._scaler
+            )
 
     # ------------------------------------------------------------------ forward
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -180,7 +215,9 @@ class MixedPrecision:
         """
         w = self._window
         no_sync = self._parallel.forward_context(w.micro + (not self._open_micro) >= w.current_size)
-        if no_sync is None:  # one torch.autocast: what a hand-written loop pays (a range only while profiling)
+        if (
+            no_sync is None
+        ):  # one torch.autocast: what a hand-written loop pays (a range only while profiling)
             return ranged("ampkit.forward", self._policy.forward_context())
         stack = contextlib.ExitStack()
         stack.enter_context(ranged("ampkit.forward", self._policy.forward_context()))
@@ -194,8 +231,14 @@ class MixedPrecision:
             yield
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor, *, micro_step_done: bool = True, normalized: bool = False,
-                 **kwargs: Any) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        micro_step_done: bool = True,
+        normalized: bool = False,
+        **kwargs: Any,
+    ) -> None:
         """Backpropagate ``loss``: divided by ``accumulation_steps``, multiplied by the loss scale.
 
         **The division is ampkit's**: pass the plain per-micro-batch loss, not ``loss / accum`` (README "Porting an
@@ -213,8 +256,10 @@ class MixedPrecision:
         check_loss(loss)
         window, was_open = self._window, self._open_micro
         if window.micro and normalized != self._normalized:
-            raise ValueError(f"backward(normalized={normalized}) inside a window of normalized={self._normalized} "
-                             "losses: a window's losses are all normalised over it, or none is")
+            raise ValueError(
+                f"backward(normalized={normalized}) inside a window of normalized={self._normalized} "
+                "losses: a window's losses are all normalised over it, or none is"
+            )
         if self._in_backward is not None:
             self._in_backward.start(loss, micro_step_done)
         if not was_open:
@@ -236,7 +281,9 @@ class MixedPrecision:
                 window.micro -= 1  # that micro-step did not happen (e.g. an out-of-memory error)
             raise
         self._open_micro = not micro_step_done
-        hook = self._policy.after_backward  # pure precisions: half gradients summed into the fp32 masters'
+        hook = (
+            self._policy.after_backward
+        )  # pure precisions: half gradients summed into the fp32 masters'
         if hook is not None:
             hook()
 
@@ -279,14 +326,21 @@ class MixedPrecision:
     def set_accumulation_steps(self, n: int) -> None:
         """Change ``accumulation_steps`` between windows (raises inside one)."""
         if self._window.micro:
-            raise RuntimeError(f"set_accumulation_steps() inside a window ({self._window.micro} micro-step(s) "
-                               "done); call it after step() or discard_window()")
+            raise RuntimeError(
+                f"set_accumulation_steps() inside a window ({self._window.micro} micro-step(s) "
+                "done); call it after step() or discard_window()"
+            )
         self.config = self.config.replace(accumulation_steps=n)
         self._window = Window(n)
 
     # ------------------------------------------------------------------ step
-    def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: Optional[float] = None, zero_grad: bool = True,
-             flush: bool = False) -> StepResult:
+    def step(
+        self,
+        *optimizers: torch.optim.Optimizer,
+        clip_grad_norm: Optional[float] = None,
+        zero_grad: bool = True,
+        flush: bool = False,
+    ) -> StepResult:
         """Call after every :meth:`backward` (or once after a window's backward calls); steps the optimizer(s) at
         the accumulation boundary.
 
@@ -322,24 +376,35 @@ class MixedPrecision:
         if window.micro == 0:
             if flush:
                 return StepResult(boundary=False)
-            raise RuntimeError("step() called before backward(); call amp.backward(loss) after each "
-                               "forward, then amp.step(optimizer)")
+            raise RuntimeError(
+                "step() called before backward(); call amp.backward(loss) after each "
+                "forward, then amp.step(optimizer)"
+            )
         if self._open_micro:
-            raise RuntimeError("step() called inside a micro-step left open by backward(..., micro_step_done=False); "
-                               "finish it with a last backward() (micro_step_done=True, the default) first")
+            raise RuntimeError(
+                "step() called inside a micro-step left open by backward(..., micro_step_done=False); "
+                "finish it with a last backward() (micro_step_done=True, the default) first"
+            )
         if not window.complete and not flush:
             return StepResult(boundary=False)
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
-        if self._in_backward is not None:  # each parameter was stepped in backward: the check's bookkeeping
+        if (
+            self._in_backward is not None
+        ):  # each parameter was stepped in backward: the check's bookkeeping
             grad_norm, scale, found_inf = self._in_backward.finish(self._scaler, opts, clip)
         else:
             assert self._clip_order is not None
             params = self._clip_order.params(opts)
             self._parallel.before_step(params)
-            grad_norm, scale, found_inf = optimizer_step(self._scaler, opts, params, clip,
-                                                        None if self._normalized else window.flush_factor())
+            grad_norm, scale, found_inf = optimizer_step(
+                self._scaler,
+                opts,
+                params,
+                clip,
+                None if self._normalized else window.flush_factor(),
+            )
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
@@ -347,26 +412,40 @@ class MixedPrecision:
         window.reset()
         self._steps += 1
         try:  # before the gradients go, so that a trigger can name the non-finite ones
-            trigger = self._fallback.watch(found_inf, scale, self._steps,
-                                           self._scaler if self.precision.needs_scaler else None, self._named_grads)
+            trigger = self._fallback.watch(
+                found_inf,
+                scale,
+                self._steps,
+                self._scaler if self.precision.needs_scaler else None,
+                self._named_grads,
+            )
         finally:
             if zero_grad:
                 for opt in opts:
                     opt.zero_grad(set_to_none=True)
         if trigger is not None:
-            self._act(trigger)  # switches precision, or raises NumericsError (chain end, scale exhausted)
+            self._act(
+                trigger
+            )  # switches precision, or raises NumericsError (chain end, scale exhausted)
         self._manifest.after_step(self)  # every manifest_check_every steps: dtypes only, no sync
         result = StepResult(boundary=True, grad_norm=grad_norm, scale=scale, found_inf=found_inf)
         if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None
             if loss is not None and micro != window.size and flush and not self._normalized:
-                loss = loss * (window.size / micro)  # the mean over the short window, like the gradients
+                loss = loss * (
+                    window.size / micro
+                )  # the mean over the short window, like the gradients
             self._emit("step", {"loss": loss, "result": result}, record=False)
         return result
 
     # ------------------------------------------------------------------ diagnosis
-    def diagnose(self, closure: Callable[[], torch.Tensor], *, scale: Optional[float] = None,
-                 localizer: Optional[Callable[..., NonFiniteReport]] = None) -> NonFiniteReport:
+    def diagnose(
+        self,
+        closure: Callable[[], torch.Tensor],
+        *,
+        scale: Optional[float] = None,
+        localizer: Optional[Callable[..., NonFiniteReport]] = None,
+    ) -> NonFiniteReport:
         """Name the first module that produces inf/NaN on ``closure``'s batch (see
         :func:`ampkit.step.localize.localize_nonfinite`, or pass another ``localizer``); records a
         ``diagnosis`` event and attaches the report to the next ``fallback`` event. ``scale``
@@ -440,8 +519,13 @@ class MixedPrecision:
         return self._policy.full_precision_state_dict(self._model)
 
     # ------------------------------------------------------------------ switching precision
-    def switch(self, precision: Union[str, torch.dtype, Precision], *, reason: str = "requested",
-               **rung: Any) -> Precision:
+    def switch(
+        self,
+        precision: Union[str, torch.dtype, Precision],
+        *,
+        reason: str = "requested",
+        **rung: Any,
+    ) -> Precision:
         """Change the precision between optimizer steps (e.g. fp16 -> bf16 after overflows).
 
         The old precision's policy releases the model (fp32 weights back, fp8 modules reverted),
@@ -457,13 +541,21 @@ class MixedPrecision:
             self.config = cfg.replace(precision=self.precision.name)
         return self._switch(precision, "precision_switch", {"reason": reason})
 
-    def _switch(self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]) -> Precision:
-        new, cfg, rungs = rung_move(self.config, self.precision.name, precision, self.device_info)  # or a rung
+    def _switch(
+        self, precision: Union[str, torch.dtype, Precision], kind: str, data: dict[str, Any]
+    ) -> Precision:
+        new, cfg, rungs = rung_move(
+            self.config, self.precision.name, precision, self.device_info
+        )  # or a rung
         if self._window.micro != 0:
-            raise RuntimeError(f"switch() called inside an accumulation window ({self._window.micro} of "
-                               f"{self._window.current_size} micro-steps done); switch after step()")
+            raise RuntimeError(
+                f"switch() called inside an accumulation window ({self._window.micro} of "
+                f"{self._window.current_size} micro-steps done); switch after step()"
+            )
         old = self.precision
-        if new.name == old.name:  # the same rung: nothing to do; another rung: via fp32, as switch(masters=...)
+        if (
+            new.name == old.name
+        ):  # the same rung: nothing to do; another rung: via fp32, as switch(masters=...)
             if rungs.get("from_rung") == rungs.get("to_rung"):
                 return old
             self._become(resolve_precision("fp32", self.device_info))
@@ -473,20 +565,28 @@ class MixedPrecision:
         self._emit(kind, {"from": old.name, "to": new.name, **rungs, **data})
         return new
 
-    def _become(self, new: Precision, scaler: Optional[LossScaler] = None, rerung: bool = False) -> None:
+    def _become(
+        self, new: Precision, scaler: Optional[LossScaler] = None, rerung: bool = False
+    ) -> None:
         """Train in ``new`` from here on: the old policy releases, the new one prepares (between steps)."""
         if scaler is None and new.needs_scaler != self.precision.needs_scaler:
             scaler = self._make_scaler(new)
         if scaler is not None:
-            count = self._scaler.overflow_count  # keep the replaced scaler's skips (a device add, no sync)
+            count = (
+                self._scaler.overflow_count
+            )  # keep the replaced scaler's skips (a device add, no sync)
             if count is not None:
-                self._skipped_before = count.clone() if self._skipped_before is None else self._skipped_before + count
+                self._skipped_before = (
+                    count.clone() if self._skipped_before is None else self._skipped_before + count
+                )
             self._scaler = scaler
         old, self.precision = self.precision, new
         if new.name == old.name and not rerung:
             return  # (a resume in the same precision and rung: the model keeps its form)
         self._policy.release()
-        self._policy = policy_for(new, self.config, self.device, shards_params=self._parallel.shards_params)
+        self._policy = policy_for(
+            new, self.config, self.device, shards_params=self._parallel.shards_params
+        )
         if self._model is not None:
             self._parallel.retarget(new)  # FSDP2: the all-gather/reduce dtypes follow the precision
             self._prepare(self._model)
@@ -500,7 +600,9 @@ class MixedPrecision:
         """Fall back to the chain's next precision, or raise :class:`NumericsError` (end of the chain;
         with the fallback off, the loss scale exhausted)."""
         name, diagnosis = self.precision.name, self._last_diagnosis
-        if trigger.reason == "recover":  # fallback_recover_after: N clean steps, retry the faster precision
+        if (
+            trigger.reason == "recover"
+        ):  # fallback_recover_after: N clean steps, retry the faster precision
             self._switch(trigger.target or name, "fallback_retry", recover_data(trigger))
             return
         if trigger.reason == "scale_exhausted":
@@ -531,16 +633,22 @@ class MixedPrecision:
     def stats(self) -> dict[str, Any]:
         """Precision, scale, steps, skipped steps, overflow rate, events. **Syncs** (reads device counters)."""
         overflows = self._scaler.overflow_count
-        skipped = int(overflows.item()) if overflows is not None and self._scaler.is_enabled() else 0
+        skipped = (
+            int(overflows.item()) if overflows is not None and self._scaler.is_enabled() else 0
+        )
         if self._skipped_before is not None:
             skipped += int(self._skipped_before.item())
         return {
-            "precision": self.precision.name, "device": str(self.device),
+            "precision": self.precision.name,
+            "device": str(self.device),
             "scale": self._scaler.get_scale() if self.precision.needs_scaler else None,
-            "optimizer_steps": self._steps, "skipped_steps": skipped,
+            "optimizer_steps": self._steps,
+            "skipped_steps": skipped,
             "overflow_rate": skipped / self._steps if self._steps else 0.0,
-            "accumulation_steps": self.config.accumulation_steps, "pending_micro_steps": self._window.micro,
-            "parallel": self._parallel.name, "world_size": self._parallel.world_size,  # parallel: none / ddp / fsdp
+            "accumulation_steps": self.config.accumulation_steps,
+            "pending_micro_steps": self._window.micro,
+            "parallel": self._parallel.name,
+            "world_size": self._parallel.world_size,  # parallel: none / ddp / fsdp
             "events": [e.to_dict() for e in self._stream.kept],
         }
 
@@ -551,9 +659,14 @@ class MixedPrecision:
         Call between optimizer steps (not inside an accumulation window).
         """
         return {
-            "precision": self.precision.name, "config": self.config.to_dict(), "scaler": self._scaler.state_dict(),
-            "optimizer_steps": self._steps, "micro_steps": self._window.micro,
-            "skipped_before": int(self._skipped_before.item()) if self._skipped_before is not None else 0,
+            "precision": self.precision.name,
+            "config": self.config.to_dict(),
+            "scaler": self._scaler.state_dict(),
+            "optimizer_steps": self._steps,
+            "micro_steps": self._window.micro,
+            "skipped_before": int(self._skipped_before.item())
+            if self._skipped_before is not None
+            else 0,
             "events": [e.to_dict() for e in self._stream.kept],
             "masters": self._policy.state_dict() or None,
             "fallback": self._fallback.state_dict(),
@@ -563,7 +676,9 @@ class MixedPrecision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`. Validates everything before changing anything."""
         if not isinstance(state, dict) or "precision" not in state or "config" not in state:
-            raise ValueError("not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ...")
+            raise ValueError(
+                "not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ..."
+            )
         cfg = MixedPrecisionConfig.from_dict(state["config"])
         new = resolve_precision(state["precision"], self.device_info, emulate_fp8=cfg.fp8_emulate)
         old_config, self.config = self.config, cfg
@@ -575,7 +690,9 @@ class MixedPrecision:
         except Exception:
             self.config = old_config
             raise
-        self._become(new, scaler, rerung=rung_label(new.name, cfg) != rung_label(new.name, old_config))
+        self._become(
+            new, scaler, rerung=rung_label(new.name, cfg) != rung_label(new.name, old_config)
+        )
         before = int(state.get("skipped_before", 0))
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._steps = int(state.get("optimizer_steps", 0))
@@ -591,10 +708,12 @@ class MixedPrecision:
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:
         if self._model is None:
-            raise RuntimeError(f"{verb}() called before setup(); call model, optimizer = amp.setup(model, optimizer) first")
+            raise RuntimeError(
+                f"{verb}() called before setup(); call model, optimizer = amp.setup(model, optimizer) first"
+            )
 
     def __repr__(self) -> str:
-        return (f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "
-                f"accumulation_steps={self.config.accumulation_steps})")
-
-
+        return (
+            f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "
+            f"accumulation_steps={self.config.accumulation_steps})"
+        )

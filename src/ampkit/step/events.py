@@ -61,7 +61,11 @@ class Event:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Event:
         """The inverse of :meth:`to_dict` (events restored from a state dict)."""
-        return cls(kind=d["kind"], step=d["step"], data={k: v for k, v in d.items() if k not in ("kind", "step")})
+        return cls(
+            kind=d["kind"],
+            step=d["step"],
+            data={k: v for k, v in d.items() if k not in ("kind", "step")},
+        )
 
 
 class EventStream:

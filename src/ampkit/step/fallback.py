@@ -41,7 +41,8 @@ without blocking and decides at the *next* check, when the copy has long landed:
 ever waits for the device; a trigger is acted on at most ``2 * check_every`` steps after it
 happened (the steps in between are skipped anyway, so nothing non-finite is trained on). Only once
 a trigger fires does the engine sync, to confirm the guard and to name the non-finite gradients
-(:func:`nonfinite_grads`; what a trigger reports: :mod:`.fallback_report`). The checks fall on the run's optimizer steps (``step % check_every``),
+(:func:`nonfinite_grads`; what a trigger reports: :mod:`.fallback_report`). The checks fall on the
+run's optimizer steps (``step % check_every``),
 and the counters and the reading not yet decided on are part of the engine's ``state_dict``: a
 resumed run falls back at the same step as one that was never stopped.
 """
@@ -77,9 +78,21 @@ from .rung import RungError, join_spec, split_spec
 from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
-__all__ = ["DEFAULT_CHAIN", "FallbackPolicy", "NumericsError", "Trigger", "chain_exhausted", "fallback_data",
-           "make_fallback", "nonfinite_grads", "recover_data", "resolve_chain", "rung_label", "rung_move",
-           "scale_exhausted"]
+__all__ = [
+    "DEFAULT_CHAIN",
+    "FallbackPolicy",
+    "NumericsError",
+    "Trigger",
+    "chain_exhausted",
+    "fallback_data",
+    "make_fallback",
+    "nonfinite_grads",
+    "recover_data",
+    "resolve_chain",
+    "rung_label",
+    "rung_move",
+    "scale_exhausted",
+]
 
 DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
@@ -93,8 +106,9 @@ def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
     return join_spec(precision, config.rung)
 
 
-def rung_move(config: MixedPrecisionConfig, current: str, target: Any, info: DeviceInfo
-              ) -> tuple[Precision, MixedPrecisionConfig, dict[str, str]]:
+def rung_move(
+    config: MixedPrecisionConfig, current: str, target: Any, info: DeviceInfo
+) -> tuple[Precision, MixedPrecisionConfig, dict[str, str]]:
     """A switch to ``target`` (a precision, or a rung such as ``"bf16-pure:split"``) from ``current``:
     the precision resolved on ``info``, the config with the target's rung (validated now, before
     anything changes), and the ``from_rung``/``to_rung`` event fields when either side is a bf16-pure
@@ -114,14 +128,17 @@ def _entry(spec: str, info: DeviceInfo) -> str:
         raise PrecisionError(f"fallback chain entry {spec!r}: {e}") from None
     name = parse_precision(name)
     if name not in NAMES:
-        raise PrecisionError(f"fallback chain entry {spec!r} is not supported; use names from: {', '.join(NAMES)}, "
-                             "or a rung bf16-pure:<masters>[+bf16]")
+        raise PrecisionError(
+            f"fallback chain entry {spec!r} is not supported; use names from: {', '.join(NAMES)}, "
+            "or a rung bf16-pure:<masters>[+bf16]"
+        )
     resolve_precision(name, info)  # raises PrecisionError naming the device and the reason
     return join_spec(name, rung)
 
 
-def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo, label: Optional[str] = None
-                  ) -> tuple[str, ...]:
+def resolve_chain(
+    spec: Union[bool, str], start: str, info: DeviceInfo, label: Optional[str] = None
+) -> tuple[str, ...]:
     """The precisions to try after ``start``. ``True``: the default chain, keeping only what the
     device runs. A string: validated now (unknown or unsupported names raise ``PrecisionError``);
     its entries may name bf16-pure rungs (module doc). ``label``: ``start``'s rung (:func:`rung_label`)."""
@@ -135,12 +152,16 @@ def resolve_chain(spec: Union[bool, str], start: str, info: DeviceInfo, label: O
     else:
         names = [_entry(n.strip(), info) for n in str(spec).split(",") if n.strip()]
         if len(set(names)) != len(names):
-            raise PrecisionError(f"fallback chain {','.join(names)!r} names an entry twice; each precision or "
-                                 "rung may appear once")
+            raise PrecisionError(
+                f"fallback chain {','.join(names)!r} names an entry twice; each precision or "
+                "rung may appear once"
+            )
         label = label or start
         if start not in names and label not in names:
-            raise PrecisionError(f"fallback chain {','.join(names)!r} does not contain the training precision "
-                                 f"{label!r}; start the chain with it, e.g. '{label},fp32'")
+            raise PrecisionError(
+                f"fallback chain {','.join(names)!r} does not contain the training precision "
+                f"{label!r}; start the chain with it, e.g. '{label},fp32'"
+            )
     return tuple(names)
 
 
@@ -161,8 +182,13 @@ def make_fallback(config: MixedPrecisionConfig, precision: str, info: DeviceInfo
         raise ConfigError("fallback needs skip_nonfinite=True: the triggers are non-finite steps")
     else:
         chain = resolve_chain(config.fallback, precision, info, rung_label(precision, config))
-    return FallbackPolicy(chain, config.fallback_patience, config.fallback_check_every, config.min_scale,
-                          recover_after=config.fallback_recover_after if chain else None)
+    return FallbackPolicy(
+        chain,
+        config.fallback_patience,
+        config.fallback_check_every,
+        config.min_scale,
+        recover_after=config.fallback_recover_after if chain else None,
+    )
 
 
 class FallbackPolicy:
@@ -171,15 +197,31 @@ class FallbackPolicy:
     An empty ``chain`` makes it the exhausted-scale guard: its only trigger is ``scale_exhausted``.
     """
 
-    def __init__(self, chain: tuple[str, ...], patience: int, check_every: int, min_scale: Optional[float], *,
-                 recover_after: Optional[int] = None) -> None:
-        self.chain, self.patience, self.check_every, self.min_scale = chain, patience, check_every, min_scale
+    def __init__(
+        self,
+        chain: tuple[str, ...],
+        patience: int,
+        check_every: int,
+        min_scale: Optional[float],
+        *,
+        recover_after: Optional[int] = None,
+    ) -> None:
+        self.chain, self.patience, self.check_every, self.min_scale = (
+            chain,
+            patience,
+            check_every,
+            min_scale,
+        )
         self.recover_after = recover_after
         #: the precisions fallen back from, most recent last (retried in reverse order)
         self.fell_from: list[str] = []
-        self.interval = recover_after  # clean steps before the next retry (doubles when trouble returns)
+        self.interval = (
+            recover_after  # clean steps before the next retry (doubles when trouble returns)
+        )
         self.clean = 0  # clean steps counted since the last switch
-        self.retried = False  # the current precision is a retry: a fallback from it backs the interval off
+        self.retried = (
+            False  # the current precision is a retry: a fallback from it backs the interval off
+        )
         #: the lowest scale the scaler leaves (``LossScaler.floor``): min_scale, or the positive floor
         self.floor = max(min_scale or 0.0, SCALE_FLOOR)
         self._consec: Optional[torch.Tensor] = None
@@ -192,7 +234,9 @@ class FallbackPolicy:
         """True for a fallback chain; False for the exhausted-scale guard (fallback off)."""
         return bool(self.chain)
 
-    def next_precision(self, current: str, config: Optional[MixedPrecisionConfig] = None) -> Optional[str]:
+    def next_precision(
+        self, current: str, config: Optional[MixedPrecisionConfig] = None
+    ) -> Optional[str]:
         """The precision to fall back to from ``current`` (None at the chain's end). With
         ``recover_after``, remembers ``current`` for a retry and, if ``current`` was itself a retry,
         doubles the wait before the next one. ``current`` may be a rung (``"bf16-pure:split"``): it
@@ -222,19 +266,32 @@ class FallbackPolicy:
             return None
         target = self.fell_from.pop()
         clean, self.clean, self.retried = self.clean, 0, True
-        return Trigger("recover", f"{clean} clean steps since the fallback (fallback_recover_after: "
-                       f"{self.interval}); retrying {target}", 0, precision_hint, target=target,
-                       recover_after=self.interval)
+        return Trigger(
+            "recover",
+            f"{clean} clean steps since the fallback (fallback_recover_after: "
+            f"{self.interval}); retrying {target}",
+            0,
+            precision_hint,
+            target=target,
+            recover_after=self.interval,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (the run of consecutive non-finite steps and its maximum since the last check),
         the reading launched at the last check and not yet decided on, and the retry state
         (``fallback_recover_after``: precisions fallen from, interval, clean steps): a resumed run
         decides at the same steps as an uninterrupted one. **Syncs** (reads the counters)."""
-        out: dict[str, Any] = {"fell_from": list(self.fell_from), "interval": self.interval, "clean": self.clean,
-                               "retried": self.retried}
-        out["counters"] = (list(self._restored) if self._consec is None  # (none made yet: the restored values)
-                           else [float(self._consec.item()), float(self._max.item())])  # type: ignore[union-attr]
+        out: dict[str, Any] = {
+            "fell_from": list(self.fell_from),
+            "interval": self.interval,
+            "clean": self.clean,
+            "retried": self.retried,
+        }
+        out["counters"] = (
+            list(self._restored)
+            if self._consec is None  # (none made yet: the restored values)
+            else [float(self._consec.item()), float(self._max.item())]
+        )  # type: ignore[union-attr]
         if self._inflight is not None:
             vals, done = self._inflight
             if done is not None:
@@ -275,9 +332,14 @@ class FallbackPolicy:
         self._consec.add_(1.0).mul_(found_inf)
         torch.maximum(self._max, self._consec, out=self._max)  # type: ignore[arg-type]
 
-    def watch(self, found_inf: Optional[torch.Tensor], scale: Optional[torch.Tensor], step: int,
-              scaler: Optional[LossScaler], named_grads: Callable[[], Iterable[tuple[str, torch.Tensor]]]
-              ) -> Optional[Trigger]:
+    def watch(
+        self,
+        found_inf: Optional[torch.Tensor],
+        scale: Optional[torch.Tensor],
+        step: int,
+        scaler: Optional[LossScaler],
+        named_grads: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    ) -> Optional[Trigger]:
         """After optimizer step ``step``, while the gradients are still there: count it and, every
         ``check_every`` steps, check (module doc). ``scale`` is the scale this step's gradients
         carried; ``scaler`` the loss scaler of a precision with loss scaling, else None.
@@ -291,14 +353,18 @@ class FallbackPolicy:
         self.observe(found_inf)
         if step % self.check_every:
             return None
-        trigger = self.check(scaler.scale_tensor if scaler is not None else None, scaler is not None)
+        trigger = self.check(
+            scaler.scale_tensor if scaler is not None else None, scaler is not None
+        )
         if trigger is None:
             return None
         if not self.falls_back:
             # The guard fired on the previous check's counters: confirm on this step (**syncs**).
             if not (found_inf.item() > 0 and scale is not None and scale.item() <= self.floor):
                 return None  # the burst is over: the scale will grow back
-            trigger = dataclasses.replace(trigger, consecutive_skips=self.consecutive(), scale=self.floor)
+            trigger = dataclasses.replace(
+                trigger, consecutive_skips=self.consecutive(), scale=self.floor
+            )
         return dataclasses.replace(trigger, nonfinite=tuple(nonfinite_grads(named_grads())))
 
     def consecutive(self) -> int:
@@ -310,7 +376,9 @@ class FallbackPolicy:
         if self._consec is None:
             return None
         trigger = self._decide(scaled) if self._inflight is not None else None
-        vals = torch.stack([self._max, self._consec, scale if scale is not None else torch.zeros_like(self._max)])  # type: ignore[list-item]
+        vals = torch.stack(
+            [self._max, self._consec, scale if scale is not None else torch.zeros_like(self._max)]
+        )  # type: ignore[list-item]
         done = None
         if vals.device.type == "cuda":
             vals = vals.to("cpu", non_blocking=True)
@@ -330,23 +398,50 @@ class FallbackPolicy:
         at_floor = scaled and scale <= self.floor
         if not self.falls_back:  # the guard: the engine confirms on the step at hand, then raises
             if at_floor and consec >= 1:
-                return Trigger("scale_exhausted", f"the loss scale sits at its floor {self._floor_text()} and "
-                               "steps still overflow", int(consec), scale)
+                return Trigger(
+                    "scale_exhausted",
+                    f"the loss scale sits at its floor {self._floor_text()} and "
+                    "steps still overflow",
+                    int(consec),
+                    scale,
+                )
             return None
-        retry = None if self.interval is None else self.interval * (2 if self.retried else 1)  # after next_precision
+        retry = (
+            None if self.interval is None else self.interval * (2 if self.retried else 1)
+        )  # after next_precision
         if run >= self.patience:
             if scaled:
-                return Trigger("consecutive_skips", f"{run} consecutive skipped steps (patience {self.patience})",
-                               run, scale, recover_after=retry)
-            return Trigger("nonfinite_unscaled", f"{run} consecutive steps with non-finite loss/gradients in a "
-                           f"precision without loss scaling (patience {self.patience})", run, None,
-                           recover_after=retry)
+                return Trigger(
+                    "consecutive_skips",
+                    f"{run} consecutive skipped steps (patience {self.patience})",
+                    run,
+                    scale,
+                    recover_after=retry,
+                )
+            return Trigger(
+                "nonfinite_unscaled",
+                f"{run} consecutive steps with non-finite loss/gradients in a "
+                f"precision without loss scaling (patience {self.patience})",
+                run,
+                None,
+                recover_after=retry,
+            )
         if at_floor:
             if self.min_scale is not None and self.min_scale >= SCALE_FLOOR:
-                return Trigger("min_scale", f"the loss scale reached min_scale={self.min_scale:g}", run, scale,
-                               recover_after=retry)
-            return Trigger("scale_floor", f"the loss scale fell to its floor {self._floor_text()}", run, scale,
-                           recover_after=retry)
+                return Trigger(
+                    "min_scale",
+                    f"the loss scale reached min_scale={self.min_scale:g}",
+                    run,
+                    scale,
+                    recover_after=retry,
+                )
+            return Trigger(
+                "scale_floor",
+                f"the loss scale fell to its floor {self._floor_text()}",
+                run,
+                scale,
+                recover_after=retry,
+            )
         if self.fell_from:
             return self._recover(run, scale if scaled else None)
         return None

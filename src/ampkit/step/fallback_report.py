@@ -13,8 +13,15 @@ import torch
 
 from .localize import NonFiniteReport
 
-__all__ = ["NumericsError", "Trigger", "chain_exhausted", "fallback_data", "nonfinite_grads", "recover_data",
-           "scale_exhausted"]
+__all__ = [
+    "NumericsError",
+    "Trigger",
+    "chain_exhausted",
+    "fallback_data",
+    "nonfinite_grads",
+    "recover_data",
+    "scale_exhausted",
+]
 
 
 class NumericsError(RuntimeError):
@@ -28,9 +35,13 @@ class Trigger:
     detail: str
     consecutive_skips: int
     scale: Optional[float]
-    nonfinite: tuple[str, ...] = ()  # parameters with non-finite gradients when it fired (model order)
+    nonfinite: tuple[
+        str, ...
+    ] = ()  # parameters with non-finite gradients when it fired (model order)
     target: Optional[str] = None  # ``recover``: the precision to retry
-    recover_after: Optional[int] = None  # with fallback_recover_after: clean steps before the next retry
+    recover_after: Optional[int] = (
+        None  # with fallback_recover_after: clean steps before the next retry
+    )
 
 
 def nonfinite_grads(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -60,11 +71,18 @@ def nonfinite_grads(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 
 def fallback_data(trigger: Trigger, diagnosis: Optional[NonFiniteReport]) -> dict[str, Any]:
     """The data of the ``fallback`` event a trigger causes."""
-    data: dict[str, Any] = {"reason": f"{trigger.reason}: {trigger.detail}", "trigger": trigger.reason,
-                            "detail": trigger.detail, "consecutive_skips": trigger.consecutive_skips,
-                            "scale": trigger.scale, "nonfinite_params": list(trigger.nonfinite)}
+    data: dict[str, Any] = {
+        "reason": f"{trigger.reason}: {trigger.detail}",
+        "trigger": trigger.reason,
+        "detail": trigger.detail,
+        "consecutive_skips": trigger.consecutive_skips,
+        "scale": trigger.scale,
+        "nonfinite_params": list(trigger.nonfinite),
+    }
     if trigger.recover_after is not None:
-        data["recover_after"] = trigger.recover_after  # the wait before the next retry (doubled after a retry)
+        data["recover_after"] = (
+            trigger.recover_after
+        )  # the wait before the next retry (doubled after a retry)
     if diagnosis is not None:
         data["diagnosis"] = diagnosis.to_dict()
     return data
@@ -72,29 +90,41 @@ def fallback_data(trigger: Trigger, diagnosis: Optional[NonFiniteReport]) -> dic
 
 def recover_data(trigger: Trigger) -> dict[str, Any]:
     """The data of the ``fallback_retry`` event a ``recover`` trigger causes."""
-    return {"reason": f"recover: {trigger.detail}", "trigger": "recover", "detail": trigger.detail,
-            "recover_after": trigger.recover_after}
+    return {
+        "reason": f"recover: {trigger.detail}",
+        "trigger": "recover",
+        "detail": trigger.detail,
+        "recover_after": trigger.recover_after,
+    }
 
 
-def chain_exhausted(trigger: Trigger, precision: str, chain: tuple[str, ...],
-                    diagnosis: Optional[NonFiniteReport]) -> tuple[dict[str, Any], NumericsError]:
+def chain_exhausted(
+    trigger: Trigger, precision: str, chain: tuple[str, ...], diagnosis: Optional[NonFiniteReport]
+) -> tuple[dict[str, Any], NumericsError]:
     """The ``fallback_exhausted`` event's data and the error: the chain's last precision stays non-finite."""
     data = fallback_data(trigger, diagnosis)
     del data["reason"]
     culprit = f"; {_culprit(list(trigger.nonfinite))}" if trigger.nonfinite else ""
-    error = NumericsError(f"training stays non-finite in {precision}, the last precision of the fallback chain "
-                          f"{','.join(chain)}: {trigger.detail}{culprit}"
-                          + (f"; diagnosis: {diagnosis}" if diagnosis else ""))
+    error = NumericsError(
+        f"training stays non-finite in {precision}, the last precision of the fallback chain "
+        f"{','.join(chain)}: {trigger.detail}{culprit}"
+        + (f"; diagnosis: {diagnosis}" if diagnosis else "")
+    )
     return {"precision": precision, **data}, error
 
 
-def scale_exhausted(trigger: Trigger, precision: str,
-                    diagnosis: Optional[NonFiniteReport]) -> tuple[dict[str, Any], NumericsError]:
+def scale_exhausted(
+    trigger: Trigger, precision: str, diagnosis: Optional[NonFiniteReport]
+) -> tuple[dict[str, Any], NumericsError]:
     """The ``scale_exhausted`` event's data and the error (fallback off, the scale at its floor)."""
     bad = list(trigger.nonfinite)
-    data: dict[str, Any] = {"precision": precision, "scale": trigger.scale,
-                            "consecutive_skips": trigger.consecutive_skips, "nonfinite_params": bad,
-                            "detail": trigger.detail}
+    data: dict[str, Any] = {
+        "precision": precision,
+        "scale": trigger.scale,
+        "consecutive_skips": trigger.consecutive_skips,
+        "nonfinite_params": bad,
+        "detail": trigger.detail,
+    }
     if diagnosis is not None:
         data["diagnosis"] = diagnosis.to_dict()
     module = bad[0].rpartition(".")[0] if bad else ""
@@ -103,7 +133,8 @@ def scale_exhausted(trigger: Trigger, precision: str,
         f"the loss scale is exhausted in {precision}: {trigger.detail}, after {trigger.consecutive_skips} "
         f"consecutive skipped steps; backing the scale off cannot help any more. {_culprit(bad)}. Turn on "
         f"fallback=True (fp16 -> bf16 -> fp32), keep the culprit in fp32 ({keep}) or train in bf16"
-        + (f"; diagnosis: {diagnosis}" if diagnosis else ""))
+        + (f"; diagnosis: {diagnosis}" if diagnosis else "")
+    )
     return data, error
 
 

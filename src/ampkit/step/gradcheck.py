@@ -27,8 +27,16 @@ import torch
 
 from .policies import native
 
-__all__ = ["SUM_FROM", "check_and_unscale", "cpu_all_finite", "cpu_norm_finite", "first_grad_device",
-           "foreach_check_and_unscale", "grads_of"]
+__all__ = [
+    "SUM_FROM",
+    "check_and_unscale",
+    "cpu_all_finite",
+    "cpu_norm_finite",
+    "first_grad_device",
+    "foreach_check_and_unscale",
+    "grads_of",
+]
+
 
 def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     first = grads[0].dtype
@@ -43,7 +51,9 @@ def _by_dtype(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def grads_of(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> dict[torch.device, list[torch.Tensor]]:
+def grads_of(
+    optimizer: torch.optim.Optimizer, *, allow_fp16: bool
+) -> dict[torch.device, list[torch.Tensor]]:
     """The optimizer's gradients grouped by device (sparse ones by their values).
 
     ``allow_fp16=False`` refuses fp16 gradients, as ``torch.amp.GradScaler.unscale_`` does:
@@ -56,8 +66,10 @@ def grads_of(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> dict[torc
             if g is None:
                 continue
             if not allow_fp16 and g.dtype == torch.float16:
-                raise ValueError("attempting to unscale fp16 gradients: fp16 parameters need fp32 "
-                                 "master weights (use precision 'fp16-pure'), or keep parameters in fp32")
+                raise ValueError(
+                    "attempting to unscale fp16 gradients: fp16 parameters need fp32 "
+                    "master weights (use precision 'fp16-pure'), or keep parameters in fp32"
+                )
             if g.is_sparse:
                 if g.dtype is torch.float16:
                     p.grad = g = g.coalesce()
@@ -66,8 +78,9 @@ def grads_of(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> dict[torc
     return by_device
 
 
-def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
-                      allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+def check_and_unscale(
+    optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
+) -> dict[torch.device, torch.Tensor]:
     """Per device, a fresh ``found_inf`` for ``optimizer``'s gradients, which are multiplied by
     ``inv_scale`` in place (a scale of exactly 1.0 only checks them)."""
     found: dict[torch.device, torch.Tensor] = {}
@@ -85,7 +98,9 @@ def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
     return found
 
 
-def foreach_check_and_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+def foreach_check_and_unscale(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
     """``torch._amp_foreach_non_finite_check_and_unscale_`` from foreach operations, for the dtypes its
     kernel lacks (bf16 on CUDA: "not implemented for 'BFloat16'", seen on an H200 with masters='none'
     or a user's bf16 parameters): ``found_inf`` becomes 1.0 where any value is NaN or infinite (each
@@ -118,7 +133,8 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Opt
 
     Where the native kernels are in use (:func:`ampkit.step.policies.native.any_nonfinite`), every
     gradient is instead read once by one C call that tests the exponent bits (exact: no overflow
-    case; on the calling thread: split over two threads it measured no faster) and no host read: whole step 1.107 -> 1.066 of the raw loop (w512 MLP, 1 thread;
+    case; on the calling thread: split over two threads it measured no faster) and no host read:
+    whole step 1.107 -> 1.066 of the raw loop (w512 MLP, 1 thread;
     docs/benchmarks.md section 24, "The CPU finite check").
     """
     by_device = grads_of(optimizer, allow_fp16=allow_fp16)
@@ -126,10 +142,12 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Opt
         return True
     if len(by_device) != 1:
         return None
-    (dev, grads), = by_device.items()
+    ((dev, grads),) = by_device.items()
     if dev.type != "cpu":
         return None
-    if any(type(g) is not torch.Tensor for g in grads):  # a DTensor shard or another subclass: not a local read
+    if any(
+        type(g) is not torch.Tensor for g in grads
+    ):  # a DTensor shard or another subclass: not a local read
         return None
     bad = native.any_nonfinite(grads)  # every gradient read once, in one C call (the exponent bits)
     if bad is not None:
@@ -149,7 +167,9 @@ def cpu_all_finite(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Opt
         s = g.sum() if g.dtype == torch.float32 else g.sum(dtype=torch.float32)
         if not math.isfinite(s.item()):
             found = torch.zeros((), dtype=torch.float32)
-            torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.ones((), dtype=torch.float32))
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [g], found, torch.ones((), dtype=torch.float32)
+            )
             if found.item():
                 return False
     return True

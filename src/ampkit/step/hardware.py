@@ -42,8 +42,12 @@ class CpuFeatures:
         return "avx512_fp16" in self.flags or "amx_fp16" in self.flags
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "flags": list(self.flags), "native_bf16": self.native_bf16,
-                "native_fp16": self.native_fp16}
+        return {
+            **asdict(self),
+            "flags": list(self.flags),
+            "native_bf16": self.native_bf16,
+            "native_fp16": self.native_fp16,
+        }
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,11 @@ class DeviceInfo:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
+        return (
+            torch.device(self.type, self.index)
+            if self.index is not None
+            else torch.device(self.type)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -114,8 +122,9 @@ def cpu_features() -> CpuFeatures:
     if "amx_tile" in flags and "amx_bf16" not in flags and "avx512_bf16" in flags:
         flags.add("amx_bf16")  # every AMX part ships AMX-BF16 (Sapphire Rapids onwards)
     capability = torch.backends.cpu.get_cpu_capability()
-    return CpuFeatures(model=model, flags=tuple(f for f in _CPU_FLAGS if f in flags),
-                       capability=capability)
+    return CpuFeatures(
+        model=model, flags=tuple(f for f in _CPU_FLAGS if f in flags), capability=capability
+    )
 
 
 def normalize_device(device: Union[str, torch.device, None]) -> torch.device:
@@ -130,7 +139,9 @@ def normalize_device(device: Union[str, torch.device, None]) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"invalid device {device!r}: {e}; use e.g. 'cpu', 'cuda', 'cuda:1', 'mps'") from None
+        raise ValueError(
+            f"invalid device {device!r}: {e}; use e.g. 'cpu', 'cuda', 'cuda:1', 'mps'"
+        ) from None
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -149,15 +160,25 @@ def device_info(device: Union[str, torch.device, None] = None) -> DeviceInfo:
         return DeviceInfo(type="cpu", name=cpu.model, bf16=True, fp16=True, fp8=False, cpu=cpu)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(dev)!r} was asked for, but CUDA is not available here "
-                             f"(torch {torch.__version__}); use 'cpu'")
+            raise ValueError(
+                f"device {str(dev)!r} was asked for, but CUDA is not available here "
+                f"(torch {torch.__version__}); use 'cpu'"
+            )
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         cap = (props.major, props.minor)
         # fp8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
-        return DeviceInfo(type="cuda", name=props.name, index=index, capability=cap,
-                          bf16=cap >= (8, 0), fp16=cap >= (5, 3), fp8=cap >= (8, 9),
-                          memory_bytes=props.total_memory, cpu=cpu_features())
+        return DeviceInfo(
+            type="cuda",
+            name=props.name,
+            index=index,
+            capability=cap,
+            bf16=cap >= (8, 0),
+            fp16=cap >= (5, 3),
+            fp8=cap >= (8, 9),
+            memory_bytes=props.total_memory,
+            cpu=cpu_features(),
+        )
     if dev.type == "mps":
         return DeviceInfo(type="mps", name="Apple MPS", bf16=False, fp16=True, cpu=None)
     return DeviceInfo(type=dev.type, name=dev.type, index=dev.index, bf16=False, fp16=False)

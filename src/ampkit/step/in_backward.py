@@ -31,7 +31,8 @@ is reported skipped (``found_inf``, the scaler's skip count, the fallback's pati
 skipped step. The parameters stepped before the first non-finite gradient keep their finite update:
 an undo would need a snapshot of the weights and states (4-12 B/param, more than the gradients this
 saves) or a second backward (LOMO's two passes: ~1.6x the step measured on the CPU), so the step is
-*partial*, never poisoned (docs/guides/will-it-fit.md, "The optimizer steps in backward"). With fp16 overflowing is routine (the
+*partial*, never poisoned (docs/guides/will-it-fit.md, "The optimizer steps in backward"). With
+fp16 overflowing is routine (the
 dynamic scale probes upward), so partial steps would be too: refused there. On the CPU the decision
 is read on the host (free); on a GPU a fused optimizer (``fused=True``) skips on the device from
 ``found_inf`` (no sync), another needs one sync per parameter.
@@ -55,23 +56,31 @@ from .scaler import LossScaler
 __all__ = ["InBackward", "refusal"]
 
 
-def refusal(precision: Precision, optimizers: Sequence[torch.optim.Optimizer], parallel: str) -> Optional[str]:
+def refusal(
+    precision: Precision, optimizers: Sequence[torch.optim.Optimizer], parallel: str
+) -> Optional[str]:
     """Why the optimizer cannot step in backward here (a sentence naming the value, the reason and
     what is valid), or None. The config refuses what it alone shows (accumulation, clipping)."""
     if precision.needs_scaler:
-        return (f"optimizer_in_backward with precision {precision.name!r} (dynamic loss scaling) is refused: an "
-                "overflowing step is routine there and cannot be undone once parameters were stepped in "
-                "backward; use bf16, bf16-pure (any masters), fp32 or tf32, or optimizer_in_backward=False")
+        return (
+            f"optimizer_in_backward with precision {precision.name!r} (dynamic loss scaling) is refused: an "
+            "overflowing step is routine there and cannot be undone once parameters were stepped in "
+            "backward; use bf16, bf16-pure (any masters), fp32 or tf32, or optimizer_in_backward=False"
+        )
     if parallel != "none":
-        return (f"optimizer_in_backward under {parallel.upper()} is refused: the gradients are reduced across "
-                "ranks after their hooks run, so a parameter would be stepped on its local gradient; "
-                "use optimizer_in_backward=False")
+        return (
+            f"optimizer_in_backward under {parallel.upper()} is refused: the gradients are reduced across "
+            "ranks after their hooks run, so a parameter would be stepped on its local gradient; "
+            "use optimizer_in_backward=False"
+        )
     for i, opt in enumerate(optimizers):
         closure = inspect.signature(type(opt).step).parameters.get("closure")
         if closure is not None and closure.default is inspect.Parameter.empty:
-            return (f"optimizer_in_backward with optimizer {i} ({type(opt).__name__}) is refused: its step "
-                    "needs a closure (it re-evaluates the loss), which cannot run inside a backward; use an "
-                    "optimizer without a closure (SGD, Adam, AdamW, ...) or optimizer_in_backward=False")
+            return (
+                f"optimizer_in_backward with optimizer {i} ({type(opt).__name__}) is refused: its step "
+                "needs a closure (it re-evaluates the loss), which cannot run inside a backward; use an "
+                "optimizer without a closure (SGD, Adam, AdamW, ...) or optimizer_in_backward=False"
+            )
     return None
 
 
@@ -86,15 +95,28 @@ class InBackward:
         self._handles: list[Any] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepped: Callable[[torch.Tensor], torch.Tensor] = lambda p: p
-        self._where: dict[int, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}  # id(stepped) -> its group
+        self._where: dict[
+            int, tuple[torch.optim.Optimizer, dict[str, Any]]
+        ] = {}  # id(stepped) -> its group
         self._check = True
-        self._found: Optional[torch.Tensor] = None  # 1.0 once a non-finite loss or gradient was seen this step
+        self._found: Optional[torch.Tensor] = (
+            None  # 1.0 once a non-finite loss or gradient was seen this step
+        )
         self._one: Optional[torch.Tensor] = None
-        self._armed = False  # inside the engine's backward: other backward passes (diagnose) step nothing
+        self._armed = (
+            False  # inside the engine's backward: other backward passes (diagnose) step nothing
+        )
         self._queued = False
 
-    def attach(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], precision: Precision,
-               policy: PrecisionPolicy, parallel: str, scaler: LossScaler) -> None:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        precision: Precision,
+        policy: PrecisionPolicy,
+        parallel: str,
+        scaler: LossScaler,
+    ) -> None:
         """Hook every parameter of ``model`` that requires grad, once the policy prepared it (its
         ``stepped`` names the tensor the optimizer steps); ``parallel`` is the adapter's name; the
         finite check runs where ``scaler`` is enabled (``skip_nonfinite``). Raises
@@ -103,7 +125,11 @@ class InBackward:
         if why is not None:
             raise ConfigError(why)
         self.detach()
-        self._optimizers, self._stepped, self._check = list(optimizers), policy.stepped, scaler.is_enabled()
+        self._optimizers, self._stepped, self._check = (
+            list(optimizers),
+            policy.stepped,
+            scaler.is_enabled(),
+        )
         for p in model.parameters():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
@@ -119,28 +145,35 @@ class InBackward:
         (``add_param_group`` or ``load_state_dict`` may have changed them since the last step; a
         scheduler's learning rate is read from the group at each call), checks the loss. No sync."""
         if not micro_step_done:
-            raise ValueError("backward(micro_step_done=False) with optimizer_in_backward: a parameter is stepped "
-                             "by the first backward that reaches it, so gradients of several backward passes "
-                             "cannot be summed first; sum the losses and call backward once")
+            raise ValueError(
+                "backward(micro_step_done=False) with optimizer_in_backward: a parameter is stepped "
+                "by the first backward that reaches it, so gradients of several backward passes "
+                "cannot be summed first; sum the losses and call backward once"
+            )
         where = {}
         for opt in self._optimizers:
             for group in opt.param_groups:
                 for q in group["params"]:
                     where[id(q)] = (opt, group)
         self._where, self._armed, self._queued, self._found = where, True, False, None
-        if self._check and not is_fake(loss):  # (fake tensors: memory estimates, no values to check)
+        if self._check and not is_fake(
+            loss
+        ):  # (fake tensors: memory estimates, no values to check)
             self._found = torch.logical_not(torch.isfinite(loss.detach())).float()
             if self._one is None or self._one.device != loss.device:
                 self._one = torch.ones((), dtype=torch.float32, device=loss.device)
 
-    def finish(self, scaler: LossScaler, optimizers: Sequence[torch.optim.Optimizer], clip: Optional[float]
-               ) -> tuple[None, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def finish(
+        self, scaler: LossScaler, optimizers: Sequence[torch.optim.Optimizer], clip: Optional[float]
+    ) -> tuple[None, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The engine's ``step()`` for a step taken in backward: records the step's finite check in
         the (unit) scaler as an ordinary step does; returns ``(grad_norm, scale, found_inf)``. No sync."""
         if clip is not None:
-            raise ConfigError(f"clip_grad_norm={clip!r} with optimizer_in_backward is refused: the global norm needs "
-                              "every gradient before the first update, and each parameter was stepped in backward; "
-                              "clip with optimizer_in_backward=False, or train without clipping")
+            raise ConfigError(
+                f"clip_grad_norm={clip!r} with optimizer_in_backward is refused: the global norm needs "
+                "every gradient before the first update, and each parameter was stepped in backward; "
+                "clip with optimizer_in_backward=False, or train without clipping"
+            )
         found, self._found, self._armed = self._found, None, False
         if not scaler.is_enabled() or found is None:
             return None, None, None
@@ -153,7 +186,9 @@ class InBackward:
     def _hook(self, param: torch.Tensor) -> None:
         if not self._armed:
             return  # a backward other than the engine's (amp.diagnose, a user's own): gradients as usual
-        if not self._queued:  # disarmed when this backward ends (torch's DDP ends its backward the same way)
+        if (
+            not self._queued
+        ):  # disarmed when this backward ends (torch's DDP ends its backward the same way)
             torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
             self._queued = True
         stepped = self._stepped(param)
@@ -161,7 +196,9 @@ class InBackward:
         if entry is None or param.grad is None:
             return  # not stepped by a set-up optimizer: its gradient stays, as in an ordinary step
         opt, group = entry
-        if stepped is not param:  # a pure precision: the half gradient into the fp32 master's (exact upcast)
+        if (
+            stepped is not param
+        ):  # a pure precision: the half gradient into the fp32 master's (exact upcast)
             stepped.grad, param.grad = param.grad.to(stepped.dtype), None
         groups, params = opt.param_groups, group["params"]
         opt.param_groups, group["params"] = [group], [stepped]
@@ -190,7 +227,9 @@ class InBackward:
         assert self._one is not None
         for f in check_and_unscale(opt, self._one, True).values():  # a unit scale: a check only
             torch.maximum(found, f.to(found.device), out=found)
-        if getattr(opt, "_step_supports_amp_scaling", False):  # fused: skipped on the device, no sync
+        if getattr(
+            opt, "_step_supports_amp_scaling", False
+        ):  # fused: skipped on the device, no sync
             opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
             try:
                 opt.step()

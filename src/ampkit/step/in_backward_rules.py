@@ -18,13 +18,30 @@ def config_rule(cfg: Any) -> tuple[bool, str, Any, str]:
     if not cfg.optimizer_in_backward:
         return True, "optimizer_in_backward", False, ""
     if cfg.accumulation_steps != 1:
-        return (False, "accumulation_steps", cfg.accumulation_steps, "1" + _WHY + "a parameter is stepped when its "
-                "gradient is final, so gradients cannot be summed over micro-steps")
+        return (
+            False,
+            "accumulation_steps",
+            cfg.accumulation_steps,
+            "1" + _WHY + "a parameter is stepped when its "
+            "gradient is final, so gradients cannot be summed over micro-steps",
+        )
     if cfg.clip_grad_norm is not None:
-        return (False, "clip_grad_norm", cfg.clip_grad_norm, "None" + _WHY + "the global norm needs every "
-                "gradient before the first update")
-    row = REGISTRY.get(cfg.precision)  # (auto and O2 resolve later: the engine refuses what they become)
+        return (
+            False,
+            "clip_grad_norm",
+            cfg.clip_grad_norm,
+            "None" + _WHY + "the global norm needs every gradient before the first update",
+        )
+    row = REGISTRY.get(
+        cfg.precision
+    )  # (auto and O2 resolve later: the engine refuses what they become)
     if row is not None and row.needs_scaler:
-        return (False, "precision", cfg.precision, "a precision without loss scaling (bf16, bf16-pure, fp32, tf32)"
-                + _WHY + "an fp16 overflow cannot be undone once parameters were stepped in backward")
+        return (
+            False,
+            "precision",
+            cfg.precision,
+            "a precision without loss scaling (bf16, bf16-pure, fp32, tf32)"
+            + _WHY
+            + "an fp16 overflow cannot be undone once parameters were stepped in backward",
+        )
     return True, "optimizer_in_backward", True, ""

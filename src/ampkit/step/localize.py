@@ -11,13 +11,21 @@ import torch
 
 from .overrides import to_fp32
 
-__all__ = ["FP16_MAX", "FP16_TINY", "NonFiniteReport", "float_tensors", "localize_nonfinite", "nonfinite"]
+__all__ = [
+    "FP16_MAX",
+    "FP16_TINY",
+    "NonFiniteReport",
+    "float_tensors",
+    "localize_nonfinite",
+    "nonfinite",
+]
 
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes flush to zero
 
 
 # ---------------------------------------------------------------------------- helpers
+
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
@@ -55,6 +63,7 @@ def _dtype(obj: Any) -> Optional[str]:
 
 # ---------------------------------------------------------------------------- localization
 
+
 @dataclass(frozen=True)
 class NonFiniteReport:
     """The first module whose output (forward) or input gradient (backward) was non-finite.
@@ -69,7 +78,9 @@ class NonFiniteReport:
     found: bool
     module: Optional[str] = None
     module_type: Optional[str] = None
-    phase: Optional[str] = None  # "forward", "backward" (its input gradient), "backward-output" (arrived non-finite)
+    phase: Optional[str] = (
+        None  # "forward", "backward" (its input gradient), "backward-output" (arrived non-finite)
+    )
     dtype: Optional[str] = None
     input_max: Optional[float] = None
     output_max: Optional[float] = None
@@ -127,11 +138,15 @@ def localize_nonfinite(
                 handles.append(m.register_full_backward_hook(back))
         loss = closure()
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.numel() != 1:
-            raise ValueError(f"the closure must return a scalar floating-point loss tensor, got "
-                             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+            raise ValueError(
+                f"the closure must return a scalar floating-point loss tensor, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+            )
         if not loss.requires_grad:
-            raise ValueError("the closure's loss does not require grad: compute it from the model's outputs, "
-                             "outside torch.no_grad()")
+            raise ValueError(
+                "the closure's loss does not require grad: compute it from the model's outputs, "
+                "outside torch.no_grad()"
+            )
         loss_finite = bool(torch.isfinite(loss))
         if not fwd:
             with warnings.catch_warnings():
@@ -148,32 +163,64 @@ def localize_nonfinite(
     return NonFiniteReport(**rep, message=_message(rep))
 
 
-def _findings(model: torch.nn.Module, names: dict[torch.nn.Module, str], inputs: dict[torch.nn.Module, Any],
-              fwd: list[tuple[torch.nn.Module, Any, Any]], bwd: list[tuple[torch.nn.Module, Any, Any]],
-              loss_finite: bool, scale: Optional[float]) -> dict[str, Any]:
+def _findings(
+    model: torch.nn.Module,
+    names: dict[torch.nn.Module, str],
+    inputs: dict[torch.nn.Module, Any],
+    fwd: list[tuple[torch.nn.Module, Any, Any]],
+    bwd: list[tuple[torch.nn.Module, Any, Any]],
+    loss_finite: bool,
+    scale: Optional[float],
+) -> dict[str, Any]:
     """The report's fields from the first non-finite forward output or backward gradient."""
     if fwd:
         m, args, out = fwd[0]
         ref = None if isinstance(m, torch.nn.ModuleList) else _forward_fp32(m, args)
         fp32_ok = ref is not None and not nonfinite(ref)
-        rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="forward", dtype=_dtype(out),
-                   input_max=_max_finite(args), output_max=_max_finite(out), fp32_finite=fp32_ok,
-                   loss_finite=loss_finite, scale=scale)
+        rep = dict(
+            found=True,
+            module=names[m],
+            module_type=type(m).__name__,
+            phase="forward",
+            dtype=_dtype(out),
+            input_max=_max_finite(args),
+            output_max=_max_finite(out),
+            fp32_finite=fp32_ok,
+            loss_finite=loss_finite,
+            scale=scale,
+        )
     elif bwd:
         m, grad_in, grad_out = bwd[0]
         if nonfinite(grad_out):
             # The gradient was already non-finite on arrival: it overflowed between this module's
             # output and the loss, typically when an fp32 gradient was cast to the module's half
             # output dtype. In fp32 that cast does not exist.
-            rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="backward-output",
-                       dtype=_dtype(grad_out), input_max=None, output_max=_max_finite(grad_in),
-                       fp32_finite=_dtype(grad_out) in ("float16", "bfloat16") or None,
-                       loss_finite=loss_finite, scale=scale)
+            rep = dict(
+                found=True,
+                module=names[m],
+                module_type=type(m).__name__,
+                phase="backward-output",
+                dtype=_dtype(grad_out),
+                input_max=None,
+                output_max=_max_finite(grad_in),
+                fp32_finite=_dtype(grad_out) in ("float16", "bfloat16") or None,
+                loss_finite=loss_finite,
+                scale=scale,
+            )
         else:
             fp32_ok = _backward_fp32_finite(m, inputs.get(m), grad_out)
-            rep = dict(found=True, module=names[m], module_type=type(m).__name__, phase="backward",
-                       dtype=_dtype(grad_in), input_max=_max_finite(grad_out), output_max=_max_finite(grad_in),
-                       fp32_finite=fp32_ok, loss_finite=loss_finite, scale=scale)
+            rep = dict(
+                found=True,
+                module=names[m],
+                module_type=type(m).__name__,
+                phase="backward",
+                dtype=_dtype(grad_in),
+                input_max=_max_finite(grad_out),
+                output_max=_max_finite(grad_in),
+                fp32_finite=fp32_ok,
+                loss_finite=loss_finite,
+                scale=scale,
+            )
     else:
         rep = dict(found=False, loss_finite=loss_finite, scale=scale)
     return rep
@@ -200,16 +247,25 @@ def _backward_fp32_finite(m: torch.nn.Module, args: Any, grad_out: Any) -> Optio
     if args is None:
         return None
     try:
-        xs = [a.detach().float().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-              for a in args]
-        with torch.enable_grad(), torch.autocast(_device_type(m) if list(m.parameters()) else "cpu", enabled=False):
+        xs = [
+            a.detach().float().requires_grad_(True)
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else a
+            for a in args
+        ]
+        with (
+            torch.enable_grad(),
+            torch.autocast(_device_type(m) if list(m.parameters()) else "cpu", enabled=False),
+        ):
             ref = copy.deepcopy(m).float()
             out = ref(*xs)
             outs = float_tensors(out)
             gouts = [g.detach().float() for g in float_tensors(grad_out)]
             if len(outs) != len(gouts):
                 return None
-            targets = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + list(ref.parameters())
+            targets = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + list(
+                ref.parameters()
+            )
             grads = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
         return not nonfinite([g for g in grads if g is not None])
     except Exception:  # a module whose backward cannot be replayed alone: say we don't know
@@ -218,30 +274,41 @@ def _backward_fp32_finite(m: torch.nn.Module, args: Any, grad_out: Any) -> Optio
 
 def _message(r: dict[str, Any]) -> str:
     if not r["found"]:
-        return ("no module produced a non-finite output or gradient"
-                + ("" if r["loss_finite"] else "; the loss itself is non-finite (check the loss function and the data)"))
+        return "no module produced a non-finite output or gradient" + (
+            ""
+            if r["loss_finite"]
+            else "; the loss itself is non-finite (check the loss function and the data)"
+        )
     where = f"{r['module']} ({r['module_type']})"
     if r["phase"] == "forward":
-        msg = (f"first non-finite value in the forward output of {where}, dtype {r['dtype']}; "
-               f"largest finite input magnitude {r['input_max']:.3g}" if r["input_max"] is not None else
-               f"first non-finite value in the forward output of {where}, dtype {r['dtype']}")
+        msg = (
+            f"first non-finite value in the forward output of {where}, dtype {r['dtype']}; "
+            f"largest finite input magnitude {r['input_max']:.3g}"
+            if r["input_max"] is not None
+            else f"first non-finite value in the forward output of {where}, dtype {r['dtype']}"
+        )
     elif r["phase"] == "backward-output":
-        msg = (f"the gradient reaching the output of {where} is already non-finite ({r['dtype']}): it overflowed "
-               f"between that output and the loss, typically in the cast of an fp32 gradient to {r['dtype']}")
+        msg = (
+            f"the gradient reaching the output of {where} is already non-finite ({r['dtype']}): it overflowed "
+            f"between that output and the loss, typically in the cast of an fp32 gradient to {r['dtype']}"
+        )
         if r.get("scale"):
             msg += f" at loss scale {r['scale']:g}"
     else:
-        msg = (f"first non-finite gradient flows out of {where} in backward (dtype {r['dtype']}); "
-               f"largest finite incoming gradient {r['input_max']:.3g}" if r["input_max"] is not None else
-               f"first non-finite gradient flows out of {where} in backward (dtype {r['dtype']})")
+        msg = (
+            f"first non-finite gradient flows out of {where} in backward (dtype {r['dtype']}); "
+            f"largest finite incoming gradient {r['input_max']:.3g}"
+            if r["input_max"] is not None
+            else f"first non-finite gradient flows out of {where} in backward (dtype {r['dtype']})"
+        )
         if r.get("scale"):
             msg += f" at loss scale {r['scale']:g}"
     if r["fp32_finite"]:
-        msg += f"; in fp32 the same module stays finite: keep it in fp32 (keep_fp32=['{r['module']}'])"
+        msg += (
+            f"; in fp32 the same module stays finite: keep it in fp32 (keep_fp32=['{r['module']}'])"
+        )
         if r["phase"] != "forward":
             msg += " or lower the loss scale"
     elif r["fp32_finite"] is False:
         msg += "; it is non-finite in fp32 too: the problem is not precision (check inputs, learning rate, init)"
     return msg
-
-

@@ -68,8 +68,12 @@ class _EventLog:
 
     def __call__(self, event: Any) -> None:
         if event.kind != "step":
-            level = logging.INFO if event.kind in ("fallback", "fallback_exhausted", "scale_exhausted",
-                                                   "memory_efficient") else logging.DEBUG
+            level = (
+                logging.INFO
+                if event.kind
+                in ("fallback", "fallback_exhausted", "scale_exhausted", "memory_efficient")
+                else logging.DEBUG
+            )
             logger.log(level, "step %d: %s %s", event.step, event.kind, event.data)
             return
         if not logger.isEnabledFor(logging.DEBUG):
@@ -77,14 +81,18 @@ class _EventLog:
         result = event.data["result"]
         before = None if result.scale is None else float(result.scale.item())
         if result.found_inf is not None and result.found_inf.item() > 0:
-            logger.debug("step %d skipped: non-finite gradients (loss scale %s)", event.step, before)
+            logger.debug(
+                "step %d skipped: non-finite gradients (loss scale %s)", event.step, before
+            )
         if before is not None and self.amp.precision.needs_scaler:
             after = self.amp.scaler.get_scale()
             if after != before:
                 logger.debug("step %d: loss scale %g -> %g", event.step, before, after)
 
 
-def enable_debug(stream: Optional[TextIO] = None, anomaly: bool = True, check_nan: bool = True) -> logging.Handler:
+def enable_debug(
+    stream: Optional[TextIO] = None, anomaly: bool = True, check_nan: bool = True
+) -> logging.Handler:
     """``DEBUG`` lines from the ``"ampkit"`` logger to ``stream`` (stderr), and (``anomaly``)
     ``torch.autograd.set_detect_anomaly(True, check_nan=check_nan)``: a backward error names the
     forward op that made it. ``check_nan=False`` for loss-scaled precisions, whose overflows are

@@ -15,11 +15,17 @@ def check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"backward() expects the loss as a torch.Tensor, got {type(loss).__name__}")
     if not loss.is_floating_point():
-        raise TypeError(f"backward() expects a floating-point loss, got dtype {loss.dtype}; "
-                        "did you pass labels or a count instead of the loss?")
+        raise TypeError(
+            f"backward() expects a floating-point loss, got dtype {loss.dtype}; "
+            "did you pass labels or a count instead of the loss?"
+        )
     if loss.numel() != 1:
-        raise ValueError(f"backward() expects a scalar loss, got shape {tuple(loss.shape)}; "
-                         "reduce it first (e.g. loss.mean())")
+        raise ValueError(
+            f"backward() expects a scalar loss, got shape {tuple(loss.shape)}; "
+            "reduce it first (e.g. loss.mean())"
+        )
     if not loss.requires_grad:
-        raise ValueError("backward() got a loss that does not require grad: it was computed under "
-                         "torch.no_grad() or detached, or the model has no trainable parameters")
+        raise ValueError(
+            "backward() got a loss that does not require grad: it was computed under "
+            "torch.no_grad() or detached, or the model has no trainable parameters"
+        )

@@ -41,9 +41,16 @@ HALF = ("bfloat16", "float16")
 
 #: module types whose main op autocast runs in its lower-precision dtype (torch's autocast op lists)
 AUTOCAST_MODULES: tuple[type, ...] = (
-    torch.nn.Linear, torch.nn.Bilinear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
-    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
-    torch.nn.MultiheadAttention, torch.nn.RNNBase,
+    torch.nn.Linear,
+    torch.nn.Bilinear,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d,
+    torch.nn.ConvTranspose2d,
+    torch.nn.ConvTranspose3d,
+    torch.nn.MultiheadAttention,
+    torch.nn.RNNBase,
 )
 
 
@@ -97,29 +104,42 @@ class Manifest:
         for e in self.params:
             if e.name == name:
                 return e
-        raise KeyError(f"no parameter {name!r} in the manifest; parameters: "
-                       f"{', '.join(e.name for e in self.params[:8])}{' ...' if len(self.params) > 8 else ''}")
+        raise KeyError(
+            f"no parameter {name!r} in the manifest; parameters: "
+            f"{', '.join(e.name for e in self.params[:8])}{' ...' if len(self.params) > 8 else ''}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "parallel": self.parallel,
-                "accumulation_steps": self.accumulation_steps, "loss_scaling": dict(self.loss_scaling),
-                "params": [asdict(e) for e in self.params]}
+        return {
+            "precision": self.precision,
+            "parallel": self.parallel,
+            "accumulation_steps": self.accumulation_steps,
+            "loss_scaling": dict(self.loss_scaling),
+            "params": [asdict(e) for e in self.params],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
-        return cls(d["precision"], d.get("parallel", "none"), int(d.get("accumulation_steps", 1)),
-                   dict(d.get("loss_scaling", {})), tuple(ParamEntry.from_dict(p) for p in d.get("params", [])))
+        return cls(
+            d["precision"],
+            d.get("parallel", "none"),
+            int(d.get("accumulation_steps", 1)),
+            dict(d.get("loss_scaling", {})),
+            tuple(ParamEntry.from_dict(p) for p in d.get("params", [])),
+        )
 
     def table(self, *, collapse: bool = True) -> str:
         """A plain-text table, one block per module; ``collapse`` merges a module's rows that agree."""
         cols = ("param", "storage", "compute", "grad", "accum", "reduce", "master", "opt state")
         rows: list[tuple[str, ...]] = []
         for module, entries in self.modules().items():
-            rows.append((f"{module or '(model)'}  [{entries[0].module_type}]",) + ("",) * (len(cols) - 1))
+            rows.append(
+                (f"{module or '(model)'}  [{entries[0].module_type}]",) + ("",) * (len(cols) - 1)
+            )
             groups: dict[tuple[str, ...], list[str]] = {}
             for e in entries:
                 key = _cells(e)
-                short = e.name[len(module) + 1:] if module else e.name
+                short = e.name[len(module) + 1 :] if module else e.name
                 if collapse:
                     groups.setdefault(key, []).append(short)
                 else:
@@ -133,10 +153,16 @@ class Manifest:
         out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         ls = self.loss_scaling
         scale = f", scale {ls['scale']:g}" if ls.get("scale") is not None else ""
-        out.append(f"loss scaling: {'dynamic' if ls.get('dynamic') else 'constant'}{scale}" if ls.get("enabled")
-                   else "loss scaling: none" + (" (non-finite steps skipped)" if ls.get("skips_nonfinite") else ""))
-        out.append(f"precision {self.precision}, parallel {self.parallel}, "
-                   f"accumulation_steps {self.accumulation_steps}")
+        out.append(
+            f"loss scaling: {'dynamic' if ls.get('dynamic') else 'constant'}{scale}"
+            if ls.get("enabled")
+            else "loss scaling: none"
+            + (" (non-finite steps skipped)" if ls.get("skips_nonfinite") else "")
+        )
+        out.append(
+            f"precision {self.precision}, parallel {self.parallel}, "
+            f"accumulation_steps {self.accumulation_steps}"
+        )
         return "\n".join(out)
 
 
@@ -169,13 +195,18 @@ def build_manifest(amp: Any, *, read_scale: bool = False) -> Manifest:
     ``read_scale=True`` also reads the loss scale's value (**syncs**)."""
     model = amp.model
     if model is None:
-        raise RuntimeError("manifest() called before setup(); call model, optimizer = amp.setup(model, optimizer) first")
+        raise RuntimeError(
+            "manifest() called before setup(); call model, optimizer = amp.setup(model, optimizer) first"
+        )
     precision, policy = amp.precision, amp.policy
     ddp = isinstance(model, DistributedDataParallel)
     inner = model.module if ddp else model
     policies = fsdp_policies(inner)
     parallel = "fsdp" if policies else ("ddp" if ddp else "none")
-    kept = tuple(n[len("module."):] if ddp and n.startswith("module.") else n for n in amp.overridden_modules)
+    kept = tuple(
+        n[len("module.") :] if ddp and n.startswith("module.") else n
+        for n in amp.overridden_modules
+    )
     stepped_by: dict[int, Any] = {}
     for opt in amp.optimizers:
         for group in opt.param_groups:
@@ -186,24 +217,53 @@ def build_manifest(amp: Any, *, read_scale: bool = False) -> Manifest:
     for name, p in inner.named_parameters():
         mod_name = name.rpartition(".")[0]
         module = modules.get(mod_name, inner)
-        entries.append(_entry(name, mod_name, module, p, precision, policy, policies.get(id(p)),
-                              _is_kept(mod_name, kept), stepped_by, parallel))
+        entries.append(
+            _entry(
+                name,
+                mod_name,
+                module,
+                p,
+                precision,
+                policy,
+                policies.get(id(p)),
+                _is_kept(mod_name, kept),
+                stepped_by,
+                parallel,
+            )
+        )
     scaler = amp.scaler
-    scaling = {"enabled": precision.needs_scaler, "dynamic": precision.needs_scaler and amp.config.dynamic_scaling,
-               "skips_nonfinite": scaler.is_enabled(),
-               "scale": scaler.get_scale() if read_scale and precision.needs_scaler else None}
-    return Manifest(precision.name, parallel, amp.config.accumulation_steps, scaling, tuple(entries))
+    scaling = {
+        "enabled": precision.needs_scaler,
+        "dynamic": precision.needs_scaler and amp.config.dynamic_scaling,
+        "skips_nonfinite": scaler.is_enabled(),
+        "scale": scaler.get_scale() if read_scale and precision.needs_scaler else None,
+    }
+    return Manifest(
+        precision.name, parallel, amp.config.accumulation_steps, scaling, tuple(entries)
+    )
 
 
 def _is_kept(module: str, kept: tuple[str, ...]) -> bool:
     return any(module == k or module.startswith(k + ".") for k in kept)
 
 
-def _entry(name: str, mod_name: str, module: torch.nn.Module, p: torch.Tensor, precision: Any, policy: Any,
-           mp: Any, kept: bool, stepped_by: dict[int, Any], parallel: str) -> ParamEntry:
+def _entry(
+    name: str,
+    mod_name: str,
+    module: torch.nn.Module,
+    p: torch.Tensor,
+    precision: Any,
+    policy: Any,
+    mp: Any,
+    kept: bool,
+    stepped_by: dict[int, Any],
+    parallel: str,
+) -> ParamEntry:
     storage = p.dtype
     gathered = (mp.param_dtype or storage) if mp is not None else storage
-    forward_casts = precision.autocast_enabled or precision.family == "pure"  # pure forms autocast too
+    forward_casts = (
+        precision.autocast_enabled or precision.family == "pure"
+    )  # pure forms autocast too
     if kept and p.is_floating_point():
         compute = torch.float32
     elif type(module).__name__ == "Float8Linear" and name.endswith("weight"):
@@ -225,9 +285,27 @@ def _entry(name: str, mod_name: str, module: torch.nn.Module, p: torch.Tensor, p
     state: Optional[str] = None
     if opt is not None:
         st = opt.state.get(stepped, {})
-        state = ",".join(sorted({_dt(v.dtype) or "" for k, v in st.items()
-                                 if isinstance(v, torch.Tensor) and k != "step" and v.dim() > 0}))
-    return ParamEntry(name=name, module=mod_name, module_type=type(module).__name__, storage=_dt(storage) or "",
-                      compute=_dt(compute) or "float8", grad=_dt(gathered) or "", accumulation=_dt(accumulation) or "",
-                      reduce=_dt(reduce), master=master, optimizer_state=state, trainable=p.requires_grad,
-                      kept_fp32=kept, sharded=mp is not None)
+        state = ",".join(
+            sorted(
+                {
+                    _dt(v.dtype) or ""
+                    for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and k != "step" and v.dim() > 0
+                }
+            )
+        )
+    return ParamEntry(
+        name=name,
+        module=mod_name,
+        module_type=type(module).__name__,
+        storage=_dt(storage) or "",
+        compute=_dt(compute) or "float8",
+        grad=_dt(gathered) or "",
+        accumulation=_dt(accumulation) or "",
+        reduce=_dt(reduce),
+        master=master,
+        optimizer_state=state,
+        trainable=p.requires_grad,
+        kept_fp32=kept,
+        sharded=mp is not None,
+    )

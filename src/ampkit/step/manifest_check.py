@@ -44,8 +44,15 @@ import torch
 from .manifest import HALF, Manifest, ParamEntry, build_manifest, fsdp_policies
 from .precision import REGISTRY
 
-__all__ = ["Manifest", "ManifestWatch", "Violation", "build_manifest", "declared_components", "find_violations",
-           "refuse_unsafe_sharding"]
+__all__ = [
+    "Manifest",
+    "ManifestWatch",
+    "Violation",
+    "build_manifest",
+    "declared_components",
+    "find_violations",
+    "refuse_unsafe_sharding",
+]
 
 
 @dataclass(frozen=True)
@@ -62,8 +69,13 @@ class Violation:
         return asdict(self)
 
 
-def find_violations(manifest: Manifest, *, baseline: Optional[dict[str, str]] = None,
-                    saved: Optional[Manifest] = None, declared: Collection[str] = ()) -> list[Violation]:
+def find_violations(
+    manifest: Manifest,
+    *,
+    baseline: Optional[dict[str, str]] = None,
+    saved: Optional[Manifest] = None,
+    declared: Collection[str] = (),
+) -> list[Violation]:
     """The violations in ``manifest`` (model order). ``baseline``: each parameter's storage dtype at
     setup; ``saved``: the manifest saved with the checkpoint being resumed; ``declared``: components
     the configuration itself chose and announced (:func:`declared_components`), not reported."""
@@ -81,29 +93,59 @@ def declared_components(precision: str, config: Any) -> tuple[str, ...]:
     return ()
 
 
-def _violations(manifest: Manifest, baseline: Optional[dict[str, str]], saved: Optional[Manifest]) -> list[Violation]:
+def _violations(
+    manifest: Manifest, baseline: Optional[dict[str, str]], saved: Optional[Manifest]
+) -> list[Violation]:
     out: list[Violation] = []
     before = {e.name: e for e in saved.params} if saved is not None else {}
     pure = manifest.precision in REGISTRY and REGISTRY[manifest.precision].keeps_masters
     for e in manifest.params:
         optimized = e.trainable and e.optimizer_state is not None
         if optimized and e.storage in HALF and e.master is None:
-            out.append(Violation(e.name, "master", "float32 master", "none",
-                                 f"{e.storage} parameter with no fp32 master: updates smaller than half its spacing "
-                                 "round away (norm weights freeze); train in the pure precision (fp32 masters), "
-                                 "keep this module in fp32 (keep_fp32) or leave the model in fp32"))
+            out.append(
+                Violation(
+                    e.name,
+                    "master",
+                    "float32 master",
+                    "none",
+                    f"{e.storage} parameter with no fp32 master: updates smaller than half its spacing "
+                    "round away (norm weights freeze); train in the pure precision (fp32 masters), "
+                    "keep this module in fp32 (keep_fp32) or leave the model in fp32",
+                )
+            )
         if optimized and manifest.accumulation_steps > 1 and e.accumulation in HALF:
-            out.append(Violation(e.name, "accumulation", "float32", e.accumulation,
-                                 f"gradients of {manifest.accumulation_steps} micro-steps are summed in "
-                                 f"{e.accumulation}: each addition rounds to 8 (bf16) or 11 (fp16) bits"))
+            out.append(
+                Violation(
+                    e.name,
+                    "accumulation",
+                    "float32",
+                    e.accumulation,
+                    f"gradients of {manifest.accumulation_steps} micro-steps are summed in "
+                    f"{e.accumulation}: each addition rounds to 8 (bf16) or 11 (fp16) bits",
+                )
+            )
         if e.sharded and (pure or e.storage in HALF) and e.compute == e.storage and not e.kept_fp32:
-            out.append(Violation(e.name, "compute", "a half param_dtype", e.compute,
-                                 f"FSDP2 param_dtype equals the stored dtype {e.storage}: the all-gather casts "
-                                 "nothing; shard with ampkit.distributed.shard(model, precision)"))
+            out.append(
+                Violation(
+                    e.name,
+                    "compute",
+                    "a half param_dtype",
+                    e.compute,
+                    f"FSDP2 param_dtype equals the stored dtype {e.storage}: the all-gather casts "
+                    "nothing; shard with ampkit.distributed.shard(model, precision)",
+                )
+            )
         if baseline is not None and e.name in baseline and baseline[e.name] != e.storage:
-            out.append(Violation(e.name, "storage", baseline[e.name], e.storage,
-                                 f"cast from {baseline[e.name]} to {e.storage} after setup; the precision's "
-                                 "policy did not do it (cast the model before amp.setup, or not at all)"))
+            out.append(
+                Violation(
+                    e.name,
+                    "storage",
+                    baseline[e.name],
+                    e.storage,
+                    f"cast from {baseline[e.name]} to {e.storage} after setup; the precision's "
+                    "policy did not do it (cast the model before amp.setup, or not at all)",
+                )
+            )
         old = before.get(e.name)
         if old is not None:
             out += _resume_diff(old, e)
@@ -113,15 +155,33 @@ def _violations(manifest: Manifest, baseline: Optional[dict[str, str]], saved: O
 def _resume_diff(old: ParamEntry, new: ParamEntry) -> list[Violation]:
     out = []
     if old.storage != new.storage and old.master == new.master:
-        out.append(Violation(new.name, "storage", old.storage, new.storage,
-                             f"saved as {old.storage}, resumed as {new.storage}"))
+        out.append(
+            Violation(
+                new.name,
+                "storage",
+                old.storage,
+                new.storage,
+                f"saved as {old.storage}, resumed as {new.storage}",
+            )
+        )
     if old.optimizer_state and new.optimizer_state and old.optimizer_state != new.optimizer_state:
-        out.append(Violation(new.name, "optimizer_state", old.optimizer_state, new.optimizer_state,
-                             f"optimizer state saved in {old.optimizer_state}, resumed in {new.optimizer_state} "
-                             "(torch casts loaded state to the stepped tensor's dtype: was the model cast, or "
-                             "the master weights lost?)"))
+        out.append(
+            Violation(
+                new.name,
+                "optimizer_state",
+                old.optimizer_state,
+                new.optimizer_state,
+                f"optimizer state saved in {old.optimizer_state}, resumed in {new.optimizer_state} "
+                "(torch casts loaded state to the stepped tensor's dtype: was the model cast, or "
+                "the master weights lost?)",
+            )
+        )
     elif old.master and not new.master and new.optimizer_state is not None:
-        out.append(Violation(new.name, "master", old.master, "none", "saved with an fp32 master, resumed without"))
+        out.append(
+            Violation(
+                new.name, "master", old.master, "none", "saved with an fp32 master, resumed without"
+            )
+        )
     return out
 
 
@@ -136,27 +196,37 @@ def refuse_unsafe_sharding(model: torch.nn.Module, precision: Any) -> None:
     if precision.family != "pure":
         return
     policies = fsdp_policies(model)
-    wrong = {str(p.param_dtype) for p in policies.values() if p.param_dtype != precision.param_dtype}
+    wrong = {
+        str(p.param_dtype) for p in policies.values() if p.param_dtype != precision.param_dtype
+    }
     if not wrong:
         return
     half = str(precision.param_dtype).replace("torch.", "")
-    fix = (f"shard it with ampkit.distributed.shard(model, {precision.name!r}) instead of fully_shard, or pass "
-           f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{half}, reduce_dtype=torch.{half})) "
-           f"(= ampkit.distributed.fsdp_policy({precision.name!r})) to every fully_shard call")
+    fix = (
+        f"shard it with ampkit.distributed.shard(model, {precision.name!r}) instead of fully_shard, or pass "
+        f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{half}, reduce_dtype=torch.{half})) "
+        f"(= ampkit.distributed.fsdp_policy({precision.name!r})) to every fully_shard call"
+    )
     if wrong != {"None"}:
-        raise ValueError(f"precision {precision.name!r} on a model sharded with fully_shard whose "
-                         f"MixedPrecisionPolicy has param_dtype {', '.join(sorted(wrong))}: it would all-gather "
-                         f"and compute in that dtype while claiming {half}. To train in {precision.name}, {fix}; "
-                         "or train in 'bf16' (autocast over the fp32 shards)")
+        raise ValueError(
+            f"precision {precision.name!r} on a model sharded with fully_shard whose "
+            f"MixedPrecisionPolicy has param_dtype {', '.join(sorted(wrong))}: it would all-gather "
+            f"and compute in that dtype while claiming {half}. To train in {precision.name}, {fix}; "
+            "or train in 'bf16' (autocast over the fp32 shards)"
+        )
     from .parallel.fsdp import FSDPParallel
 
     adapter = FSDPParallel.of(model)
     assert adapter is not None  # (fsdp_policies found FSDP modules)
     adapter.retarget(precision)
-    warnings.warn(f"precision {precision.name!r} on a model sharded with fully_shard without a "
-                  f"MixedPrecisionPolicy: it would all-gather and compute in fp32; ampkit applied "
-                  f"{precision.name}'s policy (param_dtype={half}, reduce_dtype={half}). To say so "
-                  f"yourself, {fix}", UserWarning, stacklevel=4)
+    warnings.warn(
+        f"precision {precision.name!r} on a model sharded with fully_shard without a "
+        f"MixedPrecisionPolicy: it would all-gather and compute in fp32; ampkit applied "
+        f"{precision.name}'s policy (param_dtype={half}, reduce_dtype={half}). To say so "
+        f"yourself, {fix}",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 class ManifestWatch:
@@ -170,7 +240,9 @@ class ManifestWatch:
     def __init__(self) -> None:
         self._baseline: Optional[dict[str, str]] = None
         self._precision: Optional[str] = None
-        self._pending: Optional[Manifest] = None  # a resumed checkpoint's manifest, not yet compared
+        self._pending: Optional[Manifest] = (
+            None  # a resumed checkpoint's manifest, not yet compared
+        )
         self._reported: set[tuple[str, str, str]] = set()
 
     def setup(self, amp: Any) -> None:
@@ -196,13 +268,21 @@ class ManifestWatch:
     def check(self, amp: Any, when: str) -> list[Violation]:
         """Build the manifest, record a ``manifest_violation`` event per new violation; returns them all."""
         manifest = build_manifest(amp)
-        if self._baseline is None or self._precision != amp.precision.name:  # setup, or after a switch
+        if (
+            self._baseline is None or self._precision != amp.precision.name
+        ):  # setup, or after a switch
             self._baseline = {e.name: e.storage for e in manifest.params}
             self._precision = amp.precision.name
-        found = find_violations(manifest, baseline=self._baseline, saved=self._pending,
-                                declared=declared_components(amp.precision.name, amp.config))
-        if self._pending is not None and (when == "step" or all(e.optimizer_state for e in manifest.params
-                                                                 if e.optimizer_state is not None)):
+        found = find_violations(
+            manifest,
+            baseline=self._baseline,
+            saved=self._pending,
+            declared=declared_components(amp.precision.name, amp.config),
+        )
+        if self._pending is not None and (
+            when == "step"
+            or all(e.optimizer_state for e in manifest.params if e.optimizer_state is not None)
+        ):
             self._pending = None  # compared with live optimizer state (or after the first step)
         for v in found:
             key = (v.param, v.component, v.found)

@@ -19,14 +19,19 @@ __all__ = ["before_setup", "memory_levers", "refuse_data_parallel"]
 
 def refuse_data_parallel(model: torch.nn.Module) -> None:
     """Raise ``TypeError`` if ``model`` is, or holds, a ``torch.nn.DataParallel``."""
-    wrapped = [name or "the model" for name, m in model.named_modules() if isinstance(m, torch.nn.DataParallel)]
+    wrapped = [
+        name or "the model"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.DataParallel)
+    ]
     if wrapped:
         raise TypeError(
             f"torch.nn.DataParallel is not supported ({', '.join(wrapped[:3])}): its replica threads do not "
             "inherit ampkit's autocast dtype (thread-local state), so they would compute in another precision. "
             "Use DistributedDataParallel, one process per GPU: `ampkit train --nproc_per_node N`, or "
             "torchrun with `model = DistributedDataParallel(model)` before amp.setup(model, optimizer) "
-            "(docs/guides/distributed.md). To train on one GPU, pass the unwrapped module (model.module).")
+            "(docs/guides/distributed.md). To train on one GPU, pass the unwrapped module (model.module)."
+        )
 
 
 def memory_levers(model: torch.nn.Module, config: Any) -> list[str]:
@@ -45,13 +50,19 @@ def memory_levers(model: torch.nn.Module, config: Any) -> list[str]:
     levers = []
     if lists:
         done = apply_activation_checkpointing(model, [f"{n}.*" if n else "*" for n in lists])
-        levers.append(f"activation checkpointing of {len(done)} block(s) ({', '.join(done[:4])}"
-                      f"{', ...' if len(done) > 4 else ''})")
+        levers.append(
+            f"activation checkpointing of {len(done)} block(s) ({', '.join(done[:4])}"
+            f"{', ...' if len(done) > 4 else ''})"
+        )
     else:
-        levers.append("activation checkpointing: not applied, the model has no repeated blocks (nn.ModuleList); "
-                      "choose modules with "
-                      "ampkit.step.activation_checkpointing.apply_activation_checkpointing(model, targets)")
-    levers.append("autocast cache off (casts of the weights are redone in each use instead of kept)")
+        levers.append(
+            "activation checkpointing: not applied, the model has no repeated blocks (nn.ModuleList); "
+            "choose modules with "
+            "ampkit.step.activation_checkpointing.apply_activation_checkpointing(model, targets)"
+        )
+    levers.append(
+        "autocast cache off (casts of the weights are redone in each use instead of kept)"
+    )
     return levers
 
 

@@ -22,6 +22,7 @@ from .config import Pattern, normalize_patterns
 
 __all__ = ["Fp32Overrides", "apply_fp32_overrides", "match_modules"]
 
+
 def _type_names(module: torch.nn.Module) -> set[str]:
     names = set()
     for cls in type(module).__mro__:
@@ -46,9 +47,11 @@ def match_modules(model: torch.nn.Module, patterns: Iterable[Pattern]) -> dict[s
         if not hits:
             candidates = sorted({n for n, _ in named} | {type(m).__name__ for _, m in named})
             close = difflib.get_close_matches(pat, candidates, n=5, cutoff=0.4) or candidates[:5]
-            raise ValueError(f"keep_fp32 pattern {pat!r} matches no module of {type(model).__name__}; "
-                             f"close names: {', '.join(close)} (globs like '*.norm*' and types like "
-                             "torch.nn.LayerNorm work too)")
+            raise ValueError(
+                f"keep_fp32 pattern {pat!r} matches no module of {type(model).__name__}; "
+                f"close names: {', '.join(close)} (globs like '*.norm*' and types like "
+                "torch.nn.LayerNorm work too)"
+            )
         out[pat] = hits
     return out
 
@@ -108,7 +111,9 @@ def to_fp32(obj: Any) -> Any:
     return obj
 
 
-def apply_fp32_overrides(model: torch.nn.Module, patterns: Iterable[Pattern], device_type: str) -> Fp32Overrides:
+def apply_fp32_overrides(
+    model: torch.nn.Module, patterns: Iterable[Pattern], device_type: str
+) -> Fp32Overrides:
     """Validate ``patterns`` against ``model`` and hook the matched modules (see module doc)."""
     matched = match_modules(model, patterns)
     names = sorted({n for hits in matched.values() for n in hits})

@@ -15,9 +15,22 @@ import torch
 from .aliases import PRECISION_ALIASES, SHOWN_PRECISION_ALIASES
 from .hardware import DeviceInfo, device_info
 
-__all__ = ["CANONICAL", "NAMES", "OPT_LEVELS", "PLAN_PRECISIONS", "REFERENCE", "REGISTRY", "Precision",
-           "PrecisionError", "PrecisionRow", "opt_level_form", "parse_precision", "precision_dtypes",
-           "precision_row", "resolve_precision"]
+__all__ = [
+    "CANONICAL",
+    "NAMES",
+    "OPT_LEVELS",
+    "PLAN_PRECISIONS",
+    "REFERENCE",
+    "REGISTRY",
+    "Precision",
+    "PrecisionError",
+    "PrecisionRow",
+    "opt_level_form",
+    "parse_precision",
+    "precision_dtypes",
+    "precision_row",
+    "resolve_precision",
+]
 
 
 class PrecisionError(ValueError):
@@ -85,43 +98,125 @@ _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
 _FP8_GPU = "an NVIDIA GPU with fp8 tensor cores (Ada/Hopper, compute capability >= 8.9)"
 
 #: The one list of precisions, in the order of the table in DESIGN.md; every one runs in the engine.
-REGISTRY: dict[str, PrecisionRow] = {r.name: r for r in (
-    PrecisionRow("fp32", _F32, _F32, "full",
-                 "full fp32 weights and compute; reduced-precision matmul internals off",
-                 opt_level="O0", successor=None, planned=True),
-    PrecisionRow("tf32", _F32, _F32, "full", "fp32 weights; fp32 matmuls with reduced-precision "
-                 "internals (TF32 on CUDA, bf16 on AMX CPUs)", reduced_matmul=True,
-                 min_capability=(8, 0), requirement="compute capability >= 8.0 (Ampere) for TF32"),
-    PrecisionRow("bf16", _F32, _BF16, "autocast",
-                 "fp32 weights; autocast to bfloat16; no loss scaling needed",
-                 opt_level="O1", o1_form="bf16", o2_form="bf16-pure",
-                 lightning_name="bf16-mixed", accelerate_name="bf16", planned=True, twin="fp16"),
-    PrecisionRow("fp16", _F32, _F16, "autocast",
-                 "fp32 weights; autocast to float16; dynamic loss scaling", needs_scaler=True,
-                 opt_level="O1", o1_form="fp16", o2_form="fp16-pure", lightning_name="16-mixed",
-                 accelerate_name="fp16", successor="bf16", planned=True, twin="bf16"),
-    PrecisionRow("bf16-pure", _BF16, _BF16, "pure",
-                 "bfloat16 weights and compute; fp32 master weights",
-                 opt_level="O2", o2_form="bf16-pure", lightning_name="bf16-true",
-                 accelerate_name="bf16", planned=True, twin="fp16-pure", keeps_masters=True,
-                 has_ladder=True),
-    PrecisionRow("fp16-pure", _F16, _F16, "pure",
-                 "float16 weights and compute; fp32 master weights; dynamic loss scaling",
-                 needs_scaler=True, opt_level="O2", o2_form="fp16-pure", lightning_name="16-true",
-                 accelerate_name="fp16", successor="bf16-pure", planned=True, twin="bf16-pure",
-                 keeps_masters=True),
-    PrecisionRow("fp8", _F32, _BF16, "fp8",
-                 "fp8 matmuls through torchao; bf16 autocast elsewhere",
-                 hardware="fp8", requirement=_FP8_GPU, emulable=True, o1_form="fp8",
-                 lightning_name="bf16-mixed", accelerate_name="fp8", successor="bf16",
-                 measures_activations=False),
-    PrecisionRow("fp8-rowwise", _F32, _BF16, "fp8",
-                 "fp8 matmuls through torchao with a scale per row (recipe rowwise: more "
-                 "accurate than fp8's tensorwise); bf16 autocast elsewhere",
-                 hardware="fp8", requirement=_FP8_GPU, emulable=True, fp8_recipe="rowwise",
-                 o1_form="fp8-rowwise", lightning_name="bf16-mixed", accelerate_name="fp8",
-                 successor="bf16", measures_activations=False),
-)}
+REGISTRY: dict[str, PrecisionRow] = {
+    r.name: r
+    for r in (
+        PrecisionRow(
+            "fp32",
+            _F32,
+            _F32,
+            "full",
+            "full fp32 weights and compute; reduced-precision matmul internals off",
+            opt_level="O0",
+            successor=None,
+            planned=True,
+        ),
+        PrecisionRow(
+            "tf32",
+            _F32,
+            _F32,
+            "full",
+            "fp32 weights; fp32 matmuls with reduced-precision "
+            "internals (TF32 on CUDA, bf16 on AMX CPUs)",
+            reduced_matmul=True,
+            min_capability=(8, 0),
+            requirement="compute capability >= 8.0 (Ampere) for TF32",
+        ),
+        PrecisionRow(
+            "bf16",
+            _F32,
+            _BF16,
+            "autocast",
+            "fp32 weights; autocast to bfloat16; no loss scaling needed",
+            opt_level="O1",
+            o1_form="bf16",
+            o2_form="bf16-pure",
+            lightning_name="bf16-mixed",
+            accelerate_name="bf16",
+            planned=True,
+            twin="fp16",
+        ),
+        PrecisionRow(
+            "fp16",
+            _F32,
+            _F16,
+            "autocast",
+            "fp32 weights; autocast to float16; dynamic loss scaling",
+            needs_scaler=True,
+            opt_level="O1",
+            o1_form="fp16",
+            o2_form="fp16-pure",
+            lightning_name="16-mixed",
+            accelerate_name="fp16",
+            successor="bf16",
+            planned=True,
+            twin="bf16",
+        ),
+        PrecisionRow(
+            "bf16-pure",
+            _BF16,
+            _BF16,
+            "pure",
+            "bfloat16 weights and compute; fp32 master weights",
+            opt_level="O2",
+            o2_form="bf16-pure",
+            lightning_name="bf16-true",
+            accelerate_name="bf16",
+            planned=True,
+            twin="fp16-pure",
+            keeps_masters=True,
+            has_ladder=True,
+        ),
+        PrecisionRow(
+            "fp16-pure",
+            _F16,
+            _F16,
+            "pure",
+            "float16 weights and compute; fp32 master weights; dynamic loss scaling",
+            needs_scaler=True,
+            opt_level="O2",
+            o2_form="fp16-pure",
+            lightning_name="16-true",
+            accelerate_name="fp16",
+            successor="bf16-pure",
+            planned=True,
+            twin="bf16-pure",
+            keeps_masters=True,
+        ),
+        PrecisionRow(
+            "fp8",
+            _F32,
+            _BF16,
+            "fp8",
+            "fp8 matmuls through torchao; bf16 autocast elsewhere",
+            hardware="fp8",
+            requirement=_FP8_GPU,
+            emulable=True,
+            o1_form="fp8",
+            lightning_name="bf16-mixed",
+            accelerate_name="fp8",
+            successor="bf16",
+            measures_activations=False,
+        ),
+        PrecisionRow(
+            "fp8-rowwise",
+            _F32,
+            _BF16,
+            "fp8",
+            "fp8 matmuls through torchao with a scale per row (recipe rowwise: more "
+            "accurate than fp8's tensorwise); bf16 autocast elsewhere",
+            hardware="fp8",
+            requirement=_FP8_GPU,
+            emulable=True,
+            fp8_recipe="rowwise",
+            o1_form="fp8-rowwise",
+            lightning_name="bf16-mixed",
+            accelerate_name="fp8",
+            successor="bf16",
+            measures_activations=False,
+        ),
+    )
+}
 #: The concrete precisions, in the order of the table in DESIGN.md; every one runs in the engine.
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 CANONICAL: tuple[str, ...] = ("auto", *NAMES)
@@ -152,13 +247,23 @@ def opt_level_form(precision: Optional[str], level: str) -> str:
     if precision in (None, "auto"):
         return "auto" if level == "O1" else "O2"
     row = REGISTRY.get(precision)
-    form = "O2" if precision == "O2" and level == "O2" else None if row is None else \
-        row.o1_form if level == "O1" else row.o2_form
+    form = (
+        "O2"
+        if precision == "O2" and level == "O2"
+        else None
+        if row is None
+        else row.o1_form
+        if level == "O1"
+        else row.o2_form
+    )
     if form is None:
         takes = [n for n, r in REGISTRY.items() if (r.o1_form if level == "O1" else r.o2_form)]
-        raise PrecisionError(f"{level} means {_LEVEL_MEANS[level]}, which {precision} is not; with {level} "
-                             f"give one of: auto, {', '.join(takes)}")
+        raise PrecisionError(
+            f"{level} means {_LEVEL_MEANS[level]}, which {precision} is not; with {level} "
+            f"give one of: auto, {', '.join(takes)}"
+        )
     return form
+
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -171,8 +276,10 @@ def precision_row(spec: Union[str, torch.dtype, Precision]) -> PrecisionRow:
     Raises :class:`PrecisionError` for unknown names and for ``auto``/``O2``."""
     name = parse_precision(spec)
     if name not in REGISTRY:
-        raise PrecisionError(f"{spec!r} depends on the device: resolve it first "
-                             "(ampkit.resolve_precision(name, ampkit.device_info(device)))")
+        raise PrecisionError(
+            f"{spec!r} depends on the device: resolve it first "
+            "(ampkit.resolve_precision(name, ampkit.device_info(device)))"
+        )
     return REGISTRY[name]
 
 
@@ -225,10 +332,13 @@ class Precision:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "name": self.name,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
-            "needs_scaler": self.needs_scaler, "device_type": self.device_type,
-            "reason": self.reason, "requested": self.requested,
+            "needs_scaler": self.needs_scaler,
+            "device_type": self.device_type,
+            "reason": self.reason,
+            "requested": self.requested,
         }
 
     def __str__(self) -> str:
@@ -261,8 +371,10 @@ def parse_precision(spec: Union[str, torch.dtype, Precision]) -> str:
     if isinstance(spec, int) and not isinstance(spec, bool):
         spec = str(spec)
     if not isinstance(spec, str):
-        raise PrecisionError(f"precision must be a string or torch.dtype, got {type(spec).__name__} "
-                             f"{spec!r}; choose one of: {', '.join(CANONICAL)}")
+        raise PrecisionError(
+            f"precision must be a string or torch.dtype, got {type(spec).__name__} "
+            f"{spec!r}; choose one of: {', '.join(CANONICAL)}"
+        )
     text = spec.strip().lower().replace("_", "-")
     if text in REGISTRY or text == "auto":
         return text
@@ -280,13 +392,19 @@ def _auto(info: DeviceInfo) -> tuple[str, str]:
     if info.type == "cuda":
         cap = f"{info.capability[0]}.{info.capability[1]}" if info.capability else "?"
         if info.bf16:
-            return "bf16", (f"{info.name} (compute capability {cap}) has native bf16 tensor cores; "
-                            "bf16 keeps fp32's range, so no loss scaling is needed")
+            return "bf16", (
+                f"{info.name} (compute capability {cap}) has native bf16 tensor cores; "
+                "bf16 keeps fp32's range, so no loss scaling is needed"
+            )
         if info.capability and info.capability >= (7, 0):
-            return "fp16", (f"{info.name} (compute capability {cap}) has fp16 tensor cores but no "
-                            "bf16; fp16 with dynamic loss scaling")
-        return "fp32", (f"{info.name} (compute capability {cap}) has no half-precision tensor "
-                        "cores; reduced precision would not be faster")
+            return "fp16", (
+                f"{info.name} (compute capability {cap}) has fp16 tensor cores but no "
+                "bf16; fp16 with dynamic loss scaling"
+            )
+        return "fp32", (
+            f"{info.name} (compute capability {cap}) has no half-precision tensor "
+            "cores; reduced precision would not be faster"
+        )
     if info.type == "mps":
         return "fp16", "Apple GPUs run fp16 natively; fp16 with dynamic loss scaling"
     if info.type == "cpu":
@@ -295,8 +413,10 @@ def _auto(info: DeviceInfo) -> tuple[str, str]:
             which = "AMX-BF16" if "amx_bf16" in cpu.flags else "AVX512-BF16"
             return "bf16", f"the CPU ({cpu.model}) has {which}, so bf16 matmuls run natively"
         model = cpu.model if cpu else "this CPU"
-        return "fp32", (f"the CPU ({model}) has neither AMX-BF16 nor AVX512-BF16; bf16 and fp16 "
-                        "would be emulated and slower than fp32")
+        return "fp32", (
+            f"the CPU ({model}) has neither AMX-BF16 nor AVX512-BF16; bf16 and fp16 "
+            "would be emulated and slower than fp32"
+        )
     return "fp32", f"no reduced-precision support known for device type {info.type!r}"
 
 
@@ -305,7 +425,11 @@ def _unsupported(name: str, info: DeviceInfo) -> Optional[str]:
     row = REGISTRY[name]
     dtype = row.compute_dtype
     where = f"{info.name} ({info.type}"
-    where += f", compute capability {info.capability[0]}.{info.capability[1]})" if info.capability else ")"
+    where += (
+        f", compute capability {info.capability[0]}.{info.capability[1]})"
+        if info.capability
+        else ")"
+    )
     if row.hardware is not None:
         if not getattr(info, row.hardware):
             lacks = "is older" if info.type == "cuda" else "has none"
@@ -358,27 +482,40 @@ def resolve_precision(
             if picked == "fp32":
                 reason += "; O2 (pure half weights) falls back to fp32 here"
             else:
-                picked, reason = picked + "-pure", reason + "; O2 keeps the weights in that dtype with fp32 master copies"
+                picked, reason = (
+                    picked + "-pure",
+                    reason + "; O2 keeps the weights in that dtype with fp32 master copies",
+                )
         name = picked
     elif REGISTRY[name].emulable and emulate_fp8 and _unsupported(name, info):
-        reason = (f"{DESCRIPTIONS[name]} (emulated by torchao: fp8 numerics without fp8 tensor cores; "
-                  f"{_unsupported(name, info)})")
+        reason = (
+            f"{DESCRIPTIONS[name]} (emulated by torchao: fp8 numerics without fp8 tensor cores; "
+            f"{_unsupported(name, info)})"
+        )
     else:
         why_not = _unsupported(name, info)
         if why_not:
             emulable = REGISTRY[name].emulable
             hint = " (or fp8_emulate=True to emulate it, for tests)" if emulable else ""
-            raise PrecisionError(f"precision {name!r} cannot run here: {why_not}. "
-                                 f"Choose one this device supports, or 'auto'{hint}.")
+            raise PrecisionError(
+                f"precision {name!r} cannot run here: {why_not}. "
+                f"Choose one this device supports, or 'auto'{hint}."
+            )
         reason = DESCRIPTIONS[name]
         if info.type == "cpu" and info.cpu is not None:
             note = cpu_emulation_note(name, info)
             if note:
                 reason += f" ({note})"
     row = REGISTRY[name]
-    return Precision(name=name, param_dtype=row.param_dtype, compute_dtype=row.compute_dtype,
-                     needs_scaler=row.needs_scaler,
-                     device_type=info.type, reason=reason, requested=requested)
+    return Precision(
+        name=name,
+        param_dtype=row.param_dtype,
+        compute_dtype=row.compute_dtype,
+        needs_scaler=row.needs_scaler,
+        device_type=info.type,
+        reason=reason,
+        requested=requested,
+    )
 
 
 def precision_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:

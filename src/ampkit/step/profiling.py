@@ -24,10 +24,18 @@ from torch.autograd.profiler import record_function
 
 __all__ = ["PHASES", "phase", "ranged"]
 
-PHASES = ("ampkit.forward", "ampkit.backward", "ampkit.unscale_check", "ampkit.clip", "ampkit.optimizer_step")
+PHASES = (
+    "ampkit.forward",
+    "ampkit.backward",
+    "ampkit.unscale_check",
+    "ampkit.clip",
+    "ampkit.optimizer_step",
+)
 
 _NULL = contextlib.nullcontext()
-_profiling = torch._C._autograd._profiler_enabled  # True while torch.profiler / autograd.profiler records
+_profiling = (
+    torch._C._autograd._profiler_enabled
+)  # True while torch.profiler / autograd.profiler records
 
 
 def phase(name: str) -> contextlib.AbstractContextManager[Any]:
@@ -35,8 +43,9 @@ def phase(name: str) -> contextlib.AbstractContextManager[Any]:
     return record_function(name) if _profiling() else _NULL
 
 
-def ranged(name: str, context: Optional[contextlib.AbstractContextManager[Any]]
-           ) -> contextlib.AbstractContextManager[Any]:
+def ranged(
+    name: str, context: Optional[contextlib.AbstractContextManager[Any]]
+) -> contextlib.AbstractContextManager[Any]:
     """``context`` (None: nothing) inside a ``name`` range while a profiler records; else ``context`` itself."""
     if not _profiling():
         return context if context is not None else _NULL

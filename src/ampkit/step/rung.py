@@ -20,8 +20,18 @@ from typing import Any, Literal, Optional, get_args
 
 from .precision import REGISTRY, PrecisionError, parse_precision
 
-__all__ = ["LADDER", "MASTERS", "PLAIN", "STATE_DTYPES", "Rung", "RungError", "join_spec", "ladder_names",
-           "ladder_specs", "split_spec"]
+__all__ = [
+    "LADDER",
+    "MASTERS",
+    "PLAIN",
+    "STATE_DTYPES",
+    "Rung",
+    "RungError",
+    "join_spec",
+    "ladder_names",
+    "ladder_specs",
+    "split_spec",
+]
 
 Masters = Literal["fp32", "split", "kahan", "stochastic", "none"]
 StateDtype = Literal["fp32", "bf16"]
@@ -31,9 +41,13 @@ STATE_DTYPES: tuple[str, ...] = get_args(StateDtype)
 
 # bytes per parameter of each master form, and the optimizer state slots per parameter
 _MASTER_BYTES = {"fp32": 4, "split": 2, "kahan": 2, "stochastic": 0, "none": 0}
-_WHAT = {"fp32": "fp32 copies in the optimizer", "split": "bf16 weight + int16 remainder (exact fp32)",
-         "kahan": "bf16 weight + bf16 compensation", "stochastic": "none: updates rounded stochastically into bf16",
-         "none": "none (updates below half a bf16 spacing round away)"}
+_WHAT = {
+    "fp32": "fp32 copies in the optimizer",
+    "split": "bf16 weight + int16 remainder (exact fp32)",
+    "kahan": "bf16 weight + bf16 compensation",
+    "stochastic": "none: updates rounded stochastically into bf16",
+    "none": "none (updates below half a bf16 spacing round away)",
+}
 _STATE_SLOTS = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
 _FORM = "<masters>[+bf16]"
 
@@ -55,9 +69,13 @@ class Rung:
 
     def __post_init__(self) -> None:
         if self.masters not in MASTERS:
-            raise RungError(f"invalid masters={self.masters!r}: must be one of: {', '.join(MASTERS)}")
+            raise RungError(
+                f"invalid masters={self.masters!r}: must be one of: {', '.join(MASTERS)}"
+            )
         if self.state_dtype not in STATE_DTYPES:
-            raise RungError(f"invalid state_dtype={self.state_dtype!r}: must be one of: {', '.join(STATE_DTYPES)}")
+            raise RungError(
+                f"invalid state_dtype={self.state_dtype!r}: must be one of: {', '.join(STATE_DTYPES)}"
+            )
 
     @classmethod
     def parse(cls, text: str, spec: Optional[str] = None) -> Rung:
@@ -65,9 +83,11 @@ class Rung:
         (naming ``spec``, the whole spelling it came in, when given)."""
         masters, plus, state_dtype = str(text).strip().lower().partition("+")
         if masters not in MASTERS or (plus and state_dtype != "bf16"):
-            raise RungError(f"unknown ladder rung {spec or text!r}: write {'|'.join(ladder_names())}:{_FORM} "
-                            f"with masters one of {', '.join(MASTERS)}, e.g. 'bf16-pure:split' or "
-                            "'bf16-pure:stochastic+bf16'")
+            raise RungError(
+                f"unknown ladder rung {spec or text!r}: write {'|'.join(ladder_names())}:{_FORM} "
+                f"with masters one of {', '.join(MASTERS)}, e.g. 'bf16-pure:split' or "
+                "'bf16-pure:stochastic+bf16'"
+            )
         return cls(masters, "bf16" if plus else "fp32")  # type: ignore[arg-type]
 
     @classmethod
@@ -106,14 +126,22 @@ class Rung:
         """
         slots = _STATE_SLOTS.get(str(optimizer).lower())
         if slots is None:
-            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(_STATE_SLOTS)}")
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; choose one of: {', '.join(_STATE_SLOTS)}"
+            )
         state = 2 if self.state_dtype == "bf16" or self.stalls else 4
         return 2 + _MASTER_BYTES[self.masters] + slots * state
 
 
 PLAIN = Rung()
 #: the rungs bench and tune measure, most memory first (``masters='none'`` stalls: left out)
-LADDER: tuple[Rung, ...] = (PLAIN, Rung("split"), Rung("kahan"), Rung("stochastic"), Rung("stochastic", "bf16"))
+LADDER: tuple[Rung, ...] = (
+    PLAIN,
+    Rung("split"),
+    Rung("kahan"),
+    Rung("stochastic"),
+    Rung("stochastic", "bf16"),
+)
 
 
 def ladder_names() -> list[str]:
@@ -138,8 +166,10 @@ def split_spec(spec: Any) -> tuple[Any, Optional[Rung]]:
     name = parse_precision(base)
     if name != "o2" and not (name in REGISTRY and REGISTRY[name].has_ladder):
         ladders = ", ".join(ladder_names())
-        raise RungError(f"{spec!r} names a memory-ladder rung, but {name} has no ladder; only {ladders} has a "
-                        f"memory ladder (write {ladders.split(', ')[0]}:{rung})")
+        raise RungError(
+            f"{spec!r} names a memory-ladder rung, but {name} has no ladder; only {ladders} has a "
+            f"memory ladder (write {ladders.split(', ')[0]}:{rung})"
+        )
     return ("O2" if name == "o2" else name), rung
 
 

@@ -27,14 +27,21 @@ __all__ = ["SCALE_FLOOR", "hysteresis_update", "scaling_problem"]
 SCALE_FLOOR: float = torch.finfo(torch.float32).tiny
 
 
-def scaling_problem(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int,
-                    hysteresis: int, min_scale: Optional[float], max_scale: Optional[float]
-                    ) -> Optional[tuple[str, Any, str]]:
+def scaling_problem(
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: Optional[float],
+    max_scale: Optional[float],
+) -> Optional[tuple[str, Any, str]]:
     """The first invalid loss-scaling setting as ``(name, value, what it must be)``, or None.
 
     The one set of rules for these knobs: :class:`~ampkit.step.scaler.LossScaler` raises on it,
     and a config holding the same fields can too.
     """
+
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -42,19 +49,48 @@ def scaling_problem(init_scale: float, growth_factor: float, backoff_factor: flo
         return isinstance(v, int) and not isinstance(v, bool)
 
     checks: list[tuple[bool, str, Any, str]] = [
-        (number(init_scale) and init_scale >= SCALE_FLOOR, "init_scale", init_scale,
-         "a finite number > 0, at least 2**-126 (the loss scale's floor: the smallest normal fp32)"),
-        (number(growth_factor) and growth_factor > 1.0, "growth_factor", growth_factor,
-         "a finite number > 1.0 (use dynamic_scaling=False for a constant scale)"),
-        (number(backoff_factor) and 0.0 < backoff_factor < 1.0, "backoff_factor", backoff_factor,
-         "a number with 0 < backoff_factor < 1"),
-        (integer(growth_interval) and growth_interval >= 1, "growth_interval", growth_interval, "an integer >= 1"),
-        (integer(hysteresis) and hysteresis >= 1, "hysteresis", hysteresis,
-         "an integer >= 1 (1 = back off on every overflow)"),
-        (min_scale is None or (number(min_scale) and min_scale > 0), "min_scale", min_scale,
-         "None or a finite number > 0"),
-        (max_scale is None or (number(max_scale) and max_scale > 0), "max_scale", max_scale,
-         "None or a finite number > 0"),
+        (
+            number(init_scale) and init_scale >= SCALE_FLOOR,
+            "init_scale",
+            init_scale,
+            "a finite number > 0, at least 2**-126 (the loss scale's floor: the smallest normal fp32)",
+        ),
+        (
+            number(growth_factor) and growth_factor > 1.0,
+            "growth_factor",
+            growth_factor,
+            "a finite number > 1.0 (use dynamic_scaling=False for a constant scale)",
+        ),
+        (
+            number(backoff_factor) and 0.0 < backoff_factor < 1.0,
+            "backoff_factor",
+            backoff_factor,
+            "a number with 0 < backoff_factor < 1",
+        ),
+        (
+            integer(growth_interval) and growth_interval >= 1,
+            "growth_interval",
+            growth_interval,
+            "an integer >= 1",
+        ),
+        (
+            integer(hysteresis) and hysteresis >= 1,
+            "hysteresis",
+            hysteresis,
+            "an integer >= 1 (1 = back off on every overflow)",
+        ),
+        (
+            min_scale is None or (number(min_scale) and min_scale > 0),
+            "min_scale",
+            min_scale,
+            "None or a finite number > 0",
+        ),
+        (
+            max_scale is None or (number(max_scale) and max_scale > 0),
+            "max_scale",
+            max_scale,
+            "None or a finite number > 0",
+        ),
     ]
     for ok, name, value, allowed in checks:
         if not ok:
@@ -64,13 +100,26 @@ def scaling_problem(init_scale: float, growth_factor: float, backoff_factor: flo
     if not lo <= hi:
         return "max_scale", max_scale, f"None or >= min_scale ({min_scale})"
     if not lo <= init_scale <= hi:
-        return "init_scale", init_scale, f"a value within [min_scale, max_scale] = [{min_scale}, {max_scale}]"
+        return (
+            "init_scale",
+            init_scale,
+            f"a value within [min_scale, max_scale] = [{min_scale}, {max_scale}]",
+        )
     return None
 
 
-def hysteresis_update(scale: torch.Tensor, tracker: torch.Tensor, left: torch.Tensor, found_inf: torch.Tensor, *,
-                      growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int,
-                      consecutive: bool) -> None:
+def hysteresis_update(
+    scale: torch.Tensor,
+    tracker: torch.Tensor,
+    left: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    consecutive: bool,
+) -> None:
     """Update ``scale`` (0-d fp32), ``tracker`` (finite steps since the last change, 0-d int32) and
     ``left`` (hysteresis budget, 0-d int32) in place from this iteration's ``found_inf``."""
     overflow = found_inf > 0

@@ -88,8 +88,15 @@ class LossScaler:
         enabled: bool = True,
         device: Union[str, torch.device, None] = None,
     ) -> None:
-        problem = scaling_problem(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                                  min_scale, max_scale)
+        problem = scaling_problem(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+        )
         if problem is not None:
             name, value, allowed = problem
             raise ConfigError(f"invalid {name}={value!r}: must be {allowed}")
@@ -104,8 +111,14 @@ class LossScaler:
         self._enabled = bool(enabled)
         self._device = torch.device(device) if device is not None else None
         # Device state, created lazily (cheap, device-agnostic construction).
-        self._scale = self._growth_tracker = self._hysteresis_left = self._overflows = None  # Optional[Tensor]
-        self._init_growth_tracker, self._init_hysteresis_left, self._init_overflows = 0, self._hysteresis, 0
+        self._scale = self._growth_tracker = self._hysteresis_left = self._overflows = (
+            None  # Optional[Tensor]
+        )
+        self._init_growth_tracker, self._init_hysteresis_left, self._init_overflows = (
+            0,
+            self._hysteresis,
+            0,
+        )
         self._updates = 0
         self._last_found_inf: Optional[torch.Tensor] = None
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh)
@@ -113,13 +126,27 @@ class LossScaler:
         self.found_inf_hook: Optional[Callable[[torch.Tensor], None]] = None
 
     @classmethod
-    def from_config(cls, config: MixedPrecisionConfig, *, enabled: bool = True,
-                    device: Union[str, torch.device, None] = None) -> LossScaler:
+    def from_config(
+        cls,
+        config: MixedPrecisionConfig,
+        *,
+        enabled: bool = True,
+        device: Union[str, torch.device, None] = None,
+    ) -> LossScaler:
         """A scaler configured by the loss-scaling fields of ``config``."""
-        return cls(config.init_scale, config.growth_factor, config.backoff_factor, config.growth_interval,
-                   hysteresis=config.hysteresis, consecutive_hysteresis=config.consecutive_hysteresis,
-                   min_scale=config.min_scale, max_scale=config.max_scale, dynamic=config.dynamic_scaling,
-                   enabled=enabled, device=device)
+        return cls(
+            config.init_scale,
+            config.growth_factor,
+            config.backoff_factor,
+            config.growth_interval,
+            hysteresis=config.hysteresis,
+            consecutive_hysteresis=config.consecutive_hysteresis,
+            min_scale=config.min_scale,
+            max_scale=config.max_scale,
+            dynamic=config.dynamic_scaling,
+            enabled=enabled,
+            device=device,
+        )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -178,8 +205,12 @@ class LossScaler:
         dev = self._device or device
         self._device = dev
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
-        self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
+        self._growth_tracker = torch.full(
+            (), self._init_growth_tracker, dtype=torch.int32, device=dev
+        )
+        self._hysteresis_left = torch.full(
+            (), self._init_hysteresis_left, dtype=torch.int32, device=dev
+        )
         # fp32 counts exactly up to 2**24 overflows, and lets update() add found_inf in one op.
         self._overflows = torch.full((), self._init_overflows, dtype=torch.float32, device=dev)
         self._one = torch.ones((), dtype=torch.float32, device=dev)
@@ -208,7 +239,9 @@ class LossScaler:
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, Iterable):
             return map(self.scale, outputs)
-        raise ValueError(f"outputs must be a Tensor or an iterable of Tensors, got {type(outputs).__name__}")
+        raise ValueError(
+            f"outputs must be a Tensor or an iterable of Tensors, got {type(outputs).__name__}"
+        )
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
         """Divide ``optimizer``'s gradients by the scale in place and check them for inf/NaN.
@@ -221,11 +254,15 @@ class LossScaler:
             return None
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(); "
-                               "call it once per iteration, after backward() and before step()")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(); "
+                "call it once per iteration, after backward() and before step()"
+            )
         if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError("unscale_() is being called after step(); call unscale_() before step(), "
-                               "or call update() to start the next iteration")
+            raise RuntimeError(
+                "unscale_() is being called after step(); call unscale_() before step(), "
+                "or call update() to start the next iteration"
+            )
         scale = self._ensure(first_grad_device(optimizer))
         if self.is_unit:
             inv = self._one
@@ -246,7 +283,9 @@ class LossScaler:
         ``unscale_`` and saves a pass over the gradients. ``found_inf`` is a 0-d float tensor.
         """
         if not self.is_unit:
-            raise RuntimeError("set_found_inf() is only valid for a constant unit scale; call unscale_() instead")
+            raise RuntimeError(
+                "set_found_inf() is only valid for a constant unit scale; call unscale_() instead"
+            )
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is not _Stage.READY:
             raise RuntimeError("set_found_inf() must come before step() and instead of unscale_()")
@@ -256,7 +295,9 @@ class LossScaler:
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = _Stage.UNSCALED
 
-    def step_decided(self, optimizer: torch.optim.Optimizer, finite: bool, *args: Any, **kwargs: Any) -> Any:
+    def step_decided(
+        self, optimizer: torch.optim.Optimizer, finite: bool, *args: Any, **kwargs: Any
+    ) -> Any:
         """Step ``optimizer`` exactly as a plain loop calls it when ``finite``, else skip it, on a
         verdict already made on the host: a unit scale on the CPU, where reading a value costs no
         sync (:func:`.gradcheck.cpu_all_finite`, or a clipped total norm read with ``.item()``).
@@ -264,11 +305,15 @@ class LossScaler:
         step counts afterwards). Stands in for ``unscale_`` + ``step``; returns what ``step`` did.
         """
         if not self.is_unit or self.found_inf_hook is not None:
-            raise RuntimeError("step_decided() is only valid for a constant unit scale without a found_inf hook; "
-                               "call step() instead")
+            raise RuntimeError(
+                "step_decided() is only valid for a constant unit scale without a found_inf hook; "
+                "call step() instead"
+            )
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is not _Stage.READY:
-            raise RuntimeError("step_decided() must come instead of unscale_() and step(), once per iteration")
+            raise RuntimeError(
+                "step_decided() must come instead of unscale_() and step(), once per iteration"
+            )
         dev = self._ensure(torch.device("cpu")).device
         state["found_inf_per_device"] = {dev: torch.full((), 0.0 if finite else 1.0, device=dev)}
         state["stage"] = _Stage.STEPPED
@@ -287,7 +332,9 @@ class LossScaler:
             raise RuntimeError("closure use is not supported with loss scaling")
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update(); call update() first")
+            raise RuntimeError(
+                "step() has already been called since the last update(); call update() first"
+            )
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if state["stage"] is _Stage.READY and self.is_unit and self.found_inf_hook is None:
             # A check only, on the CPU: decide on the host (free there) and call the optimizer
@@ -330,30 +377,56 @@ class LossScaler:
         if not self._enabled:
             return
         if self._scale is None:
-            raise RuntimeError("update() called before any scale()/unscale_()/step(); nothing to update")
+            raise RuntimeError(
+                "update() called before any scale()/unscale_()/step(); nothing to update"
+            )
         if new_scale is not None:
-            self._scale.fill_(new_scale) if isinstance(new_scale, (int, float)) else self._scale.copy_(new_scale)
+            self._scale.fill_(new_scale) if isinstance(
+                new_scale, (int, float)
+            ) else self._scale.copy_(new_scale)
             self._clamp()
             self._per_optimizer = defaultdict(_fresh)
             return
         dev = self._scale.device
-        found = [f if f.device == dev else f.to(dev, non_blocking=True)
-                 for st in self._per_optimizer.values() for f in st["found_inf_per_device"].values()]
+        found = [
+            f if f.device == dev else f.to(dev, non_blocking=True)
+            for st in self._per_optimizer.values()
+            for f in st["found_inf_per_device"].values()
+        ]
         if not found:
-            raise RuntimeError("update() called but no optimizer was unscaled or stepped this iteration; "
-                               "call step(optimizer) (or unscale_) before update()")
+            raise RuntimeError(
+                "update() called but no optimizer was unscaled or stepped this iteration; "
+                "call step(optimizer) (or unscale_) before update()"
+            )
         # found_inf is exactly 0.0 or 1.0 per optimizer and device; combined, clamp to 1.0.
         found_inf = found[0] if len(found) == 1 else torch.stack(found).sum().clamp_(max=1.0)
-        assert self._growth_tracker is not None and self._hysteresis_left is not None and self._overflows is not None
+        assert (
+            self._growth_tracker is not None
+            and self._hysteresis_left is not None
+            and self._overflows is not None
+        )
         if self._dynamic:
             if self._hysteresis == 1:
-                torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf,
-                                         self._growth_factor, self._backoff_factor, self._growth_interval)
+                torch._amp_update_scale_(
+                    self._scale,
+                    self._growth_tracker,
+                    found_inf,
+                    self._growth_factor,
+                    self._backoff_factor,
+                    self._growth_interval,
+                )
             else:
-                hysteresis_update(self._scale, self._growth_tracker, self._hysteresis_left, found_inf,
-                                  growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
-                                  growth_interval=self._growth_interval, hysteresis=self._hysteresis,
-                                  consecutive=self._consecutive_hysteresis)
+                hysteresis_update(
+                    self._scale,
+                    self._growth_tracker,
+                    self._hysteresis_left,
+                    found_inf,
+                    growth_factor=self._growth_factor,
+                    backoff_factor=self._backoff_factor,
+                    growth_interval=self._growth_interval,
+                    hysteresis=self._hysteresis,
+                    consecutive=self._consecutive_hysteresis,
+                )
             self._clamp()
         self._overflows.add_(found_inf)
         self._last_found_inf = found_inf
@@ -361,7 +434,9 @@ class LossScaler:
         self._per_optimizer = defaultdict(_fresh)
 
     # ------------------------------------------------------------------ internals
-    def _check(self, optimizer: torch.optim.Optimizer, inv: torch.Tensor, allow_fp16: bool) -> dict[Any, Any]:
+    def _check(
+        self, optimizer: torch.optim.Optimizer, inv: torch.Tensor, allow_fp16: bool
+    ) -> dict[Any, Any]:
         found = check_and_unscale(optimizer, inv, allow_fp16)
         if self.found_inf_hook is not None:
             for f in found.values():
@@ -369,13 +444,18 @@ class LossScaler:
         return found
 
     def _clamp(self) -> None:
-        if self._scale is not None:  # always: the floor (module doc); clamp_ keeps a scale above it bit-exact
+        if (
+            self._scale is not None
+        ):  # always: the floor (module doc); clamp_ keeps a scale above it bit-exact
             self._scale.clamp_(min=self.floor, max=self._max_scale)
 
     def _combined(self, state: dict[str, Any]) -> torch.Tensor:
         assert self._scale is not None
         dev = self._scale.device
-        vals = [v if v.device == dev else v.to(dev, non_blocking=True) for v in state["found_inf_per_device"].values()]
+        vals = [
+            v if v.device == dev else v.to(dev, non_blocking=True)
+            for v in state["found_inf_per_device"].values()
+        ]
         if not vals:
             return torch.zeros((), dtype=torch.float32, device=dev)
         return vals[0] if len(vals) == 1 else torch.stack(vals).sum().clamp_(max=1.0)
@@ -413,9 +493,15 @@ class LossScaler:
         self._growth_interval = self._checked("growth_interval", new_interval)
 
     def _checked(self, name: str, value: Any) -> Any:
-        knobs = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
-                 "growth_interval": self._growth_interval, name: value}
-        problem = scaling_problem(self._init_scale, hysteresis=1, min_scale=None, max_scale=None, **knobs)
+        knobs = {
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            name: value,
+        }
+        problem = scaling_problem(
+            self._init_scale, hysteresis=1, min_scale=None, max_scale=None, **knobs
+        )
         if problem is not None:
             raise ConfigError(f"invalid {name}={value!r}: must be {problem[2]}")
         return value
@@ -424,7 +510,9 @@ class LossScaler:
     def __getstate__(self) -> dict[str, Any]:
         """Pickle between iterations only, as ``GradScaler`` (:func:`.scaler_state.host_state`). **Syncs**."""
         if self._per_optimizer:
-            raise RuntimeError("a LossScaler may only be pickled at the start of an iteration or after update()")
+            raise RuntimeError(
+                "a LossScaler may only be pickled at the start of an iteration or after update()"
+            )
         return host_state(vars(self))
 
     def state_dict(self) -> dict[str, Any]:
@@ -440,11 +528,17 @@ class LossScaler:
         if not self._enabled:
             return
         attributes = loaded_attributes(state_dict)
-        attributes.setdefault("_init_hysteresis_left", attributes.get("_hysteresis", self._hysteresis))
+        attributes.setdefault(
+            "_init_hysteresis_left", attributes.get("_hysteresis", self._hysteresis)
+        )
         self.__dict__.update(attributes)
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
-            assert self._growth_tracker is not None and self._hysteresis_left is not None and self._overflows is not None
+            assert (
+                self._growth_tracker is not None
+                and self._hysteresis_left is not None
+                and self._overflows is not None
+            )
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._hysteresis_left.fill_(self._init_hysteresis_left)
             self._overflows.fill_(self._init_overflows)
@@ -452,7 +546,8 @@ class LossScaler:
 
     def __repr__(self) -> str:
         mode = "unit" if self.is_unit else ("dynamic" if self._dynamic else "constant")
-        return (f"LossScaler({mode}, init_scale={self._init_scale}, growth_factor={self._growth_factor}, "
-                f"backoff_factor={self._backoff_factor}, growth_interval={self._growth_interval}, "
-                f"hysteresis={self._hysteresis}, min_scale={self._min_scale}, max_scale={self._max_scale})")
-
+        return (
+            f"LossScaler({mode}, init_scale={self._init_scale}, growth_factor={self._growth_factor}, "
+            f"backoff_factor={self._backoff_factor}, growth_interval={self._growth_interval}, "
+            f"hysteresis={self._hysteresis}, min_scale={self._min_scale}, max_scale={self._max_scale})"
+        )

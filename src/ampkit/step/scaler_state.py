@@ -33,7 +33,12 @@ FIELDS: dict[str, tuple[str, Optional[Callable[[Any], Any]]]] = {
     "updates": ("_updates", int),
 }
 GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_DEVICE_STATE = (("_scale", float), ("_growth_tracker", int), ("_hysteresis_left", int), ("_overflows", int))
+_DEVICE_STATE = (
+    ("_scale", float),
+    ("_growth_tracker", int),
+    ("_hysteresis_left", int),
+    ("_overflows", int),
+)
 
 
 def host_state(attributes: dict[str, Any]) -> dict[str, Any]:
@@ -63,16 +68,23 @@ def loaded_attributes(state_dict: dict[str, Any]) -> dict[str, Any]:
     empty dict (saved from a disabled scaler), a missing ``GradScaler`` key, a scale that is not
     finite and > 0. A ``GradScaler``'s subnormal scale resumes at :data:`SCALE_FLOOR`."""
     if not state_dict:
-        raise RuntimeError("the scaler state dict is empty: it was probably saved from a disabled "
-                           "GradScaler/LossScaler (e.g. a bf16 or fp32 run)")
+        raise RuntimeError(
+            "the scaler state dict is empty: it was probably saved from a disabled "
+            "GradScaler/LossScaler (e.g. a bf16 or fp32 run)"
+        )
     missing = [k for k in GRADSCALER_KEYS if k not in state_dict]
     if missing:
-        raise KeyError(f"scaler state dict lacks {missing}; expected a LossScaler or torch.amp.GradScaler state dict")
+        raise KeyError(
+            f"scaler state dict lacks {missing}; expected a LossScaler or torch.amp.GradScaler state dict"
+        )
     scale = float(state_dict["scale"])
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scaler state dict holds an invalid scale {scale!r}")
-    attributes = {attr: state_dict[key] if cast is None else cast(state_dict[key])
-                  for key, (attr, cast) in FIELDS.items() if key in state_dict}
+    attributes = {
+        attr: state_dict[key] if cast is None else cast(state_dict[key])
+        for key, (attr, cast) in FIELDS.items()
+        if key in state_dict
+    }
     attributes["_init_scale"] = max(scale, SCALE_FLOOR)
     attributes.setdefault("_init_overflows", 0)
     attributes.setdefault("_updates", 0)

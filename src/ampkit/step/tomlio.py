@@ -53,9 +53,11 @@ def dumps(tables: Mapping[str, Mapping[str, Any]]) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = e.object[e.start:e.end]
-        raise ValueError(f"a value holds a lone surrogate (U+{ord(bad[0]):04X}), which is not valid "
-                         f"Unicode: {e.object[max(0, e.start - 20):e.end + 20]!r}") from None
+        bad = e.object[e.start : e.end]
+        raise ValueError(
+            f"a value holds a lone surrogate (U+{ord(bad[0]):04X}), which is not valid "
+            f"Unicode: {e.object[max(0, e.start - 20) : e.end + 20]!r}"
+        ) from None
     return text
 
 
@@ -85,5 +87,7 @@ def _checked(value: Any, key: str) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [_checked(v, key) for v in value]
-    raise TypeError(f"cannot write {key} = {value!r} ({type(value).__name__}) to TOML: a str, bool, int, "
-                    "float or a list of them")
+    raise TypeError(
+        f"cannot write {key} = {value!r} ({type(value).__name__}) to TOML: a str, bool, int, "
+        "float or a list of them"
+    )

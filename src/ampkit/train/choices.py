@@ -27,15 +27,22 @@ def confirm_auto_precision(self: Any) -> None:
         return
     sampled: list[Any] = []
 
-    def batches(i: int) -> Any:  # drawn only if a measurement runs (an iterable: its first batches, cycled)
+    def batches(
+        i: int,
+    ) -> Any:  # drawn only if a measurement runs (an iterable: its first batches, cycled)
         if not sampled:
             sampled.append(self.source.as_function())
         return sampled[0](i)
 
     batches.batch_size = getattr(self.batches, "batch_size", None)  # type: ignore[attr-defined]
     console = self.settings.log.console if is_main() else None
-    choice = confirm_auto(self.amp, self.model, batches, loss_fn=self.loss_fn,
-                          announce=console.print if console is not None else None)
+    choice = confirm_auto(
+        self.amp,
+        self.model,
+        batches,
+        loss_fn=self.loss_fn,
+        announce=console.print if console is not None else None,
+    )
     if auto_decision(self.amp) is not None:
         self.notes.append(f"precision auto: {choice.reason}")
         if console is not None:
@@ -45,8 +52,14 @@ def confirm_auto_precision(self: Any) -> None:
 def choose_batch(self: Any) -> None:
     """``batch_size='auto'``: cut each batch into the fewest micro-batches that fit (see ``autobatch``)."""
     budget = device_budget(self.amp.device, self.settings.batching.memory_budget)
-    choice = choose_split(self.model, self.optimizer, self.amp.precision.name, self.amp.device,
-                          self.source.sample()[0], budget)
+    choice = choose_split(
+        self.model,
+        self.optimizer,
+        self.amp.precision.name,
+        self.amp.device,
+        self.source.sample()[0],
+        budget,
+    )
     accum = self.amp.config.accumulation_steps // self.split
     self.split = choice.split
     self.amp.set_accumulation_steps(accum * choice.split)
@@ -68,12 +81,20 @@ def rebatch(self: Any, error: BaseException, accum: int, monitor: Any) -> None:
     batch = self._window_batches[0]
     size = batch_size(batch) // self.split
     if size < 2:
-        raise RuntimeError(f"out of memory even with a micro-batch of {size}: nothing left to split "
-                           f"({str(error).splitlines()[0][:200]})") from error
+        raise RuntimeError(
+            f"out of memory even with a micro-batch of {size}: nothing left to split "
+            f"({str(error).splitlines()[0][:200]})"
+        ) from error
     self.split *= 2
     self.micro_batch = size // 2
     self.amp.set_accumulation_steps(accum * self.split)
-    monitor.log_event("oom_rebatch", micro_batch=batch_size(batch) // self.split,
-                      accumulation_steps=accum * self.split, error=str(error).splitlines()[0][:200])
-    self.notes.append(f"out of memory at step {self.amp.optimizer_steps + 1}: micro-batch halved to "
-                      f"{batch_size(batch) // self.split}, accumulation doubled to {accum * self.split}")
+    monitor.log_event(
+        "oom_rebatch",
+        micro_batch=batch_size(batch) // self.split,
+        accumulation_steps=accum * self.split,
+        error=str(error).splitlines()[0][:200],
+    )
+    self.notes.append(
+        f"out of memory at step {self.amp.optimizer_steps + 1}: micro-batch halved to "
+        f"{batch_size(batch) // self.split}, accumulation doubled to {accum * self.split}"
+    )

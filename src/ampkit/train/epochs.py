@@ -41,16 +41,26 @@ class EpochLog:
         self.samples += samples or 0
 
     def _elapsed(self) -> float:
-        return self.seconds + (time.perf_counter() - self._started if self._started is not None else 0.0)
+        return self.seconds + (
+            time.perf_counter() - self._started if self._started is not None else 0.0
+        )
 
     def close(self, epoch: int, world_size: int = 1) -> dict[str, Any]:
         """The record of ``epoch`` (``epoch``, ``loss``, ``steps``, ``samples``, ``seconds``,
         ``samples_per_s``; samples counted on every rank), then start the next one. **Syncs** once."""
         seconds = self._elapsed()
-        loss = float(self.loss_sum) / self.steps if self.loss_sum is not None and self.steps else None
+        loss = (
+            float(self.loss_sum) / self.steps if self.loss_sum is not None and self.steps else None
+        )
         samples = self.samples * world_size
-        record = {"epoch": epoch, "loss": loss, "steps": self.steps, "samples": samples, "seconds": seconds,
-                  "samples_per_s": samples / seconds if samples and seconds > 0 else None}
+        record = {
+            "epoch": epoch,
+            "loss": loss,
+            "steps": self.steps,
+            "samples": samples,
+            "seconds": seconds,
+            "samples_per_s": samples / seconds if samples and seconds > 0 else None,
+        }
         self.records.append(record)
         self.loss_sum, self.steps, self.samples, self.seconds = None, 0, 0, 0.0
         self.start()
@@ -58,8 +68,12 @@ class EpochLog:
 
     def state_dict(self) -> dict[str, Any]:
         """The current epoch's partial sums (**syncs**: reads the loss sum)."""
-        return {"loss_sum": float(self.loss_sum) if self.loss_sum is not None else None, "steps": self.steps,
-                "samples": self.samples, "seconds": self._elapsed()}
+        return {
+            "loss_sum": float(self.loss_sum) if self.loss_sum is not None else None,
+            "steps": self.steps,
+            "samples": self.samples,
+            "seconds": self._elapsed(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         total = state.get("loss_sum")

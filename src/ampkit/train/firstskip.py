@@ -45,8 +45,14 @@ class RecentBatches:
         self.batches[step] = batch
         self.batches.pop(step - self.keep, None)
 
-    def diagnose(self, step: int, scale: Optional[float], amp: Any, model: torch.nn.Module,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Any:
+    def diagnose(
+        self,
+        step: int,
+        scale: Optional[float],
+        amp: Any,
+        model: torch.nn.Module,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    ) -> Any:
         """Re-run ``step``'s batch with ``amp.diagnose`` (at the loss scale it had); False when the
         batch is no longer kept. Forgets every kept batch: one diagnosis per run."""
         batch = self.batches.get(step)

@@ -111,20 +111,48 @@ class SpikeGuard:
         position: the data position of the first snapshot (taken now).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, amp: MixedPrecision, *,
-                 keep: int = 2, every: int = 20, z: float = 6.0, grad_ratio: Optional[float] = 10.0,
-                 warmup: int = 10, ema: float = 0.95, scheduler: Any = None, position: int = 0) -> None:
-        checks = {"keep": (keep, keep >= 1), "every": (every, every >= 1), "z": (z, z > 0),
-                  "warmup": (warmup, warmup >= 0), "ema": (ema, 0 < ema < 1),
-                  "grad_ratio": (grad_ratio, grad_ratio is None or grad_ratio > 1)}
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        amp: MixedPrecision,
+        *,
+        keep: int = 2,
+        every: int = 20,
+        z: float = 6.0,
+        grad_ratio: Optional[float] = 10.0,
+        warmup: int = 10,
+        ema: float = 0.95,
+        scheduler: Any = None,
+        position: int = 0,
+    ) -> None:
+        checks = {
+            "keep": (keep, keep >= 1),
+            "every": (every, every >= 1),
+            "z": (z, z > 0),
+            "warmup": (warmup, warmup >= 0),
+            "ema": (ema, 0 < ema < 1),
+            "grad_ratio": (grad_ratio, grad_ratio is None or grad_ratio > 1),
+        }
         for name, (value, ok) in checks.items():
             if not ok:
-                raise ValueError(f"SpikeGuard {name}={value!r} is out of range: keep >= 1, every >= 1, z > 0, "
-                                 "warmup >= 0, 0 < ema < 1, grad_ratio None or > 1")
+                raise ValueError(
+                    f"SpikeGuard {name}={value!r} is out of range: keep >= 1, every >= 1, z > 0, "
+                    "warmup >= 0, 0 < ema < 1, grad_ratio None or > 1"
+                )
         if amp.model is None:
-            raise RuntimeError("SpikeGuard() before amp.setup(); call model, optimizer = amp.setup(model, optimizer) first")
+            raise RuntimeError(
+                "SpikeGuard() before amp.setup(); call model, optimizer = amp.setup(model, optimizer) first"
+            )
         self.model, self.optimizer, self.amp, self.scheduler = model, optimizer, amp, scheduler
-        self.keep, self.every, self.z, self.grad_ratio, self.warmup, self.ema = keep, every, z, grad_ratio, warmup, ema
+        self.keep, self.every, self.z, self.grad_ratio, self.warmup, self.ema = (
+            keep,
+            every,
+            z,
+            grad_ratio,
+            warmup,
+            ema,
+        )
         self.skipped: set[int] = set()  # data indices dropped by rollbacks
         self.rollbacks = 0
         self._ring: deque[_Snapshot] = deque(maxlen=keep)
@@ -170,7 +198,9 @@ class SpikeGuard:
         mean, var, gn_ema = self._stats[0], self._stats[1], self._stats[2]
         gn = result.grad_norm.detach().float() if result.grad_norm is not None else None
         if self._seen >= max(self.warmup, 1):
-            corrected = var / (1.0 - self.ema ** self._seen)  # the EMA variance starts at 0: unbias it
+            corrected = var / (
+                1.0 - self.ema**self._seen
+            )  # the EMA variance starts at 0: unbias it
             dev = torch.maximum(corrected.sqrt(), mean.abs() * 0.01) + 1e-12
             code = code + ((loss - mean) / dev > self.z).float() * 4
             if gn is not None and self.grad_ratio is not None:
@@ -178,11 +208,18 @@ class SpikeGuard:
         ok = code == 0
         a = self.ema
         if self._seen == 0:
-            new = torch.stack([loss, torch.zeros_like(loss), gn if gn is not None else torch.zeros_like(loss)])
+            new = torch.stack(
+                [loss, torch.zeros_like(loss), gn if gn is not None else torch.zeros_like(loss)]
+            )
         else:
             delta = loss - mean
-            new = torch.stack([mean + (1 - a) * delta, a * (var + (1 - a) * delta * delta),
-                               a * gn_ema + (1 - a) * gn if gn is not None else gn_ema])
+            new = torch.stack(
+                [
+                    mean + (1 - a) * delta,
+                    a * (var + (1 - a) * delta * delta),
+                    a * gn_ema + (1 - a) * gn if gn is not None else gn_ema,
+                ]
+            )
         self._stats.copy_(torch.where(ok, new, self._stats))
         self._flags[self._n] = code
         self._losses[self._n] = loss
@@ -198,7 +235,7 @@ class SpikeGuard:
         self._n += 1
         if self._n < self.every:
             return position
-        flags, losses = torch.stack([self._flags[:self._n], self._losses[:self._n]]).tolist()
+        flags, losses = torch.stack([self._flags[: self._n], self._losses[: self._n]]).tolist()
         bad = next((j for j, f in enumerate(flags) if f), None)
         if bad is None:
             self.start(position)
@@ -207,15 +244,26 @@ class SpikeGuard:
 
     def start(self, position: int) -> None:
         """Snapshot now (a clean state at data ``position``) and start a new interval. **Syncs**."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "amp": self.amp.state_dict(), "rng": capture_rng(), "stats": self._stats, "seen": self._seen,
-                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "amp": self.amp.state_dict(),
+            "rng": capture_rng(),
+            "stats": self._stats,
+            "seen": self._seen,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
         self._ring.append(_Snapshot(self.amp.optimizer_steps, position, _host(state)))
         self._last_restored = None
         self._reset(position)
 
     def _reset(self, position: int) -> None:
-        self._n, self._ranges, self.position, self._start_step = 0, [], position, self.amp.optimizer_steps
+        self._n, self._ranges, self.position, self._start_step = (
+            0,
+            [],
+            position,
+            self.amp.optimizer_steps,
+        )
 
     def _roll_back(self, j: int, code: int, loss: float) -> int:
         snap = self._ring[-1]
@@ -229,18 +277,31 @@ class SpikeGuard:
         self.rollbacks += 1
         self._last_restored = snap
         causes = [c for bit, c in enumerate(CAUSES) if code & (1 << bit)]
-        self.amp.record_event("spike", offending_step=offending, batches=dropped, cause=causes,
-                              loss=loss if math.isfinite(loss) else str(loss), rolled_back_to=snap.step,
-                              position=snap.position, skipped=sorted(self.skipped))
+        self.amp.record_event(
+            "spike",
+            offending_step=offending,
+            batches=dropped,
+            cause=causes,
+            loss=loss if math.isfinite(loss) else str(loss),
+            rolled_back_to=snap.step,
+            position=snap.position,
+            skipped=sorted(self.skipped),
+        )
         self._reset(snap.position)
         return snap.position
 
     def _restore(self, snap: _Snapshot) -> None:
-        s = _host(snap.state)  # fresh copies: loading must not alias the snapshot (torch keeps same-dtype tensors)
+        s = _host(
+            snap.state
+        )  # fresh copies: loading must not alias the snapshot (torch keeps same-dtype tensors)
         self.model.load_state_dict(s["model"])
         self.optimizer.load_state_dict(s["optimizer"])
-        kept = s["amp"]["events"]  # the snapshot's, plus the spikes since (an older snapshot predates them)
-        kept += [d for d in (e.to_dict() for e in self.amp.events if e.kind == "spike") if d not in kept]
+        kept = s["amp"][
+            "events"
+        ]  # the snapshot's, plus the spikes since (an older snapshot predates them)
+        kept += [
+            d for d in (e.to_dict() for e in self.amp.events if e.kind == "spike") if d not in kept
+        ]
         self.amp.load_state_dict(s["amp"])
         if self.scheduler is not None and s["scheduler"] is not None:
             self.scheduler.load_state_dict(s["scheduler"])
@@ -257,23 +318,36 @@ class SpikeGuard:
         snapshots at the same steps as an uninterrupted one. **Syncs** (copies the device buffers)."""
         ring = list(self._ring)
         return {
-            "every": self.every, "position": self.position, "start_step": self._start_step, "n": self._n,
-            "seen": self._seen, "stats": _host(self._stats), "flags": _host(self._flags[:self._n]),
-            "losses": _host(self._losses[:self._n]), "ranges": [list(r) for r in self._ranges],
-            "skipped": sorted(self.skipped), "rollbacks": self.rollbacks,
+            "every": self.every,
+            "position": self.position,
+            "start_step": self._start_step,
+            "n": self._n,
+            "seen": self._seen,
+            "stats": _host(self._stats),
+            "flags": _host(self._flags[: self._n]),
+            "losses": _host(self._losses[: self._n]),
+            "ranges": [list(r) for r in self._ranges],
+            "skipped": sorted(self.skipped),
+            "rollbacks": self.rollbacks,
             "ring": [{"step": x.step, "position": x.position, "state": x.state} for x in ring],
-            "last_restored": next((i for i, x in enumerate(ring) if x is self._last_restored), None),
+            "last_restored": next(
+                (i for i, x in enumerate(ring) if x is self._last_restored), None
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the guard goes on where the checkpointed one was). The guard's
         ``every`` must be the saved one (the interval in progress is that long)."""
         if int(state["every"]) != self.every:
-            raise ValueError(f"this checkpoint's spike guard reads every {state['every']} steps, this one every "
-                             f"{self.every}; resume with the same spike_rollback settings")
+            raise ValueError(
+                f"this checkpoint's spike guard reads every {state['every']} steps, this one every "
+                f"{self.every}; resume with the same spike_rollback settings"
+            )
         n, dev = int(state["n"]), self._flags.device
-        self._ring = deque((_Snapshot(int(x["step"]), int(x["position"]), x["state"]) for x in state["ring"]),
-                           maxlen=self.keep)
+        self._ring = deque(
+            (_Snapshot(int(x["step"]), int(x["position"]), x["state"]) for x in state["ring"]),
+            maxlen=self.keep,
+        )
         i = state.get("last_restored")
         self._last_restored = self._ring[i] if i is not None and i < len(self._ring) else None
         self._stats.copy_(state["stats"])
@@ -297,14 +371,19 @@ class SpikeGuard:
         self._ring.clear()
 
     def on_step_end(self, trainer: Any, step: int, result: Any) -> None:
-        """As a :class:`~ampkit.train.trainer.Trainer` callback: check, and move its data position back on a rollback."""
+        """As a :class:`~ampkit.train.trainer.Trainer` callback: check, and move its data position
+        back on a rollback."""
         trainer.micro_index = self.check(trainer.micro_index)
 
     @staticmethod
     def trainer_state(trainer: Any) -> dict[str, Any]:
         """``{"spike_guard": state}`` for a :class:`~ampkit.train.trainer.Trainer`'s checkpoint (its
         guard's :meth:`state_dict`), ``{}`` for a trainer without a guard."""
-        return {"spike_guard": trainer.spike_guard.state_dict()} if trainer.spike_guard is not None else {}
+        return (
+            {"spike_guard": trainer.spike_guard.state_dict()}
+            if trainer.spike_guard is not None
+            else {}
+        )
 
     @classmethod
     def load_trainer_state(cls, trainer: Any, state: Optional[dict[str, Any]]) -> None:
@@ -316,7 +395,9 @@ class SpikeGuard:
             trainer.spike_guard.start(trainer.micro_index)
 
     @classmethod
-    def for_trainer(cls, trainer: Any, saved: Optional[dict[str, Any]] = None) -> Optional[SpikeGuard]:
+    def for_trainer(
+        cls, trainer: Any, saved: Optional[dict[str, Any]] = None
+    ) -> Optional[SpikeGuard]:
         """The guard of a :class:`~ampkit.train.trainer.Trainer` with ``spike_rollback`` set (``True``, or a
         dict of :class:`SpikeGuard` keywords; None otherwise), snapshotted at its data position. The first
         call wraps ``trainer.batches`` and joins ``trainer.callbacks`` (``on_step_end`` runs after the
@@ -329,23 +410,37 @@ class SpikeGuard:
         if not option:
             return None
         if trainer.world_size > 1:
-            raise ValueError("spike_rollback runs in one process only (each rank would flag different "
-                             f"steps); this run has {trainer.world_size} processes")
+            raise ValueError(
+                "spike_rollback runs in one process only (each rank would flag different "
+                f"steps); this run has {trainer.world_size} processes"
+            )
         if option is not True and not isinstance(option, dict):
-            raise ValueError(f"spike_rollback={option!r} must be True/False or a dict of SpikeGuard keywords "
-                             "(keep, every, z, grad_ratio, warmup, ema)")
+            raise ValueError(
+                f"spike_rollback={option!r} must be True/False or a dict of SpikeGuard keywords "
+                "(keep, every, z, grad_ratio, warmup, ema)"
+            )
         if not trainer.source.indexed:
-            raise ValueError("spike_rollback in the Trainer needs batches as a function of the index (an iterable "
-                             "cannot be moved back in place); with a DataLoader, use SpikeGuard in your own loop")
+            raise ValueError(
+                "spike_rollback in the Trainer needs batches as a function of the index (an iterable "
+                "cannot be moved back in place); with a DataLoader, use SpikeGuard in your own loop"
+            )
         guard = trainer.spike_guard
         if guard is None:
             kwargs = dict(option) if isinstance(option, dict) else {}
-            guard = cls(trainer.model, trainer.optimizer, trainer.amp, scheduler=trainer.scheduler,
-                        position=trainer.micro_index, **kwargs)
+            guard = cls(
+                trainer.model,
+                trainer.optimizer,
+                trainer.amp,
+                scheduler=trainer.scheduler,
+                position=trainer.micro_index,
+                **kwargs,
+            )
             trainer.batches = trainer.source.batches = guard.wrap(trainer.batches)
             trainer.callbacks.append(guard)
             trainer.spike_guard = guard
-        if saved is not None:  # resumed: the checkpointed guard goes on (its interval, its snapshots)
+        if (
+            saved is not None
+        ):  # resumed: the checkpointed guard goes on (its interval, its snapshots)
             guard.load_state_dict(saved)
         elif not guard.follows(trainer.amp.optimizer_steps, trainer.micro_index):
             guard.start(trainer.micro_index)  # the run was moved elsewhere: a snapshot of now

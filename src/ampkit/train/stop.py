@@ -54,8 +54,11 @@ class TrainingInterrupted(KeyboardInterrupt, SystemExit):
     """
 
     def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
-        where = (f"checkpoint {checkpoint} written" if checkpoint
-                 else "no checkpoint directory was given, so nothing was saved")
+        where = (
+            f"checkpoint {checkpoint} written"
+            if checkpoint
+            else "no checkpoint directory was given, so nothing was saved"
+        )
         super().__init__(f"stopped by {signal_name(signum)} after optimizer step {step}; {where}")
         self.signal, self.step, self.checkpoint = int(signum), int(step), checkpoint
         self.exit_code = self.code = 128 + int(signum)
@@ -75,13 +78,17 @@ class GracefulStop:
         self.announce = announce
         self.signum: Optional[int] = None  # the first signal received (this process)
         self._previous: dict[int, Any] = {}
-        self._pending: Optional[tuple[torch.Tensor, Any]] = None  # CUDA: the last step's reduced flag
+        self._pending: Optional[tuple[torch.Tensor, Any]] = (
+            None  # CUDA: the last step's reduced flag
+        )
 
     # ------------------------------------------------------------------ handlers
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                with contextlib.suppress(ValueError, OSError):  # not allowed here (e.g. embedded Python)
+                with contextlib.suppress(
+                    ValueError, OSError
+                ):  # not allowed here (e.g. embedded Python)
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -94,12 +101,19 @@ class GracefulStop:
         if self.signum is None:
             self.signum = signum
             if self.announce:
-                print(f"ampkit: {signal_name(signum)} received: finishing the optimizer step in flight, then "
-                      "writing a checkpoint and stopping", file=sys.stderr, flush=True)
+                print(
+                    f"ampkit: {signal_name(signum)} received: finishing the optimizer step in flight, then "
+                    "writing a checkpoint and stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
         elif self.announce:
-            print(f"ampkit: {signal_name(signum)} received again: already stopping (the checkpoint is being "
-                  "finished; kill -9 ends the process at once, the previous checkpoint stays intact)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"ampkit: {signal_name(signum)} received again: already stopping (the checkpoint is being "
+                "finished; kill -9 ends the process at once, the previous checkpoint stays intact)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask for a stop as if ``signum`` had arrived (e.g. from a callback)."""
@@ -121,7 +135,9 @@ class GracefulStop:
             return self.signum
         flag = torch.full((1,), float(self.signum or 0), device=device)
         if device.type == "cuda":
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # ordered on the stream; the host does not wait
+            dist.all_reduce(
+                flag, op=dist.ReduceOp.MAX
+            )  # ordered on the stream; the host does not wait
             host = flag.to("cpu", non_blocking=True)  # pinned: a real asynchronous copy
             done: Any = torch.cuda.Event()
             done.record()

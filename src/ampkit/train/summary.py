@@ -31,8 +31,12 @@ class TrainSummary:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
     run_id: Optional[str] = None
     world_size: int = 1  # processes that trained together (throughput counts all of them)
-    micro_batch: Optional[int] = None  # samples per forward/backward (after batch_size='auto' or an OOM)
-    notes: list[str] = field(default_factory=list)  # choices made for the user (auto batch, OOM rebatch, ...)
+    micro_batch: Optional[int] = (
+        None  # samples per forward/backward (after batch_size='auto' or an OOM)
+    )
+    notes: list[str] = field(
+        default_factory=list
+    )  # choices made for the user (auto batch, OOM rebatch, ...)
     #: one dict per epoch completed in this fit(): epoch, loss, steps, samples, seconds, samples_per_s
     epochs: list[dict[str, Any]] = field(default_factory=list)
 
@@ -40,19 +44,34 @@ class TrainSummary:
         return asdict(self)
 
     @classmethod
-    def from_run(cls, stats: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
-                 events: list[dict[str, Any]], **run: Any) -> TrainSummary:
+    def from_run(
+        cls,
+        stats: dict[str, Any],
+        summary: dict[str, Any],
+        records: list[dict[str, Any]],
+        events: list[dict[str, Any]],
+        **run: Any,
+    ) -> TrainSummary:
         """From the engine's ``stats()``, the monitor's closing ``summary``, its step ``records`` and
         ``events``; ``run`` gives the rest (``log_dir``, ``run_id``, ``world_size``, ...)."""
         losses = [r["loss"] for r in records]
         return cls(
-            precision=stats["precision"], device=stats["device"], optimizer_steps=stats["optimizer_steps"],
-            skipped_steps=stats["skipped_steps"], final_loss=_f(losses[-1]), first_loss=_f(losses[0]),
-            ms_per_step=summary["step_time_ms_median"] or 0.0, samples_per_s=summary["samples_per_s"] or 0.0,
-            tokens_per_s=summary["tokens_per_s"], final_scale=stats["scale"], losses=[_f(v) for v in losses],
+            precision=stats["precision"],
+            device=stats["device"],
+            optimizer_steps=stats["optimizer_steps"],
+            skipped_steps=stats["skipped_steps"],
+            final_loss=_f(losses[-1]),
+            first_loss=_f(losses[0]),
+            ms_per_step=summary["step_time_ms_median"] or 0.0,
+            samples_per_s=summary["samples_per_s"] or 0.0,
+            tokens_per_s=summary["tokens_per_s"],
+            final_scale=stats["scale"],
+            losses=[_f(v) for v in losses],
             peak_mem_bytes=summary["peak_mem_bytes"],
             eval_losses=[(e["step"], e["loss"]) for e in events if e.get("kind") == "eval"],
-            epochs=[{k: e.get(k) for k in _EPOCH} for e in events if e.get("kind") == "epoch"], **run)
+            epochs=[{k: e.get(k) for k in _EPOCH} for e in events if e.get("kind") == "epoch"],
+            **run,
+        )
 
 
 def opt_level(precision: str) -> str:

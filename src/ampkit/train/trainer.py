@@ -3,7 +3,8 @@
 Reads top to bottom: take the next batch (:mod:`~ampkit.loop.batches`: a function of the index or
 any iterable, epoch by epoch), forward under ``amp.autocast()``, ``amp.backward``, ``amp.step``;
 then what follows a step, in :meth:`Trainer._after_step`'s fixed order (scheduler, epoch records,
-callbacks, evaluation, checkpoint, stop). A :class:`~ampkit.observe.monitor.Monitor` records every optimizer step and reads the
+callbacks, evaluation, checkpoint, stop). A :class:`~ampkit.observe.monitor.Monitor` records every
+optimizer step and reads the
 device only every ``log_every`` steps, so the loop adds no per-step host sync of its own.
 """
 
@@ -51,8 +52,16 @@ from .trainer_config import (
     group_settings,
 )
 
-__all__ = ["BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainSummary", "Trainer",
-           "TrainingInterrupted"]
+__all__ = [
+    "BatchConfig",
+    "CheckpointConfig",
+    "EvalConfig",
+    "LogConfig",
+    "TrainSummary",
+    "Trainer",
+    "TrainingInterrupted",
+]
+
 
 class Trainer:
     """Train ``model`` with ``amp`` on ``batches``: a ``DataLoader``, a list, any re-iterable, a
@@ -106,44 +115,70 @@ class Trainer:
         checkpoint: Optional[CheckpointConfig] = None,
         evaluation: Optional[EvalConfig] = None,
         log: Optional[LogConfig] = None,
-        batching: Optional[BatchConfig] = None, spike_rollback: Any = False,
+        batching: Optional[BatchConfig] = None,
+        spike_rollback: Any = False,
         **settings: Any,
     ) -> None:
         self.settings: TrainerSettings = group_settings(
-            {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching}, settings)
+            {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching},
+            settings,
+        )
         self.model, self.optimizer, self.amp = model, optimizer, amp
-        self.batches, self.loss_fn, self.spike_rollback, self.spike_guard = batches, loss_fn, spike_rollback, None
-        self.split = 1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
-        self.run_id = broadcast_object(uuid.uuid4().hex[:12])  # one id for all ranks; kept across resumes
+        self.batches, self.loss_fn, self.spike_rollback, self.spike_guard = (
+            batches,
+            loss_fn,
+            spike_rollback,
+            None,
+        )
+        self.split = (
+            1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
+        )
+        self.run_id = broadcast_object(
+            uuid.uuid4().hex[:12]
+        )  # one id for all ranks; kept across resumes
         self.notes: list[str] = []
         self.diagnose = diagnose
         self.diagnosis: Any = None
         self.scheduler = scheduler
-        self.world_size, self.rank = world_size(), rank()  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
+        self.world_size, self.rank = (
+            world_size(),
+            rank(),
+        )  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
         self.source = BatchSource(batches, rank=self.rank, world_size=self.world_size)
         self.epochs = EpochLog()
-        self._window_batches: list[Any] = []  # the step's batches, kept to redo it after an OOM error
+        self._window_batches: list[
+            Any
+        ] = []  # the step's batches, kept to redo it after an OOM error
         self._window_plan: Optional[int] = None
         self._last_loss: Any = None  # the last step's mean loss (device tensor)
         self._samples = 0  # samples in the last step's batches
         ck = self.settings.checkpoint
         self.checkpoints: Any = None
         if ck.dir and self.world_size > 1:
-            self.checkpoints = ShardedCheckpointManager(ck.dir, lambda: capture(model, optimizer),
-                                                        keep_last=ck.keep_last)
+            self.checkpoints = ShardedCheckpointManager(
+                ck.dir, lambda: capture(model, optimizer), keep_last=ck.keep_last
+            )
         elif ck.dir:
             self.checkpoints = CheckpointManager(ck.dir, keep_last=ck.keep_last)
         self.callbacks = list(callbacks)
-        check_auto_args(self.settings.batching.size, self.settings.batching.memory_budget, self.world_size)
+        check_auto_args(
+            self.settings.batching.size, self.settings.batching.memory_budget, self.world_size
+        )
         self.auto_batch: Any = None  # an AutoBatch once batch_size='auto' has chosen
-        self.micro_batch: Optional[int] = None  # set when ampkit cuts batches (auto batch size, OOM)
+        self.micro_batch: Optional[int] = (
+            None  # set when ampkit cuts batches (auto batch size, OOM)
+        )
         self._monitor: Optional[Monitor] = None
         if fallback and amp.config.fallback is False:
             if amp.config.skip_nonfinite:
-                amp.set_fallback(True)  # on by default in the trainer (DESIGN §4); opt-in on the engine
+                amp.set_fallback(
+                    True
+                )  # on by default in the trainer (DESIGN §4); opt-in on the engine
             else:
                 self.notes.append("fallback left off: it needs skip_nonfinite=True")
-        self._recent = RecentBatches(2 * self.settings.log.every + 2)  # a skip's batch, for its diagnosis
+        self._recent = RecentBatches(
+            2 * self.settings.log.every + 2
+        )  # a skip's batch, for its diagnosis
         self._stop: Optional[GracefulStop] = None  # set while fit() runs
         #: printed after a graceful stop's checkpoint (``ampkit train`` puts its exact command here)
         self.resume_hint = "Resume with Trainer.resume() on the same checkpoint_dir, then fit() the remaining steps"
@@ -181,16 +216,26 @@ class Trainer:
         (steps, epochs), amp = self._count_steps(steps, epochs), self.amp
         if amp.optimizer_steps == 0:
             confirm_auto_precision(self)
-        if self.settings.batching.size == "auto" and self.auto_batch is None and amp.optimizer_steps == 0:
+        if (
+            self.settings.batching.size == "auto"
+            and self.auto_batch is None
+            and amp.optimizer_steps == 0
+        ):
             choose_batch(self)
-        accum, watch = amp.config.accumulation_steps // self.split, SkipWatch()  # accum: in batches of the data
+        accum, watch = (
+            amp.config.accumulation_steps // self.split,
+            SkipWatch(),
+        )  # accum: in batches of the data
         monitor = self._open_monitor(steps, accum, [watch] if self.diagnose else [])
         self.model.train()
         self.epochs.start()
         stop = self._stop = GracefulStop(announce=is_main())
         try:
             stop.__enter__()  # SIGINT/SIGTERM handlers only while training; the user's come back in `finally`
-            run, target = Steps(self.model, self.optimizer, amp, self.loss_fn), amp.optimizer_steps + (steps or 0)
+            run, target = (
+                Steps(self.model, self.optimizer, amp, self.loss_fn),
+                amp.optimizer_steps + (steps or 0),
+            )
             SpikeGuard.for_trainer(self)  # spike_rollback: snapshots now; on_step_end may roll back
             while amp.optimizer_steps < target if epochs is None else self.source.epoch < epochs:
                 self._train_step(run, accum, monitor, watch, stop)  # (a rollback takes steps back)
@@ -206,7 +251,9 @@ class Trainer:
             self._stop = None
         return self._finish(monitor)
 
-    def _count_steps(self, steps: Optional[int], epochs: Optional[int]) -> tuple[int, Optional[int]]:
+    def _count_steps(
+        self, steps: Optional[int], epochs: Optional[int]
+    ) -> tuple[int, Optional[int]]:
         """``(steps, None)``, or for ``epochs=`` on an iterable ``(estimated steps, epochs)`` (the
         loop runs until that many epochs are done); a function of the index turns epochs into steps."""
         if (steps is None) == (epochs is None):
@@ -216,16 +263,26 @@ class Trainer:
             if not isinstance(epochs, int) or epochs < 1:
                 raise ValueError(f"epochs={epochs!r} must be an integer >= 1")
             if epochs <= src.epoch:
-                raise ValueError(f"epochs={epochs}: this run has already completed {src.epoch} epoch(s); "
-                                 "fit(epochs=N) trains until N epochs are done in all")
+                raise ValueError(
+                    f"epochs={epochs}: this run has already completed {src.epoch} epoch(s); "
+                    "fit(epochs=N) trains until N epochs are done in all"
+                )
             per, accum = src.per_epoch, self.amp.config.accumulation_steps // self.split
             if src.indexed:
                 if per is None:
-                    raise ValueError(f"epochs={epochs} needs data with a batches_per_epoch attribute "
-                                     "(or an iterable of batches, e.g. a DataLoader); use steps= instead")
-                return max(1, (epochs * per - src.micro_index) // self.amp.config.accumulation_steps), None
-            left = [per - src.in_epoch] + [per] * (epochs - src.epoch - 1) if per is not None else []
-            return sum(-(-n // accum) for n in left), epochs  # -(-a // b): windows, the short last one too
+                    raise ValueError(
+                        f"epochs={epochs} needs data with a batches_per_epoch attribute "
+                        "(or an iterable of batches, e.g. a DataLoader); use steps= instead"
+                    )
+                return max(
+                    1, (epochs * per - src.micro_index) // self.amp.config.accumulation_steps
+                ), None
+            left = (
+                [per - src.in_epoch] + [per] * (epochs - src.epoch - 1) if per is not None else []
+            )
+            return sum(
+                -(-n // accum) for n in left
+            ), epochs  # -(-a // b): windows, the short last one too
         assert steps is not None
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
@@ -234,12 +291,22 @@ class Trainer:
     def _open_monitor(self, steps: int, accum: int, extra_sinks: list[Any]) -> Monitor:
         """The run's monitor; at step 0 it also logs what was chosen before it (auto precision, batch)."""
         amp = self.amp
-        samples, tokens = self.source.samples_per_batch, self.source.tokens_per_batch  # per rank; throughput: all ranks
+        samples, tokens = (
+            self.source.samples_per_batch,
+            self.source.tokens_per_batch,
+        )  # per rank; throughput: all ranks
         per_step = accum * self.world_size
-        monitor = Monitor(amp, run_sinks(self.settings.log, steps + self.amp.optimizer_steps, self.notes) + extra_sinks, log_every=self.settings.log.every,
-                          run_id=self.run_id, samples_per_step=samples * per_step if samples else None,
-                          tokens_per_step=tokens * per_step if tokens else None, optimizer=self.optimizer,
-                          context=lambda: {"epoch": self.source.batch_epoch})
+        monitor = Monitor(
+            amp,
+            run_sinks(self.settings.log, steps + self.amp.optimizer_steps, self.notes)
+            + extra_sinks,
+            log_every=self.settings.log.every,
+            run_id=self.run_id,
+            samples_per_step=samples * per_step if samples else None,
+            tokens_per_step=tokens * per_step if tokens else None,
+            optimizer=self.optimizer,
+            context=lambda: {"epoch": self.source.batch_epoch},
+        )
         if amp.optimizer_steps == 0:
             decision = auto_decision(amp)
             if decision is not None:
@@ -249,7 +316,9 @@ class Trainer:
         self._monitor = monitor
         return monitor
 
-    def _train_step(self, run: Steps, accum: int, monitor: Monitor, watch: SkipWatch, stop: GracefulStop) -> None:
+    def _train_step(
+        self, run: Steps, accum: int, monitor: Monitor, watch: SkipWatch, stop: GracefulStop
+    ) -> None:
         """One optimizer step (redone with smaller micro-batches after an out-of-memory error),
         then :meth:`_after_step`."""
         step = self.amp.optimizer_steps + 1
@@ -258,11 +327,15 @@ class Trainer:
                 outcome = self._window(run, step, accum)
                 break
             except torch.OutOfMemoryError as e:
-                rebatch(self, e, accum, monitor)  # no step lost, none counted twice: the window is redone
+                rebatch(
+                    self, e, accum, monitor
+                )  # no step lost, none counted twice: the window is redone
                 accum = self.amp.config.accumulation_steps // self.split
         self._after_step(outcome, monitor, watch, stop)
 
-    def _after_step(self, outcome: StepOutcome, monitor: Monitor, watch: SkipWatch, stop: GracefulStop) -> None:
+    def _after_step(
+        self, outcome: StepOutcome, monitor: Monitor, watch: SkipWatch, stop: GracefulStop
+    ) -> None:
         """What follows each optimizer step, in this order -- the one place per-step hooks go:
         scheduler, first-skip diagnosis, epoch records, callbacks, evaluation, checkpoint, stop."""
         amp, result = self.amp, outcome.result
@@ -295,16 +368,26 @@ class Trainer:
         log_dir = self.settings.log.dir
         if log_dir and is_main():
             write_summary(log_dir, summary)
-        result = TrainSummary.from_run(self.amp.stats(), summary, monitor.records, monitor.events, log_dir=log_dir,
-                                       run_id=self.run_id, world_size=self.world_size, micro_batch=self.micro_batch,
-                                       notes=list(self.notes))
+        result = TrainSummary.from_run(
+            self.amp.stats(),
+            summary,
+            monitor.records,
+            monitor.events,
+            log_dir=log_dir,
+            run_id=self.run_id,
+            world_size=self.world_size,
+            micro_batch=self.micro_batch,
+            notes=list(self.notes),
+        )
         self._call("on_train_end", result)
         return result
 
     def _checkpoint(self, monitor: Monitor) -> str:
         t0 = time.perf_counter()
         path = self.save_checkpoint()
-        monitor.log_event("checkpoint", path=path, seconds=time.perf_counter() - t0, **self._progress())
+        monitor.log_event(
+            "checkpoint", path=path, seconds=time.perf_counter() - t0, **self._progress()
+        )
         self._call("on_checkpoint", path)
         return path
 
@@ -339,7 +422,9 @@ class Trainer:
             self._window_plan = self.source.window(accum)
         count = self._window_plan or accum
         if count < accum:
-            self.amp.set_window(count * self.split)  # the epoch's short last window, stepped on its own
+            self.amp.set_window(
+                count * self.split
+            )  # the epoch's short last window, stepped on its own
 
         def batch(k: int) -> Any:
             while len(kept) <= k:
@@ -355,8 +440,15 @@ class Trainer:
         self._samples = sum(n for n in samples if n) if all(samples) else 0
         kept.clear()
         monitor = self._monitor
-        if monitor is not None and monitor.samples_per_step is None and self._samples and count == accum:
-            monitor.samples_per_step = self._samples * self.world_size  # counted from the batches themselves
+        if (
+            monitor is not None
+            and monitor.samples_per_step is None
+            and self._samples
+            and count == accum
+        ):
+            monitor.samples_per_step = (
+                self._samples * self.world_size
+            )  # counted from the batches themselves
         return outcome
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -371,10 +463,16 @@ class Trainer:
         ev = self.settings.evaluation
         batch_of, n = held_out(ev.batches, ev.steps)  # an iterable: its first eval_steps batches
         ctx = self.amp.autocast if ev.precision == "train" else self.amp.disabled
-        value = float(Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(batch_of, n, ctx))
+        value = float(
+            Steps(self.model, self.optimizer, self.amp, self.loss_fn).eval_loss(batch_of, n, ctx)
+        )
         if self._monitor is not None:
-            self._monitor.log_event("eval", loss=value, precision=self.amp.precision.name
-                                    if ev.precision == "train" else "fp32", batches=n)
+            self._monitor.log_event(
+                "eval",
+                loss=value,
+                precision=self.amp.precision.name if ev.precision == "train" else "fp32",
+                batches=n,
+            )
         self._call("on_eval", value)
         return value
 
@@ -386,8 +484,15 @@ class Trainer:
             **dict(zip(("model", "optimizer"), capture(self.model, self.optimizer))),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "amp": self.amp.state_dict(),
-            "rng": {**capture_rng(), **self.source.rng_state()},  # the data pass's too: ranks differ
-            "data": {**self.source.state_dict(), "split": self.split, "epoch_log": self.epochs.state_dict()},
+            "rng": {
+                **capture_rng(),
+                **self.source.rng_state(),
+            },  # the data pass's too: ranks differ
+            "data": {
+                **self.source.state_dict(),
+                "split": self.split,
+                "epoch_log": self.epochs.state_dict(),
+            },
             "run": {"id": self.run_id, **self._progress()},
             **SpikeGuard.trainer_state(self),
         }
@@ -409,7 +514,9 @@ class Trainer:
         loss = state.get("run", {}).get("loss")
         self._last_loss = torch.tensor(loss) if loss is not None else None
         self.run_id = str(state.get("run", {}).get("id", self.run_id))
-        self.diagnosis = saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis  # once per run
+        self.diagnosis = (
+            saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis
+        )  # once per run
         SpikeGuard.load_trainer_state(self, state.get("spike_guard"))  # (spike_rollback)
 
     def save_checkpoint(self) -> str:

@@ -16,7 +16,15 @@ from typing import Any, Optional, Union
 from ..loop.batches import check_batches
 from ..step.precision import REFERENCE
 
-__all__ = ["FLAT", "BatchConfig", "CheckpointConfig", "EvalConfig", "LogConfig", "TrainerSettings", "group_settings"]
+__all__ = [
+    "FLAT",
+    "BatchConfig",
+    "CheckpointConfig",
+    "EvalConfig",
+    "LogConfig",
+    "TrainerSettings",
+    "group_settings",
+]
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,9 @@ class EvalConfig:
         if self.batches is not None:
             check_batches(self.batches, "eval_batches", reiterable=True)
         if self.precision not in ("train", REFERENCE):
-            raise ValueError(f"eval_precision={self.precision!r}; choose 'train' (the training precision) or 'fp32'")
+            raise ValueError(
+                f"eval_precision={self.precision!r}; choose 'train' (the training precision) or 'fp32'"
+            )
         if self.every is not None and (self.every < 1 or self.batches is None):
             raise ValueError("eval_every must be >= 1 and needs eval_batches")
         if self.steps < 1:
@@ -83,9 +93,13 @@ class LogConfig:
         if self.every < 1:
             raise ValueError(f"log_every={self.every} must be >= 1")
         if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Iterable):
-            raise TypeError(f"sinks={self.sinks!r} must be a list of sinks (objects with write(records) "
-                            "and close())")
-        object.__setattr__(self, "sinks", tuple(self.sinks))  # frozen: a tuple, not the caller's list
+            raise TypeError(
+                f"sinks={self.sinks!r} must be a list of sinks (objects with write(records) "
+                "and close())"
+            )
+        object.__setattr__(
+            self, "sinks", tuple(self.sinks)
+        )  # frozen: a tuple, not the caller's list
         for s in self.sinks:
             if not (callable(getattr(s, "write", None)) and callable(getattr(s, "close", None))):
                 raise TypeError(f"sink {s!r} must have write(records) and close() methods")
@@ -113,16 +127,28 @@ class TrainerSettings:
 
 #: Each flat keyword of ``Trainer(...)`` -> (its group, the field).
 FLAT: dict[str, tuple[str, str]] = {
-    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+    "checkpoint_dir": ("checkpoint", "dir"),
+    "checkpoint_every": ("checkpoint", "every"),
     "keep_last": ("checkpoint", "keep_last"),
-    "eval_batches": ("evaluation", "batches"), "eval_every": ("evaluation", "every"),
-    "eval_steps": ("evaluation", "steps"), "eval_precision": ("evaluation", "precision"),
-    "log_dir": ("log", "dir"), "log_every": ("log", "every"), "tensorboard": ("log", "tensorboard"),
-    "progress": ("log", "progress"), "console": ("log", "console"),
-    "batch_size": ("batching", "size"), "memory_budget": ("batching", "memory_budget"),
+    "eval_batches": ("evaluation", "batches"),
+    "eval_every": ("evaluation", "every"),
+    "eval_steps": ("evaluation", "steps"),
+    "eval_precision": ("evaluation", "precision"),
+    "log_dir": ("log", "dir"),
+    "log_every": ("log", "every"),
+    "tensorboard": ("log", "tensorboard"),
+    "progress": ("log", "progress"),
+    "console": ("log", "console"),
+    "batch_size": ("batching", "size"),
+    "memory_budget": ("batching", "memory_budget"),
 }
 
-_GROUPS = {"checkpoint": CheckpointConfig, "evaluation": EvalConfig, "log": LogConfig, "batching": BatchConfig}
+_GROUPS = {
+    "checkpoint": CheckpointConfig,
+    "evaluation": EvalConfig,
+    "log": LogConfig,
+    "batching": BatchConfig,
+}
 
 
 def group_settings(groups: dict[str, Any], flat: dict[str, Any]) -> TrainerSettings:
@@ -132,8 +158,10 @@ def group_settings(groups: dict[str, Any], flat: dict[str, Any]) -> TrainerSetti
     keyword or a group of the wrong type, ``ValueError`` for invalid values (each group's own check)."""
     unknown = sorted(set(flat) - set(FLAT))
     if unknown:
-        raise TypeError(f"Trainer() got an unexpected keyword argument {unknown[0]!r}; the settings are "
-                        f"{', '.join(sorted(FLAT))} or the groups {', '.join(_GROUPS)}")
+        raise TypeError(
+            f"Trainer() got an unexpected keyword argument {unknown[0]!r}; the settings are "
+            f"{', '.join(sorted(FLAT))} or the groups {', '.join(_GROUPS)}"
+        )
     fields: dict[str, dict[str, Any]] = {name: {} for name in _GROUPS}
     for key, value in flat.items():
         group, field = FLAT[key]
@@ -142,7 +170,9 @@ def group_settings(groups: dict[str, Any], flat: dict[str, Any]) -> TrainerSetti
     for name, cls in _GROUPS.items():
         given = groups.get(name)
         if given is not None and not isinstance(given, cls):
-            raise TypeError(f"Trainer({name}=...) takes a {cls.__name__}, got {type(given).__name__}")
+            raise TypeError(
+                f"Trainer({name}=...) takes a {cls.__name__}, got {type(given).__name__}"
+            )
         base = given if given is not None else cls()
         built[name] = dataclasses.replace(base, **fields[name]) if fields[name] else base
     return TrainerSettings(**built)

@@ -85,11 +85,15 @@ class Monitor:
         self.tokens_per_step = tokens_per_step
         self._optimizer = optimizer
         self.run_id = run_id  # stamped on every record, so a reused log file keeps runs apart
-        self.context = context  # host-side fields for each step record, read at the step (e.g. the epoch)
+        self.context = (
+            context  # host-side fields for each step record, read at the step (e.g. the epoch)
+        )
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         # (step, wall time, loss, scale, found_inf, grad norm, lr, precision, context, timer): the timer last
-        self._pending: list[tuple[int, float, Any, Any, Any, Any, Optional[float], str, Any, Any]] = []
+        self._pending: list[
+            tuple[int, float, Any, Any, Any, Any, Optional[float], str, Any, Any]
+        ] = []
         self._switched: tuple[int, str] = (-1, "")  # (step, precision before) of the last switch
         self._pending_events: list[dict[str, Any]] = []
         self._cuda = amp.device.type == "cuda"
@@ -114,7 +118,10 @@ class Monitor:
     def _on_event(self, event: Event) -> None:
         if event.kind != "step":
             if event.kind in ("fallback", "precision_switch") and "from" in event.data:
-                self._switched = (event.step, str(event.data["from"]))  # that step ran before the switch
+                self._switched = (
+                    event.step,
+                    str(event.data["from"]),
+                )  # that step ran before the switch
             self._pending_events.append(self._event_record(event.kind, event.step, event.data))
             return
         now = time.perf_counter()
@@ -122,8 +129,20 @@ class Monitor:
         timer: Any = self._cuda_event() if self._cuda else now - self._last_time
         self._last_time = now
         ran_in = self._switched[1] if self._switched[0] == event.step else self.amp.precision.name
-        self._pending.append((event.step, time.time(), event.data["loss"], result.scale, result.found_inf,
-                              result.grad_norm, self._lr(), ran_in, self.context() if self.context else None, timer))
+        self._pending.append(
+            (
+                event.step,
+                time.time(),
+                event.data["loss"],
+                result.scale,
+                result.found_inf,
+                result.grad_norm,
+                self._lr(),
+                ran_in,
+                self.context() if self.context else None,
+                timer,
+            )
+        )
         # read on the run's own steps (a resumed run reads, and so diagnoses, where an uninterrupted one does)
         if event.step % self.log_every == 0 or len(self._pending) >= self.log_every:
             self.flush(wait=False)
@@ -143,8 +162,14 @@ class Monitor:
         self._pending_events.append(self._event_record(kind, self.amp.optimizer_steps, data))
 
     def _event_record(self, kind: str, step: int, data: dict[str, Any]) -> dict[str, Any]:
-        rec = {"schema_version": SCHEMA_VERSION, "type": "event", "kind": kind, "step": step,
-               "time": time.time(), **_plain(data)}
+        rec = {
+            "schema_version": SCHEMA_VERSION,
+            "type": "event",
+            "kind": kind,
+            "step": step,
+            "time": time.time(),
+            **_plain(data),
+        }
         if self.run_id is not None:
             rec["run_id"] = self.run_id
         return rec
@@ -177,7 +202,9 @@ class Monitor:
             return []
         return self._write(self._process(launched) if launched is not None else [], events)
 
-    def _write(self, out: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _write(
+        self, out: list[dict[str, Any]], events: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
         self.records.extend(r for r in out if r["type"] == "step")
         batch = sorted(out + events, key=lambda r: (r["step"], r["type"] != "step"))
         self.events.extend(r for r in batch if r["type"] == "event")
@@ -213,11 +240,21 @@ class Monitor:
         live_scale = self.amp.scaler.scale_tensor if scaled else None
         flat: list[torch.Tensor] = []
         for _, _, loss, scale, found, norm, *_ in pending:
-            flat += [loss if loss is not None else nan, scale if (scaled and scale is not None) else nan,
-                     found if found is not None else nan, norm if norm is not None else nan]
+            flat += [
+                loss if loss is not None else nan,
+                scale if (scaled and scale is not None) else nan,
+                found if found is not None else nan,
+                norm if norm is not None else nan,
+            ]
         growth = self.amp.scaler.growth_tracker if scaled else None
-        flat += [live_scale if live_scale is not None else nan, growth if growth is not None else nan]
-        flat = [t if (t.dtype is torch.float32 and t.dim() == 0) else t.detach().float().reshape(()) for t in flat]
+        flat += [
+            live_scale if live_scale is not None else nan,
+            growth if growth is not None else nan,
+        ]
+        flat = [
+            t if (t.dtype is torch.float32 and t.dim() == 0) else t.detach().float().reshape(())
+            for t in flat
+        ]
         stacked = torch.stack(flat)
         done = None
         if self._cuda:
@@ -226,7 +263,9 @@ class Monitor:
             done.record()
         return pending, stacked, done, float(peak_memory_bytes(dev))
 
-    def _process(self, launched: tuple[list[Any], torch.Tensor, Any, Optional[float]]) -> list[dict[str, Any]]:
+    def _process(
+        self, launched: tuple[list[Any], torch.Tensor, Any, Optional[float]]
+    ) -> list[dict[str, Any]]:
         pending, stacked, done, peak = launched
         if done is not None and not done.query():
             done.synchronize()  # recorded an interval ago, so this rarely waits
@@ -234,13 +273,20 @@ class Monitor:
         step_ms = self._step_times(pending)
         out: list[dict[str, Any]] = []
         for i, (step, wall, *_rest) in enumerate(pending):
-            loss, scale, found, norm = values[4 * i: 4 * i + 4]
+            loss, scale, found, norm = values[4 * i : 4 * i + 4]
             ms = step_ms[i]
             rec: dict[str, Any] = {
-                "schema_version": SCHEMA_VERSION, "type": "step", "step": step, "time": wall,
-                "loss": _num(loss), "precision": pending[i][7], "scale": _num(scale),
+                "schema_version": SCHEMA_VERSION,
+                "type": "step",
+                "step": step,
+                "time": wall,
+                "loss": _num(loss),
+                "precision": pending[i][7],
+                "scale": _num(scale),
                 "skipped": bool(found > 0) if not math.isnan(found) else False,
-                "grad_norm": _num(norm), "lr": pending[i][6], "step_time_ms": ms,
+                "grad_norm": _num(norm),
+                "lr": pending[i][6],
+                "step_time_ms": ms,
                 "peak_mem_bytes": int(peak) if peak is not None else None,
             }
             if self.run_id is not None:
@@ -252,12 +298,18 @@ class Monitor:
             if self.tokens_per_step and ms:
                 rec["tokens_per_s"] = self.tokens_per_step / (ms / 1e3)
             out.append(rec)
-            if i == len(pending) - 1 and not math.isnan(values[-1]):  # the scaler's state after the interval
+            if i == len(pending) - 1 and not math.isnan(
+                values[-1]
+            ):  # the scaler's state after the interval
                 rec["growth_tracker"] = int(values[-1])
             if rec["skipped"]:
                 after = values[4 * (i + 1) + 1] if i + 1 < len(pending) else values[-2]
-                out.append(self._event_record("overflow", step, {"scale_before": _num(scale), "scale_after": _num(after)})
-                           | {"time": wall})
+                out.append(
+                    self._event_record(
+                        "overflow", step, {"scale_before": _num(scale), "scale_after": _num(after)}
+                    )
+                    | {"time": wall}
+                )
         return out
 
     def _step_times(self, pending: list[Any]) -> list[Optional[float]]:
@@ -278,12 +330,18 @@ class Monitor:
         """Summary of everything recorded so far (flushes first): see :func:`ampkit.observe.monitor.summarize`;
         plus ``memory_saved_bytes_predicted`` (:func:`~ampkit.observe.monitor.summary.state_memory_saved`)."""
         self.flush()
-        return {**summarize(self.records, self.events), "memory_saved_bytes_predicted": state_memory_saved(self.amp)}
+        return {
+            **summarize(self.records, self.events),
+            "memory_saved_bytes_predicted": state_memory_saved(self.amp),
+        }
 
     def close(self) -> dict[str, Any]:
         """Flush, write a ``summary`` event, close the sinks and unsubscribe. Returns the summary."""
         if self._closed:
-            return {**summarize(self.records, self.events), "memory_saved_bytes_predicted": state_memory_saved(self.amp)}
+            return {
+                **summarize(self.records, self.events),
+                "memory_saved_bytes_predicted": state_memory_saved(self.amp),
+            }
         summary = self.summary()
         if self._worker is not None:
             self._queue.put(None)

@@ -111,8 +111,11 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i == last:
-                warnings.warn(f"{path}: skipping a truncated last line {i + 1} (the run was probably "
-                              f"interrupted mid-write); {len(records)} records before it are kept", stacklevel=2)
+                warnings.warn(
+                    f"{path}: skipping a truncated last line {i + 1} (the run was probably "
+                    f"interrupted mid-write); {len(records)} records before it are kept",
+                    stacklevel=2,
+                )
                 break
             # A partial line followed by a resumed run's records: skip it too, but say so.
             if i + 1 < len(lines) and not line.rstrip().endswith("}"):
@@ -122,7 +125,16 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return records
 
 
-_TB_SCALARS = ("loss", "scale", "grad_norm", "lr", "step_time_ms", "samples_per_s", "tokens_per_s", "peak_mem_bytes")
+_TB_SCALARS = (
+    "loss",
+    "scale",
+    "grad_norm",
+    "lr",
+    "step_time_ms",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_mem_bytes",
+)
 
 
 class TensorBoardSink:
@@ -136,7 +148,9 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # tensorboard is an optional extra
-            raise ImportError('TensorBoard logging needs the tensorboard package: pip install "ampkit[tensorboard]"') from e
+            raise ImportError(
+                'TensorBoard logging needs the tensorboard package: pip install "ampkit[tensorboard]"'
+            ) from e
         self.log_dir = log_dir
         self._writer = SummaryWriter(log_dir=log_dir)
 
@@ -151,7 +165,11 @@ class TensorBoardSink:
                         w.add_scalar(f"train/{key}", v, step)
                 w.add_scalar("train/skipped", float(bool(r.get("skipped"))), step)
             else:
-                details = {k: v for k, v in r.items() if k not in ("schema_version", "type", "kind", "step", "time")}
+                details = {
+                    k: v
+                    for k, v in r.items()
+                    if k not in ("schema_version", "type", "kind", "step", "time")
+                }
                 w.add_text(f"events/{r['kind']}", json.dumps(details, default=str)[:4000], step)
         w.flush()
 
@@ -162,7 +180,9 @@ class TensorBoardSink:
 class ConsoleSink:
     """A rich progress bar with live loss / scale / throughput; prints the summary table at the end."""
 
-    def __init__(self, total_steps: Optional[int] = None, *, console: Any = None, title: str = "train") -> None:
+    def __init__(
+        self, total_steps: Optional[int] = None, *, console: Any = None, title: str = "train"
+    ) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -173,9 +193,15 @@ class ConsoleSink:
         )
 
         self.console = console or Console()
-        self._progress = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                                  console=self.console, transient=False)
+        self._progress = Progress(
+            TextColumn(f"[bold]{title}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=self.console,
+            transient=False,
+        )
         self._task = self._progress.add_task(title, total=total_steps, info="")
         self._started = False
 
@@ -200,15 +226,29 @@ class ConsoleSink:
             self._progress.update(self._task, completed=r["step"], info=info)
         for e in records:
             if e["type"] == "event" and e["kind"] == "diagnosis":
-                self._progress.console.print(f"[yellow]diagnosis[/] (first skipped step): {e.get('message', '')}")
+                self._progress.console.print(
+                    f"[yellow]diagnosis[/] (first skipped step): {e.get('message', '')}"
+                )
             if e["type"] == "event" and e["kind"] == "eval" and e.get("loss") is not None:
-                self._progress.console.print(f"eval at step {e['step']}: loss {e['loss']:.4f} ({e.get('precision', '')})")
-            if e["type"] == "event" and e["kind"] in ("fallback", "fallback_retry", "precision_switch"):
-                self._progress.console.print(f"[yellow]{e['kind']}[/] at step {e['step']}: "
-                                             f"{e.get('from', '')} → {e.get('to', '')} ({e.get('reason', '')})")
+                self._progress.console.print(
+                    f"eval at step {e['step']}: loss {e['loss']:.4f} ({e.get('precision', '')})"
+                )
+            if e["type"] == "event" and e["kind"] in (
+                "fallback",
+                "fallback_retry",
+                "precision_switch",
+            ):
+                self._progress.console.print(
+                    f"[yellow]{e['kind']}[/] at step {e['step']}: "
+                    f"{e.get('from', '')} → {e.get('to', '')} ({e.get('reason', '')})"
+                )
             if e["type"] == "event" and e["kind"] == "summary":
                 self.close()
-                summary = {k: v for k, v in e.items() if k not in ("schema_version", "type", "kind", "step", "time")}
+                summary = {
+                    k: v
+                    for k, v in e.items()
+                    if k not in ("schema_version", "type", "kind", "step", "time")
+                }
                 self.console.print(summary_table(summary))
 
     def close(self) -> None:

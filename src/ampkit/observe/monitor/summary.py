@@ -20,7 +20,9 @@ def _pct(values: list[float], q: float) -> Optional[float]:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(records: list[dict[str, Any]], events: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+def summarize(
+    records: list[dict[str, Any]], events: Optional[list[dict[str, Any]]] = None
+) -> dict[str, Any]:
     """Step time median/p90, throughput, overflow rate, skipped steps, scale statistics, peak memory;
     usage per precision (``steps_by_precision``, ``precision_usage``: the share of steps), and the
     error counts (``fallbacks``, ``errors``: skipped steps plus :data:`ERROR_EVENTS`).
@@ -61,13 +63,17 @@ def summarize(records: list[dict[str, Any]], events: Optional[list[dict[str, Any
         "scale_last": scales[-1] if scales else None,
         "scale_changes": changes,
         "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0 for r in steps), default=None),
-        "events": {k: sum(1 for e in events if e.get("kind") == k)
-                   for k in sorted({e.get("kind") for e in events if e.get("kind") != "summary"})},
+        "events": {
+            k: sum(1 for e in events if e.get("kind") == k)
+            for k in sorted({e.get("kind") for e in events if e.get("kind") != "summary"})
+        },
         **_usage(steps, events, skipped),
     }
 
 
-def _usage(steps: list[dict[str, Any]], events: list[dict[str, Any]], skipped: int) -> dict[str, Any]:
+def _usage(
+    steps: list[dict[str, Any]], events: list[dict[str, Any]], skipped: int
+) -> dict[str, Any]:
     by: dict[str, int] = {}
     for r in steps:
         by[str(r.get("precision"))] = by.get(str(r.get("precision")), 0) + 1
@@ -115,18 +121,36 @@ def summary_table(summary: dict[str, Any], title: str = "run summary") -> Any:
         ("precision", summary.get("precision")),
         ("optimizer steps", summary.get("steps")),
         ("final loss", _fmt(summary.get("final_loss"))),
-        ("step time median / p90", f"{_fmt(summary.get('step_time_ms_median'), ' ms')} / {_fmt(summary.get('step_time_ms_p90'), ' ms')}"),
+        (
+            "step time median / p90",
+            f"{_fmt(summary.get('step_time_ms_median'), ' ms')} / {_fmt(summary.get('step_time_ms_p90'), ' ms')}",
+        ),
         ("samples/s", _fmt(summary.get("samples_per_s"))),
         ("tokens/s", _fmt(summary.get("tokens_per_s"))),
-        ("skipped steps (overflow rate)", f"{summary.get('skipped_steps')} ({summary.get('overflow_rate', 0):.2%})"),
-        ("loss scale min / max / last", f"{_fmt(summary.get('scale_min'))} / {_fmt(summary.get('scale_max'))} / {_fmt(summary.get('scale_last'))}"),
+        (
+            "skipped steps (overflow rate)",
+            f"{summary.get('skipped_steps')} ({summary.get('overflow_rate', 0):.2%})",
+        ),
+        (
+            "loss scale min / max / last",
+            f"{_fmt(summary.get('scale_min'))} / {_fmt(summary.get('scale_max'))} / {_fmt(summary.get('scale_last'))}",
+        ),
         ("scale changes", summary.get("scale_changes")),
         ("peak memory", f"{mem / 2**20:,.1f} MiB" if mem else "—"),
     ]
     if summary.get("steps_by_precision"):
-        rows.append(("steps by precision", ", ".join(f"{k}: {v} ({summary['precision_usage'][k]:.0%})"
-                                                    for k, v in summary["steps_by_precision"].items())))
-    rows.append(("fallbacks / errors", f"{summary.get('fallbacks', 0)} / {summary.get('errors', 0)}"))
+        rows.append(
+            (
+                "steps by precision",
+                ", ".join(
+                    f"{k}: {v} ({summary['precision_usage'][k]:.0%})"
+                    for k, v in summary["steps_by_precision"].items()
+                ),
+            )
+        )
+    rows.append(
+        ("fallbacks / errors", f"{summary.get('fallbacks', 0)} / {summary.get('errors', 0)}")
+    )
     saved = summary.get("memory_saved_bytes_predicted")
     if saved is not None:
         rows.append(("state memory saved vs fp32 (predicted)", f"{saved / 2**20:,.1f} MiB"))

@@ -42,7 +42,9 @@ def metrics_of(record: dict[str, Any]) -> dict[str, float]:
     for key, v in record.items():
         if key in _NOT_METRICS:
             continue
-        if isinstance(v, (int, float)) and math.isfinite(v):  # (a bool is an int: skipped -> 0.0/1.0)
+        if isinstance(v, (int, float)) and math.isfinite(
+            v
+        ):  # (a bool is an int: skipped -> 0.0/1.0)
             out[key] = float(v)
     return out
 
@@ -66,11 +68,20 @@ class MLflowSink:
     ``run_id`` is the run written to. Events are appended to the artifact ``ampkit/events.jsonl``.
     """
 
-    def __init__(self, tracking_uri: str, *, experiment: str = "ampkit", run_name: Optional[str] = None,
-                 run_id: Optional[str] = None, params: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str,
+        *,
+        experiment: str = "ampkit",
+        run_name: Optional[str] = None,
+        run_id: Optional[str] = None,
+        params: Optional[dict[str, Any]] = None,
+    ) -> None:
         if not isinstance(tracking_uri, str) or not tracking_uri:
-            raise ValueError(f"tracking_uri={tracking_uri!r} must be an MLflow tracking URI, "
-                             "e.g. file:///tmp/mlruns or http://localhost:5000")
+            raise ValueError(
+                f"tracking_uri={tracking_uri!r} must be an MLflow tracking URI, "
+                "e.g. file:///tmp/mlruns or http://localhost:5000"
+            )
         if "://" not in tracking_uri or tracking_uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow = _require("mlflow", "mlflow", "MLflowSink")
@@ -79,14 +90,18 @@ class MLflowSink:
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         if run_id is None:
             found = self._client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
+            experiment_id = (
+                found.experiment_id if found else self._client.create_experiment(experiment)
+            )
             run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
         self.run_id: str = run_id
         self._closed = False
         self._events: list[dict[str, Any]] = []
         self._precision: Optional[str] = None
         if params:
-            self._client.log_batch(run_id, params=[self._entities.Param(k, str(v)[:6000]) for k, v in params.items()])
+            self._client.log_batch(
+                run_id, params=[self._entities.Param(k, str(v)[:6000]) for k, v in params.items()]
+            )
 
     def write(self, records: list[dict[str, Any]]) -> None:
         metric = self._entities.Metric
@@ -101,7 +116,7 @@ class MLflowSink:
             else:
                 self._events.append(_event_details(r))
         for i in range(0, len(metrics), 1000):  # MLflow's limit per log_batch call
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         if self._events and any(r.get("type") != "step" for r in records):
             text = "".join(json.dumps(e) + "\n" for e in self._events)
             self._client.log_text(self.run_id, text, "ampkit/events.jsonl")
@@ -126,15 +141,25 @@ class WandbSink:
     step with its record).
     """
 
-    def __init__(self, project: Optional[str] = None, *, run_name: Optional[str] = None, dir: Optional[str] = None,
-                 mode: Optional[str] = None, config: Optional[dict[str, Any]] = None, run: Any = None) -> None:
+    def __init__(
+        self,
+        project: Optional[str] = None,
+        *,
+        run_name: Optional[str] = None,
+        dir: Optional[str] = None,
+        mode: Optional[str] = None,
+        config: Optional[dict[str, Any]] = None,
+        run: Any = None,
+    ) -> None:
         wandb = _require("wandb", "wandb", "WandbSink")
         self._own = run is None  # finish only a run this sink started
         if run is None:
             # Read WANDB_MODE here: wandb reads the environment once per process (its first init).
             mode = mode if mode is not None else os.environ.get("WANDB_MODE") or None
             if mode is not None and mode not in ("online", "offline", "disabled"):
-                raise ValueError(f"mode={mode!r} is not a W&B mode; choose one of: online, offline, disabled")
+                raise ValueError(
+                    f"mode={mode!r} is not a W&B mode; choose one of: online, offline, disabled"
+                )
             run = wandb.init(project=project, name=run_name, dir=dir, mode=mode, config=config)
         self.run = run
         self._events: list[dict[str, Any]] = []
@@ -176,7 +201,11 @@ class JSONLFollower:
 
     def poll(self) -> None:
         """Forward the complete lines written since the last call."""
-        if self._closed or not os.path.exists(self.path) or os.path.getsize(self.path) <= self._offset:
+        if (
+            self._closed
+            or not os.path.exists(self.path)
+            or os.path.getsize(self.path) <= self._offset
+        ):
             return
         with open(self.path, "rb") as f:
             f.seek(self._offset)
@@ -185,7 +214,9 @@ class JSONLFollower:
         if end == 0:
             return
         self._offset += end
-        records = [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
+        records = [
+            json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()
+        ]
         if records:
             for sink in self.sinks:
                 sink.write(records)

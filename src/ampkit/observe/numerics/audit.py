@@ -21,14 +21,15 @@ __all__ = ["SENSITIVE", "AuditReport", "ModuleAudit", "audit"]
 
 SENSITIVE: dict[type, str] = {
     torch.nn.modules.batchnorm._BatchNorm: "BatchNorm running statistics lose precision in half-precision weights; "
-                                           "keep BatchNorm in fp32 (autocast already computes it in fp32)",
+    "keep BatchNorm in fp32 (autocast already computes it in fp32)",
     torch.nn.Softmax: "softmax is a large reduction: autocast runs it in fp32, but in pure half weights or outside "
-                      "autocast it runs in half; keep it in fp32",
+    "autocast it runs in half; keep it in fp32",
     torch.nn.LogSoftmax: "log-softmax is a large reduction: run it in fp32 (autocast does; pure half weights do not)",
-    torch.nn.LayerNorm: "LayerNorm's mean/variance reductions need fp32: autocast keeps them fp32, pure half weights do not",
+    torch.nn.LayerNorm: "LayerNorm's mean/variance reductions need fp32: autocast keeps them fp32, "
+    "pure half weights do not",
     torch.nn.GroupNorm: "GroupNorm's reductions need fp32: autocast keeps them fp32, pure half weights do not",
     torch.nn.modules.loss._Loss: "a loss computed on half logits loses precision: compute it on logits.float() "
-                                 "(autocast does this for cross_entropy and friends)",
+    "(autocast does this for cross_entropy and friends)",
 }
 
 
@@ -43,7 +44,9 @@ class ModuleAudit:
     max_abs: Optional[float]
     headroom_bits: Optional[float]  # log2(dtype max / largest output magnitude); < 0 means overflow
     nonfinite: bool
-    grad_underflow_scale1: Optional[float]  # share of non-zero fp32 grads that flush to zero in fp16 at scale 1
+    grad_underflow_scale1: Optional[
+        float
+    ]  # share of non-zero fp32 grads that flush to zero in fp16 at scale 1
     grad_underflow_recommended: Optional[float]  # the same at the recommended init_scale
     keep_fp32: bool
     reasons: tuple[str, ...] = ()
@@ -76,9 +79,16 @@ class AuditReport:
         for col in ("rel err", "headroom bits", "underflow @1", "@rec", "fp32?", "why / note"):
             t.add_column(col, overflow="fold")
         for m in self.modules[:limit]:
-            t.add_row(m.name, m.type, _g(m.rel_error), _g(m.headroom_bits), _pct(m.grad_underflow_scale1),
-                      _pct(m.grad_underflow_recommended), "[bold red]yes[/]" if m.keep_fp32 else "",
-                      "; ".join(m.reasons) or m.note)
+            t.add_row(
+                m.name,
+                m.type,
+                _g(m.rel_error),
+                _g(m.headroom_bits),
+                _pct(m.grad_underflow_scale1),
+                _pct(m.grad_underflow_recommended),
+                "[bold red]yes[/]" if m.keep_fp32 else "",
+                "; ".join(m.reasons) or m.note,
+            )
         return t
 
 
@@ -90,7 +100,9 @@ def _pct(v: Optional[float]) -> str:
     return "—" if v is None else f"{100 * v:.1f}%"
 
 
-def _first_outputs(model: torch.nn.Module, call: Callable[[], Any]) -> tuple[dict[str, Any], Any, dict[str, bool]]:
+def _first_outputs(
+    model: torch.nn.Module, call: Callable[[], Any]
+) -> tuple[dict[str, Any], Any, dict[str, bool]]:
     """First-call outputs of every named module, and whether each module's inputs were finite."""
     outs: dict[str, Any] = {}
     finite_in: dict[str, bool] = {}
@@ -106,6 +118,7 @@ def _first_outputs(model: torch.nn.Module, call: Callable[[], Any]) -> tuple[dic
         def hook(mod: torch.nn.Module, args: Any, out: Any, _n: str = name) -> None:
             if _n not in outs:
                 outs[_n] = tuple(t.detach() for t in float_tensors(out))
+
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(hook))
     try:
@@ -165,9 +178,17 @@ def audit(
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     p = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
     n_params = sum(q.numel() for q in model.parameters())
-    ref_dtype = torch.float64 if (reference == "fp64" or (reference == "auto" and n_params <= max_fp64_params
-                                                             and device.type == "cpu")) else torch.float32
-    ref_outs, ref_grads = _reference(model, example_inputs, ref_dtype, device, loss_fn or _default_loss)
+    ref_dtype = (
+        torch.float64
+        if (
+            reference == "fp64"
+            or (reference == "auto" and n_params <= max_fp64_params and device.type == "cpu")
+        )
+        else torch.float32
+    )
+    ref_outs, ref_grads = _reference(
+        model, example_inputs, ref_dtype, device, loss_fn or _default_loss
+    )
     max_grad, rec_scale = _recommended_scale(ref_grads)
     test_model = copy.deepcopy(model)
     if p.is_pure:
@@ -176,9 +197,21 @@ def audit(
     test_outs, test_finite_in = _forward(test_model, test_inputs, p, device)
     ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
     threshold = 16 * ulp.get(p.compute_dtype, 2.0**-23)
-    rows = [_module_row(name, m, test_outs.get(name), ref_outs.get(name), not test_finite_in.get(name, True),
-                        ref_grads.get(name) or [], rec_scale, p, threshold)
-            for name, m in model.named_modules() if name]
+    rows = [
+        _module_row(
+            name,
+            m,
+            test_outs.get(name),
+            ref_outs.get(name),
+            not test_finite_in.get(name, True),
+            ref_grads.get(name) or [],
+            rec_scale,
+            p,
+            threshold,
+        )
+        for name, m in model.named_modules()
+        if name
+    ]
     rows.sort(key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
     keep = [r.name for r in rows if r.keep_fp32]
     # A container is flagged when a child inside it is: recommend the innermost modules only.
@@ -187,14 +220,27 @@ def audit(
     notes = _follow_overflows(test_model, test_inputs, p, device, keep, by_name)
     rows = sorted(by_name.values(), key=lambda r: (not r.keep_fp32, -(r.rel_error or 0.0)))
     if not p.needs_scaler:
-        notes.append(f"{p.name} needs no loss scaling; the underflow columns show what fp16 would do")
-    return AuditReport(precision=p.name, reference_dtype=str(ref_dtype).replace("torch.", ""), modules=rows,
-                       recommended_keep_fp32=keep, recommended_init_scale=rec_scale,
-                       max_grad=max_grad, notes=notes)
+        notes.append(
+            f"{p.name} needs no loss scaling; the underflow columns show what fp16 would do"
+        )
+    return AuditReport(
+        precision=p.name,
+        reference_dtype=str(ref_dtype).replace("torch.", ""),
+        modules=rows,
+        recommended_keep_fp32=keep,
+        recommended_init_scale=rec_scale,
+        max_grad=max_grad,
+        notes=notes,
+    )
 
 
-def _reference(model: torch.nn.Module, inputs: Any, dtype: torch.dtype, device: torch.device,
-               loss_fn: Callable[[Any], torch.Tensor]) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
+def _reference(
+    model: torch.nn.Module,
+    inputs: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
     """A ``dtype`` copy's first outputs per module and its parameters' gradients per module."""
     ref_model = copy.deepcopy(model).to(dtype)
     ref_model.train(model.training)
@@ -202,12 +248,17 @@ def _reference(model: torch.nn.Module, inputs: Any, dtype: torch.dtype, device: 
     with torch.autocast(device.type, enabled=False):
         ref_outs, ref_result, _ = _first_outputs(ref_model, lambda: _call(ref_model, ref_inputs))
         loss_fn(ref_result).backward()
-    ref_grads = {n: [q.grad.detach() for q in m.parameters(recurse=False) if q.grad is not None]
-                 for n, m in ref_model.named_modules() if n}
+    ref_grads = {
+        n: [q.grad.detach() for q in m.parameters(recurse=False) if q.grad is not None]
+        for n, m in ref_model.named_modules()
+        if n
+    }
     return ref_outs, ref_grads
 
 
-def _recommended_scale(grads: dict[str, list[torch.Tensor]]) -> tuple[Optional[float], Optional[float]]:
+def _recommended_scale(
+    grads: dict[str, list[torch.Tensor]],
+) -> tuple[Optional[float], Optional[float]]:
     """The largest reference gradient, and the largest power of two (1 to 2**24) that keeps it 8x
     below fp16's max."""
     max_grad = max((float(g.abs().max()) for gs in grads.values() for g in gs), default=None)
@@ -217,16 +268,21 @@ def _recommended_scale(grads: dict[str, list[torch.Tensor]]) -> tuple[Optional[f
     return max_grad, min(max(scale, 1.0), 2.0**24)
 
 
-def _forward(model: torch.nn.Module, inputs: Any, p: Precision,
-             device: torch.device) -> tuple[dict[str, Any], dict[str, bool]]:
+def _forward(
+    model: torch.nn.Module, inputs: Any, p: Precision, device: torch.device
+) -> tuple[dict[str, Any], dict[str, bool]]:
     """First outputs per module under ``p``'s autocast (no gradients), and which inputs were finite."""
-    with torch.no_grad(), torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled):
+    with (
+        torch.no_grad(),
+        torch.autocast(device.type, dtype=p.compute_dtype, enabled=p.autocast_enabled),
+    ):
         outs, _, finite_in = _first_outputs(model, lambda: _call(model, inputs))
     return outs, finite_in
 
 
-def _output_numbers(t_out: Any, r_out: Any) -> tuple[Optional[str], bool, Optional[float], Optional[float],
-                                                      Optional[float]]:
+def _output_numbers(
+    t_out: Any, r_out: Any
+) -> tuple[Optional[str], bool, Optional[float], Optional[float], Optional[float]]:
     """(dtype, non-finite?, largest finite magnitude, headroom bits, relative error) of a module's
     first output against the reference's."""
     if not (t_out and r_out):
@@ -244,7 +300,9 @@ def _output_numbers(t_out: Any, r_out: Any) -> tuple[Optional[str], bool, Option
     return str(t.dtype).replace("torch.", ""), nonfinite, maxabs, headroom, rel
 
 
-def _underflow(grads: list[torch.Tensor], scale: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+def _underflow(
+    grads: list[torch.Tensor], scale: Optional[float]
+) -> tuple[Optional[float], Optional[float]]:
     """Shares of the non-zero gradient elements that flush to zero in fp16 at scale 1 and at ``scale``."""
     if not grads:
         return None, None
@@ -256,8 +314,17 @@ def _underflow(grads: list[torch.Tensor], scale: Optional[float]) -> tuple[Optio
     return at_one, float((nz * scale < FP16_TINY).float().mean()) if scale else None
 
 
-def _module_row(name: str, m: torch.nn.Module, t_out: Any, r_out: Any, input_nonfinite: bool,
-                grads: list[torch.Tensor], rec_scale: Optional[float], p: Precision, threshold: float) -> ModuleAudit:
+def _module_row(
+    name: str,
+    m: torch.nn.Module,
+    t_out: Any,
+    r_out: Any,
+    input_nonfinite: bool,
+    grads: list[torch.Tensor],
+    rec_scale: Optional[float],
+    p: Precision,
+    threshold: float,
+) -> ModuleAudit:
     """One module's audit: its output's numbers, its gradients' underflow, why to keep it in fp32."""
     dtype, nonfinite, maxabs, headroom, rel = _output_numbers(t_out, r_out)
     u1, urec = _underflow(grads, rec_scale)
@@ -270,16 +337,38 @@ def _module_row(name: str, m: torch.nn.Module, t_out: Any, r_out: Any, input_non
     elif not inherited and headroom is not None and headroom < 1:
         reasons.append(f"only {headroom:.2f} bits of headroom to {dtype} max")
     if not inherited and rel is not None and rel > threshold and p.compute_dtype != torch.float32:
-        reasons.append(f"relative error {rel:.2g} > {threshold:.2g} (16 ulps of {str(p.compute_dtype)[6:]})")
-    note = ("non-finite because its input already is" if inherited
-            else next((why for cls, why in SENSITIVE.items() if isinstance(m, cls)), ""))
-    return ModuleAudit(name=name, type=type(m).__name__, output_dtype=dtype, rel_error=rel, max_abs=maxabs,
-                       headroom_bits=headroom, nonfinite=nonfinite, grad_underflow_scale1=u1,
-                       grad_underflow_recommended=urec, keep_fp32=bool(reasons), reasons=tuple(reasons), note=note)
+        reasons.append(
+            f"relative error {rel:.2g} > {threshold:.2g} (16 ulps of {str(p.compute_dtype)[6:]})"
+        )
+    note = (
+        "non-finite because its input already is"
+        if inherited
+        else next((why for cls, why in SENSITIVE.items() if isinstance(m, cls)), "")
+    )
+    return ModuleAudit(
+        name=name,
+        type=type(m).__name__,
+        output_dtype=dtype,
+        rel_error=rel,
+        max_abs=maxabs,
+        headroom_bits=headroom,
+        nonfinite=nonfinite,
+        grad_underflow_scale1=u1,
+        grad_underflow_recommended=urec,
+        keep_fp32=bool(reasons),
+        reasons=tuple(reasons),
+        note=note,
+    )
 
 
-def _follow_overflows(test_model: torch.nn.Module, inputs: Any, p: Precision, device: torch.device,
-                      keep: list[str], by_name: dict[str, ModuleAudit]) -> list[str]:
+def _follow_overflows(
+    test_model: torch.nn.Module,
+    inputs: Any,
+    p: Precision,
+    device: torch.device,
+    keep: list[str],
+    by_name: dict[str, ModuleAudit],
+) -> list[str]:
     """An overflow hides the ones after it (their inputs are already inf): re-run with the
     recommendations applied until no new module overflows. Extends ``keep`` and ``by_name`` in
     place; returns notes on what each round found."""
@@ -290,14 +379,26 @@ def _follow_overflows(test_model: torch.nn.Module, inputs: Any, p: Precision, de
         trial = copy.deepcopy(test_model)
         apply_fp32_overrides(trial, keep, device.type)
         outs, fin = _forward(trial, inputs, p, device)
-        new = [n for n, o in outs.items() if o and fin.get(n, True) and not bool(torch.isfinite(o[0]).all())
-               and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)]
+        new = [
+            n
+            for n, o in outs.items()
+            if o
+            and fin.get(n, True)
+            and not bool(torch.isfinite(o[0]).all())
+            and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)
+        ]
         new = [n for n in new if not any(o != n and o.startswith(n + ".") for o in new)]
         if not new:
             break
         for n in new:
-            by_name[n] = dataclasses.replace(by_name[n], keep_fp32=True, note="",
-                                             reasons=(f"non-finite output once {', '.join(keep)} run in fp32",))
+            by_name[n] = dataclasses.replace(
+                by_name[n],
+                keep_fp32=True,
+                note="",
+                reasons=(f"non-finite output once {', '.join(keep)} run in fp32",),
+            )
         keep += new
-        notes.append(f"after keeping {', '.join(keep[:-len(new)])} in fp32, {', '.join(new)} overflowed next")
+        notes.append(
+            f"after keeping {', '.join(keep[: -len(new)])} in fp32, {', '.join(new)} overflowed next"
+        )
     return notes

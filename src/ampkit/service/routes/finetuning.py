@@ -62,13 +62,24 @@ def _settings(mp: MixedPrecisionBody, device: str = "cpu") -> dict[str, Any]:
     """The precision and scaler settings a body asks for, resolved on ``device``."""
     p = _resolve(mp.dtype if mp.enabled else "fp32", device)
     defaults = MixedPrecisionConfig()
-    return {"enabled": p.compute_dtype != torch.float32, "precision": p.name, "dtype": str(p.compute_dtype).replace("torch.", ""),
-            "reason": p.reason, "memory_efficient": mp.memory_efficient,
-            "activation_checkpointing": mp.memory_efficient,
-            "scaler": {"enabled": p.needs_scaler, "init_scale": mp.init_scale if p.needs_scaler else None,
-                       "growth_factor": defaults.growth_factor, "backoff_factor": defaults.backoff_factor,
-                       "growth_interval": defaults.growth_interval, "hysteresis": defaults.hysteresis,
-                       "min_scale": defaults.min_scale, "max_scale": defaults.max_scale}}
+    return {
+        "enabled": p.compute_dtype != torch.float32,
+        "precision": p.name,
+        "dtype": str(p.compute_dtype).replace("torch.", ""),
+        "reason": p.reason,
+        "memory_efficient": mp.memory_efficient,
+        "activation_checkpointing": mp.memory_efficient,
+        "scaler": {
+            "enabled": p.needs_scaler,
+            "init_scale": mp.init_scale if p.needs_scaler else None,
+            "growth_factor": defaults.growth_factor,
+            "backoff_factor": defaults.backoff_factor,
+            "growth_interval": defaults.growth_interval,
+            "hysteresis": defaults.hysteresis,
+            "min_scale": defaults.min_scale,
+            "max_scale": defaults.max_scale,
+        },
+    }
 
 
 def _mixed_for(device: str) -> Precision:
@@ -85,21 +96,40 @@ def _is_mixed(name: Optional[str], device: str) -> bool:
     """Does ``name`` compute in less than fp32 on ``device`` (False when it cannot run there)? The
     brief's ``enabled``, the same rule as setup's: tf32 computes fp32 matmuls, so it is not mixed."""
     try:
-        return resolve_precision(name or "fp32", device, emulate_fp8=True).compute_dtype != torch.float32
+        return (
+            resolve_precision(name or "fp32", device, emulate_fp8=True).compute_dtype
+            != torch.float32
+        )
     except (ValueError, RuntimeError):
         return False
 
 
-def _run_spec(body: TrainBody, precision: str, init_scale: Optional[float], ckpt: bool, batch: int,
-              **extra: Any) -> dict[str, Any]:
+def _run_spec(
+    body: TrainBody,
+    precision: str,
+    init_scale: Optional[float],
+    ckpt: bool,
+    batch: int,
+    **extra: Any,
+) -> dict[str, Any]:
     """The body as a RunSpec (checked like ``POST /v1/runs``; 422 with its message)."""
     try:
-        return RunSpec(model=body.model_name, model_overrides=body.model_overrides, precision=precision,
-                       texts=body.dataset_config.texts, max_length=body.dataset_config.max_length,
-                       lr=body.training_config.learning_rate,
-                       batch_size=batch, init_scale=init_scale, activation_checkpointing=ckpt, save_model=True,
-                       user_id=body.user_id, device=body.device, max_seconds=body.max_seconds,
-                       **{"epochs": body.training_config.epochs, **_weight_decay(body), **extra}).model_dump()
+        return RunSpec(
+            model=body.model_name,
+            model_overrides=body.model_overrides,
+            precision=precision,
+            texts=body.dataset_config.texts,
+            max_length=body.dataset_config.max_length,
+            lr=body.training_config.learning_rate,
+            batch_size=batch,
+            init_scale=init_scale,
+            activation_checkpointing=ckpt,
+            save_model=True,
+            user_id=body.user_id,
+            device=body.device,
+            max_seconds=body.max_seconds,
+            **{"epochs": body.training_config.epochs, **_weight_decay(body), **extra},
+        ).model_dump()
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
 
@@ -135,13 +165,21 @@ def mixed_precision(body: TrainBody, who: Owner, svc: Svc) -> dict[str, Any]:
         mp = MixedPrecisionBody(**saved) if saved else MixedPrecisionBody()
     cfg = _settings(mp, body.device)
     batch = min(body.training_config.batch_size, len(body.dataset_config.texts))
-    spec = _run_spec(body, cfg["precision"], cfg["scaler"]["init_scale"], mp.memory_efficient, batch)
+    spec = _run_spec(
+        body, cfg["precision"], cfg["scaler"]["init_scale"], mp.memory_efficient, batch
+    )
     run = submit(svc, who, "train", spec)
     # The predicted saving is answered with the run's result (GET /finetuning/runs/{id}); worked
     # out now in the background (it is cached), so that this answer does not wait for the estimate.
     threading.Thread(target=savings_gb, args=(spec, cfg["precision"]), daemon=True).start()
-    return {**run_view(run), "run_id": run["id"], "mixed_precision": cfg, "memory_savings_gb": None,
-            "scaler_scale": cfg["scaler"]["init_scale"], "result": f"/finetuning/runs/{run['id']}"}
+    return {
+        **run_view(run),
+        "run_id": run["id"],
+        "mixed_precision": cfg,
+        "memory_savings_gb": None,
+        "scaler_scale": cfg["scaler"]["init_scale"],
+        "result": f"/finetuning/runs/{run['id']}",
+    }
 
 
 @router.post("/optimized", status_code=201)
@@ -162,19 +200,41 @@ def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
     if target:  # the largest micro-batch <= batch that divides the target (as `ampkit train` does)
         batch = max(b for b in range(1, min(batch, target) + 1) if target % b == 0)
     accumulation = target // batch if target else 1
-    steps, passes = _steps_for_epochs(len(body.dataset_config.texts), batch, accumulation,
-                                      body.training_config.epochs)
-    spec = _run_spec(body, precision, None, False, batch, accumulation_steps=accumulation, steps=steps, epochs=None)
+    steps, passes = _steps_for_epochs(
+        len(body.dataset_config.texts), batch, accumulation, body.training_config.epochs
+    )
+    spec = _run_spec(
+        body,
+        precision,
+        None,
+        False,
+        batch,
+        accumulation_steps=accumulation,
+        steps=steps,
+        epochs=None,
+    )
     run = submit(svc, who, "train", spec)
     # the predicted saving, if the worker has it within a second; else with the result (GET /finetuning/runs/{id})
-    return {**run_view(run), "run_id": run["id"], "precision": precision, "reason": reason,
-            "mixed_precision_enabled": precision != REFERENCE, "gradient_accumulation_enabled": accumulation > 1,
-            "batch_size": batch, "accumulation_steps": accumulation, "effective_batch_size": batch * accumulation,
-            "optimizer_steps": steps, "epochs": body.training_config.epochs, "data_passes": passes,
-            "memory_savings_gb": savings_gb(spec, precision, wait_s=1.0)}
+    return {
+        **run_view(run),
+        "run_id": run["id"],
+        "precision": precision,
+        "reason": reason,
+        "mixed_precision_enabled": precision != REFERENCE,
+        "gradient_accumulation_enabled": accumulation > 1,
+        "batch_size": batch,
+        "accumulation_steps": accumulation,
+        "effective_batch_size": batch * accumulation,
+        "optimizer_steps": steps,
+        "epochs": body.training_config.epochs,
+        "data_passes": passes,
+        "memory_savings_gb": savings_gb(spec, precision, wait_s=1.0),
+    }
 
 
-def _steps_for_epochs(samples: int, batch: int, accumulation: int, epochs: int) -> tuple[int, float]:
+def _steps_for_epochs(
+    samples: int, batch: int, accumulation: int, epochs: int
+) -> tuple[int, float]:
     """Optimizer steps for ``epochs`` passes over ``samples`` texts, and the passes they make. As
     ``ampkit train --epochs`` counts them (whole batches per epoch, then whole optimizer steps), but
     never fewer than every text ``epochs`` times: an effective batch larger than the data (64 of 2
@@ -190,39 +250,63 @@ def result(run: OwnedRun) -> dict[str, Any]:
     """The run object plus `memory_savings_gb` (predicted: fp32's estimated peak minus the run's
     precision's, in GiB; null when the estimate cannot run)."""
     out = run_view(run)
-    precision = (run.get("summary") or {}).get("precision") or run["spec"].get("precision")  # after any fallback
-    out["memory_savings_gb"] = savings_gb(run["spec"], precision) if run["kind"] == "train" else None
+    precision = (run.get("summary") or {}).get("precision") or run["spec"].get(
+        "precision"
+    )  # after any fallback
+    out["memory_savings_gb"] = (
+        savings_gb(run["spec"], precision) if run["kind"] == "train" else None
+    )
     return out
 
 
 @router.get("/mixed-precision-stats")
-def stats(who: Owner, svc: Svc, run_id: Optional[str] = Query(None, description="default: this owner's latest "
-                                                                         "training run")) -> dict[str, Any]:
+def stats(
+    who: Owner,
+    svc: Svc,
+    run_id: Optional[str] = Query(None, description="default: this owner's latest training run"),
+) -> dict[str, Any]:
     """`run_id`, `status`, `precision`, `enabled`, `scaler_scale`, `memory_savings_gb`,
     `overflow_count` (overflow events), `underflow_count` (logged steps whose gradient norm was
     exactly 0), `skipped_steps`, `logged_steps`. With no run yet: `run_id` null, the stored
     setup's `enabled` and `scaler_scale`, zero counts."""
     if run_id is None:
-        run = next((r for r in svc.store.list(owner=who, limit=1_000) if r["kind"] == "train"), None)
+        run = next(
+            (r for r in svc.store.list(owner=who, limit=1_000) if r["kind"] == "train"), None
+        )
     else:
         run = lookup(svc, run_id, who)
     if run is None:  # no run yet: the settings, nothing counted
         saved = (svc.store.get_setting(who, "mixed_precision") or {}).get("resolved")
-        return {"run_id": None, "enabled": bool(saved and saved["enabled"]),
-                "scaler_scale": saved["scaler"]["init_scale"] if saved else None, "memory_savings_gb": None,
-                "overflow_count": 0, "underflow_count": 0, "status": None}
+        return {
+            "run_id": None,
+            "enabled": bool(saved and saved["enabled"]),
+            "scaler_scale": saved["scaler"]["init_scale"] if saved else None,
+            "memory_savings_gb": None,
+            "overflow_count": 0,
+            "underflow_count": 0,
+            "status": None,
+        }
     records = [json.loads(x) for x in read_log(run["run_dir"])]
     steps = [r for r in records if r.get("type") == "step"]
     summary = run.get("summary") or {}
-    precision = summary.get("precision") or (steps[-1]["precision"] if steps else run["spec"].get("precision"))
+    precision = summary.get("precision") or (
+        steps[-1]["precision"] if steps else run["spec"].get("precision")
+    )
     scale = summary.get("final_scale") if summary else (steps[-1].get("scale") if steps else None)
-    return {"run_id": run["id"], "status": run["status"], "precision": precision,
-            "enabled": _is_mixed(precision, run["spec"].get("device", "cpu")),
-            "scaler_scale": scale, "memory_savings_gb": savings_gb(run["spec"], precision),
-            "overflow_count": sum(1 for r in records if r.get("type") == "event" and r.get("kind") == "overflow"),
-            "underflow_count": sum(1 for r in steps if r.get("grad_norm") == 0.0),
-            "skipped_steps": summary.get("skipped_steps", sum(1 for r in steps if r.get("skipped"))),
-            "logged_steps": len(steps)}
+    return {
+        "run_id": run["id"],
+        "status": run["status"],
+        "precision": precision,
+        "enabled": _is_mixed(precision, run["spec"].get("device", "cpu")),
+        "scaler_scale": scale,
+        "memory_savings_gb": savings_gb(run["spec"], precision),
+        "overflow_count": sum(
+            1 for r in records if r.get("type") == "event" and r.get("kind") == "overflow"
+        ),
+        "underflow_count": sum(1 for r in steps if r.get("grad_norm") == 0.0),
+        "skipped_steps": summary.get("skipped_steps", sum(1 for r in steps if r.get("skipped"))),
+        "logged_steps": len(steps),
+    }
 
 
 PLAN_WAIT_S = 3.0  # how long the planner route waits for its job before answering 202 with it
@@ -234,10 +318,16 @@ def _job_answer(job: dict[str, Any], status_code: int = 202) -> JSONResponse:
         return JSONResponse({**job["result"], "job_id": job["id"]}, status_code=200)
     if job["status"] == "invalid":
         raise HTTPException(422, job["error"])
-    view = {"job_id": job["id"], "status": job["status"], "error": job["error"],
-            "poll": f"/finetuning/optimize-mixed-precision/jobs/{job['id']}"}
+    view = {
+        "job_id": job["id"],
+        "status": job["status"],
+        "error": job["error"],
+        "poll": f"/finetuning/optimize-mixed-precision/jobs/{job['id']}",
+    }
     headers = {"Location": view["poll"], "Retry-After": "5"} if job["status"] != "failed" else None
-    return JSONResponse(view, status_code=status_code if job["status"] != "failed" else 200, headers=headers)
+    return JSONResponse(
+        view, status_code=status_code if job["status"] != "failed" else 200, headers=headers
+    )
 
 
 @router.post("/optimize-mixed-precision")
@@ -254,7 +344,9 @@ def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
         allowed_model(body.model_name, ())
         if body.model_overrides or is_hf(body.model_name):
             check_overrides(body.model_name, body.model_overrides)
-        check_size(body.model_name, body.model_overrides, svc.config.max_params)  # by depth: fast at 8000 layers
+        check_size(
+            body.model_name, body.model_overrides, svc.config.max_params
+        )  # by depth: fast at 8000 layers
     except ValueError as e:
         raise HTTPException(422, str(e)) from None
     key = plan_key(body, svc.config.max_params)
@@ -263,10 +355,16 @@ def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
         if hit[0] == "invalid":
             raise HTTPException(422, hit[1])
         return {**hit[1], "cached": True}
-    if not jobs().pending(who, key):  # a repeat of a job in flight follows that job; a new one counts
+    if not jobs().pending(
+        who, key
+    ):  # a repeat of a job in flight follows that job; a new one counts
         limits.check_in_flight(who, jobs().in_flight(who))
-    job = jobs().submit(who, key, f"{compute_plan.__module__}:compute_plan",
-                        (body.model_dump(), svc.config.max_params))
+    job = jobs().submit(
+        who,
+        key,
+        f"{compute_plan.__module__}:compute_plan",
+        (body.model_dump(), svc.config.max_params),
+    )
     return _job_answer(jobs().wait(job, PLAN_WAIT_S))
 
 

@@ -34,8 +34,11 @@ def health(svc: Svc, response: Response) -> dict[str, Any]:
     device is over `--max_gpu_temp`, `held`: why queued runs wait. On a CPU server neither field is
     present."""
     scheduler = svc.runner.scheduler()
-    out: dict[str, Any] = {"status": "ok" if scheduler["alive"] else "degraded", "version": __version__,
-                           "scheduler": scheduler}
+    out: dict[str, Any] = {
+        "status": "ok" if scheduler["alive"] else "degraded",
+        "version": __version__,
+        "scheduler": scheduler,
+    }
     try:
         out["queued"], out["running"] = svc.store.count("queued"), svc.store.count("running")
     except sqlite3.Error as e:  # the database cannot be read: say so, still answer
@@ -59,33 +62,53 @@ def create_run(spec: RunSpec, who: Owner, svc: Svc) -> dict[str, Any]:
 
 
 @router.get("/v1/runs")
-def list_runs(who: Owner, svc: Svc, status: Optional[str] = Query(None, description="only runs in this status"),
-              limit: int = Query(100, ge=1, le=1000, description="at most this many runs")) -> dict[str, Any]:
+def list_runs(
+    who: Owner,
+    svc: Svc,
+    status: Optional[str] = Query(None, description="only runs in this status"),
+    limit: int = Query(100, ge=1, le=1000, description="at most this many runs"),
+) -> dict[str, Any]:
     """This owner's runs, newest first: `{"runs": [run, ...]}`. No run's training texts are in it
     (`texts_count` and `texts_bytes` instead)."""
-    return {"runs": [run_view(svc.runner.shown(r)) for r in svc.store.list(owner=who, status=status, limit=limit)]}
+    return {
+        "runs": [
+            run_view(svc.runner.shown(r))
+            for r in svc.store.list(owner=who, status=status, limit=limit)
+        ]
+    }
 
 
 @router.get("/v1/runs/{run_id}")
 def get_run(run: OwnedRun, svc: Svc) -> dict[str, Any]:
     """The run object plus `events`: the run's `type == "event"` JSONL records."""
     view = run_view(svc.runner.shown(run))
-    view["events"] = [r for r in map(json.loads, read_log(run["run_dir"])) if r.get("type") == "event"]
+    view["events"] = [
+        r for r in map(json.loads, read_log(run["run_dir"])) if r.get("type") == "event"
+    ]
     return view
 
 
 @router.get("/v1/runs/{run_id}/metrics")
-def metrics(run: OwnedRun, after: int = Query(0, ge=0, description="the index of the first record (`next` of "
-                                             "the previous page)"),
-            limit: int = Query(1000, ge=1, le=10_000, description="at most this many records")) -> dict[str, Any]:
+def metrics(
+    run: OwnedRun,
+    after: int = Query(
+        0, ge=0, description="the index of the first record (`next` of the previous page)"
+    ),
+    limit: int = Query(1000, ge=1, le=10_000, description="at most this many records"),
+) -> dict[str, Any]:
     """The run's JSONL records (steps and events, docs/reference/jsonl-schema.md) from every
     attempt, in order, complete lines only, so it can be polled while the run trains: `{"id",
     "status", "records": [...], "next": <index to pass as after>, "total": <records so far>}`. While
     a run on a CUDA device is running, also `gpus` (as in `/health`)."""
     lines = read_log(run["run_dir"])
-    page = lines[after:after + limit]
-    out = {"id": run["id"], "status": run["status"], "records": [json.loads(x) for x in page],
-           "next": after + len(page), "total": len(lines)}
+    page = lines[after : after + limit]
+    out = {
+        "id": run["id"],
+        "status": run["status"],
+        "records": [json.loads(x) for x in page],
+        "next": after + len(page),
+        "total": len(lines),
+    }
     if run["status"] == "running" and str(run["spec"].get("device", "")).startswith("cuda"):
         out["gpus"] = gpu_status()  # the devices now, while it runs on them
     return out
@@ -109,20 +132,38 @@ def resume(run: OwnedRun, svc: Svc) -> dict[str, Any]:
     or when no checkpoint was written yet."""
     run_id = run["id"]
     if run["kind"] != "train" or run["status"] not in ("interrupted", "failed", "cancelled"):
-        raise HTTPException(409, f"run {run_id} is {run['status']}: only an interrupted, failed or cancelled "
-                                 "training run can be resumed")
+        raise HTTPException(
+            409,
+            f"run {run_id} is {run['status']}: only an interrupted, failed or cancelled "
+            "training run can be resumed",
+        )
     ckpt = os.path.join(run["run_dir"], "ckpt")
     if not os.path.isdir(ckpt) or not any(n.startswith("ckpt-") for n in os.listdir(ckpt)):
-        raise HTTPException(409, f"run {run_id} has no checkpoint to resume from (checkpoint_every="
-                                 f"{run['spec'].get('checkpoint_every')} steps were not reached)")
-    svc.store.update(run_id, expect=(run["status"],), status="queued", resumes=run["resumes"] + 1, error=None,
-                     ended=None, started=None, pid=None)
+        raise HTTPException(
+            409,
+            f"run {run_id} has no checkpoint to resume from (checkpoint_every="
+            f"{run['spec'].get('checkpoint_every')} steps were not reached)",
+        )
+    svc.store.update(
+        run_id,
+        expect=(run["status"],),
+        status="queued",
+        resumes=run["resumes"] + 1,
+        error=None,
+        ended=None,
+        started=None,
+        pid=None,
+    )
     return run_view(svc.store.get(run_id) or run)
 
 
 @router.get("/v1/compare")
-def compare(ids: str = Query(description="run ids, comma-separated: the first is the baseline"), *, who: Owner,
-            svc: Svc) -> dict[str, Any]:
+def compare(
+    ids: str = Query(description="run ids, comma-separated: the first is the baseline"),
+    *,
+    who: Owner,
+    svc: Svc,
+) -> dict[str, Any]:
     """Runs that succeeded, compared with the first: `{"baseline": "A", "runs": [{"id",
     "precision", "final_loss", "loss_gap", "ms_per_step", "speedup", "samples_per_s",
     "peak_mem_bytes", "memory_ratio", "skipped_steps"}, ...]}` (`loss_gap` = final loss - the
@@ -139,12 +180,20 @@ def compare(ids: str = Query(description="run ids, comma-separated: the first is
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append({"id": r["id"], "precision": s["precision"], "final_loss": s["final_loss"],
-                     "loss_gap": _sub(s["final_loss"], base["final_loss"]),
-                     "ms_per_step": s["ms_per_step"], "speedup": _div(base["ms_per_step"], s["ms_per_step"]),
-                     "samples_per_s": s["samples_per_s"], "peak_mem_bytes": s.get("peak_mem_bytes"),
-                     "memory_ratio": _div(s.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
-                     "skipped_steps": s["skipped_steps"]})
+        rows.append(
+            {
+                "id": r["id"],
+                "precision": s["precision"],
+                "final_loss": s["final_loss"],
+                "loss_gap": _sub(s["final_loss"], base["final_loss"]),
+                "ms_per_step": s["ms_per_step"],
+                "speedup": _div(base["ms_per_step"], s["ms_per_step"]),
+                "samples_per_s": s["samples_per_s"],
+                "peak_mem_bytes": s.get("peak_mem_bytes"),
+                "memory_ratio": _div(s.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
+                "skipped_steps": s["skipped_steps"],
+            }
+        )
     return {"baseline": runs[0]["id"], "runs": rows}
 
 
@@ -154,7 +203,9 @@ def recommend(spec: RecommendSpec, who: Owner, svc: Svc, request: Request) -> di
     object; when it succeeded, `summary` holds `recommendation` (`precision`, `speedup_vs_fp32`,
     `loss_gap`, `tolerance`, `batch_size`, `accumulation_steps`, `why_not`, ...) and `bench`
     (every precision's measurements)."""
-    limit(request, who, "recommend")  # per-owner rate limit (429 with Retry-After), as the planner route
+    limit(
+        request, who, "recommend"
+    )  # per-owner rate limit (429 with Retry-After), as the planner route
     return run_view(submit(svc, who, "recommend", spec.model_dump()))
 
 

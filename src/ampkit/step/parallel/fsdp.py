@@ -31,7 +31,9 @@ from .base import Parallel, max_reducer
 __all__ = ["FSDPParallel", "mixed_precision_policy"]
 
 
-def mixed_precision_policy(param_dtype: torch.dtype, compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+def mixed_precision_policy(
+    param_dtype: torch.dtype, compute_dtype: torch.dtype
+) -> MixedPrecisionPolicy:
     """The FSDP2 policy for a precision's ``(param_dtype, compute_dtype)``.
 
     Mixed forms all-gather in the compute dtype (half the traffic; the matmuls would cast to it
@@ -84,7 +86,8 @@ class FSDPParallel(Parallel):
             raise RuntimeError(
                 "step(flush=True) under FSDP2 right after a micro-step whose gradients were not reduce-scattered "
                 "(they sit unsharded on each rank): end the epoch's short window with amp.set_window(k) before "
-                "its first backward() instead, so its last micro-step reduces the gradients")
+                "its first backward() instead, so its last micro-step reduces the gradients"
+            )
 
     def retarget(self, precision: Precision) -> None:
         """After a fallback, all-gather and reduce in the new precision's dtypes.

@@ -26,12 +26,21 @@ from .pure.policy import PurePolicy
 __all__ = ["policy_for"]
 
 _FAMILIES: dict[str, type[PrecisionPolicy]] = {
-    "full": FullPolicy, "autocast": AutocastPolicy, "pure": PurePolicy, "fp8": Fp8Policy,
+    "full": FullPolicy,
+    "autocast": AutocastPolicy,
+    "pure": PurePolicy,
+    "fp8": Fp8Policy,
 }
 
 
-def policy_for(precision: Precision, config: MixedPrecisionConfig, device: torch.device, *,
-               shards_params: bool = False, asked: bool = False) -> PrecisionPolicy:
+def policy_for(
+    precision: Precision,
+    config: MixedPrecisionConfig,
+    device: torch.device,
+    *,
+    shards_params: bool = False,
+    asked: bool = False,
+) -> PrecisionPolicy:
     """The policy that runs ``precision`` (a resolved :class:`Precision`) on ``device``.
 
     ``shards_params``: the model's parameters are FSDP2 fp32 shards (no masters for pure forms).
@@ -55,7 +64,9 @@ def refuse_stray_rung(precision: Precision, config: MixedPrecisionConfig) -> Non
     if asked == "o2" or (asked in REGISTRY and REGISTRY[asked].has_ladder):
         return  # (asked for a laddered form; a device fallback moved it: the chain's business)
     ladders = ", ".join(ladder_names())
-    raise ConfigError(f"masters={config.masters!r}, state_dtype={config.state_dtype!r} is a memory-ladder rung, "
-                      f"which precision {precision.name!r} does not use; the ladder belongs to {ladders} "
-                      f"(e.g. precision='bf16-pure', masters={config.masters!r}, or 'bf16-pure:split' in a "
-                      f"list of precisions), or leave masters and state_dtype at 'fp32'")
+    raise ConfigError(
+        f"masters={config.masters!r}, state_dtype={config.state_dtype!r} is a memory-ladder rung, "
+        f"which precision {precision.name!r} does not use; the ladder belongs to {ladders} "
+        f"(e.g. precision='bf16-pure', masters={config.masters!r}, or 'bf16-pure:split' in a "
+        f"list of precisions), or leave masters and state_dtype at 'fp32'"
+    )

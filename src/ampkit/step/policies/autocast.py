@@ -20,5 +20,8 @@ class AutocastPolicy(PrecisionPolicy):
     """The forward under ``torch.autocast(device, dtype=compute_dtype)``: what a hand-written loop pays."""
 
     def forward_context(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype,
-                              cache_enabled=self.config.autocast_cache)
+        return torch.autocast(
+            self.device.type,
+            dtype=self.precision.compute_dtype,
+            cache_enabled=self.config.autocast_cache,
+        )

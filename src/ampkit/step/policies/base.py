@@ -36,8 +36,14 @@ __all__ = ["PrecisionPolicy", "dtype_name"]
 class PrecisionPolicy:
     """A precision family's verbs (module doc). Construction is cheap; ``prepare`` changes the model."""
 
-    def __init__(self, precision: Precision, config: MixedPrecisionConfig, device: torch.device,
-                 *, shards_params: bool = False) -> None:
+    def __init__(
+        self,
+        precision: Precision,
+        config: MixedPrecisionConfig,
+        device: torch.device,
+        *,
+        shards_params: bool = False,
+    ) -> None:
         self.precision = precision
         self.config = config
         self.device = device
@@ -93,16 +99,24 @@ class PrecisionPolicy:
     def describe(self) -> dict[str, Any]:
         """What this precision does to weights, compute and gradients (for the manifest)."""
         p = self.precision
-        return {"precision": p.name, "family": p.family, "weights": dtype_name(p.param_dtype),
-                "compute": dtype_name(p.compute_dtype), "grads": dtype_name(p.param_dtype),
-                "optimizer_steps": "float32", "loss_scaling": p.needs_scaler}
+        return {
+            "precision": p.name,
+            "family": p.family,
+            "weights": dtype_name(p.param_dtype),
+            "compute": dtype_name(p.compute_dtype),
+            "grads": dtype_name(p.param_dtype),
+            "optimizer_steps": "float32",
+            "loss_scaling": p.needs_scaler,
+        }
 
     # ------------------------------------------------------------------ helpers for the families
     def kept_names(self, model: torch.nn.Module) -> list[str]:
         """Qualified names of the modules ``keep_fp32`` keeps in fp32 (sorted)."""
         if not self.config.keep_fp32:
             return []
-        return sorted({n for names in match_modules(model, self.config.keep_fp32).values() for n in names})
+        return sorted(
+            {n for names in match_modules(model, self.config.keep_fp32).values() for n in names}
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision.name!r})"

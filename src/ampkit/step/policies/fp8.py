@@ -50,7 +50,9 @@ class Fp8Decision:
         return dataclasses.asdict(self)
 
 
-def plan(model: torch.nn.Module, keep: Iterable[str] = (), skip_first_last: bool = True) -> list[Fp8Decision]:
+def plan(
+    model: torch.nn.Module, keep: Iterable[str] = (), skip_first_last: bool = True
+) -> list[Fp8Decision]:
     """Which Linears to convert, with a reason for each (nothing is changed)."""
     kept = set(keep)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -71,7 +73,9 @@ def plan(model: torch.nn.Module, keep: Iterable[str] = (), skip_first_last: bool
     return out
 
 
-def convert(model: torch.nn.Module, recipe: str, *, emulate: bool, keep: Iterable[str] = ()) -> list[Fp8Decision]:
+def convert(
+    model: torch.nn.Module, recipe: str, *, emulate: bool, keep: Iterable[str] = ()
+) -> list[Fp8Decision]:
     """Convert ``model``'s eligible Linears in place; returns the decisions. Needs torchao."""
     Float8LinearConfig, convert_to_float8_training = _torchao_float8()
     decisions = plan(model, keep)
@@ -100,7 +104,11 @@ def _to_autocast_dtype(module: torch.nn.Module, args: tuple) -> tuple:
     CUDA autocast; on CPU an fp32 input would meet a bf16 gradient in the high-precision
     weight-gradient matmul (``rowwise_with_gw_hp``) and fail."""
     x = args[0] if args else None
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+    if (
+        isinstance(x, torch.Tensor)
+        and x.is_floating_point()
+        and torch.is_autocast_enabled(x.device.type)
+    ):
         dtype = torch.get_autocast_dtype(x.device.type)
         if x.dtype != dtype:
             return (x.to(dtype), *args[1:])
@@ -113,8 +121,9 @@ def revert(model: torch.nn.Module) -> int:
     for name, module in list(model.named_modules()):
         if type(module).__name__ != "Float8Linear":
             continue
-        plain = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                device="meta")
+        plain = torch.nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
         plain.weight = module.weight
         plain.bias = module.bias
         parent_name, _, child = name.rpartition(".")
@@ -146,10 +155,17 @@ class Fp8Policy(PrecisionPolicy):
             self._model, self._decisions = None, []
 
     def forward_context(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype,
-                              cache_enabled=self.config.autocast_cache)
+        return torch.autocast(
+            self.device.type,
+            dtype=self.precision.compute_dtype,
+            cache_enabled=self.config.autocast_cache,
+        )
 
     def describe(self) -> dict[str, Any]:
         """Adds ``recipe`` and ``modules``: each Linear, converted or skipped, with the reason."""
-        return {**super().describe(), "compute": "float8 matmuls (torchao) in converted Linears, bfloat16 elsewhere",
-                "recipe": self.recipe, "modules": [d.to_dict() for d in self._decisions]}
+        return {
+            **super().describe(),
+            "compute": "float8 matmuls (torchao) in converted Linears, bfloat16 elsewhere",
+            "recipe": self.recipe,
+            "modules": [d.to_dict() for d in self._decisions],
+        }

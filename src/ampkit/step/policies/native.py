@@ -54,8 +54,21 @@ import torch
 
 from ..logs import logger
 
-__all__ = ["FLAGS", "OPENMP", "SOURCE", "cache_dir", "compact", "enabled", "expand", "join", "kahan_join", "kahan_split",
-           "library", "split", "threads"]
+__all__ = [
+    "FLAGS",
+    "OPENMP",
+    "SOURCE",
+    "cache_dir",
+    "compact",
+    "enabled",
+    "expand",
+    "join",
+    "kahan_join",
+    "kahan_split",
+    "library",
+    "split",
+    "threads",
+]
 
 SOURCE = Path(__file__).with_name("_bits.c")
 #: no -ffast-math (the kernels are bitwise IEEE); -ffp-contract=off keeps x - h and h + c unfused
@@ -63,14 +76,22 @@ FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off")
 #: tried first: the kernels on torch's OpenMP threads (a compiler without OpenMP: FLAGS alone, one thread)
 OPENMP = ("-fopenmp",)
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake tensors (``ampkit plan``) have no data
+_PLAIN = (
+    torch.Tensor,
+    torch.nn.Parameter,
+)  # not subclasses: fake tensors (``ampkit plan``) have no data
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "lib": the loaded library or None once tried; "nan": torch's bf16 NaN bits
+_state: dict[
+    str, Any
+] = {}  # "lib": the loaded library or None once tried; "nan": torch's bf16 NaN bits
 
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept (per user; the auto-precision cache's directory)."""
-    return Path(os.environ.get("AMPKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampkit"))
+    return Path(
+        os.environ.get("AMPKIT_CACHE_DIR")
+        or os.path.join(os.path.expanduser("~"), ".cache", "ampkit")
+    )
 
 
 def enabled() -> bool:
@@ -86,7 +107,9 @@ def library() -> Optional[ctypes.CDLL]:
                 try:
                     _state["lib"] = _load()
                 except Exception as e:  # no compiler, a failed compile or load, a failed probe
-                    logger.debug("ampkit native ladder kernels unavailable, using the eager passes: %s", e)
+                    logger.debug(
+                        "ampkit native ladder kernels unavailable, using the eager passes: %s", e
+                    )
                     _state["lib"] = None
     return _state["lib"]
 
@@ -116,14 +139,29 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("; ".join(errors))
     lib = ctypes.CDLL(str(out))
     p, n = ctypes.c_void_p, ctypes.c_int64
-    many = [n, ctypes.POINTER(n), p, ctypes.POINTER(p), ctypes.POINTER(p)]  # k, sizes, fp32 run, halves, extras
-    for name, extra in (("split", [ctypes.c_uint16]), ("join", []), ("kahan_split", [ctypes.c_uint16]),
-                        ("kahan_join", [])):
+    many = [
+        n,
+        ctypes.POINTER(n),
+        p,
+        ctypes.POINTER(p),
+        ctypes.POINTER(p),
+    ]  # k, sizes, fp32 run, halves, extras
+    for name, extra in (
+        ("split", [ctypes.c_uint16]),
+        ("join", []),
+        ("kahan_split", [ctypes.c_uint16]),
+        ("kahan_join", []),
+    ):
         fn = getattr(lib, f"ampkit_{name}")
         fn.argtypes, fn.restype = [*many, *extra, ctypes.c_int], None
     lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
-    lib.ampkit_nonfinite.argtypes = [n, ctypes.POINTER(n), ctypes.POINTER(p), ctypes.POINTER(ctypes.c_int32),
-                                     ctypes.c_int]
+    lib.ampkit_nonfinite.argtypes = [
+        n,
+        ctypes.POINTER(n),
+        ctypes.POINTER(p),
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_int,
+    ]
     lib.ampkit_nonfinite.restype = ctypes.c_int
     nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
     _state["nan"] = nan
@@ -134,8 +172,16 @@ def _load() -> ctypes.CDLL:
 def _build(cc: list[str], src: bytes, flags: tuple[str, ...]) -> Path:
     """The compiled library for these flags: the cached one when it matches its record, else
     compiled now (a damaged cached one reported and replaced)."""
-    key = hashlib.sha256(b"\0".join([src, *(a.encode() for a in cc + list(flags)), platform.machine().encode(),
-                                     sys.platform.encode()])).hexdigest()[:20]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src,
+                *(a.encode() for a in cc + list(flags)),
+                platform.machine().encode(),
+                sys.platform.encode(),
+            ]
+        )
+    ).hexdigest()[:20]
     out = cache_dir() / "native" / f"ladder-bits-{key}.so"
     if _damage(out) is None:
         return out
@@ -146,13 +192,18 @@ def _build(cc: list[str], src: bytes, flags: tuple[str, ...]) -> Path:
             return out
         if damage != "missing":
             (logger.info if damage.startswith("has no record") else logger.warning)(
-                "ampkit native kernels: the cached library %s %s; rebuilding it", out, damage)
+                "ampkit native kernels: the cached library %s %s; rebuilding it", out, damage
+            )
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+            r = subprocess.run(
+                [*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
+            )
             if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cc + list(flags))} failed: {r.stderr.strip()[-500:]}")
+                raise RuntimeError(
+                    f"{' '.join(cc + list(flags))} failed: {r.stderr.strip()[-500:]}"
+                )
             record = f"{_sha256(tmp)}  {os.path.getsize(tmp)}\n"
             # atomic: a process that mapped the old file keeps it; the next one reads the whole file
             os.replace(tmp, out)
@@ -232,36 +283,82 @@ def _probe(lib: ctypes.CDLL, nan: int) -> None:
     from .pure import eager  # the references (imported here: only a first load probes)
 
     g = torch.Generator().manual_seed(0)
-    special = torch.tensor([0, -0x80000000, 1, -0x7FFFFFFF, 0x7F800000, -0x800000, 0x7FC00000, -0x400000,
-                            0x7F800001, 0x7F808000, 0x7FFF8000, 0x7FFFFFFF, -0x7F8000, -1, 0x7F7F8000,
-                            0x7F7F7FFF, 0x3F808000, -0x407F8000, 0x3F818000, 0x00008000, 0x0000FFFF],
-                           dtype=torch.int32)
-    bits = torch.cat([special, torch.randint(-2**31, 2**31, (2 * 65536 + 4133,), generator=g, dtype=torch.int32)])
+    special = torch.tensor(
+        [
+            0,
+            -0x80000000,
+            1,
+            -0x7FFFFFFF,
+            0x7F800000,
+            -0x800000,
+            0x7FC00000,
+            -0x400000,
+            0x7F800001,
+            0x7F808000,
+            0x7FFF8000,
+            0x7FFFFFFF,
+            -0x7F8000,
+            -1,
+            0x7F7F8000,
+            0x7F7F7FFF,
+            0x3F808000,
+            -0x407F8000,
+            0x3F818000,
+            0x00008000,
+            0x0000FFFF,
+        ],
+        dtype=torch.int32,
+    )
+    bits = torch.cat(
+        [
+            special,
+            torch.randint(-(2**31), 2**31, (2 * 65536 + 4133,), generator=g, dtype=torch.int32),
+        ]
+    )
     x = bits.view(torch.float32)
     n = x.numel()
-    halves = torch.randint(-2**15, 2**15, (2, n), generator=g, dtype=torch.int16)  # (weight, remainder) bits
-    halves[:, :special.numel()] = special.view(torch.int16).view(-1, 2).t().flip(0)  # the specials' halves
+    halves = torch.randint(
+        -(2**15), 2**15, (2, n), generator=g, dtype=torch.int16
+    )  # (weight, remainder) bits
+    halves[:, : special.numel()] = (
+        special.view(torch.int16).view(-1, 2).t().flip(0)
+    )  # the specials' halves
     scratch = {torch.int16: torch.empty(n, dtype=torch.int32), torch.bfloat16: torch.empty(n)}
     sizes = [0, 1, 17, 1000, 65539]
     sizes.append(n - sum(sizes))  # several tensors in one call, one of them cut between two threads
-    for rung, eager_split, eager_join in (("split", eager.split_fp32, eager.join_split),
-                                          ("kahan", eager.kahan_split, eager.kahan_join)):
+    for rung, eager_split, eager_join in (
+        ("split", eager.split_fp32, eager.join_split),
+        ("kahan", eager.kahan_split, eager.kahan_join),
+    ):
         dt = _EXTRA[rung]
         want = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
-        eager_split(x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else []))
+        eager_split(
+            x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else [])
+        )
         hi, extra = halves[0].view(torch.bfloat16), halves[1].view(dt)
         joined = torch.empty(n)
         eager_join(hi, extra, joined, scratch[dt])
         for nt in (1, 2):
-            got = [[torch.empty(k, dtype=torch.bfloat16) for k in sizes], [torch.empty(k, dtype=dt) for k in sizes]]
+            got = [
+                [torch.empty(k, dtype=torch.bfloat16) for k in sizes],
+                [torch.empty(k, dtype=dt) for k in sizes],
+            ]
             ok = compact(rung, x.clone(), *got, lib=lib, threads=nt)
-            if not ok or any(not torch.equal(torch.cat(u).view(torch.int16), v.view(torch.int16))
-                             for u, v in zip(got, want)):
-                raise RuntimeError(f"probe: the native {rung} compaction differs from the eager passes")
+            if not ok or any(
+                not torch.equal(torch.cat(u).view(torch.int16), v.view(torch.int16))
+                for u, v in zip(got, want)
+            ):
+                raise RuntimeError(
+                    f"probe: the native {rung} compaction differs from the eager passes"
+                )
             out = torch.empty(n)
-            ok = expand(rung, list(hi.split(sizes)), list(extra.split(sizes)), out, lib=lib, threads=nt)
+            ok = expand(
+                rung, list(hi.split(sizes)), list(extra.split(sizes)), out, lib=lib, threads=nt
+            )
             if not ok or not torch.equal(out.view(torch.int32), joined.view(torch.int32)):
-                raise RuntimeError(f"probe: the native {rung} expansion differs from the eager passes")
+                raise RuntimeError(
+                    f"probe: the native {rung} expansion differs from the eager passes"
+                )
     _probe_nonfinite(lib, g)
 
 
@@ -281,17 +378,22 @@ def _probe_nonfinite(lib: ctypes.CDLL, g: torch.Generator) -> None:
                     cases.append(t)
             for t in cases:
                 want = not bool(torch.isfinite(t).all())
-                for nt in ((1, 2) if size > 65536 else (1,)):
+                for nt in (1, 2) if size > 65536 else (1,):
                     if any_nonfinite([torch.ones(3, dtype=dtype), t], lib=lib, threads=nt) != want:
-                        raise RuntimeError(f"probe: the native finite check is wrong for {dtype} on {nt} thread(s)")
+                        raise RuntimeError(
+                            f"probe: the native finite check is wrong for {dtype} on {nt} thread(s)"
+                        )
 
 
 _EXTRA = {"split": torch.int16, "kahan": torch.bfloat16}
 _WIDTH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = None,
-                  threads: Optional[int] = None) -> Optional[bool]:
+def any_nonfinite(
+    tensors: Sequence[torch.Tensor],
+    lib: Optional[ctypes.CDLL] = None,
+    threads: Optional[int] = None,
+) -> Optional[bool]:
     """Whether any element of ``tensors`` (plain contiguous CPU tensors, fp32/bf16/fp16/fp64) is inf
     or NaN, every tensor read once in one C call (the CPU finite check, :func:`ampkit.step.gradcheck.
     cpu_all_finite`); ``threads`` > 1 cuts it into one slice per OpenMP thread (from 65536 elements
@@ -312,13 +414,24 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], lib: Optional[ctypes.CDLL] = 
         if w is None or type(t) not in _PLAIN or not t.is_cpu or not t.is_contiguous():
             return None
         widths.append(w)
-    return bool(lib.ampkit_nonfinite(k, (ctypes.c_int64 * k)(*[t.numel() for t in tensors]),
-                                     (ctypes.c_void_p * k)(*[t.data_ptr() for t in tensors]),
-                                     (ctypes.c_int32 * k)(*widths), threads or 1))
+    return bool(
+        lib.ampkit_nonfinite(
+            k,
+            (ctypes.c_int64 * k)(*[t.numel() for t in tensors]),
+            (ctypes.c_void_p * k)(*[t.data_ptr() for t in tensors]),
+            (ctypes.c_int32 * k)(*widths),
+            threads or 1,
+        )
+    )
 
 
-def _args(lib: Optional[ctypes.CDLL], rung: str, fp32: torch.Tensor, his: Sequence[torch.Tensor],
-          extras: Sequence[torch.Tensor]) -> Optional[tuple[ctypes.CDLL, tuple[Any, ...]]]:
+def _args(
+    lib: Optional[ctypes.CDLL],
+    rung: str,
+    fp32: torch.Tensor,
+    his: Sequence[torch.Tensor],
+    extras: Sequence[torch.Tensor],
+) -> Optional[tuple[ctypes.CDLL, tuple[Any, ...]]]:
     """The library and the leading arguments of a kernel call, or None: not every tensor is a plain
     contiguous CPU tensor of its dtype, or ``fp32``'s size is not the halves' sizes summed."""
     if lib is None and os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
@@ -337,16 +450,27 @@ def _args(lib: Optional[ctypes.CDLL], rung: str, fp32: torch.Tensor, his: Sequen
     if lib is None:
         return None
     ptrs = ctypes.c_void_p * k
-    return lib, (k, (ctypes.c_int64 * k)(*ns), fp32.data_ptr(), ptrs(*[h.data_ptr() for h in his]),
-                 ptrs(*[e.data_ptr() for e in extras]))
+    return lib, (
+        k,
+        (ctypes.c_int64 * k)(*ns),
+        fp32.data_ptr(),
+        ptrs(*[h.data_ptr() for h in his]),
+        ptrs(*[e.data_ptr() for e in extras]),
+    )
 
 
 def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return type(t) in _PLAIN and t.dtype == dtype and t.is_cpu and t.is_contiguous()
 
 
-def compact(rung: str, x: torch.Tensor, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor],
-            lib: Optional[ctypes.CDLL] = None, threads: Optional[int] = None) -> bool:
+def compact(
+    rung: str,
+    x: torch.Tensor,
+    his: Sequence[torch.Tensor],
+    extras: Sequence[torch.Tensor],
+    lib: Optional[ctypes.CDLL] = None,
+    threads: Optional[int] = None,
+) -> bool:
     """fp32 ``x`` (the tensors' values back to back) into each bf16 weight of ``his`` and its remainder
     (``rung="split"``, int16) or compensation (``"kahan"``, bf16) in ``extras``: :func:`.pure.eager.split_fp32`
     / :func:`.pure.eager.kahan_split` of every tensor in one call, on torch's intra-op threads (``x`` is
@@ -359,8 +483,14 @@ def compact(rung: str, x: torch.Tensor, his: Sequence[torch.Tensor], extras: Seq
     return True
 
 
-def expand(rung: str, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor], out: torch.Tensor,
-           lib: Optional[ctypes.CDLL] = None, threads: Optional[int] = None) -> bool:
+def expand(
+    rung: str,
+    his: Sequence[torch.Tensor],
+    extras: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    lib: Optional[ctypes.CDLL] = None,
+    threads: Optional[int] = None,
+) -> bool:
     """The fp32 values of each (weight, extra) pair back to back into contiguous ``out``:
     :func:`.pure.eager.join_split` / :func:`.pure.eager.kahan_join` of every tensor in one call. False: not done."""
     got = _args(lib, rung, out, his, extras)
@@ -371,21 +501,29 @@ def expand(rung: str, his: Sequence[torch.Tensor], extras: Sequence[torch.Tensor
     return True
 
 
-def split(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
+def split(
+    x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, lib: Optional[ctypes.CDLL] = None
+) -> bool:
     """:func:`.pure.eager.split_fp32` in one pass (``x`` is left unchanged); False: not done, run the eager one."""
     return compact("split", x, [hi], [rem], lib)
 
 
-def join(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
+def join(
+    hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None
+) -> bool:
     """:func:`.pure.eager.join_split` in one pass; False: not done."""
     return expand("split", [hi], [rem], out, lib)
 
 
-def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
+def kahan_split(
+    x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, lib: Optional[ctypes.CDLL] = None
+) -> bool:
     """:func:`.pure.eager.kahan_split` in one pass (``x`` is left unchanged); False: not done."""
     return compact("kahan", x, [hi], [comp], lib)
 
 
-def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> bool:
+def kahan_join(
+    hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None
+) -> bool:
     """:func:`.pure.eager.kahan_join` in one pass; False: not done."""
     return expand("kahan", [hi], [comp], out, lib)

@@ -38,40 +38,48 @@ def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
     """
     xf, hf, rf = x.view(-1), hi.view(-1), rem.view(-1)
     for o in _blocks(xf):
-        xb = xf[o:o + BLOCK]
+        xb = xf[o : o + BLOCK]
         bits = xb.view(torch.int32)
-        rf[o:o + BLOCK].copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement)
-        bits.add_(0x8000).bitwise_and_(-0x10000)  # the high 16 bits of the rounded value, low bits zero
-        hf[o:o + BLOCK].copy_(xb)  # exact: a bf16 value now
+        rf[o : o + BLOCK].copy_(bits)  # int32 -> int16 keeps the low 16 bits (two's complement)
+        bits.add_(0x8000).bitwise_and_(
+            -0x10000
+        )  # the high 16 bits of the rounded value, low bits zero
+        hf[o : o + BLOCK].copy_(xb)  # exact: a bf16 value now
 
 
-def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None) -> torch.Tensor:
+def join_split(
+    hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The exact fp32 value of a ``split`` pair, into contiguous ``out`` (returned): ``(hi << 16) + rem``
     in int32 with the remainder sign-extended. ``tmp``: int32 scratch of ``out``'s size."""
     of, hf, rf = out.view(-1), hi.view(-1), rem.view(-1)
-    tf = torch.empty(of.numel(), dtype=torch.int32, device=out.device) if tmp is None else tmp.view(-1)
+    tf = (
+        torch.empty(of.numel(), dtype=torch.int32, device=out.device)
+        if tmp is None
+        else tmp.view(-1)
+    )
     for o in _blocks(of):
-        ob = of[o:o + BLOCK]
-        ob.copy_(hf[o:o + BLOCK])  # = hi's bits << 16
-        ob.view(torch.int32).add_(tf[o:o + BLOCK].copy_(rf[o:o + BLOCK]))
+        ob = of[o : o + BLOCK]
+        ob.copy_(hf[o : o + BLOCK])  # = hi's bits << 16
+        ob.view(torch.int32).add_(tf[o : o + BLOCK].copy_(rf[o : o + BLOCK]))
     return out
 
 
-def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor
-                ) -> None:
+def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor) -> None:
     """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 of the rounding error ``comp``
     (the error is exact in fp32); ``tmp``: fp32 scratch of ``x``'s size. Blocked like the split."""
     xf, hf, cf, tf = x.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
     for o in _blocks(xf):
-        xb, hb = xf[o:o + BLOCK], hf[o:o + BLOCK]
+        xb, hb = xf[o : o + BLOCK], hf[o : o + BLOCK]
         hb.copy_(xb)
-        cf[o:o + BLOCK].copy_(xb.sub_(tf[o:o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
+        cf[o : o + BLOCK].copy_(xb.sub_(tf[o : o + BLOCK].copy_(hb)))  # bf16 -> fp32 is exact
 
 
-def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor
-               ) -> torch.Tensor:
+def kahan_join(
+    hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor
+) -> torch.Tensor:
     """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
     of, hf, cf, tf = out.view(-1), hi.view(-1), comp.view(-1), tmp.view(-1)
     for o in _blocks(of):
-        of[o:o + BLOCK].copy_(hf[o:o + BLOCK]).add_(tf[o:o + BLOCK].copy_(cf[o:o + BLOCK]))
+        of[o : o + BLOCK].copy_(hf[o : o + BLOCK]).add_(tf[o : o + BLOCK].copy_(cf[o : o + BLOCK]))
     return out

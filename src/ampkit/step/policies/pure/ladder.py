@@ -59,8 +59,20 @@ from .masters import MasterWeights, cast_buffers, kept_tensors
 from .pieces import ALIGN, ELEMENTWISE, CutState, Segment, plan
 from .rounding import join_split, kahan_join, kahan_split, split_fp32, stochastic_round
 
-__all__ = ["CHUNK_NUMEL", "SCRATCH_BYTES", "STALL_WARNING", "CastOnly", "LadderWeights", "bytes_per_param", "join_split",
-           "kahan_join", "kahan_split", "parse_rung", "split_fp32", "stochastic_round"]
+__all__ = [
+    "CHUNK_NUMEL",
+    "SCRATCH_BYTES",
+    "STALL_WARNING",
+    "CastOnly",
+    "LadderWeights",
+    "bytes_per_param",
+    "join_split",
+    "kahan_join",
+    "kahan_split",
+    "parse_rung",
+    "split_fp32",
+    "stochastic_round",
+]
 
 #: elements per chunk of the transient fp32 view (one chunk of extra memory: 4 MiB). Small enough for a
 #: chunk's rebuild, step and re-split to meet in the last-level cache: the ``split`` step on 4 x 1M
@@ -68,11 +80,16 @@ __all__ = ["CHUNK_NUMEL", "SCRATCH_BYTES", "STALL_WARNING", "CastOnly", "LadderW
 CHUNK_NUMEL = 1 << 20
 #: the scratch the ladder keeps between steps by default (bytes): larger tensors are stepped in pieces
 SCRATCH_BYTES = 16 << 20
-STALL_WARNING = ("bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
-                 "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
-                 "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)")
+STALL_WARNING = (
+    "bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
+    "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
+    "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)"
+)
 
-def bytes_per_param(masters: str = "fp32", state_dtype: str = "fp32", optimizer: str = "adamw") -> int:
+
+def bytes_per_param(
+    masters: str = "fp32", state_dtype: str = "fp32", optimizer: str = "adamw"
+) -> int:
     """Bytes per bf16-pure parameter of a rung between steps (:meth:`ampkit.step.rung.Rung.bytes_per_param`)."""
     return Rung(masters, state_dtype).bytes_per_param(optimizer)  # type: ignore[arg-type]
 
@@ -93,14 +110,25 @@ class LadderWeights(MasterWeights):
     rebuilt chunk by chunk inside the optimizer's ``step`` (wrapped per optimizer instance).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
-                 keep: Sequence[str] = (), masters: str = "split", state_dtype: str = "fp32",
-                 scratch_bytes: int = SCRATCH_BYTES) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        dtype: torch.dtype,
+        keep: Sequence[str] = (),
+        masters: str = "split",
+        state_dtype: str = "fp32",
+        scratch_bytes: int = SCRATCH_BYTES,
+    ) -> None:
         if sys.byteorder != "little":  # pragma: no cover - the int16 pair views assume it
-            raise RuntimeError("the bf16-pure ladder rungs need a little-endian machine; use masters='fp32'")
+            raise RuntimeError(
+                "the bf16-pure ladder rungs need a little-endian machine; use masters='fp32'"
+            )
         super().__init__(model, optimizers, dtype, keep)
         self.rung, self.state_dtype = masters, state_dtype
-        self.extra: list[Optional[torch.Tensor]] = []  # remainder (int16) / compensation (bf16) per weight
+        self.extra: list[
+            Optional[torch.Tensor]
+        ] = []  # remainder (int16) / compensation (bf16) per weight
         self.gen: Optional[torch.Generator] = None
         dev = self.masters[0].device if self.masters else torch.device("cpu")
         if masters == "stochastic" or state_dtype == "bf16":
@@ -113,7 +141,9 @@ class LadderWeights(MasterWeights):
         self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(per, 4) // ALIGN * ALIGN, ALIGN))
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
-        self.full: list[torch.Tensor] = []  # fp32 masters (bf16 states only): the masters' own storage
+        self.full: list[
+            torch.Tensor
+        ] = []  # fp32 masters (bf16 states only): the masters' own storage
         with torch.no_grad():
             for h, m in zip(self.halves, self.masters):
                 self.extra.append(self._compact(h, m.detach().contiguous()))
@@ -130,14 +160,22 @@ class LadderWeights(MasterWeights):
                 self._hooks.append(opt.register_load_state_dict_post_hook(self._loaded))
 
     # ------------------------------------------------------------------ compact form <-> fp32
-    def _compact(self, h: torch.Tensor, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def _compact(
+        self, h: torch.Tensor, x: torch.Tensor, extra: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """Store fp32 ``x`` (scratch: may be overwritten) into ``h`` (+ the returned extra tensor)."""
         rung = self.rung
         if rung == "split":
-            extra = torch.empty(h.shape, dtype=torch.int16, device=h.device) if extra is None else extra
+            extra = (
+                torch.empty(h.shape, dtype=torch.int16, device=h.device) if extra is None else extra
+            )
             split_fp32(x, h.data, extra)
         elif rung == "kahan":
-            extra = torch.empty(h.shape, dtype=torch.bfloat16, device=h.device) if extra is None else extra
+            extra = (
+                torch.empty(h.shape, dtype=torch.bfloat16, device=h.device)
+                if extra is None
+                else extra
+            )
             kahan_split(x, h.data, extra, self._scratch(x))
         elif rung == "stochastic":
             assert self.gen is not None
@@ -146,7 +184,9 @@ class LadderWeights(MasterWeights):
             h.data.copy_(x)
         return extra
 
-    def _expand(self, i: int, out: torch.Tensor, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+    def _expand(
+        self, i: int, out: torch.Tensor, a: int = 0, b: Optional[int] = None
+    ) -> torch.Tensor:
         """The fp32 values of elements ``[a, b)`` of weight ``i`` into flat ``out`` (returned)."""
         h = self.halves[i].data.view(-1)[a:b]
         extra = None if self.extra[i] is None else self.extra[i].view(-1)[a:b]  # type: ignore[union-attr]
@@ -173,27 +213,38 @@ class LadderWeights(MasterWeights):
         for seg in segs:
             shape = self.halves[seg.i].shape if seg.whole else (seg.stop - seg.start,)
             if self.rung == "fp32":
-                views.append(self.full[seg.i].view(-1)[seg.start:seg.stop].view(shape))
+                views.append(self.full[seg.i].view(-1)[seg.start : seg.stop].view(shape))
                 continue
-            views.append(buf[off:off + seg.stop - seg.start].view(shape))
+            views.append(buf[off : off + seg.stop - seg.start].view(shape))
             off += seg.stop - seg.start
         if self.rung == "fp32":
             return views
         parts = [self._parts(seg) for seg in segs]
-        if not (self.rung in ("split", "kahan") and _native_kernels.expand(
-                self.rung, [h for h, _ in parts], [e for _, e in parts], buf[:off])):
+        if not (
+            self.rung in ("split", "kahan")
+            and _native_kernels.expand(
+                self.rung, [h for h, _ in parts], [e for _, e in parts], buf[:off]
+            )
+        ):
             for seg, v in zip(segs, views):
                 self._expand(seg.i, v.view(-1), seg.start, seg.stop)
         return views
 
-    def _compact_call(self, segs: list[Segment], views: list[torch.Tensor], buf: torch.Tensor) -> None:
+    def _compact_call(
+        self, segs: list[Segment], views: list[torch.Tensor], buf: torch.Tensor
+    ) -> None:
         """The stepped fp32 values back into the compact form. One native call when every stand-in
         still views the buffer where it was put."""
         masters = [self.masters[seg.i] for seg in segs]
         parts = [self._parts(seg) for seg in segs]
         off = sum(seg.stop - seg.start for seg in segs)
-        if not (self.rung in ("split", "kahan") and all(_same(m.data, v) for m, v in zip(masters, views))
-                and _native_kernels.compact(self.rung, buf[:off], [h for h, _ in parts], [e for _, e in parts])):
+        if not (
+            self.rung in ("split", "kahan")
+            and all(_same(m.data, v) for m, v in zip(masters, views))
+            and _native_kernels.compact(
+                self.rung, buf[:off], [h for h, _ in parts], [e for _, e in parts]
+            )
+        ):
             for m, (h, e) in zip(masters, parts):
                 self._compact(h, m.data.reshape(-1), e)
 
@@ -223,35 +274,58 @@ class LadderWeights(MasterWeights):
         # A bound method, as LR schedulers expect (they re-wrap ``opt.step.__func__``).
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
 
-    def _step(self, opt: torch.optim.Optimizer, inner: Callable[..., Any], index: dict[int, int],
-              args: tuple, kwargs: dict) -> Any:
+    def _step(
+        self,
+        opt: torch.optim.Optimizer,
+        inner: Callable[..., Any],
+        index: dict[int, int],
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
         ids = sorted(index[id(p)] for p in params if id(p) in index)
-        others = [p for p in params if id(p) not in index]  # keep_fp32 parameters: stepped with call 0
+        others = [
+            p for p in params if id(p) not in index
+        ]  # keep_fp32 parameters: stepped with call 0
         for p in params:
             p.grad = None
         by_id = dict(zip(map(id, params), grads))
         numels = [m.numel() for m in self.masters]
-        fake = bool(self.masters) and is_fake(self.masters[0])  # an estimate: no values, same memory
+        fake = bool(self.masters) and is_fake(
+            self.masters[0]
+        )  # an estimate: no values, same memory
         calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE, ends_only=fake) or [[]]
         cuts: dict[int, CutState] = {}
         ret = None
         try:
             for k, segs in enumerate(calls):
-                n = sum(seg.stop - seg.start for seg in segs)  # > budget: one whole weight, transient buffer
-                buf = self._buf if n <= self._buf.numel() or self.rung == "fp32" else torch.empty(n, device=self._buf.device)
+                n = sum(
+                    seg.stop - seg.start for seg in segs
+                )  # > budget: one whole weight, transient buffer
+                buf = (
+                    self._buf
+                    if n <= self._buf.numel() or self.rung == "fp32"
+                    else torch.empty(n, device=self._buf.device)
+                )
                 live = [self.masters[seg.i] for seg in segs] + (others if k == 0 else [])
                 with torch.no_grad():
                     views = self._expand_call(segs, buf)
                     for seg, v in zip(segs, views):
                         m, g = self.masters[seg.i], by_id[id(self.masters[seg.i])]
-                        m.data, m.grad = v, (g if seg.whole or g is None else g.view(-1)[seg.start:seg.stop])
+                        m.data, m.grad = (
+                            v,
+                            (g if seg.whole or g is None else g.view(-1)[seg.start : seg.stop]),
+                        )
                         if seg.whole:
                             self._states(opt, m, torch.float32)
                         else:
                             if seg.start == 0:
-                                cuts[seg.i] = CutState(opt.state.get(m), self.halves[seg.i].shape, self._round_state if self.state_dtype == "bf16" else None)
+                                cuts[seg.i] = CutState(
+                                    opt.state.get(m),
+                                    self.halves[seg.i].shape,
+                                    self._round_state if self.state_dtype == "bf16" else None,
+                                )
                             opt.state[m] = cuts[seg.i].enter(seg)
                     for p in others if k == 0 else []:
                         p.grad = by_id[id(p)]
@@ -260,16 +334,26 @@ class LadderWeights(MasterWeights):
                     self._compact_call(segs, views, buf)
                     for seg in segs:
                         m = self.masters[seg.i]
-                        m.data = self.full[seg.i] if self.rung == "fp32" else self._dummy.expand(self.halves[seg.i].shape)
+                        m.data = (
+                            self.full[seg.i]
+                            if self.rung == "fp32"
+                            else self._dummy.expand(self.halves[seg.i].shape)
+                        )
                         if seg.whole:
                             self._states(opt, m, torch.bfloat16)
-                        elif (whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i])) is not None:
+                        elif (
+                            whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i])
+                        ) is not None:
                             opt.state[m] = whole
                 for p in live:
                     p.grad = None
         finally:
             for i in ids:  # (after an error too: the stand-ins whole again, then their gradients)
-                self.masters[i].data = self.full[i] if self.rung == "fp32" else self._dummy.expand(self.halves[i].shape)
+                self.masters[i].data = (
+                    self.full[i]
+                    if self.rung == "fp32"
+                    else self._dummy.expand(self.halves[i].shape)
+                )
             for p, g in zip(params, grads):
                 p.grad = g
         return ret
@@ -286,7 +370,12 @@ class LadderWeights(MasterWeights):
         if not state:
             return
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape and v.dtype != dtype:
+            if (
+                isinstance(v, torch.Tensor)
+                and v.is_floating_point()
+                and v.shape == m.shape
+                and v.dtype != dtype
+            ):
                 if dtype == torch.float32:
                     state[k] = v.float()
                 else:
@@ -329,8 +418,11 @@ class LadderWeights(MasterWeights):
 
     def state_dict(self) -> dict[str, Any]:
         """The rung, its per-weight tensors by name (remainders / compensations) and the generator state."""
-        out: dict[str, Any] = {"rung": self.rung, "state_dtype": self.state_dtype,
-                               "extra": {n: e for n, e in zip(self.names, self.extra) if e is not None}}
+        out: dict[str, Any] = {
+            "rung": self.rung,
+            "state_dtype": self.state_dtype,
+            "extra": {n: e for n, e in zip(self.names, self.extra) if e is not None},
+        }
         if self.rung == "fp32":
             out["masters"] = super().state_dict()
         if self.gen is not None:
@@ -339,8 +431,10 @@ class LadderWeights(MasterWeights):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("rung") != self.rung:
-            raise ValueError(f"this checkpoint's masters are {state.get('rung', 'fp32')!r} but the engine runs "
-                             f"masters={self.rung!r}; resume with the same masters, or switch after loading")
+            raise ValueError(
+                f"this checkpoint's masters are {state.get('rung', 'fp32')!r} but the engine runs "
+                f"masters={self.rung!r}; resume with the same masters, or switch after loading"
+            )
         if self.rung == "fp32":
             super().load_state_dict(state["masters"])
         extra = state.get("extra", {})
@@ -355,7 +449,10 @@ class LadderWeights(MasterWeights):
             self.gen.set_state(state["generator"])
 
     def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {k: (v.float() if v.is_floating_point() else v) for k, v in self.model.state_dict().items()}
+        out = {
+            k: (v.float() if v.is_floating_point() else v)
+            for k, v in self.model.state_dict().items()
+        }
         for i, n in enumerate(self.names):
             out[n] = self.fp32_value(i)
         return out
@@ -367,15 +464,27 @@ class LadderWeights(MasterWeights):
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""
-    return type(a) is torch.Tensor and type(b) is torch.Tensor and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return (
+        type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 # ---------------------------------------------------------------------- the bottom rung
 class CastOnly:
     """``masters='none'`` (forced): the model cast to bf16 in place, the optimizer steps it directly."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
-                 keep: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        dtype: torch.dtype,
+        keep: Sequence[str] = (),
+    ) -> None:
         warnings.warn(STALL_WARNING, UserWarning, stacklevel=4)
         self.model, self.optimizers = model, list(optimizers)
         kept = kept_tensors(model, keep)
@@ -392,7 +501,11 @@ class CastOnly:
                 for opt in self.optimizers:
                     state = opt.state.get(p, {})
                     for k, v in state.items():
-                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
+                        if (
+                            isinstance(v, torch.Tensor)
+                            and v.is_floating_point()
+                            and v.shape == p.shape
+                        ):
                             state[k] = v.to(dtype)
 
     def release(self) -> None:

@@ -23,19 +23,29 @@ class MasterWeights:
         keep: qualified names of modules whose parameters and buffers stay fp32 (no master).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], dtype: torch.dtype,
-                 keep: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        dtype: torch.dtype,
+        keep: Iterable[str] = (),
+    ) -> None:
         if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-            raise ValueError("this model's parameters are sharded (DTensor, e.g. FSDP2 fully_shard): pure "
-                             "precisions keep no extra masters there -- the fp32 shards are the masters; use "
-                             "fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) and precision 'bf16'")
+            raise ValueError(
+                "this model's parameters are sharded (DTensor, e.g. FSDP2 fully_shard): pure "
+                "precisions keep no extra masters there -- the fp32 shards are the masters; use "
+                "fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) and precision 'bf16'"
+            )
         self.dtype = dtype
         self.model = model
         kept = kept_tensors(model, keep)
         self.names: list[str] = []
         self.halves: list[torch.nn.Parameter] = []
         self.masters: list[torch.nn.Parameter] = []
-        for name, p in model.named_parameters():  # named_parameters() yields a shared parameter once
+        for (
+            name,
+            p,
+        ) in model.named_parameters():  # named_parameters() yields a shared parameter once
             if id(p) in kept or not p.is_floating_point():
                 continue
             master = torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
@@ -94,11 +104,16 @@ class MasterWeights:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the masters (checked first: the same names and shapes) and copy them into the model."""
         missing = [n for n in self.names if n not in state]
-        shapes = [n for n, m in zip(self.names, self.masters)
-                  if n in state and tuple(state[n].shape) != tuple(m.shape)]
+        shapes = [
+            n
+            for n, m in zip(self.names, self.masters)
+            if n in state and tuple(state[n].shape) != tuple(m.shape)
+        ]
         if missing or shapes:
-            raise ValueError(f"master weights do not fit this model (missing: {missing[:5]}, shape mismatch: "
-                             f"{shapes[:5]}); nothing was loaded")
+            raise ValueError(
+                f"master weights do not fit this model (missing: {missing[:5]}, shape mismatch: "
+                f"{shapes[:5]}); nothing was loaded"
+            )
         with torch.no_grad():
             for n, m in zip(self.names, self.masters):
                 m.copy_(state[n])
@@ -109,11 +124,16 @@ class MasterWeights:
         out = dict(self.model.state_dict())
         for n, m in zip(self.names, self.masters):
             out[n] = m.detach().clone()
-        return {k: (v.float() if v.is_floating_point() and v.dtype != torch.float32 else v) for k, v in out.items()}
+        return {
+            k: (v.float() if v.is_floating_point() and v.dtype != torch.float32 else v)
+            for k, v in out.items()
+        }
 
     # ------------------------------------------------------------------ internals
     @staticmethod
-    def _swap(optimizers: Sequence[torch.optim.Optimizer], mapping: dict[int, torch.Tensor]) -> None:
+    def _swap(
+        optimizers: Sequence[torch.optim.Optimizer], mapping: dict[int, torch.Tensor]
+    ) -> None:
         """Replace parameters in the optimizers' groups (and move their state) by ``mapping``."""
         for opt in optimizers:
             for group in opt.param_groups:
@@ -130,7 +150,9 @@ def _half(buf: torch.Tensor) -> bool:
     return buf.dtype != torch.float32  # buffers kept in fp32 (keep_fp32 modules) stay as they are
 
 
-def cast_buffers(model: torch.nn.Module, dtype: torch.dtype, select: Callable[[torch.Tensor], bool]) -> None:
+def cast_buffers(
+    model: torch.nn.Module, dtype: torch.dtype, select: Callable[[torch.Tensor], bool]
+) -> None:
     """Cast the floating buffers that ``select`` picks to ``dtype``, in place in their modules."""
     for module in model.modules():
         for name, buf in list(module._buffers.items()):

@@ -21,8 +21,16 @@ import torch
 __all__ = ["ALIGN", "ELEMENTWISE", "CutState", "Segment", "plan"]
 
 #: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
-               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
 #: segment boundaries are multiples of this many elements (whole SIMD vectors and cache lines)
 ALIGN = 4096
 
@@ -36,8 +44,9 @@ class Segment(NamedTuple):
     whole: bool
 
 
-def plan(numels: Sequence[int], ids: Sequence[int], budget: int, cut: bool,
-         ends_only: bool = False) -> list[list[Segment]]:
+def plan(
+    numels: Sequence[int], ids: Sequence[int], budget: int, cut: bool, ends_only: bool = False
+) -> list[list[Segment]]:
     """The optimizer calls, each a list of segments of at most ``budget`` elements in all:
     consecutive whole weights share a call; a weight over the budget is cut into segments of a
     multiple of :data:`ALIGN` elements, one call each (``cut``), or is a call alone.
@@ -54,8 +63,11 @@ def plan(numels: Sequence[int], ids: Sequence[int], budget: int, cut: bool,
             starts = range(0, n, step)
             if ends_only and len(starts) > 2:
                 starts = [starts[0], starts[-1]]
-            calls += ([[Segment(i, a, min(a + step, n), False)] for a in starts] if cut
-                      else [[Segment(i, 0, n, True)]])
+            calls += (
+                [[Segment(i, a, min(a + step, n), False)] for a in starts]
+                if cut
+                else [[Segment(i, 0, n, True)]]
+            )
             size = budget
             continue
         if size + n > budget:
@@ -71,9 +83,16 @@ class CutState:
     whole (``full``; bf16 with ``state_dtype='bf16'``), the other entries as they were before the
     step (``before``), and what the last segment left (``after``)."""
 
-    def __init__(self, state: Optional[dict[str, Any]], shape: torch.Size,
-                 round_into: Optional[Callable[[torch.Tensor, torch.Tensor], None]]) -> None:
-        self.shape, self.round_into = shape, round_into  # round_into(fp32 scratch, bf16 out): bf16 states
+    def __init__(
+        self,
+        state: Optional[dict[str, Any]],
+        shape: torch.Size,
+        round_into: Optional[Callable[[torch.Tensor, torch.Tensor], None]],
+    ) -> None:
+        self.shape, self.round_into = (
+            shape,
+            round_into,
+        )  # round_into(fp32 scratch, bf16 out): bf16 states
         self.fresh = not state  # never stepped: the optimizer makes each segment's state itself
         self.full: dict[str, torch.Tensor] = {}
         self.before: dict[str, Any] = {}
@@ -90,8 +109,10 @@ class CutState:
             return {}
         out: dict[str, Any] = {}
         for k, v in self.full.items():
-            piece = v[seg.start:seg.stop]
-            out[k] = piece.float() if self.round_into is not None and v.is_floating_point() else piece
+            piece = v[seg.start : seg.stop]
+            out[k] = (
+                piece.float() if self.round_into is not None and v.is_floating_point() else piece
+            )
         for k, v in self.before.items():
             out[k] = v.clone() if isinstance(v, torch.Tensor) else v
         return {k: out[k] for k in [*self.full, *self.before]}  # (the optimizer's key order kept)
@@ -102,13 +123,21 @@ class CutState:
         n = seg.stop - seg.start
         after: dict[str, Any] = {}
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == n and (k in self.full or self.fresh):
+            if (
+                isinstance(v, torch.Tensor)
+                and v.dim() == 1
+                and v.shape[0] == n
+                and (k in self.full or self.fresh)
+            ):
                 full = self.full.get(k)
                 bf16 = self.round_into is not None and v.is_floating_point()
-                if full is None:  # a fresh weight's first segment made this state: the whole one, once
-                    full = self.full[k] = torch.empty(numel, dtype=torch.bfloat16 if bf16 else v.dtype,
-                                                      device=v.device)
-                piece = full[seg.start:seg.stop]
+                if (
+                    full is None
+                ):  # a fresh weight's first segment made this state: the whole one, once
+                    full = self.full[k] = torch.empty(
+                        numel, dtype=torch.bfloat16 if bf16 else v.dtype, device=v.device
+                    )
+                piece = full[seg.start : seg.stop]
                 if bf16:
                     assert self.round_into is not None
                     self.round_into(v.contiguous(), piece)
@@ -123,5 +152,11 @@ class CutState:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return type(a) is torch.Tensor and type(b) is torch.Tensor and a.data_ptr() == b.data_ptr() \
-        and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return (
+        type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

@@ -58,17 +58,23 @@ class PurePolicy(PrecisionPolicy):
         reached by a switch: the engine refuses one asked for) keeps fp32 masters and states only."""
         rung = Rung.of(self.config)
         if not rung.plain and not self.precision.row.has_ladder:
-            raise ValueError(f"masters={rung.masters!r}, state_dtype={rung.state_dtype!r}: the memory ladder is "
-                             f"not {self.precision.name}'s; it keeps fp32 masters and states (masters='fp32', "
-                             "state_dtype='fp32')")
+            raise ValueError(
+                f"masters={rung.masters!r}, state_dtype={rung.state_dtype!r}: the memory ladder is "
+                f"not {self.precision.name}'s; it keeps fp32 masters and states (masters='fp32', "
+                "state_dtype='fp32')"
+            )
         return rung
 
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         rung = self.rung
-        if self.shards_params:  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
+        if (
+            self.shards_params
+        ):  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
             if not rung.plain:
-                raise ValueError(f"masters={rung.masters!r}/state_dtype={rung.state_dtype!r} under FSDP2: the fp32 "
-                                 "shards are the masters there; use masters='fp32', state_dtype='fp32'")
+                raise ValueError(
+                    f"masters={rung.masters!r}/state_dtype={rung.state_dtype!r} under FSDP2: the fp32 "
+                    "shards are the masters there; use masters='fp32', state_dtype='fp32'"
+                )
             return
         dtype, keep = self.precision.param_dtype, self.kept_names(model)
         if rung.stalls:
@@ -77,10 +83,21 @@ class PurePolicy(PrecisionPolicy):
         if rung.plain:
             self._masters = MasterWeights(model, optimizers, dtype, keep)
         else:
-            self._masters = LadderWeights(model, optimizers, dtype, keep, rung.masters, rung.state_dtype,
-                                          scratch_bytes=self.config.ladder_scratch_mib << 20)
-        self.after_backward = self._masters.absorb_grads  # half gradients summed into the fp32 masters' gradients
-        self.after_step = self._masters.copy_to_model  # unconditional: after a skipped step the masters did not move
+            self._masters = LadderWeights(
+                model,
+                optimizers,
+                dtype,
+                keep,
+                rung.masters,
+                rung.state_dtype,
+                scratch_bytes=self.config.ladder_scratch_mib << 20,
+            )
+        self.after_backward = (
+            self._masters.absorb_grads
+        )  # half gradients summed into the fp32 masters' gradients
+        self.after_step = (
+            self._masters.copy_to_model
+        )  # unconditional: after a skipped step the masters did not move
 
     def release(self) -> None:
         if self._cast is not None:
@@ -111,8 +128,11 @@ class PurePolicy(PrecisionPolicy):
 
     def forward_context(self) -> torch.autocast:
         # Inputs and the ops autocast keeps in fp32 follow the half dtype of the weights.
-        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype,
-                              cache_enabled=self.config.autocast_cache)
+        return torch.autocast(
+            self.device.type,
+            dtype=self.precision.compute_dtype,
+            cache_enabled=self.config.autocast_cache,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The fp32 masters by parameter name (empty under FSDP2, where the shards are the masters)."""
@@ -128,5 +148,11 @@ class PurePolicy(PrecisionPolicy):
         if rung.stalls:
             return {**super().describe(), "masters": rung.what, "optimizer_steps": "bfloat16"}
         out = {"masters": where if self.shards_params or rung.masters == "fp32" else rung.what}
-        return {**super().describe(), "grads": "float32 (half gradients summed into the masters')", **out,
-                "optimizer_state": "bfloat16 (stochastic rounding)" if rung.state_dtype == "bf16" else "float32"}
+        return {
+            **super().describe(),
+            "grads": "float32 (half gradients summed into the masters')",
+            **out,
+            "optimizer_state": "bfloat16 (stochastic rounding)"
+            if rung.state_dtype == "bf16"
+            else "float32",
+        }

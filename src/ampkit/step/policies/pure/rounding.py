@@ -27,8 +27,13 @@ def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: boo
         eager.split_fp32(x, hi, rem)
 
 
-def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Optional[torch.Tensor] = None,
-               native: bool = True) -> torch.Tensor:
+def join_split(
+    hi: torch.Tensor,
+    rem: torch.Tensor,
+    out: torch.Tensor,
+    tmp: Optional[torch.Tensor] = None,
+    native: bool = True,
+) -> torch.Tensor:
     """The exact fp32 value of a ``split`` pair into contiguous ``out`` (returned); ``tmp``: int32
     scratch of ``out``'s size (:func:`.eager.join_split`). ``native``: as above."""
     if native and _native_kernels.join(hi, rem, out):
@@ -36,16 +41,18 @@ def join_split(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, tmp: Opti
     return eager.join_split(hi, rem, out, tmp)
 
 
-def kahan_split(x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor, native: bool = True
-                ) -> None:
+def kahan_split(
+    x: torch.Tensor, hi: torch.Tensor, comp: torch.Tensor, tmp: torch.Tensor, native: bool = True
+) -> None:
     """fp32 ``x`` (scratch) into its bf16 rounding ``hi`` and the bf16 compensation ``comp``; ``tmp``:
     fp32 scratch of ``x``'s size (:func:`.eager.kahan_split`). ``native``: as above."""
     if not (native and _native_kernels.kahan_split(x, hi, comp)):
         eager.kahan_split(x, hi, comp, tmp)
 
 
-def kahan_join(hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, native: bool = True
-               ) -> torch.Tensor:
+def kahan_join(
+    hi: torch.Tensor, comp: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor, native: bool = True
+) -> torch.Tensor:
     """``hi + comp`` in fp32 into contiguous ``out`` (returned); ``tmp``: fp32 scratch of its size."""
     if native and _native_kernels.kahan_join(hi, comp, out):
         return out
