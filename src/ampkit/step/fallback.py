@@ -67,14 +67,11 @@ from .fallback_report import (
 )
 from .hardware import DeviceInfo
 from .precision import (
-    NAMES,
     REGISTRY,
-    Precision,
     PrecisionError,
-    parse_precision,
     resolve_precision,
 )
-from .rung import RungError, join_spec, split_spec
+from .rung_switch import chain_entry, rung_label, rung_move
 from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
@@ -98,44 +95,6 @@ DEFAULT_CHAIN = ("fp16", "bf16", "fp32")
 PURE_CHAIN = ("fp16-pure", "bf16-pure", "fp32")
 
 
-def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
-    """The chain name of training in ``precision`` under ``config``: ``"bf16-pure:<masters>[+bf16]"``
-    for bf16-pure (its rung of the memory ladder), else the precision's name."""
-    if precision not in REGISTRY or not REGISTRY[precision].has_ladder:
-        return precision
-    return join_spec(precision, config.rung)
-
-
-def rung_move(
-    config: MixedPrecisionConfig, current: str, target: Any, info: DeviceInfo
-) -> tuple[Precision, MixedPrecisionConfig, dict[str, str]]:
-    """A switch to ``target`` (a precision, or a rung such as ``"bf16-pure:split"``) from ``current``:
-    the precision resolved on ``info``, the config with the target's rung (validated now, before
-    anything changes), and the ``from_rung``/``to_rung`` event fields when either side is a bf16-pure
-    rung. Raises ``PrecisionError`` / ``ConfigError``."""
-    name, rung = split_spec(target)  # refuses a rung on a precision without the ladder
-    new = resolve_precision(name, info, emulate_fp8=config.fp8_emulate)
-    cfg = config.replace(**rung.fields()) if rung is not None else config
-    frm, to = rung_label(current, config), rung_label(new.name, cfg)
-    return new, cfg, ({"from_rung": frm, "to_rung": to} if ":" in frm + to else {})
-
-
-def _entry(spec: str, info: DeviceInfo) -> str:
-    """One chain entry, validated: a precision name or a bf16-pure rung (canonical spelling)."""
-    try:
-        name, rung = split_spec(spec.strip())
-    except RungError as e:
-        raise PrecisionError(f"fallback chain entry {spec!r}: {e}") from None
-    name = parse_precision(name)
-    if name not in NAMES:
-        raise PrecisionError(
-            f"fallback chain entry {spec!r} is not supported; use names from: {', '.join(NAMES)}, "
-            "or a rung bf16-pure:<masters>[+bf16]"
-        )
-    resolve_precision(name, info)  # raises PrecisionError naming the device and the reason
-    return join_spec(name, rung)
-
-
 def resolve_chain(
     spec: Union[bool, str], start: str, info: DeviceInfo, label: Optional[str] = None
 ) -> tuple[str, ...]:
@@ -150,7 +109,7 @@ def resolve_chain(
             names += [nxt] if _runs(nxt, info) else []
             nxt = REGISTRY[nxt].successor
     else:
-        names = [_entry(n.strip(), info) for n in str(spec).split(",") if n.strip()]
+        names = [chain_entry(n.strip(), info) for n in str(spec).split(",") if n.strip()]
         if len(set(names)) != len(names):
             raise PrecisionError(
                 f"fallback chain {','.join(names)!r} names an entry twice; each precision or "
