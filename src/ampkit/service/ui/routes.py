@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from importlib import resources
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
@@ -211,32 +211,28 @@ def run_data(
     )
 
 
-@router.post("/ui/runs/{run_id}/cancel")
-async def cancel(request: Request, run_id: str) -> Response:
+async def _act(request: Request, run_id: str, action: Callable[[dict, Any], Any]) -> Response:
+    """A run page's button: the API's own action for this owner's run; its 409 shown on the page."""
     who = me(request)
     await form(request, who)
     svc = service(request)
     try:
-        runs.cancel(lookup(svc, run_id, who[0]), svc)
+        action(lookup(svc, run_id, who[0]), svc)
     except HTTPException as e:
         if e.status_code != 409:
             raise
         return _run(request, run_id, error=str(e.detail), status=409)
     return to(request, f"/ui/runs/{run_id}")
+
+
+@router.post("/ui/runs/{run_id}/cancel")
+async def cancel(request: Request, run_id: str) -> Response:
+    return await _act(request, run_id, runs.cancel)
 
 
 @router.post("/ui/runs/{run_id}/resume")
 async def resume(request: Request, run_id: str) -> Response:
-    who = me(request)
-    await form(request, who)
-    svc = service(request)
-    try:
-        runs.resume(lookup(svc, run_id, who[0]), svc)
-    except HTTPException as e:
-        if e.status_code != 409:
-            raise
-        return _run(request, run_id, error=str(e.detail), status=409)
-    return to(request, f"/ui/runs/{run_id}")
+    return await _act(request, run_id, runs.resume)
 
 
 # --- compare ---------------------------------------------------------------------------------
