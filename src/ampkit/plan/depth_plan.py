@@ -13,8 +13,8 @@ import torch
 
 from ..step.policies.pure.ladder import parse_rung
 from ..step.precision import REGISTRY
-from .depth import DepthError, DepthFit, PlanRow, Stack, by_depth
 from . import devices as plan_devices
+from .depth import DepthError, DepthFit, PlanRow, Stack, by_depth
 from .depth_rungs import largest_in_backward, rung_row, twin_fits
 from .estimate import size_text
 from .session import Measure, Session, fit
@@ -319,7 +319,11 @@ def plan_on(
     refused = {p: target.refuses(p) for p in precisions} if target is not None else {}
     asked = [p for p in precisions if not refused.get(p)]
     with plan_devices.use(target):
-        rows = plan_precisions(factory, batch_of, budget, asked, batch_size, **options) if asked else []
+        rows = (
+            plan_precisions(factory, batch_of, budget, asked, batch_size, **options)
+            if asked
+            else []
+        )
     found = dict(zip(asked, rows))
     return [refused.get(p) or found[p] for p in precisions]
 

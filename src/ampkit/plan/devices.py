@@ -194,7 +194,9 @@ def parse_device(name: str, flag: str = FLAGS[0]) -> Optional[GPU]:
     )
 
 
-def plan_budget(target: Optional[GPU], memory: Optional[int], flags: tuple[str, str] = FLAGS) -> int:
+def plan_budget(
+    target: Optional[GPU], memory: Optional[int], flags: tuple[str, str] = FLAGS
+) -> int:
     """The bytes a plan's step may take on ``target`` (None: the CPU) given ``memory`` (None: not
     given): the CPU's is ``memory`` itself, which it needs; a GPU's is :meth:`GPU.budget`."""
     if target is not None:

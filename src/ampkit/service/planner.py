@@ -211,8 +211,13 @@ def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     )
     shown_gb = body.gpu_memory_gb if body.gpu_memory_gb is not None else _gb(memory)
     device, device_name = figures_for(target)
+    room = (
+        f"the {_gb(budget):g} GB budget of {shown_gb:g} GB"
+        if target is not None
+        else f"{shown_gb:g} GB"
+    )
     reason = (
-        f"{best_half['precision']} fits batch {best_half['max_batch_size']} in {shown_gb:g} GB vs "
+        f"{best_half['precision']} fits batch {best_half['max_batch_size']} in {room} vs "
         f"fp32's {fp32['max_batch_size']}; its peak at batch {body.batch_size} is "
         f"{best_half['predicted_peak_gb']:.2f} GB vs {fp32['predicted_peak_gb']:.2f} GB"
         if best_half is not None

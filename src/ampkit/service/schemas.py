@@ -403,6 +403,7 @@ class OptimizeBody(_Body):
     model_name: Name = Field("gpt2", description="a text model: a Hugging Face config or `gpt`")
     model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
     size: SizeName = Field("small", description="for `model_name` `gpt`")
+    device: Name = Field("cpu", description=PLAN_DEVICE)
     gpu_memory_gb: Optional[Float] = Field(
         None,
         gt=0,
@@ -414,7 +415,6 @@ class OptimizeBody(_Body):
     max_length: Int = Field(
         512, ge=1, le=8192, description="tokens per sample (as `dataset_config.max_length`)"
     )
-    device: Name = Field("cpu", description=PLAN_DEVICE)
 
     @field_validator("device")
     @classmethod
