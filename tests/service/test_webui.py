@@ -348,4 +348,38 @@ def test_compare_and_plan_pages(page, svc, artifacts):
     page.wait_for_selector("#plan", timeout=WAIT_MS)  # the page refreshes itself while the job runs
     rows = page.locator("#plan tbody tr")
     assert rows.count() >= 4 and "fp32" in rows.first.inner_text()
+    assert page.get_attribute("#plan", "data-device") == "cpu"  # the default: this server's CPU
+    _shot(page, artifacts, "plan-cpu")
+
+
+def test_plan_page_plans_for_the_chosen_device(page, svc, artifacts):
+    """A GPU chosen on the plan page (planned from this CPU-only server): the table says which
+    device its figures are for, and the rows it cannot run say why beside the others; a plan of
+    the CPU without its memory is the API's message beside the memory field."""
+    api = svc["alice"].post(
+        "/finetuning/optimize-mixed-precision", json={"model_name": "gpt", "device": "cpu"}
+    )
+    assert api.status_code == 422
+    (said,) = [e["msg"] for e in api.json()["detail"]]
+    page.goto(svc["base"] + "/ui/plan")
+    page.fill("#in-model_name", "gpt")
+    page.select_option("#in-device", "cpu")
+    page.click("#plan-form button[type=submit]")
+    assert page.inner_text("#error-gpu_memory_gb") == said
+    page.select_option("#in-device", "t4-16gb")  # its memory: the budget's default
+    page.fill("#in-gpu_memory_gb", "")
+    page.fill("#in-batch_size", "4")
+    page.fill("#in-max_length", "64")
+    page.select_option("#in-size", "tiny")
+    page.click("#plan-form button[type=submit]")
+    page.wait_for_selector("#plan", timeout=WAIT_MS)  # the page refreshes itself while the job runs
+    assert page.inner_text("#plan-for") == "figures for the NVIDIA T4 (t4-16gb)"
+    assert "on NVIDIA T4 (t4-16gb)" in page.inner_text("#plan-device")
+    assert page.get_attribute("#plan", "data-device") == "t4-16gb"
+    rows = {r.split("\t")[0]: r for r in page.locator("#plan tbody tr").all_inner_texts()}
+    assert list(rows) == ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
+    for p in ("bf16", "bf16-pure"):  # the T4 (sm_75) has no bf16: refused, and said why
+        assert "refused" in rows[p] and "the NVIDIA T4 (sm_75) has no bf16" in rows[p]
+    assert "yes" in rows["fp16"] and "refused" not in rows["fp16"]  # the others answer
+    assert page.input_value("#in-device") == "t4-16gb"  # the form shows what was planned
     _shot(page, artifacts, "plan")

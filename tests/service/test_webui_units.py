@@ -230,3 +230,41 @@ def test_cancel_and_resume_buttons_do_what_the_api_does(client):
     r = client.post(f"/ui/runs/{rid}/resume", data={"csrf": csrf}, headers=origin)
     assert r.status_code == 409 and "has no checkpoint to resume from" in r.text
     assert client.app.state.store.get(rid)["status"] == "cancelled"
+
+
+def test_the_plan_form_offers_the_devices_and_shows_the_apis_messages_beside_them(client):
+    """The plan page's device is a select of what the API takes (cpu and plan.devices.DEVICES);
+    a bad device, or a plan of the CPU without its memory, is the API's own message beside the
+    field it is about (what the JSON route answers for the same body)."""
+    import html
+    import re
+
+    from ampkit.plan.devices import DEVICES
+
+    csrf = _sign_in(client)
+    page = client.get("/ui/plan").text
+    select = page.split('<select id="in-device" name="device">', 1)[1].split("</select>", 1)[0]
+    assert re.findall(r"<option(?: selected)?>([^<]+)</option>", select) == ["cpu", *DEVICES]
+    assert "<option selected>cpu</option>" in select  # the API's default
+    origin = {"Origin": "http://127.0.0.1"}
+    for body, field in (
+        ({"device": "h100"}, "device"),
+        ({"device": "cpu"}, "gpu_memory_gb"),
+        ({"device": "h100-80gb", "gpu_memory_gb": "100"}, "gpu_memory_gb"),
+    ):
+        api = client.post(
+            "/finetuning/optimize-mixed-precision",
+            json={
+                "model_name": "gpt",
+                **{k: json.loads(v) if k != "device" else v for k, v in body.items()},
+            },
+            headers={"Authorization": "Bearer tok-a"},
+        )
+        assert api.status_code == 422, api.text
+        (said,) = [e["msg"] for e in api.json()["detail"]]
+        r = client.post(
+            "/ui/plan", data={"csrf": csrf, "model_name": "gpt", **body}, headers=origin
+        )
+        assert r.status_code == 422
+        beside = r.text.split(f'id="error-{field}">', 1)[1].split("</span>", 1)[0]
+        assert html.unescape(beside) == said, (body, beside, said)

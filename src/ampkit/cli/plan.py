@@ -9,9 +9,9 @@ import threading
 from typing import Any, Optional
 
 from ..plan.depth import METHOD_NOTE
-from ..plan.depth_plan import plan_groups, plan_precisions
+from ..plan.depth_plan import plan_groups, plan_on, why_not
 from ..plan.devices import DEVICES
-from ..plan.estimate import PLAN_PRECISIONS, parse_bytes
+from ..plan.estimate import PLAN_PRECISIONS, parse_bytes, size_text
 from ..step.precision import REFERENCE, REGISTRY
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags, precision_list
@@ -82,28 +82,9 @@ def _device(args: argparse.Namespace) -> Any:
 def budget_of(args: argparse.Namespace) -> int:
     """The bytes a step may take: ``--memory`` on the CPU; on a GPU ``--memory`` (default: the device's
     memory) less the CUDA context and the allocator's fragmentation (:meth:`GPU.budget`)."""
-    target = _device(args)
-    memory = parse_bytes(args.memory) if args.memory is not None else None
-    if target is None:
-        if memory is None:
-            raise ValueError(
-                "--memory is needed for a plan of the CPU (e.g. --memory 8GiB); or name the GPU the "
-                "plan is for: --device h100-80gb"
-            )
-        return memory
-    return target.budget(memory)
+    from ..plan.devices import plan_budget
 
-
-def _why_not(r: Any, budget: int) -> Optional[str]:
-    """Why a row fits no batch at all: its state alone, or batch 1's activations."""
-    if r.static_bytes > budget:
-        return (
-            f"its parameters, gradients, masters and optimizer state alone need {_size(r.static_bytes)}, "
-            f"more than the budget's {_size(budget)}"
-        )
-    if r.largest == 0:
-        return f"not even batch 1 fits the budget's {_size(budget)} (activations and temporaries)"
-    return None
+    return plan_budget(_device(args), parse_bytes(args.memory) if args.memory is not None else None)
 
 
 def _group(
@@ -114,36 +95,28 @@ def _group(
     args: argparse.Namespace,
     stack: Any,
 ) -> list[dict[str, Any]]:
-    """The rows of precisions planned together (:func:`ampkit.plan.depth_plan.plan_precisions`: the first
+    """The rows of precisions planned together (:func:`ampkit.plan.depth_plan.plan_on`: the first
     by depth extrapolation for a stack of blocks, else each search builds the full model once and
-    measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference):
-    the step at ``--batch_size`` and the largest batch with and without activation checkpointing."""
+    measures a handful of batch sizes; a twin takes the first's fits shifted by its own difference;
+    a precision the device cannot run, refused with the reason): the step at ``--batch_size`` and
+    the largest batch with and without activation checkpointing."""
     from ..plan import cache as plan_cache
-    from ..plan import devices as plan_devices
 
-    target = _device(args)
-    refused = {p: target.refuses(p) for p in precisions} if target is not None else {}
-    asked = [p for p in precisions if not refused.get(p)]
-    rows = []
-    with (
-        plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()),
-        plan_devices.use(target),
-    ):
-        if asked:
-            rows = plan_precisions(
-                factory,
-                batch_of,
-                budget,
-                asked,
-                args.batch_size,
-                stack=stack,
-                verify=getattr(args, "verify", False),
-                limit=LIMIT,
-            )
-    by_name = dict(zip(asked, rows))
+    with plan_cache.use(None if getattr(args, "no_cache", True) else plan_cache.cache_dir()):
+        found = plan_on(
+            _device(args),
+            factory,
+            batch_of,
+            budget,
+            precisions,
+            args.batch_size,
+            stack=stack,
+            verify=getattr(args, "verify", False),
+            limit=LIMIT,
+        )
     out = []
-    for p in precisions:
-        if refused.get(p):
+    for p, r in zip(precisions, found):
+        if isinstance(r, str):
             out.append(
                 {
                     "precision": p,
@@ -157,11 +130,10 @@ def _group(
                     "largest_batch_optimizer_in_backward_activation_checkpointing": 0,
                     "method": "refused",
                     "verified": None,
-                    "why_not": refused[p],
+                    "why_not": r,
                 }
             )
             continue
-        r = by_name[p]
         out.append(
             {
                 "precision": r.precision,
@@ -175,7 +147,7 @@ def _group(
                 "largest_batch_optimizer_in_backward_activation_checkpointing": r.largest_in_backward_checkpointed,
                 "method": r.method,
                 "verified": r.verified,
-                "why_not": _why_not(r, budget),
+                "why_not": why_not(r, budget),
             }
         )
     return out
@@ -313,18 +285,9 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
 def figures_device(args: Optional[argparse.Namespace] = None) -> tuple[str, str]:
     """``(device, its name)`` the plan's figures are for: ``--device``'s GPU (its allocator, workspaces
     and fused attention, planned on fake CPU tensors), else this CPU (its kernels' memory)."""
-    from ..step.hardware import device_info, normalize_device
+    from ..plan.devices import figures_for
 
-    target = _device(args) if args is not None else None
-    if target is not None:
-        return target.name, target.label
-    return "cpu", device_info(normalize_device("cpu")).name
-
-
-def _size(n: Optional[int]) -> str:
-    if n is None:
-        return "—"
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    return figures_for(_device(args) if args is not None else None)
 
 
 def cmd_plan(inv: Invocation) -> int:
@@ -355,7 +318,7 @@ def cmd_plan(inv: Invocation) -> int:
 
     where = f"{name} ({device})" if target is not None else f"{device} ({name})"
     table = Table(
-        title=f"ampkit plan for {where}: {model_label(args)}, budget {_size(budget)} of {_size(memory)}, "
+        title=f"ampkit plan for {where}: {model_label(args)}, budget {size_text(budget)} of {size_text(memory)}, "
         f"batch {args.batch_size}"
     )
     for col in (

@@ -7,17 +7,19 @@ where a fit is refused. What ``ampkit plan`` and the service's planner both call
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from ..step.policies.pure.ladder import parse_rung
 from ..step.precision import REGISTRY
+from . import devices as plan_devices
 from .depth import DepthError, DepthFit, PlanRow, Stack, by_depth
 from .depth_rungs import largest_in_backward, rung_row, twin_fits
+from .estimate import size_text
 from .session import Measure, Session, fit
 
-__all__ = ["TWINS", "plan_groups", "plan_precision", "plan_precisions"]
+__all__ = ["TWINS", "plan_groups", "plan_on", "plan_precision", "plan_precisions", "why_not"]
 
 
 def _measured(
@@ -298,3 +300,44 @@ def plan_precisions(
                 )
             )
     return rows
+
+
+def plan_on(
+    target: Optional[plan_devices.GPU],
+    factory: Callable[[], torch.nn.Module],
+    batch_of: Callable[[int], Any],
+    budget: int,
+    precisions: list[str],
+    batch_size: int,
+    **options: Any,
+) -> list[Union[PlanRow, str]]:
+    """:func:`plan_precisions` of ``precisions`` for ``target`` (a GPU of
+    :mod:`ampkit.plan.devices`, planned on fake CPU tensors with its allocator and workspaces; None:
+    this CPU), in order: each a row, or, where the device cannot run the precision (a card without
+    bf16), the reason it refuses it. ``options``: :func:`plan_precisions`' keywords. What ``ampkit
+    plan --device`` and the service's planner both call."""
+    refused = {p: target.refuses(p) for p in precisions} if target is not None else {}
+    asked = [p for p in precisions if not refused.get(p)]
+    with plan_devices.use(target):
+        rows = (
+            plan_precisions(factory, batch_of, budget, asked, batch_size, **options)
+            if asked
+            else []
+        )
+    found = dict(zip(asked, rows))
+    return [refused.get(p) or found[p] for p in precisions]
+
+
+def why_not(row: PlanRow, budget: int) -> Optional[str]:
+    """Why a row fits no batch at all in ``budget`` bytes (None when batch 1 fits): its state alone,
+    or batch 1's activations and temporaries."""
+    if row.static_bytes > budget:
+        return (
+            f"its parameters, gradients, masters and optimizer state alone need "
+            f"{size_text(row.static_bytes)}, more than the budget's {size_text(budget)}"
+        )
+    if row.largest == 0:
+        return (
+            f"not even batch 1 fits the budget's {size_text(budget)} (activations and temporaries)"
+        )
+    return None

@@ -46,9 +46,12 @@ __all__ = [
     "DEVICES",
     "FRAGMENTATION",
     "GPU",
+    "FLAGS",
     "current",
+    "figures_for",
     "gpu_attention",
     "parse_device",
+    "plan_budget",
     "use",
 ]
 
@@ -61,6 +64,9 @@ CONTEXT_BYTES = (
     768 * MiB
 )  # the CUDA context with torch's and cuBLAS's kernels loaded (lazy loading)
 FRAGMENTATION = 0.03  # of the memory left after the context: cached segments no request fits
+#: what the messages call the device and the memory: ``ampkit plan``'s flags (the REST planner names
+#: its body's fields, ``("device", "gpu_memory_gb")``)
+FLAGS = ("--device", "--memory")
 
 
 @dataclass(frozen=True)
@@ -94,24 +100,26 @@ class GPU:
             per_handle = 32 * MiB
         return 2 * per_handle
 
-    def budget(self, memory: Optional[int] = None) -> int:
+    def budget(self, memory: Optional[int] = None, flags: tuple[str, str] = FLAGS) -> int:
         """The bytes a training step may take: ``memory`` (``--memory``, at most the device's) or the
-        device's, less the CUDA context and the fragmentation allowance."""
+        device's, less the CUDA context and the fragmentation allowance. ``flags``: what the
+        messages call the device and the memory (:data:`FLAGS`)."""
+        device, mem = flags
         total = memory if memory is not None else self.memory_bytes
         if total is None:
             raise ValueError(
-                f"--device {self.name}: the memory of an unnamed CUDA device is not known here; give "
-                f"--memory (e.g. 80GiB) or a named device ({', '.join(DEVICES)})"
+                f"{device} {self.name}: the memory of an unnamed CUDA device is not known here; give "
+                f"{mem} or a named device ({', '.join(n for n in DEVICES if n != 'cuda')})"
             )
         if self.memory_bytes is not None and total > self.memory_bytes:
             raise ValueError(
-                f"--memory {total / 2**30:.2f} GiB is more than the {self.label}'s "
+                f"{mem} {total / 2**30:.2f} GiB is more than the {self.label}'s "
                 f"{self.memory_bytes / 2**30:.2f} GiB"
             )
         left = total - CONTEXT_BYTES
         if left <= 0:
             raise ValueError(
-                f"{total / 2**20:,.0f} MiB is no more than the CUDA context alone "
+                f"{mem} {total / 2**20:,.0f} MiB is no more than the CUDA context alone "
                 f"({CONTEXT_BYTES / 2**20:,.0f} MiB)"
             )
         return int(left * (1 - FRAGMENTATION))
@@ -156,7 +164,7 @@ def _gpu(name: str, label: str, mib: Optional[int], cap: tuple[int, int], fp8: b
 DEVICES: dict[str, GPU] = {
     g.name: g
     for g in (
-        _gpu("cuda", "CUDA GPU (Hopper-class, memory from --memory)", None, (9, 0), fp8=True),
+        _gpu("cuda", "CUDA GPU (Hopper-class, of the memory given)", None, (9, 0), fp8=True),
         _gpu("h200-141gb", "NVIDIA H200 141GB", 143771, (9, 0), fp8=True),
         _gpu("h100-80gb", "NVIDIA H100 80GB HBM3", 81559, (9, 0), fp8=True),
         _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, (8, 0)),
@@ -172,17 +180,43 @@ DEVICES: dict[str, GPU] = {
 }
 
 
-def parse_device(name: str) -> Optional[GPU]:
+def parse_device(name: str, flag: str = FLAGS[0]) -> Optional[GPU]:
     """``--device``: ``cpu`` (None: the CPU's own kernels, no allocator) or a name of :data:`DEVICES`
-    (case and ``_`` for ``-`` are forgiven); anything else is a clear error listing the choices."""
+    (case and ``_`` for ``-`` are forgiven); anything else is a clear error listing the choices
+    (``flag``: what it calls the value, :data:`FLAGS`)."""
     key = str(name).strip().lower().replace("_", "-")
     if key == "cpu":
         return None
     if key in DEVICES:
         return DEVICES[key]
     raise ValueError(
-        f"--device {name!r} is not a device a plan knows; choose cpu or one of: {', '.join(DEVICES)}"
+        f"{flag} {name!r} is not a device a plan knows; choose cpu or one of: {', '.join(DEVICES)}"
     )
+
+
+def plan_budget(
+    target: Optional[GPU], memory: Optional[int], flags: tuple[str, str] = FLAGS
+) -> int:
+    """The bytes a plan's step may take on ``target`` (None: the CPU) given ``memory`` (None: not
+    given): the CPU's is ``memory`` itself, which it needs; a GPU's is :meth:`GPU.budget`."""
+    if target is not None:
+        return target.budget(memory, flags)
+    if memory is None:
+        raise ValueError(
+            f"{flags[1]} is needed for a plan of the CPU (its memory budget); or name the GPU the "
+            f"plan is for: {flags[0]} h100-80gb"
+        )
+    return memory
+
+
+def figures_for(target: Optional[GPU]) -> tuple[str, str]:
+    """``(device, its name)`` a plan's figures are for: ``target``'s (its allocator, workspaces
+    and fused attention, planned on fake CPU tensors), else this CPU's (its kernels' memory)."""
+    if target is not None:
+        return target.name, target.label
+    from ..step.hardware import device_info, normalize_device
+
+    return "cpu", device_info(normalize_device("cpu")).name
 
 
 _CURRENT: contextvars.ContextVar[Optional[GPU]] = contextvars.ContextVar(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -31,7 +31,14 @@ import torch
 from ..step.precision import PLAN_PRECISIONS
 from .session import PARTS, Measure, Session, fit  # noqa: F401  (PARTS: re-exported)
 
-__all__ = ["PLAN_PRECISIONS", "MemoryEstimate", "estimate", "largest_batch", "parse_bytes"]
+__all__ = [
+    "PLAN_PRECISIONS",
+    "MemoryEstimate",
+    "estimate",
+    "largest_batch",
+    "parse_bytes",
+    "size_text",
+]
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,13 @@ def parse_bytes(text: Union[str, int, float]) -> int:
     if not value > 0:
         raise ValueError(f"memory size {text!r} must be > 0")
     return int(value * _UNITS[unit])
+
+
+def size_text(n: Optional[int]) -> str:
+    """Bytes as a plan shows them: ``"1.50 GiB"``, ``"512.0 MiB"`` (``"—"`` for None)."""
+    if n is None:
+        return "—"
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def largest_batch(

@@ -121,7 +121,8 @@ def plan_key(body: OptimizeBody, max_params: Optional[int]) -> tuple[Any, ...]:
         body.size,
         body.batch_size,
         body.max_length,
-        float(body.gpu_memory_gb),
+        body.memory_bytes(),
+        body.device,
         max_params,
     )
 
@@ -140,14 +141,16 @@ def compute_plan(body: dict[str, Any], max_params: Optional[int]) -> dict[str, A
 def _plan_rows(
     factory: Callable[[], Any], length: int, body: OptimizeBody, budget: int, stack: Any
 ) -> list[dict[str, Any]]:
-    """Every precision's row (:func:`ampkit.plan.depth_plan.plan_precisions`, as ``ampkit plan``: by depth
-    extrapolation for a stack of blocks, fp16 and fp16-pure as bf16's and bf16-pure's twins; else
-    the full model measured)."""
-    from ..plan.depth_plan import plan_groups, plan_precisions
+    """Every precision's row (:func:`ampkit.plan.depth_plan.plan_on`, as ``ampkit plan``: for the
+    body's device, by depth extrapolation for a stack of blocks, fp16 and fp16-pure as bf16's and
+    bf16-pure's twins; else the full model measured; a precision the device cannot run refused),
+    each with ``why_not`` where it fits no batch."""
+    from ..plan.depth_plan import plan_groups, plan_on, why_not
 
     rows: dict[str, dict[str, Any]] = {}
     for group in plan_groups(PLAN_PRECISIONS, stack):
-        found = plan_precisions(
+        found = plan_on(
+            body.target(),
             factory,
             lambda b: _tokens(b, length),
             budget,
@@ -158,47 +161,87 @@ def _plan_rows(
             limit=MAX_BATCH,
         )
         for p, r in zip(group, found):
-            rows[p] = {
-                "precision": p,
-                "predicted_peak_gb": round(r.peak_bytes / GiB, 3),
-                "fits": r.peak_bytes <= budget,
-                "max_batch_size": r.largest,
-                "method": r.method,
-            }
+            rows[p] = (
+                {
+                    "precision": p,
+                    "predicted_peak_gb": None,
+                    "fits": False,
+                    "max_batch_size": 0,
+                    "method": "refused",
+                    "why_not": r,
+                }
+                if isinstance(r, str)
+                else {
+                    "precision": p,
+                    "predicted_peak_gb": round(r.peak_bytes / GiB, 3),
+                    "fits": r.peak_bytes <= budget,
+                    "max_batch_size": r.largest,
+                    "method": r.method,
+                    "why_not": why_not(r, budget),
+                }
+            )
     return [rows[p] for p in PLAN_PRECISIONS]
+
+
+def _gb(n: int) -> float:
+    return round(n / GiB, 3)
 
 
 def plan_answer(body: OptimizeBody) -> dict[str, Any]:
     """``should_use_mixed_precision`` and, per precision, the predicted peak at ``batch_size`` and the
-    largest batch that fits ``gpu_memory_gb`` (``B`` fits by the estimate, ``B + 1`` does not)."""
-    budget = int(body.gpu_memory_gb * GiB)
+    largest batch that fits the budget (``B`` fits by the estimate, ``B + 1`` does not): on the
+    body's ``device`` (:mod:`ampkit.plan.devices`), whose name the answer carries."""
+    from ..plan.depth import stack_for
+    from ..plan.devices import figures_for
+
+    target = body.target()
+    budget = body.budget_bytes()
+    memory = body.memory_bytes()
+    assert memory is not None  # budget_bytes() refused a plan without one
     overrides = _overrides(body.model_overrides)
     factory, limit = _text_model(body.model_name, overrides, body.size)
-    from ..plan.depth import stack_for
-
     stack = stack_for(body.model_name, body.size, dict(overrides))
     rows = _plan_rows(factory, min(body.max_length, limit), body, budget, stack)
     fp32 = rows[0]
-    best_half = max(
-        (r for r in rows if r["precision"] in _AUTOCAST), key=lambda r: r["max_batch_size"]
+    halves = [r for r in rows if r["precision"] in _AUTOCAST and r["method"] != "refused"]
+    best_half = max(halves, key=lambda r: r["max_batch_size"]) if halves else None
+    use = best_half is not None and (
+        (not fp32["fits"] and best_half["fits"])
+        or best_half["max_batch_size"] > fp32["max_batch_size"]
     )
-    use = (not fp32["fits"] and best_half["fits"]) or best_half["max_batch_size"] > fp32[
-        "max_batch_size"
-    ]
+    shown_gb = body.gpu_memory_gb if body.gpu_memory_gb is not None else _gb(memory)
+    device, device_name = figures_for(target)
+    room = (
+        f"the {_gb(budget):g} GB budget of {shown_gb:g} GB"
+        if target is not None
+        else f"{shown_gb:g} GB"
+    )
     reason = (
-        f"{best_half['precision']} fits batch {best_half['max_batch_size']} in {body.gpu_memory_gb:g} GB vs "
+        f"{best_half['precision']} fits batch {best_half['max_batch_size']} in {room} vs "
         f"fp32's {fp32['max_batch_size']}; its peak at batch {body.batch_size} is "
         f"{best_half['predicted_peak_gb']:.2f} GB vs {fp32['predicted_peak_gb']:.2f} GB"
+        if best_half is not None
+        else f"the {device_name} runs neither of {', '.join(_AUTOCAST)}"
+    )
+    kernels = (
+        f"for the {device_name} ({device}) from this server: its caching allocator's blocks, cuBLAS "
+        "workspaces and fused attention; the budget is its memory less the CUDA context and "
+        "fragmentation"
+        if target is not None
+        else f"with this server's kernels ({device_name})"
     )
     return {
         "model_name": body.model_name,
-        "gpu_memory_gb": body.gpu_memory_gb,
+        "device": device,
+        "device_name": device_name,
+        "gpu_memory_gb": shown_gb,
+        "budget_gb": _gb(budget) if target is not None else shown_gb,
         "batch_size": body.batch_size,
         "should_use_mixed_precision": bool(use),
         "reason": reason,
-        "recommended_precision": best_half["precision"] if use else "fp32",
+        "recommended_precision": best_half["precision"] if use and best_half else "fp32",
         "recommendations": rows,
-        "note": "predicted by ampkit.plan.estimate.estimate (a training step on fake tensors, AdamW; rows with "
-        "method 'depth': extrapolated from 1- and 2-block copies of the model, ampkit.plan.depth) "
-        "with this server's kernels",
+        "note": "predicted by ampkit.plan.estimate.estimate (a training step on fake tensors, AdamW; "
+        "rows with method 'depth': extrapolated from 1- and 2-block copies of the model, "
+        f"ampkit.plan.depth) {kernels}",
     }

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from ..loop.seed import SEED_RANGE
 from ..models.builtin import SIZES
+from ..plan.devices import DEVICES, GPU, parse_device, plan_budget
 from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
@@ -386,12 +387,58 @@ class OptimizedBody(TrainBody):
     )
 
 
+PLAN_DEVICE = (
+    "the device the plan is for, planned on this server without it (fake tensors): `cpu` (this "
+    "server's kernels), `cuda` (a Hopper-class GPU of `gpu_memory_gb`) or a named GPU ("
+    + ", ".join(f"`{n}`" for n in DEVICES if n != "cuda")
+    + "): its caching allocator's blocks, cuBLAS workspaces and fused attention, its memory less "
+    "the CUDA context and fragmentation as the budget; rows of a precision it cannot run are "
+    "refused (`why_not`). As `ampkit plan --device`; the answer's `device` and `device_name` "
+    "name it"
+)
+PLAN_FLAGS = ("device", "gpu_memory_gb")  # what the planner's messages call them
+
+
 class OptimizeBody(_Body):
     model_name: Name = Field("gpt2", description="a text model: a Hugging Face config or `gpt`")
     model_overrides: Overrides = Field(default_factory=dict, description=OVERRIDES)
     size: SizeName = Field("small", description="for `model_name` `gpt`")
-    gpu_memory_gb: Float = Field(
-        gt=0, le=1_000_000, description="the GPU's memory, GiB (2^30 bytes)"
+    device: Name = Field("cpu", description=PLAN_DEVICE)
+    gpu_memory_gb: Optional[Float] = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="the memory, GiB (2^30 bytes): needed for `cpu` and `cuda`; for a named GPU at "
+        "most its memory (null: all of it)",
     )
     batch_size: Int = Field(16, ge=1, le=65_536, description="micro-batch size")
-    max_length: Int = Field(512, ge=2, le=8192, description="tokens per sample")
+    max_length: Int = Field(
+        512, ge=1, le=8192, description="tokens per sample (as `dataset_config.max_length`)"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _plan_device(cls, v: str) -> str:
+        target = parse_device(v, PLAN_FLAGS[0])  # lists the choices
+        return target.name if target is not None else "cpu"
+
+    @model_validator(mode="after")
+    def _budget(self) -> OptimizeBody:
+        self.budget_bytes()  # cpu and cuda need a memory; a named GPU's is at most its own
+        return self
+
+    def target(self) -> Optional[GPU]:
+        """The GPU the plan is for (:mod:`ampkit.plan.devices`), or None: this server's CPU."""
+        return parse_device(self.device, PLAN_FLAGS[0])
+
+    def memory_bytes(self) -> Optional[int]:
+        """``gpu_memory_gb`` in bytes, else a named GPU's memory (None: not given, for cpu/cuda)."""
+        if self.gpu_memory_gb is not None:
+            return int(self.gpu_memory_gb * 2**30)
+        target = self.target()
+        return target.memory_bytes if target is not None else None
+
+    def budget_bytes(self) -> int:
+        """The bytes a step may take (:func:`ampkit.plan.devices.plan_budget`)."""
+        memory = int(self.gpu_memory_gb * 2**30) if self.gpu_memory_gb is not None else None
+        return plan_budget(self.target(), memory, PLAN_FLAGS)

@@ -332,11 +332,15 @@ def _job_answer(job: dict[str, Any], status_code: int = 202) -> JSONResponse:
 
 @router.post("/optimize-mixed-precision")
 def optimize(body: OptimizeBody, who: Owner, svc: Svc, request: Request) -> Any:
-    """The memory planner's answer for every precision (no run): `model_name`, `gpu_memory_gb`,
-    `batch_size`, `should_use_mixed_precision`, `reason`, `recommended_precision`,
-    `recommendations` (per precision: `precision`, `predicted_peak_gb`, `fits`, `max_batch_size`),
-    `note`. 200 when it is ready within 3 s or cached (`"cached": true`); else 202 with the job to
-    poll (`poll`, also in `Location`). Per owner a rate limit and at most 2 plans in flight (429).
+    """The memory planner's answer for every precision (no run), for `device` (as `ampkit plan
+    --device`: a GPU is planned from this server without one): `model_name`, `device` and
+    `device_name` (what the figures are for), `gpu_memory_gb`, `budget_gb` (a GPU's memory less
+    the CUDA context and fragmentation), `batch_size`, `should_use_mixed_precision`, `reason`,
+    `recommended_precision`, `recommendations` (per precision: `precision`, `predicted_peak_gb`,
+    `fits`, `max_batch_size`, `method` (`refused`: the device cannot run it), `why_not` (why it
+    fits no batch, else null)), `note`. 200 when it is ready within 3 s or cached
+    (`"cached": true`); else 202 with the job to poll (`poll`, also in `Location`). Per owner a
+    rate limit and at most 2 plans in flight (429).
     \f
     The estimates run in the worker process (``..jobs``), never in this thread."""
     limits = limit(request, who, "planner")

@@ -55,12 +55,16 @@ def fields(
     model: type[BaseModel],
     required: tuple[str, ...] = (),
     suggest: Optional[dict[str, tuple[str, ...]]] = None,
+    choices: Optional[dict[str, tuple[str, ...]]] = None,
 ) -> list[Field]:
     """The form's inputs, one per field of ``model``, in its order (``suggest``: values offered for
-    a text field while typing, e.g. the precision names)."""
+    a text field while typing, e.g. the precision names; ``choices``: a text field shown as a
+    select of these values, which the model still checks, e.g. the planner's devices)."""
     out = []
     for name, info in model.model_fields.items():
-        kind, choices = _kind(info.annotation)
+        kind, choices_of = _kind(info.annotation)
+        if name in (choices or {}):
+            kind, choices_of = "select", (choices or {})[name]
         default = None if info.is_required() else info.get_default(call_default_factory=True)
         shown = (
             ""
@@ -78,7 +82,7 @@ def fields(
                 name,
                 kind,
                 shown,
-                choices,
+                choices_of,
                 required=name in required or info.is_required(),
                 suggest=(suggest or {}).get(name, ()),
             )
@@ -111,15 +115,20 @@ def body(model: type[BaseModel], values: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def errors(e: ValidationError) -> dict[str, str]:
-    """Each field's messages (``""``: the form's own), as the API's 422 names them."""
+def errors(e: ValidationError, model: Optional[type[BaseModel]] = None) -> dict[str, str]:
+    """Each field's messages (``""``: the form's own), as the API's 422 names them. A check of the
+    whole body whose message starts with a field's name (``amp: ...``; ``gpu_memory_gb is needed
+    ...`` of ``model``) is shown beside that field."""
     out: dict[str, list[str]] = {}
     for err in e.errors():
         loc = err.get("loc") or ()
         name = str(loc[0]) if loc else ""
         where = ".".join(map(str, loc[1:]))
         msg = err.get("msg", "")
+        first = msg.removeprefix("Value error, ").split(" ", 1)[0].rstrip(":")
         if not name and msg.startswith("Value error, amp:"):
             name = "amp"  # the engine config's check (RunSpec._engine_config): about amp
+        elif not name and model is not None and first in model.model_fields:
+            name = first  # e.g. OptimizeBody's budget: about gpu_memory_gb, or the device
         out.setdefault(name, []).append(f"{where}: {msg}" if where else msg)
     return {k: "; ".join(v) for k, v in out.items()}

@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from ...plan.devices import DEVICES
 from ...step.precision import CANONICAL
 from ..deps import service
 from ..routes import finetuning, runs
@@ -29,6 +30,8 @@ SUGGEST = {
     "precision": CANONICAL,
     "device": ("cpu", "cuda", "cuda:0", "mps"),
 }  # the launch form's hints
+# the plan form's device: a select of what the API takes (cpu and the planner's devices)
+PLAN_CHOICES = {"device": ("cpu", *DEVICES)}
 
 router = APIRouter(route_class=UIRoute, include_in_schema=False)
 
@@ -88,7 +91,7 @@ def plan_page(request: Request) -> Response:
         request,
         "plan.html",
         who,
-        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
+        fields=_plan_fields(),
         values={},
         errors={},
         error=None,
@@ -104,7 +107,7 @@ async def plan(request: Request) -> Response:
     who = me(request)
     posted = await form(request, who)
     values = {k: v for k, v in posted.items() if k != "csrf" and isinstance(v, str)}
-    fields = form_fields(OptimizeBody, required=("gpu_memory_gb",))
+    fields = _plan_fields()
     try:
         body = OptimizeBody.model_validate(form_body(OptimizeBody, values))
     except ValidationError as e:
@@ -115,7 +118,7 @@ async def plan(request: Request) -> Response:
             status=422,
             fields=fields,
             values=values,
-            errors=form_errors(e),
+            errors=form_errors(e, OptimizeBody),
             error=None,
             plan=None,
             job=None,
@@ -136,9 +139,13 @@ def plan_job(request: Request, job_id: str) -> Response:
         request,
         who,
         lambda: finetuning.optimize_job(job_id, who[0]),
-        fields=form_fields(OptimizeBody, required=("gpu_memory_gb",)),
+        fields=_plan_fields(),
         values={k: v for k, v in request.query_params.items() if k in OptimizeBody.model_fields},
     )
+
+
+def _plan_fields() -> list[Any]:
+    return form_fields(OptimizeBody, choices=PLAN_CHOICES)
 
 
 def _plan_answer(
