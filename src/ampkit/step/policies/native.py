@@ -1,8 +1,10 @@
-"""One-pass native kernels for the ``split`` and ``kahan`` rungs (``_bits.c`` beside this file).
+"""One-pass native kernels for the ``split`` and ``kahan`` rungs and for stochastic rounding
+(``_bits.c`` beside this file).
 
 The eager functions of :mod:`.pure.eager` (``split_fp32``, ``join_split``, ``kahan_split``,
 ``kahan_join``) make 3--4 element-wise passes each; these kernels make one, bitwise the same, over
-every tensor of a step's chunk in one call (:func:`compact`, :func:`expand`), cut into one slice per
+every tensor of a step's chunk in one call (:func:`compact`, :func:`expand`; :func:`stochastic`:
+:func:`.pure.eager.stochastic_round` with its counter-based random bits), cut into one slice per
 thread of torch's intra-op pool: built with ``-fopenmp``, the library's ``libgomp.so.1`` is the one
 torch's Linux wheels already loaded, so the kernels run on torch's own threads (a compiler without
 OpenMP: the same kernels on one thread; :func:`threads` says which). The
@@ -67,6 +69,7 @@ __all__ = [
     "kahan_split",
     "library",
     "split",
+    "stochastic",
     "threads",
 ]
 
@@ -154,6 +157,16 @@ def _load() -> ctypes.CDLL:
     ):
         fn = getattr(lib, f"ampkit_{name}")
         fn.argtypes, fn.restype = [*many, *extra, ctypes.c_int], None
+    lib.ampkit_stochastic.argtypes = [
+        n,
+        ctypes.POINTER(n),
+        ctypes.POINTER(p),
+        ctypes.POINTER(p),
+        ctypes.c_uint64,
+        ctypes.c_uint16,
+        ctypes.c_int,
+    ]
+    lib.ampkit_stochastic.restype = None
     lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
     lib.ampkit_nonfinite.argtypes = [
         n,
@@ -359,6 +372,16 @@ def _probe(lib: ctypes.CDLL, nan: int) -> None:
                 raise RuntimeError(
                     f"probe: the native {rung} expansion differs from the eager passes"
                 )
+    for key in (0, 0x7FFFFFFFFFFFFFFF, 0x0123456789ABCDEF):
+        want = torch.empty(n, dtype=torch.bfloat16)
+        eager.stochastic_round(x.clone(), want, key)
+        for nt in (1, 2):
+            got = [torch.empty(k, dtype=torch.bfloat16) for k in sizes]
+            ok = stochastic(list(x.clone().split(sizes)), got, key, lib=lib, threads=nt)
+            if not ok or not torch.equal(torch.cat(got).view(torch.int16), want.view(torch.int16)):
+                raise RuntimeError(
+                    "probe: the native stochastic rounding differs from the eager one"
+                )
     _probe_nonfinite(lib, g)
 
 
@@ -527,3 +550,38 @@ def kahan_join(
 ) -> bool:
     """:func:`.pure.eager.kahan_join` in one pass; False: not done."""
     return expand("kahan", [hi], [comp], out, lib)
+
+
+def stochastic(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    key: int,
+    lib: Optional[ctypes.CDLL] = None,
+    threads: Optional[int] = None,
+) -> bool:
+    """Each fp32 tensor of ``xs`` rounded stochastically into the bf16 tensor of ``outs`` of its size:
+    :func:`.pure.eager.stochastic_round` keyed by ``key`` (an int in [0, 2**64)), the element counter
+    running across the tensors in order, in one call on torch's intra-op threads (``xs`` left
+    unchanged). False: not done (a tensor not plain, contiguous, on the CPU or of its dtype)."""
+    if lib is None and os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
+        return False
+    k = len(xs)
+    if len(outs) != k:
+        return False
+    for x, o in zip(xs, outs):
+        if not (_plain(x, torch.float32) and _plain(o, torch.bfloat16)) or x.numel() != o.numel():
+            return False
+    lib = library() if lib is None else lib
+    if lib is None:
+        return False
+    ptrs = ctypes.c_void_p * k
+    lib.ampkit_stochastic(
+        k,
+        (ctypes.c_int64 * k)(*[x.numel() for x in xs]),
+        ptrs(*[x.data_ptr() for x in xs]),
+        ptrs(*[o.data_ptr() for o in outs]),
+        key,
+        _state["nan"],
+        threads or torch.get_num_threads(),
+    )
+    return True

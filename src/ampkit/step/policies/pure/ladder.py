@@ -57,7 +57,14 @@ from ...rung import Rung, split_spec
 from .. import native as _native_kernels
 from .masters import MasterWeights, cast_buffers, kept_tensors
 from .pieces import ALIGN, ELEMENTWISE, CutState, Segment, plan
-from .rounding import join_split, kahan_join, kahan_split, split_fp32, stochastic_round
+from .rounding import (
+    join_split,
+    kahan_join,
+    kahan_split,
+    split_fp32,
+    stochastic_many,
+    stochastic_round,
+)
 
 __all__ = [
     "CHUNK_NUMEL",
@@ -136,11 +143,16 @@ class LadderWeights(MasterWeights):
             self.gen.manual_seed(torch.initial_seed())
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
         # The bounded scratch, kept between steps: one call's fp32 values (+ the bit passes' second
-        # buffer for split/kahan); at most CHUNK_NUMEL elements, a multiple of pieces.ALIGN.
+        # buffer for split/kahan; + room for two fp32 states per element with bf16 states: the
+        # call's states widened there, :class:`_Arena`); at most CHUNK_NUMEL elements a call, a
+        # multiple of pieces.ALIGN.
         per = 0 if masters == "fp32" else 8 if masters in ("split", "kahan") else 4
-        self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(per, 4) // ALIGN * ALIGN, ALIGN))
+        room = per + (8 if state_dtype == "bf16" else 0)
+        self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(room, 4) // ALIGN * ALIGN, ALIGN))
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
+        left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
+        self._arena = _Arena(max(left, 0) if state_dtype == "bf16" else 0, dev)
         self.full: list[
             torch.Tensor
         ] = []  # fp32 masters (bf16 states only): the masters' own storage
@@ -237,6 +249,12 @@ class LadderWeights(MasterWeights):
         still views the buffer where it was put."""
         masters = [self.masters[seg.i] for seg in segs]
         parts = [self._parts(seg) for seg in segs]
+        if (
+            self.rung == "stochastic"
+        ):  # one key, one native call where it can (pointers: any storage)
+            assert self.gen is not None
+            stochastic_many([m.data.reshape(-1) for m in masters], [h for h, _ in parts], self.gen)
+            return
         off = sum(seg.stop - seg.start for seg in segs)
         if not (
             self.rung in ("split", "kahan")
@@ -297,6 +315,7 @@ class LadderWeights(MasterWeights):
         )  # an estimate: no values, same memory
         calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE, ends_only=fake) or [[]]
         cuts: dict[int, CutState] = {}
+        kept: dict[tuple[int, str], torch.Tensor] = {}
         ret = None
         try:
             for k, segs in enumerate(calls):
@@ -309,6 +328,8 @@ class LadderWeights(MasterWeights):
                     else torch.empty(n, device=self._buf.device)
                 )
                 live = [self.masters[seg.i] for seg in segs] + (others if k == 0 else [])
+                kept.clear()  # the bf16 states widened for this call
+                self._arena.reset()
                 with torch.no_grad():
                     views = self._expand_call(segs, buf)
                     for seg, v in zip(segs, views):
@@ -318,13 +339,14 @@ class LadderWeights(MasterWeights):
                             (g if seg.whole or g is None else g.view(-1)[seg.start : seg.stop]),
                         )
                         if seg.whole:
-                            self._states(opt, m, torch.float32)
+                            self._states_up(opt, m, kept)
                         else:
                             if seg.start == 0:
                                 cuts[seg.i] = CutState(
                                     opt.state.get(m),
                                     self.halves[seg.i].shape,
                                     self._round_state if self.state_dtype == "bf16" else None,
+                                    self._arena.widen,
                                 )
                             opt.state[m] = cuts[seg.i].enter(seg)
                     for p in others if k == 0 else []:
@@ -332,6 +354,7 @@ class LadderWeights(MasterWeights):
                 ret = inner(*args, **kwargs)
                 with torch.no_grad():
                     self._compact_call(segs, views, buf)
+                    self._states_down(opt, [self.masters[s.i] for s in segs if s.whole], kept)
                     for seg in segs:
                         m = self.masters[seg.i]
                         m.data = (
@@ -339,14 +362,21 @@ class LadderWeights(MasterWeights):
                             if self.rung == "fp32"
                             else self._dummy.expand(self.halves[seg.i].shape)
                         )
-                        if seg.whole:
-                            self._states(opt, m, torch.bfloat16)
-                        elif (
-                            whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i])
-                        ) is not None:
+                        if (
+                            not seg.whole
+                            and (whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i]))
+                            is not None
+                        ):
                             opt.state[m] = whole
+                kept.clear()
                 for p in live:
                     p.grad = None
+        except BaseException:
+            # the call's bf16 states as before it (its weights were not written back either): the
+            # widened ones view the arena, which the next call overwrites
+            for (i, key), v in kept.items():
+                opt.state[self.masters[index[i]]][key] = v
+            raise
         finally:
             for i in ids:  # (after an error too: the stand-ins whole again, then their gradients)
                 self.masters[i].data = (
@@ -358,31 +388,55 @@ class LadderWeights(MasterWeights):
                 p.grad = g
         return ret
 
-    def _round_state(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _round_state(self, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         assert self.gen is not None
-        stochastic_round(x, out, self.gen)
+        stochastic_many(xs, outs, self.gen)
 
-    def _states(self, opt: torch.optim.Optimizer, m: torch.Tensor, dtype: torch.dtype) -> None:
-        """With ``state_dtype='bf16'``: the stand-in's state tensors to fp32 (before) or bf16 (after)."""
-        if self.state_dtype != "bf16":
-            return
+    def _bf16_states(self, opt: torch.optim.Optimizer, m: torch.Tensor) -> list[str]:
+        """The keys of the stand-in's parameter-shaped floating states (bf16 between steps)."""
         state = opt.state.get(m)
-        if not state:
-            return
-        for k, v in state.items():
-            if (
-                isinstance(v, torch.Tensor)
-                and v.is_floating_point()
-                and v.shape == m.shape
-                and v.dtype != dtype
-            ):
-                if dtype == torch.float32:
-                    state[k] = v.float()
-                else:
+        if self.state_dtype != "bf16" or not state:
+            return []
+        return [
+            k
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape
+        ]
+
+    def _states_up(
+        self, opt: torch.optim.Optimizer, m: torch.Tensor, kept: dict[tuple[int, str], torch.Tensor]
+    ) -> None:
+        """With ``state_dtype='bf16'``: the stand-in's bf16 states to fp32 for its step; the bf16
+        tensors go into ``kept``, where :meth:`_states_down` rounds the stepped values back."""
+        for k in self._bf16_states(opt, m):
+            v = opt.state[m][k]
+            if v.dtype != torch.float32:
+                kept[(id(m), k)] = v
+                opt.state[m][k] = self._arena.widen(v)
+
+    def _states_down(
+        self,
+        opt: torch.optim.Optimizer,
+        ms: list[torch.Tensor],
+        kept: dict[tuple[int, str], torch.Tensor],
+    ) -> None:
+        """The fp32 states of the stand-ins ``ms`` rounded stochastically into bf16 in one call (one
+        key, the states in order), into the bf16 tensors :meth:`_states_up` expanded (new ones for
+        states the step made)."""
+        xs, outs = [], []
+        for m in ms:
+            for k in self._bf16_states(opt, m):
+                v = opt.state[m][k]
+                if v.dtype == torch.bfloat16:
+                    continue
+                out = kept.get((id(m), k))
+                if out is None or out.shape != v.shape or not out.is_contiguous():
                     out = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-                    assert self.gen is not None
-                    stochastic_round(v.contiguous(), out, self.gen)
-                    state[k] = out
+                xs.append(v.reshape(-1))
+                outs.append(out)
+                opt.state[m][k] = out
+        if xs:
+            self._round_state(xs, [o.view(-1) for o in outs])
 
     def _loaded(self, opt: torch.optim.Optimizer) -> None:
         """After ``opt.load_state_dict``: torch cast the loaded states to the fp32 stand-ins' dtype;
@@ -413,7 +467,7 @@ class LadderWeights(MasterWeights):
             for i, m in enumerate(self.masters):
                 m.data = self.fp32_value(i)
                 for opt in self.optimizers:
-                    self._states(opt, m, torch.float32)
+                    self._states_up(opt, m, {})
         super().release()
 
     def state_dict(self) -> dict[str, Any]:
@@ -460,6 +514,34 @@ class LadderWeights(MasterWeights):
     def storage(self) -> list[torch.Tensor]:
         """The rung's own tensors (remainders / compensations), for memory accounting."""
         return [e for e in self.extra if e is not None]
+
+
+class _Arena:
+    """fp32 room for one optimizer call's bf16 states, kept between steps (``cap`` elements at most,
+    grown to what a call needed): :meth:`widen` copies a state into the next free slice (one pass,
+    no allocation), or into a new tensor where the call's states outgrow the room."""
+
+    def __init__(self, cap: int, device: torch.device) -> None:
+        self.cap, self.device = cap, device
+        self.buf = torch.empty(0, device=device)
+        self.off = self.want = 0
+
+    def reset(self) -> None:
+        """A new call: the room is free again (grown first to the most a call asked for)."""
+        if self.buf.numel() < min(self.want, self.cap):
+            self.buf = torch.empty(0, device=self.device)  # (the old one freed first)
+            self.buf = torch.empty(min(self.want, self.cap), device=self.device)
+        self.off = 0
+
+    def widen(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` (bf16) as a new fp32 tensor of its shape, in the room while there is some."""
+        n = v.numel()
+        self.want = max(self.want, self.off + n)
+        if self.off + n > self.buf.numel() or type(v) is not torch.Tensor:
+            return v.float()
+        out = self.buf[self.off : self.off + n].view(v.shape)
+        self.off += n
+        return out.copy_(v)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

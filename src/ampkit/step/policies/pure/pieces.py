@@ -87,12 +87,14 @@ class CutState:
         self,
         state: Optional[dict[str, Any]],
         shape: torch.Size,
-        round_into: Optional[Callable[[torch.Tensor, torch.Tensor], None]],
+        round_into: Optional[Callable[[list[torch.Tensor], list[torch.Tensor]], None]],
+        widen: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float,
     ) -> None:
         self.shape, self.round_into = (
             shape,
             round_into,
-        )  # round_into(fp32 scratch, bf16 out): bf16 states
+        )  # round_into(fp32 scratches, bf16 outs): bf16 states, one call
+        self.widen = widen  # bf16 piece -> a new fp32 tensor of its values
         self.fresh = not state  # never stepped: the optimizer makes each segment's state itself
         self.full: dict[str, torch.Tensor] = {}
         self.before: dict[str, Any] = {}
@@ -111,7 +113,9 @@ class CutState:
         for k, v in self.full.items():
             piece = v[seg.start : seg.stop]
             out[k] = (
-                piece.float() if self.round_into is not None and v.is_floating_point() else piece
+                self.widen(piece)
+                if self.round_into is not None and v.is_floating_point()
+                else piece
             )
         for k, v in self.before.items():
             out[k] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -122,6 +126,8 @@ class CutState:
         weight's whole state (else None)."""
         n = seg.stop - seg.start
         after: dict[str, Any] = {}
+        xs: list[torch.Tensor] = []  # bf16 states: rounded in one call, in the state's key order
+        outs: list[torch.Tensor] = []
         for k, v in state.items():
             if (
                 isinstance(v, torch.Tensor)
@@ -139,13 +145,16 @@ class CutState:
                     )
                 piece = full[seg.start : seg.stop]
                 if bf16:
-                    assert self.round_into is not None
-                    self.round_into(v.contiguous(), piece)
+                    xs.append(v.reshape(-1))
+                    outs.append(piece)
                 elif not _same(piece, v):
                     piece.copy_(v)
                 after[k] = None
             else:
                 after[k] = v
+        if xs:
+            assert self.round_into is not None
+            self.round_into(xs, outs)
         if seg.stop < numel:
             return None
         return {k: (self.full[k].view(self.shape) if v is None else v) for k, v in after.items()}

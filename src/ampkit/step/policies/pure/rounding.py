@@ -8,6 +8,7 @@ with ``native=False``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -16,7 +17,16 @@ from .. import native as _native_kernels
 from . import eager
 from .eager import BLOCK
 
-__all__ = ["BLOCK", "join_split", "kahan_join", "kahan_split", "split_fp32", "stochastic_round"]
+__all__ = [
+    "BLOCK",
+    "draw_key",
+    "join_split",
+    "kahan_join",
+    "kahan_split",
+    "split_fp32",
+    "stochastic_many",
+    "stochastic_round",
+]
 
 
 def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: bool = True) -> None:
@@ -59,9 +69,39 @@ def kahan_join(
     return eager.kahan_join(hi, comp, out, tmp)
 
 
-def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
-    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
-    bits = x.view(torch.int32)
-    bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen))
-    bits.bitwise_and_(-0x10000)
-    out.copy_(x.view(out.shape))  # exact: x is a bf16 value now
+def draw_key(gen: torch.Generator) -> torch.Tensor:
+    """A stochastic rounding call's key: 63 random bits from ``gen`` (a 0-d int64 tensor on its
+    device -- no host sync on an accelerator). The call's random bits are a function of the key
+    alone (:func:`.eager.random16`), so a checkpointed generator state replays them bitwise."""
+    return torch.empty((), dtype=torch.int64, device=gen.device).random_(generator=gen)
+
+
+def stochastic_many(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    gen: torch.Generator,
+    native: bool = True,
+) -> None:
+    """Round each fp32 tensor of ``xs`` (scratch: may be overwritten) stochastically into the bf16
+    tensor of ``outs`` of its size, with one key drawn from ``gen`` and the element counter running
+    across the tensors: one native call where it can (:func:`ampkit.step.policies.native.stochastic`),
+    else :func:`.eager.stochastic_round` per tensor -- bitwise the same."""
+    if not xs:
+        return
+    key = draw_key(gen)  # (a fake tensor under ``ampkit plan``'s fake mode: the eager passes)
+    plain = type(key) is torch.Tensor and key.device.type == "cpu"
+    if native and plain and _native_kernels.stochastic(xs, outs, int(key)):
+        return
+    start = 0
+    for x, out in zip(xs, outs):
+        eager.stochastic_round(x, out, key, start)
+        start += x.numel()
+
+
+def stochastic_round(
+    x: torch.Tensor, out: torch.Tensor, gen: torch.Generator, native: bool = True
+) -> None:
+    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage may be used as scratch):
+    :func:`stochastic_many` of one tensor (unbiased: rounds up with probability equal to the
+    dropped fraction; a NaN stays NaN)."""
+    stochastic_many([x], [out], gen, native)
