@@ -83,19 +83,32 @@ def stochastic_many(
     native: bool = True,
 ) -> None:
     """Round each fp32 tensor of ``xs`` (scratch: may be overwritten) stochastically into the bf16
-    tensor of ``outs`` of its size, with one key drawn from ``gen`` and the element counter running
-    across the tensors: one native call where it can (:func:`ampkit.step.policies.native.stochastic`),
+    tensor of ``outs`` of its size (any layout: strided ones go through contiguous copies), with one
+    key drawn from ``gen`` and the element counter running across the tensors in their flat order
+    (row-major): one native call where it can (:func:`ampkit.step.policies.native.stochastic`),
     else :func:`.eager.stochastic_round` per tensor -- bitwise the same."""
+    if len(xs) != len(outs) or any(x.numel() != o.numel() for x, o in zip(xs, outs)):
+        raise ValueError(
+            f"stochastic rounding needs one bf16 output per fp32 input of its size; got sizes "
+            f"{[x.numel() for x in xs]} into {[o.numel() for o in outs]}"
+        )
     if not xs:
         return
+    flat = [x.reshape(-1) for x in xs]  # contiguous (a copy of a strided one)
+    into = [
+        o.view(-1) if o.is_contiguous() else torch.empty(o.numel(), dtype=o.dtype, device=o.device)
+        for o in outs
+    ]
     key = draw_key(gen)  # (a fake tensor under ``ampkit plan``'s fake mode: the eager passes)
     plain = type(key) is torch.Tensor and key.device.type == "cpu"
-    if native and plain and _native_kernels.stochastic(xs, outs, int(key)):
-        return
-    start = 0
-    for x, out in zip(xs, outs):
-        eager.stochastic_round(x, out, key, start)
-        start += x.numel()
+    if not (native and plain and _native_kernels.stochastic(flat, into, int(key))):
+        start = 0
+        for x, out in zip(flat, into):
+            eager.stochastic_round(x, out, key, start)
+            start += x.numel()
+    for o, t in zip(outs, into):
+        if not o.is_contiguous():
+            o.copy_(t.view(o.shape))
 
 
 def stochastic_round(
