@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import sys
 import types
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -55,8 +54,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ...rung import Rung, split_spec
 from .. import native as _native_kernels
-from .masters import MasterWeights, cast_buffers, kept_tensors
-from .pieces import ALIGN, ELEMENTWISE, CutState, Segment, plan
+from .cast import STALL_WARNING, CastOnly
+from .masters import MasterWeights
+from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, plan
 from .rounding import (
     join_split,
     kahan_join,
@@ -87,11 +87,6 @@ __all__ = [
 CHUNK_NUMEL = 1 << 20
 #: the scratch the ladder keeps between steps by default (bytes): larger tensors are stepped in pieces
 SCRATCH_BYTES = 16 << 20
-STALL_WARNING = (
-    "bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
-    "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
-    "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)"
-)
 
 
 def bytes_per_param(
@@ -144,7 +139,7 @@ class LadderWeights(MasterWeights):
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
         # The bounded scratch, kept between steps: one call's fp32 values (+ the bit passes' second
         # buffer for split/kahan; + room for two fp32 states per element with bf16 states: the
-        # call's states widened there, :class:`_Arena`); at most CHUNK_NUMEL elements a call, a
+        # call's states widened there, :class:`.pieces.Arena`); at most CHUNK_NUMEL elements a call, a
         # multiple of pieces.ALIGN.
         per = 0 if masters == "fp32" else 8 if masters in ("split", "kahan") else 4
         room = per + (8 if state_dtype == "bf16" else 0)
@@ -152,7 +147,7 @@ class LadderWeights(MasterWeights):
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
         left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
-        self._arena = _Arena(max(left, 0) if state_dtype == "bf16" else 0, dev)
+        self._arena = Arena(max(left, 0) if state_dtype == "bf16" else 0, dev)
         self.full: list[
             torch.Tensor
         ] = []  # fp32 masters (bf16 states only): the masters' own storage
@@ -516,34 +511,6 @@ class LadderWeights(MasterWeights):
         return [e for e in self.extra if e is not None]
 
 
-class _Arena:
-    """fp32 room for one optimizer call's bf16 states, kept between steps (``cap`` elements at most,
-    grown to what a call needed): :meth:`widen` copies a state into the next free slice (one pass,
-    no allocation), or into a new tensor where the call's states outgrow the room."""
-
-    def __init__(self, cap: int, device: torch.device) -> None:
-        self.cap, self.device = cap, device
-        self.buf = torch.empty(0, device=device)
-        self.off = self.want = 0
-
-    def reset(self) -> None:
-        """A new call: the room is free again (grown first to the most a call asked for)."""
-        if self.buf.numel() < min(self.want, self.cap):
-            self.buf = torch.empty(0, device=self.device)  # (the old one freed first)
-            self.buf = torch.empty(min(self.want, self.cap), device=self.device)
-        self.off = 0
-
-    def widen(self, v: torch.Tensor) -> torch.Tensor:
-        """``v`` (bf16) as a new fp32 tensor of its shape, in the room while there is some."""
-        n = v.numel()
-        self.want = max(self.want, self.off + n)
-        if self.off + n > self.buf.numel() or type(v) is not torch.Tensor:
-            return v.float()
-        out = self.buf[self.off : self.off + n].view(v.shape)
-        self.off += n
-        return out.copy_(v)
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""
     return (
@@ -554,42 +521,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and a.dtype == b.dtype
     )
-
-
-# ---------------------------------------------------------------------- the bottom rung
-class CastOnly:
-    """``masters='none'`` (forced): the model cast to bf16 in place, the optimizer steps it directly."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizers: Sequence[torch.optim.Optimizer],
-        dtype: torch.dtype,
-        keep: Sequence[str] = (),
-    ) -> None:
-        warnings.warn(STALL_WARNING, UserWarning, stacklevel=4)
-        self.model, self.optimizers = model, list(optimizers)
-        kept = kept_tensors(model, keep)
-        self.params = [p for p in model.parameters() if id(p) not in kept and p.is_floating_point()]
-        self._cast(dtype)
-        cast_buffers(model, dtype, lambda b: id(b) not in kept)
-
-    def _cast(self, dtype: torch.dtype) -> None:
-        """Parameters and their optimizer states (e.g. Adagrad's sums, made at construction) to ``dtype``."""
-        with torch.no_grad():
-            for p in self.params:
-                p.grad = None
-                p.data = p.data.to(dtype)
-                for opt in self.optimizers:
-                    state = opt.state.get(p, {})
-                    for k, v in state.items():
-                        if (
-                            isinstance(v, torch.Tensor)
-                            and v.is_floating_point()
-                            and v.shape == p.shape
-                        ):
-                            state[k] = v.to(dtype)
-
-    def release(self) -> None:
-        self._cast(torch.float32)
-        cast_buffers(self.model, torch.float32, lambda b: b.dtype != torch.float32)

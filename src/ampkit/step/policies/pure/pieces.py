@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ALIGN", "ELEMENTWISE", "CutState", "Segment", "plan"]
+__all__ = ["ALIGN", "ELEMENTWISE", "Arena", "CutState", "Segment", "plan"]
 
 #: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
 ELEMENTWISE = (
@@ -169,3 +169,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and a.dtype == b.dtype
     )
+
+
+class Arena:
+    """fp32 room for one optimizer call's bf16 states, kept between steps (``cap`` elements at most,
+    grown to what a call needed): :meth:`widen` copies a state into the next free slice (one pass,
+    no allocation), or into a new tensor where the call's states outgrow the room."""
+
+    def __init__(self, cap: int, device: torch.device) -> None:
+        self.cap, self.device = cap, device
+        self.buf = torch.empty(0, device=device)
+        self.off = self.want = 0
+
+    def reset(self) -> None:
+        """A new call: the room is free again (grown first to the most a call asked for)."""
+        if self.buf.numel() < min(self.want, self.cap):
+            self.buf = torch.empty(0, device=self.device)  # (the old one freed first)
+            self.buf = torch.empty(min(self.want, self.cap), device=self.device)
+        self.off = 0
+
+    def widen(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` (bf16) as a new fp32 tensor of its shape, in the room while there is some."""
+        n = v.numel()
+        self.want = max(self.want, self.off + n)
+        if self.off + n > self.buf.numel() or type(v) is not torch.Tensor:
+            return v.float()
+        out = self.buf[self.off : self.off + n].view(v.shape)
+        self.off += n
+        return out.copy_(v)
