@@ -57,7 +57,7 @@ class Run:
     def __init__(self, spec: str, optimizer: str, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         model = Model(args.vocab, args.width)
-        self.amp = ampkit.MixedPrecision(spec, device="cpu")
+        self.amp = ampkit.MixedPrecision(spec, device="cpu", ladder_scratch_mib=args.scratch_mib)
         self.model, self.opt = self.amp.setup(model, OPTIMIZERS[optimizer](model.parameters()))
         self.times: list[float] = []
 
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per block")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--rungs", default=",".join(RUNGS))
+    ap.add_argument("--scratch-mib", type=int, default=16, help="ladder_scratch_mib")
     ap.add_argument("--profile", default="", help="profile this rung's steps (torch.profiler)")
     args = ap.parse_args()
     x = torch.randint(

@@ -262,3 +262,22 @@ def test_bf16_states_stay_bf16_and_an_optimizer_error_leaves_them_as_before() ->
                 assert torch.equal(v.view(torch.int16), before[id(m)][k].view(torch.int16))
     step()  # and it steps on
     assert all(opt.state[m]["exp_avg"].dtype == torch.bfloat16 for m in lw.masters)
+
+
+@pytest.mark.slow
+def test_the_compiled_rounding_of_the_cuda_path_is_bitwise_the_eager_pass() -> None:
+    """The CUDA path's ``torch.compile``'d rounding, compiled here by inductor for the CPU (the same
+    graph; on CUDA, Triton): bitwise the eager passes on specials, odd sizes and offsets."""
+    from ampkit.step.policies.pure import rounding
+
+    fn = rounding.compiled()
+    if fn is None:
+        pytest.skip("torch.compile off (AMPKIT_NO_COMPILE=1)")
+    x = _inputs(70001, seed=4)
+    for n, start, key in ((70001, 0, 3), (4099, 5, 0x7FFFFFFFFFFFFFFF), (1, 2, 9)):
+        want = torch.empty(n, dtype=torch.bfloat16)
+        eager.stochastic_round(x[:n].clone(), want, key, start)
+        got = torch.empty(n, dtype=torch.bfloat16)
+        fn(x[:n], got, torch.tensor(key), start)
+        assert rounding._compiled["fn"] is not None, "the compile failed (fell back to eager)"
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

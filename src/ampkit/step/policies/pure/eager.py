@@ -102,33 +102,41 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     """``z >> s`` as uint64 (torch's int64 shift is arithmetic: the sign bits masked off)."""
-    return (z >> s).bitwise_and_((1 << (64 - s)) - 1)
+    return (z >> s) & ((1 << (64 - s)) - 1)
 
 
 def random16(key: torch.Tensor | int, start: int, n: int, device: torch.device) -> torch.Tensor:
-    """The 16 random bits (int32 in [0, 65536)) of elements ``start .. start + n - 1`` of a stochastic
+    """The 16 random bits (int64 in [0, 65536)) of elements ``start .. start + n - 1`` of a stochastic
     rounding call keyed by ``key`` (a 0-d int64 tensor on ``device``, or an int in [0, 2**63)):
     element g takes 16-bit part ``g % 4`` (the lowest first) of splitmix64 of counter ``g // 4``,
-    i.e. of ``mix(key + (g // 4 + 1) * GAMMA)`` -- the stream the native kernel draws (``_bits.c``)."""
-    w0, w1 = start >> 2, (start + n + 3) >> 2
-    z = torch.arange(w0 + 1, w1 + 1, dtype=torch.int64, device=device).mul_(_GAMMA).add_(key)
-    z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
-    z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
-    z.bitwise_xor_(_shr(z, 31))
-    a = start - 4 * w0  # little-endian: an int64's int16 parts, the lowest first
-    return z.view(torch.int16)[a : a + n].to(torch.int32).bitwise_and_(0xFFFF)
+    i.e. of ``mix(key + (g // 4 + 1) * GAMMA)`` -- the stream the native kernel draws (``_bits.c``).
+    Element-wise (each element hashes its own word), so ``torch.compile`` fuses it into one kernel."""
+    return _random16(torch.arange(start, start + n, dtype=torch.int64, device=device), key)
+
+
+def _random16(g: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
+    z = ((g >> 2) + 1) * _GAMMA + key
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (z >> ((g & 3) * 16)) & 0xFFFF  # (the sign bits an arithmetic shift brings: masked off)
+
+
+def stochastic_values(x: torch.Tensor, key: torch.Tensor | int, start: int = 0) -> torch.Tensor:
+    """Flat fp32 ``x`` rounded stochastically to bf16, a new tensor: :func:`random16` (from element
+    ``start`` of the call) added to the fp32 bits, the top 16 kept -- up with probability equal to
+    the dropped fraction; a NaN stays NaN (torch's bf16 NaN). Pure and element-wise: the function
+    the CUDA path compiles (:mod:`.rounding`)."""
+    g = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + start
+    bits = (x.view(torch.int32) + _random16(g, key).to(torch.int32)) & -0x10000
+    return torch.where(torch.isnan(x), x, bits.view(torch.float32)).to(torch.bfloat16)
 
 
 def stochastic_round(
     x: torch.Tensor, out: torch.Tensor, key: torch.Tensor | int, start: int = 0
 ) -> None:
-    """Round fp32 ``x`` stochastically into bf16 ``out`` (same numel; ``x`` is scratch, overwritten):
-    :func:`random16` (from element ``start`` of the call) added to the fp32 bits, the top 16 kept --
-    up with probability equal to the dropped fraction; a NaN stays NaN (torch's bf16 NaN)."""
+    """:func:`stochastic_values` of fp32 ``x`` into bf16 ``out`` (same numel, contiguous), in
+    blocks on the CPU."""
     xf, of = x.view(-1), out.view(-1)
     for o in _blocks(xf):
-        xb = xf[o : o + BLOCK]
-        nan = torch.isnan(xb)
-        bits = xb.view(torch.int32)
-        bits.add_(random16(key, start + o, xb.numel(), x.device)).bitwise_and_(-0x10000)
-        of[o : o + BLOCK].copy_(xb.masked_fill_(nan, float("nan")))  # exact: bf16 values, NaNs
+        of[o : o + BLOCK].copy_(stochastic_values(xf[o : o + BLOCK], key, start + o))

@@ -8,17 +8,20 @@ with ``native=False``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from ...logs import logger
 from .. import native as _native_kernels
 from . import eager
 from .eager import BLOCK
 
 __all__ = [
     "BLOCK",
+    "compiled",
     "draw_key",
     "join_split",
     "kahan_join",
@@ -69,6 +72,43 @@ def kahan_join(
     return eager.kahan_join(hi, comp, out, tmp)
 
 
+_compiled: dict[str, Any] = {}
+
+
+def _round_into(x: torch.Tensor, out: torch.Tensor, key: torch.Tensor, start: int) -> None:
+    out.copy_(eager.stochastic_values(x, key, start))
+
+
+def compiled() -> Optional[Callable[..., None]]:
+    """The stochastic rounding of :func:`.eager.stochastic_values` into ``out`` compiled by
+    ``torch.compile`` (one fused kernel: on CUDA the eager passes are ~20 launches a tensor), used
+    on CUDA tensors; None with ``AMPKIT_NO_COMPILE=1`` or where ``torch.compile`` is unavailable.
+    Compiled lazily, once per process (dynamic shapes); a failure to compile falls back to the
+    eager passes for the rest of the process (one ``DEBUG`` line)."""
+    if os.environ.get("AMPKIT_NO_COMPILE", "") not in ("", "0"):
+        return None
+    if "fn" not in _compiled:
+        try:
+            fn = torch.compile(_round_into, dynamic=True, fullgraph=True)
+        except Exception as e:  # pragma: no cover - no inductor in this build
+            logger.debug("ampkit: no compiled stochastic rounding (%s); eager passes", e)
+            fn = None
+        _compiled["fn"] = None if fn is None else _guarded(fn)
+    return _compiled["fn"]
+
+
+def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
+    def call(x: torch.Tensor, out: torch.Tensor, key: torch.Tensor, start: int) -> None:
+        try:
+            fn(x, out, key, start)
+        except Exception as e:  # a backend that cannot compile here: eager from now on
+            logger.debug("ampkit: compiled stochastic rounding failed (%s); eager passes", e)
+            _compiled["fn"] = None
+            eager.stochastic_round(x, out, key, start)
+
+    return call
+
+
 def draw_key(gen: torch.Generator) -> torch.Tensor:
     """A stochastic rounding call's key: 63 random bits from ``gen`` (a 0-d int64 tensor on its
     device -- no host sync on an accelerator). The call's random bits are a function of the key
@@ -102,9 +142,14 @@ def stochastic_many(
     key = draw_key(gen)  # (a fake tensor under ``ampkit plan``'s fake mode: the eager passes)
     plain = type(key) is torch.Tensor and key.device.type == "cpu"
     if not (native and plain and _native_kernels.stochastic(flat, into, int(key))):
+        real_cuda = type(flat[0]) is torch.Tensor and flat[0].is_cuda  # (not ``plan``'s fakes)
+        fused = compiled() if native and real_cuda else None
         start = 0
         for x, out in zip(flat, into):
-            eager.stochastic_round(x, out, key, start)
+            if fused is not None:
+                fused(x, out, key, start)
+            else:
+                eager.stochastic_round(x, out, key, start)
             start += x.numel()
     for o, t in zip(outs, into):
         if not o.is_contiguous():
