@@ -53,10 +53,24 @@ class Model(torch.nn.Module):
         return self.b(torch.nn.functional.gelu(self.a(self.emb(x)))).float().pow(2).mean()
 
 
+class MLP(torch.nn.Module):
+    """``layers`` x (Linear(width, width), GELU): every parameter in a matmul (more compute per
+    parameter than the embedding model, whose step the optimizer dominates)."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            *[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.GELU())]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).float().pow(2).mean()
+
+
 class Run:
     def __init__(self, spec: str, optimizer: str, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
-        model = Model(args.vocab, args.width)
+        model = Model(args.vocab, args.width) if args.model == "embedding" else MLP(args.width, 4)
         self.amp = ampkit.MixedPrecision(spec, device="cpu", ladder_scratch_mib=args.scratch_mib)
         self.model, self.opt = self.amp.setup(model, OPTIMIZERS[optimizer](model.parameters()))
         self.times: list[float] = []
@@ -73,6 +87,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument(
+        "--model",
+        choices=["embedding", "mlp"],
+        default="embedding",
+        help="embedding: an embedding (the largest tensor) + 2 linear layers, batch x tokens ids; "
+        "mlp: 4 x (Linear(width, width), GELU) on batch*tokens rows",
+    )
     ap.add_argument("--vocab", type=int, default=16_000)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
@@ -84,9 +105,11 @@ def main() -> None:
     ap.add_argument("--scratch-mib", type=int, default=16, help="ladder_scratch_mib")
     ap.add_argument("--profile", default="", help="profile this rung's steps (torch.profiler)")
     args = ap.parse_args()
-    x = torch.randint(
-        0, args.vocab, (args.batch, args.tokens), generator=torch.Generator().manual_seed(1)
-    )
+    gen = torch.Generator().manual_seed(1)
+    if args.model == "embedding":
+        x = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=gen)
+    else:
+        x = torch.randn(args.batch * args.tokens, args.width, generator=gen)
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
     if RUNGS[0] not in rungs:
         rungs.insert(0, RUNGS[0])
@@ -115,7 +138,8 @@ def main() -> None:
     print(
         f"# {device_info('cpu').name} · torch {torch.__version__} · python {platform.python_version()}"
         f" · {torch.get_num_threads()} thread(s) · load {load:.1f} · {n / 1e6:.1f}M params"
-        f" · batch {args.batch}x{args.tokens} · {args.rounds} rounds x {args.steps} steps"
+        f" · {args.model} model · batch {args.batch}x{args.tokens}"
+        f" · {args.rounds} rounds x {args.steps} steps"
     )
     print("| optimizer | rung | step (ms) | vs fp32 masters |")
     print("| --- | --- | ---: | ---: |")

@@ -147,7 +147,10 @@ class LadderWeights(MasterWeights):
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
         left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
-        self._arena = Arena(max(left, 0) if state_dtype == "bf16" else 0, dev)
+        bf16 = (
+            state_dtype == "bf16"
+        )  # room for AdamW's two states from the start (an estimate sees it)
+        self._arena = Arena(max(left, 0) if bf16 else 0, dev, 2 * self.budget if bf16 else 0)
         self.full: list[
             torch.Tensor
         ] = []  # fp32 masters (bf16 states only): the masters' own storage

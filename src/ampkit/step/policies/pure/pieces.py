@@ -172,13 +172,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Arena:
-    """fp32 room for one optimizer call's bf16 states, kept between steps (``cap`` elements at most,
-    grown to what a call needed): :meth:`widen` copies a state into the next free slice (one pass,
-    no allocation), or into a new tensor where the call's states outgrow the room."""
+    """fp32 room for one optimizer call's bf16 states, kept between steps (``cap`` elements at most;
+    ``size`` from the start, grown to what a call needed): :meth:`widen` copies a state into the
+    next free slice (one pass, no allocation), or into a new tensor where the call's states
+    outgrow the room."""
 
-    def __init__(self, cap: int, device: torch.device) -> None:
+    def __init__(self, cap: int, device: torch.device, size: int = 0) -> None:
         self.cap, self.device = cap, device
-        self.buf = torch.empty(0, device=device)
+        self.buf = torch.empty(min(size, cap), device=device)  # (``size``: made now, so counted)
         self.off = self.want = 0
 
     def reset(self) -> None:
@@ -191,8 +192,10 @@ class Arena:
     def widen(self, v: torch.Tensor) -> torch.Tensor:
         """``v`` (bf16) as a new fp32 tensor of its shape, in the room while there is some."""
         n = v.numel()
+        if type(v) is not torch.Tensor:  # a fake tensor (``ampkit plan``): no room kept for it
+            return v.float()
         self.want = max(self.want, self.off + n)
-        if self.off + n > self.buf.numel() or type(v) is not torch.Tensor:
+        if self.off + n > self.buf.numel():
             return v.float()
         out = self.buf[self.off : self.off + n].view(v.shape)
         self.off += n
