@@ -37,9 +37,10 @@ per chunk on torch's intra-op threads; the eager torch passes below are the bitw
 fallback (and the path for a stand-in the optimizer moved to new storage).
 
 Stochastic rounding adds 16 uniform random bits to the fp32 bits and keeps the top 16 (unbiased:
-rounds up with probability equal to the dropped fraction); the bits come from a
-``torch.Generator`` seeded with ``torch.initial_seed()`` whose state is checkpointed, so a resume
-draws the same bits.
+rounds up with probability equal to the dropped fraction). The bits are a counter-based stream
+(:func:`.eager.random16`) keyed by one draw per call from a ``torch.Generator`` seeded with
+``torch.initial_seed()`` whose state is checkpointed, so a resume draws the same bits; one call
+rounds a chunk's weights, another its states (one native pass each on CPU).
 """
 
 from __future__ import annotations
