@@ -281,3 +281,25 @@ def test_the_compiled_rounding_of_the_cuda_path_is_bitwise_the_eager_pass() -> N
         fn(x[:n], got, torch.tensor(key), start)
         assert rounding._compiled["fn"] is not None, "the compile failed (fell back to eager)"
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_released_bf16_states_are_fp32_tensors_of_their_own() -> None:
+    """Leaving the rung (a switch, a fallback) gives each state its own fp32 tensor: none may view
+    the arena the next rung's steps would overwrite."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    lw = LadderWeights(model, [opt], torch.bfloat16, (), "stochastic", "bf16")
+    for _ in range(2):
+        for h, m in zip(lw.halves, lw.masters):
+            m.grad = torch.randn(h.shape)
+        opt.step()
+    arena = lw._arena.buf.untyped_storage().data_ptr()
+    lw.release()
+    seen = set()
+    for st in opt.state.values():
+        for k, v in st.items():
+            if k != "step":
+                ptr = v.untyped_storage().data_ptr()
+                assert v.dtype == torch.float32 and ptr != arena and ptr not in seen
+                seen.add(ptr)

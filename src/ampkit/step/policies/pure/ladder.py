@@ -403,15 +403,20 @@ class LadderWeights(MasterWeights):
         ]
 
     def _states_up(
-        self, opt: torch.optim.Optimizer, m: torch.Tensor, kept: dict[tuple[int, str], torch.Tensor]
+        self,
+        opt: torch.optim.Optimizer,
+        m: torch.Tensor,
+        kept: dict[tuple[int, str], torch.Tensor],
+        arena: bool = True,
     ) -> None:
-        """With ``state_dtype='bf16'``: the stand-in's bf16 states to fp32 for its step; the bf16
-        tensors go into ``kept``, where :meth:`_states_down` rounds the stepped values back."""
+        """With ``state_dtype='bf16'``: the stand-in's bf16 states to fp32 for its step (in the arena;
+        ``arena=False``: new tensors, for good); the bf16 tensors go into ``kept``, where
+        :meth:`_states_down` rounds the stepped values back."""
         for k in self._bf16_states(opt, m):
             v = opt.state[m][k]
             if v.dtype != torch.float32:
                 kept[(id(m), k)] = v
-                opt.state[m][k] = self._arena.widen(v)
+                opt.state[m][k] = self._arena.widen(v) if arena else v.float()
 
     def _states_down(
         self,
@@ -466,7 +471,7 @@ class LadderWeights(MasterWeights):
             for i, m in enumerate(self.masters):
                 m.data = self.fp32_value(i)
                 for opt in self.optimizers:
-                    self._states_up(opt, m, {})
+                    self._states_up(opt, m, {}, arena=False)
         super().release()
 
     def state_dict(self) -> dict[str, Any]:
