@@ -303,3 +303,42 @@ def test_released_bf16_states_are_fp32_tensors_of_their_own() -> None:
                 ptr = v.untyped_storage().data_ptr()
                 assert v.dtype == torch.float32 and ptr != arena and ptr not in seen
                 seen.add(ptr)
+
+
+def test_an_optimizer_error_between_pieces_leaves_whole_bf16_states() -> None:
+    """A weight stepped in pieces (a 64 KiB scratch), the optimizer raising on its second piece:
+    the weight's state is whole again -- parameter-shaped bf16 tensors, no piece, no arena view."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(300, 517))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    lw = LadderWeights(
+        model, [opt], torch.bfloat16, (), "stochastic", "bf16", scratch_bytes=64 << 10
+    )
+    m = lw.masters[0]
+    for _ in range(2):
+        m.grad = torch.randn(m.shape)
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state[m].items()}
+    real, calls = torch._fused_adamw_, []
+
+    def second_fails(*a, **k):  # noqa: ANN002,ANN003
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    m.grad = torch.randn(m.shape)
+    torch._fused_adamw_ = second_fails
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+    finally:
+        torch._fused_adamw_ = real
+    arena = lw._arena.buf.untyped_storage().data_ptr()
+    for k, v in opt.state[m].items():
+        if k == "step":
+            assert torch.equal(v, before[k])  # the step count as before the step
+        else:
+            assert v.dtype == torch.bfloat16 and v.shape == m.shape
+            assert v.untyped_storage().data_ptr() != arena

@@ -148,9 +148,8 @@ class LadderWeights(MasterWeights):
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
         left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
-        bf16 = (
-            state_dtype == "bf16"
-        )  # room for AdamW's two states from the start (an estimate sees it)
+        # room for AdamW's two states from the start (so an estimate sees it)
+        bf16 = state_dtype == "bf16"
         self._arena = Arena(max(left, 0) if bf16 else 0, dev, 2 * self.budget if bf16 else 0)
         self.full: list[
             torch.Tensor
@@ -248,9 +247,8 @@ class LadderWeights(MasterWeights):
         still views the buffer where it was put."""
         masters = [self.masters[seg.i] for seg in segs]
         parts = [self._parts(seg) for seg in segs]
-        if (
-            self.rung == "stochastic"
-        ):  # one key, one native call where it can (pointers: any storage)
+        if self.rung == "stochastic":
+            # one key, one native call where it can (it takes pointers: any storage)
             assert self.gen is not None
             stochastic_many([m.data.reshape(-1) for m in masters], [h for h, _ in parts], self.gen)
             return
@@ -372,9 +370,13 @@ class LadderWeights(MasterWeights):
                     p.grad = None
         except BaseException:
             # the call's bf16 states as before it (its weights were not written back either): the
-            # widened ones view the arena, which the next call overwrites
+            # widened ones view the arena, which the next call overwrites; a weight cut in pieces
+            # gets its whole state back (its earlier pieces stepped)
             for (i, key), v in kept.items():
                 opt.state[self.masters[index[i]]][key] = v
+            for i, cut in cuts.items():
+                if cut.open:
+                    opt.state[self.masters[i]] = cut.whole()
             raise
         finally:
             for i in ids:  # (after an error too: the stand-ins whole again, then their gradients)

@@ -96,6 +96,7 @@ class CutState:
         )  # round_into(fp32 scratches, bf16 outs): bf16 states, one call
         self.widen = widen  # bf16 piece -> a new fp32 tensor of its values
         self.fresh = not state  # never stepped: the optimizer makes each segment's state itself
+        self.open = True  # until the last piece has left
         self.full: dict[str, torch.Tensor] = {}
         self.before: dict[str, Any] = {}
         for k, v in (state or {}).items():
@@ -157,7 +158,13 @@ class CutState:
             self.round_into(xs, outs)
         if seg.stop < numel:
             return None
+        self.open = False
         return {k: (self.full[k].view(self.shape) if v is None else v) for k, v in after.items()}
+
+    def whole(self) -> dict[str, Any]:
+        """The weight's whole state as it stands (after an error between its pieces): the full
+        tensors (the pieces stepped so far updated) and the other entries as before the step."""
+        return {**{k: v.view(self.shape) for k, v in self.full.items()}, **self.before}
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
