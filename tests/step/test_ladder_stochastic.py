@@ -9,7 +9,7 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.step.policies import native
-from ampkit.step.policies.pure import eager
+from ampkit.step.policies.pure import eager, rounding
 from ampkit.step.policies.pure.ladder import LadderWeights
 from ampkit.step.policies.pure.rounding import draw_key, stochastic_many, stochastic_round
 
@@ -268,8 +268,6 @@ def test_bf16_states_stay_bf16_and_an_optimizer_error_leaves_them_as_before() ->
 def test_the_compiled_rounding_of_the_cuda_path_is_bitwise_the_eager_pass() -> None:
     """The CUDA path's ``torch.compile``'d rounding, compiled here by inductor for the CPU (the same
     graph; on CUDA, Triton): bitwise the eager passes on specials, odd sizes and offsets."""
-    from ampkit.step.policies.pure import rounding
-
     fn = rounding.compiled()
     if fn is None:
         pytest.skip("torch.compile off (AMPKIT_NO_COMPILE=1)")
@@ -342,3 +340,26 @@ def test_an_optimizer_error_between_pieces_leaves_whole_bf16_states() -> None:
         else:
             assert v.dtype == torch.bfloat16 and v.shape == m.shape
             assert v.untyped_storage().data_ptr() != arena
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rounding_is_the_cpu_rounding() -> None:
+    """On CUDA (compiled, or eager with AMPKIT_NO_COMPILE=1) the same bits as on the CPU for the
+    same generator draws (NaNs compared as NaNs: each device's bf16 NaN pattern is its own)."""
+    x = _inputs(70001, seed=6)
+    cpu = torch.empty(x.numel(), dtype=torch.bfloat16)
+    key = 0x0123456789ABCDEF
+    eager.stochastic_round(x.clone(), cpu, key)
+    dev = torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda")
+    xs = [x.cuda()]
+    for fused in (True, False):
+        fn = rounding.compiled() if fused else None
+        if fn is None:
+            eager.stochastic_round(xs[0].clone(), dev, torch.tensor(key, device="cuda"))
+        else:
+            fn(xs[0], dev, torch.tensor(key, device="cuda"), 0)
+        got = dev.cpu()
+        nan = torch.isnan(cpu.float())
+        assert torch.equal(torch.isnan(got.float()), nan)
+        assert torch.equal(got[~nan].view(torch.int16), cpu[~nan].view(torch.int16))
