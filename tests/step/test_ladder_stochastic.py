@@ -76,6 +76,18 @@ def test_the_random_bits_are_splitmix64_of_the_element_counter() -> None:
             assert eager.random16(torch.tensor(key), start, n, torch.device("cpu")).tolist() == want
 
 
+def test_the_blocked_eager_pass_is_the_element_wise_function() -> None:
+    """``eager.stochastic_round`` (blocks, one hash per 4 elements) is bitwise
+    ``eager.stochastic_values`` (each element hashing its own word: what CUDA compiles), across
+    a block boundary and from unaligned starts."""
+    x = _inputs(eager.BLOCK + 13, seed=2)
+    for key, start in ((5, 0), (2**62 + 3, 3), (0, 7)):
+        got = torch.empty(x.numel(), dtype=torch.bfloat16)
+        eager.stochastic_round(x.clone(), got, key, start)
+        want = eager.stochastic_values(x, key, start)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("start", [0, 1, 6])
 def test_eager_rounding_keeps_nans_infinities_and_bf16_values(start: int) -> None:
     x = _inputs(len(SPECIAL))
