@@ -11,7 +11,7 @@ from ampkit import MixedPrecision
 from ampkit.step.policies.pure import eager
 from ampkit.step.policies.pure.ladder import SCRATCH_BYTES, LadderWeights
 from ampkit.step.policies.pure.pieces import plan
-from ampkit.step.policies.pure.rounding import stochastic_round
+from ampkit.step.policies.pure.rounding import stochastic_many, stochastic_round
 from ampkit.step.rung import LADDER, Rung, join_spec
 
 
@@ -133,11 +133,11 @@ def test_the_pieces_step_bitwise_as_one_whole_tensor_step(rung):
                 stochastic_round(xs, hs, gen)
             else:
                 hs.copy_(xs)
-            if rung.state_dtype == "bf16":
-                for key in ("exp_avg", "exp_avg_sq"):
-                    s = ref_opt.state[ref][key].view(-1)[piece]
-                    out = torch.empty(s.shape, dtype=torch.bfloat16)
-                    stochastic_round(s.clone(), out, gen)
+            if rung.state_dtype == "bf16":  # both states in one call (one key)
+                states = [ref_opt.state[ref][k].view(-1)[piece] for k in ("exp_avg", "exp_avg_sq")]
+                outs = [torch.empty(s.shape, dtype=torch.bfloat16) for s in states]
+                stochastic_many([s.clone() for s in states], outs, gen)
+                for s, out in zip(states, outs):
                     s.copy_(out.float())
         with torch.no_grad():  # what the rung keeps is where the next step starts
             if rung.masters == "kahan":

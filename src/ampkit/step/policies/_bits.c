@@ -22,8 +22,11 @@
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(AMPKIT_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))
+/* the stochastic kernel's hash multiplies 64-bit lanes: AVX-512 has them (vpmullq), AVX2 emulates */
+#define CLONES64 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define CLONES
+#define CLONES64
 #endif
 
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -138,6 +141,49 @@ void ampkit_kahan_split(int64_t k, const int64_t *n, const uint32_t *x, uint16_t
 void ampkit_kahan_join(int64_t k, const int64_t *n, uint32_t *out, const uint16_t *const *hi,
                        const uint16_t *const *comp, int nt) {
     PARALLEL(nt, k, n, kahan_join_range(hi[s] + i, comp[s] + i, out + f, m))
+}
+
+/* Stochastic rounding fp32 -> bf16 (the stochastic rung's weights, bf16 optimizer states): the 16
+   random bits r of an element are added to its fp32 bits and the top 16 kept (rounds up with
+   probability equal to the dropped fraction); a NaN gives ``nan``. The bits are a counter-based
+   stream: element g of a call (counted across its tensors) takes 16-bit part g % 4 (the lowest
+   first) of splitmix64(key + (g / 4 + 1) * GAMMA), so they are a function of (key, g) alone --
+   bitwise the same on any thread count, and the eager reference (pure/eager.py) computes them
+   with torch's int64 ops. */
+#define GAMMA 0x9E3779B97F4A7C15ull
+
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint16_t sround(uint32_t u, uint32_t r, uint16_t nan) {
+    return is_nan(u) ? nan : (uint16_t)((u + r) >> 16);
+}
+
+/* elements [0, m) of x / out, the first one element g of the call: per block, the block's words
+   first (one hash per 4 elements, a loop over 64-bit lanes), then the elements, each taking its
+   16-bit part of the words read as uint16 (little-endian: the lowest part first) */
+#define SBLOCK 1024
+static CLONES64 void stochastic_range(const uint32_t *restrict x, uint16_t *restrict out, int64_t m,
+                                    uint64_t key, int64_t g, uint16_t nan) {
+    uint64_t h[SBLOCK / 4 + 1];
+    for (int64_t i = 0; i < m; i += SBLOCK) {
+        int64_t len = m - i < SBLOCK ? m - i : SBLOCK, a = (g + i) & 3, words = (a + len + 3) >> 2;
+        uint64_t c = (uint64_t)((g + i) >> 2) + 1;
+        for (int64_t w = 0; w < words; w++) h[w] = mix64(key + (c + (uint64_t)w) * GAMMA);
+        const uint16_t *r = (const uint16_t *)h + a;
+        const uint32_t *xs = x + i;
+        uint16_t *os = out + i;
+        for (int64_t j = 0; j < len; j++) os[j] = sround(xs[j], r[j], nan);
+    }
+}
+
+/* k tensors: x[s] (fp32) into out[s] (bf16), n[s] elements each; the counter runs across them */
+void ampkit_stochastic(int64_t k, const int64_t *n, const uint32_t *const *x, uint16_t *const *out,
+                       uint64_t key, uint16_t nan, int nt) {
+    PARALLEL(nt, k, n, stochastic_range(x[s] + i, out[s] + i, m, key, f, nan))
 }
 
 /* The CPU finite check (step/gradcheck.py): 1 if any element is inf or NaN, i.e. has every exponent

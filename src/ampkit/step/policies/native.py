@@ -1,8 +1,10 @@
-"""One-pass native kernels for the ``split`` and ``kahan`` rungs (``_bits.c`` beside this file).
+"""One-pass native kernels for the ``split`` and ``kahan`` rungs and for stochastic rounding
+(``_bits.c`` beside this file).
 
 The eager functions of :mod:`.pure.eager` (``split_fp32``, ``join_split``, ``kahan_split``,
 ``kahan_join``) make 3--4 element-wise passes each; these kernels make one, bitwise the same, over
-every tensor of a step's chunk in one call (:func:`compact`, :func:`expand`), cut into one slice per
+every tensor of a step's chunk in one call (:func:`compact`, :func:`expand`; :func:`stochastic`:
+:func:`.pure.eager.stochastic_round` with its counter-based random bits), cut into one slice per
 thread of torch's intra-op pool: built with ``-fopenmp``, the library's ``libgomp.so.1`` is the one
 torch's Linux wheels already loaded, so the kernels run on torch's own threads (a compiler without
 OpenMP: the same kernels on one thread; :func:`threads` says which). The
@@ -11,7 +13,7 @@ else Python's ``sysconfig`` ``CC``, else ``cc``) in well under a second into a p
 (``native/`` under ``$AMPKIT_CACHE_DIR``, default ``~/.cache/ampkit``; the file name is a hash of
 the source, compiler, flags and platform; written to a temporary file and renamed, so concurrent
 processes are safe), loaded with ctypes and checked bitwise against the eager functions on a probe
-of edge cases (NaNs, infinities, ties, subnormals, random bits). Beside each library a record
+of edge cases (NaNs, infinities, ties, subnormals, random bits; :mod:`.native_probe`). Beside each library a record
 ``<name>.sha256`` (``<sha256>  <size>``) is written, atomically, once the library is complete; the
 library is loaded only when its size and SHA-256 match the record: a damaged cache file (truncated:
 ``dlopen`` would map pages past its end, and touching them kills the process with SIGBUS; a flipped
@@ -67,6 +69,7 @@ __all__ = [
     "kahan_split",
     "library",
     "split",
+    "stochastic",
     "threads",
 ]
 
@@ -154,6 +157,16 @@ def _load() -> ctypes.CDLL:
     ):
         fn = getattr(lib, f"ampkit_{name}")
         fn.argtypes, fn.restype = [*many, *extra, ctypes.c_int], None
+    lib.ampkit_stochastic.argtypes = [
+        n,
+        ctypes.POINTER(n),
+        ctypes.POINTER(p),
+        ctypes.POINTER(p),
+        ctypes.c_uint64,
+        ctypes.c_uint16,
+        ctypes.c_int,
+    ]
+    lib.ampkit_stochastic.restype = None
     lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
     lib.ampkit_nonfinite.argtypes = [
         n,
@@ -165,7 +178,9 @@ def _load() -> ctypes.CDLL:
     lib.ampkit_nonfinite.restype = ctypes.c_int
     nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
     _state["nan"] = nan
-    _probe(lib, nan)
+    from .native_probe import probe  # (a first load only)
+
+    probe(lib, nan, sys.modules[__name__])
     return lib
 
 
@@ -278,115 +293,10 @@ def threads() -> int:
     return torch.get_num_threads() if lib is not None and lib.ampkit_openmp() else 1
 
 
-def _probe(lib: ctypes.CDLL, nan: int) -> None:
-    """Raise unless every kernel is bitwise the eager function on edge cases and random bits."""
-    from .pure import eager  # the references (imported here: only a first load probes)
-
-    g = torch.Generator().manual_seed(0)
-    special = torch.tensor(
-        [
-            0,
-            -0x80000000,
-            1,
-            -0x7FFFFFFF,
-            0x7F800000,
-            -0x800000,
-            0x7FC00000,
-            -0x400000,
-            0x7F800001,
-            0x7F808000,
-            0x7FFF8000,
-            0x7FFFFFFF,
-            -0x7F8000,
-            -1,
-            0x7F7F8000,
-            0x7F7F7FFF,
-            0x3F808000,
-            -0x407F8000,
-            0x3F818000,
-            0x00008000,
-            0x0000FFFF,
-        ],
-        dtype=torch.int32,
-    )
-    bits = torch.cat(
-        [
-            special,
-            torch.randint(-(2**31), 2**31, (2 * 65536 + 4133,), generator=g, dtype=torch.int32),
-        ]
-    )
-    x = bits.view(torch.float32)
-    n = x.numel()
-    halves = torch.randint(
-        -(2**15), 2**15, (2, n), generator=g, dtype=torch.int16
-    )  # (weight, remainder) bits
-    halves[:, : special.numel()] = (
-        special.view(torch.int16).view(-1, 2).t().flip(0)
-    )  # the specials' halves
-    scratch = {torch.int16: torch.empty(n, dtype=torch.int32), torch.bfloat16: torch.empty(n)}
-    sizes = [0, 1, 17, 1000, 65539]
-    sizes.append(n - sum(sizes))  # several tensors in one call, one of them cut between two threads
-    for rung, eager_split, eager_join in (
-        ("split", eager.split_fp32, eager.join_split),
-        ("kahan", eager.kahan_split, eager.kahan_join),
-    ):
-        dt = _EXTRA[rung]
-        want = [torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=dt)]
-        eager_split(
-            x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else [])
-        )
-        hi, extra = halves[0].view(torch.bfloat16), halves[1].view(dt)
-        joined = torch.empty(n)
-        eager_join(hi, extra, joined, scratch[dt])
-        for nt in (1, 2):
-            got = [
-                [torch.empty(k, dtype=torch.bfloat16) for k in sizes],
-                [torch.empty(k, dtype=dt) for k in sizes],
-            ]
-            ok = compact(rung, x.clone(), *got, lib=lib, threads=nt)
-            if not ok or any(
-                not torch.equal(torch.cat(u).view(torch.int16), v.view(torch.int16))
-                for u, v in zip(got, want)
-            ):
-                raise RuntimeError(
-                    f"probe: the native {rung} compaction differs from the eager passes"
-                )
-            out = torch.empty(n)
-            ok = expand(
-                rung, list(hi.split(sizes)), list(extra.split(sizes)), out, lib=lib, threads=nt
-            )
-            if not ok or not torch.equal(out.view(torch.int32), joined.view(torch.int32)):
-                raise RuntimeError(
-                    f"probe: the native {rung} expansion differs from the eager passes"
-                )
-    _probe_nonfinite(lib, g)
-
-
-def _probe_nonfinite(lib: ctypes.CDLL, g: torch.Generator) -> None:
-    """Raise unless the finite check agrees with ``torch.isfinite`` on every dtype's edge values (the
-    largest finite, infinities, NaNs, subnormals) at the start, middle and tail of several sizes."""
-    for dtype in _WIDTH:
-        info = torch.finfo(dtype)
-        edges = [info.max, -info.max, info.tiny / 4, float("inf"), float("-inf"), float("nan")]
-        for size in (1, 511, 512, 1537, 5000, 70_001):  # the last one cut between two threads
-            base = torch.randn(size, generator=g).to(dtype)
-            cases = [base]
-            for v in edges:
-                for at in {0, size // 2, size - 1}:
-                    t = base.clone()
-                    t[at] = v
-                    cases.append(t)
-            for t in cases:
-                want = not bool(torch.isfinite(t).all())
-                for nt in (1, 2) if size > 65536 else (1,):
-                    if any_nonfinite([torch.ones(3, dtype=dtype), t], lib=lib, threads=nt) != want:
-                        raise RuntimeError(
-                            f"probe: the native finite check is wrong for {dtype} on {nt} thread(s)"
-                        )
-
-
-_EXTRA = {"split": torch.int16, "kahan": torch.bfloat16}
-_WIDTH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+#: the ``split`` / ``kahan`` rungs' extra tensor dtype
+EXTRA = {"split": torch.int16, "kahan": torch.bfloat16}
+#: the finite check's element widths (fp32 0, bf16 1, fp16 2, fp64 3)
+WIDTH = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
 def any_nonfinite(
@@ -410,7 +320,7 @@ def any_nonfinite(
     k = len(tensors)
     widths = []
     for t in tensors:
-        w = _WIDTH.get(t.dtype)
+        w = WIDTH.get(t.dtype)
         if w is None or type(t) not in _PLAIN or not t.is_cpu or not t.is_contiguous():
             return None
         widths.append(w)
@@ -436,7 +346,7 @@ def _args(
     contiguous CPU tensor of its dtype, or ``fp32``'s size is not the halves' sizes summed."""
     if lib is None and os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
         return None
-    k, extra = len(his), _EXTRA[rung]
+    k, extra = len(his), EXTRA[rung]
     if len(extras) != k or not _plain(fp32, torch.float32):
         return None
     ns = []
@@ -527,3 +437,38 @@ def kahan_join(
 ) -> bool:
     """:func:`.pure.eager.kahan_join` in one pass; False: not done."""
     return expand("kahan", [hi], [comp], out, lib)
+
+
+def stochastic(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    key: int,
+    lib: Optional[ctypes.CDLL] = None,
+    threads: Optional[int] = None,
+) -> bool:
+    """Each fp32 tensor of ``xs`` rounded stochastically into the bf16 tensor of ``outs`` of its size:
+    :func:`.pure.eager.stochastic_round` keyed by ``key`` (an int in [0, 2**64)), the element counter
+    running across the tensors in order, in one call on torch's intra-op threads (``xs`` left
+    unchanged). False: not done (a tensor not plain, contiguous, on the CPU or of its dtype)."""
+    if lib is None and os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
+        return False
+    k = len(xs)
+    if len(outs) != k:
+        return False
+    for x, o in zip(xs, outs):
+        if not (_plain(x, torch.float32) and _plain(o, torch.bfloat16)) or x.numel() != o.numel():
+            return False
+    lib = library() if lib is None else lib
+    if lib is None:
+        return False
+    ptrs = ctypes.c_void_p * k
+    lib.ampkit_stochastic(
+        k,
+        (ctypes.c_int64 * k)(*[x.numel() for x in xs]),
+        ptrs(*[x.data_ptr() for x in xs]),
+        ptrs(*[o.data_ptr() for o in outs]),
+        key,
+        _state["nan"],
+        threads or torch.get_num_threads(),
+    )
+    return True

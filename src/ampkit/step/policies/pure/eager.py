@@ -1,8 +1,9 @@
 """The eager torch passes of bf16-pure's memory ladder: the ``split`` and ``kahan`` compact forms
-to and from fp32. They are the bitwise reference of the native one-pass kernels
-(:mod:`ampkit.step.policies.native`, which checks itself against them) and the fallback the
-dispatching passes of :mod:`.rounding` take everywhere the kernels cannot run (no C compiler,
-another device, fake tensors of ``ampkit plan``, ``AMPKIT_NO_NATIVE=1``).
+to and from fp32, and stochastic rounding into bf16 with its counter-based random bits. They are
+the bitwise reference of the native one-pass kernels (:mod:`ampkit.step.policies.native`, which
+checks itself against them) and the fallback the dispatching passes of :mod:`.rounding` take
+everywhere the kernels cannot run (no C compiler, another device, fake tensors of ``ampkit plan``,
+``AMPKIT_NO_NATIVE=1``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BLOCK", "join_split", "kahan_join", "kahan_split", "split_fp32"]
+__all__ = [
+    "BLOCK",
+    "join_split",
+    "kahan_join",
+    "kahan_split",
+    "random16",
+    "split_fp32",
+    "stochastic_round",
+]
 
 #: elements per block of the bit-level passes on CPU (a block's passes stay in the L2 cache)
 BLOCK = 1 << 17
@@ -83,3 +92,70 @@ def kahan_join(
     for o in _blocks(of):
         of[o : o + BLOCK].copy_(hf[o : o + BLOCK]).add_(tf[o : o + BLOCK].copy_(cf[o : o + BLOCK]))
     return out
+
+
+# splitmix64's constants as signed int64 (torch's int64 multiplication wraps like uint64's)
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """``z >> s`` as uint64 (torch's int64 shift is arithmetic: the sign bits masked off)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def random16(key: torch.Tensor | int, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """The 16 random bits (int64 in [0, 65536)) of elements ``start .. start + n - 1`` of a stochastic
+    rounding call keyed by ``key`` (a 0-d int64 tensor on ``device``, or an int in [0, 2**63)):
+    element g takes 16-bit part ``g % 4`` (the lowest first) of splitmix64 of counter ``g // 4``,
+    i.e. of ``mix(key + (g // 4 + 1) * GAMMA)`` -- the stream the native kernel draws (``_bits.c``).
+    Element-wise (each element hashes its own word), so ``torch.compile`` fuses it into one kernel."""
+    return _random16(torch.arange(start, start + n, dtype=torch.int64, device=device), key)
+
+
+def _random16(g: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
+    z = ((g >> 2) + 1) * _GAMMA + key
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (z >> ((g & 3) * 16)) & 0xFFFF  # (the sign bits an arithmetic shift brings: masked off)
+
+
+def stochastic_values(x: torch.Tensor, key: torch.Tensor | int, start: int = 0) -> torch.Tensor:
+    """Flat fp32 ``x`` rounded stochastically to bf16, a new tensor: :func:`random16` (from element
+    ``start`` of the call) added to the fp32 bits, the top 16 kept -- up with probability equal to
+    the dropped fraction; a NaN stays NaN (torch's bf16 NaN). Pure and element-wise: the function
+    the CUDA path compiles (:mod:`.rounding`)."""
+    g = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + start
+    bits = (x.view(torch.int32) + _random16(g, key).to(torch.int32)) & -0x10000
+    return torch.where(torch.isnan(x), x, bits.view(torch.float32)).to(torch.bfloat16)
+
+
+def _words16(key: torch.Tensor | int, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """:func:`random16` as int16 bit patterns, one hash per 4 elements (the eager path: a quarter
+    of the int64 work): the words' int16 parts are the elements' bits, little-endian."""
+    w0 = start >> 2
+    z = torch.arange(w0 + 1, ((start + n + 3) >> 2) + 1, dtype=torch.int64, device=device)
+    z.mul_(_GAMMA).add_(key)
+    z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
+    z.bitwise_xor_(_shr(z, 31))
+    a = start - 4 * w0
+    return z.view(torch.int16)[a : a + n]
+
+
+def stochastic_round(
+    x: torch.Tensor, out: torch.Tensor, key: torch.Tensor | int, start: int = 0
+) -> None:
+    """:func:`stochastic_values` of fp32 ``x`` into bf16 ``out`` (same numel, contiguous; ``x`` is
+    scratch, overwritten), in blocks on the CPU, with in-place passes and one hash per 4 elements
+    (bitwise the same)."""
+    xf, of = x.view(-1), out.view(-1)
+    for o in _blocks(xf):
+        xb = xf[o : o + BLOCK]
+        nan = torch.isnan(xb)
+        bits = xb.view(torch.int32)
+        r = _words16(key, start + o, xb.numel(), x.device).to(torch.int32).bitwise_and_(0xFFFF)
+        bits.add_(r).bitwise_and_(-0x10000)
+        of[o : o + BLOCK].copy_(xb.masked_fill_(nan, float("nan")))  # exact: bf16 values, NaNs

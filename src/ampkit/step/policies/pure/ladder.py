@@ -37,16 +37,16 @@ per chunk on torch's intra-op threads; the eager torch passes below are the bitw
 fallback (and the path for a stand-in the optimizer moved to new storage).
 
 Stochastic rounding adds 16 uniform random bits to the fp32 bits and keeps the top 16 (unbiased:
-rounds up with probability equal to the dropped fraction); the bits come from a
-``torch.Generator`` seeded with ``torch.initial_seed()`` whose state is checkpointed, so a resume
-draws the same bits.
+rounds up with probability equal to the dropped fraction). The bits are a counter-based stream
+(:func:`.eager.random16`) keyed by one draw per call from a ``torch.Generator`` seeded with
+``torch.initial_seed()`` whose state is checkpointed, so a resume draws the same bits; one call
+rounds a chunk's weights, another its states (one native pass each on CPU).
 """
 
 from __future__ import annotations
 
 import sys
 import types
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -55,9 +55,17 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ...rung import Rung, split_spec
 from .. import native as _native_kernels
-from .masters import MasterWeights, cast_buffers, kept_tensors
-from .pieces import ALIGN, ELEMENTWISE, CutState, Segment, plan
-from .rounding import join_split, kahan_join, kahan_split, split_fp32, stochastic_round
+from .cast import STALL_WARNING, CastOnly
+from .masters import MasterWeights
+from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, plan
+from .rounding import (
+    join_split,
+    kahan_join,
+    kahan_split,
+    split_fp32,
+    stochastic_many,
+    stochastic_round,
+)
 
 __all__ = [
     "CHUNK_NUMEL",
@@ -80,11 +88,6 @@ __all__ = [
 CHUNK_NUMEL = 1 << 20
 #: the scratch the ladder keeps between steps by default (bytes): larger tensors are stepped in pieces
 SCRATCH_BYTES = 16 << 20
-STALL_WARNING = (
-    "bf16-pure with masters='none' keeps no fp32 masters: an update smaller than half the bf16 "
-    "spacing of its weight rounds away, so weights stall (AdamW lr 1e-3 never moves a weight of "
-    "1.0; norm weights freeze). Use masters='split' (exact, 12 B/param) or 'stochastic' (10)"
-)
 
 
 def bytes_per_param(
@@ -136,11 +139,18 @@ class LadderWeights(MasterWeights):
             self.gen.manual_seed(torch.initial_seed())
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
         # The bounded scratch, kept between steps: one call's fp32 values (+ the bit passes' second
-        # buffer for split/kahan); at most CHUNK_NUMEL elements, a multiple of pieces.ALIGN.
+        # buffer for split/kahan; + room for two fp32 states per element with bf16 states: the
+        # call's states widened there, :class:`.pieces.Arena`); at most CHUNK_NUMEL elements a call, a
+        # multiple of pieces.ALIGN.
         per = 0 if masters == "fp32" else 8 if masters in ("split", "kahan") else 4
-        self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(per, 4) // ALIGN * ALIGN, ALIGN))
+        room = per + (8 if state_dtype == "bf16" else 0)
+        self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(room, 4) // ALIGN * ALIGN, ALIGN))
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
+        left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
+        # room for AdamW's two states from the start (so an estimate sees it)
+        bf16 = state_dtype == "bf16"
+        self._arena = Arena(max(left, 0) if bf16 else 0, dev, 2 * self.budget if bf16 else 0)
         self.full: list[
             torch.Tensor
         ] = []  # fp32 masters (bf16 states only): the masters' own storage
@@ -237,6 +247,11 @@ class LadderWeights(MasterWeights):
         still views the buffer where it was put."""
         masters = [self.masters[seg.i] for seg in segs]
         parts = [self._parts(seg) for seg in segs]
+        if self.rung == "stochastic":
+            # one key, one native call where it can (it takes pointers: any storage)
+            assert self.gen is not None
+            stochastic_many([m.data.reshape(-1) for m in masters], [h for h, _ in parts], self.gen)
+            return
         off = sum(seg.stop - seg.start for seg in segs)
         if not (
             self.rung in ("split", "kahan")
@@ -297,6 +312,7 @@ class LadderWeights(MasterWeights):
         )  # an estimate: no values, same memory
         calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE, ends_only=fake) or [[]]
         cuts: dict[int, CutState] = {}
+        kept: dict[tuple[int, str], torch.Tensor] = {}
         ret = None
         try:
             for k, segs in enumerate(calls):
@@ -309,6 +325,8 @@ class LadderWeights(MasterWeights):
                     else torch.empty(n, device=self._buf.device)
                 )
                 live = [self.masters[seg.i] for seg in segs] + (others if k == 0 else [])
+                kept.clear()  # the bf16 states widened for this call
+                self._arena.reset()
                 with torch.no_grad():
                     views = self._expand_call(segs, buf)
                     for seg, v in zip(segs, views):
@@ -318,13 +336,14 @@ class LadderWeights(MasterWeights):
                             (g if seg.whole or g is None else g.view(-1)[seg.start : seg.stop]),
                         )
                         if seg.whole:
-                            self._states(opt, m, torch.float32)
+                            self._states_up(opt, m, kept)
                         else:
                             if seg.start == 0:
                                 cuts[seg.i] = CutState(
                                     opt.state.get(m),
                                     self.halves[seg.i].shape,
                                     self._round_state if self.state_dtype == "bf16" else None,
+                                    self._arena.widen,
                                 )
                             opt.state[m] = cuts[seg.i].enter(seg)
                     for p in others if k == 0 else []:
@@ -332,6 +351,7 @@ class LadderWeights(MasterWeights):
                 ret = inner(*args, **kwargs)
                 with torch.no_grad():
                     self._compact_call(segs, views, buf)
+                    self._states_down(opt, [self.masters[s.i] for s in segs if s.whole], kept)
                     for seg in segs:
                         m = self.masters[seg.i]
                         m.data = (
@@ -339,14 +359,25 @@ class LadderWeights(MasterWeights):
                             if self.rung == "fp32"
                             else self._dummy.expand(self.halves[seg.i].shape)
                         )
-                        if seg.whole:
-                            self._states(opt, m, torch.bfloat16)
-                        elif (
-                            whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i])
-                        ) is not None:
+                        if (
+                            not seg.whole
+                            and (whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i]))
+                            is not None
+                        ):
                             opt.state[m] = whole
+                kept.clear()
                 for p in live:
                     p.grad = None
+        except BaseException:
+            # the call's bf16 states as before it (its weights were not written back either): the
+            # widened ones view the arena, which the next call overwrites; a weight cut in pieces
+            # gets its whole state back (its earlier pieces stepped)
+            for (i, key), v in kept.items():
+                opt.state[self.masters[index[i]]][key] = v
+            for i, cut in cuts.items():
+                if cut.open:
+                    opt.state[self.masters[i]] = cut.whole()
+            raise
         finally:
             for i in ids:  # (after an error too: the stand-ins whole again, then their gradients)
                 self.masters[i].data = (
@@ -358,31 +389,60 @@ class LadderWeights(MasterWeights):
                 p.grad = g
         return ret
 
-    def _round_state(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _round_state(self, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         assert self.gen is not None
-        stochastic_round(x, out, self.gen)
+        stochastic_many(xs, outs, self.gen)
 
-    def _states(self, opt: torch.optim.Optimizer, m: torch.Tensor, dtype: torch.dtype) -> None:
-        """With ``state_dtype='bf16'``: the stand-in's state tensors to fp32 (before) or bf16 (after)."""
-        if self.state_dtype != "bf16":
-            return
+    def _bf16_states(self, opt: torch.optim.Optimizer, m: torch.Tensor) -> list[str]:
+        """The keys of the stand-in's parameter-shaped floating states (bf16 between steps)."""
         state = opt.state.get(m)
-        if not state:
-            return
-        for k, v in state.items():
-            if (
-                isinstance(v, torch.Tensor)
-                and v.is_floating_point()
-                and v.shape == m.shape
-                and v.dtype != dtype
-            ):
-                if dtype == torch.float32:
-                    state[k] = v.float()
-                else:
+        if self.state_dtype != "bf16" or not state:
+            return []
+        return [
+            k
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape
+        ]
+
+    def _states_up(
+        self,
+        opt: torch.optim.Optimizer,
+        m: torch.Tensor,
+        kept: dict[tuple[int, str], torch.Tensor],
+        arena: bool = True,
+    ) -> None:
+        """With ``state_dtype='bf16'``: the stand-in's bf16 states to fp32 for its step (in the arena;
+        ``arena=False``: new tensors, for good); the bf16 tensors go into ``kept``, where
+        :meth:`_states_down` rounds the stepped values back."""
+        for k in self._bf16_states(opt, m):
+            v = opt.state[m][k]
+            if v.dtype != torch.float32:
+                kept[(id(m), k)] = v
+                opt.state[m][k] = self._arena.widen(v) if arena else v.float()
+
+    def _states_down(
+        self,
+        opt: torch.optim.Optimizer,
+        ms: list[torch.Tensor],
+        kept: dict[tuple[int, str], torch.Tensor],
+    ) -> None:
+        """The fp32 states of the stand-ins ``ms`` rounded stochastically into bf16 in one call (one
+        key, the states in order), into the bf16 tensors :meth:`_states_up` expanded (new ones for
+        states the step made)."""
+        xs, outs = [], []
+        for m in ms:
+            for k in self._bf16_states(opt, m):
+                v = opt.state[m][k]
+                if v.dtype == torch.bfloat16:
+                    continue
+                out = kept.get((id(m), k))
+                if out is None or out.shape != v.shape or not out.is_contiguous():
                     out = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-                    assert self.gen is not None
-                    stochastic_round(v.contiguous(), out, self.gen)
-                    state[k] = out
+                xs.append(v.reshape(-1))
+                outs.append(out)
+                opt.state[m][k] = out
+        if xs:
+            self._round_state(xs, [o.view(-1) for o in outs])
 
     def _loaded(self, opt: torch.optim.Optimizer) -> None:
         """After ``opt.load_state_dict``: torch cast the loaded states to the fp32 stand-ins' dtype;
@@ -413,7 +473,7 @@ class LadderWeights(MasterWeights):
             for i, m in enumerate(self.masters):
                 m.data = self.fp32_value(i)
                 for opt in self.optimizers:
-                    self._states(opt, m, torch.float32)
+                    self._states_up(opt, m, {}, arena=False)
         super().release()
 
     def state_dict(self) -> dict[str, Any]:
@@ -472,42 +532,3 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and a.dtype == b.dtype
     )
-
-
-# ---------------------------------------------------------------------- the bottom rung
-class CastOnly:
-    """``masters='none'`` (forced): the model cast to bf16 in place, the optimizer steps it directly."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizers: Sequence[torch.optim.Optimizer],
-        dtype: torch.dtype,
-        keep: Sequence[str] = (),
-    ) -> None:
-        warnings.warn(STALL_WARNING, UserWarning, stacklevel=4)
-        self.model, self.optimizers = model, list(optimizers)
-        kept = kept_tensors(model, keep)
-        self.params = [p for p in model.parameters() if id(p) not in kept and p.is_floating_point()]
-        self._cast(dtype)
-        cast_buffers(model, dtype, lambda b: id(b) not in kept)
-
-    def _cast(self, dtype: torch.dtype) -> None:
-        """Parameters and their optimizer states (e.g. Adagrad's sums, made at construction) to ``dtype``."""
-        with torch.no_grad():
-            for p in self.params:
-                p.grad = None
-                p.data = p.data.to(dtype)
-                for opt in self.optimizers:
-                    state = opt.state.get(p, {})
-                    for k, v in state.items():
-                        if (
-                            isinstance(v, torch.Tensor)
-                            and v.is_floating_point()
-                            and v.shape == p.shape
-                        ):
-                            state[k] = v.to(dtype)
-
-    def release(self) -> None:
-        self._cast(torch.float32)
-        cast_buffers(self.model, torch.float32, lambda b: b.dtype != torch.float32)

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ALIGN", "ELEMENTWISE", "CutState", "Segment", "plan"]
+__all__ = ["ALIGN", "ELEMENTWISE", "Arena", "CutState", "Segment", "plan"]
 
 #: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
 ELEMENTWISE = (
@@ -87,13 +87,16 @@ class CutState:
         self,
         state: Optional[dict[str, Any]],
         shape: torch.Size,
-        round_into: Optional[Callable[[torch.Tensor, torch.Tensor], None]],
+        round_into: Optional[Callable[[list[torch.Tensor], list[torch.Tensor]], None]],
+        widen: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float,
     ) -> None:
         self.shape, self.round_into = (
             shape,
             round_into,
-        )  # round_into(fp32 scratch, bf16 out): bf16 states
+        )  # round_into(fp32 scratches, bf16 outs): bf16 states, one call
+        self.widen = widen  # bf16 piece -> a new fp32 tensor of its values
         self.fresh = not state  # never stepped: the optimizer makes each segment's state itself
+        self.open = True  # until the last piece has left
         self.full: dict[str, torch.Tensor] = {}
         self.before: dict[str, Any] = {}
         for k, v in (state or {}).items():
@@ -111,7 +114,9 @@ class CutState:
         for k, v in self.full.items():
             piece = v[seg.start : seg.stop]
             out[k] = (
-                piece.float() if self.round_into is not None and v.is_floating_point() else piece
+                self.widen(piece)
+                if self.round_into is not None and v.is_floating_point()
+                else piece
             )
         for k, v in self.before.items():
             out[k] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -122,6 +127,8 @@ class CutState:
         weight's whole state (else None)."""
         n = seg.stop - seg.start
         after: dict[str, Any] = {}
+        xs: list[torch.Tensor] = []  # bf16 states: rounded in one call, in the state's key order
+        outs: list[torch.Tensor] = []
         for k, v in state.items():
             if (
                 isinstance(v, torch.Tensor)
@@ -139,16 +146,25 @@ class CutState:
                     )
                 piece = full[seg.start : seg.stop]
                 if bf16:
-                    assert self.round_into is not None
-                    self.round_into(v.contiguous(), piece)
+                    xs.append(v.reshape(-1))
+                    outs.append(piece)
                 elif not _same(piece, v):
                     piece.copy_(v)
                 after[k] = None
             else:
                 after[k] = v
+        if xs:
+            assert self.round_into is not None
+            self.round_into(xs, outs)
         if seg.stop < numel:
             return None
+        self.open = False
         return {k: (self.full[k].view(self.shape) if v is None else v) for k, v in after.items()}
+
+    def whole(self) -> dict[str, Any]:
+        """The weight's whole state as it stands (after an error between its pieces): the full
+        tensors (the pieces stepped so far updated) and the other entries as before the step."""
+        return {**{k: v.view(self.shape) for k, v in self.full.items()}, **self.before}
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,3 +176,34 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and a.dtype == b.dtype
     )
+
+
+class Arena:
+    """fp32 room for one optimizer call's bf16 states, kept between steps (``cap`` elements at most;
+    ``size`` from the start, grown to what a call needed): :meth:`widen` copies a state into the
+    next free slice (one pass, no allocation), or into a new tensor where the call's states
+    outgrow the room."""
+
+    def __init__(self, cap: int, device: torch.device, size: int = 0) -> None:
+        self.cap, self.device = cap, device
+        self.buf = torch.empty(min(size, cap), device=device)  # (``size``: made now, so counted)
+        self.off = self.want = 0
+
+    def reset(self) -> None:
+        """A new call: the room is free again (grown first to the most a call asked for)."""
+        if self.buf.numel() < min(self.want, self.cap):
+            self.buf = torch.empty(0, device=self.device)  # (the old one freed first)
+            self.buf = torch.empty(min(self.want, self.cap), device=self.device)
+        self.off = 0
+
+    def widen(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` (bf16) as a new fp32 tensor of its shape, in the room while there is some."""
+        n = v.numel()
+        if type(v) is not torch.Tensor:  # a fake tensor (``ampkit plan``): no room kept for it
+            return v.float()
+        self.want = max(self.want, self.off + n)
+        if self.off + n > self.buf.numel():
+            return v.float()
+        out = self.buf[self.off : self.off + n].view(v.shape)
+        self.off += n
+        return out.copy_(v)

@@ -8,15 +8,28 @@ with ``native=False``.
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
+from ...logs import logger
 from .. import native as _native_kernels
 from . import eager
 from .eager import BLOCK
 
-__all__ = ["BLOCK", "join_split", "kahan_join", "kahan_split", "split_fp32", "stochastic_round"]
+__all__ = [
+    "BLOCK",
+    "compiled",
+    "draw_key",
+    "join_split",
+    "kahan_join",
+    "kahan_split",
+    "split_fp32",
+    "stochastic_many",
+    "stochastic_round",
+]
 
 
 def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: bool = True) -> None:
@@ -59,9 +72,94 @@ def kahan_join(
     return eager.kahan_join(hi, comp, out, tmp)
 
 
-def stochastic_round(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
-    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage is used as scratch)."""
-    bits = x.view(torch.int32)
-    bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen))
-    bits.bitwise_and_(-0x10000)
-    out.copy_(x.view(out.shape))  # exact: x is a bf16 value now
+_compiled: dict[str, Any] = {}
+
+
+def _round_into(x: torch.Tensor, out: torch.Tensor, key: torch.Tensor, start: int) -> None:
+    out.copy_(eager.stochastic_values(x, key, start))
+
+
+def compiled() -> Optional[Callable[..., None]]:
+    """The stochastic rounding of :func:`.eager.stochastic_values` into ``out`` compiled by
+    ``torch.compile`` (one fused kernel: on CUDA the eager passes are ~20 launches a tensor), used
+    on CUDA tensors; None with ``AMPKIT_NO_COMPILE=1`` or where ``torch.compile`` is unavailable.
+    Compiled lazily, once per process (dynamic shapes); a failure to compile falls back to the
+    eager passes for the rest of the process (one ``DEBUG`` line)."""
+    if os.environ.get("AMPKIT_NO_COMPILE", "") not in ("", "0"):
+        return None
+    if "fn" not in _compiled:
+        try:
+            fn = torch.compile(_round_into, dynamic=True, fullgraph=True)
+        except Exception as e:  # pragma: no cover - no inductor in this build
+            logger.debug("ampkit: no compiled stochastic rounding (%s); eager passes", e)
+            fn = None
+        _compiled["fn"] = None if fn is None else _guarded(fn)
+    return _compiled["fn"]
+
+
+def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
+    def call(x: torch.Tensor, out: torch.Tensor, key: torch.Tensor, start: int) -> None:
+        try:
+            fn(x, out, key, start)
+        except Exception as e:  # a backend that cannot compile here: eager from now on
+            logger.debug("ampkit: compiled stochastic rounding failed (%s); eager passes", e)
+            _compiled["fn"] = None
+            eager.stochastic_round(x, out, key, start)
+
+    return call
+
+
+def draw_key(gen: torch.Generator) -> torch.Tensor:
+    """A stochastic rounding call's key: 63 random bits from ``gen`` (a 0-d int64 tensor on its
+    device -- no host sync on an accelerator). The call's random bits are a function of the key
+    alone (:func:`.eager.random16`), so a checkpointed generator state replays them bitwise."""
+    return torch.empty((), dtype=torch.int64, device=gen.device).random_(generator=gen)
+
+
+def stochastic_many(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    gen: torch.Generator,
+    native: bool = True,
+) -> None:
+    """Round each fp32 tensor of ``xs`` (scratch: may be overwritten) stochastically into the bf16
+    tensor of ``outs`` of its size (any layout: strided ones go through contiguous copies), with one
+    key drawn from ``gen`` and the element counter running across the tensors in their flat order
+    (row-major): one native call where it can (:func:`ampkit.step.policies.native.stochastic`),
+    else :func:`.eager.stochastic_round` per tensor -- bitwise the same."""
+    if len(xs) != len(outs) or any(x.numel() != o.numel() for x, o in zip(xs, outs)):
+        raise ValueError(
+            f"stochastic rounding needs one bf16 output per fp32 input of its size; got sizes "
+            f"{[x.numel() for x in xs]} into {[o.numel() for o in outs]}"
+        )
+    if not xs:
+        return
+    flat = [x.reshape(-1) for x in xs]  # contiguous (a copy of a strided one)
+    into = [
+        o.view(-1) if o.is_contiguous() else torch.empty(o.numel(), dtype=o.dtype, device=o.device)
+        for o in outs
+    ]
+    key = draw_key(gen)  # (a fake tensor under ``ampkit plan``'s fake mode: the eager passes)
+    plain = type(key) is torch.Tensor and key.device.type == "cpu"
+    if not (native and plain and _native_kernels.stochastic(flat, into, int(key))):
+        real_cuda = type(flat[0]) is torch.Tensor and flat[0].is_cuda  # (not ``plan``'s fakes)
+        fused = compiled() if native and real_cuda else None
+        start = 0
+        for x, out in zip(flat, into):
+            if fused is not None:
+                fused(x, out, key, start)
+            else:
+                eager.stochastic_round(x, out, key, start)
+            start += x.numel()
+    for o, t in zip(outs, into):
+        if not o.is_contiguous():
+            o.copy_(t.view(o.shape))
+
+
+def stochastic_round(
+    x: torch.Tensor, out: torch.Tensor, gen: torch.Generator, native: bool = True
+) -> None:
+    """Round fp32 ``x`` stochastically into bf16 ``out`` (``x``'s storage may be used as scratch):
+    :func:`stochastic_many` of one tensor (unbiased: rounds up with probability equal to the
+    dropped fraction; a NaN stays NaN)."""
+    stochastic_many([x], [out], gen, native)
