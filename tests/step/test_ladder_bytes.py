@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
+from ampkit.observe.memory import breakdown
 from ampkit.step.policies.pure import eager
 from ampkit.step.policies.pure.ladder import SCRATCH_BYTES, LadderWeights
 from ampkit.step.policies.pure.pieces import plan
@@ -73,6 +74,10 @@ def test_persistent_bytes_stay_within_the_rung_and_the_scratch(model_cls, rung):
     used = persistent_bytes(model, opt, amp)
     assert used <= rung.bytes_per_param() * n + SCRATCH_BYTES, (used / n, rung.bytes_per_param())
     assert used >= rung.bytes_per_param() * n  # (the count sees the rung's tensors)
+    # breakdown() gives every kept byte a category, the scratch its own
+    cats = breakdown(model, opt, amp).by_category
+    assert abs(sum(cats.values()) - used) <= 1024, (cats, used)
+    assert 0 < cats["scratch"] <= SCRATCH_BYTES or rung == Rung("fp32")
 
 
 def _grad(w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

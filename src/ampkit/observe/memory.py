@@ -27,7 +27,7 @@ __all__ = [
     "peak",
 ]  # + estimate (lazy)
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "scaler")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "scaler", "scratch")
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
@@ -99,7 +99,8 @@ def _mib(n: int) -> str:
 def breakdown(
     model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, amp: Any = None
 ) -> MemoryBreakdown:
-    """Bytes of parameters, gradients, optimizer state, master weights and scaler state, by dtype.
+    """Bytes of parameters, gradients, optimizer state, master weights, scaler state and the
+    memory ladder's kept scratch, by dtype.
 
     Each storage is counted once, in the first category that holds it (in the order above).
     ``amp`` (a :class:`ampkit.MixedPrecision`) contributes its scaler tensors and, for the pure
@@ -139,6 +140,9 @@ def breakdown(
         if scaler is not None:
             for t in scaler.device_tensors():
                 add("scaler", t)
+        # the ladder's bounded scratch (ladder_scratch_mib), kept between steps
+        for t in getattr(getattr(amp, "policy", None), "scratch_storage", list)():
+            add("scratch", t)
     return MemoryBreakdown(cells=dict(cells))
 
 

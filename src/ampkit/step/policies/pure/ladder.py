@@ -521,6 +521,10 @@ class LadderWeights(MasterWeights):
         """The rung's own tensors (remainders / compensations), for memory accounting."""
         return [e for e in self.extra if e is not None]
 
+    def scratch(self) -> list[torch.Tensor]:
+        """The bounded scratch kept between steps (``ladder_scratch_mib``), for memory accounting."""
+        return [t for t in (self._buf, self._tmp, self._arena.buf) if t.numel()]
+
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""

@@ -111,6 +111,10 @@ class PurePolicy(PrecisionPolicy):
         """The ladder rung's own tensors (16-bit remainders, bf16 compensations), for memory accounting."""
         return list(getattr(self._masters, "storage", list)())
 
+    def scratch_storage(self) -> list[torch.Tensor]:
+        """The ladder's bounded scratch kept between steps, for memory accounting."""
+        return list(getattr(self._masters, "scratch", list)())
+
     @property
     def keeps_masters(self) -> bool:
         return self._masters is not None
