@@ -375,3 +375,30 @@ def test_cuda_rounding_is_the_cpu_rounding() -> None:
         nan = torch.isnan(cpu.float())
         assert torch.equal(torch.isnan(got.float()), nan)
         assert torch.equal(got[~nan].view(torch.int16), cpu[~nan].view(torch.int16))
+
+
+def test_a_checkpoint_from_another_rounding_stream_is_resumed_with_a_warning() -> None:
+    """The stream is recorded beside the generator; a checkpoint written before it (no record) or
+    with another one loads with a warning that says the bits differ, never silently."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    amp = MixedPrecision("bf16-pure:stochastic")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with amp.autocast():
+        loss = model(torch.randn(4, 16)).float().pow(2).mean()
+    amp.backward(loss)
+    amp.step(opt)
+    state = amp.state_dict()
+    masters = state["masters"]
+    assert masters["stream"] == rounding.STREAM
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict(state)  # the same stream: no warning
+    del masters["stream"]
+    with pytest.warns(UserWarning, match="another random stream"):
+        amp.load_state_dict(state)
+    masters["stream"] = "torch-randint"
+    with pytest.warns(UserWarning, match="torch-randint"):
+        amp.load_state_dict(state)

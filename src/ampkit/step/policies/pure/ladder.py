@@ -59,12 +59,14 @@ from .cast import STALL_WARNING, CastOnly
 from .masters import MasterWeights
 from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, plan
 from .rounding import (
+    STREAM,
     join_split,
     kahan_join,
     kahan_split,
     split_fp32,
     stochastic_many,
     stochastic_round,
+    warn_other_stream,
 )
 
 __all__ = [
@@ -487,6 +489,7 @@ class LadderWeights(MasterWeights):
             out["masters"] = super().state_dict()
         if self.gen is not None:
             out["generator"] = self.gen.get_state()
+            out["stream"] = STREAM
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -507,6 +510,8 @@ class LadderWeights(MasterWeights):
                     e.copy_(extra[n])
         if self.gen is not None and "generator" in state:
             self.gen.set_state(state["generator"])
+            if state.get("stream") != STREAM:
+                warn_other_stream(state.get("stream"))
 
     def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
         out = {

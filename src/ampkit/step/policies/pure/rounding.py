@@ -9,6 +9,7 @@ with ``native=False``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -21,6 +22,7 @@ from .eager import BLOCK
 
 __all__ = [
     "BLOCK",
+    "STREAM",
     "compiled",
     "draw_key",
     "join_split",
@@ -29,7 +31,24 @@ __all__ = [
     "split_fp32",
     "stochastic_many",
     "stochastic_round",
+    "warn_other_stream",
 ]
+
+#: stochastic rounding's random stream, recorded in checkpoints: splitmix64 of each element's
+#: position, keyed per call from the checkpointed generator (:func:`draw_key`)
+STREAM = "splitmix64-v1"
+
+
+def warn_other_stream(found: Optional[str]) -> None:
+    """A resumed checkpoint's rounding drew from another stream: say so (same distribution, other
+    bits), so that a resume across versions is never silently a different run."""
+    warnings.warn(
+        f"this checkpoint's stochastic rounding drew from another random stream ("
+        f"{found or 'torch.randint, before splitmix64-v1'}; now {STREAM}): the resumed run rounds "
+        "with the same distribution, not the bits the writing version would have drawn",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def split_fp32(x: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, native: bool = True) -> None:
