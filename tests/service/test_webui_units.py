@@ -268,3 +268,37 @@ def test_the_plan_form_offers_the_devices_and_shows_the_apis_messages_beside_the
         assert r.status_code == 422
         beside = r.text.split(f'id="error-{field}">', 1)[1].split("</span>", 1)[0]
         assert html.unescape(beside) == said, (body, beside, said)
+
+
+def test_the_ui_is_inside_the_apis_rate_limit_and_body_cap(client):
+    """The plan form spends the owner's planner budget that the JSON route spends (one bucket: two
+    API requests, then the page is refused with the API's 429, its message and Retry-After), and a form body over
+    the service's cap is a 413 before the page reads it, as for the API."""
+    from ampkit.service.limits import Limits
+
+    client.app.state.limits = Limits(per_minute=0.01, burst=2)
+    csrf = _sign_in(client)
+    origin = {"Origin": "http://127.0.0.1"}
+    for _ in range(2):
+        r = client.post(
+            "/finetuning/optimize-mixed-precision",
+            json={"model_name": "no-such-model", "gpu_memory_gb": 8},
+            headers={"Authorization": "Bearer tok-a"},
+        )
+        assert r.status_code == 422, r.text  # checked after the limit: each one spent a request
+    r = client.post(
+        "/ui/plan",
+        data={"csrf": csrf, "model_name": "gpt", "gpu_memory_gb": "8"},
+        headers=origin,
+    )
+    assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+    api = client.post(
+        "/finetuning/optimize-mixed-precision",
+        json={"model_name": "gpt", "gpu_memory_gb": 8},
+        headers={"Authorization": "Bearer tok-a"},
+    )
+    assert api.status_code == 429 and api.json()["detail"] in r.text
+    cap = client.app.state.service.config.body_cap
+    r = client.post("/ui/launch", data={"csrf": csrf, "name": "x" * (cap + 1)}, headers=origin)
+    assert r.status_code == 413 and str(cap) in r.json()["detail"]
+    assert client.app.state.store.list() == []

@@ -6,7 +6,7 @@ limit and jobs)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -58,7 +58,7 @@ async def launch(request: Request) -> Response:
     who = me(request)
     posted = await form(request, who)
     values = {k: v for k, v in posted.items() if k != "csrf" and isinstance(v, str)}
-    errors, error = {}, None
+    errors, error, refused = {}, None, None
     try:
         spec = RunSpec.model_validate(form_body(RunSpec, values))
         run = runs.create_run(spec, who[0], service(request))
@@ -68,17 +68,30 @@ async def launch(request: Request) -> Response:
     except HTTPException as e:
         if e.status_code not in (422, 429, 507):
             raise
-        error = str(e.detail)
-    return page(
-        request,
-        "launch.html",
-        who,
-        status=422 if errors or error else 200,
-        fields=form_fields(RunSpec, suggest=SUGGEST),
-        values=values,
-        errors=errors,
-        error=error,
+        error, refused = str(e.detail), e
+    return _as_api(
+        refused,
+        page(
+            request,
+            "launch.html",
+            who,
+            status=422 if errors or error else 200,
+            fields=form_fields(RunSpec, suggest=SUGGEST),
+            values=values,
+            errors=errors,
+            error=error,
+        ),
     )
+
+
+def _as_api(refused: Optional[HTTPException], response: Response) -> Response:
+    """The page of a request the API refused carries the API's status and headers (429 and its
+    ``Retry-After``, 507), so a browser, a proxy and a script see what the API would say."""
+    if refused is not None:
+        response.status_code = refused.status_code
+        for k, v in (refused.headers or {}).items():
+            response.headers[k] = v
+    return response
 
 
 # --- plan ------------------------------------------------------------------------------------
@@ -151,13 +164,13 @@ def _plan_fields() -> list[Any]:
 def _plan_answer(
     request: Request, who: tuple[str, Session], ask: Callable[[], Any], **context: Any
 ) -> Response:
-    plan, job, error = None, None, None
+    plan, job, error, refused = None, None, None, None
     try:
         got = ask()
     except HTTPException as e:
         if e.status_code not in (422, 429):
             raise
-        error = str(e.detail)
+        error, refused = str(e.detail), e
     else:
         if isinstance(got, JSONResponse):
             got = json.loads(bytes(got.body))
@@ -182,4 +195,4 @@ def _plan_answer(
         # no script: the browser polls the job, the form's values along (to show what was planned)
         asked = urlencode(context["values"])
         response.headers["Refresh"] = f"2; url={root(request)}/ui/plan/jobs/{job['job_id']}?{asked}"
-    return response
+    return _as_api(refused, response)
