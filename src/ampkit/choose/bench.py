@@ -412,10 +412,13 @@ def _measurements(
     res.fallbacks = sum(1 for e in stats["events"] if e["kind"] == "fallback")
     res.final_precision = stats["precision"]
     # step() leaves gradients at None; during a step they take exactly the parameters' shape and dtype
-    resident = breakdown(model, run.steps.optimizer, amp).total
+    kept = breakdown(model, run.steps.optimizer, amp)
+    resident = kept.total
     grads = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
     res.static_bytes = resident + grads
-    res.bytes_per_param = resident / max(1, sum(q.numel() for q in model.parameters()))
+    # per parameter: weights, masters, states; the ladder's fixed scratch is in static_bytes only
+    per_param = resident - kept.by_category["scratch"]
+    res.bytes_per_param = per_param / max(1, sum(q.numel() for q in model.parameters()))
     if dev.type == "cuda":
         # The other precisions' models stay alive in this process: count only this run's
         # resident state plus what one of its steps allocates on top.
