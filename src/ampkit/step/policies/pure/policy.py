@@ -41,6 +41,7 @@ from ...rung import Rung
 from ..base import PrecisionPolicy
 from .ladder import CastOnly, LadderWeights
 from .masters import MasterWeights
+from .sharded import ShardedStates
 
 __all__ = ["PurePolicy"]
 
@@ -51,6 +52,8 @@ class PurePolicy(PrecisionPolicy):
     _masters: Optional[MasterWeights] = None
 
     _cast: Any = None  # masters='none': the bf16 model stepped directly (ladder.CastOnly)
+
+    _states: Optional[ShardedStates] = None  # FSDP2 with state_dtype='bf16' (.sharded)
 
     @property
     def rung(self) -> Rung:
@@ -67,14 +70,16 @@ class PurePolicy(PrecisionPolicy):
 
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         rung = self.rung
-        if (
-            self.shards_params
-        ):  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
-            if not rung.plain:
+        if self.shards_params:  # FSDP2: the fp32 shards are the masters; the all-gathers cast
+            if rung.masters != "fp32":
                 raise ValueError(
-                    f"masters={rung.masters!r}/state_dtype={rung.state_dtype!r} under FSDP2: the fp32 "
-                    "shards are the masters there; use masters='fp32', state_dtype='fp32'"
+                    f"masters={rung.masters!r} under FSDP2: the fp32 shards are the masters there; "
+                    "supported under FSDP2: masters='fp32' with state_dtype='fp32' or "
+                    "state_dtype='bf16' (bf16-pure or bf16-pure:fp32+bf16)"
                 )
+            if rung.state_dtype == "bf16":
+                scratch = self.config.ladder_scratch_mib << 20
+                self._states = ShardedStates(optimizers, scratch_bytes=scratch)
             return
         dtype, keep = self.precision.param_dtype, self.kept_names(model)
         if rung.stalls:
@@ -100,6 +105,9 @@ class PurePolicy(PrecisionPolicy):
         )  # unconditional: after a skipped step the masters did not move
 
     def release(self) -> None:
+        if self._states is not None:
+            self._states.release()
+            self._states = None
         if self._cast is not None:
             self._cast.release()
             self._cast = None
@@ -113,7 +121,7 @@ class PurePolicy(PrecisionPolicy):
 
     def scratch_storage(self) -> list[torch.Tensor]:
         """The ladder's bounded scratch kept between steps, for memory accounting."""
-        return list(getattr(self._masters, "scratch", list)())
+        return list(getattr(self._masters or self._states, "scratch", list)())
 
     @property
     def keeps_masters(self) -> bool:
@@ -139,12 +147,15 @@ class PurePolicy(PrecisionPolicy):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The fp32 masters by parameter name (empty under FSDP2, where the shards are the masters)."""
-        return {} if self._masters is None else self._masters.state_dict()
+        """The fp32 masters by parameter name (under FSDP2, where the shards are the masters: the bf16
+        states' rounding generator, else empty)."""
+        owner = self._masters or self._states
+        return {} if owner is None else owner.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._masters is not None and state:
-            self._masters.load_state_dict(state)
+        owner = self._masters or self._states
+        if owner is not None and state:
+            owner.load_state_dict(state)
 
     def describe(self) -> dict[str, Any]:
         where = "the fp32 shards (FSDP2)" if self.shards_params else "fp32 copies in the optimizer"
