@@ -41,7 +41,7 @@ from ...rung import Rung
 from ..base import PrecisionPolicy
 from .ladder import CastOnly, LadderWeights
 from .masters import MasterWeights
-from .sharded import ShardedStates
+from .sharded import SHARDED_MASTERS, ShardedStates
 
 __all__ = ["PurePolicy"]
 
@@ -71,15 +71,24 @@ class PurePolicy(PrecisionPolicy):
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         rung = self.rung
         if self.shards_params:  # FSDP2: the fp32 shards are the masters; the all-gathers cast
-            if rung.masters != "fp32":
-                raise ValueError(
-                    f"masters={rung.masters!r} under FSDP2: the fp32 shards are the masters there; "
-                    "supported under FSDP2: masters='fp32' with state_dtype='fp32' or "
-                    "state_dtype='bf16' (bf16-pure or bf16-pure:fp32+bf16)"
+            if rung.masters not in SHARDED_MASTERS or (
+                rung.masters == "stochastic" and self.kept_names(model)
+            ):
+                why = (
+                    "keep_fp32 modules need fp32 shards (FSDP2 gathers one dtype per group)"
+                    if rung.masters in SHARDED_MASTERS
+                    else "the fp32 shards are the masters there"
                 )
-            if rung.state_dtype == "bf16":
+                raise ValueError(
+                    f"masters={rung.masters!r} under FSDP2: {why}; supported under FSDP2: "
+                    "masters='fp32' or 'stochastic' (without keep_fp32), each with "
+                    "state_dtype='fp32' or state_dtype='bf16'"
+                )
+            if not rung.plain:
                 scratch = self.config.ladder_scratch_mib << 20
-                self._states = ShardedStates(optimizers, scratch_bytes=scratch)
+                self._states = ShardedStates(
+                    model, optimizers, rung.masters, rung.state_dtype, scratch_bytes=scratch
+                )
             return
         dtype, keep = self.precision.param_dtype, self.kept_names(model)
         if rung.stalls:
@@ -162,7 +171,7 @@ class PurePolicy(PrecisionPolicy):
         rung = self.rung
         if rung.stalls:
             return {**super().describe(), "masters": rung.what, "optimizer_steps": "bfloat16"}
-        out = {"masters": where if self.shards_params or rung.masters == "fp32" else rung.what}
+        out = {"masters": where if rung.masters == "fp32" else rung.what}
         return {
             **super().describe(),
             "grads": "float32 (half gradients summed into the masters')",
