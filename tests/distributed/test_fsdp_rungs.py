@@ -86,6 +86,7 @@ def train_rung(rank: int, world: int, masters: str, state_dtype: str) -> dict:
         "params": full_state(model),
         "states": _states(model, opt),
         "shards": _shards(model),
+        "violations": [e.to_dict() for e in amp.events if e.kind == "manifest_violation"],
     }
 
 
@@ -238,6 +239,8 @@ def test_stochastic_masters_under_fsdp2_keep_bf16_shards_and_train_like_fp32_mas
         # still sits far below the distance the run travels only if it trained (checked).
         assert abs(ref["first"] - ref["last"]) > 0.01 * ref["first"]
         assert abs(a["last"] - ref["last"]) <= STEPS * 2**-7 * ref["last"], (job, a["last"])
+        # bf16 shards are this rung's declared storage: no silent downgrade reported
+        assert a["violations"] == [], a["violations"]
     b, c = ranks[0]["stochastic-bf16"], ranks[0]["stochastic-bf16-again"]
     assert max_diff(b["params"], c["params"]) == 0.0 and b["last"] == c["last"]
     assert max_diff(b["params"], ranks[1]["stochastic-bf16"]["params"]) == 0.0
