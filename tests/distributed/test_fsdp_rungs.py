@@ -128,6 +128,33 @@ def resume_rung(rank: int, world: int, masters: str, state_dtype: str, ckdir: st
     }
 
 
+def switched(rank: int, world: int, masters: str, state_dtype: str) -> dict:
+    """Two steps on the rung, ``switch("fp32")``, one more step."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    amp = MixedPrecision("bf16-pure", device="cpu", masters=masters, state_dtype=state_dtype)
+    model, opt = amp.setup(model, opt)
+
+    def step(s: int) -> None:
+        with amp.autocast():
+            loss = model(*batch(s * world + rank))
+        amp.backward(loss)
+        amp.step(opt)
+
+    for s in range(2):
+        step(s)
+    before = {n: p.to_local().float().clone() for n, p in model.named_parameters()}
+    amp.switch("fp32")
+    out = {
+        "exact": all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters()),
+        "shards": _shards(model),
+        "states": _states(model, opt),
+    }
+    step(2)
+    out["after"] = _shards(model)
+    return out
+
+
 def refused(rank: int, world: int) -> dict:
     """``split``/``kahan`` are refused under FSDP2, and ``stochastic`` with keep_fp32: the messages."""
     out = {}
@@ -152,6 +179,8 @@ JOBS: dict[str, tuple] = {
     "stochastic-bf16": (train_rung, ("stochastic", "bf16")),
     "stochastic-bf16-again": (train_rung, ("stochastic", "bf16")),
     **{f"resume-{m}+{s}": (resume_rung, (m, s)) for m, s in RESUMED},
+    "switched": (switched, ("stochastic", "bf16")),
+    "switched-plain": (switched, ("fp32", "fp32")),
     "refused": (refused, ()),
 }
 
@@ -244,6 +273,20 @@ def test_stochastic_masters_under_fsdp2_keep_bf16_shards_and_train_like_fp32_mas
     b, c = ranks[0]["stochastic-bf16"], ranks[0]["stochastic-bf16-again"]
     assert max_diff(b["params"], c["params"]) == 0.0 and b["last"] == c["last"]
     assert max_diff(b["params"], ranks[1]["stochastic-bf16"]["params"]) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["switched", "switched-plain"])
+def test_switching_to_fp32_under_fsdp2_gives_fp32_shards_exactly_and_trains_on(job, ranks):
+    # (plain bf16-pure too: FSDP2 kept the first all-gather's bf16 buffers, and the next forward
+    # after the switch failed on mixed dtypes)
+    for r in ranks:
+        r = r[job]
+        assert r["exact"]  # the bf16 values, widened exactly
+        for shards in (r["shards"], r["after"]):
+            assert all(d == ld == torch.float32 for d, ld, *_ in shards.values())
+        for per in r["states"].values():
+            assert per and all(d == ld == torch.float32 for d, ld, *_ in per.values())
 
 
 @pytest.mark.slow

@@ -81,14 +81,14 @@ def shard_salt(params: Sequence[torch.Tensor]) -> int:
 
 
 def cast_shards(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``model``'s FSDP2 shards (and buffers) to ``dtype``: ``FSDPModule._apply`` re-pads and
-    re-points each FSDP parameter at its new shard; each group's dtypes are then derived again (an
-    all-gather in the shards' own dtype casts nothing; the gradients come back in it)."""
+    """``model``'s FSDP2 shards (and buffers) to ``dtype``, between steps: ``FSDPModule._apply``
+    re-pads and re-points each FSDP parameter at its new shard; the groups' dtypes follow
+    (:func:`ampkit.step.parallel.fsdp.refresh_dtypes`: an all-gather in the shards' own dtype casts
+    nothing, the gradients come back in it)."""
+    from ...parallel.fsdp import refresh_dtypes  # (torch.distributed.fsdp: only when sharded)
+
     model.to(dtype)
-    for m in model.modules():
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
-            group._init_mp_dtypes()
+    refresh_dtypes(model.modules())
 
 
 class ShardedStates:
