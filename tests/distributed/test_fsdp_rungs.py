@@ -24,11 +24,11 @@ STEPS = 6
 LR = 1e-2
 
 
-def _model() -> nn.Module:
+def _model(spec: str = "bf16-pure") -> nn.Module:
     from ampkit.distributed import shard
 
     torch.manual_seed(0)
-    return shard(Net(), "bf16-pure")
+    return shard(Net(), spec)
 
 
 def _eval_loss(model: nn.Module, amp: MixedPrecision) -> float:
@@ -69,7 +69,7 @@ def _shards(model: nn.Module) -> dict[str, tuple]:
 
 
 def train_rung(rank: int, world: int, masters: str, state_dtype: str) -> dict:
-    model = _model()
+    model = _model(f"bf16-pure:{masters}" + ("+bf16" if state_dtype == "bf16" else ""))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     amp = MixedPrecision("bf16-pure", device="cpu", masters=masters, state_dtype=state_dtype)
     model, opt = amp.setup(model, opt)
@@ -296,3 +296,11 @@ def test_other_rungs_under_fsdp2_are_refused_naming_what_is_supported(ranks):
         assert f"masters={masters!r}" in msg and "FSDP2" in msg
         assert "state_dtype='bf16'" in msg and "masters='fp32' or 'stochastic'" in msg
     assert "keep_fp32" in ranks[0]["refused"]["stochastic"]
+
+
+def test_fsdp_policy_takes_a_rung_spelling():
+    # ``shard(model, "bf16-pure:stochastic+bf16")``: the rung changes nothing FSDP2 communicates
+    from ampkit.distributed import fsdp_policy
+
+    for spec in ("bf16-pure:stochastic+bf16", "bf16-pure:fp32+bf16", "bf16-pure:stochastic"):
+        assert fsdp_policy(spec) == fsdp_policy("bf16-pure")
