@@ -19,8 +19,8 @@ away. At 1.0 bf16's spacing is 2**-7, so AdamW with lr 1e-3 never moves a bf16 w
 
 Modules kept in fp32 (``keep_fp32``, e.g. norms) keep their fp32 parameters and buffers; they
 need no master and the optimizer updates them directly. Under FSDP2 the sharded fp32 parameters
-are the masters already (``MixedPrecisionPolicy(param_dtype=...)``): this class is not used there,
-so no second copy exists.
+are the masters already (``MixedPrecisionPolicy(param_dtype=...)``): no second copy exists; the
+ladder's rungs there (``state_dtype='bf16'``, ``masters='stochastic'``) are :mod:`.sharded`'s.
 
 :class:`PurePolicy` is the family's policy: ``prepare`` builds the :class:`MasterWeights`, the
 forward runs under autocast to the half dtype (inputs and the ops autocast keeps in fp32 follow
