@@ -68,9 +68,13 @@ def _shards(model: nn.Module) -> dict[str, tuple]:
     }
 
 
-def train_rung(rank: int, world: int, masters: str, state_dtype: str) -> dict:
+def train_rung(rank: int, world: int, masters: str, state_dtype: str, sgd: bool = False) -> dict:
     model = _model(f"bf16-pure:{masters}" + ("+bf16" if state_dtype == "bf16" else ""))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        if sgd
+        else torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    )
     amp = MixedPrecision("bf16-pure", device="cpu", masters=masters, state_dtype=state_dtype)
     model, opt = amp.setup(model, opt)
     first = _eval_loss(model, amp)
@@ -178,6 +182,7 @@ JOBS: dict[str, tuple] = {
     "stochastic": (train_rung, ("stochastic", "fp32")),
     "stochastic-bf16": (train_rung, ("stochastic", "bf16")),
     "stochastic-bf16-again": (train_rung, ("stochastic", "bf16")),
+    "stochastic-bf16-sgd": (train_rung, ("stochastic", "bf16", True)),
     **{f"resume-{m}+{s}": (resume_rung, (m, s)) for m, s in RESUMED},
     "switched": (switched, ("stochastic", "bf16")),
     "switched-plain": (switched, ("fp32", "fp32")),
@@ -270,6 +275,12 @@ def test_stochastic_masters_under_fsdp2_keep_bf16_shards_and_train_like_fp32_mas
         assert abs(a["last"] - ref["last"]) <= STEPS * 2**-7 * ref["last"], (job, a["last"])
         # bf16 shards are this rung's declared storage: no silent downgrade reported
         assert a["violations"] == [], a["violations"]
+    for r in ranks:  # any optimizer: SGD's momentum (foreach) kept the same way
+        sgd = r["stochastic-bf16-sgd"]
+        assert sgd["last"] < sgd["first"]
+        for name, per in sgd["states"].items():
+            (d, ld, local, p_local, full) = per["momentum_buffer"]
+            assert d == ld == torch.bfloat16 and local == p_local == full // 2, name
     b, c = ranks[0]["stochastic-bf16"], ranks[0]["stochastic-bf16-again"]
     assert max_diff(b["params"], c["params"]) == 0.0 and b["last"] == c["last"]
     assert max_diff(b["params"], ranks[1]["stochastic-bf16"]["params"]) == 0.0
