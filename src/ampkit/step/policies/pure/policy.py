@@ -77,7 +77,9 @@ class PurePolicy(PrecisionPolicy):
                 why = (
                     "keep_fp32 modules need fp32 shards (FSDP2 gathers one dtype per group)"
                     if rung.masters in SHARDED_MASTERS
-                    else "the fp32 shards are the masters there"
+                    else "the fp32 shards are the masters there, and with no bf16 model copy "
+                    "kept between steps to share, a bf16 + 16-bit pair costs what they do "
+                    "(4 bytes per element)"
                 )
                 raise ValueError(
                     f"masters={rung.masters!r} under FSDP2: {why}; supported under FSDP2: "
