@@ -33,6 +33,7 @@ import torch
 
 from ..step.hardware import device_info
 from ..step.precision import Precision, parse_precision, precision_dtypes, resolve_precision
+from ..step.rung import split_spec
 
 if TYPE_CHECKING:  # torch.distributed.fsdp takes about a second to import: only where used
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -44,6 +45,8 @@ def fsdp_policy(precision: Union[str, Precision]) -> MixedPrecisionPolicy:
     """The FSDP2 ``MixedPrecisionPolicy`` that runs ``precision`` (module doc's table): what to
     pass as ``fully_shard(..., mp_policy=...)``. (The engine's own per-family policy object is
     :func:`ampkit.step.policies.policy_for`'s, a different thing.)"""
+    if isinstance(precision, str):  # a rung ("bf16-pure:stochastic+bf16") communicates alike
+        precision = split_spec(precision)[0]
     name = precision.name if isinstance(precision, Precision) else parse_precision(precision)
     if name == "auto":
         raise ValueError(
@@ -91,6 +94,8 @@ def shard(
 
     The process group must exist (:func:`ampkit.distributed.init`). Returns ``model`` (sharded in place).
     """
+    if isinstance(precision, str):  # a rung ("bf16-pure:stochastic") shards alike
+        precision = split_spec(precision)[0]
     if isinstance(precision, str) and parse_precision(precision) == "auto":
         dev = torch.device(device) if device is not None else next(model.parameters()).device
         precision = resolve_precision("auto", device_info(dev))

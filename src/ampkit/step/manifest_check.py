@@ -86,10 +86,14 @@ def find_violations(
 def declared_components(precision: str, config: Any) -> tuple[str, ...]:
     """Components whose half precision the configuration asked for: bf16-pure's bottom rung
     (``masters='none'``, forced with ``allow_stall`` and warned about at setup) keeps no master and
-    sums gradients in bf16 -- what it promises, so no silent downgrade."""
+    sums gradients in bf16 -- what it promises, so no silent downgrade. ``masters='stochastic'``
+    under FSDP2 stores the shards in bf16 on purpose, so their all-gather casts nothing (the
+    ``compute`` finding is only ever about sharded parameters)."""
     ladder = precision in REGISTRY and REGISTRY[precision].has_ladder
     if ladder and getattr(config, "masters", "fp32") == "none":
         return ("master", "accumulation")
+    if ladder and getattr(config, "masters", "fp32") == "stochastic":
+        return ("compute",)
     return ()
 
 

@@ -20,6 +20,7 @@ only for a model that can be sharded (:func:`ampkit.step.parallel.adapter_for`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Callable, Optional
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from ..precision import Precision
 from .base import Parallel, max_reducer
 
-__all__ = ["FSDPParallel", "mixed_precision_policy"]
+__all__ = ["FSDPParallel", "mixed_precision_policy", "refresh_dtypes"]
 
 
 def mixed_precision_policy(
@@ -43,6 +44,20 @@ def mixed_precision_policy(
     if compute_dtype == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=param_dtype)
+
+
+def refresh_dtypes(modules: Iterable[torch.nn.Module]) -> None:
+    """After the shards' dtype or the policy changed, between steps: each FSDP group's dtypes
+    derived again, and the buffers of an earlier all-gather dropped (FSDP2 keeps them, in the old
+    dtype, and makes them again at the next all-gather once dropped)."""
+    for m in modules:
+        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+        for group in getattr(state, "_fsdp_param_groups", None) or []:
+            group._init_mp_dtypes()
+            for p in group.fsdp_params:
+                p.all_gather_outputs = []
+                if hasattr(p, "_unsharded_param"):
+                    del p._unsharded_param
 
 
 class FSDPParallel(Parallel):
@@ -103,4 +118,4 @@ class FSDPParallel(Parallel):
                 group.mp_policy = policy
                 for p in group.fsdp_params:
                     p.mp_policy = policy
-                    p.init_dtype_attrs(policy)
+        refresh_dtypes(self._modules)

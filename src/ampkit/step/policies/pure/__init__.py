@@ -9,6 +9,7 @@ masters.py     :class:`~.masters.MasterWeights`: fp32 masters in the user's opti
 ladder.py      :class:`~.ladder.LadderWeights`: the ``split``/``kahan``/``stochastic`` rungs and
                bf16 states, stepped chunk by chunk through a bounded scratch
 pieces.py      the chunk plan, a weight cut into pieces, the bf16 states' fp32 arena
+sharded.py     :class:`~.sharded.ShardedStates`: bf16 optimizer states over FSDP2's fp32 shards
 cast.py        :class:`~.cast.CastOnly`: ``masters='none'``, the bottom rung
 rounding.py    the bit passes (native kernels first, else :mod:`.eager`) and stochastic rounding
 eager.py       the eager torch bit passes and random bits: the kernels' bitwise reference

@@ -19,8 +19,8 @@ away. At 1.0 bf16's spacing is 2**-7, so AdamW with lr 1e-3 never moves a bf16 w
 
 Modules kept in fp32 (``keep_fp32``, e.g. norms) keep their fp32 parameters and buffers; they
 need no master and the optimizer updates them directly. Under FSDP2 the sharded fp32 parameters
-are the masters already (``MixedPrecisionPolicy(param_dtype=...)``): this class is not used there,
-so no second copy exists.
+are the masters already (``MixedPrecisionPolicy(param_dtype=...)``): no second copy exists; the
+ladder's rungs there (``state_dtype='bf16'``, ``masters='stochastic'``) are :mod:`.sharded`'s.
 
 :class:`PurePolicy` is the family's policy: ``prepare`` builds the :class:`MasterWeights`, the
 forward runs under autocast to the half dtype (inputs and the ops autocast keeps in fp32 follow
@@ -41,6 +41,7 @@ from ...rung import Rung
 from ..base import PrecisionPolicy
 from .ladder import CastOnly, LadderWeights
 from .masters import MasterWeights
+from .sharded import SHARDED_MASTERS, ShardedStates
 
 __all__ = ["PurePolicy"]
 
@@ -51,6 +52,8 @@ class PurePolicy(PrecisionPolicy):
     _masters: Optional[MasterWeights] = None
 
     _cast: Any = None  # masters='none': the bf16 model stepped directly (ladder.CastOnly)
+
+    _states: Optional[ShardedStates] = None  # FSDP2 with state_dtype='bf16' (.sharded)
 
     @property
     def rung(self) -> Rung:
@@ -67,13 +70,26 @@ class PurePolicy(PrecisionPolicy):
 
     def prepare(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         rung = self.rung
-        if (
-            self.shards_params
-        ):  # FSDP2: the fp32 shards are the masters; the policy casts the all-gathers
-            if not rung.plain:
+        if self.shards_params:  # FSDP2: the fp32 shards are the masters; the all-gathers cast
+            if rung.masters not in SHARDED_MASTERS or (
+                rung.masters == "stochastic" and self.kept_names(model)
+            ):
+                why = (
+                    "keep_fp32 modules need fp32 shards (FSDP2 gathers one dtype per group)"
+                    if rung.masters in SHARDED_MASTERS
+                    else "the fp32 shards are the masters there, and with no bf16 model copy "
+                    "kept between steps to share, a bf16 + 16-bit pair costs what they do "
+                    "(4 bytes per element)"
+                )
                 raise ValueError(
-                    f"masters={rung.masters!r}/state_dtype={rung.state_dtype!r} under FSDP2: the fp32 "
-                    "shards are the masters there; use masters='fp32', state_dtype='fp32'"
+                    f"masters={rung.masters!r} under FSDP2: {why}; supported under FSDP2: "
+                    "masters='fp32' or 'stochastic' (without keep_fp32), each with "
+                    "state_dtype='fp32' or state_dtype='bf16'"
+                )
+            if not rung.plain:
+                scratch = self.config.ladder_scratch_mib << 20
+                self._states = ShardedStates(
+                    model, optimizers, rung.masters, rung.state_dtype, scratch_bytes=scratch
                 )
             return
         dtype, keep = self.precision.param_dtype, self.kept_names(model)
@@ -100,6 +116,9 @@ class PurePolicy(PrecisionPolicy):
         )  # unconditional: after a skipped step the masters did not move
 
     def release(self) -> None:
+        if self._states is not None:
+            self._states.release()
+            self._states = None
         if self._cast is not None:
             self._cast.release()
             self._cast = None
@@ -113,7 +132,7 @@ class PurePolicy(PrecisionPolicy):
 
     def scratch_storage(self) -> list[torch.Tensor]:
         """The ladder's bounded scratch kept between steps, for memory accounting."""
-        return list(getattr(self._masters, "scratch", list)())
+        return list(getattr(self._masters or self._states, "scratch", list)())
 
     @property
     def keeps_masters(self) -> bool:
@@ -139,19 +158,22 @@ class PurePolicy(PrecisionPolicy):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The fp32 masters by parameter name (empty under FSDP2, where the shards are the masters)."""
-        return {} if self._masters is None else self._masters.state_dict()
+        """The fp32 masters by parameter name (under FSDP2, where the shards are the masters: the bf16
+        states' rounding generator, else empty)."""
+        owner = self._masters or self._states
+        return {} if owner is None else owner.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._masters is not None and state:
-            self._masters.load_state_dict(state)
+        owner = self._masters or self._states
+        if owner is not None and state:
+            owner.load_state_dict(state)
 
     def describe(self) -> dict[str, Any]:
         where = "the fp32 shards (FSDP2)" if self.shards_params else "fp32 copies in the optimizer"
         rung = self.rung
         if rung.stalls:
             return {**super().describe(), "masters": rung.what, "optimizer_steps": "bfloat16"}
-        out = {"masters": where if self.shards_params or rung.masters == "fp32" else rung.what}
+        out = {"masters": where if rung.masters == "fp32" else rung.what}
         return {
             **super().describe(),
             "grads": "float32 (half gradients summed into the masters')",

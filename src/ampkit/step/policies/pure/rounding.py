@@ -140,12 +140,15 @@ def stochastic_many(
     outs: Sequence[torch.Tensor],
     gen: torch.Generator,
     native: bool = True,
+    salt: int = 0,
 ) -> None:
     """Round each fp32 tensor of ``xs`` (scratch: may be overwritten) stochastically into the bf16
     tensor of ``outs`` of its size (any layout: strided ones go through contiguous copies), with one
     key drawn from ``gen`` and the element counter running across the tensors in their flat order
     (row-major): one native call where it can (:func:`ampkit.step.policies.native.stochastic`),
-    else :func:`.eager.stochastic_round` per tensor -- bitwise the same."""
+    else :func:`.eager.stochastic_round` per tensor -- bitwise the same. ``salt`` (in [0, 2**62)) is
+    XORed into the key: processes that share ``gen``'s state (FSDP2's ranks, :mod:`.sharded`) draw
+    the same key and round their own shards with other bits."""
     if len(xs) != len(outs) or any(x.numel() != o.numel() for x, o in zip(xs, outs)):
         raise ValueError(
             f"stochastic rounding needs one bf16 output per fp32 input of its size; got sizes "
@@ -159,6 +162,8 @@ def stochastic_many(
         for o in outs
     ]
     key = draw_key(gen)  # (a fake tensor under ``ampkit plan``'s fake mode: the eager passes)
+    if salt:
+        key = key.bitwise_xor(salt)  # (a tensor op: no host sync)
     plain = type(key) is torch.Tensor and key.device.type == "cpu"
     if not (native and plain and _native_kernels.stochastic(flat, into, int(key))):
         real_cuda = type(flat[0]) is torch.Tensor and flat[0].is_cuda  # (not ``plan``'s fakes)
