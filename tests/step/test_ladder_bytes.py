@@ -250,3 +250,23 @@ def test_fake_tensors_step_only_the_ends_of_a_cut_weight_and_measure_the_same_pe
             monkeypatch.setattr(ladder, "plan", real_plan)
             assert fast.peak_bytes == full.peak_bytes, str(rung)
     assert calls and all(calls)  # the estimate did ask for the ends only
+
+
+@pytest.mark.parametrize("rung", [r for r in LADDER if r != Rung("fp32")], ids=str)
+def test_a_small_model_keeps_a_small_scratch(rung):
+    """The scratch is bounded by what the weights need too, not only by ``ladder_scratch_mib``: a
+    4k-parameter model keeps at most 16 bytes (the fp32 values, the bit passes' second buffer, two
+    widened states) per element of its weights rounded up to whole pieces -- not 16 MiB."""
+    from ampkit.step.policies.pure.pieces import ALIGN
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    amp = MixedPrecision(join_spec("bf16-pure", rung), device="cpu")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with amp.autocast():
+        loss = model(torch.randn(4, 64)).float().pow(2).mean()
+    amp.backward(loss)
+    amp.step(opt)
+    n = sum(p.numel() for p in model.parameters())
+    scratch = breakdown(model, opt, amp).by_category["scratch"]
+    assert 0 < scratch <= 16 * (-(-n // ALIGN) * ALIGN), (scratch, n)

@@ -148,7 +148,8 @@ class LadderWeights(MasterWeights):
         room = per + (8 if state_dtype == "bf16" else 0)
         self.budget = min(CHUNK_NUMEL, max(scratch_bytes // max(room, 4) // ALIGN * ALIGN, ALIGN))
         # never more than the weights need (a small model keeps a small scratch; one call either way)
-        self.budget = min(self.budget, -(-sum(m.numel() for m in self.masters) // ALIGN) * ALIGN)
+        need = -(-sum(m.numel() for m in self.masters) // ALIGN) * ALIGN
+        self.budget = min(self.budget, max(need, ALIGN))
         self._buf = torch.empty(self.budget if per else 0, device=dev)
         self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
         left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
