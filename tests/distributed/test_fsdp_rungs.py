@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampkit import MixedPrecision
+from ampkit import MixedPrecision, breakdown
 
 from ..support.dist_helpers import run_ranks
 from .test_distributed import Net, batch, full_state, max_diff
@@ -91,6 +91,7 @@ def train_rung(rank: int, world: int, masters: str, state_dtype: str, sgd: bool 
         "states": _states(model, opt),
         "shards": _shards(model),
         "violations": [e.to_dict() for e in amp.events if e.kind == "manifest_violation"],
+        "breakdown": breakdown(model, opt, amp).by_category,
     }
 
 
@@ -219,6 +220,11 @@ def test_bf16_states_under_fsdp2_hold_the_shards_elements_in_bf16(ranks):
                 assert local == p_local == p_global // 2, (name, key)
         for per in r["fp32-states"]["states"].values():
             assert all(d == torch.float32 for d, *_ in per.values())
+        # breakdown() on a rank counts that rank's optimizer state: its shard's, in bf16
+        local = sum(sh[2] for sh in r["bf16-states"]["shards"].values())
+        assert r["bf16-states"]["breakdown"]["optimizer_state"] >= 2 * 2 * local
+        assert r["bf16-states"]["breakdown"]["optimizer_state"] < 2 * 2 * local + 4096  # + steps
+        assert r["fp32-states"]["breakdown"]["optimizer_state"] >= 2 * 4 * local
 
 
 @pytest.mark.slow
