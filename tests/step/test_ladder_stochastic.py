@@ -402,3 +402,37 @@ def test_a_checkpoint_from_another_rounding_stream_is_resumed_with_a_warning() -
     masters["stream"] = "torch-randint"
     with pytest.warns(UserWarning, match="torch-randint"):
         amp.load_state_dict(state)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_an_optimizer_error_between_a_fresh_weights_pieces_leaves_no_state(
+    state_dtype: str,
+) -> None:
+    """A weight never stepped, cut in pieces, the optimizer raising on its second piece: its state is
+    empty again, as before the step -- not a momentum buffer whose pieces not yet stepped are
+    uninitialized memory, which the next step would use silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(300, 517))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    lw = LadderWeights(
+        model, [opt], torch.bfloat16, (), "stochastic", state_dtype, scratch_bytes=64 << 10
+    )
+    m = lw.masters[0]
+    real, calls = torch._fused_sgd_, []
+
+    def second_fails(*a, **k):  # noqa: ANN002,ANN003
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    m.grad = torch.randn(m.shape)
+    torch._fused_sgd_ = second_fails
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+    finally:
+        torch._fused_sgd_ = real
+    assert len(calls) == 2  # (cut in pieces: the error came between them)
+    assert not opt.state.get(m)

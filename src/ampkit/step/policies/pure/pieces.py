@@ -163,7 +163,10 @@ class CutState:
 
     def whole(self) -> dict[str, Any]:
         """The weight's whole state as it stands (after an error between its pieces): the full
-        tensors (the pieces stepped so far updated) and the other entries as before the step."""
+        tensors (the pieces stepped so far updated) and the other entries as before the step; a
+        fresh weight's none (its full tensors hold only the stepped pieces: the rest uninitialized)."""
+        if self.fresh:
+            return {}
         return {**{k: v.view(self.shape) for k, v in self.full.items()}, **self.before}
 
 
