@@ -436,3 +436,44 @@ def test_an_optimizer_error_between_a_fresh_weights_pieces_leaves_no_state(
         torch._fused_sgd_ = real
     assert len(calls) == 2  # (cut in pieces: the error came between them)
     assert not opt.state.get(m)
+
+
+def test_a_scalar_parameters_step_count_is_not_a_bf16_state() -> None:
+    """A 0-d parameter (a learnable scale): its AdamW ``step`` is a 0-d float tensor of the
+    parameter's shape, yet a count, not a state -- it stays fp32 and exact (bf16 holds integers only
+    to 256, and stochastic rounding would move it), through a checkpoint too."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(8))
+    model.scale = torch.nn.Parameter(torch.tensor(1.5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lw = LadderWeights(model, [opt], torch.bfloat16, (), "stochastic", "bf16")
+    for _ in range(3):
+        for h, m in zip(lw.halves, lw.masters):
+            m.grad = torch.randn(h.shape)
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+    for m in lw.masters:
+        st = opt.state[m]
+        assert st["step"].dtype == torch.float32 and float(st["step"]) == 3.0
+        # (a scalar's states stay fp32, as under FSDP2: one element, no memory to save)
+        assert st["exp_avg"].dtype == (torch.bfloat16 if m.dim() else torch.float32)
+
+
+def test_the_bottom_rung_keeps_a_scalar_parameters_step_count_fp32() -> None:
+    """``masters='none'`` casts the states an optimizer already holds (a switch down the ladder) to
+    bf16, but not a 0-d parameter's step count: in bf16, 256 + 1 rounds back to 256 and AdamW's
+    bias correction would freeze there."""
+    from ampkit.step.policies.pure.cast import CastOnly
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(8))
+    model.scale = torch.nn.Parameter(torch.tensor(1.5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.warns(UserWarning, match="masters='none'"):
+        CastOnly(model, [opt], torch.bfloat16)
+    assert opt.state[model.scale]["step"].dtype == torch.float32
+    assert opt.state[model.w]["exp_avg"].dtype == torch.bfloat16

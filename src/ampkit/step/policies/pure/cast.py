@@ -49,6 +49,7 @@ class CastOnly:
                             isinstance(v, torch.Tensor)
                             and v.is_floating_point()
                             and v.shape == p.shape
+                            and v.dim() > 0  # (not a 0-d parameter's step count)
                         ):
                             state[k] = v.to(dtype)
 

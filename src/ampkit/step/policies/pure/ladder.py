@@ -403,10 +403,10 @@ class LadderWeights(MasterWeights):
         state = opt.state.get(m)
         if self.state_dtype != "bf16" or not state:
             return []
-        return [
+        return [  # (not a 0-d parameter's step count, of its shape too)
             k
             for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape != ()
         ]
 
     def _states_up(
@@ -455,10 +455,8 @@ class LadderWeights(MasterWeights):
         the cast is exact (no stochastic rounding: the generator's state stays the checkpoint's)."""
         with torch.no_grad():
             for m in self.masters:
-                state = opt.state.get(m)
-                for k, v in (state or {}).items():
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == m.shape:
-                        state[k] = v.to(torch.bfloat16)  # type: ignore[index]
+                for k in self._bf16_states(opt, m):
+                    opt.state[m][k] = opt.state[m][k].to(torch.bfloat16)
 
     # ------------------------------------------------------------------ MasterWeights' verbs
     def copy_to_model(self) -> None:
