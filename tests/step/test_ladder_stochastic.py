@@ -477,3 +477,23 @@ def test_the_bottom_rung_keeps_a_scalar_parameters_step_count_fp32() -> None:
         CastOnly(model, [opt], torch.bfloat16)
     assert opt.state[model.scale]["step"].dtype == torch.float32
     assert opt.state[model.w]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_a_checkpoint_resumed_with_another_scratch_warns_that_the_bits_differ() -> None:
+    """The rounding keys are drawn one per call, and how many elements a call takes follows
+    ``ladder_scratch_mib``: a resume with another scratch rounds with other bits (same
+    distribution) -- said in a warning, never silently; with the same scratch, no warning."""
+    import warnings
+
+    def ladder(scratch: int) -> LadderWeights:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(128, 64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return LadderWeights(model, [opt], torch.bfloat16, (), "stochastic", "bf16", scratch)
+
+    state = ladder(16 << 20).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ladder(16 << 20).load_state_dict(state)
+    with pytest.warns(UserWarning, match="ladder_scratch_mib"):
+        ladder(64 << 10).load_state_dict(state)

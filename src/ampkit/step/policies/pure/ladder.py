@@ -66,6 +66,7 @@ from .rounding import (
     split_fp32,
     stochastic_many,
     stochastic_round,
+    warn_other_calls,
     warn_other_stream,
 )
 
@@ -490,7 +491,7 @@ class LadderWeights(MasterWeights):
             out["masters"] = super().state_dict()
         if self.gen is not None:
             out["generator"] = self.gen.get_state()
-            out["stream"] = STREAM
+            out["stream"], out["per_call"] = STREAM, self.budget  # (the keys: one per call)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -513,6 +514,8 @@ class LadderWeights(MasterWeights):
             self.gen.set_state(state["generator"])
             if state.get("stream") != STREAM:
                 warn_other_stream(state.get("stream"))
+            elif state.get("per_call", self.budget) != self.budget:
+                warn_other_calls(state["per_call"], self.budget)
 
     def full_precision_state_dict(self) -> dict[str, torch.Tensor]:
         out = {

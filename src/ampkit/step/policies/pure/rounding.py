@@ -31,6 +31,7 @@ __all__ = [
     "split_fp32",
     "stochastic_many",
     "stochastic_round",
+    "warn_other_calls",
     "warn_other_stream",
 ]
 
@@ -46,6 +47,19 @@ def warn_other_stream(found: Optional[str]) -> None:
         f"this checkpoint's stochastic rounding drew from another random stream ("
         f"{found or 'torch.randint, before splitmix64-v1'}; now {STREAM}): the resumed run rounds "
         "with the same distribution, not the bits the writing version would have drawn",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def warn_other_calls(found: int, now: int) -> None:
+    """A resumed checkpoint's ladder stepped ``found`` elements per call, this one ``now`` (another
+    ``ladder_scratch_mib``): its rounding keys (one per call) fall elsewhere, so say so."""
+    warnings.warn(
+        f"this checkpoint's ladder stepped up to {found} elements per optimizer call, this run "
+        f"{now} (another ladder_scratch_mib): its stochastic rounding draws one key per call, so "
+        "the resumed run rounds with the same distribution, not the bits the writing run would "
+        "have drawn; resume with the same ladder_scratch_mib for a bitwise resume",
         UserWarning,
         stacklevel=3,
     )
