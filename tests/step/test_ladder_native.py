@@ -417,3 +417,24 @@ def test_an_optimizer_that_replaces_the_parameter_storage_is_stepped_exactly(
     ref = run("fp32") if masters == "split" else slow
     for k, v in ref.items():
         assert _same(fast[k], slow[k]) and _same(fast[k], v), k
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_compiler_without_the_clone_targets_still_builds_the_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A compiler that rejects the kernels' ``target_clones`` (the stochastic kernel's
+    ``arch=x86-64-v4``: GCC before 11, older clang) still gets the kernels, built without clones --
+    not the eager passes for every kernel."""
+    old = tmp_path / "old-cc"
+    old.write_text(
+        '#!/bin/sh\ncase "$*" in *AMPKIT_NO_CLONES*) exec cc "$@";; esac\n'
+        'echo "error: bad value (\'x86-64-v4\') for target_clones attribute" >&2\nexit 1\n'
+    )
+    old.chmod(0o755)
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AMPKIT_NO_NATIVE", raising=False)
+    monkeypatch.setenv("CC", str(old))
+    monkeypatch.setattr(native, "_state", {})
+    lib = native._load()  # raised before: every build refused
+    assert lib.ampkit_openmp() in (0, 1)

@@ -78,6 +78,8 @@ SOURCE = Path(__file__).with_name("_bits.c")
 FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off")
 #: tried first: the kernels on torch's OpenMP threads (a compiler without OpenMP: FLAGS alone, one thread)
 OPENMP = ("-fopenmp",)
+#: tried after: a compiler that rejects the ``target_clones`` targets (GCC before 11, older clang)
+NO_CLONES = ("-DAMPKIT_NO_CLONES",)
 
 _PLAIN = (
     torch.Tensor,
@@ -132,7 +134,7 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("big-endian machine")
     cc, src = _compiler(), SOURCE.read_bytes()
     errors = []
-    for flags in (FLAGS + OPENMP, FLAGS):
+    for flags in (FLAGS + OPENMP, FLAGS + OPENMP + NO_CLONES, FLAGS, FLAGS + NO_CLONES):
         try:
             out = _build(cc, src, flags)
             break
