@@ -178,6 +178,8 @@ JOBS: dict[str, tuple] = {
         {},
     ),
     "ddp-flush": ("flushed", (3, 4), {}),
+    "ddp-rank-seeds": ("rank_seeded", ("ddp",), {}),
+    "fsdp-rank-seeds": ("rank_seeded", ("fsdp",), {}),
     "fsdp-resume": ("trainer_resume", ("fsdp",), {}),  # + a checkpoint directory of its own
     "ddp-resume": ("trainer_resume", ("ddp",), {}),
 }
@@ -433,3 +435,38 @@ def test_sharded_checkpoint_round_trip_is_bitwise_and_exports_to_one_file(kind, 
     assert max_diff(full_state(model), ranks[0]["at5"]) == 0.0
     assert amp.optimizer_steps == 5 and trainer.micro_index == 10
     assert len(opt.state) == len(list(model.parameters()))  # AdamW moments came along
+
+
+def rank_seeded(rank: int, world: int, kind: str) -> dict:
+    """bf16-pure with stochastic rounding after each rank seeded torch itself (a seed plus the rank,
+    as loops do for their data), 3 steps."""
+    torch.manual_seed(0)
+    model: nn.Module = Net()
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from ampkit.distributed import shard
+
+        model = shard(model, "bf16-pure:stochastic+bf16")
+    torch.manual_seed(100 + rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp = MixedPrecision("bf16-pure:stochastic+bf16", device="cpu")
+    model, opt = amp.setup(model, opt)
+    generator = amp.state_dict()["masters"]["generator"].clone()
+    for s in range(3):
+        with amp.autocast():
+            loss = model(*batch(s * world + rank))
+        amp.backward(loss)
+        amp.step(opt)
+    return {"params": full_state(model), "generator": generator}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_stochastic_rounding_draws_rank_0s_seed_on_every_rank(ranks_of, kind):
+    """DDP: replicas round alike, so they stay bitwise equal; FSDP2: the generator a checkpoint
+    keeps (one copy) is every rank's."""
+    a, b = ranks_of(f"{kind}-rank-seeds")
+    assert torch.equal(a["generator"], b["generator"])
+    if kind == "ddp":
+        assert max_diff(a["params"], b["params"]) == 0.0

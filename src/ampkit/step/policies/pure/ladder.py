@@ -63,6 +63,7 @@ from .rounding import (
     join_split,
     kahan_join,
     kahan_split,
+    shared_seed,
     split_fp32,
     stochastic_many,
     stochastic_round,
@@ -139,7 +140,7 @@ class LadderWeights(MasterWeights):
         dev = self.masters[0].device if self.masters else torch.device("cpu")
         if masters == "stochastic" or state_dtype == "bf16":
             self.gen = torch.Generator(device=dev)
-            self.gen.manual_seed(torch.initial_seed())
+            self.gen.manual_seed(shared_seed(model))
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
         # The bounded scratch, kept between steps: one call's fp32 values (+ the bit passes' second
         # buffer for split/kahan; + room for two fp32 states per element with bf16 states: the

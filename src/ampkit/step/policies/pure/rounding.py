@@ -32,12 +32,34 @@ __all__ = [
     "stochastic_many",
     "stochastic_round",
     "warn_other_calls",
+    "shared_seed",
     "warn_other_stream",
 ]
 
 #: stochastic rounding's random stream, recorded in checkpoints: splitmix64 of each element's
 #: position, keyed per call from the checkpointed generator (:func:`draw_key`)
 STREAM = "splitmix64-v1"
+
+
+def shared_seed(model: Any, spans_ranks: bool = False) -> int:
+    """The rounding generator's seed: ``torch.initial_seed()``, and rank 0's wherever the model spans
+    processes (DDP, FSDP2, or ``spans_ranks``). Ranks are often seeded differently (a seed plus the
+    rank, for their data); drawn from their own seeds, DDP's replicas would round the same update
+    differently and drift apart, and under FSDP2 the one generator a checkpoint keeps would not be
+    the other ranks' on resume. One collective, at set-up only."""
+    seed = torch.initial_seed()
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+        return seed
+    if (
+        spans_ranks
+        or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        or any(type(m).__name__.startswith("FSDP") for m in (model, *model.modules()))
+    ):
+        box = [seed]
+        d.broadcast_object_list(box, src=0)
+        seed = int(box[0])
+    return seed
 
 
 def warn_other_stream(found: Optional[str]) -> None:

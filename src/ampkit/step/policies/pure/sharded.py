@@ -39,7 +39,7 @@ import torch
 from torch.utils import swap_tensors
 
 from .pieces import Arena
-from .rounding import STREAM, stochastic_many, warn_other_stream
+from .rounding import STREAM, shared_seed, stochastic_many, warn_other_stream
 
 __all__ = ["SHARDED_MASTERS", "ShardedStates", "cast_shards", "shard_salt"]
 
@@ -109,7 +109,7 @@ class ShardedStates:
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         dev = _local(params[0]).device if params else torch.device("cpu")
         self.gen = torch.Generator(device=dev)
-        self.gen.manual_seed(torch.initial_seed())
+        self.gen.manual_seed(shared_seed(model, spans_ranks=True))
         self.salt = shard_salt(params)
         self.arena = Arena(scratch_bytes // 4, dev)
         self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
