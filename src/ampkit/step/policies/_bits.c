@@ -169,11 +169,14 @@ static inline uint16_t sround(uint32_t u, uint32_t r, uint16_t nan) {
 static CLONES64 void stochastic_range(const uint32_t *restrict x, uint16_t *restrict out, int64_t m,
                                     uint64_t key, int64_t g, uint16_t nan) {
     uint64_t h[SBLOCK / 4 + 1];
+    uint16_t bits[SBLOCK + 4]; /* h's 16-bit parts, copied (reading h through a uint16_t* would
+                                  break C's aliasing rule) */
     for (int64_t i = 0; i < m; i += SBLOCK) {
         int64_t len = m - i < SBLOCK ? m - i : SBLOCK, a = (g + i) & 3, words = (a + len + 3) >> 2;
         uint64_t c = (uint64_t)((g + i) >> 2) + 1;
         for (int64_t w = 0; w < words; w++) h[w] = mix64(key + (c + (uint64_t)w) * GAMMA);
-        const uint16_t *r = (const uint16_t *)h + a;
+        memcpy(bits, h, (size_t)words * sizeof(uint64_t));
+        const uint16_t *r = bits + a;
         const uint32_t *xs = x + i;
         uint16_t *os = out + i;
         for (int64_t j = 0; j < len; j++) os[j] = sround(xs[j], r[j], nan);
