@@ -497,3 +497,45 @@ def test_a_checkpoint_resumed_with_another_scratch_warns_that_the_bits_differ() 
         ladder(16 << 20).load_state_dict(state)
     with pytest.warns(UserWarning, match="ladder_scratch_mib"):
         ladder(64 << 10).load_state_dict(state)
+
+
+def test_a_resume_takes_the_checkpoints_scratch_and_stays_bitwise() -> None:
+    """A run resumed by an engine set up with another ``ladder_scratch_mib`` rebuilds the ladder
+    with the checkpoint's (whose call sizes set the random stream): bitwise the straight run, no
+    warning, and ``amp.config`` says the scratch in use."""
+    import io
+    import warnings
+
+    def setup(scratch: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+        amp = MixedPrecision("bf16-pure:stochastic+bf16", ladder_scratch_mib=scratch)
+        return (amp, *amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+
+    def steps(amp, model, opt, first: int, n: int) -> None:
+        for s in range(first, first + n):
+            g = torch.Generator().manual_seed(s)
+            with amp.autocast():
+                loss = model(torch.randn(8, 512, generator=g)).float().pow(2).mean()
+            amp.backward(loss)
+            amp.step(opt)
+
+    amp, model, opt = setup(1)  # 1 MiB: the 512 x 512 weight takes several calls
+    steps(amp, model, opt, 0, 3)
+    buf = io.BytesIO()
+    torch.save({"amp": amp.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    steps(amp, model, opt, 3, 3)
+    amp2, model2, opt2 = setup(16)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp2.load_state_dict(ck["amp"])
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    assert amp2.config.ladder_scratch_mib == 1
+    steps(amp2, model2, opt2, 3, 3)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+    straight, resumed = amp.full_precision_state_dict(), amp2.full_precision_state_dict()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)

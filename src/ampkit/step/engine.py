@@ -36,9 +36,9 @@ from .fallback import (
     Trigger,
     chain_exhausted,
     fallback_data,
+    ladder_form,
     make_fallback,
     recover_data,
-    rung_label,
     rung_move,
     scale_exhausted,
 )
@@ -691,7 +691,7 @@ class MixedPrecision:
             self.config = old_config
             raise
         self._become(
-            new, scaler, rerung=rung_label(new.name, cfg) != rung_label(new.name, old_config)
+            new, scaler, rerung=ladder_form(new.name, cfg) != ladder_form(new.name, old_config)
         )
         before = int(state.get("skipped_before", 0))
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None

@@ -71,7 +71,7 @@ from .precision import (
     PrecisionError,
     resolve_precision,
 )
-from .rung_switch import chain_entry, rung_label, rung_move
+from .rung_switch import chain_entry, ladder_form, rung_label, rung_move
 from .scale_rules import SCALE_FLOOR
 from .scaler import LossScaler
 
@@ -86,6 +86,7 @@ __all__ = [
     "nonfinite_grads",
     "recover_data",
     "resolve_chain",
+    "ladder_form",
     "rung_label",
     "rung_move",
     "scale_exhausted",

@@ -22,7 +22,7 @@ from .precision import (
 )
 from .rung import RungError, join_spec, split_spec
 
-__all__ = ["chain_entry", "rung_label", "rung_move"]
+__all__ = ["chain_entry", "ladder_form", "rung_label", "rung_move"]
 
 
 def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
@@ -31,6 +31,14 @@ def rung_label(precision: str, config: MixedPrecisionConfig) -> str:
     if precision not in REGISTRY or not REGISTRY[precision].has_ladder:
         return precision
     return join_spec(precision, config.rung)
+
+
+def ladder_form(precision: str, config: MixedPrecisionConfig) -> tuple[str, int]:
+    """What a model's form under ``precision`` depends on: its rung (:func:`rung_label`) and, on the
+    ladder, ``ladder_scratch_mib`` (it sets each optimizer call's size, so the random stream). A
+    resume whose checkpoint differs in either rebuilds the form as the checkpoint's run had it."""
+    has = precision in REGISTRY and REGISTRY[precision].has_ladder
+    return rung_label(precision, config), config.ladder_scratch_mib if has else 0
 
 
 def rung_move(
