@@ -46,7 +46,6 @@ rounds a chunk's weights, another its states (one native pass each on CPU).
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -57,7 +56,7 @@ from ...rung import Rung, split_spec
 from .. import native as _native_kernels
 from .cast import STALL_WARNING, CastOnly
 from .masters import MasterWeights
-from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, plan
+from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, WrappedSteps, plan
 from .rounding import (
     STREAM,
     join_split,
@@ -169,10 +168,11 @@ class LadderWeights(MasterWeights):
                     m.data = self._dummy.expand(m.shape)
         if masters != "fp32":
             self.full = []
-        self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
+        self._steps = WrappedSteps()
         self._hooks: list[Any] = []
+        index = {id(m): i for i, m in enumerate(self.masters)}
         for opt in self.optimizers:
-            self._wrap(opt)
+            self._steps.wrap(opt, lambda o, inner, a, k: self._step(o, inner, index, a, k))
             if state_dtype == "bf16":
                 self._hooks.append(opt.register_load_state_dict_post_hook(self._loaded))
 
@@ -285,17 +285,6 @@ class LadderWeights(MasterWeights):
         return self._expand(i, torch.empty(m.numel(), device=m.device)).view(m.shape)
 
     # ------------------------------------------------------------------ the chunked step
-    def _wrap(self, opt: torch.optim.Optimizer) -> None:
-        inner = opt.step  # the bound method (or an LR scheduler's wrapper of it)
-        index = {id(m): i for i, m in enumerate(self.masters)}
-
-        def step(owner: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            return self._step(owner, inner, index, args, kwargs)
-
-        self._orig.append((opt, opt.__dict__.get("step")))
-        # A bound method, as LR schedulers expect (they re-wrap ``opt.step.__func__``).
-        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
-
     def _step(
         self,
         opt: torch.optim.Optimizer,
@@ -465,12 +454,7 @@ class LadderWeights(MasterWeights):
         """Nothing: the step already wrote the rounded weights into the model."""
 
     def release(self) -> None:
-        for opt, orig in self._orig:
-            if orig is None:
-                opt.__dict__.pop("step", None)
-            else:
-                opt.step = orig  # type: ignore[method-assign]
-        self._orig = []
+        self._steps.restore()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -13,12 +13,13 @@ transient buffer that lives only inside the optimizer's step.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ALIGN", "ELEMENTWISE", "Arena", "CutState", "Segment", "plan"]
+__all__ = ["ALIGN", "ELEMENTWISE", "Arena", "CutState", "Segment", "WrappedSteps", "plan"]
 
 #: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
 ELEMENTWISE = (
@@ -210,3 +211,30 @@ class Arena:
         out = self.buf[self.off : self.off + n].view(v.shape)
         self.off += n
         return out.copy_(v)
+
+
+class WrappedSteps:
+    """Optimizers whose ``step`` the ladder wraps (one process, or FSDP2 shards): after
+    ``wrap(opt, fn)``, ``opt.step(*args, **kwargs)`` is ``fn(opt, inner, args, kwargs)`` with
+    ``inner`` the step it replaced, a bound method as LR schedulers expect (they re-wrap
+    ``opt.step.__func__``); :meth:`restore` gives every optimizer its own ``step`` back."""
+
+    def __init__(self) -> None:
+        self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
+
+    def wrap(self, opt: torch.optim.Optimizer, fn: Callable[..., Any]) -> None:
+        inner = opt.step  # the bound method (or an LR scheduler's wrapper of it)
+
+        def step(owner: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return fn(owner, inner, args, kwargs)
+
+        self._orig.append((opt, opt.__dict__.get("step")))
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+
+    def restore(self) -> None:
+        for opt, orig in self._orig:
+            if orig is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = orig  # type: ignore[method-assign]
+        self._orig = []

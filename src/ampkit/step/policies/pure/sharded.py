@@ -31,14 +31,13 @@ do ``keep_fp32`` modules with ``stochastic`` (FSDP2 gathers one dtype per group)
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 from torch.utils import swap_tensors
 
-from .pieces import Arena
+from .pieces import Arena, WrappedSteps
 from .rounding import STREAM, shared_seed, stochastic_many, warn_other_stream
 
 __all__ = ["SHARDED_MASTERS", "ShardedStates", "cast_shards", "shard_salt"]
@@ -112,12 +111,12 @@ class ShardedStates:
         self.gen.manual_seed(shared_seed(model, spans_ranks=True))
         self.salt = shard_salt(params)
         self.arena = Arena(scratch_bytes // 4, dev)
-        self._orig: list[tuple[torch.optim.Optimizer, Any]] = []
+        self._steps = WrappedSteps()
         self._hooks = [opt.register_load_state_dict_post_hook(self._loaded) for opt in optimizers]
         self._hooks += [opt.register_load_state_dict_pre_hook(self._loading) for opt in optimizers]
         self._wide: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (param, bf16 holder, grad)
         for opt in self.optimizers:
-            self._wrap(opt)
+            self._steps.wrap(opt, self._step)
             self._narrow(opt)  # states made before ``setup``: bf16 now (rounded to nearest)
 
     def _keys(self, opt: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
@@ -131,15 +130,6 @@ class ShardedStates:
             and v.dim() > 0
             and v.shape == p.shape
         ]
-
-    def _wrap(self, opt: torch.optim.Optimizer) -> None:
-        inner = opt.step
-
-        def step(owner: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            return self._step(owner, inner, args, kwargs)
-
-        self._orig.append((opt, opt.__dict__.get("step")))
-        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
 
     def _step(
         self, opt: torch.optim.Optimizer, inner: Callable[..., Any], args: tuple, kwargs: dict
@@ -232,12 +222,7 @@ class ShardedStates:
 
     def release(self) -> None:
         """The optimizers' own ``step`` back, their states and the shards fp32 for good (exact)."""
-        for opt, orig in self._orig:
-            if orig is None:
-                opt.__dict__.pop("step", None)
-            else:
-                opt.step = orig  # type: ignore[method-assign]
-        self._orig = []
+        self._steps.restore()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
