@@ -4,6 +4,9 @@ NaN/inf/bf16 values kept, unbiasedness, and training with the kernel bitwise tra
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -45,6 +48,25 @@ SPECIAL = [
 ]
 SIZES = [0, 1, 3, 5, 17, 1000, 65539, 70001]  # odd, unaligned offsets; the last two cut by threads
 _M = (1 << 64) - 1
+
+
+@contextlib.contextmanager
+def second_call_fails(name: str) -> Iterator[list[int]]:
+    """``torch.<name>`` (a fused optimizer kernel) raises "boom" on its second call in the block;
+    yields the list of calls."""
+    real, calls = getattr(torch, name), []
+
+    def failing(*a, **k):  # noqa: ANN002,ANN003
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    setattr(torch, name, failing)
+    try:
+        yield calls
+    finally:
+        setattr(torch, name, real)
 
 
 def _splitmix(key: int, c: int) -> int:
@@ -330,21 +352,9 @@ def test_an_optimizer_error_between_pieces_leaves_whole_bf16_states() -> None:
         m.grad = torch.randn(m.shape)
         opt.step()
     before = {k: v.clone() for k, v in opt.state[m].items()}
-    real, calls = torch._fused_adamw_, []
-
-    def second_fails(*a, **k):  # noqa: ANN002,ANN003
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return real(*a, **k)
-
     m.grad = torch.randn(m.shape)
-    torch._fused_adamw_ = second_fails
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            opt.step()
-    finally:
-        torch._fused_adamw_ = real
+    with second_call_fails("_fused_adamw_"), pytest.raises(RuntimeError, match="boom"):
+        opt.step()
     arena = lw._arena.buf.untyped_storage().data_ptr()
     for k, v in opt.state[m].items():
         if k == "step":
@@ -419,21 +429,9 @@ def test_an_optimizer_error_between_a_fresh_weights_pieces_leaves_no_state(
         model, [opt], torch.bfloat16, (), "stochastic", state_dtype, scratch_bytes=64 << 10
     )
     m = lw.masters[0]
-    real, calls = torch._fused_sgd_, []
-
-    def second_fails(*a, **k):  # noqa: ANN002,ANN003
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return real(*a, **k)
-
     m.grad = torch.randn(m.shape)
-    torch._fused_sgd_ = second_fails
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            opt.step()
-    finally:
-        torch._fused_sgd_ = real
+    with second_call_fails("_fused_sgd_") as calls, pytest.raises(RuntimeError, match="boom"):
+        opt.step()
     assert len(calls) == 2  # (cut in pieces: the error came between them)
     assert not opt.state.get(m)
 
