@@ -286,21 +286,21 @@ int ampkit_openmp(void) {
    load and never uses it otherwise. -ffp-contract=off here: every fused multiply-add is an
    explicit fmaf.
 
-   Per element, with torch's scalars (doubles rounded to float, as torch does): g = grad
-   (negated if maximize); Adam with weight decay: g = fma(p, wd, g); AdamW: p = p * (1 - lr wd);
+   Per element, with torch's scalars (doubles rounded to float, as torch does): g = grad; Adam with weight decay: g = fma(p, wd, g); AdamW: p = p * (1 - lr wd);
    m = fma(coeff, g - m, base) (torch's lerp: coeff, base = w, m when |w| < 0.5 else w - 1, g;
    w = 1 - beta1); v: fma(c2 g, g, v beta2) in torch's vector loop, fma(v, beta2, c2 g g) in its
    scalar tail (the last n % vl elements of each tensor); denom = sqrt(v) / sqrt(bc2) + eps;
-   p = p + (-step_size m) / denom. */
+   p = p + (-step_size m) / denom. Where two NaNs meet in one operation, the one torch's binary
+   returns (nan2). */
 #include <math.h>
 
 typedef struct {
     float nss, dec, wd, w, coeff, tcoeff, c2, b2, bc2s, eps;
-    int small, maximize, adam_wd, adamw_wd;
+    int small, adam_wd, adamw_wd;
 } adam_k;
 
 /* torch's scalars of one tensor: hp = lr, beta1, beta2, eps, weight_decay, step (doubles); flags
-   bit 0: AdamW (decoupled decay), bit 1: maximize; dfma: 1 - lr * wd as one fused multiply-add */
+   bit 0: AdamW (decoupled decay; no ``maximize``: native_adam.covers); dfma: 1 - lr * wd as one fused multiply-add */
 static adam_k adam_scalars(const double *hp, int32_t flags, int dfma) {
     double lr = hp[0], beta1 = hp[1], beta2 = hp[2], eps = hp[3], wd = hp[4], step = hp[5];
     double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
@@ -316,7 +316,6 @@ static adam_k adam_scalars(const double *hp, int32_t flags, int dfma) {
     c.b2 = (float)beta2;
     c.bc2s = (float)sqrt(bc2);
     c.eps = (float)eps;
-    c.maximize = (flags & 2) != 0;
     c.adam_wd = !(flags & 1) && wd != 0;
     c.adamw_wd = (flags & 1) && wd != 0;
     return c;
@@ -330,6 +329,15 @@ static inline void random16(uint64_t key, int64_t g, int64_t len, uint16_t *r, u
     uint16_t tmp[4 * (SBLOCK / 4 + 1)];
     memcpy(tmp, h, (size_t)words * sizeof(uint64_t));
     memcpy(r, tmp + a, (size_t)len * sizeof(uint16_t));
+}
+
+/* ``r`` = op(a, b), or where a and b are both NaN, the first of them quieted: which NaN an x86
+   operation returns depends on its operands' order in the instruction, which the compiler picks;
+   these fix torch's (found by probing it with NaNs of distinct payloads in every input) */
+static inline float nan2(float r, float a, float b) {
+    uint32_t ua = as_bits(a), ub = as_bits(b), ma = 0u - (uint32_t)is_nan(ua);
+    uint32_t mb = (0u - (uint32_t)is_nan(ub)) & ~ma;
+    return as_float((as_bits(r) & ~(ma | mb)) | ((ua | 0x00400000u) & ma) | ((ub | 0x00400000u) & mb));
 }
 
 /* weight kinds: 0 the fp32 master (+ its bf16 copy), 1 split (bf16 + int16 remainder), 2 stochastic
@@ -351,13 +359,15 @@ static inline __attribute__((always_inline)) void adam_block(
             mm = as_float((uint32_t)((const uint16_t *)m)[j] << 16);
             vv = as_float((uint32_t)((const uint16_t *)v)[j] << 16);
         }
-        if (k.maximize) gr = -gr; /* (torch's g * -1 compiled as a negation: a NaN's sign flips) */
-        if (k.adam_wd) gr = fmaf(p, k.wd, gr);
+        if (k.adam_wd) gr = nan2(fmaf(p, k.wd, gr), p, gr);
         if (k.adamw_wd) p = p * k.dec;
-        mm = fmaf(tail ? k.tcoeff : k.coeff, gr - mm, k.small ? mm : gr);
-        vv = tail ? fmaf(vv, k.b2, k.c2 * gr * gr) : fmaf(k.c2 * gr, gr, vv * k.b2);
-        float denom = sqrtf(vv) / k.bc2s + k.eps;
-        p = p + (k.nss * mm) / denom;
+        float d = nan2(gr - mm, gr, mm), base = k.small ? mm : gr;
+        mm = nan2(fmaf(tail ? k.tcoeff : k.coeff, d, base), d, base);
+        float gs = k.c2 * gr;
+        if (tail) { float gg = gs * gr; vv = nan2(fmaf(vv, k.b2, gg), vv, gg); }
+        else { float vb = vv * k.b2; vv = nan2(fmaf(gs, gr, vb), gs, vb); }
+        float denom = sqrtf(vv) / k.bc2s + k.eps, num = k.nss * mm, t = nan2(num / denom, num, denom);
+        p = tail ? nan2(p + t, p, t) : nan2(p + t, t, p);
         uint32_t u = as_bits(p);
         if (wk == 0) { ((float *)w)[j] = p; ((uint16_t *)wx)[j] = to_bf16(u, nan); }
         else if (wk == 1) {

@@ -55,6 +55,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ...rung import Rung, split_spec
 from .. import native as _native_kernels
 from .cast import STALL_WARNING, CastOnly
+from .fused import FusedAdam
 from .masters import MasterWeights
 from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, WrappedSteps, plan
 from .rounding import (
@@ -307,6 +308,13 @@ class LadderWeights(MasterWeights):
             self.masters[0]
         )  # an estimate: no values, same memory
         calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE, ends_only=fake) or [[]]
+        fused = None if fake else FusedAdam.prepare(self, opt, calls, ids, by_id)
+        if fused is not None:  # torch's fused Adam/AdamW: one native pass per element (.fused)
+            try:
+                return fused.run(inner, args, kwargs, others, by_id, opt)
+            finally:
+                for p, g in zip(params, grads):
+                    p.grad = g
         cuts: dict[int, CutState] = {}
         kept: dict[tuple[int, str], torch.Tensor] = {}
         ret = None
