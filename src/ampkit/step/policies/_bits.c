@@ -296,7 +296,7 @@ int ampkit_openmp(void) {
 
 typedef struct {
     float nss, dec, wd, w, coeff, tcoeff, c2, b2, bc2s, eps;
-    int small, adam_wd, adamw_wd;
+    uint32_t small, adam_wd; /* all ones or zero: masks of sel */
 } adam_k;
 
 /* torch's scalars of one tensor: hp = lr, beta1, beta2, eps, weight_decay, step (doubles); flags
@@ -306,18 +306,17 @@ static adam_k adam_scalars(const double *hp, int32_t flags, int dfma) {
     double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
     adam_k c;
     c.nss = (float)(-(lr / bc1));
-    c.dec = (float)(dfma ? fma(-lr, wd, 1.0) : 1 - lr * wd);
+    c.dec = (flags & 1) && wd != 0 ? (float)(dfma ? fma(-lr, wd, 1.0) : 1 - lr * wd) : 1.0f;
     c.wd = (float)wd;
     c.w = (float)(1 - beta1);
-    c.small = fabsf(c.w) < 0.5f;
+    c.small = fabsf(c.w) < 0.5f ? ~0u : 0u;
     c.coeff = c.small ? c.w : c.w - 1.0f;
     c.tcoeff = c.small ? c.w : -(1.0f - c.w); /* the tail's g - (g - m)(1 - w): -0 where w = 1 */
     c.c2 = (float)(1 - beta2);
     c.b2 = (float)beta2;
     c.bc2s = (float)sqrt(bc2);
     c.eps = (float)eps;
-    c.adam_wd = !(flags & 1) && wd != 0;
-    c.adamw_wd = (flags & 1) && wd != 0;
+    c.adam_wd = !(flags & 1) && wd != 0 ? ~0u : 0u;
     return c;
 }
 
@@ -331,9 +330,15 @@ static inline void random16(uint64_t key, int64_t g, int64_t len, uint16_t *r, u
     memcpy(r, tmp + a, (size_t)len * sizeof(uint16_t));
 }
 
+/* a where the mask is all ones, else b (branch-free: the loop stays one vector loop) */
+static inline float sel(uint32_t mask, float a, float b) {
+    return as_float((as_bits(a) & mask) | (as_bits(b) & ~mask));
+}
+
 /* ``r`` = op(a, b), or where a and b are both NaN, the first of them quieted: which NaN an x86
    operation returns depends on its operands' order in the instruction, which the compiler picks;
    these fix torch's (found by probing it with NaNs of distinct payloads in every input) */
+#define NAN2(r, a, b) (exact ? nan2(r, a, b) : (r))
 static inline float nan2(float r, float a, float b) {
     uint32_t ua = as_bits(a), ub = as_bits(b), ma = 0u - (uint32_t)is_nan(ua);
     uint32_t mb = (0u - (uint32_t)is_nan(ub)) & ~ma;
@@ -343,8 +348,8 @@ static inline float nan2(float r, float a, float b) {
 /* weight kinds: 0 the fp32 master (+ its bf16 copy), 1 split (bf16 + int16 remainder), 2 stochastic
    (bf16); state kinds: 0 fp32, 1 bf16 (stochastic) */
 static inline __attribute__((always_inline)) void adam_block(
-    const adam_k *c, int tail, const int wk, const int sk, int64_t len, void *w, void *wx,
-    const float *restrict g, void *m, void *v, const uint16_t *restrict rw,
+    const adam_k *c, const int tail, const int exact, const int wk, const int sk, int64_t len,
+    void *w, void *wx, const float *restrict g, void *m, void *v, const uint16_t *restrict rw,
     const uint16_t *restrict rm, const uint16_t *restrict rv, uint16_t nan) {
     const adam_k k = *c; /* (locals: the stores below cannot alias them) */
     for (int64_t j = 0; j < len; j++) {
@@ -359,15 +364,15 @@ static inline __attribute__((always_inline)) void adam_block(
             mm = as_float((uint32_t)((const uint16_t *)m)[j] << 16);
             vv = as_float((uint32_t)((const uint16_t *)v)[j] << 16);
         }
-        if (k.adam_wd) gr = nan2(fmaf(p, k.wd, gr), p, gr);
-        if (k.adamw_wd) p = p * k.dec;
-        float d = nan2(gr - mm, gr, mm), base = k.small ? mm : gr;
-        mm = nan2(fmaf(tail ? k.tcoeff : k.coeff, d, base), d, base);
+        gr = sel(k.adam_wd, NAN2(fmaf(p, k.wd, gr), p, gr), gr);
+        p = p * k.dec; /* (1 unless AdamW decays: exact, and a NaN stays itself) */
+        float d = NAN2(gr - mm, gr, mm), base = sel(k.small, mm, gr);
+        mm = NAN2(fmaf(tail ? k.tcoeff : k.coeff, d, base), d, base);
         float gs = k.c2 * gr;
-        if (tail) { float gg = gs * gr; vv = nan2(fmaf(vv, k.b2, gg), vv, gg); }
-        else { float vb = vv * k.b2; vv = nan2(fmaf(gs, gr, vb), gs, vb); }
-        float denom = sqrtf(vv) / k.bc2s + k.eps, num = k.nss * mm, t = nan2(num / denom, num, denom);
-        p = tail ? nan2(p + t, p, t) : nan2(p + t, t, p);
+        if (tail) { float gg = gs * gr; vv = NAN2(fmaf(vv, k.b2, gg), vv, gg); }
+        else { float vb = vv * k.b2; vv = NAN2(fmaf(gs, gr, vb), gs, vb); }
+        float denom = sqrtf(vv) / k.bc2s + k.eps, num = k.nss * mm, t = NAN2(num / denom, num, denom);
+        p = tail ? NAN2(p + t, p, t) : NAN2(p + t, t, p);
         uint32_t u = as_bits(p);
         if (wk == 0) { ((float *)w)[j] = p; ((uint16_t *)wx)[j] = to_bf16(u, nan); }
         else if (wk == 1) {
@@ -381,6 +386,28 @@ static inline __attribute__((always_inline)) void adam_block(
             ((uint16_t *)v)[j] = sround(as_bits(vv), rv[j], nan);
         }
     }
+}
+
+/* whether elements [0, len) hold an infinity or a NaN in any input (bf16: exponent 0x7F80; the
+   split pair: its weight's): only then can two different NaNs meet in one operation (the NaNs the
+   arithmetic makes itself, inf - inf and the like, are all x86's one default NaN) */
+static inline __attribute__((always_inline)) int block_nonfinite(
+    const int wk, const int sk, int64_t len, const void *w, const float *restrict g,
+    const void *m, const void *v) {
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t e = (as_bits(g[j]) & 0x7F800000u) == 0x7F800000u;
+        if (wk == 0) e |= (((const uint32_t *)w)[j] & 0x7F800000u) == 0x7F800000u;
+        else e |= (((const uint16_t *)w)[j] & 0x7F80u) == 0x7F80u;
+        if (sk == 0)
+            e |= ((((const uint32_t *)m)[j] & 0x7F800000u) == 0x7F800000u) |
+                 ((((const uint32_t *)v)[j] & 0x7F800000u) == 0x7F800000u);
+        else
+            e |= ((((const uint16_t *)m)[j] & 0x7F80u) == 0x7F80u) |
+                 ((((const uint16_t *)v)[j] & 0x7F80u) == 0x7F80u);
+        bad |= e;
+    }
+    return bad != 0;
 }
 
 #define AB 512 /* elements per block (the random bits of a block sit on the stack) */
@@ -401,8 +428,11 @@ static inline __attribute__((always_inline)) void adam_part(
         if (sk == 1) { random16(ks, sofs + i, len, rm, h); random16(ks, sofs + n + i, len, rv, h); }
         char *wp = (char *)w + (size_t)i * ws, *xp = wx ? (char *)wx + (size_t)i * 2 : NULL;
         char *mp = (char *)m + (size_t)i * ss, *vp = (char *)v + (size_t)i * ss;
-        if (tail) adam_block(c, 1, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
-        else adam_block(c, 0, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
+        /* the NaN order only where a block has a non-finite input (and in the short tails) */
+        if (tail) adam_block(c, 1, 1, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
+        else if (block_nonfinite(wk, sk, len, wp, g + i, mp, vp))
+            adam_block(c, 0, 1, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
+        else adam_block(c, 0, 0, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
         i += len;
     }
 }
