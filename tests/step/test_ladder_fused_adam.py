@@ -215,10 +215,16 @@ def test_a_kernel_unlike_torchs_is_never_used(monkeypatch: pytest.MonkeyPatch) -
 
 
 def _engine_run(steps: int = 4) -> tuple:
+    """Through the engine, with a ``keep_fp32`` LayerNorm (stepped by the user's optimizer) and an
+    LR scheduler made after ``setup`` (it re-wraps the ladder's ``step``)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(300, 33), torch.nn.Linear(33, 7))
-    amp = MixedPrecision("bf16-pure", masters="stochastic", state_dtype="bf16")
-    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(300, 33), torch.nn.LayerNorm(33), torch.nn.Linear(33, 7)
+    )
+    amp = MixedPrecision("bf16-pure", masters="stochastic", state_dtype="bf16", keep_fp32=["1"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = amp.setup(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randint(0, 300, (4, 9), generator=g)
@@ -226,7 +232,9 @@ def _engine_run(steps: int = 4) -> tuple:
             loss = model(x).float().pow(2).mean()
         amp.backward(loss)
         amp.step(opt)
+        sched.step()
         opt.zero_grad(set_to_none=True)
+    assert model[1].weight.dtype == torch.float32
     return (
         [p.detach().clone() for p in model.parameters()],
         copy.deepcopy(opt.state_dict()),
@@ -236,11 +244,13 @@ def _engine_run(steps: int = 4) -> tuple:
 
 @needs_native
 def test_training_checkpoints_are_the_same_with_the_fused_step(
-    calls: list[int], monkeypatch: pytest.MonkeyPatch
+    calls: list[int], monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
 ) -> None:
-    """Through the engine: the weights, the optimizer's state_dict (steps, bf16 states) and the
-    rung's state (generator) are what the generic step leaves."""
+    """Through the engine: the weights (the kept fp32 ones too), the optimizer's state_dict (steps,
+    bf16 states, the scheduled lr) and the rung's state (generator) are what the generic step
+    leaves; the scheduler sees the optimizer stepped."""
     fused = _engine_run()
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
     assert calls
     _generic(monkeypatch)
     generic = _engine_run()

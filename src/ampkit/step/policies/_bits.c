@@ -388,6 +388,27 @@ static inline __attribute__((always_inline)) void adam_block(
     }
 }
 
+/* the NaN-ordered loop, one per kind (AVX2 at most: it runs on blocks with a non-finite input and
+   on the tails only, and fewer clones keep the first compile short) */
+#define ADAM_EXACT(WK, SK)                                                                          \
+    static CLONES __attribute__((noinline)) void adam_exact_##WK##SK(                               \
+        const adam_k *c, int tail, int64_t len, void *w, void *wx, const float *g, void *m,         \
+        void *v, const uint16_t *rw, const uint16_t *rm, const uint16_t *rv, uint16_t nan) {       \
+        if (tail) adam_block(c, 1, 1, WK, SK, len, w, wx, g, m, v, rw, rm, rv, nan);                \
+        else adam_block(c, 0, 1, WK, SK, len, w, wx, g, m, v, rw, rm, rv, nan);                     \
+    }
+ADAM_EXACT(0, 0)
+ADAM_EXACT(0, 1)
+ADAM_EXACT(1, 0)
+ADAM_EXACT(1, 1)
+ADAM_EXACT(2, 0)
+ADAM_EXACT(2, 1)
+
+typedef void (*adam_exact_fn)(const adam_k *, int, int64_t, void *, void *, const float *, void *,
+                              void *, const uint16_t *, const uint16_t *, const uint16_t *, uint16_t);
+static const adam_exact_fn adam_exacts[3][2] = {
+    {adam_exact_00, adam_exact_01}, {adam_exact_10, adam_exact_11}, {adam_exact_20, adam_exact_21}};
+
 /* whether elements [0, len) hold an infinity or a NaN in any input (bf16: exponent 0x7F80; the
    split pair: its weight's): only then can two different NaNs meet in one operation (the NaNs the
    arithmetic makes itself, inf - inf and the like, are all x86's one default NaN) */
@@ -428,10 +449,11 @@ static inline __attribute__((always_inline)) void adam_part(
         if (sk == 1) { random16(ks, sofs + i, len, rm, h); random16(ks, sofs + n + i, len, rv, h); }
         char *wp = (char *)w + (size_t)i * ws, *xp = wx ? (char *)wx + (size_t)i * 2 : NULL;
         char *mp = (char *)m + (size_t)i * ss, *vp = (char *)v + (size_t)i * ss;
-        /* the NaN order only where a block has a non-finite input (and in the short tails) */
-        if (tail) adam_block(c, 1, 1, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
-        else if (block_nonfinite(wk, sk, len, wp, g + i, mp, vp))
-            adam_block(c, 0, 1, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
+        /* the NaN order only where a block has a non-finite input, and in the short tails: there
+           one loop for every kind (rare: kept out of the specialized clones, for compile time) */
+        if (tail || block_nonfinite(wk, sk, len, wp, g + i, mp, vp))
+            adam_exacts[wk][sk](c, tail, len, wp, xp, g + i, mp, vp, wk == 2 ? rw : NULL,
+                                sk ? rm : NULL, sk ? rv : NULL, nan);
         else adam_block(c, 0, 0, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
         i += len;
     }

@@ -9,7 +9,7 @@ thread of torch's intra-op pool: built with ``-fopenmp``, the library's ``libgom
 torch's Linux wheels already loaded, so the kernels run on torch's own threads (a compiler without
 OpenMP: the same kernels on one thread; :func:`threads` says which). The
 C source has no torch headers: on first use it is compiled with the system C compiler (``$CC``,
-else Python's ``sysconfig`` ``CC``, else ``cc``) in well under a second into a per-user cache
+else Python's ``sysconfig`` ``CC``, else ``cc``) in about two seconds into a per-user cache
 (``native/`` under ``$AMPKIT_CACHE_DIR``, default ``~/.cache/ampkit``; the file name is a hash of
 the source, compiler, flags and platform; written to a temporary file and renamed, so concurrent
 processes are safe), loaded with ctypes and checked bitwise against the eager functions on a probe
