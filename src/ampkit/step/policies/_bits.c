@@ -2,7 +2,9 @@
 
    Each function is bitwise the eager reference in ladder.py (split_fp32, join_split, kahan_split,
    kahan_join); native.py checks that on a probe of edge cases when it loads the library and falls
-   back to the eager passes otherwise. No torch headers: plain C99, compiled on first use.
+   back to the eager passes otherwise. No torch headers: plain C99, compiled on first use. The
+   fused Adam/AdamW step at the end (ampkit_adam) is checked against torch's own fused kernel
+   instead (native_adam.py).
 
    ``nan``: the bf16 bits torch's fp32 -> bf16 conversion gives every NaN (0xFFFF on x86 builds),
    read from torch at load time. Integer arithmetic is unsigned (wraps like torch's int32 ops).

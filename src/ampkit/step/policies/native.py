@@ -27,6 +27,9 @@ NaNs: torch's fp32 -> bf16 copy gives every NaN one bit pattern that depends on 
 0xFFFF when contiguous, 0x7FC0 when strided); the kernels take the contiguous one, read from torch
 at load time, as they only ever replace contiguous passes.
 
+The fused Adam/AdamW step of the ladder is in the same library, with its own wrapper and check
+(:mod:`.native_adam`).
+
 Each wrapper returns ``True`` when it did the work and ``False`` when the caller must run the eager
 passes: ``AMPKIT_NO_NATIVE=1``, no compiler, a failed compile or probe (one ``DEBUG`` line on the
 ``"ampkit"`` logger), a tensor not on the CPU, not contiguous, a subclass (fake tensors of

@@ -26,7 +26,8 @@ kernels (AdamW ``fused=True``) do the arithmetic. The chunk buffer is bounded (`
 16 MiB by default, kept between steps) whatever the largest tensor: a weight larger than it is
 stepped in pieces, one optimizer call each (:mod:`.pieces`: element-wise torch optimizers; any
 other sees each weight whole through a buffer that lives only inside its step). With
-``state_dtype="bf16"`` one piece's states are fp32 during its call.
+``state_dtype="bf16"`` one piece's states are fp32 during its call. For ``torch.optim.Adam``/``AdamW``
+with ``fused=True`` on CPU, rebuild, step and round back are one native pass (:mod:`.fused`), bitwise.
 
 The split (``split``): with ``u`` the fp32 bits and ``lo``/``hi`` their low/high 16 bits, the
 weight is ``hi + (lo >= 0x8000)`` (round to nearest, ties away from zero: the only rounding whose
