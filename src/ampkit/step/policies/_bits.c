@@ -288,9 +288,10 @@ int ampkit_openmp(void) {
    load and never uses it otherwise. -ffp-contract=off here: every fused multiply-add is an
    explicit fmaf.
 
-   Per element, with torch's scalars (doubles rounded to float, as torch does): g = grad; Adam with weight decay: g = fma(p, wd, g); AdamW: p = p * (1 - lr wd);
-   m = fma(coeff, g - m, base) (torch's lerp: coeff, base = w, m when |w| < 0.5 else w - 1, g;
-   w = 1 - beta1); v: fma(c2 g, g, v beta2) in torch's vector loop, fma(v, beta2, c2 g g) in its
+   Per element, with torch's scalars (doubles rounded to float, as torch does): g = grad; Adam with
+   weight decay: g = fma(p, wd, g); AdamW: p = p * (1 - lr wd); m = fma(coeff, g - m, base)
+   (torch's lerp: coeff, base = w, m when |w| < 0.5 else w - 1, g; -(1 - w) in the tail; w =
+   1 - beta1); v: fma(c2 g, g, v beta2) in torch's vector loop, fma(v, beta2, c2 g g) in its
    scalar tail (the last n % vl elements of each tensor); denom = sqrt(v) / sqrt(bc2) + eps;
    p = p + (-step_size m) / denom. Where two NaNs meet in one operation, the one torch's binary
    returns (nan2). */
@@ -302,7 +303,8 @@ typedef struct {
 } adam_k;
 
 /* torch's scalars of one tensor: hp = lr, beta1, beta2, eps, weight_decay, step (doubles); flags
-   bit 0: AdamW (decoupled decay; no ``maximize``: native_adam.covers); dfma: 1 - lr * wd as one fused multiply-add */
+   bit 0: AdamW (decoupled decay; never ``maximize``: native_adam.covers); dfma: 1 - lr * wd as one
+   fused multiply-add */
 static adam_k adam_scalars(const double *hp, int32_t flags, int dfma) {
     double lr = hp[0], beta1 = hp[1], beta2 = hp[2], eps = hp[3], wd = hp[4], step = hp[5];
     double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
@@ -344,7 +346,8 @@ static inline float sel(uint32_t mask, float a, float b) {
 static inline float nan2(float r, float a, float b) {
     uint32_t ua = as_bits(a), ub = as_bits(b), ma = 0u - (uint32_t)is_nan(ua);
     uint32_t mb = (0u - (uint32_t)is_nan(ub)) & ~ma;
-    return as_float((as_bits(r) & ~(ma | mb)) | ((ua | 0x00400000u) & ma) | ((ub | 0x00400000u) & mb));
+    uint32_t q = ((ua | 0x00400000u) & ma) | ((ub | 0x00400000u) & mb);
+    return as_float((as_bits(r) & ~(ma | mb)) | q);
 }
 
 /* weight kinds: 0 the fp32 master (+ its bf16 copy), 1 split (bf16 + int16 remainder), 2 stochastic
@@ -358,7 +361,8 @@ static inline __attribute__((always_inline)) void adam_block(
         uint32_t pu;
         if (wk == 0) pu = as_bits(((const float *)w)[j]);
         else if (wk == 1)
-            pu = ((uint32_t)((const uint16_t *)w)[j] << 16) + (uint32_t)(int32_t)((const int16_t *)wx)[j];
+            pu = ((uint32_t)((const uint16_t *)w)[j] << 16) +
+                 (uint32_t)(int32_t)((const int16_t *)wx)[j];
         else pu = (uint32_t)((const uint16_t *)w)[j] << 16;
         float p = as_float(pu), gr = g[j], mm, vv;
         if (sk == 0) { mm = ((const float *)m)[j]; vv = ((const float *)v)[j]; }
@@ -373,7 +377,8 @@ static inline __attribute__((always_inline)) void adam_block(
         float gs = k.c2 * gr;
         if (tail) { float gg = gs * gr; vv = NAN2(fmaf(vv, k.b2, gg), vv, gg); }
         else { float vb = vv * k.b2; vv = NAN2(fmaf(gs, gr, vb), gs, vb); }
-        float denom = sqrtf(vv) / k.bc2s + k.eps, num = k.nss * mm, t = NAN2(num / denom, num, denom);
+        float denom = sqrtf(vv) / k.bc2s + k.eps, num = k.nss * mm;
+        float t = NAN2(num / denom, num, denom);
         p = tail ? NAN2(p + t, p, t) : NAN2(p + t, t, p);
         uint32_t u = as_bits(p);
         if (wk == 0) { ((float *)w)[j] = p; ((uint16_t *)wx)[j] = to_bf16(u, nan); }
