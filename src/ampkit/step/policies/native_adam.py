@@ -247,14 +247,18 @@ def _inputs(wk: int, sk: int, sizes: Sequence[int], seed: int) -> dict[str, list
     """Random rung storage, gradients and states with edge values among them."""
     g = torch.Generator().manual_seed(seed)
     special = torch.tensor(
-        [0.0, -0.0, 1e-40, -3e-39, 1e-45, float("inf"), -float("inf"), float("nan"), 3.4e38, 1.0]
+        [0.0, -0.0, 1e-40, -3e-39, 1e-45, float("inf"), -float("inf"), float("nan"), 3.4e38, 1.0],
+        dtype=torch.float32,
     )
     out: dict[str, list[Any]] = {k: [] for k in ("w", "wx", "g", "m", "v")}
     for n in sizes:
-        x = torch.randn(n, generator=g)
-        grad = torch.randn(n, generator=g) * 10.0 ** torch.randint(-7, 3, (n,), generator=g).float()
-        m = torch.randn(n, generator=g) * 0.05
-        v = torch.rand(n, generator=g) * 1e-3
+        x = torch.randn(n, generator=g, dtype=torch.float32)
+        grad = (
+            torch.randn(n, generator=g, dtype=torch.float32)
+            * 10.0 ** torch.randint(-7, 3, (n,), generator=g).float()
+        )
+        m = torch.randn(n, generator=g, dtype=torch.float32) * 0.05
+        v = torch.rand(n, generator=g, dtype=torch.float32) * 1e-3
         # a tensor of 2048 or more: its first 1024 elements finite (the kernel's blocks without a
         # non-finite input take a faster loop), the specials in the rest
         edge = torch.arange(n) >= (1024 if n >= 2048 else 0)
@@ -294,7 +298,7 @@ def _generic(wk: int, sk: int, d: dict[str, list[Any]], cfg: tuple, kw: int, ks:
         if wk == 0:
             ps.append(w.clone())
         elif wk == 1:
-            ps.append(eager.join_split(w, wx, torch.empty(w.numel())))
+            ps.append(eager.join_split(w, wx, torch.empty(w.numel(), dtype=torch.float32)))
         else:
             ps.append(w.float())
         ms.append(m.float() if sk else m.clone())
@@ -306,7 +310,7 @@ def _generic(wk: int, sk: int, d: dict[str, list[Any]], cfg: tuple, kw: int, ks:
         ms,
         vs,
         [],
-        [torch.tensor(step) for _ in ps],
+        [torch.tensor(step, dtype=torch.float32) for _ in ps],
         lr=lr,
         beta1=b1,
         beta2=b2,
