@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampkit import MixedPrecision
-from ampkit.step.policies import native
+from ampkit.step.policies import native, native_adam
 from ampkit.step.policies.pure import eager, rounding
 from ampkit.step.policies.pure.ladder import LadderWeights
 from ampkit.step.policies.pure.rounding import draw_key, stochastic_many, stochastic_round
@@ -259,9 +259,13 @@ def test_training_is_bitwise_the_same_with_ampkit_no_native(
         )
 
 
-def test_bf16_states_stay_bf16_and_an_optimizer_error_leaves_them_as_before() -> None:
+def test_bf16_states_stay_bf16_and_an_optimizer_error_leaves_them_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The states are widened into the kept arena for the optimizer's call; when that call raises,
-    the stand-ins' states are their bf16 tensors from before it (not views of the arena)."""
+    the stand-ins' states are their bf16 tensors from before it (not views of the arena). (The
+    generic step: the fused Adam one calls no torch kernel, test_ladder_fused_adam.py.)"""
+    monkeypatch.setattr(native_adam, "covers", lambda *a, **k: False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -337,9 +341,13 @@ def test_released_bf16_states_are_fp32_tensors_of_their_own() -> None:
                 seen.add(ptr)
 
 
-def test_an_optimizer_error_between_pieces_leaves_whole_bf16_states() -> None:
+def test_an_optimizer_error_between_pieces_leaves_whole_bf16_states(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A weight stepped in pieces (a 64 KiB scratch), the optimizer raising on its second piece:
-    the weight's state is whole again -- parameter-shaped bf16 tensors, no piece, no arena view."""
+    the weight's state is whole again -- parameter-shaped bf16 tensors, no piece, no arena view.
+    (The generic step, as above.)"""
+    monkeypatch.setattr(native_adam, "covers", lambda *a, **k: False)
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(300, 517))

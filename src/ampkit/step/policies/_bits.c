@@ -2,7 +2,9 @@
 
    Each function is bitwise the eager reference in ladder.py (split_fp32, join_split, kahan_split,
    kahan_join); native.py checks that on a probe of edge cases when it loads the library and falls
-   back to the eager passes otherwise. No torch headers: plain C99, compiled on first use.
+   back to the eager passes otherwise. No torch headers: plain C99, compiled on first use. The
+   fused Adam/AdamW step at the end (ampkit_adam) is checked against torch's own fused kernel
+   instead (native_adam.py).
 
    ``nan``: the bf16 bits torch's fp32 -> bf16 conversion gives every NaN (0xFFFF on x86 builds),
    read from torch at load time. Integer arithmetic is unsigned (wraps like torch's int32 ops).
@@ -271,4 +273,228 @@ int ampkit_openmp(void) {
 #else
     return 0;
 #endif
+}
+
+/* Fused Adam/AdamW on the ladder's own storage (native_adam.py): one pass per element reads the
+   rung's weight (bf16 + int16 remainder for ``split``, bf16 for ``stochastic``, the fp32 master for
+   ``fp32``), the fp32 gradient and the states (bf16 or fp32), steps them as torch's CPU fused kernel
+   does (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, the fp32 path) and writes the rung's form back:
+   the split, stochastic rounding (weights: key ``kw``, element counter ``wofs[s] + i``; states: key
+   ``ks``, exp_avg at ``sofs[s] + i``, exp_avg_sq at ``sofs[s] + n[s] + i``, the streams of
+   ``ampkit_stochastic``) or the master and its bf16 copy. Bitwise the widen -> torch fused step ->
+   round-back path only where torch's binary computes what this one does: the operation order and
+   FMA contractions below are those found in torch 2.13's x86-64 build (its GCC contracted
+   ``a * b + c`` into one rounding); native_adam.py checks the kernel against torch's own kernel at
+   load and never uses it otherwise. -ffp-contract=off here: every fused multiply-add is an
+   explicit fmaf.
+
+   Per element, with torch's scalars (doubles rounded to float, as torch does): g = grad; Adam with
+   weight decay: g = fma(p, wd, g); AdamW: p = p * (1 - lr wd); m = fma(coeff, g - m, base)
+   (torch's lerp: coeff, base = w, m when |w| < 0.5 else w - 1, g; -(1 - w) in the tail; w =
+   1 - beta1); v: fma(c2 g, g, v beta2) in torch's vector loop, fma(v, beta2, c2 g g) in its
+   scalar tail (the last n % vl elements of each tensor); denom = sqrt(v) / sqrt(bc2) + eps;
+   p = p + (-step_size m) / denom. Where two NaNs meet in one operation, the one torch's binary
+   returns (nan2). */
+#include <math.h>
+
+typedef struct {
+    float nss, dec, wd, w, coeff, tcoeff, c2, b2, bc2s, eps;
+    uint32_t small, adam_wd; /* all ones or zero: masks of sel */
+} adam_k;
+
+/* torch's scalars of one tensor: hp = lr, beta1, beta2, eps, weight_decay, step (doubles); flags
+   bit 0: AdamW (decoupled decay; never ``maximize``: native_adam.covers); dfma: 1 - lr * wd as one
+   fused multiply-add */
+static adam_k adam_scalars(const double *hp, int32_t flags, int dfma) {
+    double lr = hp[0], beta1 = hp[1], beta2 = hp[2], eps = hp[3], wd = hp[4], step = hp[5];
+    double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
+    adam_k c;
+    c.nss = (float)(-(lr / bc1));
+    c.dec = (flags & 1) && wd != 0 ? (float)(dfma ? fma(-lr, wd, 1.0) : 1 - lr * wd) : 1.0f;
+    c.wd = (float)wd;
+    c.w = (float)(1 - beta1);
+    c.small = fabsf(c.w) < 0.5f ? ~0u : 0u;
+    c.coeff = c.small ? c.w : c.w - 1.0f;
+    c.tcoeff = c.small ? c.w : -(1.0f - c.w); /* the tail's g - (g - m)(1 - w): -0 where w = 1 */
+    c.c2 = (float)(1 - beta2);
+    c.b2 = (float)beta2;
+    c.bc2s = (float)sqrt(bc2);
+    c.eps = (float)eps;
+    c.adam_wd = !(flags & 1) && wd != 0 ? ~0u : 0u;
+    return c;
+}
+
+/* the 16 random bits of elements [g, g + len) of a stochastic stream into r[0..len) */
+static inline void random16(uint64_t key, int64_t g, int64_t len, uint16_t *r, uint64_t *h) {
+    int64_t a = g & 3, words = (a + len + 3) >> 2;
+    uint64_t c = (uint64_t)(g >> 2) + 1;
+    for (int64_t w = 0; w < words; w++) h[w] = mix64(key + (c + (uint64_t)w) * GAMMA);
+    uint16_t tmp[4 * (SBLOCK / 4 + 1)];
+    memcpy(tmp, h, (size_t)words * sizeof(uint64_t));
+    memcpy(r, tmp + a, (size_t)len * sizeof(uint16_t));
+}
+
+/* a where the mask is all ones, else b (branch-free: the loop stays one vector loop) */
+static inline float sel(uint32_t mask, float a, float b) {
+    return as_float((as_bits(a) & mask) | (as_bits(b) & ~mask));
+}
+
+/* ``r`` = op(a, b), or where a and b are both NaN, the first of them quieted: which NaN an x86
+   operation returns depends on its operands' order in the instruction, which the compiler picks;
+   these fix torch's (found by probing it with NaNs of distinct payloads in every input) */
+#define NAN2(r, a, b) (exact ? nan2(r, a, b) : (r))
+static inline float nan2(float r, float a, float b) {
+    uint32_t ua = as_bits(a), ub = as_bits(b), ma = 0u - (uint32_t)is_nan(ua);
+    uint32_t mb = (0u - (uint32_t)is_nan(ub)) & ~ma;
+    uint32_t q = ((ua | 0x00400000u) & ma) | ((ub | 0x00400000u) & mb);
+    return as_float((as_bits(r) & ~(ma | mb)) | q);
+}
+
+/* weight kinds: 0 the fp32 master (+ its bf16 copy), 1 split (bf16 + int16 remainder), 2 stochastic
+   (bf16); state kinds: 0 fp32, 1 bf16 (stochastic) */
+static inline __attribute__((always_inline)) void adam_block(
+    const adam_k *c, const int tail, const int exact, const int wk, const int sk, int64_t len,
+    void *w, void *wx, const float *restrict g, void *m, void *v, const uint16_t *restrict rw,
+    const uint16_t *restrict rm, const uint16_t *restrict rv, uint16_t nan) {
+    const adam_k k = *c; /* (locals: the stores below cannot alias them) */
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t pu;
+        if (wk == 0) pu = as_bits(((const float *)w)[j]);
+        else if (wk == 1)
+            pu = ((uint32_t)((const uint16_t *)w)[j] << 16) +
+                 (uint32_t)(int32_t)((const int16_t *)wx)[j];
+        else pu = (uint32_t)((const uint16_t *)w)[j] << 16;
+        float p = as_float(pu), gr = g[j], mm, vv;
+        if (sk == 0) { mm = ((const float *)m)[j]; vv = ((const float *)v)[j]; }
+        else {
+            mm = as_float((uint32_t)((const uint16_t *)m)[j] << 16);
+            vv = as_float((uint32_t)((const uint16_t *)v)[j] << 16);
+        }
+        gr = sel(k.adam_wd, NAN2(fmaf(p, k.wd, gr), p, gr), gr);
+        p = p * k.dec; /* (1 unless AdamW decays: exact, and a NaN stays itself) */
+        float d = NAN2(gr - mm, gr, mm), base = sel(k.small, mm, gr);
+        mm = NAN2(fmaf(tail ? k.tcoeff : k.coeff, d, base), d, base);
+        float gs = k.c2 * gr;
+        if (tail) { float gg = gs * gr; vv = NAN2(fmaf(vv, k.b2, gg), vv, gg); }
+        else { float vb = vv * k.b2; vv = NAN2(fmaf(gs, gr, vb), gs, vb); }
+        float denom = sqrtf(vv) / k.bc2s + k.eps, num = k.nss * mm;
+        float t = NAN2(num / denom, num, denom);
+        p = tail ? NAN2(p + t, p, t) : NAN2(p + t, t, p);
+        uint32_t u = as_bits(p);
+        if (wk == 0) { ((float *)w)[j] = p; ((uint16_t *)wx)[j] = to_bf16(u, nan); }
+        else if (wk == 1) {
+            uint32_t r = (u + 0x8000u) & 0xFFFF0000u;
+            ((uint16_t *)wx)[j] = (uint16_t)u;
+            ((uint16_t *)w)[j] = is_nan(r) ? nan : (uint16_t)(r >> 16);
+        } else ((uint16_t *)w)[j] = sround(u, rw[j], nan);
+        if (sk == 0) { ((float *)m)[j] = mm; ((float *)v)[j] = vv; }
+        else {
+            ((uint16_t *)m)[j] = sround(as_bits(mm), rm[j], nan);
+            ((uint16_t *)v)[j] = sround(as_bits(vv), rv[j], nan);
+        }
+    }
+}
+
+/* the NaN-ordered loop, one per kind (AVX2 at most: it runs on blocks with a non-finite input and
+   on the tails only, and fewer clones keep the first compile short) */
+#define ADAM_EXACT(WK, SK)                                                                          \
+    static CLONES __attribute__((noinline)) void adam_exact_##WK##SK(                               \
+        const adam_k *c, int tail, int64_t len, void *w, void *wx, const float *g, void *m,         \
+        void *v, const uint16_t *rw, const uint16_t *rm, const uint16_t *rv, uint16_t nan) {       \
+        if (tail) adam_block(c, 1, 1, WK, SK, len, w, wx, g, m, v, rw, rm, rv, nan);                \
+        else adam_block(c, 0, 1, WK, SK, len, w, wx, g, m, v, rw, rm, rv, nan);                     \
+    }
+ADAM_EXACT(0, 0)
+ADAM_EXACT(0, 1)
+ADAM_EXACT(1, 0)
+ADAM_EXACT(1, 1)
+ADAM_EXACT(2, 0)
+ADAM_EXACT(2, 1)
+
+typedef void (*adam_exact_fn)(const adam_k *, int, int64_t, void *, void *, const float *, void *,
+                              void *, const uint16_t *, const uint16_t *, const uint16_t *, uint16_t);
+static const adam_exact_fn adam_exacts[3][2] = {
+    {adam_exact_00, adam_exact_01}, {adam_exact_10, adam_exact_11}, {adam_exact_20, adam_exact_21}};
+
+/* whether elements [0, len) hold an infinity or a NaN in any input (bf16: exponent 0x7F80; the
+   split pair: its weight's): only then can two different NaNs meet in one operation (the NaNs the
+   arithmetic makes itself, inf - inf and the like, are all x86's one default NaN) */
+static inline __attribute__((always_inline)) int block_nonfinite(
+    const int wk, const int sk, int64_t len, const void *w, const float *restrict g,
+    const void *m, const void *v) {
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t e = (as_bits(g[j]) & 0x7F800000u) == 0x7F800000u;
+        if (wk == 0) e |= (((const uint32_t *)w)[j] & 0x7F800000u) == 0x7F800000u;
+        else e |= (((const uint16_t *)w)[j] & 0x7F80u) == 0x7F80u;
+        if (sk == 0)
+            e |= ((((const uint32_t *)m)[j] & 0x7F800000u) == 0x7F800000u) |
+                 ((((const uint32_t *)v)[j] & 0x7F800000u) == 0x7F800000u);
+        else
+            e |= ((((const uint16_t *)m)[j] & 0x7F80u) == 0x7F80u) |
+                 ((((const uint16_t *)v)[j] & 0x7F80u) == 0x7F80u);
+        bad |= e;
+    }
+    return bad != 0;
+}
+
+#define AB 512 /* elements per block (the random bits of a block sit on the stack) */
+
+/* elements [i, i + cnt) of tensor s, of n elements (its tail from n - n % vl) */
+static inline __attribute__((always_inline)) void adam_part(
+    const adam_k *c, const int wk, const int sk, int64_t i, int64_t cnt, int64_t n, int vl,
+    void *w, void *wx, const float *g, void *m, void *v, int64_t wofs, int64_t sofs,
+    uint64_t kw, uint64_t ks, uint16_t nan) {
+    uint16_t rw[AB], rm[AB], rv[AB];
+    uint64_t h[AB / 4 + 1];
+    int64_t t0 = n - n % vl, end = i + cnt;
+    size_t ws = wk == 0 ? 4 : 2, ss = sk == 0 ? 4 : 2;
+    while (i < end) {
+        int tail = i >= t0;
+        int64_t stop = tail || end <= t0 ? end : t0, len = stop - i < AB ? stop - i : AB;
+        if (wk == 2) random16(kw, wofs + i, len, rw, h);
+        if (sk == 1) { random16(ks, sofs + i, len, rm, h); random16(ks, sofs + n + i, len, rv, h); }
+        char *wp = (char *)w + (size_t)i * ws, *xp = wx ? (char *)wx + (size_t)i * 2 : NULL;
+        char *mp = (char *)m + (size_t)i * ss, *vp = (char *)v + (size_t)i * ss;
+        /* the NaN order only where a block has a non-finite input, and in the short tails: there
+           one loop for every kind (rare: kept out of the specialized clones, for compile time) */
+        if (tail || block_nonfinite(wk, sk, len, wp, g + i, mp, vp))
+            adam_exacts[wk][sk](c, tail, len, wp, xp, g + i, mp, vp, wk == 2 ? rw : NULL,
+                                sk ? rm : NULL, sk ? rv : NULL, nan);
+        else adam_block(c, 0, 0, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
+        i += len;
+    }
+}
+
+#define ADAM_KIND(WK, SK) \
+    static CLONES64 void adam_##WK##SK(const adam_k *c, int64_t i, int64_t cnt, int64_t n, int vl, \
+        void *w, void *wx, const float *g, void *m, void *v, int64_t wofs, int64_t sofs,          \
+        uint64_t kw, uint64_t ks, uint16_t nan) {                                                 \
+        adam_part(c, WK, SK, i, cnt, n, vl, w, wx, g, m, v, wofs, sofs, kw, ks, nan);             \
+    }
+ADAM_KIND(0, 0)
+ADAM_KIND(0, 1)
+ADAM_KIND(1, 0)
+ADAM_KIND(1, 1)
+ADAM_KIND(2, 0)
+ADAM_KIND(2, 1)
+
+typedef void (*adam_fn)(const adam_k *, int64_t, int64_t, int64_t, int, void *, void *, const float *,
+                        void *, void *, int64_t, int64_t, uint64_t, uint64_t, uint16_t);
+
+/* k tensors of n[s] elements: w/wx the weight's parts (wx: the remainders for split, the bf16 model
+   weight for the fp32 master, unused for stochastic), g the fp32 gradients, m/v the states; hp six
+   doubles and flags one int per tensor (adam_scalars); wk/sk the kinds; vl torch's vector width */
+void ampkit_adam(int64_t k, const int64_t *n, void *const *w, void *const *wx, const float *const *g,
+                 void *const *em, void *const *ev, const double *hp, const int32_t *flags,
+                 const int64_t *wofs, const int64_t *sofs, int32_t wk, int32_t sk, uint64_t kw,
+                 uint64_t ks, int32_t vl, int32_t dfma, uint16_t nan, int nt) {
+    static const adam_fn fns[3][2] = {{adam_00, adam_01}, {adam_10, adam_11}, {adam_20, adam_21}};
+    adam_fn fn = fns[wk][sk];
+    PARALLEL(nt, k, n, {
+        (void)f;
+        adam_k c = adam_scalars(hp + 6 * s, flags[s], dfma);
+        fn(&c, i, m, n[s], vl, w[s], wx ? wx[s] : NULL, g[s], em[s], ev[s], wofs[s], sofs[s], kw, ks,
+           nan);
+    })
 }

@@ -9,7 +9,7 @@ thread of torch's intra-op pool: built with ``-fopenmp``, the library's ``libgom
 torch's Linux wheels already loaded, so the kernels run on torch's own threads (a compiler without
 OpenMP: the same kernels on one thread; :func:`threads` says which). The
 C source has no torch headers: on first use it is compiled with the system C compiler (``$CC``,
-else Python's ``sysconfig`` ``CC``, else ``cc``) in well under a second into a per-user cache
+else Python's ``sysconfig`` ``CC``, else ``cc``) in about two seconds into a per-user cache
 (``native/`` under ``$AMPKIT_CACHE_DIR``, default ``~/.cache/ampkit``; the file name is a hash of
 the source, compiler, flags and platform; written to a temporary file and renamed, so concurrent
 processes are safe), loaded with ctypes and checked bitwise against the eager functions on a probe
@@ -26,6 +26,9 @@ shared cache stays safe.
 NaNs: torch's fp32 -> bf16 copy gives every NaN one bit pattern that depends on the layout (here
 0xFFFF when contiguous, 0x7FC0 when strided); the kernels take the contiguous one, read from torch
 at load time, as they only ever replace contiguous passes.
+
+The fused Adam/AdamW step of the ladder is in the same library, with its own wrapper and check
+(:mod:`.native_adam`).
 
 Each wrapper returns ``True`` when it did the work and ``False`` when the caller must run the eager
 passes: ``AMPKIT_NO_NATIVE=1``, no compiler, a failed compile or probe (one ``DEBUG`` line on the
@@ -68,14 +71,18 @@ __all__ = [
     "kahan_join",
     "kahan_split",
     "library",
+    "nan_bits",
+    "plain",
     "split",
     "stochastic",
     "threads",
 ]
 
 SOURCE = Path(__file__).with_name("_bits.c")
-#: no -ffast-math (the kernels are bitwise IEEE); -ffp-contract=off keeps x - h and h + c unfused
-FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off")
+#: no -ffast-math (the kernels are bitwise IEEE); -ffp-contract=off keeps x - h and h + c unfused (the
+#: fused Adam kernel writes its fused multiply-adds as fmaf); -fno-math-errno lets sqrtf vectorize
+#: (it only drops errno, never a value)
+FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 #: tried first: the kernels on torch's OpenMP threads (a compiler without OpenMP: FLAGS alone, one thread)
 OPENMP = ("-fopenmp",)
 #: tried after: a compiler that rejects the ``target_clones`` targets (GCC before 11, older clang)
@@ -215,7 +222,10 @@ def _build(cc: list[str], src: bytes, flags: tuple[str, ...]) -> Path:
         os.close(fd)
         try:
             r = subprocess.run(
-                [*cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
+                [*cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
             if r.returncode != 0:
                 raise RuntimeError(
@@ -349,11 +359,11 @@ def _args(
     if lib is None and os.environ.get("AMPKIT_NO_NATIVE", "") not in ("", "0"):
         return None
     k, extra = len(his), EXTRA[rung]
-    if len(extras) != k or not _plain(fp32, torch.float32):
+    if len(extras) != k or not plain(fp32, torch.float32):
         return None
     ns = []
     for h, e in zip(his, extras):
-        if not (_plain(h, torch.bfloat16) and _plain(e, extra)) or e.numel() != h.numel():
+        if not (plain(h, torch.bfloat16) and plain(e, extra)) or e.numel() != h.numel():
             return None
         ns.append(h.numel())
     if sum(ns) != fp32.numel():
@@ -371,8 +381,15 @@ def _args(
     )
 
 
-def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+def plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``t`` is a plain (not a subclass) contiguous CPU tensor of ``dtype``: what the
+    kernels take."""
     return type(t) in _PLAIN and t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+
+def nan_bits() -> int:
+    """The bf16 bits torch's contiguous fp32 -> bf16 copy gives a NaN (read when the kernels load)."""
+    return int(_state["nan"])
 
 
 def compact(
@@ -458,7 +475,7 @@ def stochastic(
     if len(outs) != k:
         return False
     for x, o in zip(xs, outs):
-        if not (_plain(x, torch.float32) and _plain(o, torch.bfloat16)) or x.numel() != o.numel():
+        if not (plain(x, torch.float32) and plain(o, torch.bfloat16)) or x.numel() != o.numel():
             return False
     lib = library() if lib is None else lib
     if lib is None:

@@ -26,7 +26,8 @@ kernels (AdamW ``fused=True``) do the arithmetic. The chunk buffer is bounded (`
 16 MiB by default, kept between steps) whatever the largest tensor: a weight larger than it is
 stepped in pieces, one optimizer call each (:mod:`.pieces`: element-wise torch optimizers; any
 other sees each weight whole through a buffer that lives only inside its step). With
-``state_dtype="bf16"`` one piece's states are fp32 during its call.
+``state_dtype="bf16"`` one piece's states are fp32 during its call. For ``torch.optim.Adam``/``AdamW``
+with ``fused=True`` on CPU, rebuild, step and round back are one native pass (:mod:`.fused`), bitwise.
 
 The split (``split``): with ``u`` the fp32 bits and ``lo``/``hi`` their low/high 16 bits, the
 weight is ``hi + (lo >= 0x8000)`` (round to nearest, ties away from zero: the only rounding whose
@@ -55,6 +56,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ...rung import Rung, split_spec
 from .. import native as _native_kernels
 from .cast import STALL_WARNING, CastOnly
+from .fused import FusedAdam
 from .masters import MasterWeights
 from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, WrappedSteps, plan
 from .rounding import (
@@ -307,6 +309,13 @@ class LadderWeights(MasterWeights):
             self.masters[0]
         )  # an estimate: no values, same memory
         calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE, ends_only=fake) or [[]]
+        fused = None if fake else FusedAdam.prepare(self, opt, calls, ids, by_id)
+        if fused is not None:  # torch's fused Adam/AdamW: one native pass per element (.fused)
+            try:
+                return fused.run(inner, args, kwargs, others, by_id, opt)
+            finally:
+                for p, g in zip(params, grads):
+                    p.grad = g
         cuts: dict[int, CutState] = {}
         kept: dict[tuple[int, str], torch.Tensor] = {}
         ret = None

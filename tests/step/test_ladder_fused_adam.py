@@ -1,0 +1,262 @@
+"""The ladder's fused Adam/AdamW step (step/policies/pure/fused.py, native_adam.py, ``ampkit_adam``
+in _bits.c): bitwise the generic step (widen -> torch's fused step -> round back) on every rung it
+covers, and the generic step, unchanged, wherever it does not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ampkit import MixedPrecision
+from ampkit.step.policies import native, native_adam
+from ampkit.step.policies.pure.ladder import LadderWeights
+
+needs_native = pytest.mark.skipif(
+    not native.enabled(), reason="native kernels off (no C compiler, or AMPKIT_NO_NATIVE=1)"
+)
+
+RUNGS = [
+    ("split", "bf16"),
+    ("stochastic", "bf16"),
+    ("fp32", "bf16"),
+    ("split", "fp32"),
+    ("stochastic", "fp32"),
+]
+
+
+class Model(torch.nn.Module):
+    """A weight cut in pieces by a 1 MiB scratch (101,303 elements: a tail of 7 past the last
+    vector of 8), two small ones of odd sizes, a 1-element one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(1003, 101))
+        self.w = torch.nn.Parameter(torch.randn(37, 101) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(37) * 1e-3)
+        self.one = torch.nn.Parameter(torch.randn(1))
+
+
+def _grad(shape: torch.Size, gen: torch.Generator, special: bool) -> torch.Tensor:
+    """Gradients over ten decades with subnormals and signed zeros among them; ``special``: NaNs
+    and infinities of both signs too."""
+    n = int(torch.Size(shape).numel())
+    g = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 2, (n,), generator=gen).float()
+    values = [1e-40, -3e-39, 1e-45, -0.0, 0.0]
+    if special:
+        values += [float("nan"), float("inf"), -float("inf")]
+    pick = torch.rand(n, generator=gen) < 0.05
+    g[pick] = torch.tensor(values)[torch.randint(0, len(values), (int(pick.sum()),), generator=gen)]
+    return g.view(shape)
+
+
+def _make(
+    rung: str, states: str, opt_kind: type, **hyper
+) -> tuple[LadderWeights, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Model()
+    opt = opt_kind(model.parameters(), **{"lr": 1e-2, "betas": (0.9, 0.99), "fused": True, **hyper})
+    lw = LadderWeights(model, [opt], torch.bfloat16, (), rung, states, scratch_bytes=1 << 20)
+    return lw, opt
+
+
+def _train(lw: LadderWeights, opt: torch.optim.Optimizer, steps: int = 5) -> list[torch.Tensor]:
+    """``steps`` steps (the third with NaN/inf gradients, so later ones step NaN states); every
+    tensor of the rung's storage and the optimizer's state after each step."""
+    gen = torch.Generator().manual_seed(1)
+    seen: list[torch.Tensor] = []
+    for k in range(steps):
+        for h, m in zip(lw.halves, lw.masters):
+            m.grad = _grad(h.shape, gen, special=k == 2)
+        opt.step()
+        seen += [h.detach().clone() for h in lw.halves] + [e.clone() for e in lw.storage()]
+        seen += [f.clone() for f in lw.full]
+        for m in lw.masters:
+            seen += [v.clone() for v in opt.state[m].values()]
+    return seen
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(_bits(x), _bits(y)), f"tensor {i} differs"
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the fused kernel's calls."""
+    real, seen = native_adam.step, []
+
+    def counted(*a, **k):  # noqa: ANN002,ANN003
+        ok = real(*a, **k)
+        seen.append(int(ok))
+        return ok
+
+    monkeypatch.setattr(native_adam, "step", counted)
+    return seen
+
+
+def _generic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ladder's generic step from now on (the fused one never covers)."""
+    monkeypatch.setattr(native_adam, "covers", lambda *a, **k: False)
+
+
+@needs_native
+@pytest.mark.parametrize("opt_kind", [torch.optim.Adam, torch.optim.AdamW], ids=["adam", "adamw"])
+@pytest.mark.parametrize(
+    "hyper",
+    [{}, {"weight_decay": 0.1}, {"weight_decay": 0.1, "maximize": True}, {"betas": (0.0, 0.9)}],
+    ids=["plain", "decay", "decay-maximize", "beta1-0"],
+)
+@pytest.mark.parametrize("rung", RUNGS, ids=["+".join(r) for r in RUNGS])
+def test_the_fused_step_is_bitwise_the_generic_step(
+    rung: tuple[str, str], opt_kind: type, hyper: dict, calls: list[int], monkeypatch
+) -> None:
+    fused = _train(*_make(*rung, opt_kind, **hyper))
+    covered = not hyper.get("maximize")  # (maximize: the generic step, native_adam.covers)
+    assert (sum(calls) > 0) == covered and all(calls)
+    _generic(monkeypatch)
+    n = len(calls)
+    generic = _train(*_make(*rung, opt_kind, **hyper))
+    assert len(calls) == n  # (the generic run never called the kernel)
+    _assert_bitwise(fused, generic)
+
+
+@needs_native
+@pytest.mark.parametrize("rung", RUNGS[:2], ids=["+".join(r) for r in RUNGS[:2]])
+def test_the_fused_step_on_two_threads_is_bitwise_the_generic_step_on_one(
+    rung: tuple[str, str], calls: list[int], monkeypatch
+) -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fused = _train(*_make(*rung, torch.optim.AdamW, weight_decay=0.1), steps=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls
+    _generic(monkeypatch)
+    with torch.no_grad():
+        torch.set_num_threads(1)
+        try:
+            generic = _train(*_make(*rung, torch.optim.AdamW, weight_decay=0.1), steps=3)
+        finally:
+            torch.set_num_threads(threads)
+    _assert_bitwise(fused, generic)
+
+
+class _MyAdamW(torch.optim.AdamW):
+    pass
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), fused=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+        lambda ps: _MyAdamW(ps, lr=1e-2, fused=True),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    ],
+    ids=["amsgrad", "tensor-lr", "not-fused", "subclass", "sgd"],
+)
+def test_options_it_does_not_cover_take_the_generic_step(make, calls: list[int]) -> None:
+    torch.manual_seed(0)
+    model = Model()
+    opt = make(model.parameters())
+    lw = LadderWeights(
+        model, [opt], torch.bfloat16, (), "stochastic", "bf16", scratch_bytes=1 << 20
+    )
+    _train(lw, opt, steps=3)
+    assert calls == []
+    assert all(
+        opt.state[m]["exp_avg" if "exp_avg" in opt.state[m] else "momentum_buffer"].dtype
+        == torch.bfloat16
+        for m in lw.masters
+    )
+
+
+@needs_native
+def test_a_grad_scale_a_missing_gradient_and_no_native_take_the_generic_step(
+    calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lw, opt = _make("split", "bf16", torch.optim.AdamW)
+    _train(lw, opt, steps=2)
+    n = len(calls)
+    assert n > 0
+    lw.masters[1].grad = None  # one weight without a gradient: the generic step for all
+    opt.step()
+    assert len(calls) == n
+    opt.grad_scale = torch.ones(())  # AMP scaling: torch's kernel unscales the gradients
+    for h, m in zip(lw.halves, lw.masters):
+        m.grad = torch.ones(h.shape)
+    opt.step()
+    assert len(calls) == n
+    del opt.grad_scale
+    monkeypatch.setenv("AMPKIT_NO_NATIVE", "1")
+    opt.step()
+    assert len(calls) == n
+
+
+@needs_native
+def test_a_kernel_unlike_torchs_is_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe rejects a candidate that is not torch's arithmetic (here: another vector width,
+    which moves the scalar tail, whose rounding differs): then no variant, the generic step."""
+    lib = native.library()
+    assert native_adam._probe(lib, 1, 1) is not None
+    monkeypatch.setattr(native_adam, "CANDIDATES", ((16, 1), (16, 0)))
+    assert native_adam._probe(lib, 1, 1) is None
+
+
+def _engine_run(steps: int = 4) -> tuple:
+    """Through the engine, with a ``keep_fp32`` LayerNorm (stepped by the user's optimizer) and an
+    LR scheduler made after ``setup`` (it re-wraps the ladder's ``step``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(300, 33), torch.nn.LayerNorm(33), torch.nn.Linear(33, 7)
+    )
+    amp = MixedPrecision("bf16-pure", masters="stochastic", state_dtype="bf16", keep_fp32=["1"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = amp.setup(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 300, (4, 9), generator=g)
+        with amp.autocast():
+            loss = model(x).float().pow(2).mean()
+        amp.backward(loss)
+        amp.step(opt)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    assert model[1].weight.dtype == torch.float32
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        copy.deepcopy(opt.state_dict()),
+        copy.deepcopy(amp.state_dict()["masters"]),
+    )
+
+
+@needs_native
+def test_training_checkpoints_are_the_same_with_the_fused_step(
+    calls: list[int], monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """Through the engine: the weights (the kept fp32 ones too), the optimizer's state_dict (steps,
+    bf16 states, the scheduled lr) and the rung's state (generator) are what the generic step
+    leaves; the scheduler sees the optimizer stepped."""
+    fused = _engine_run()
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    assert calls
+    _generic(monkeypatch)
+    generic = _engine_run()
+    _assert_bitwise(fused[0], generic[0])
+    for a, b in zip(fused[1]["state"].values(), generic[1]["state"].values()):
+        assert a.keys() == b.keys()
+        _assert_bitwise(list(a.values()), list(b.values()))
+    assert fused[1]["param_groups"] == generic[1]["param_groups"]
+    assert torch.equal(fused[2]["generator"], generic[2]["generator"])
