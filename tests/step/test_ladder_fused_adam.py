@@ -120,7 +120,10 @@ def test_the_fused_step_is_bitwise_the_generic_step(
 ) -> None:
     fused = _train(*_make(*rung, opt_kind, **hyper))
     covered = not hyper.get("maximize")  # (maximize: the generic step, native_adam.covers)
-    assert (sum(calls) > 0) == covered and all(calls)
+    # (where this torch's fused kernel rounds otherwise than every candidate, the probe keeps the
+    # generic step: still bitwise, below; on this project's CPUs the kernel is in use)
+    used = covered and native_adam.variant(native_adam.kind(rung[0]), int(rung[1] == "bf16"))
+    assert (sum(calls) > 0) == bool(used) and (all(calls) or not used)
     _generic(monkeypatch)
     n = len(calls)
     generic = _train(*_make(*rung, opt_kind, **hyper))
@@ -209,8 +212,14 @@ def test_a_kernel_unlike_torchs_is_never_used(monkeypatch: pytest.MonkeyPatch) -
     """The probe rejects a candidate that is not torch's arithmetic (here: another vector width,
     which moves the scalar tail, whose rounding differs): then no variant, the generic step."""
     lib = native.library()
-    assert native_adam._probe(lib, 1, 1) is not None
-    monkeypatch.setattr(native_adam, "CANDIDATES", ((16, 1), (16, 0)))
+    found = native_adam._probe(lib, 1, 1)
+    if found is None:  # (another torch build: no candidate at all, the generic step; tested above)
+        pytest.skip("this torch's fused Adam matches no candidate of the kernel")
+    others = tuple(c for c in native_adam.CANDIDATES if c[0] != found[0])
+    monkeypatch.setattr(native_adam, "CANDIDATES", others)
+    assert native_adam._probe(lib, 1, 1) is None
+    # and the decay's two roundings are told apart (one fused multiply-add or two roundings)
+    monkeypatch.setattr(native_adam, "CANDIDATES", ((found[0], 1 - found[1]),))
     assert native_adam._probe(lib, 1, 1) is None
 
 
