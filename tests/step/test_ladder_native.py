@@ -429,7 +429,7 @@ def test_a_compiler_without_the_clone_targets_still_builds_the_kernels(
     old = tmp_path / "old-cc"
     old.write_text(
         '#!/bin/sh\ncase "$*" in *AMPKIT_NO_CLONES*) exec cc "$@";; esac\n'
-        'echo "error: bad value (\'x86-64-v4\') for target_clones attribute" >&2\nexit 1\n'
+        "echo \"error: bad value ('x86-64-v4') for target_clones attribute\" >&2\nexit 1\n"
     )
     old.chmod(0o755)
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
@@ -438,3 +438,22 @@ def test_a_compiler_without_the_clone_targets_still_builds_the_kernels(
     monkeypatch.setattr(native, "_state", {})
     lib = native._load()  # raised before: every build refused
     assert lib.ampkit_openmp() in (0, 1)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_kernels_load_under_a_float64_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.set_default_dtype(torch.float64)`` (a common setting in scientific code) left the
+    load-time check's fp32 buffers in fp64: the check failed and every native kernel was turned
+    off for the process, silently."""
+    monkeypatch.setattr(
+        native, "_state", {}
+    )  # as in a fresh process (the cached library is reused)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert native.enabled()
+    finally:
+        torch.set_default_dtype(before)
+    x = _fp32_bits(1000, seed=3)
+    hi, rem = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.int16)
+    assert native.split(x, hi, rem)

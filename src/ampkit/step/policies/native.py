@@ -185,7 +185,13 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.ampkit_nonfinite.restype = ctypes.c_int
-    nan = torch.tensor([float("nan")]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+    nan = (
+        torch.tensor([float("nan")], dtype=torch.float32)
+        .to(torch.bfloat16)
+        .view(torch.int16)
+        .item()
+        & 0xFFFF
+    )
     _state["nan"] = nan
     from .native_probe import probe  # (a first load only)
 

@@ -60,7 +60,10 @@ def probe(lib: ctypes.CDLL, nan: int, kernels: ModuleType) -> None:
     halves[:, : special.numel()] = (
         special.view(torch.int16).view(-1, 2).t().flip(0)
     )  # the specials' halves
-    scratch = {torch.int16: torch.empty(n, dtype=torch.int32), torch.bfloat16: torch.empty(n)}
+    scratch = {
+        torch.int16: torch.empty(n, dtype=torch.int32),
+        torch.bfloat16: torch.empty(n, dtype=torch.float32),
+    }
     sizes = [0, 1, 17, 1000, 65539]
     sizes.append(n - sum(sizes))  # several tensors in one call, one of them cut between two threads
     for rung, eager_split, eager_join in (
@@ -73,7 +76,7 @@ def probe(lib: ctypes.CDLL, nan: int, kernels: ModuleType) -> None:
             x.clone(), *want, *([scratch[dt].view(torch.float32)] if rung == "kahan" else [])
         )
         hi, extra = halves[0].view(torch.bfloat16), halves[1].view(dt)
-        joined = torch.empty(n)
+        joined = torch.empty(n, dtype=torch.float32)
         eager_join(hi, extra, joined, scratch[dt])
         for nt in (1, 2):
             got = [
@@ -88,7 +91,7 @@ def probe(lib: ctypes.CDLL, nan: int, kernels: ModuleType) -> None:
                 raise RuntimeError(
                     f"probe: the native {rung} compaction differs from the eager passes"
                 )
-            out = torch.empty(n)
+            out = torch.empty(n, dtype=torch.float32)
             ok = kernels.expand(
                 rung, list(hi.split(sizes)), list(extra.split(sizes)), out, lib=lib, threads=nt
             )
