@@ -262,3 +262,16 @@ def test_health_answers_while_the_first_hugging_face_request_imports_transformer
         health.close()
         _end(proc)
         c.close()
+
+
+def test_a_record_written_as_its_supervisor_exits_is_read(tmp_path, monkeypatch):
+    """A re-adopted run killed by a signal: its supervisor wrote the exit record between the
+    server's read of it and its check that the supervisor had ended. The server read "no record,
+    supervisor gone" and failed the run with "exit status unknown" (seen in a loaded suite run)."""
+    from ampkit.service import runner
+
+    reads = iter([{"supervisor": 12345}, {"supervisor": 12345, "returncode": -9}])
+    monkeypatch.setattr(runner, "read_record", lambda d, attempt: next(reads))
+    monkeypatch.setattr(runner, "_alive", lambda pid, d: False)  # run and supervisor both gone
+    run = {"run_dir": str(tmp_path), "resumes": 0, "pid": 4242}
+    assert runner._outcome(run) == (True, -9)

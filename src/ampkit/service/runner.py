@@ -436,9 +436,14 @@ def _outcome(run: dict[str, Any]) -> tuple[bool, Optional[int]]:
         return False, None
     record = read_record(d, attempt)
     rc = record.get("returncode")
-    if isinstance(rc, int) and not isinstance(rc, bool):
-        return True, rc
-    return (not _alive(record_pid(record, "supervisor"), d)), None
+    if not (isinstance(rc, int) and not isinstance(rc, bool)):
+        if _alive(record_pid(record, "supervisor"), d):
+            return False, None
+        # The supervisor writes the record, then exits: read it again now that it is gone (written
+        # between the read above and that check, it was lost: "exit status unknown" for a run
+        # killed by a signal).
+        rc = read_record(d, attempt).get("returncode")
+    return True, (rc if isinstance(rc, int) and not isinstance(rc, bool) else None)
 
 
 def _started_pid(
