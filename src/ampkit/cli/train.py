@@ -23,6 +23,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
+from ..step.rung import Rung
 from ..train.summary import opt_level
 from . import parallel, train_flags
 from .common import (
@@ -271,9 +272,11 @@ def _header(
         if world_size() > 1
         else str(device)
     )
+    rung = Rung.of(amp.config)  # a rung of bf16-pure's ladder is what runs: named, and told
+    name = amp.precision.name if rung.plain else f"{amp.precision.name}:{rung}"
     return (
         f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-        f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}"
+        f"in [bold]{name}[/] (opt level {opt_level(amp.precision.name)}) — {rung.describe(why)}"
     )
 
 
