@@ -130,6 +130,20 @@ def test_train_fp16_progress_summary_and_report(capsys, tmp_path):
             "matches no module",
         ),
         (["report", "/nonexistent/run"], "does not exist"),
+        (  # issue 34's fp16 line without its directory: flag names, as for --resume
+            [
+                "train",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--steps",
+                "1",
+                "--checkpoint_every",
+                "1",
+            ],
+            "--checkpoint_every needs --checkpoint_dir DIR (where to write the checkpoints)",
+        ),
     ],
 )
 def test_train_bad_input_is_a_clear_error(argv, fragment, capsys):

@@ -137,6 +137,10 @@ def _cmd_train(inv: Invocation) -> int:
     run = TrainInvocation(resolved, inv.argv, amp.config, inv.given, why)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError(
+            "--checkpoint_every needs --checkpoint_dir DIR (where to write the checkpoints)"
+        )
     log_dir = args.log_dir  # None: runs/<stamp>-<precision>, once the precision that runs is known
     locks: list[
         Any
