@@ -130,6 +130,20 @@ def test_train_fp16_progress_summary_and_report(capsys, tmp_path):
             "matches no module",
         ),
         (["report", "/nonexistent/run"], "does not exist"),
+        (  # issue 34's fp16 line without its directory: flag names, as for --resume
+            [
+                "train",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--steps",
+                "1",
+                "--checkpoint_every",
+                "1",
+            ],
+            "--checkpoint_every needs --checkpoint_dir DIR (where to write the checkpoints)",
+        ),
     ],
 )
 def test_train_bad_input_is_a_clear_error(argv, fragment, capsys):
@@ -279,3 +293,34 @@ def test_no_fallback_flag_is_respected(tmp_path, capsys, monkeypatch):
     s = json.loads(captured.out)
     assert s["precision"] == "fp16" and s["skipped_steps"] == 22
     assert "all 22 optimizer steps" in captured.err and "blocks.0" in captured.err
+
+
+def test_resume_honours_a_ladder_rung_given_and_a_requeue_keeps_the_runs_own(tmp_path, capsys):
+    """``--masters split --resume`` on a ``stochastic+bf16`` checkpoint trained on in
+    stochastic+bf16 without a word (the flag was dropped); a rung given on resume is a switch, said,
+    as ``--precision`` is; the same command line again (a requeue) changes nothing."""
+    from ampkit import CheckpointManager, load_checkpoint
+
+    ck = str(tmp_path / "ck")
+    base = ["train", "--model", "mlp", "--size", "tiny", "--batch_size", "8", "--device", "cpu"]
+    base += ["--no_progress", "--checkpoint_dir", ck, "--checkpoint_every", "2"]
+    first = ["--precision", "bf16-pure:stochastic+bf16"]
+
+    def run(*flags: str, steps: int) -> str:
+        log = str(tmp_path / f"l{steps}")
+        assert main([*base, *flags, "--steps", str(steps), "--log_dir", log]) == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    def rung() -> tuple[str, str]:
+        cfg = load_checkpoint(CheckpointManager(ck).list()[-1][1])["amp"]["config"]
+        return cfg["masters"], cfg["state_dtype"]
+
+    run(*first, steps=2)
+    out = run(*first, "--resume", steps=4)  # a requeue: the same line
+    assert "switches" not in out and rung() == ("stochastic", "bf16")
+    out = run("--precision", "bf16-pure", "--masters", "split", "--resume", steps=6)
+    assert (
+        "--masters split switches the checkpoint's bf16-pure:stochastic+bf16 to bf16-pure:split"
+        in out
+    ), out
+    assert "in bf16-pure:split (opt level O2)" in out and rung() == ("split", "fp32")

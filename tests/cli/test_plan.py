@@ -65,7 +65,8 @@ def test_plan_says_how_it_found_the_answers_and_verify_measures_them(capsys):
         (["--memory", "0GiB"], "memory size '0GiB' must be > 0"),
         (
             ["--device", "h100"],
-            "--device 'h100' is not a device a plan knows; choose cpu or one of: cuda, h200-141gb",
+            "--device 'h100' is not a device a plan knows (did you mean 'h100-80gb'?); choose cpu or "
+            "one of: cuda, h200-141gb",
         ),
         (
             ["--device", "cuda", "--memory", None],

@@ -65,6 +65,36 @@ def test_service_config_takes_the_same_bounds_and_defaults():
                 )
 
 
+def test_service_config_refuses_booleans_and_text_for_its_numbers():
+    """``ServiceConfig(max_params=True)`` was a limit of 1 parameter and ``max_concurrent=True`` one
+    run: booleans are not numbers there either, as on the command line and in the request models;
+    nor is 1 a boolean (``private_docs``)."""
+    pytest.importorskip("pydantic")
+    from pydantic import ValidationError
+
+    from ampkit.service.schemas import ServiceConfig
+
+    for name in ("max_concurrent", "queue_cap", "body_cap", "max_params", "max_seconds", "poll_s"):
+        for bad in (True, "8"):
+            with pytest.raises(ValidationError, match=name):
+                ServiceConfig(**{name: bad})
+    with pytest.raises(ValidationError, match="private_docs"):
+        ServiceConfig(private_docs=1)
+    assert ServiceConfig(max_params=2000, max_seconds=60).max_seconds == 60.0  # an int is a number
+
+
+def test_an_integer_flag_takes_the_exponent_form_its_help_shows(capsys):
+    """``ampkit serve --max_params 2e9`` (its help: "default: 2e9") was refused as "not an integer";
+    an integral value in exponent form is an integer, a fractional one still is not."""
+    count = bounded(int, ge=1, name="count")
+    assert count("2e9") == 2_000_000_000 and isinstance(count("2e9"), int)
+    assert count("7.5E9") == 7_500_000_000 and count("12") == 12
+    for bad in ("2.5e0", "1e-3", "2.0", "nan", "1e400"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            count(bad)
+    assert _serve().parse_args(["--max_params", "7e9"]).max_params == 7_000_000_000
+
+
 def test_bounded_names_the_value_and_the_range():
     seconds = bounded(float, gt=0, le=3600, unit="seconds")
     assert seconds("1e-3") == 1e-3 and seconds("3600") == 3600.0

@@ -82,6 +82,32 @@ def test_compare_takes_a_dataloader_and_sees_its_batches_in_order():
     assert ok["fp32"].losses == pytest.approx(summary.losses, rel=0, abs=0)
 
 
+def test_compare_takes_the_trainers_loss_fn_for_a_model_that_returns_outputs():
+    """A plain model (``model(x)`` -> outputs) and a DataLoader of ``(x, y)``: the Trainer takes it
+    with ``loss_fn``, so compare does too (it called ``model(x, y)``: a TypeError)."""
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+    data = loader(n=24, batch=8)
+    rep = ampkit.compare(
+        lambda: torch.nn.Linear(8, 1), data, ["fp32", "bf16"], steps=4, warmup=1, repeats=1,
+        device="cpu", loss_fn=loss_fn,
+    )  # fmt: skip
+    ok = {r.precision: r for r in rep.results if r.status == "ok"}
+    assert set(ok) == {"fp32", "bf16"} and ok["bf16"].activation_bytes
+    torch.manual_seed(0)  # the fp32 row is the Trainer's run with the same loss_fn, loss for loss
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp = MixedPrecision("fp32", device="cpu")
+    model, opt = amp.setup(model, opt)
+    summary = Trainer(
+        model, opt, amp, loader(n=24, batch=8), loss_fn=loss_fn, progress=False, log_every=1
+    ).fit(5)
+    assert ok["fp32"].losses == pytest.approx(summary.losses, rel=0, abs=0)
+
+
 def test_confirm_auto_takes_a_dataloader(tmp_path, monkeypatch):
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
     model = Net()

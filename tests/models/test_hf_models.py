@@ -264,3 +264,26 @@ def test_train_builtin_gpt_on_a_text_file(tmp_path, capsys):
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     assert main([*argv[:-2], "--block_size", "999"]) == 2
     assert "exceeds the model's maximum sequence length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ("n_layer=abc", ["n_layer='abc'", "an integer", "default is 12"]),
+        ("n_embd=1.5", ["n_embd=1.5", "an integer"]),
+        ("n_layer=-1", ["n_layer=-1", "at least 1"]),
+        ("n_head=0", ["n_head=0", "at least 1"]),
+        ("n_layerr=2", ["'n_layerr'", "did you mean 'n_layer'"]),
+    ],
+)
+def test_bad_model_config_values_get_one_clear_error(fields, words):
+    """``--model_config`` values are checked like the service's ``model_overrides``: a wrong type
+    ended in a huggingface_hub traceback (strict dataclasses), a negative layer count in
+    "__len__() should return >= 0", a mistyped field without a suggestion."""
+    pytest.importorskip("transformers")
+    from ampkit.models.hf_configs import hf_config, parse_overrides
+
+    with pytest.raises(ValueError) as e:
+        hf_config("gpt2", parse_overrides(fields))
+    for w in words:
+        assert w in str(e.value), str(e.value)

@@ -50,6 +50,11 @@ def test_bad_device_names_list_the_valid_ones():
     with pytest.raises(ValueError) as e:
         parse_device("h100")
     assert "'h100'" in str(e.value) and "h100-80gb" in str(e.value) and "l4-24gb" in str(e.value)
+    assert "did you mean 'h100-80gb'?" in str(e.value)  # a card without its memory: the named one
+    with pytest.raises(ValueError, match="did you mean one of 'a100-80gb', 'a100-40gb'"):
+        parse_device("A100")
+    with pytest.raises(ValueError, match="did you mean 'l40s-48gb'"):
+        parse_device("l40s-48g")
 
 
 def _gpt(dropout: float) -> torch.nn.Module:

@@ -31,7 +31,7 @@ def _error(**body) -> str:
 def test_the_device_is_checked_as_the_cli_checks_it():
     said = _error(**TINY, device="h100")
     # the value, why, and every valid choice (the CLI's list: cpu and plan.devices.DEVICES)
-    assert "device 'h100' is not a device a plan knows; choose cpu or one of:" in said
+    assert "device 'h100' is not a device a plan knows (did you mean 'h100-80gb'?); choose" in said
     assert all(name in said for name in DEVICES) and "--device" not in said
     # case and '_' for '-' are forgiven, as on the command line; the answer names the canonical one
     assert OptimizeBody(**TINY, device="H100_80GB").device == "h100-80gb"

@@ -32,7 +32,7 @@ class Server:
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a hang guard: the start imports transformers
         while not self.server.started:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)

@@ -69,17 +69,33 @@ def reference(precision: str) -> dict[str, torch.Tensor]:
     return amp.full_precision_state_dict()
 
 
-def guarded(precision: str, bad: bool, every: int = 4):
+class Listed(torch.utils.data.Dataset):
+    """The batches of :func:`data` as a map-style dataset (a DataLoader with ``batch_size=None``)."""
+
+    def __init__(self, bad: bool) -> None:
+        self.batch, self.n = data(bad), STEPS + 8 - (0 if bad else 2)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch(i)
+
+
+def guarded(precision: str, bad: bool, every: int = 4, loader: bool = False):
     model, opt, amp = build(precision)
     guard = SpikeGuard(model, opt, amp, keep=2, every=every)
-    batches = guard.wrap(data(bad))
-    pos = guard.position
+    source = torch.utils.data.DataLoader(Listed(bad), batch_size=None) if loader else data(bad)
+    batches = guard.wrap(source)
+    pos, held = guard.position, 0
     while amp.optimizer_steps < STEPS:
         with amp.autocast():
             loss = model(*batches(pos))
         amp.backward(loss)
         amp.step(opt)
         pos = guard.check(pos + 1)
+        held = max(held, getattr(batches, "held", 0))
+    guard.held = held  # the most batches an iterable's view kept at once
     return amp, guard
 
 
@@ -112,6 +128,24 @@ def test_hand_written_loop_rolls_back_and_ends_like_a_run_without_the_bad_batche
         uamp.backward(loss)
         uamp.step(_)
     assert not all(torch.equal(v, ref[k]) for k, v in uamp.full_precision_state_dict().items())
+
+
+def test_hand_written_loop_over_a_dataloader_rolls_back_like_one_over_an_index_function():
+    """``guard.wrap`` takes what the Trainer takes (issue 34 section 5): a DataLoader is read in
+    order and only the batches a rollback can return to are kept (since the oldest snapshot)."""
+    amp, guard = guarded("bf16", bad=True, loader=True)
+    assert [e.data["batches"] for e in amp.events if e.kind == "spike"] == [[CORRUPT], [NAN]]
+    assert_bitwise(amp.full_precision_state_dict(), reference("bf16"))
+    assert 0 < guard.held <= guard.keep * guard.every + 2  # two intervals and the step in reading
+
+
+def test_wrap_takes_a_generator_and_refuses_what_is_not_batches():
+    model, opt, amp = build("bf16")
+    guard = SpikeGuard(model, opt, amp)
+    view = guard.wrap(iter(["a", "b", "c"]))
+    assert [view(0), view(1), view(1), view(2)] == ["a", "b", "b", "c"]
+    with pytest.raises(TypeError, match="neither a function of the batch index"):
+        guard.wrap(3)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])

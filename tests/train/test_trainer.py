@@ -280,3 +280,25 @@ def test_run_header_names_the_opt_level(tmp_path, capsys, flags, level, precisio
         "-",
         "-",
     ]
+
+
+@pytest.mark.parametrize(
+    "flags, rung, what",
+    [
+        (["--precision", "bf16-pure:split"], "split", "bf16 weight + int16 remainder"),
+        (
+            ["--precision", "bf16-pure", "--masters", "stochastic", "--state_dtype", "bf16"],
+            "stochastic+bf16",
+            "optimizer states in bf16",
+        ),
+    ],
+)
+def test_run_header_names_the_ladder_rung_that_runs(tmp_path, capsys, flags, rung, what):
+    """A rung of bf16-pure's ladder is what runs, so the header names it: it said "fp32 master
+    weights" for every rung (issue 34 section 5: headers say what runs)."""
+    argv = ["train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--batch_size", "8"]
+    rc = main([*argv, *flags, "--device", "cpu", "--no_progress", "--log_dir", str(tmp_path)])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps the header
+    header = out.split(" run summary")[0]
+    assert rc == 0 and f"in bf16-pure:{rung} (opt level O2)" in header, header
+    assert what in header and "fp32 master weights" not in header, header

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..loop.batches import IndexedBatches
-from ..loop.steps import Steps
+from ..loop.steps import LossFn, Steps, batch_loss
 from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
@@ -253,6 +253,7 @@ def compare(
     fallback: bool = False,
     model_name: str = "model",
     loss_window: int = 5,
+    loss_fn: Optional[LossFn] = None,
     **amp_overrides: Any,
 ) -> BenchReport:
     """Train ``model_factory()`` once per precision on ``batch_factory``'s batches and measure each.
@@ -260,7 +261,8 @@ def compare(
     ``batch_factory`` is what the Trainer takes: a function of the batch index, a DataLoader, a
     list, a function returning a fresh iterator (read in order, epoch after epoch, each batch kept
     for the other precisions: :class:`~ampkit.loop.batches.IndexedBatches`).
-    ``model(*batch)`` must return the scalar loss. Every precision starts from the same weights
+    The loss is ``loss_fn(model, batch)``, as the Trainer's (default: ``model(*batch)``, or
+    ``model(**batch)`` for a dict, returns the scalar loss). Every precision starts from the same weights
     (``torch.manual_seed(seed)`` before each ``model_factory()`` call) and sees the same batches.
     After ``warmup`` steps, ``steps`` optimizer steps run in ``repeats`` blocks per precision,
     interleaved. A precision the device cannot run is listed as skipped with the reason. The
@@ -301,6 +303,7 @@ def compare(
             accumulation_steps,
             fallback,
             {**amp_overrides, **(rung.fields() if rung else {})},
+            loss_fn or batch_loss,
         )
         results[label].precision = label
         if run is not None:
@@ -338,6 +341,7 @@ def _start(
     accumulation_steps: int,
     fallback: bool,
     amp_overrides: dict[str, Any],
+    loss_fn: LossFn = batch_loss,
 ) -> tuple[BenchResult, Optional[_Run]]:
     """``p``'s result row and its run: the model from ``seed``, a fused AdamW, the engine set up;
     a skipped row (and no run) when the engine cannot apply ``p``."""
@@ -358,8 +362,42 @@ def _start(
         return BenchResult(precision=p.name, status="skipped", reason=str(e)), None
     # activations() cannot follow torchao's fp8 casts yet: the column stays empty for fp8 (it raised
     # and lost the whole comparison on an H200, the first GPU where fp8 is not skipped)
-    act = activations(model, batch_factory(0), p).total if p.row.measures_activations else None
-    return BenchResult(precision=p.name, activation_bytes=act), _Run(Steps(model, opt, amp))
+    act = None
+    if p.row.measures_activations:
+        example = batch_factory(0)
+        act = (
+            activations(model, example, p)
+            if loss_fn is batch_loss
+            else activations(
+                _Loss(model, loss_fn), (_cast(example, p) if p.is_pure else example,), p
+            )
+        ).total
+    return BenchResult(precision=p.name, activation_bytes=act), _Run(
+        Steps(model, opt, amp, loss_fn)
+    )
+
+
+def _cast(batch: Any, p: Precision) -> Any:
+    """The batch's floating tensors in ``p``'s parameter dtype (what ``activations`` does to the
+    inputs of a pure precision's model, here inside the batch the loss function takes)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(p.param_dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _cast(v, p) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cast(v, p) for v in batch)
+    return batch
+
+
+class _Loss(torch.nn.Module):
+    """``model`` whose forward of a batch is ``loss_fn(model, batch)``: what ``activations`` runs."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
 
 
 def _timed_blocks(

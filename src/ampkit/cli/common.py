@@ -59,9 +59,11 @@ def bounded(
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not {noun}{f' of {unit}' if unit else ''}"
-            ) from None
+            v = _integral_exponent(text) if kind is int else None
+            if v is None:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is not {noun}{f' of {unit}' if unit else ''}"
+                ) from None
         if (
             not math.isfinite(v)
             or (gt is not None and not v > gt)
@@ -73,6 +75,18 @@ def bounded(
 
     parse.__name__ = name or kind.__name__  # messages name the type ("is not a valid positive_int")
     return parse
+
+
+def _integral_exponent(text: str) -> Optional[int]:
+    """``"2e9"`` -> 2000000000: an integer written in exponent form (as help texts show defaults);
+    None for anything else (``"2.5e0"``, ``"2.0"``, ``"nan"``)."""
+    if "e" not in text.strip().lower():
+        return None
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return int(f) if math.isfinite(f) and f.is_integer() else None
 
 
 positive_int = bounded(int, ge=1, name="positive_int")

@@ -18,6 +18,7 @@ import torch
 from ..step.config import MixedPrecisionConfig
 from ..step.engine import MixedPrecision
 from ..step.precision import PrecisionError, resolve_precision
+from ..step.rung import Rung, join_spec
 
 __all__ = ["apply_resume_flags", "resume_hint", "run_setting"]
 
@@ -69,6 +70,7 @@ def apply_resume_flags(
         for group in optimizer.param_groups:
             group["lr"] = lr
         notes.append(f"--lr {lr:g} replaces the checkpoint's {old_lr:g}")
+    requeued = False  # the run's own setting given again after a fallback: nothing to switch
     if "precision" in given and requested.precision != "auto":
         current, setting = amp.precision.name, run_setting(amp)
         try:
@@ -77,7 +79,8 @@ def apply_resume_flags(
             ).name
         except PrecisionError:
             wanted = requested.precision  # switch() below raises the clear error
-        if wanted == setting and current != setting:
+        requeued = wanted == setting and current != setting
+        if requeued:
             # The same command line again (a requeue, a restart): not a request to undo the fallback.
             notes.append(
                 f"--precision {requested.precision} is the run's own setting; it fell back to {current} "
@@ -91,7 +94,30 @@ def apply_resume_flags(
             )
     elif "precision" in given:
         notes.append(f"--precision auto keeps the checkpoint's {amp.precision.name}")
+    if not requeued:
+        notes += _rung_given(requested, given, amp)
     return notes
+
+
+def _rung_given(requested: MixedPrecisionConfig, given: set[str], amp: MixedPrecision) -> list[str]:
+    """A memory-ladder rung given for a resumed bf16-pure run (``--masters``, ``--state_dtype``, or
+    the whole rung with ``--precision``) that differs from the checkpoint's: a switch, said. The
+    same command line again asks for the rung the run has: nothing changes."""
+    spelled = "precision" in given and requested.precision != "auto"
+    flags = [f for f in ("masters", "state_dtype") if f in given]
+    if not (spelled or flags) or not amp.precision.row.has_ladder:
+        return []
+    now = Rung.of(amp.config)
+    want = Rung(
+        requested.masters if spelled or "masters" in flags else now.masters,
+        requested.state_dtype if spelled or "state_dtype" in flags else now.state_dtype,
+    )
+    if want == now:
+        return []
+    name = amp.precision.name
+    said = " ".join(f"--{f} {getattr(requested, f)}" for f in flags) or f"--precision {name}"
+    amp.switch(name, reason=f"{said} given on resume", **want.fields())
+    return [f"{said} switches the checkpoint's {join_spec(name, now)} to {join_spec(name, want)}"]
 
 
 def run_setting(amp: MixedPrecision) -> str:

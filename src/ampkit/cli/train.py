@@ -23,6 +23,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
+from ..step.rung import Rung
 from ..train.summary import opt_level
 from . import parallel, train_flags
 from .common import (
@@ -136,6 +137,10 @@ def _cmd_train(inv: Invocation) -> int:
     run = TrainInvocation(resolved, inv.argv, amp.config, inv.given, why)
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint_dir DIR (where to look for checkpoints)")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError(
+            "--checkpoint_every needs --checkpoint_dir DIR (where to write the checkpoints)"
+        )
     log_dir = args.log_dir  # None: runs/<stamp>-<precision>, once the precision that runs is known
     locks: list[
         Any
@@ -271,9 +276,11 @@ def _header(
         if world_size() > 1
         else str(device)
     )
+    rung = Rung.of(amp.config)  # a rung of bf16-pure's ladder is what runs: named, and told
+    name = amp.precision.name if rung.plain else f"{amp.precision.name}:{rung}"
     return (
         f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-        f"in [bold]{amp.precision.name}[/] (opt level {opt_level(amp.precision.name)}) — {why}"
+        f"in [bold]{name}[/] (opt level {opt_level(amp.precision.name)}) — {rung.describe(why)}"
     )
 
 

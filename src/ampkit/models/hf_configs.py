@@ -11,6 +11,7 @@ n_layer=2,n_embd=64``) change the config's fields.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any, Optional
 
@@ -126,19 +127,79 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
             raise ValueError(
                 f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})"
             )
-    overrides = {**fields, **(overrides or {})}
-    config = cls(**fields)
+    given = dict(overrides or {})
+    overrides = {**fields, **given}
+    config = _made(cls, fields, cls_name)
     unknown = [k for k in overrides if not hasattr(config, k)]
     if unknown:
+        names = [n for n in dir(config) if not n.startswith("_")]
+        hints = [difflib.get_close_matches(k, names, n=1) for k in unknown]
+        said = "; ".join(f"did you mean {h[0]!r} for {k!r}" for k, h in zip(unknown, hints) if h)
         raise ValueError(
             f"{cls_name} has no field(s) {', '.join(map(repr, unknown))} (from --model_config)"
+            + (f"; {said}" if said else "")
         )
-    config = cls(**overrides) if overrides else config
+    for key, value in given.items():
+        _check_field(cls_name, key, getattr(config, key), value)
+    for key in SIZES:
+        value = overrides.get(key)
+        if value is not None and not (isinstance(value, int) and value >= 1):
+            raise ValueError(
+                f"{cls_name} {key}={value!r}: a size or count, it must be an integer at least 1"
+            )
+    config = _made(cls, overrides, cls_name) if overrides else config
     if getattr(config, "vocab_size", 256) < 256:
         raise ValueError(
             f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256"
         )
     return config
+
+
+#: config fields that are sizes or counts (layers, widths, heads, vocabulary, positions): >= 1
+SIZES = (
+    "n_layer",
+    "num_hidden_layers",
+    "n_embd",
+    "hidden_size",
+    "n_head",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_inner",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+    "n_positions",
+    "max_position_embeddings",
+)
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a word"}
+
+
+def _check_field(cls_name: str, key: str, default: Any, value: Any) -> None:
+    """``value`` for field ``key`` has the type of the field's default (None: any value; a number
+    field takes an integer too); else ``ValueError`` with the value, the type and the default."""
+    want = type(default)
+    if want not in _KINDS or value is None:
+        return
+    if want is bool or isinstance(value, bool):
+        ok = want is bool and isinstance(value, bool)
+    elif want is float:
+        ok = isinstance(value, (int, float))
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        raise ValueError(
+            f"{cls_name} {key}={value!r} (from --model_config): the field takes {_KINDS[want]} "
+            f"(its default is {default!r})"
+        )
+
+
+def _made(cls: Any, fields: dict[str, Any], cls_name: str) -> Any:
+    """``cls(**fields)``, its own refusal (transformers' strict field checks) as a ``ValueError``."""
+    try:
+        return cls(**fields)
+    except Exception as e:  # noqa: BLE001 - any refusal of the config class, reported as bad input
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{cls_name} refuses these fields: {reason}") from None
 
 
 def max_positions(config: Any) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -189,8 +190,19 @@ def parse_device(name: str, flag: str = FLAGS[0]) -> Optional[GPU]:
         return None
     if key in DEVICES:
         return DEVICES[key]
+    near = [d for d in DEVICES if d.startswith(key + "-")] or difflib.get_close_matches(
+        key, list(DEVICES), n=1
+    )
+    hint = (
+        f" (did you mean {near[0]!r}?)"
+        if len(near) == 1
+        else f" (did you mean one of {', '.join(map(repr, near))}?)"
+        if near
+        else ""
+    )
     raise ValueError(
-        f"{flag} {name!r} is not a device a plan knows; choose cpu or one of: {', '.join(DEVICES)}"
+        f"{flag} {name!r} is not a device a plan knows{hint}; choose cpu or one of: "
+        f"{', '.join(DEVICES)}"
     )
 
 

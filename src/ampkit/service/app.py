@@ -29,7 +29,7 @@ from .. import __version__
 from . import lock
 from .auth import load_tokens
 from .checks import shown
-from .deps import Owner, Service
+from .deps import Owner, Service, warm_size_check
 from .middleware import BodyCap, RequestLog
 from .routes import finetuning, runs
 from .runner import Runner
@@ -60,6 +60,8 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
             config.data_dir
         )  # one server per data directory (DataDirBusy names the holder)
         try:
+            if config.max_params:
+                warm_size_check()  # before the server listens: the first size check imports nothing
             runner.start()
             yield
             runner.stop()

@@ -4,6 +4,7 @@ owner's run is a 404, as if it did not exist). ``submit`` is the one way a run i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import uuid
@@ -184,6 +185,16 @@ def hf_parameters(model: str, overrides: tuple[tuple[str, Any], ...]) -> int:
             f"model {model!r} cannot be built with {dict(overrides) or 'its defaults'}: "
             f"{type(e).__name__}: {e}"
         ) from None
+
+
+def warm_size_check() -> None:
+    """Import what :func:`hf_parameters` builds on (transformers' modeling code, torch._dynamo
+    underneath: 1.5-2 s and ~130 MB the first time) while the server starts, so that the first
+    request's size check answers at once instead of importing inside the request. Without
+    transformers (no ``serve`` extra) there is nothing to warm; a failure here is the request's to
+    report, never the start's."""
+    with contextlib.suppress(Exception):  # ImportError without transformers; else: the request's
+        hf_parameters("gpt2", (("n_layer", 1),))
 
 
 def check_size(model: str, overrides: dict[str, Any], max_params: Optional[int]) -> None:

@@ -121,17 +121,18 @@ def _serve_field(name: str) -> Any:
 
 class ServiceConfig(BaseModel):
     data_dir: str = "ampkit-service"
-    max_concurrent: int = _serve_field("max_concurrent")
-    queue_cap: int = _serve_field("queue_cap")  # queued runs per owner before 429
-    body_cap: int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
+    # Int/Float/Bool are strict: True is not 1, nor "8" a number (as in the request models)
+    max_concurrent: Int = _serve_field("max_concurrent")
+    queue_cap: Int = _serve_field("queue_cap")  # queued runs per owner before 429
+    body_cap: Int = Field(1 << 20, ge=1024)  # bytes; training texts travel in the body
     poll_s: Float = Field(0.2, gt=0)
     allowed_factories: tuple[str, ...] = ()
     # Hugging Face configs larger than max_params: 422; max_seconds: a run's limit when it gives none;
     # max_gpu_temp (°C): queued runs wait while a GPU is hotter. Bounds: ampkit serve's flags' (settings.py).
-    max_params: Optional[int] = _serve_field("max_params")
+    max_params: Optional[Int] = _serve_field("max_params")
     max_seconds: Optional[Float] = _serve_field("max_seconds")
     max_gpu_temp: Optional[Float] = _serve_field("max_gpu_temp")
-    private_docs: bool = False  # /docs and /openapi.json need a token too
+    private_docs: Bool = False  # /docs and /openapi.json need a token too
 
 
 class RunSpec(BaseModel):

@@ -113,6 +113,17 @@ class Rung:
         """What stands in for the fp32 master, in words (for ``describe()`` and the manifest)."""
         return _WHAT[self.masters]
 
+    def describe(self, reason: str) -> str:
+        """A precision's ``reason`` (e.g. "bfloat16 weights and compute; fp32 master weights") told
+        for this rung: what stands in for the masters, and bf16 optimizer states (run headers)."""
+        if self.plain:
+            return reason
+        what = f"masters: {self.what}" + (
+            "; optimizer states in bf16" if self.state_dtype == "bf16" else ""
+        )
+        plain = "fp32 master weights"
+        return reason.replace(plain, what) if plain in reason else f"{reason}; {what}"
+
     def fields(self) -> dict[str, Any]:
         """The config fields that spell this rung (``allow_stall`` only for the stalling one)."""
         out: dict[str, Any] = {"masters": self.masters, "state_dtype": self.state_dtype}

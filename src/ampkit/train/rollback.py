@@ -6,7 +6,8 @@ process, from host memory, for the :class:`~ampkit.train.trainer.Trainer` (``spi
 and for hand-written loops::
 
     guard = ampkit.SpikeGuard(model, optimizer, amp, keep=2, every=20)
-    data = guard.wrap(batches)        # data(i): the i-th batch not dropped by a rollback
+    data = guard.wrap(batches)        # data(i): the i-th batch not dropped by a rollback (a
+                                      # function of the index, or a DataLoader/list/generator)
     pos = guard.position              # where the guard's first snapshot is (0)
     while amp.optimizer_steps < 1000:
         with amp.autocast():
@@ -57,10 +58,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..loop.batches import BatchSource
 from ..loop.checkpoint import capture_rng, restore_rng
 from ..step.engine import Event, MixedPrecision
 
-__all__ = ["CAUSES", "SkippingBatches", "SpikeGuard"]
+__all__ = ["CAUSES", "ReplayedBatches", "SkippingBatches", "SpikeGuard"]
 
 #: the detector's causes, by bit of the per-step flag
 CAUSES = ("nonfinite_loss", "nonfinite_grads", "loss_zscore", "grad_norm_ratio")
@@ -96,6 +98,37 @@ class SkippingBatches:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["batches"], name)
+
+
+class ReplayedBatches:
+    """Batch ``i`` of an iterable (a DataLoader, a list, a generator or a factory of iterators, read
+    in order pass after pass as the Trainer reads it), for :meth:`SpikeGuard.wrap`. A rollback
+    returns at most to the guard's oldest snapshot, so only the batches from there on are kept
+    (``held`` of them): memory is about ``keep * every`` batches, not the run's."""
+
+    def __init__(self, source: BatchSource, guard: SpikeGuard) -> None:
+        self.source, self.guard = source, guard
+        self.first = 0  # the data index of the first batch kept
+        self._kept: deque[Any] = deque()
+
+    @property
+    def held(self) -> int:
+        """Batches kept in memory now."""
+        return len(self._kept)
+
+    def __call__(self, i: int) -> Any:
+        floor = min(i, self.guard.oldest_index())
+        while self._kept and self.first < floor:
+            self._kept.popleft()
+            self.first += 1
+        if i < self.first:
+            raise IndexError(
+                f"batch {i} of this iterable was read and let go (the guard's oldest snapshot is at "
+                f"batch {self.first}); a rollback never goes back that far"
+            )
+        while self.first + len(self._kept) <= i:
+            self._kept.append(self.source.next())
+        return self._kept[i - self.first]
 
 
 class SpikeGuard:
@@ -179,9 +212,16 @@ class SpikeGuard:
                 break
         return i
 
-    def wrap(self, batches: Callable[[int], Any]) -> SkippingBatches:
-        """``batches`` with the dropped indices skipped (attributes pass through)."""
-        return SkippingBatches(batches, self)
+    def wrap(self, batches: Any) -> SkippingBatches:
+        """``batches`` with the dropped indices skipped (attributes pass through): what the Trainer
+        takes, a function of the index or any iterable of batches (a DataLoader, a list, a generator:
+        read in order, the batches since the oldest snapshot kept, :class:`ReplayedBatches`)."""
+        source = BatchSource(batches)  # checks what it is (TypeError: not batches); reads nothing
+        return SkippingBatches(batches if source.indexed else ReplayedBatches(source, self), self)
+
+    def oldest_index(self) -> int:
+        """The data index of the oldest snapshot's position: as far back as a rollback can go."""
+        return self.index(self._ring[0].position) if self._ring else 0
 
     # ------------------------------------------------------------------ the per-step detector (no sync)
     def _on_event(self, event: Event) -> None:
