@@ -54,6 +54,7 @@ def test_service_config_takes_the_same_bounds_and_defaults():
         "max_params",
         "max_seconds",
         "max_gpu_temp",
+        "run_memory_gb",
     }
     for name in shared:
         b = SERVE_NUMBERS[name]

@@ -46,6 +46,7 @@ def cmd_serve(inv: Invocation) -> int:
         max_params=args.max_params,
         max_seconds=args.max_seconds,
         max_gpu_temp=args.max_gpu_temp,
+        run_memory_gb=args.run_memory_gb,
         private_docs=args.private_docs,
         header_timeout=args.header_timeout,
     )
@@ -86,6 +87,7 @@ def add_parser(sub: Any) -> None:
         help="largest request body; larger ones get 413 (default: 1MiB)",
     )
     number(p, "max_gpu_temp")
+    number(p, "run_memory_gb")
     number(p, "header_timeout")
     flag(
         p,

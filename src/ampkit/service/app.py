@@ -30,6 +30,7 @@ from . import lock
 from .auth import load_tokens
 from .checks import shown
 from .deps import Owner, Service, warm_size_check
+from .memcap import run_cap
 from .middleware import BodyCap, RequestLog
 from .routes import finetuning, runs
 from .runner import Runner
@@ -49,6 +50,7 @@ def create_app(config: ServiceConfig, tokens: Optional[dict[str, str]] = None) -
         max_concurrent=config.max_concurrent,
         poll_s=config.poll_s,
         max_gpu_temp=config.max_gpu_temp,
+        memory_cap=run_cap(config.run_memory_gb, config.max_concurrent),
     )
     svc = Service(
         config, store, runner, tokens if tokens is not None else load_tokens(config.data_dir)

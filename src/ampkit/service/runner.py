@@ -48,6 +48,7 @@ import time
 from typing import Any, Callable, Optional
 
 from .gpu import TempHold
+from .memcap import explain
 from .runfile import RUN_FILE, check_run_file, private_dir, write_run_file
 from .store import Store
 from .supervise import (
@@ -175,11 +176,13 @@ class Runner:
         poll_s: float = 0.2,
         max_gpu_temp: Optional[float] = None,
         read_temps: Optional[Callable[[], list[float]]] = None,
+        memory_cap: Optional[int] = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent={max_concurrent} must be >= 1")
         self.store, self.max_concurrent, self.poll_s = store, max_concurrent, poll_s
         self.hold = TempHold(max_gpu_temp, read_temps)
+        self.memory_cap = memory_cap  # bytes per run (service.memcap), applied by its supervisor
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._adopted: dict[str, int] = {}
         self.unrecorded: dict[
@@ -321,7 +324,8 @@ class Runner:
             check_run_file(d)  # cut short or changed: the run fails with why, it never trains on it
         with contextlib.suppress(FileNotFoundError):
             os.unlink(exit_path(d, attempt))  # a record left by an earlier launch of this attempt
-        write_private(launch_path(d, attempt), json.dumps({"argv": command_for(run)}).encode())
+        launch = {"argv": command_for(run), "memory_bytes": self.memory_cap}
+        write_private(launch_path(d, attempt), json.dumps(launch).encode())
         with (
             _private(os.path.join(d, f"stdout-{attempt}.json")) as out,
             _private(os.path.join(d, f"stderr-{attempt}.log")) as err,
@@ -390,6 +394,7 @@ class Runner:
                 error = failure or "ended, exit status unknown" + (
                     f"; its stderr ends: {tail}" if tail else ""
                 )
+        error = explain(error, self.memory_cap)
         fields = {
             "status": "succeeded" if ok else "failed",
             "ended": time.time(),

@@ -132,6 +132,7 @@ class ServiceConfig(BaseModel):
     max_params: Optional[Int] = _serve_field("max_params")
     max_seconds: Optional[Float] = _serve_field("max_seconds")
     max_gpu_temp: Optional[Float] = _serve_field("max_gpu_temp")
+    run_memory_gb: Optional[Float] = _serve_field("run_memory_gb")  # None: service.memcap's default
     private_docs: Bool = False  # /docs and /openapi.json need a token too
 
 

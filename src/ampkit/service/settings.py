@@ -54,6 +54,16 @@ SERVE_NUMBERS: dict[str, Bounded] = {
         "refuse Hugging Face config models with more parameters (default: 2e9)",
         ge=1,
     ),
+    "run_memory_gb": Bounded(
+        float,
+        None,
+        "each run's memory cap in GB (its processes' heap, RLIMIT_DATA): a run that needs more "
+        "fails with 'out of memory' instead of waking the machine's OOM killer (default: 90 percent of "
+        "this machine's memory, or its container's limit, divided by --max_concurrent)",
+        gt=0,
+        le=1e6,
+        unit="GB",
+    ),
     "max_gpu_temp": Bounded(
         float,
         None,

@@ -2,7 +2,9 @@
 
 The runner starts ``python -I -S .../supervise.py LAUNCH EXIT`` (:func:`supervisor_command`) in a
 session of its own; ``LAUNCH`` (``launch-N.json``, written by the runner) holds the run's command
-line, ``{"argv": [...]}``. The supervisor starts that command in *another* new session (the run's
+line and the run's memory cap, ``{"argv": [...], "memory_bytes": N}`` (``RLIMIT_DATA``, set
+before the start and so inherited by the run: :mod:`ampkit.service.memcap`; null: none). The
+supervisor starts that command in *another* new session (the run's
 process leads its own process group, as before, so the runner's ``killpg`` reaches the run and
 everything it started, never the supervisor), inheriting stdin/stdout/stderr, the directory, the
 umask and the environment, and writes ``EXIT`` (``exit-N.json``, 0600, replaced atomically):
@@ -129,7 +131,13 @@ def main(argv: list[str]) -> int:
     record: dict[str, Any] = {"supervisor": os.getpid()}
     try:
         with open(launch, encoding="utf-8") as f:
-            cmd = json.load(f)["argv"]
+            spec = json.load(f)
+        cmd, cap = spec["argv"], spec.get("memory_bytes")
+        if cap is not None:  # the run's memory cap (ampkit.service.memcap), inherited by the run
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_DATA, (int(cap), int(cap)))
+            record["memory_bytes"] = int(cap)
         child = subprocess.Popen(cmd, start_new_session=True)
     except Exception as e:  # an unreadable launch file, a command that cannot start
         error = f"{type(e).__name__}: {e}"

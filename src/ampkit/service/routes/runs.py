@@ -25,7 +25,9 @@ router = APIRouter()
 @router.get("/health")
 def health(svc: Svc, response: Response) -> dict[str, Any]:
     """No token. `200 {"status": "ok", "version": "0.1.0", "scheduler": {"alive": true,
-    "last_tick_s_ago": 0.12, "error": null}, "queued": 0, "running": 0}`. `scheduler.error` is the
+    "last_tick_s_ago": 0.12, "error": null}, "run_memory_bytes": 22000000000, "queued": 0, "running":
+    0}` (`run_memory_bytes`: each run's memory cap, `ampkit serve --run_memory_gb`; null: none).
+    `scheduler.error` is the
     last scheduler tick's error (a full disk, ...) until a tick succeeds. When the scheduler is not
     alive (its thread ended, or no tick finished for 300 s) or the database cannot be read
     (`store_error`): `503` with `"status": "degraded"` -- queued runs would not start. Where CUDA
@@ -38,6 +40,7 @@ def health(svc: Svc, response: Response) -> dict[str, Any]:
         "status": "ok" if scheduler["alive"] else "degraded",
         "version": __version__,
         "scheduler": scheduler,
+        "run_memory_bytes": svc.runner.memory_cap,
     }
     try:
         out["queued"], out["running"] = svc.store.count("queued"), svc.store.count("running")
