@@ -78,7 +78,7 @@ FLAGS = {
     """,
     "serve": """
         --data_dir --header_timeout --help --host --max_body --max_concurrent --max_gpu_temp --max_params
-        --max_seconds --port --private_docs --queue_cap -h
+        --max_seconds --port --private_docs --queue_cap --run_memory_gb -h
     """,
 }
 

@@ -223,13 +223,20 @@ def test_a_restarted_server_reports_how_readopted_runs_end(tmp_path):
 
 @pytest.mark.slow
 def test_health_answers_while_the_first_hugging_face_request_imports_transformers(tmp_path):
-    """The first Hugging Face request imports transformers (seconds to tens of seconds on a busy
-    machine) in a worker thread of the server, never on its event loop: /health answers meanwhile."""
+    """A Hugging Face request that imports transformers (seconds to tens of seconds on a busy
+    machine) does it in a worker thread of the server, never on its event loop: /health answers
+    meanwhile. (``ampkit serve`` now imports it while it starts, ``deps.warm_size_check``: turned
+    off here, so that the request still imports it, as in an app embedded without the warm-up.)"""
     pytest.importorskip("transformers")
     import threading
 
     httpx = pytest.importorskip("httpx")
-    proc, c = _serve(str(tmp_path / "svc"))
+    launcher = (
+        "import sys; import ampkit.service.deps as d, ampkit.service.app as a; "
+        "a.warm_size_check = d.warm_size_check = lambda: None; "
+        "from ampkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc, c = _serve(str(tmp_path / "svc"), launcher=launcher)
     health = httpx.Client(base_url=str(c.base_url), timeout=60)
     try:
         done: dict[str, object] = {}
