@@ -13,6 +13,8 @@ from ampkit import MixedPrecision
 from ampkit.step.policies import native, native_adam
 from ampkit.step.policies.pure.ladder import LadderWeights
 
+FASTER = getattr(native_adam, "faster", None)  # (the module's rule, before the fixture below replaces it)
+
 needs_native = pytest.mark.skipif(
     not native.enabled(), reason="native kernels off (no C compiler, or AMPKIT_NO_NATIVE=1)"
 )
@@ -86,6 +88,13 @@ def _assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.dtype == y.dtype and x.shape == y.shape, i
         assert torch.equal(_bits(x), _bits(y)), f"tensor {i} differs"
+
+
+@pytest.fixture(autouse=True)
+def everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel wherever it is bitwise, faster than the generic step or not on this CPU (the
+    bitwise checks below run on every CPU; the speed rule has its own test)."""
+    monkeypatch.setattr(native_adam, "faster", lambda *a: True)
 
 
 @pytest.fixture
@@ -269,3 +278,37 @@ def test_training_checkpoints_are_the_same_with_the_fused_step(
         _assert_bitwise(list(a.values()), list(b.values()))
     assert fused[1]["param_groups"] == generic[1]["param_groups"]
     assert torch.equal(fused[2]["generator"], generic[2]["generator"])
+
+
+@needs_native
+def test_the_fused_step_runs_only_where_it_is_faster_than_the_generic_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Measured (docs/benchmarks.md, "Fused Adam without AVX-512"): without a fused multiply-add
+    instruction never (each fmaf a libm call), with AVX2 + FMA only with bf16 states, with AVX-512
+    all but fp32 masters + fp32 states; the level is the library's own (its clones' choice)."""
+    monkeypatch.setattr(native_adam, "faster", FASTER)  # (the real rule)
+    lib = native.library()
+    assert native_adam.isa(lib) in (0, 1, 2)
+    kinds = [(w, s) for w in (0, 1, 2) for s in (0, 1)]
+    assert [native_adam.faster(w, s, 0) for w, s in kinds] == [False] * 6
+    assert [native_adam.faster(w, s, 1) for w, s in kinds] == [False, True] * 3
+    assert [native_adam.faster(w, s, 2) for w, s in kinds] == [False] + [True] * 5
+    for level in (0, 1, 2):
+        monkeypatch.setattr(native_adam, "isa", lambda lib, level=level: level)
+        for rung in ("fp32", "split", "stochastic"):
+            for bf16 in (False, True):
+                wk, sk = native_adam.kind(rung), int(bf16)
+                want = native_adam.faster(wk, sk, level) and native_adam.variant(wk, sk) is not None
+                assert native_adam.covers(rung, bf16, False) == want, (level, rung, bf16)
+
+
+@needs_native
+def test_fp32_masters_with_fp32_states_take_the_generic_step(
+    calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(the generic step there is torch's own fused kernel on the masters: the kernel is slower)"""
+    monkeypatch.setattr(native_adam, "faster", FASTER)
+    lw, opt = _make("fp32", "fp32", torch.optim.AdamW)
+    _train(lw, opt, steps=2)
+    assert calls == []

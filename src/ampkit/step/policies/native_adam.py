@@ -38,7 +38,7 @@ from ..logs import logger
 from . import native
 from .pure import eager
 
-__all__ = ["Tensors", "covers", "kind", "step", "variant"]
+__all__ = ["Tensors", "covers", "faster", "isa", "kind", "step", "variant"]
 
 
 def kind(rung: str) -> Optional[int]:
@@ -405,14 +405,37 @@ def _run(
 
 
 def covers(rung: str, state_bf16: bool, maximize: bool) -> bool:
-    """Whether the fused step runs for this rung and option here (loaded, probed, covered). Not
-    with ``maximize``: there torch's compiler folded the negated gradient into later operations
-    differently in each of its loops (which sign a NaN or a zero ends with), which this kernel
-    does not follow."""
+    """Whether the fused step runs for this rung and option here (loaded, probed, covered, and
+    :func:`faster` than the generic step on this CPU). Not with ``maximize``: there torch's
+    compiler folded the negated gradient into later operations differently in each of its loops
+    (which sign a NaN or a zero ends with), which this kernel does not follow."""
     wk = kind(rung)
     if wk is None or maximize:
         return False
-    return variant(wk, int(state_bf16)) is not None
+    lib = native.library() if variant(wk, int(state_bf16)) is not None else None
+    return lib is not None and faster(wk, int(state_bf16), isa(lib))
+
+
+def isa(lib: ctypes.CDLL) -> int:
+    """Which of the kernel's loops runs on this CPU (``ampkit_adam_isa``): 2 its x86-64-v4
+    (AVX-512) clone, 1 x86-64-v3 (AVX2 + FMA), 0 one without a fused multiply-add instruction."""
+    fn = lib.ampkit_adam_isa
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return int(fn())
+
+
+def faster(wk: int, sk: int, level: int) -> bool:
+    """Whether the kernel (weight kind ``wk``, state kind ``sk``) beats the generic step with loops
+    of ISA ``level`` (:func:`isa`), as measured, one thread, 1M-element pieces (docs/benchmarks.md,
+    "Fused Adam without AVX-512"): never without a fused multiply-add instruction (each ``fmaf`` a
+    libm call: 2-7x slower); with AVX2 + FMA only with bf16 states (0.7-0.85x the generic step;
+    fp32 states 1.05-1.1x); with AVX-512 every kind but fp32 masters with fp32 states (there the
+    generic step is torch's own kernel on the masters and a bf16 copy: 1.1-1.3x)."""
+    if level <= 0:
+        return False
+    if sk == 1:
+        return True
+    return level >= 2 and wk != 0
 
 
 def _probe(
