@@ -13,7 +13,8 @@ from ampkit import MixedPrecision
 from ampkit.step.policies import native, native_adam
 from ampkit.step.policies.pure.ladder import LadderWeights
 
-FASTER = getattr(native_adam, "faster", None)  # (the module's rule, before the fixture below replaces it)
+#: the module's rule (the fixture below replaces it)
+FASTER = getattr(native_adam, "faster", None)
 
 needs_native = pytest.mark.skipif(
     not native.enabled(), reason="native kernels off (no C compiler, or AMPKIT_NO_NATIVE=1)"
