@@ -313,3 +313,39 @@ def test_fp32_masters_with_fp32_states_take_the_generic_step(
     lw, opt = _make("fp32", "fp32", torch.optim.AdamW)
     _train(lw, opt, steps=2)
     assert calls == []
+
+
+def _hooked(rung: tuple[str, str], seen: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Training with a step pre-hook that sets each step's lr (a warmup) and a post-hook that
+    records the model's weights (an EMA would read them there)."""
+    lw, opt = _make(*rung, torch.optim.AdamW, weight_decay=0.1)
+    count = [0]
+
+    def warmup(o: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        count[0] += 1
+        for g in o.param_groups:
+            g["lr"] = 1e-2 * min(1.0, count[0] / 3)
+
+    opt.register_step_pre_hook(warmup)
+    opt.register_step_post_hook(lambda o, a, k: seen.append([h.clone() for h in lw.halves]))
+    return _train(lw, opt, steps=4)
+
+
+@needs_native
+@pytest.mark.parametrize("rung", RUNGS[:2], ids=["+".join(r) for r in RUNGS[:2]])
+def test_step_hooks_see_what_the_generic_step_gives_them(
+    rung: tuple[str, str], calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-hook's lr is the one stepped with (the fused step read the groups before the hooks
+    ran), and a post-hook reads the stepped weights (it ran before the kernel)."""
+    seen: list[list[torch.Tensor]] = []
+    fused = _hooked(rung, seen)
+    assert calls
+    n = len(fused) // 4  # (each step's record begins with the model's weights)
+    after = [fused[k * n : k * n + len(seen[0])] for k in range(4)]
+    # (the first step is the generic one: one optimizer call, and post-hook call, per chunk)
+    assert len(seen) > 4
+    for got, want in zip(seen[-3:], after[1:]):
+        _assert_bitwise(got, want)
+    _generic(monkeypatch)
+    _assert_bitwise(fused, _hooked(rung, []))
