@@ -270,3 +270,23 @@ def test_a_small_model_keeps_a_small_scratch(rung):
     n = sum(p.numel() for p in model.parameters())
     scratch = breakdown(model, opt, amp).by_category["scratch"]
     assert 0 < scratch <= 16 * (-(-n // ALIGN) * ALIGN), (scratch, n)
+
+
+@pytest.mark.parametrize("masters", ["split", "stochastic"])
+def test_a_weight_of_no_elements_first_steps(masters):
+    """A zero-size weight first in the optimizer (an empty embedding, a pruned layer) was an
+    IndexError in the step's plan (no call opened yet for it to join)."""
+    assert plan([0, 5], [0, 1], 1024, cut=True) == [[(0, 0, 0, True), (1, 0, 5, True)]]
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.z = torch.nn.Parameter(torch.randn(0, 5))
+    model.w = torch.nn.Parameter(torch.randn(40))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    lw = LadderWeights(model, [opt], torch.bfloat16, (), masters, "bf16")
+    before = model.w.detach().clone()
+    for _ in range(2):
+        for m in lw.masters:
+            m.grad = torch.ones(m.shape)
+        opt.step()
+    assert model.z.shape == (0, 5)
+    assert (model.w <= before).all() and (model.w < before).any()  # (against the gradient)

@@ -71,7 +71,7 @@ def plan(
             )
             size = budget
             continue
-        if size + n > budget:
+        if not calls or size + n > budget:  # (a first weight of no elements opens one too)
             calls.append([])
             size = 0
         calls[-1].append(Segment(i, 0, n, True))
