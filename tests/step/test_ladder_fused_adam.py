@@ -11,6 +11,7 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.step.policies import native, native_adam
+from ampkit.step.policies.pure import eager
 from ampkit.step.policies.pure.ladder import LadderWeights
 
 #: the module's rule (the fixture below replaces it)
@@ -349,3 +350,31 @@ def test_step_hooks_see_what_the_generic_step_gives_them(
         _assert_bitwise(got, want)
     _generic(monkeypatch)
     _assert_bitwise(fused, _hooked(rung, []))
+
+
+@needs_native
+@pytest.mark.parametrize("sk", [0, 1], ids=["fp32-states", "bf16-states"])
+def test_a_split_nan_stored_as_a_zero_weight_meets_a_made_nan_as_torch_has_it(sk: int) -> None:
+    """A quiet NaN with every high mantissa bit set splits into a weight of -0 (0x8000) and a
+    negative remainder: its block must take the NaN-ordered loop (the weight alone looked finite)
+    where it meets the default NaN of inf / inf (an overflowed exp_avg over an overflowed
+    exp_avg_sq). (On this compiler the fast loop happened to order them as torch does; the probe
+    now holds these NaNs too.)"""
+    var = native_adam.variant(1, sk)
+    if var is None:
+        pytest.skip("the probe keeps the generic step for split weights here")
+    n = 1024
+    x = torch.full((n,), 0.5)
+    x[100] = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    hi, rem = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+    eager.split_fp32(x.clone(), hi, rem)
+    assert hi.view(torch.int16)[100] == -32768  # (0x8000: -0)
+    g, m, v = torch.full((n,), 1e-3), torch.zeros(n), torch.full((n,), 1e-6)
+    g[100], m[100] = 3.4e38, -3.4e38
+    if sk:
+        m, v = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    d = {"w": [hi], "wx": [rem], "g": [g], "m": [m], "v": [v]}
+    cfg = (True, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, 3.0)
+    want = native_adam._generic(1, sk, d, cfg, 1, 2)
+    got = native_adam._fused(native.library(), 1, sk, d, cfg, 1, 2, var, 1)
+    _assert_bitwise(got, want)

@@ -244,6 +244,10 @@ def _configs() -> list[tuple[bool, bool, float, float, float, float, float, floa
                 out.append(
                     (adamw, maximize, 1e-3 if step != 7.0 else 0.37, b1, 0.999, 1e-8, wd, step)
                 )
+    # lr 0 (AdamW's decay by exactly 1), the lerp weight 1 - beta1 at 0.5 (torch's large-weight
+    # form), beta2 near 1, and a step count whose bias corrections are 1 (Adam's coupled decay)
+    out.append((True, False, 0.0, 0.5, 0.99999, 1e-8, 0.1, 3.0))
+    out.append((False, False, 1e-3, 0.9, 0.99999, 1e-6, 0.01, 1e6))
     # A pair for which ``1 - lr * wd`` rounds to another float with one fused multiply-add than
     # with two roundings (1 - 2**-24 vs 1.0): it tells the decay's candidates apart.
     out.append((True, False, 2.0**-25 * (1 + 2.0**-30), 0.9, 0.999, 1e-8, 1 + 2.0**-30, 3.0))
@@ -279,6 +283,11 @@ def _inputs(wk: int, sk: int, sizes: Sequence[int], seed: int) -> dict[str, list
             pick = (torch.rand(n, generator=g) < 0.1) & edge
             t[pick] = nans.view(torch.float32)[pick]
         v[v < 0] = 0.25
+        # quiet NaNs with every mantissa bit above the low half set: ``split`` stores them as a
+        # weight of +-0 or -0 (0x8000) and a negative remainder (the fast loop must not take them)
+        hidden = torch.tensor([0x7FFFFFFF, -32767, 0x7FFF8000, -1], dtype=torch.int32)
+        pick = (torch.rand(n, generator=g) < 0.02) & edge
+        x[pick] = hidden.view(torch.float32)[torch.randint(0, 4, (int(pick.sum()),), generator=g)]
         v[torch.rand(n, generator=g) < 0.03] = 1e-42
         if wk == 0:
             out["w"].append(x)
