@@ -58,6 +58,7 @@ _lock = threading.Lock()
 _found: dict[tuple[int, int], Optional[tuple[int, int]]] = {}
 _P, _N = ctypes.c_void_p, ctypes.c_int64
 _typed: set[int] = set()
+_isa: dict[int, int] = {}  # (by the library's id: asked once)
 
 
 class Tensors:
@@ -428,9 +429,11 @@ def covers(rung: str, state_bf16: bool, maximize: bool) -> bool:
 def isa(lib: ctypes.CDLL) -> int:
     """Which of the kernel's loops runs on this CPU (``ampkit_adam_isa``): 2 its x86-64-v4
     (AVX-512) clone, 1 x86-64-v3 (AVX2 + FMA), 0 one without a fused multiply-add instruction."""
-    fn = lib.ampkit_adam_isa
-    fn.argtypes, fn.restype = [], ctypes.c_int
-    return int(fn())
+    if id(lib) not in _isa:
+        fn = lib.ampkit_adam_isa
+        fn.argtypes, fn.restype = [], ctypes.c_int
+        _isa[id(lib)] = int(fn())
+    return _isa[id(lib)]
 
 
 def faster(wk: int, sk: int, level: int) -> bool:

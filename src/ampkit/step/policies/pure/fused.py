@@ -101,9 +101,13 @@ class FusedAdam:
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         sdt = torch.bfloat16 if bf16 else torch.float32
         hyper: dict[int, tuple[tuple, int]] = {}
+        per_group: dict[int, Optional[tuple[tuple, int]]] = {}  # (read once per group)
         for i in ids:
             m = lw.masters[i]
-            got = _hyper(opt, group_of[id(m)], lw.rung, bf16)
+            group = group_of[id(m)]
+            if id(group) not in per_group:
+                per_group[id(group)] = _hyper(opt, group, lw.rung, bf16)
+            got = per_group[id(group)]
             g, state = grads.get(id(m)), opt.state.get(m)
             if got is None or g is None or not state or m.dim() == 0:
                 return None
@@ -168,8 +172,12 @@ class FusedAdam:
         lw = self.lw
         bf16 = lw.state_dtype == "bf16"
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        per_group: dict[int, Optional[tuple[tuple, int]]] = {}
         for i in self.hyper:
-            got = _hyper(opt, group_of[id(lw.masters[i])], lw.rung, bf16)
+            group = group_of[id(lw.masters[i])]
+            if id(group) not in per_group:
+                per_group[id(group)] = _hyper(opt, group, lw.rung, bf16)
+            got = per_group[id(group)]
             if got is None:
                 raise RuntimeError(
                     "ampkit: a step pre-hook changed an optimizer group's options to ones the "
