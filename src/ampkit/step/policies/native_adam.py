@@ -22,6 +22,11 @@ kind, state kind) and each candidate (vector width, how ``1 - lr * weight_decay`
 first candidate equal on every bit of the rung's storage is used, and a kind with none stays on
 the generic path (one ``DEBUG`` line on the ``"ampkit"`` logger). ``maximize`` is not covered
 (:func:`covers`). ``AMPKIT_NO_NATIVE=1`` turns it off with the other kernels.
+
+**Only where faster.** The library's clones are x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and
+baseline; it says which one runs (:func:`isa`), and :func:`faster` keeps the generic step where
+the kernel measured slower (no FMA instruction: every ``fmaf`` a libm call; fp32 states without
+AVX-512; fp32 masters with fp32 states).
 """
 
 from __future__ import annotations
