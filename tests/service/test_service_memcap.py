@@ -36,6 +36,34 @@ def test_the_cgroup_limit_counts_when_lower(monkeypatch, tmp_path) -> None:
     assert memcap.machine_bytes() > 1 << 30  # no limit: the machine's memory
 
 
+@pytest.mark.parametrize(
+    "line, root, name",
+    [
+        ("0::/system.slice/slurmstepd.scope/job_7", "", "memory.max"),  # cgroup v2
+        ("4:memory:/slurm/uid_1/job_7\n3:cpu:/", "memory", "memory.limit_in_bytes"),  # v1
+    ],
+    ids=["v2", "v1"],
+)
+def test_the_limit_of_this_process_own_cgroup_counts(monkeypatch, tmp_path, line, root, name):
+    """A cgroup that is not the mount's root (a Slurm job, a systemd slice, a container without
+    its own cgroup namespace): its limit, or an ancestor's, was missed (the default cap was the
+    machine's memory, over the job's limit: the OOM killer again)."""
+    proc = tmp_path / "cgroup"
+    proc.write_text(line + "\n")
+    fs = tmp_path / "fs"
+    parts = line.split(":", 2)[2].splitlines()[0].strip("/").split("/")
+    (fs / root / parts[0]).mkdir(parents=True)
+    (fs / root / parts[0] / name).write_text("2147483648\n")  # an ancestor's limit
+    (fs / root / "/".join(parts)).mkdir(parents=True)
+    (fs / root / "/".join(parts) / name).write_text(
+        "max\n" if root == "" else "9223372036854771712\n"
+    )
+    monkeypatch.setattr(memcap, "_CGROUP_LIMITS", ())
+    monkeypatch.setattr(memcap, "_PROC_CGROUP", str(proc))
+    monkeypatch.setattr(memcap, "_CGROUP_ROOT", str(fs))
+    assert memcap.machine_bytes() == 2 << 30  # (a machine with more memory than 2 GiB)
+
+
 def test_an_allocation_error_names_the_cap() -> None:
     err = "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
     said = memcap.explain(err, 1_500_000_000)

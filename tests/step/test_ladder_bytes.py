@@ -270,3 +270,56 @@ def test_a_small_model_keeps_a_small_scratch(rung):
     n = sum(p.numel() for p in model.parameters())
     scratch = breakdown(model, opt, amp).by_category["scratch"]
     assert 0 < scratch <= 16 * (-(-n // ALIGN) * ALIGN), (scratch, n)
+
+
+@pytest.mark.parametrize("masters", ["split", "stochastic"])
+def test_a_weight_of_no_elements_first_steps(masters):
+    """A zero-size weight first in the optimizer (an empty embedding, a pruned layer) was an
+    IndexError in the step's plan (no call opened yet for it to join)."""
+    assert plan([0, 5], [0, 1], 1024, cut=True) == [[(0, 0, 0, True), (1, 0, 5, True)]]
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.z = torch.nn.Parameter(torch.randn(0, 5))
+    model.w = torch.nn.Parameter(torch.randn(40))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    lw = LadderWeights(model, [opt], torch.bfloat16, (), masters, "bf16")
+    before = model.w.detach().clone()
+    for _ in range(2):
+        for m in lw.masters:
+            m.grad = torch.ones(m.shape)
+        opt.step()
+    assert model.z.shape == (0, 5)
+    assert (model.w <= before).all() and (model.w < before).any()  # (against the gradient)
+
+
+@pytest.mark.parametrize("masters", ["split", "kahan", "stochastic", "fp32"])
+def test_the_ladder_steps_under_a_float64_default_dtype(masters):
+    """``torch.set_default_dtype(torch.float64)``: the ladder's fp32 buffers (the chunk, its
+    scratch, the arena, ``fp32_value``) were made in the default dtype, and the first step failed
+    ('The size of tensor a (4096) must match the size of tensor b (2048)'). Now bitwise the same
+    steps as under fp32."""
+
+    def run(default: torch.dtype) -> list[torch.Tensor]:
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(64, 32, dtype=torch.float32)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            lw = LadderWeights(model, [opt], torch.bfloat16, (), masters, "bf16")
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                for m in lw.masters:
+                    m.grad = torch.randn(m.shape, generator=gen, dtype=torch.float32)
+                opt.step()
+            out = [lw.fp32_value(i) for i in range(len(lw.masters))]
+            return out + [h.detach().clone() for h in lw.halves]
+        finally:
+            torch.set_default_dtype(before)
+
+    want, got = run(torch.float32), run(torch.float64)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert all(
+        torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+        for a, b in zip(want, got)
+    )

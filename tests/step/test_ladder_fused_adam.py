@@ -11,7 +11,11 @@ import torch
 
 from ampkit import MixedPrecision
 from ampkit.step.policies import native, native_adam
+from ampkit.step.policies.pure import eager
 from ampkit.step.policies.pure.ladder import LadderWeights
+
+#: the module's rule (the fixture below replaces it)
+FASTER = getattr(native_adam, "faster", None)
 
 needs_native = pytest.mark.skipif(
     not native.enabled(), reason="native kernels off (no C compiler, or AMPKIT_NO_NATIVE=1)"
@@ -86,6 +90,13 @@ def _assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.dtype == y.dtype and x.shape == y.shape, i
         assert torch.equal(_bits(x), _bits(y)), f"tensor {i} differs"
+
+
+@pytest.fixture(autouse=True)
+def everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel wherever it is bitwise, faster than the generic step or not on this CPU (the
+    bitwise checks below run on every CPU; the speed rule has its own test)."""
+    monkeypatch.setattr(native_adam, "faster", lambda *a: True)
 
 
 @pytest.fixture
@@ -269,3 +280,144 @@ def test_training_checkpoints_are_the_same_with_the_fused_step(
         _assert_bitwise(list(a.values()), list(b.values()))
     assert fused[1]["param_groups"] == generic[1]["param_groups"]
     assert torch.equal(fused[2]["generator"], generic[2]["generator"])
+
+
+@needs_native
+def test_the_fused_step_runs_only_where_it_is_faster_than_the_generic_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Measured (docs/benchmarks.md, "Fused Adam without AVX-512"): without a fused multiply-add
+    instruction never (each fmaf a libm call), with AVX2 + FMA only with bf16 states, with AVX-512
+    all but fp32 masters + fp32 states; the level is the library's own (its clones' choice)."""
+    monkeypatch.setattr(native_adam, "faster", FASTER)  # (the real rule)
+    lib = native.library()
+    assert native_adam.isa(lib) in (0, 1, 2)
+    kinds = [(w, s) for w in (0, 1, 2) for s in (0, 1)]
+    assert [native_adam.faster(w, s, 0) for w, s in kinds] == [False] * 6
+    assert [native_adam.faster(w, s, 1) for w, s in kinds] == [False, True] * 3
+    assert [native_adam.faster(w, s, 2) for w, s in kinds] == [False] + [True] * 5
+    for level in (0, 1, 2):
+        monkeypatch.setattr(native_adam, "isa", lambda lib, level=level: level)
+        for rung in ("fp32", "split", "stochastic"):
+            for bf16 in (False, True):
+                wk, sk = native_adam.kind(rung), int(bf16)
+                want = native_adam.faster(wk, sk, level) and native_adam.variant(wk, sk) is not None
+                assert native_adam.covers(rung, bf16, False) == want, (level, rung, bf16)
+
+
+@needs_native
+def test_fp32_masters_with_fp32_states_take_the_generic_step(
+    calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(the generic step there is torch's own fused kernel on the masters: the kernel is slower)"""
+    monkeypatch.setattr(native_adam, "faster", FASTER)
+    lw, opt = _make("fp32", "fp32", torch.optim.AdamW)
+    _train(lw, opt, steps=2)
+    assert calls == []
+
+
+def _hooked(rung: tuple[str, str], seen: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Training with a step pre-hook that sets each step's lr (a warmup) and a post-hook that
+    records the model's weights (an EMA would read them there)."""
+    lw, opt = _make(*rung, torch.optim.AdamW, weight_decay=0.1)
+    count = [0]
+
+    def warmup(o: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        count[0] += 1
+        for g in o.param_groups:
+            g["lr"] = 1e-2 * min(1.0, count[0] / 3)
+
+    opt.register_step_pre_hook(warmup)
+    opt.register_step_post_hook(lambda o, a, k: seen.append([h.clone() for h in lw.halves]))
+    return _train(lw, opt, steps=4)
+
+
+@needs_native
+@pytest.mark.parametrize("rung", RUNGS[:2], ids=["+".join(r) for r in RUNGS[:2]])
+def test_step_hooks_see_what_the_generic_step_gives_them(
+    rung: tuple[str, str], calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-hook's lr is the one stepped with (the fused step read the groups before the hooks
+    ran), and a post-hook reads the stepped weights (it ran before the kernel)."""
+    seen: list[list[torch.Tensor]] = []
+    fused = _hooked(rung, seen)
+    assert calls
+    n = len(fused) // 4  # (each step's record begins with the model's weights)
+    after = [fused[k * n : k * n + len(seen[0])] for k in range(4)]
+    # (the first step is the generic one: one optimizer call, and post-hook call, per chunk)
+    assert len(seen) > 4
+    for got, want in zip(seen[-3:], after[1:]):
+        _assert_bitwise(got, want)
+    _generic(monkeypatch)
+    _assert_bitwise(fused, _hooked(rung, []))
+
+
+@needs_native
+@pytest.mark.parametrize("sk", [0, 1], ids=["fp32-states", "bf16-states"])
+def test_a_split_nan_stored_as_a_zero_weight_meets_a_made_nan_as_torch_has_it(sk: int) -> None:
+    """A quiet NaN with every high mantissa bit set splits into a weight of -0 (0x8000) and a
+    negative remainder: its block must take the NaN-ordered loop (the weight alone looked finite)
+    where it meets the default NaN of inf / inf (an overflowed exp_avg over an overflowed
+    exp_avg_sq). (On this compiler the fast loop happened to order them as torch does; the probe
+    now holds these NaNs too.)"""
+    var = native_adam.variant(1, sk)
+    if var is None:
+        pytest.skip("the probe keeps the generic step for split weights here")
+    n = 1024
+    x = torch.full((n,), 0.5)
+    x[100] = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    hi, rem = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+    eager.split_fp32(x.clone(), hi, rem)
+    assert hi.view(torch.int16)[100] == -32768  # (0x8000: -0)
+    g, m, v = torch.full((n,), 1e-3), torch.zeros(n), torch.full((n,), 1e-6)
+    g[100], m[100] = 3.4e38, -3.4e38
+    if sk:
+        m, v = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    d = {"w": [hi], "wx": [rem], "g": [g], "m": [m], "v": [v]}
+    cfg = (True, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, 3.0)
+    want = native_adam._generic(1, sk, d, cfg, 1, 2)
+    got = native_adam._fused(native.library(), 1, sk, d, cfg, 1, 2, var, 1)
+    _assert_bitwise(got, want)
+
+
+def _groups_and_resume() -> list[torch.Tensor]:
+    """Two groups of different hyper-parameters (Adam's coupled decay in one), two steps, the
+    optimizer's and the rung's state saved and loaded into a new setup, a group added after it,
+    two more steps."""
+
+    def make() -> tuple[Model, LadderWeights, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Model()
+        groups = [
+            {"params": [model.emb, model.one], "weight_decay": 0.3, "betas": (0.8, 0.95)},
+            {"params": [model.w, model.b], "lr": 3e-3, "eps": 1e-6},
+        ]
+        opt = torch.optim.Adam(groups, lr=1e-2, fused=True)
+        lw = LadderWeights(model, [opt], torch.bfloat16, (), "split", "bf16", 1 << 20)
+        return model, lw, opt
+
+    _, lw, opt = make()
+    seen = _train(lw, opt, steps=2)
+    saved = copy.deepcopy((opt.state_dict(), lw.state_dict(), [h.detach() for h in lw.halves]))
+    _, lw, opt = make()
+    opt.load_state_dict(saved[0])
+    lw.load_state_dict(saved[1])
+    with torch.no_grad():
+        for h, s in zip(lw.halves, saved[2]):
+            h.copy_(s)
+    extra = torch.nn.Parameter(torch.ones(5))
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    extra.grad = torch.ones(5)
+    seen += _train(lw, opt, steps=2) + [extra.detach().clone()]
+    assert all(opt.state[m]["exp_avg"].dtype == torch.bfloat16 for m in lw.masters)
+    return seen
+
+
+@needs_native
+def test_groups_a_resume_and_a_group_added_later_are_bitwise_the_generic_step(
+    calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fused = _groups_and_resume()
+    assert len(calls) >= 3  # (the step after the resume too: states loaded, not made)
+    _generic(monkeypatch)
+    _assert_bitwise(fused, _groups_and_resume())

@@ -8,7 +8,8 @@ torch's CPU allocator takes), set by the run's supervisor before it starts the r
 (:mod:`ampkit.service.supervise`), so every process the run starts inherits it; an allocation
 over it fails in the process that asked (torch: ``RuntimeError: ... can't allocate memory``) and
 the run fails with that reason (:func:`explain`). Default: 90% of this machine's memory (or of the
-container's cgroup limit, when lower) divided by ``max_concurrent``; ``ampkit serve
+lowest cgroup limit above the server -- its container's, its Slurm job's -- when lower) divided by
+``max_concurrent``; ``ampkit serve
 --run_memory_gb`` sets it. GPU memory is not capped here (the CUDA allocator has its own limit).
 """
 
@@ -28,13 +29,41 @@ _CGROUP_LIMITS = (
 )
 
 
+#: this process's cgroups (``hierarchy:controllers:path`` lines) and where the hierarchies are mounted
+_PROC_CGROUP = "/proc/self/cgroup"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _own_limits() -> list[str]:
+    """The memory limit files of this process's own cgroup and of each of its ancestors (a cgroup
+    below the mount's root: a Slurm job, a systemd slice, a container without a cgroup
+    namespace), cgroup v2 and v1."""
+    try:
+        with open(_PROC_CGROUP, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and not controllers:
+            root, name = _CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = os.path.join(_CGROUP_ROOT, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p != ".."]
+        out += [os.path.join(root, *parts[:k], name) for k in range(len(parts), 0, -1)]
+    return out
+
+
 def machine_bytes() -> Optional[int]:
-    """This machine's memory in bytes, or the container's cgroup limit when lower; None when
-    neither can be read."""
+    """This machine's memory in bytes, or the lowest cgroup limit above this process (its
+    container's, its job's) when lower; None when neither can be read."""
     found = []
     with contextlib.suppress(ValueError, OSError, AttributeError):
         found.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    for path in _CGROUP_LIMITS:
+    for path in (*_CGROUP_LIMITS, *_own_limits()):
         try:
             with open(path, encoding="ascii") as f:
                 text = f.read().strip()

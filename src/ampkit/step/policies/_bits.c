@@ -26,9 +26,15 @@
 #define CLONES __attribute__((target_clones("avx2", "default")))
 /* the stochastic kernel's hash multiplies 64-bit lanes: AVX-512 has them (vpmullq), AVX2 emulates */
 #define CLONES64 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+/* the fused Adam kernel's: x86-64-v3 is AVX2 with FMA (its fmaf one instruction; an "avx2" clone
+   calls libm's fmaf per element and does not vectorize: 3-11x slower than the generic step) */
+#define CLONES_FMA __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define CLONES64_FMA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
 #define CLONES64
+#define CLONES_FMA
+#define CLONES64_FMA
 #endif
 
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -395,10 +401,10 @@ static inline __attribute__((always_inline)) void adam_block(
     }
 }
 
-/* the NaN-ordered loop, one per kind (AVX2 at most: it runs on blocks with a non-finite input and
-   on the tails only, and fewer clones keep the first compile short) */
+/* the NaN-ordered loop, one per kind (x86-64-v3 at most: it runs on blocks with a non-finite input
+   and on the tails only, and fewer clones keep the first compile short) */
 #define ADAM_EXACT(WK, SK)                                                                          \
-    static CLONES __attribute__((noinline)) void adam_exact_##WK##SK(                               \
+    static CLONES_FMA __attribute__((noinline)) void adam_exact_##WK##SK(                               \
         const adam_k *c, int tail, int64_t len, void *w, void *wx, const float *g, void *m,         \
         void *v, const uint16_t *rw, const uint16_t *rm, const uint16_t *rv, uint16_t nan) {       \
         if (tail) adam_block(c, 1, 1, WK, SK, len, w, wx, g, m, v, rw, rm, rv, nan);                \
@@ -417,15 +423,20 @@ static const adam_exact_fn adam_exacts[3][2] = {
     {adam_exact_00, adam_exact_01}, {adam_exact_10, adam_exact_11}, {adam_exact_20, adam_exact_21}};
 
 /* whether elements [0, len) hold an infinity or a NaN in any input (bf16: exponent 0x7F80; the
-   split pair: its weight's): only then can two different NaNs meet in one operation (the NaNs the
-   arithmetic makes itself, inf - inf and the like, are all x86's one default NaN) */
+   split pair: the joined fp32 value's, since a NaN whose low half is >= 0x8000 and whose other
+   mantissa bits are all set splits into a weight of +-0 or 0x8000): only then can two different
+   NaNs meet in one operation (the NaNs the arithmetic makes itself, inf - inf and the like, are
+   all x86's one default NaN) */
 static inline __attribute__((always_inline)) int block_nonfinite(
-    const int wk, const int sk, int64_t len, const void *w, const float *restrict g,
-    const void *m, const void *v) {
+    const int wk, const int sk, int64_t len, const void *w, const void *wx,
+    const float *restrict g, const void *m, const void *v) {
     uint32_t bad = 0;
     for (int64_t j = 0; j < len; j++) {
         uint32_t e = (as_bits(g[j]) & 0x7F800000u) == 0x7F800000u;
         if (wk == 0) e |= (((const uint32_t *)w)[j] & 0x7F800000u) == 0x7F800000u;
+        else if (wk == 1)
+            e |= ((((uint32_t)((const uint16_t *)w)[j] << 16) +
+                   (uint32_t)(int32_t)((const int16_t *)wx)[j]) & 0x7F800000u) == 0x7F800000u;
         else e |= (((const uint16_t *)w)[j] & 0x7F80u) == 0x7F80u;
         if (sk == 0)
             e |= ((((const uint32_t *)m)[j] & 0x7F800000u) == 0x7F800000u) |
@@ -458,7 +469,7 @@ static inline __attribute__((always_inline)) void adam_part(
         char *mp = (char *)m + (size_t)i * ss, *vp = (char *)v + (size_t)i * ss;
         /* the NaN order only where a block has a non-finite input, and in the short tails: there
            one loop for every kind (rare: kept out of the specialized clones, for compile time) */
-        if (tail || block_nonfinite(wk, sk, len, wp, g + i, mp, vp))
+        if (tail || block_nonfinite(wk, sk, len, wp, xp, g + i, mp, vp))
             adam_exacts[wk][sk](c, tail, len, wp, xp, g + i, mp, vp, wk == 2 ? rw : NULL,
                                 sk ? rm : NULL, sk ? rv : NULL, nan);
         else adam_block(c, 0, 0, wk, sk, len, wp, xp, g + i, mp, vp, rw, rm, rv, nan);
@@ -467,7 +478,7 @@ static inline __attribute__((always_inline)) void adam_part(
 }
 
 #define ADAM_KIND(WK, SK) \
-    static CLONES64 void adam_##WK##SK(const adam_k *c, int64_t i, int64_t cnt, int64_t n, int vl, \
+    static CLONES64_FMA void adam_##WK##SK(const adam_k *c, int64_t i, int64_t cnt, int64_t n, int vl, \
         void *w, void *wx, const float *g, void *m, void *v, int64_t wofs, int64_t sofs,          \
         uint64_t kw, uint64_t ks, uint16_t nan) {                                                 \
         adam_part(c, WK, SK, i, cnt, n, vl, w, wx, g, m, v, wofs, sofs, kw, ks, nan);             \
@@ -497,4 +508,27 @@ void ampkit_adam(int64_t k, const int64_t *n, void *const *w, void *const *wx, c
         fn(&c, i, m, n[s], vl, w[s], wx ? wx[s] : NULL, g[s], em[s], ev[s], wofs[s], sofs[s], kw, ks,
            nan);
     })
+}
+
+/* Which of ampkit_adam's loops runs on this CPU: 2 the x86-64-v4 (AVX-512) clone, 1 x86-64-v3 (AVX2
+   and FMA), 0 none with a fused multiply-add instruction (each fmaf a libm call: slower than the
+   generic step; native_adam.faster) */
+int ampkit_adam_isa(void) {
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(AMPKIT_NO_CLONES)
+    __builtin_cpu_init();
+#if !defined(__clang__) && __GNUC__ >= 12
+    return __builtin_cpu_supports("x86-64-v4") ? 2 : __builtin_cpu_supports("x86-64-v3") ? 1 : 0;
+#else
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#endif
+#elif defined(__AVX512F__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__FMA__) || defined(__FP_FAST_FMAF)
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -22,6 +22,11 @@ kind, state kind) and each candidate (vector width, how ``1 - lr * weight_decay`
 first candidate equal on every bit of the rung's storage is used, and a kind with none stays on
 the generic path (one ``DEBUG`` line on the ``"ampkit"`` logger). ``maximize`` is not covered
 (:func:`covers`). ``AMPKIT_NO_NATIVE=1`` turns it off with the other kernels.
+
+**Only where faster.** The library's clones are x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and
+baseline; it says which one runs (:func:`isa`), and :func:`faster` keeps the generic step where
+the kernel measured slower (no FMA instruction: every ``fmaf`` a libm call; fp32 states without
+AVX-512; fp32 masters with fp32 states).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from ..logs import logger
 from . import native
 from .pure import eager
 
-__all__ = ["Tensors", "covers", "kind", "step", "variant"]
+__all__ = ["Tensors", "covers", "faster", "isa", "kind", "step", "variant"]
 
 
 def kind(rung: str) -> Optional[int]:
@@ -58,6 +63,7 @@ _lock = threading.Lock()
 _found: dict[tuple[int, int], Optional[tuple[int, int]]] = {}
 _P, _N = ctypes.c_void_p, ctypes.c_int64
 _typed: set[int] = set()
+_isa: dict[int, int] = {}  # (by the library's id: asked once)
 
 
 class Tensors:
@@ -244,6 +250,10 @@ def _configs() -> list[tuple[bool, bool, float, float, float, float, float, floa
                 out.append(
                     (adamw, maximize, 1e-3 if step != 7.0 else 0.37, b1, 0.999, 1e-8, wd, step)
                 )
+    # lr 0 (AdamW's decay by exactly 1), the lerp weight 1 - beta1 at 0.5 (torch's large-weight
+    # form), beta2 near 1, and a step count whose bias corrections are 1 (Adam's coupled decay)
+    out.append((True, False, 0.0, 0.5, 0.99999, 1e-8, 0.1, 3.0))
+    out.append((False, False, 1e-3, 0.9, 0.99999, 1e-6, 0.01, 1e6))
     # A pair for which ``1 - lr * wd`` rounds to another float with one fused multiply-add than
     # with two roundings (1 - 2**-24 vs 1.0): it tells the decay's candidates apart.
     out.append((True, False, 2.0**-25 * (1 + 2.0**-30), 0.9, 0.999, 1e-8, 1 + 2.0**-30, 3.0))
@@ -279,6 +289,11 @@ def _inputs(wk: int, sk: int, sizes: Sequence[int], seed: int) -> dict[str, list
             pick = (torch.rand(n, generator=g) < 0.1) & edge
             t[pick] = nans.view(torch.float32)[pick]
         v[v < 0] = 0.25
+        # quiet NaNs with every mantissa bit above the low half set: ``split`` stores them as a
+        # weight of +-0 or -0 (0x8000) and a negative remainder (the fast loop must not take them)
+        hidden = torch.tensor([0x7FFFFFFF, -32767, 0x7FFF8000, -1], dtype=torch.int32)
+        pick = (torch.rand(n, generator=g) < 0.02) & edge
+        x[pick] = hidden.view(torch.float32)[torch.randint(0, 4, (int(pick.sum()),), generator=g)]
         v[torch.rand(n, generator=g) < 0.03] = 1e-42
         if wk == 0:
             out["w"].append(x)
@@ -405,14 +420,39 @@ def _run(
 
 
 def covers(rung: str, state_bf16: bool, maximize: bool) -> bool:
-    """Whether the fused step runs for this rung and option here (loaded, probed, covered). Not
-    with ``maximize``: there torch's compiler folded the negated gradient into later operations
-    differently in each of its loops (which sign a NaN or a zero ends with), which this kernel
-    does not follow."""
+    """Whether the fused step runs for this rung and option here (loaded, probed, covered, and
+    :func:`faster` than the generic step on this CPU). Not with ``maximize``: there torch's
+    compiler folded the negated gradient into later operations differently in each of its loops
+    (which sign a NaN or a zero ends with), which this kernel does not follow."""
     wk = kind(rung)
     if wk is None or maximize:
         return False
-    return variant(wk, int(state_bf16)) is not None
+    lib = native.library() if variant(wk, int(state_bf16)) is not None else None
+    return lib is not None and faster(wk, int(state_bf16), isa(lib))
+
+
+def isa(lib: ctypes.CDLL) -> int:
+    """Which of the kernel's loops runs on this CPU (``ampkit_adam_isa``): 2 its x86-64-v4
+    (AVX-512) clone, 1 x86-64-v3 (AVX2 + FMA), 0 one without a fused multiply-add instruction."""
+    if id(lib) not in _isa:
+        fn = lib.ampkit_adam_isa
+        fn.argtypes, fn.restype = [], ctypes.c_int
+        _isa[id(lib)] = int(fn())
+    return _isa[id(lib)]
+
+
+def faster(wk: int, sk: int, level: int) -> bool:
+    """Whether the kernel (weight kind ``wk``, state kind ``sk``) beats the generic step with loops
+    of ISA ``level`` (:func:`isa`), as measured, one thread, 1M-element pieces (docs/benchmarks.md,
+    "Fused Adam without AVX-512"): never without a fused multiply-add instruction (each ``fmaf`` a
+    libm call: 2-7x slower); with AVX2 + FMA only with bf16 states (0.7-0.85x the generic step;
+    fp32 states 1.05-1.1x); with AVX-512 every kind but fp32 masters with fp32 states (there the
+    generic step is torch's own kernel on the masters and a bf16 copy: 1.1-1.3x)."""
+    if level <= 0:
+        return False
+    if sk == 1:
+        return True
+    return level >= 2 and wk != 0
 
 
 def _probe(

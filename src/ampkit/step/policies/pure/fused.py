@@ -18,10 +18,13 @@ same budget, each drawing its weight key and then its state key from the rung's 
 elements counted in the same order), the scratch (none used). The user's ``step()`` still runs,
 once per step instead of once per chunk, with only the ``keep_fp32`` parameters' gradients set:
 its hooks and an LR scheduler's bookkeeping see one call, and those parameters are stepped by it.
+The kernel runs as the first of its step post-hooks: the hyper-parameters are read after its
+pre-hooks (a warmup hook's lr is stepped with), and its post-hooks read the stepped weights.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -98,9 +101,13 @@ class FusedAdam:
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         sdt = torch.bfloat16 if bf16 else torch.float32
         hyper: dict[int, tuple[tuple, int]] = {}
+        per_group: dict[int, Optional[tuple[tuple, int]]] = {}  # (read once per group)
         for i in ids:
             m = lw.masters[i]
-            got = _hyper(opt, group_of[id(m)], lw.rung, bf16)
+            group = group_of[id(m)]
+            if id(group) not in per_group:
+                per_group[id(group)] = _hyper(opt, group, lw.rung, bf16)
+            got = per_group[id(group)]
             g, state = grads.get(id(m)), opt.state.get(m)
             if got is None or g is None or not state or m.dim() == 0:
                 return None
@@ -132,20 +139,57 @@ class FusedAdam:
         opt: torch.optim.Optimizer,
     ) -> Any:
         """The user's ``step()`` once with only ``others``' gradients set (every other parameter's
-        ``.grad`` is None when called; the caller puts them back), then every ladder weight stepped
-        natively, call by call. Returns what the user's step returned."""
+        ``.grad`` is None when called; the caller puts them back), and every ladder weight stepped
+        natively, call by call, where the optimizer's own step would be: as the first of its step
+        post-hooks, so its pre-hooks have run (an lr they set is the one stepped with) and its other
+        post-hooks read the stepped weights (after ``step()`` returns when it runs no hooks).
+        Returns what the user's step returned."""
+        done: list[bool] = []
+
+        def native_step(*_: Any) -> None:
+            if not done:
+                done.append(True)
+                self._native(opt, grads)
+
         for p in others:
             p.grad = grads[id(p)]
-        ret = inner(*args, **kwargs)
-        for p in others:
-            p.grad = None
+        handle = opt.register_step_post_hook(native_step)
+        posts = getattr(opt, "_optimizer_step_post_hooks", None)
+        if isinstance(posts, OrderedDict):
+            posts.move_to_end(handle.id, last=False)
+        try:
+            ret = inner(*args, **kwargs)
+        finally:
+            handle.remove()
+            for p in others:
+                p.grad = None
+        native_step()
+        return ret
+
+    def _native(self, opt: torch.optim.Optimizer, grads: dict[int, Optional[torch.Tensor]]) -> None:
+        """Every ladder weight stepped by the kernel with its group's hyper-parameters as they are
+        now (a step pre-hook may have set them)."""
         lw = self.lw
+        bf16 = lw.state_dtype == "bf16"
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        per_group: dict[int, Optional[tuple[tuple, int]]] = {}
+        for i in self.hyper:
+            group = group_of[id(lw.masters[i])]
+            if id(group) not in per_group:
+                per_group[id(group)] = _hyper(opt, group, lw.rung, bf16)
+            got = per_group[id(group)]
+            if got is None:
+                raise RuntimeError(
+                    "ampkit: a step pre-hook changed an optimizer group's options to ones the "
+                    "ladder's fused Adam step does not cover (maximize, amsgrad, a tensor lr or "
+                    "betas, fused=False, ...) after the step had begun; set them before step()"
+                )
+            self.hyper[i] = got
         hp: dict[int, tuple[float, ...]] = {}
         for i, (h, _) in self.hyper.items():
             st = opt.state[lw.masters[i]]["step"]
             st.add_(1)  # (torch's fused Adam counts before it steps; no sync: a CPU tensor)
             hp[i] = (*h, st.item())
-        bf16 = lw.state_dtype == "bf16"
         for segs in self.calls:
             kw = int(draw_key(lw.gen)) if lw.rung == "stochastic" else 0  # type: ignore[arg-type]
             ks = int(draw_key(lw.gen)) if bf16 else 0  # type: ignore[arg-type]
@@ -182,4 +226,3 @@ class FusedAdam:
             # them (.pieces.CutState: the parameter-shaped tensors first)
             state = opt.state[lw.masters[i]]
             opt.state[lw.masters[i]] = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "step")}
-        return ret

@@ -153,8 +153,8 @@ class LadderWeights(MasterWeights):
         # never more than the weights need (a small model keeps a small scratch; one call either way)
         need = -(-sum(m.numel() for m in self.masters) // ALIGN) * ALIGN
         self.budget = min(self.budget, max(need, ALIGN))
-        self._buf = torch.empty(self.budget if per else 0, device=dev)
-        self._tmp = torch.empty(self.budget if per == 8 else 0, device=dev)
+        self._buf = torch.empty(self.budget if per else 0, dtype=torch.float32, device=dev)
+        self._tmp = torch.empty(self.budget if per == 8 else 0, dtype=torch.float32, device=dev)
         left = scratch_bytes // 4 - self._buf.numel() - self._tmp.numel()
         # room for AdamW's two states from the start (so an estimate sees it)
         bf16 = state_dtype == "bf16"
@@ -277,14 +277,16 @@ class LadderWeights(MasterWeights):
         n = like.numel()
         if n <= self._tmp.numel():
             return self._tmp[:n]
-        return torch.empty(n, device=like.device)
+        return torch.empty(n, dtype=torch.float32, device=like.device)
 
     def fp32_value(self, i: int) -> torch.Tensor:
         """The fp32 value of weight ``i`` (exact for ``split`` and ``fp32``), a new tensor."""
         if self.rung == "fp32":
             return self.masters[i].detach().clone()
         m = self.masters[i]
-        return self._expand(i, torch.empty(m.numel(), device=m.device)).view(m.shape)
+        return self._expand(i, torch.empty(m.numel(), dtype=torch.float32, device=m.device)).view(
+            m.shape
+        )
 
     # ------------------------------------------------------------------ the chunked step
     def _step(
@@ -327,7 +329,7 @@ class LadderWeights(MasterWeights):
                 buf = (
                     self._buf
                     if n <= self._buf.numel() or self.rung == "fp32"
-                    else torch.empty(n, device=self._buf.device)
+                    else torch.empty(n, dtype=torch.float32, device=self._buf.device)
                 )
                 live = [self.masters[seg.i] for seg in segs] + (others if k == 0 else [])
                 kept.clear()  # the bf16 states widened for this call

@@ -71,7 +71,7 @@ def plan(
             )
             size = budget
             continue
-        if size + n > budget:
+        if not calls or size + n > budget:  # (a first weight of no elements opens one too)
             calls.append([])
             size = 0
         calls[-1].append(Segment(i, 0, n, True))
@@ -190,14 +190,20 @@ class Arena:
 
     def __init__(self, cap: int, device: torch.device, size: int = 0) -> None:
         self.cap, self.device = cap, device
-        self.buf = torch.empty(min(size, cap), device=device)  # (``size``: made now, so counted)
+        self.buf = torch.empty(
+            min(size, cap), dtype=torch.float32, device=device
+        )  # (``size``: made now, so counted)
         self.off = self.want = 0
 
     def reset(self) -> None:
         """A new call: the room is free again (grown first to the most a call asked for)."""
         if self.buf.numel() < min(self.want, self.cap):
-            self.buf = torch.empty(0, device=self.device)  # (the old one freed first)
-            self.buf = torch.empty(min(self.want, self.cap), device=self.device)
+            self.buf = torch.empty(
+                0, dtype=torch.float32, device=self.device
+            )  # (the old one freed first)
+            self.buf = torch.empty(
+                min(self.want, self.cap), dtype=torch.float32, device=self.device
+            )
         self.off = 0
 
     def widen(self, v: torch.Tensor) -> torch.Tensor:
