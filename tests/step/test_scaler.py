@@ -537,3 +537,24 @@ def test_unit_scale_check_on_cpu_reads_half_gradients_in_fp32():
         ls.step(opt)
         ls.update()
         assert ls.found_inf.item() == float(skipped)
+
+
+def test_found_inf_is_fp32_under_a_float64_default_dtype() -> None:
+    """torch's convention (a 0-d fp32 found_inf) holds whatever the default dtype: the CPU check's
+    verdict was made in the default dtype (float64 under ``torch.set_default_dtype``)."""
+    from ampkit import MixedPrecision
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = torch.nn.Linear(8, 4).float()
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        amp = MixedPrecision("bf16")
+        model, opt = amp.setup(model, opt)
+        with amp.autocast():
+            loss = model(torch.randn(2, 8, dtype=torch.float32)).float().pow(2).mean()
+        amp.backward(loss)
+        result = amp.step(opt)
+    finally:
+        torch.set_default_dtype(before)
+    assert result.found_inf is not None and result.found_inf.dtype == torch.float32

@@ -176,7 +176,7 @@ class LossScaler:
     def overflow_count(self) -> Optional[torch.Tensor]:
         """0-d fp32 tensor: total overflowing (skipped) iterations, a loaded state's before first use. No sync."""
         if self._overflows is None and self._init_overflows:
-            return torch.full((), float(self._init_overflows))
+            return torch.full((), float(self._init_overflows), dtype=torch.float32)
         return self._overflows
 
     @property
@@ -315,7 +315,9 @@ class LossScaler:
                 "step_decided() must come instead of unscale_() and step(), once per iteration"
             )
         dev = self._ensure(torch.device("cpu")).device
-        state["found_inf_per_device"] = {dev: torch.full((), 0.0 if finite else 1.0, device=dev)}
+        state["found_inf_per_device"] = {
+            dev: torch.full((), 0.0 if finite else 1.0, dtype=torch.float32, device=dev)
+        }
         state["stage"] = _Stage.STEPPED
         return optimizer.step(*args, **kwargs) if finite else None
 
