@@ -287,3 +287,29 @@ def test_plan_default_rows_are_every_precision_fp8_with_torchao(capsys):
     )
     rows = [r["precision"] for r in json.loads(capsys.readouterr().out)["rows"]]
     assert rows == ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"]
+
+
+def test_estimate_takes_a_dataloader_as_the_trainer_does():
+    """``ampkit.estimate(factory, DataLoader)`` failed inside the model's forward (it called
+    ``model(*loader)``): it measures the loader's first batch, the same figure as that batch given
+    directly; an empty loader is a clear error."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+    data = TensorDataset(torch.randn(24, 16), torch.randint(0, 4, (24,)))
+    loader = DataLoader(data, batch_size=8)
+    first = next(iter(loader))
+    by_loader = estimate(Net, loader)
+    by_batch = estimate(Net, tuple(first))
+    assert by_loader.peak_bytes == by_batch.peak_bytes > 0
+    assert by_loader.batch_shapes == [[8, 16], [8]]
+    assert estimate(Net, iter([tuple(first)])).peak_bytes == by_batch.peak_bytes  # a generator
+    with pytest.raises(ValueError, match="empty"):
+        estimate(Net, DataLoader(TensorDataset(torch.randn(0, 16), torch.zeros(0).long())))

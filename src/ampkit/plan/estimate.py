@@ -68,19 +68,39 @@ def estimate(
 
     ``model_or_factory``: a zero-argument factory (called under fake tensors: nothing of the
     model's size is allocated) or a module (copied as fake tensors). ``batch``: the tensors
-    ``model(*batch)`` takes (it returns the loss), or ``batch_fn`` with ``batch_fn(0)``; they are
-    read only for their shapes. ``optimizer``: ``"adamw"`` (fused, as ``ampkit train``),
+    ``model(*batch)`` takes (it returns the loss), ``batch_fn`` with ``batch_fn(0)``, or a
+    ``DataLoader`` (any iterable of batches that is not itself a tensor, tuple, list or dict) with
+    its first batch; they are read only for their shapes. ``optimizer``: ``"adamw"`` (fused, as ``ampkit train``),
     ``"adam"``, ``"sgd"`` or a callable. ``activation_checkpointing``: True (every module of a
     ``ModuleList``) or module name globs / types. Never syncs; allocates only fake tensors.
     Estimates run one at a time per process (a lock): the tracker installs global module hooks and
     the fake mode is per thread, so two at once in threads would see each other's modules.
     """
-    real_batch = batch(0) if callable(batch) else batch
+    real_batch = _one_batch(batch)
     with Session(
         model_or_factory, optimizer, precision, device, activation_checkpointing
     ) as session:
         m = session.measure(real_batch)
     return _from_measure(m, session.dev, real_batch)
+
+
+def _one_batch(batch: Any) -> Any:
+    """The batch an estimate measures: ``batch(0)`` of an index function, the first batch of a
+    ``DataLoader`` or another iterable of batches, else ``batch`` itself (a tensor, or the tuple,
+    list or dict of them that ``model(*batch)`` takes)."""
+    if callable(batch):
+        return batch(0)
+    if isinstance(batch, (torch.Tensor, tuple, list, dict, str, bytes)) or not hasattr(
+        batch, "__iter__"
+    ):
+        return batch
+    try:
+        return next(iter(batch))
+    except StopIteration:
+        raise ValueError(
+            f"batch: {type(batch).__name__} gave no batch (it is empty); pass one batch, a "
+            "function of the batch index, or a DataLoader with at least one batch"
+        ) from None
 
 
 def _from_measure(m: Measure, dev: torch.device, batch: Any) -> MemoryEstimate:
