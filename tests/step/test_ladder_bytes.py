@@ -323,3 +323,47 @@ def test_the_ladder_steps_under_a_float64_default_dtype(masters):
         torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
         for a, b in zip(want, got)
     )
+
+
+@pytest.mark.parametrize("masters", ["kahan", "split"])
+def test_step_hooks_run_once_around_a_step_of_several_pieces(masters):
+    """The generic ladder step calls the optimizer once per piece: its step hooks ran once per piece
+    (a warmup pre-hook would warm up several times, an EMA post-hook average several times), and
+    the post-hooks ran before the piece's weights were written back (they read the old weights).
+    Now: the pre-hooks once before the first piece (an lr they set is stepped with by every piece),
+    the post-hooks once after the last, reading the stepped weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(300, 517))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, foreach=True)
+    lw = LadderWeights(model, [opt], torch.bfloat16, (), masters, "fp32", scratch_bytes=64 << 10)
+    assert len(plan([model.w.numel()], [0], lw.budget, cut=True)) > 3  # several pieces
+    pre, post = [], []
+
+    def warmup(o, args, kwargs):
+        pre.append(1)
+        o.param_groups[0]["lr"] = 0.01  # every piece must step with this lr
+
+    def ema(o, args, kwargs):
+        post.append(model.w.detach().clone())
+
+    opt.register_step_pre_hook(warmup)
+    opt.register_step_post_hook(ema)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    global_pre = register_optimizer_step_pre_hook(lambda o, a, k: pre.append(2))
+    try:
+        before = lw.fp32_value(0)
+        g = torch.randn(300, 517)
+        model.w.grad = g.to(torch.bfloat16)
+        lw.absorb_grads()
+        opt.step()
+    finally:
+        global_pre.remove()
+    assert sorted(pre) == [1, 2] and len(post) == 1
+    assert torch.equal(post[0], model.w.detach())  # the stepped weights, written back
+    # every piece stepped with the pre-hook's lr: SGD's first momentum step is w - lr * g
+    want = before - 0.01 * g.to(torch.bfloat16).float()
+    # (lr 0.5 would be ~0.5 away; kahan's value is bf16 + a bf16 compensation: ~2**-16 relative)
+    assert torch.allclose(lw.fp32_value(0), want, rtol=2**-14, atol=1e-6)
+    assert len(opt._optimizer_step_pre_hooks) == 1 == len(opt._optimizer_step_post_hooks)

@@ -58,7 +58,16 @@ from .. import native as _native_kernels
 from .cast import STALL_WARNING, CastOnly
 from .fused import FusedAdam
 from .masters import MasterWeights
-from .pieces import ALIGN, ELEMENTWISE, Arena, CutState, Segment, WrappedSteps, plan
+from .pieces import (
+    ALIGN,
+    ELEMENTWISE,
+    Arena,
+    CutState,
+    Segment,
+    StepHooks,
+    WrappedSteps,
+    plan,
+)
 from .rounding import (
     STREAM,
     join_split,
@@ -134,9 +143,8 @@ class LadderWeights(MasterWeights):
             )
         super().__init__(model, optimizers, dtype, keep)
         self.rung, self.state_dtype = masters, state_dtype
-        self.extra: list[
-            Optional[torch.Tensor]
-        ] = []  # remainder (int16) / compensation (bf16) per weight
+        # remainder (int16) / compensation (bf16) per weight
+        self.extra: list[Optional[torch.Tensor]] = []
         self.gen: Optional[torch.Generator] = None
         dev = self.masters[0].device if self.masters else torch.device("cpu")
         if masters == "stochastic" or state_dtype == "bf16":
@@ -159,9 +167,8 @@ class LadderWeights(MasterWeights):
         # room for AdamW's two states from the start (so an estimate sees it)
         bf16 = state_dtype == "bf16"
         self._arena = Arena(max(left, 0) if bf16 else 0, dev, 2 * self.budget if bf16 else 0)
-        self.full: list[
-            torch.Tensor
-        ] = []  # fp32 masters (bf16 states only): the masters' own storage
+        # fp32 masters (bf16 states only): the masters' own storage
+        self.full: list[torch.Tensor] = []
         with torch.no_grad():
             for h, m in zip(self.halves, self.masters):
                 self.extra.append(self._compact(h, m.detach().contiguous()))
@@ -300,16 +307,14 @@ class LadderWeights(MasterWeights):
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
         ids = sorted(index[id(p)] for p in params if id(p) in index)
-        others = [
-            p for p in params if id(p) not in index
-        ]  # keep_fp32 parameters: stepped with call 0
+        # keep_fp32 parameters: stepped with call 0
+        others = [p for p in params if id(p) not in index]
         for p in params:
             p.grad = None
         by_id = dict(zip(map(id, params), grads))
         numels = [m.numel() for m in self.masters]
-        fake = bool(self.masters) and is_fake(
-            self.masters[0]
-        )  # an estimate: no values, same memory
+        # an estimate: no values, same memory
+        fake = bool(self.masters) and is_fake(self.masters[0])
         calls = plan(numels, ids, self.budget, cut=type(opt) in ELEMENTWISE, ends_only=fake) or [[]]
         fused = None if fake else FusedAdam.prepare(self, opt, calls, ids, by_id)
         if fused is not None:  # torch's fused Adam/AdamW: one native pass per element (.fused)
@@ -320,12 +325,12 @@ class LadderWeights(MasterWeights):
                     p.grad = g
         cuts: dict[int, CutState] = {}
         kept: dict[tuple[int, str], torch.Tensor] = {}
-        ret = None
+        ret, hooks = None, StepHooks(opt, args, kwargs)  # the step's hooks once, not per call
+        args, kwargs = hooks.args, hooks.kwargs
         try:
             for k, segs in enumerate(calls):
-                n = sum(
-                    seg.stop - seg.start for seg in segs
-                )  # > budget: one whole weight, transient buffer
+                # > budget: one whole weight, transient buffer
+                n = sum(seg.stop - seg.start for seg in segs)
                 buf = (
                     self._buf
                     if n <= self._buf.numel() or self.rung == "fp32"
@@ -394,6 +399,8 @@ class LadderWeights(MasterWeights):
                 )
             for p, g in zip(params, grads):
                 p.grad = g
+            hooks.restore()
+        hooks.after()
         return ret
 
     def _round_state(self, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:

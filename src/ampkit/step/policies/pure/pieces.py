@@ -19,7 +19,16 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ALIGN", "ELEMENTWISE", "Arena", "CutState", "Segment", "WrappedSteps", "plan"]
+__all__ = [
+    "ALIGN",
+    "ELEMENTWISE",
+    "Arena",
+    "CutState",
+    "Segment",
+    "StepHooks",
+    "WrappedSteps",
+    "plan",
+]
 
 #: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
 ELEMENTWISE = (
@@ -244,3 +253,46 @@ class WrappedSteps:
             else:
                 opt.step = orig  # type: ignore[method-assign]
         self._orig = []
+
+
+class StepHooks:
+    """An optimizer's step hooks (its own and the global ones, ``register_step_pre_hook`` /
+    ``register_optimizer_step_post_hook``) run once around a step the ladder makes of several
+    calls of the optimizer's ``step``, one per piece, as around one ``step()``: the pre-hooks when
+    made (a warmup's lr is stepped with by every piece; ``args``/``kwargs`` are what they return),
+    the hooks then left out of the pieces' calls until :meth:`restore`, and the post-hooks by
+    :meth:`after`, once the stepped weights are written back. (Torch runs them inside each call.)
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        from torch.optim import optimizer as module
+
+        self.opt, self._global = opt, module
+        own = (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
+        every = (module._global_optimizer_pre_hooks, module._global_optimizer_post_hooks)
+        self._saved = [(d, dict(d)) for d in (*own, *every)]
+        full = (opt, *args)
+        for hook in (*every[0].values(), *own[0].values()):
+            result = hook(opt, full, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"{hook} must return None or a tuple of (new_args, new_kwargs), "
+                        f"but got {result}."
+                    )
+                full, kwargs = result
+        self.args, self.kwargs, self._full = tuple(full[1:]), kwargs, full
+        for d, _ in self._saved:
+            d.clear()
+
+    def restore(self) -> None:
+        """Every hook back in place (in its order), after the pieces' calls or an error."""
+        for d, kept in self._saved:
+            d.clear()
+            d.update(kept)
+
+    def after(self) -> None:
+        """The post-hooks, once, after the step (call :meth:`restore` first)."""
+        own = self.opt._optimizer_step_post_hooks
+        for hook in (*own.values(), *self._global._global_optimizer_post_hooks.values()):
+            hook(self.opt, self._full, self.kwargs)
