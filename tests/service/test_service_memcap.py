@@ -23,6 +23,9 @@ def test_the_default_cap_shares_the_machine_between_the_concurrent_runs(monkeypa
     assert memcap.run_cap(None, 1) == 18_000_000_000
     assert memcap.run_cap(None, 3) == 6_000_000_000
     assert memcap.run_cap(2.5, 3) == 2_500_000_000  # given: as given
+    assert memcap.run_cap(None, 40) == memcap.FLOOR  # many runs: not below the floor
+    monkeypatch.setattr(memcap, "machine_bytes", lambda: 1_000_000_000)
+    assert memcap.run_cap(None, 4) == 900_000_000  # a small machine: its share, whole
     monkeypatch.setattr(memcap, "machine_bytes", lambda: None)
     assert memcap.run_cap(None, 1) is None  # unknown machine: no cap
 

@@ -74,14 +74,21 @@ def machine_bytes() -> Optional[int]:
     return min(found) if found else None
 
 
+#: the default cap's floor (unless the machine has less): the cap counts writable address space,
+#: 8 MiB per thread stack included, so a many-core box with a small share would fail every run
+FLOOR = 2_000_000_000
+
+
 def run_cap(run_memory_gb: Optional[float], max_concurrent: int) -> Optional[int]:
     """Each run's cap in bytes: ``run_memory_gb`` when given, else :data:`SHARE` of
-    :func:`machine_bytes` over ``max_concurrent`` runs; None when the machine's memory is
-    unknown."""
+    :func:`machine_bytes` over ``max_concurrent`` runs, at least :data:`FLOOR` (or the share of
+    the whole machine, when that is less); None when the machine's memory is unknown."""
     if run_memory_gb is not None:
         return int(run_memory_gb * 1e9)
     total = machine_bytes()
-    return None if total is None else int(total * SHARE / max(1, max_concurrent))
+    if total is None:
+        return None
+    return int(max(total * SHARE / max(1, max_concurrent), min(FLOOR, total * SHARE)))
 
 
 #: what a process says when an allocation fails

@@ -59,7 +59,7 @@ SERVE_NUMBERS: dict[str, Bounded] = {
         None,
         "each run's memory cap in GB (its processes' heap, RLIMIT_DATA): a run that needs more "
         "fails with 'out of memory' instead of waking the machine's OOM killer (default: 90 percent of "
-        "this machine's memory, or its container's limit, divided by --max_concurrent)",
+        "this machine's memory, or its container's limit, divided by --max_concurrent, at least 2 GB)",
         gt=0,
         le=1e6,
         unit="GB",
