@@ -18,19 +18,19 @@ same budget, each drawing its weight key and then its state key from the rung's 
 elements counted in the same order), the scratch (none used). The user's ``step()`` still runs,
 once per step instead of once per chunk, with only the ``keep_fp32`` parameters' gradients set:
 its hooks and an LR scheduler's bookkeeping see one call, and those parameters are stepped by it.
-The kernel runs as the first of its step post-hooks: the hyper-parameters are read after its
-pre-hooks (a warmup hook's lr is stepped with), and its post-hooks read the stepped weights.
+Its step hooks run once around the whole step (:class:`.pieces.StepHooks`, as on the generic
+step): the hyper-parameters are read after its pre-hooks (a warmup hook's lr is stepped with), and
+its post-hooks read the stepped weights.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from .. import native, native_adam
-from .pieces import Segment
+from .pieces import Segment, StepHooks
 from .rounding import draw_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -139,31 +139,21 @@ class FusedAdam:
         opt: torch.optim.Optimizer,
     ) -> Any:
         """The user's ``step()`` once with only ``others``' gradients set (every other parameter's
-        ``.grad`` is None when called; the caller puts them back), and every ladder weight stepped
-        natively, call by call, where the optimizer's own step would be: as the first of its step
-        post-hooks, so its pre-hooks have run (an lr they set is the one stepped with) and its other
-        post-hooks read the stepped weights (after ``step()`` returns when it runs no hooks).
-        Returns what the user's step returned."""
-        done: list[bool] = []
-
-        def native_step(*_: Any) -> None:
-            if not done:
-                done.append(True)
-                self._native(opt, grads)
-
+        ``.grad`` is None when called; the caller puts them back), then every ladder weight
+        stepped natively, call by call, inside the optimizer's step hooks (:class:`.StepHooks`, as
+        the generic step): its pre-hooks have run (an lr they set is the one stepped with) and its
+        post-hooks read the stepped weights. Returns what the user's step returned."""
+        hooks = StepHooks(opt, args, kwargs)
         for p in others:
             p.grad = grads[id(p)]
-        handle = opt.register_step_post_hook(native_step)
-        posts = getattr(opt, "_optimizer_step_post_hooks", None)
-        if isinstance(posts, OrderedDict):
-            posts.move_to_end(handle.id, last=False)
         try:
-            ret = inner(*args, **kwargs)
+            ret = inner(*hooks.args, **hooks.kwargs)
+            self._native(opt, grads)
         finally:
-            handle.remove()
+            hooks.restore()
             for p in others:
                 p.grad = None
-        native_step()
+        hooks.after()
         return ret
 
     def _native(self, opt: torch.optim.Optimizer, grads: dict[int, Optional[torch.Tensor]]) -> None:
