@@ -54,6 +54,9 @@ def stepped_params(amp: MixedPrecision, model: torch.nn.Module) -> list[torch.Te
     masters for the pure precisions (their gradients are the ones to clip), else the parameters."""
     policy = amp.policy
     params = list(model.parameters())
+    settle = policy.before_step
+    if settle is not None:  # gradients kept in bf16 (the ladder) made fp32: the ones to clip or log
+        settle(False)
     return [policy.stepped(p) for p in params] if policy.keeps_masters else params
 
 

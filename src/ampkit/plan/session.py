@@ -140,7 +140,9 @@ class Measure:
     """One measured step: its peak, parts (bytes), bytes by dtype, the total after each operation,
     and where in the timeline the forward (the loss) and the backward ended (``phases``);
     ``grads``: the gradients' bytes within each total, ``largest_grad``: the largest parameter's
-    share of them (what :func:`ampkit.plan.levers.in_backward` plans the optimizer in backward from)."""
+    share of them, at least its fp32 upcast with masters (what :func:`ampkit.plan.levers.in_backward`
+    plans the optimizer in backward from: it steps a master's fp32 gradient, even where the ladder
+    keeps bf16 ones for the ordinary step)."""
 
     precision: str
     peak_bytes: int
@@ -301,6 +303,8 @@ class Session:
         parts["temporaries"] = peak - sum(parts.values())
         numels = [p.numel() for p in model.parameters()]
         largest = parts["gradients"] * max(numels, default=0) // max(1, sum(numels))
+        if getattr(amp.policy, "keeps_masters", False):  # stepped in backward: its fp32 upcast
+            largest = max(largest, 4 * max(numels, default=0))
         return Measure(
             self.label,
             peak,

@@ -19,7 +19,7 @@ from .gradcheck import cpu_norm_finite
 from .profiling import phase
 from .scaler import LossScaler
 
-__all__ = ["ClipOrder", "clip_norm", "optimizer_step"]
+__all__ = ["ClipOrder", "clip_norm", "lean_step", "optimizer_step"]
 
 
 class ClipOrder:
@@ -54,6 +54,16 @@ class ClipOrder:
             cached += [p for i, p in stepped.items() if i not in seen]
             self._cache[tuple(key)] = cached
         return cached
+
+
+def lean_step(
+    scaler: LossScaler, clip: Optional[float], flush_factor: Optional[float], zero_grad: bool
+) -> bool:
+    """Whether this boundary only checks the gradients before the optimizer reads them: no clipping,
+    no flush of a short window, no scale to unscale, and ``zero_grad`` after (gradients a policy
+    keeps in bf16 may then stay so: :mod:`ampkit.step.policies.pure.grads`)."""
+    unit = not scaler.is_enabled() or scaler.is_unit
+    return clip is None and flush_factor is None and zero_grad and unit
 
 
 def optimizer_step(

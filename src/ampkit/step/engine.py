@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .accumulate import Window
-from .boundary import ClipOrder, optimizer_step
+from .boundary import ClipOrder, lean_step, optimizer_step
 from .config import MixedPrecisionConfig
 from .contexts import MatmulPrecision
 from .determinism import apply_determinism
@@ -284,8 +284,8 @@ class MixedPrecision:
         hook = (
             self._policy.after_backward
         )  # pure precisions: half gradients summed into the fp32 masters'
-        if hook is not None:
-            hook()
+        if hook is not None:  # True: a whole one-micro-step window (the step comes next)
+            hook(micro_step_done and not was_open and window.micro == 1 and window.complete)
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor or a nested list/tuple of them) times the loss scale, for gradients
@@ -319,6 +319,8 @@ class MixedPrecision:
         if self._model is not None:
             for p in self._model.parameters():
                 p.grad = None  # half gradients not yet absorbed, parameters outside the optimizers
+        if (end := self._policy.end_step) is not None:
+            end()
         self._window.reset()
         self._window_loss = None
         self._open_micro = False
@@ -397,13 +399,13 @@ class MixedPrecision:
         else:
             assert self._clip_order is not None
             params = self._clip_order.params(opts)
+            flush_factor = None if self._normalized else window.flush_factor()
+            if (prep := self._policy.before_step) is not None:  # the ladder's bf16 gradients
+                one = type(self._parallel) is Parallel
+                prep(lean_step(self._scaler, clip, flush_factor, zero_grad) and one)
             self._parallel.before_step(params)
             grad_norm, scale, found_inf = optimizer_step(
-                self._scaler,
-                opts,
-                params,
-                clip,
-                None if self._normalized else window.flush_factor(),
+                self._scaler, opts, params, clip, flush_factor
             )
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
@@ -423,6 +425,8 @@ class MixedPrecision:
             if zero_grad:
                 for opt in opts:
                     opt.zero_grad(set_to_none=True)
+            if (end := self._policy.end_step) is not None:
+                end()
         if trigger is not None:
             self._act(
                 trigger

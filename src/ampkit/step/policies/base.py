@@ -8,9 +8,13 @@ calls, in order:
 * ``forward_context()`` for every forward (autocast, the fp32 matmul policy): returns a context.
 * ``backward_context()``, asked once after ``prepare``: a reusable context entered around every
   ``loss.backward()`` (None: nothing to enter).
-* ``after_backward`` after every backward and ``after_step`` after every optimizer step (skipped
-  ones included): callables, or None when the family has nothing to do there, so the engine pays
-  nothing per step for them. Both run on the hot path: no host sync.
+* ``after_backward(whole_window)`` after every backward (``whole_window``: that backward made a
+  whole one-micro-step window, the step comes next), ``before_step(lean)`` at an accumulation
+  boundary before anything reads the gradients (``lean``: the step only checks them -- no
+  clipping, unscaling, flushing or data-parallel averaging), ``after_step`` after every optimizer
+  step (skipped ones included) and ``end_step`` after the boundary's ``zero_grad``: callables, or
+  None when the family has nothing to do there, so the engine pays nothing per step for them. All
+  run on the hot path: no host sync.
 * ``stepped(param)``: the tensor the optimizer steps for a model parameter (its master, or itself).
 * ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond the model and optimizer.
 * ``describe()``: what it does to weights, compute and gradients (for the precision manifest).
@@ -83,10 +87,17 @@ class PrecisionPolicy:
         """A reusable context for every ``loss.backward()``, or None. No sync."""
         return None
 
-    #: Called after each backward (e.g. half gradients into the masters'), or None. No sync.
-    after_backward: Optional[Callable[[], None]] = None
+    #: Called after each backward with ``whole_window`` (e.g. half gradients into the masters'), or
+    #: None. No sync.
+    after_backward: Optional[Callable[[bool], None]] = None
+    #: Called at a boundary before the gradients are read, with ``lean`` (the step only checks them:
+    #: gradients a policy kept in the half dtype may stay so), or None. No sync.
+    before_step: Optional[Callable[[bool], None]] = None
     #: Called after each optimizer step, taken or skipped (e.g. the masters into the model), or None. No sync.
     after_step: Optional[Callable[[], None]] = None
+    #: Called at the end of a boundary, after its ``zero_grad`` (or when a window is discarded), or
+    #: None. No sync.
+    end_step: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------------ state and description
     def state_dict(self) -> dict[str, Any]:

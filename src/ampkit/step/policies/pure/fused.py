@@ -121,7 +121,7 @@ class FusedAdam:
                 or st.dim() != 0
                 or st.requires_grad
                 or g.layout != torch.strided
-                or not native.plain(g, torch.float32)
+                or not native.plain(g, g.dtype if g.dtype == torch.bfloat16 else torch.float32)
                 or g.shape != m.shape
                 or any(not native.plain(state[k], sdt) or state[k].shape != m.shape for k in keys)
             ):
@@ -184,6 +184,7 @@ class FusedAdam:
             kw = int(draw_key(lw.gen)) if lw.rung == "stochastic" else 0  # type: ignore[arg-type]
             ks = int(draw_key(lw.gen)) if bf16 else 0  # type: ignore[arg-type]
             t, wofs, sofs, off = native_adam.Tensors(), [], [], 0
+            held: list[torch.Tensor] = []  # (alive until the kernel has read them)
             for seg in segs:
                 i, a, b = seg.i, seg.start, seg.stop
                 m = lw.masters[i]
@@ -195,10 +196,14 @@ class FusedAdam:
                     w, wx = h, None if extra is None else extra.view(-1)[a:b]
                 g = grads[id(m)]
                 assert g is not None
+                g = g.view(-1)[a:b]
+                if g.dtype != torch.float32:  # a kept half gradient, widened (exact) for the call
+                    g = g.float()
+                    held.append(g)
                 t.add(
                     w,
                     wx,
-                    g.view(-1)[a:b],
+                    g,
                     state["exp_avg"].view(-1)[a:b],
                     state["exp_avg_sq"].view(-1)[a:b],
                     hp[i],

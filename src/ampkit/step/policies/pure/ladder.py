@@ -57,6 +57,7 @@ from ...rung import Rung, split_spec
 from .. import native as _native_kernels
 from .cast import STALL_WARNING, CastOnly
 from .fused import FusedAdam
+from .grads import KeptGrads, fp32
 from .masters import MasterWeights
 from .pieces import (
     ALIGN,
@@ -67,6 +68,7 @@ from .pieces import (
     StepHooks,
     WrappedSteps,
     plan,
+    same,
 )
 from .rounding import (
     STREAM,
@@ -151,6 +153,7 @@ class LadderWeights(MasterWeights):
             self.gen = torch.Generator(device=dev)
             self.gen.manual_seed(shared_seed(model))
         self._dummy = torch.zeros((), dtype=torch.float32, device=dev)
+        self.grads = KeptGrads(self.halves, self.masters, self._dummy)  # (.grads)
         # The bounded scratch, kept between steps: one call's fp32 values (+ the bit passes' second
         # buffer for split/kahan; + room for two fp32 states per element with bf16 states: the
         # call's states widened there, :class:`.pieces.Arena`); at most CHUNK_NUMEL elements a call, a
@@ -271,7 +274,7 @@ class LadderWeights(MasterWeights):
         off = sum(seg.stop - seg.start for seg in segs)
         if not (
             self.rung in ("split", "kahan")
-            and all(_same(m.data, v) for m, v in zip(masters, views))
+            and all(same(m.data, v) for m, v in zip(masters, views))
             and _native_kernels.compact(
                 self.rung, buf[:off], [h for h, _ in parts], [e for _, e in parts]
             )
@@ -343,10 +346,9 @@ class LadderWeights(MasterWeights):
                     views = self._expand_call(segs, buf)
                     for seg, v in zip(segs, views):
                         m, g = self.masters[seg.i], by_id[id(self.masters[seg.i])]
-                        m.data, m.grad = (
-                            v,
-                            (g if seg.whole or g is None else g.view(-1)[seg.start : seg.stop]),
-                        )
+                        if g is not None and not seg.whole:
+                            g = g.view(-1)[seg.start : seg.stop]
+                        m.data, m.grad = v, (None if g is None else fp32(g))
                         if seg.whole:
                             self._states_up(opt, m, kept)
                         else:
@@ -366,11 +368,8 @@ class LadderWeights(MasterWeights):
                     self._states_down(opt, [self.masters[s.i] for s in segs if s.whole], kept)
                     for seg in segs:
                         m = self.masters[seg.i]
-                        m.data = (
-                            self.full[seg.i]
-                            if self.rung == "fp32"
-                            else self._dummy.expand(self.halves[seg.i].shape)
-                        )
+                        m.grad = None
+                        m.data = self._between(seg.i)
                         if (
                             not seg.whole
                             and (whole := cuts[seg.i].leave(seg, opt.state[m], numels[seg.i]))
@@ -392,16 +391,24 @@ class LadderWeights(MasterWeights):
             raise
         finally:
             for i in ids:  # (after an error too: the stand-ins whole again, then their gradients)
-                self.masters[i].data = (
-                    self.full[i]
-                    if self.rung == "fp32"
-                    else self._dummy.expand(self.halves[i].shape)
-                )
+                self.masters[i].grad = None
+                self.masters[i].data = self._between(i)
             for p, g in zip(params, grads):
                 p.grad = g
             hooks.restore()
         hooks.after()
         return ret
+
+    def _between(self, i: int) -> torch.Tensor:
+        """Stand-in ``i``'s data between calls: its fp32 master (``fp32``), else :mod:`.grads`'."""
+        return self.full[i] if self.rung == "fp32" else self.grads.between(i)
+
+    def absorb_grads(self, whole_window: bool = False) -> None:
+        """After a backward: a whole one-micro-step window's bf16 gradients kept as they are
+        (:mod:`.grads`), else summed into fp32 as :class:`MasterWeights` does. No sync."""
+        if not (whole_window and self.rung != "fp32" and self.grads.keep()):
+            self.grads.settle(False)
+            super().absorb_grads()
 
     def _round_state(self, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         assert self.gen is not None
@@ -472,6 +479,7 @@ class LadderWeights(MasterWeights):
         """Nothing: the step already wrote the rounded weights into the model."""
 
     def release(self) -> None:
+        self.grads.settle(False)
         self._steps.restore()
         for hook in self._hooks:
             hook.remove()
@@ -536,15 +544,3 @@ class LadderWeights(MasterWeights):
     def scratch(self) -> list[torch.Tensor]:
         """The bounded scratch kept between steps (``ladder_scratch_mib``), for memory accounting."""
         return [t for t in (self._buf, self._tmp, self._arena.buf) if t.numel()]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""
-    return (
-        type(a) is torch.Tensor
-        and type(b) is torch.Tensor
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )

@@ -61,8 +61,9 @@ class MasterWeights:
             cast_buffers(model, dtype, lambda b: id(b) not in kept)
 
     # ------------------------------------------------------------------ the per-step work
-    def absorb_grads(self) -> None:
-        """Add the half gradients into the masters' fp32 gradients and drop them. No sync."""
+    def absorb_grads(self, whole_window: bool = False) -> None:
+        """Add the half gradients into the masters' fp32 gradients and drop them (``whole_window``:
+        the engine's hint that the step comes next, unused here). No sync."""
         acc_m, acc_h = [], []
         for h, m in zip(self.halves, self.masters):
             g = h.grad

@@ -28,6 +28,7 @@ __all__ = [
     "StepHooks",
     "WrappedSteps",
     "plan",
+    "same",
 ]
 
 #: optimizers whose update is element-wise given per-parameter scalars (exact types: a subclass may not be)
@@ -158,7 +159,7 @@ class CutState:
                 if bf16:
                     xs.append(v.reshape(-1))
                     outs.append(piece)
-                elif not _same(piece, v):
+                elif not same(piece, v):
                     piece.copy_(v)
                 after[k] = None
             else:
@@ -180,7 +181,8 @@ class CutState:
         return {**{k: v.view(self.shape) for k, v in self.full.items()}, **self.before}
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is the same memory, shape and layout as ``b`` (False for a fake tensor: no memory)."""
     return (
         type(a) is torch.Tensor
         and type(b) is torch.Tensor

@@ -32,6 +32,7 @@ masters, the optimizer state follows its parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -114,6 +115,9 @@ class PurePolicy(PrecisionPolicy):
         self.after_step = (
             self._masters.copy_to_model
         )  # unconditional: after a skipped step the masters did not move
+        if isinstance(self._masters, LadderWeights):  # bf16 gradients kept for a lean step (.grads)
+            self.before_step = self._masters.grads.settle
+            self.end_step = functools.partial(self._masters.grads.settle, False)
 
     def release(self) -> None:
         if self._states is not None:
@@ -125,6 +129,7 @@ class PurePolicy(PrecisionPolicy):
         if self._masters is not None:
             self._masters.release()
             self._masters = self.after_backward = self.after_step = None
+            self.before_step = self.end_step = None
 
     def master_storage(self) -> list[torch.Tensor]:
         """The ladder rung's own tensors (16-bit remainders, bf16 compensations), for memory accounting."""

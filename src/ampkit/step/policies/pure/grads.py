@@ -1,0 +1,87 @@
+"""The ladder's gradients: a whole one-micro-step window's bf16 gradients kept as they are.
+
+With fp32 masters (:class:`~.masters.MasterWeights`) each half gradient becomes an fp32 copy on its
+master after every backward: 4 bytes per parameter, the fp32 sum an accumulation window needs.
+The ladder's rungs (``split``, ``kahan``, ``stochastic``) keep no fp32 values between steps, so
+that copy would be the largest thing a step adds: 14 instead of 12 bytes per parameter for
+``stochastic`` with AdamW, 10 instead of 8 with bf16 states. When a backward makes a whole window
+on its own (``accumulation_steps=1``, the micro-step closed, no optimizer in backward) nothing will
+be summed into its gradients, so each bf16 gradient moves as it is onto its stand-in -- which is
+made bf16 for the time (a parameter's gradient has its dtype): 2 bytes per parameter.
+
+At the boundary the engine says whether the step is **lean**: it only checks the gradients (no
+clipping, no unscaling of a real scale, no flush of a short window, no data-parallel averaging,
+``zero_grad`` on). A lean step checks the bf16 gradients directly (finite exactly when their fp32
+upcasts are) and the ladder's step widens them call by call into the fp32 the optimizer reads --
+the exact upcast, so every rung and optimizer steps **bitwise** as with fp32 gradients
+(tests/step/test_ladder_grads.py). Any other step, and anything reading them for itself
+(``stepped_params``: the integrations' clipping and logging), first turns them into their fp32
+upcasts, today's gradients. After the boundary's ``zero_grad`` the stand-ins are fp32 again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["HALF_GRADS", "KeptGrads", "fp32"]
+
+#: keep a whole one-micro-step window's bf16 gradients for a lean step (module doc); False: always
+#: the fp32 upcast (the reference the tests compare against)
+HALF_GRADS = True
+
+
+class KeptGrads:
+    """Which stand-ins hold a kept bf16 gradient, and the data each has between calls."""
+
+    def __init__(
+        self,
+        halves: Sequence[torch.Tensor],
+        masters: Sequence[torch.Tensor],
+        dummy: torch.Tensor,
+    ) -> None:
+        self.halves, self.masters = halves, masters
+        self._dummy = {torch.float32: dummy, torch.bfloat16: dummy.to(torch.bfloat16)}
+        self.held: set[int] = set()
+
+    def between(self, i: int) -> torch.Tensor:
+        """Stand-in ``i``'s data between calls: the shared scalar expanded to its shape, bf16 while
+        it holds a kept gradient."""
+        dtype = torch.bfloat16 if i in self.held else torch.float32
+        return self._dummy[dtype].expand(self.halves[i].shape)
+
+    def keep(self) -> bool:
+        """Move every half gradient onto its stand-in as it is; False (nothing moved) where one is
+        sparse or a stand-in already has a gradient (kept past a step)."""
+        if HALF_GRADS and not self.held and all(m.grad is None for m in self.masters):
+            gs = [h.grad for h in self.halves]
+            if all(
+                g is None or g.layout == torch.strided
+                for g in gs  # (fake ones too: a plan)
+            ):
+                for i, (h, m, g) in enumerate(zip(self.halves, self.masters, gs)):
+                    if g is not None:
+                        self.held.add(i)
+                        m.data = self.between(i)
+                        m.grad, h.grad = g, None
+                return True
+        return False
+
+    def settle(self, lean: bool) -> None:
+        """Kept gradients stay for a ``lean`` step; else each becomes its fp32 upcast (exact) on
+        an fp32 stand-in. No sync."""
+        if lean or not self.held:
+            return
+        for i in sorted(self.held):
+            m = self.masters[i]
+            g, m.grad = m.grad, None
+            self.held.discard(i)
+            m.data = self.between(i)
+            if g is not None:
+                m.grad = g.float()  # as MasterWeights.absorb_grads makes it
+
+
+def fp32(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as an fp32 stand-in takes it: a kept bf16 gradient widened (exact), else itself."""
+    return g if g.dtype == torch.float32 else g.float()
