@@ -129,7 +129,9 @@ def breakdown(
                 add("optimizer_state", v)
     masters = list(getattr(amp, "master_params", lambda: [])()) if amp is not None else []
     for m in masters:
-        add("gradients", m.grad)  # pure precisions: on the masters (bf16 where the ladder keeps them)
+        add(
+            "gradients", m.grad
+        )  # pure precisions: on the masters (bf16 where the ladder keeps them)
     if amp is not None:
         for t in masters:
             add("master_weights", t)
