@@ -10,6 +10,11 @@ medians in brackets). Run with one torch thread on a quiet machine:
     OMP_NUM_THREADS=1 python benchmarks/rung_speed.py                      # AdamW fused/foreach, SGD
     python benchmarks/rung_speed.py --optimizers adamw-fused --rounds 9 --steps 2
     python benchmarks/rung_speed.py --profile bf16-pure:stochastic+bf16     # where one rung's time goes
+    python benchmarks/rung_speed.py --fp32-grads-too   # each rung also with fp32 gradients (before)
+
+``--fp32-grads-too`` adds, for each rung that keeps bf16 gradients (``split``, ``kahan``,
+``stochastic``: :mod:`ampkit.step.policies.pure.grads`), a row run with the fp32 gradients kept
+before (``grads.HALF_GRADS = False`` around its steps), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 import ampkit
 from ampkit.step.hardware import device_info
+from ampkit.step.policies.pure import grads as kept_grads
 
 RUNGS = (
     "bf16-pure:fp32",
@@ -68,7 +74,10 @@ class MLP(torch.nn.Module):
 
 
 class Run:
-    def __init__(self, spec: str, optimizer: str, args: argparse.Namespace) -> None:
+    def __init__(
+        self, spec: str, optimizer: str, args: argparse.Namespace, half: bool = True
+    ) -> None:
+        self.half = half
         torch.manual_seed(0)
         model = Model(args.vocab, args.width) if args.model == "embedding" else MLP(args.width, 4)
         self.amp = ampkit.MixedPrecision(spec, device="cpu", ladder_scratch_mib=args.scratch_mib)
@@ -76,6 +85,7 @@ class Run:
         self.times: list[float] = []
 
     def step(self, x: torch.Tensor) -> None:
+        kept_grads.HALF_GRADS = self.half
         with self.amp.autocast():
             loss = self.model(x)
         self.amp.backward(loss)
@@ -104,6 +114,11 @@ def main() -> None:
     ap.add_argument("--rungs", default=",".join(RUNGS))
     ap.add_argument("--scratch-mib", type=int, default=16, help="ladder_scratch_mib")
     ap.add_argument("--profile", default="", help="profile this rung's steps (torch.profiler)")
+    ap.add_argument(
+        "--fp32-grads-too",
+        action="store_true",
+        help="each rung keeping bf16 gradients also run with fp32 ones (module doc)",
+    )
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(1)
     if args.model == "embedding":
@@ -124,6 +139,16 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
     runs = {(o, r): Run(r, o, args) for o in optimizers for r in rungs}
+    if args.fp32_grads_too:
+        rungs = [
+            x
+            for r in rungs
+            for x in ([r, f"{r} fp32-grads"] if r.split(":")[1].split("+")[0] != "fp32" else [r])
+        ]
+        for o in optimizers:
+            for r in rungs:
+                if r.endswith(" fp32-grads"):
+                    runs[(o, r)] = Run(r.split()[0], o, args, half=False)
     for run in runs.values():  # warm: states made, kernels compiled
         for _ in range(2):
             run.step(x)

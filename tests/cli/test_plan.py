@@ -210,6 +210,9 @@ def test_a_plan_for_a_named_gpu_from_this_cpu_machine(capsys):
         "ampkit plan for NVIDIA H100 80GB HBM3 (h100-80gb)" in table
         and "cuBLAS workspaces" in table
     )
+    # the ladder's gradients are planned in bf16, and the caption says when they are not
+    assert "bf16-pure:split: gradients planned in bf16" in table and "clip_grad_norm" in table
+    assert split["parts"]["gradients"] * 2 == bf16["parts"]["gradients"]
     assert (
         main(
             [
@@ -282,3 +285,10 @@ def test_llama3_8b_for_an_h100_answers_every_row():
     params = 8_030_261_248  # Llama-3-8B's parameters
     assert plan["rows"][0]["parts"]["parameters"] == 4 * params  # bf16 autocast: fp32 weights
     assert plan["rows"][4]["largest_batch_optimizer_in_backward"] >= 1
+    # the ladder keeps bf16 gradients: stochastic 2 + 0 + 8 + 2 = 12 B/param, and stochastic with
+    # bf16 states (8 B/param) fits batch 1 as is
+    stochastic, both = plan["rows"][3]["parts"], plan["rows"][4]
+    assert stochastic["gradients"] == 2 * params
+    state = sum(v for k, v in stochastic.items() if k not in ("activations", "temporaries"))
+    assert 12 * params <= state <= 12 * params + (64 << 20)
+    assert both["largest_batch"] >= 1

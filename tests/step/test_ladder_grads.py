@@ -7,6 +7,7 @@ fp32 again after every boundary (:mod:`ampkit.step.policies.pure.grads`)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -182,3 +183,26 @@ def test_the_gradients_cost_two_bytes_per_parameter(monkeypatch):
     n = sum(p.numel() for p in Net().parameters())
     assert got[True].by_category["gradients"] == 2 * n
     assert got[False].by_category["gradients"] == 4 * n
+
+
+def test_a_gradient_changed_by_hand_in_bf16_is_warned_about(monkeypatch):
+    """A ported loop that clips the optimizer's gradients itself would clip bf16 values here: the
+    engine says so (once) instead of stepping a silently different run without a word."""
+    monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
+    torch.manual_seed(0)
+    model = Net()
+    o = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp = MixedPrecision("bf16-pure", masters="stochastic")
+    model, o = amp.setup(model, o)
+    (x, y), (x2, y2) = batches(2)
+    with amp.autocast():
+        amp.backward(model(x, y))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        amp.step(o)  # untouched: no warning
+    assert not [w for w in seen if "changed in place" in str(w.message)]
+    with amp.autocast():
+        amp.backward(model(x2, y2))
+    torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 1e-3)
+    with pytest.warns(UserWarning, match="changed in place"):
+        amp.step(o)

@@ -362,10 +362,24 @@ def cmd_plan(inv: Invocation) -> int:
         "opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
         "gradients held at each operation replaced by the largest parameter's"
     )
+    ladder = [
+        r["precision"]
+        for r in rows
+        if any(f":{m}" in r["precision"] for m in ("split", "kahan", "stochastic"))
+    ]
+    grads = (
+        [
+            f"{', '.join(ladder)}: gradients planned in bf16 (no clipping, one micro-step a "
+            "step); with clip_grad_norm, accumulation or DDP they are fp32, 2 more bytes per parameter"
+        ]
+        if ladder
+        else []
+    )
     table.caption = "\n".join(
         [
             f"figures for {where}, {kernels}; {_method_line(rows)}",
             lever,
+            *grads,
             *(f"no batch fits {n}" for n in notes),
         ]
     )

@@ -21,6 +21,7 @@ upcasts, today's gradients. After the boundary's ``zero_grad`` the stand-ins are
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +45,8 @@ class KeptGrads:
         self.halves, self.masters = halves, masters
         self._dummy = {torch.float32: dummy, torch.bfloat16: dummy.to(torch.bfloat16)}
         self.held: set[int] = set()
+        self._versions: list[tuple[torch.Tensor, int]] = []  # each kept gradient's version then
+        self._warned = False
 
     def between(self, i: int) -> torch.Tensor:
         """Stand-in ``i``'s data between calls: the shared scalar expanded to its shape, bf16 while
@@ -65,12 +68,15 @@ class KeptGrads:
                         self.held.add(i)
                         m.data = self.between(i)
                         m.grad, h.grad = g, None
+                        self._versions.append((g, g._version))
                 return True
         return False
 
     def settle(self, lean: bool) -> None:
         """Kept gradients stay for a ``lean`` step; else each becomes its fp32 upcast (exact) on
         an fp32 stand-in. No sync."""
+        if self._versions:
+            self._check_unchanged()
         if lean or not self.held:
             return
         for i in sorted(self.held):
@@ -80,6 +86,22 @@ class KeptGrads:
             m.data = self.between(i)
             if g is not None:
                 m.grad = g.float()  # as MasterWeights.absorb_grads makes it
+
+    def _check_unchanged(self) -> None:
+        """Warn (once) where a kept bf16 gradient was changed in place between backward and the step:
+        code that clips or scales the optimizer's gradients by hand did it in bf16 there."""
+        changed = any(g._version != v for g, v in self._versions)
+        self._versions = []
+        if changed and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "ampkit: a gradient of the memory ladder's stand-ins was changed in place between "
+                "backward() and step(); the ladder keeps them in bf16 there (2 bytes per parameter), "
+                "so that change was made in bf16. Clip with clip_grad_norm=... (in fp32), or read "
+                "and change them through ampkit.integrations.common.stepped_params(amp, model), "
+                "which hands out their fp32 upcasts",
+                stacklevel=3,
+            )
 
 
 def fp32(g: torch.Tensor) -> torch.Tensor:

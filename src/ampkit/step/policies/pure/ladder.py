@@ -12,6 +12,9 @@
                round away, the weights *stall* -- refused unless forced
 =============  =======================================================  =========================
 
+Gradients: a one-micro-step window's stay bf16 on the stand-ins for a step that only checks them,
+widened call by call (:mod:`.grads`: 2 bytes per parameter, not an fp32 copy's 4; bitwise).
+
 ``state_dtype="bf16"`` keeps the optimizer's states in bf16 between steps (rounded
 stochastically): ``stochastic`` + bf16 states = 2 + 0 + 4 = 6 B/param. They stay bf16 across
 ``optimizer.load_state_dict`` too (torch casts loaded states to the fp32 stand-ins' dtype; a

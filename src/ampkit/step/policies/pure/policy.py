@@ -181,7 +181,10 @@ class PurePolicy(PrecisionPolicy):
         out = {"masters": where if rung.masters == "fp32" else rung.what}
         return {
             **super().describe(),
-            "grads": "float32 (half gradients summed into the masters')",
+            "grads": "bfloat16, widened in the step (float32 with clipping, accumulation or "
+            "data parallel)"
+            if rung.masters in ("split", "kahan", "stochastic")
+            else "float32 (half gradients summed into the masters')",
             **out,
             "optimizer_state": "bfloat16 (stochastic rounding)"
             if rung.state_dtype == "bf16"
