@@ -2,7 +2,9 @@
 largest tensor is a GPT-2-sized embedding (issue 36 item 1).
 
 Bytes: every tensor reachable from the model, the optimizer and the engine after two AdamW steps,
-gradients excluded, each storage once. Time: the whole training step (forward, backward, step),
+gradients excluded, each storage once; then the gradients a backward leaves for the step
+(``breakdown``'s, bf16 on the ladder's stand-ins, and in brackets the fp32 copy kept before:
+``grads.HALF_GRADS = False``). Time: the whole training step (forward, backward, step),
 rungs interleaved round by round in one process, relative to fp32 masters.
 
     OMP_NUM_THREADS=1 python benchmarks/ladder_bytes.py [--vocab 50000] [--rounds 5] [--steps 3]
@@ -17,6 +19,8 @@ import time
 import torch
 
 import ampkit
+from ampkit.observe.memory import breakdown
+from ampkit.step.policies.pure import grads as kept_grads
 from ampkit.step.rung import ladder_specs
 
 
@@ -85,8 +89,18 @@ def main() -> None:
         for _ in range(2):
             step(model, opt, amp, x)
         n = sum(p.numel() for p in model.parameters())
+        kept = persistent_bytes(model, opt, amp) / n
+        grads = {}
+        for half in (True, False):  # the gradients a backward leaves for the step
+            kept_grads.HALF_GRADS = half
+            with amp.autocast():
+                amp.backward(model(x))
+            grads[half] = breakdown(model, opt, amp).by_category.get("gradients", 0) / n
+            amp.discard_window()
+        kept_grads.HALF_GRADS = True
         print(
-            f"{spec:28s} {persistent_bytes(model, opt, amp) / n:6.2f} B/param ({n / 1e6:.1f}M parameters)"
+            f"{spec:28s} {kept:6.2f} -> {persistent_bytes(model, opt, amp) / n:6.2f} B/param ({n / 1e6:.1f}M "
+            f"parameters) + gradients {grads[True]:.2f} (fp32 copy: {grads[False]:.2f})"
         )
         runs[spec] = (model, opt, amp)
     times: dict[str, list[float]] = {s: [] for s in runs}
