@@ -211,7 +211,7 @@ def test_a_plan_for_a_named_gpu_from_this_cpu_machine(capsys):
         and "cuBLAS workspaces" in table
     )
     # the ladder's gradients are planned in bf16, and the caption says when they are not
-    assert "bf16-pure:split: gradients planned in bf16" in table and "clip_grad_norm" in table
+    assert "bf16-pure:split: gradients planned in bf16" in table and "accumulation or DDP" in table
     assert split["parts"]["gradients"] * 2 == bf16["parts"]["gradients"]
     assert (
         main(

@@ -106,18 +106,47 @@ def test_a_non_finite_bf16_gradient_skips_the_step(monkeypatch):
     assert all(bool(torch.isfinite(p.detach().float()).all()) for p in model.parameters())
 
 
-@pytest.mark.parametrize(
-    "config",
-    [{"clip_grad_norm": 0.5}, {"accumulation_steps": 2}],
-    ids=["clipping", "accumulation"],
-)
-def test_a_step_that_reads_the_gradients_gets_them_in_fp32(monkeypatch, config):
-    steps = 4
-    w_half, seen, *_ = train(monkeypatch, True, "stochastic", "bf16", steps=steps, **config)
-    w_ref, *_ = train(monkeypatch, False, "stochastic", "bf16", steps=steps, **config)
+@pytest.mark.parametrize("keep", [(), ("norm",)], ids=["all-mastered", "keep_fp32-norm"])
+@pytest.mark.parametrize("clip", [1e-3, 1e3], ids=["clips", "does-not-clip"])
+@pytest.mark.parametrize("opt", ["adamw-fused", "sgd-momentum"])
+@pytest.mark.parametrize("masters", ["split", "stochastic"])
+def test_clipping_kept_bf16_gradients_is_clip_grad_norm_on_their_upcasts(
+    monkeypatch, masters, opt, clip, keep
+):
+    """``clip_grad_norm``: the total norm from each kept gradient's fp32 upcast and the coefficient
+    applied as the step widens them -- the same norm and weights as clipping fp32 gradients, with
+    ``keep_fp32`` modules' fp32 gradients clipped in place beside them."""
+    cfg = {"clip_grad_norm": clip, "keep_fp32": list(keep)}
+    w_half, seen, amp_h, *_ = train(monkeypatch, True, masters, "bf16", opt, steps=3, **cfg)
+    w_ref, _, amp_r, *_ = train(monkeypatch, False, masters, "bf16", opt, steps=3, **cfg)
+    assert "torch.bfloat16" in seen[0]  # kept through a clipped step
     assert same(w_half, w_ref)
-    if "accumulation_steps" in config:  # summed in fp32 from the first micro-step on
-        assert seen == [{"torch.float32"}] * steps
+
+
+def test_the_clipped_norm_is_the_one_clipping_fp32_gradients_reports(monkeypatch):
+    norms = {}
+    for half in (True, False):
+        monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
+        torch.manual_seed(0)
+        model = Net()
+        o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        amp = MixedPrecision("bf16-pure", masters="kahan", clip_grad_norm=0.1)
+        model, o = amp.setup(model, o)
+        norms[half] = []
+        for x, y in batches(3):
+            with amp.autocast():
+                amp.backward(model(x, y))
+            norms[half].append(amp.step(o).grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(norms[True], norms[False]))
+
+
+def test_accumulation_sums_the_gradients_in_fp32(monkeypatch):
+    steps = 4
+    cfg = {"accumulation_steps": 2}
+    w_half, seen, *_ = train(monkeypatch, True, "stochastic", "bf16", steps=steps, **cfg)
+    w_ref, *_ = train(monkeypatch, False, "stochastic", "bf16", steps=steps, **cfg)
+    assert same(w_half, w_ref)
+    assert seen == [{"torch.float32"}] * steps  # from the first micro-step on
 
 
 def test_zero_grad_false_keeps_fp32_gradients_after_the_step(monkeypatch):

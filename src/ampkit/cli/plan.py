@@ -13,6 +13,7 @@ from ..plan.depth_plan import plan_groups, plan_on, why_not
 from ..plan.devices import DEVICES
 from ..plan.estimate import PLAN_PRECISIONS, parse_bytes, size_text
 from ..step.precision import REFERENCE, REGISTRY
+from ..step.rung import PLAIN, split_spec
 from .common import estimate_inputs, flag, model_label, positive_int, wide_console
 from .flags import model_flags, precision_list
 from .invocation import Invocation
@@ -362,15 +363,11 @@ def cmd_plan(inv: Invocation) -> int:
         "opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
         "gradients held at each operation replaced by the largest parameter's"
     )
-    ladder = [
-        r["precision"]
-        for r in rows
-        if any(f":{m}" in r["precision"] for m in ("split", "kahan", "stochastic"))
-    ]
+    ladder = [r["precision"] for r in rows if (split_spec(r["precision"])[1] or PLAIN).half_grads]
     grads = (
         [
-            f"{', '.join(ladder)}: gradients planned in bf16 (no clipping, one micro-step a "
-            "step); with clip_grad_norm, accumulation or DDP they are fp32, 2 more bytes per parameter"
+            f"{', '.join(ladder)}: gradients planned in bf16 (one micro-step a step, one "
+            "process); with accumulation or DDP they are fp32, 2 more bytes per parameter"
         ]
         if ladder
         else []

@@ -56,14 +56,12 @@ class ClipOrder:
         return cached
 
 
-def lean_step(
-    scaler: LossScaler, clip: Optional[float], flush_factor: Optional[float], zero_grad: bool
-) -> bool:
-    """Whether this boundary only checks the gradients before the optimizer reads them: no clipping,
+def lean_step(scaler: LossScaler, flush_factor: Optional[float], zero_grad: bool) -> bool:
+    """Whether this boundary only checks (and clips) the gradients before the optimizer reads them:
     no flush of a short window, no scale to unscale, and ``zero_grad`` after (gradients a policy
     keeps in bf16 may then stay so: :mod:`ampkit.step.policies.pure.grads`)."""
     unit = not scaler.is_enabled() or scaler.is_unit
-    return clip is None and flush_factor is None and zero_grad and unit
+    return flush_factor is None and zero_grad and unit
 
 
 def optimizer_step(
@@ -72,8 +70,10 @@ def optimizer_step(
     params: list[torch.Tensor],
     clip: Optional[float],
     flush_factor: Optional[float],
+    clip_fn: Optional[Callable[[list[torch.Tensor], float], torch.Tensor]] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Unscale, clip, check, step (or skip) and update; returns ``(grad_norm, scale, found_inf)``.
+    ``clip_fn``: the policy's clipping (kept bf16 gradients, a lean step), else :func:`clip_norm`.
 
     ``scale`` is the scale this step's gradients carried (None without a scaler), ``found_inf``
     None when non-finite checking is off. No host sync with fused optimizers.
@@ -85,7 +85,7 @@ def optimizer_step(
     grad_norm = None
     if not scaler.is_enabled():
         if clip is not None:
-            grad_norm = clip_norm(params, clip)
+            grad_norm = clip_norm(params, clip, clip_fn)
         with phase("ampkit.optimizer_step"):
             for opt in opts:
                 opt.step()
@@ -96,7 +96,7 @@ def optimizer_step(
     if clip is not None and unit:
         # Nothing to unscale: the clipped total norm is non-finite exactly when some gradient
         # is, so it doubles as the finite check (saves a pass over the gradients).
-        grad_norm = clip_norm(params, clip)
+        grad_norm = clip_norm(params, clip, clip_fn)
         finite = cpu_norm_finite(grad_norm) if scaler.found_inf_hook is None else None
         if finite is not None:
             # On the CPU reading the norm costs no sync: decide here and call each optimizer
@@ -125,10 +125,14 @@ def optimizer_step(
     return grad_norm, scale, scaler.found_inf
 
 
-def clip_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
-    """``clip_grad_norm_`` returning a plain tensor: under FSDP2 the gradients are DTensor shards
-    and the total norm comes back as a replicated DTensor, the same value on every rank."""
+def clip_norm(
+    params: list[torch.Tensor],
+    clip: float,
+    clip_fn: Optional[Callable[[list[torch.Tensor], float], torch.Tensor]] = None,
+) -> torch.Tensor:
+    """``clip_grad_norm_`` (or ``clip_fn``) returning a plain tensor: under FSDP2 the gradients are
+    DTensor shards and the total norm comes back as a replicated DTensor, the same on every rank."""
     with phase("ampkit.clip"):
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        norm = (clip_fn or torch.nn.utils.clip_grad_norm_)(params, clip)
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm

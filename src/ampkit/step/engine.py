@@ -400,12 +400,15 @@ class MixedPrecision:
             assert self._clip_order is not None
             params = self._clip_order.params(opts)
             flush_factor = None if self._normalized else window.flush_factor()
+            lean, clip_fn = False, None
             if (prep := self._policy.before_step) is not None:  # the ladder's bf16 gradients
                 one = type(self._parallel) is Parallel
-                prep(lean_step(self._scaler, clip, flush_factor, zero_grad) and one)
+                lean = lean_step(self._scaler, flush_factor, zero_grad) and one
+                prep(lean)
+                clip_fn = self._policy.clip_grad_norm if lean else None
             self._parallel.before_step(params)
             grad_norm, scale, found_inf = optimizer_step(
-                self._scaler, opts, params, clip, flush_factor
+                self._scaler, opts, params, clip, flush_factor, clip_fn
             )
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:

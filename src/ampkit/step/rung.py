@@ -109,6 +109,12 @@ class Rung:
         return self.masters == "none"
 
     @property
+    def half_grads(self) -> bool:
+        """Whether a one-micro-step window's gradients stay bf16 (stand-ins with no fp32 values:
+        :mod:`ampkit.step.policies.pure.grads`); fp32 masters keep fp32 gradients."""
+        return self.masters not in ("fp32", "none")
+
+    @property
     def what(self) -> str:
         """What stands in for the fp32 master, in words (for ``describe()`` and the manifest)."""
         return _WHAT[self.masters]

@@ -93,6 +93,9 @@ class PrecisionPolicy:
     #: Called at a boundary before the gradients are read, with ``lean`` (the step only checks them:
     #: gradients a policy kept in the half dtype may stay so), or None. No sync.
     before_step: Optional[Callable[[bool], None]] = None
+    #: A lean step's clipping, ``(params, max_norm) -> total norm`` as ``clip_grad_norm_`` (the
+    #: ladder's kept bf16 gradients read as their fp32 upcasts), or None: torch's. No sync.
+    clip_grad_norm: Optional[Callable[[list[torch.Tensor], float], torch.Tensor]] = None
     #: Called after each optimizer step, taken or skipped (e.g. the masters into the model), or None. No sync.
     after_step: Optional[Callable[[], None]] = None
     #: Called at the end of a boundary, after its ``zero_grad`` (or when a window is discarded), or

@@ -197,8 +197,8 @@ class FusedAdam:
                 g = grads[id(m)]
                 assert g is not None
                 g = g.view(-1)[a:b]
-                if g.dtype != torch.float32:  # a kept half gradient, widened (exact) for the call
-                    g = g.float()
+                if g.dtype != torch.float32:  # a kept bf16 gradient, widened for the call (.grads)
+                    g = lw.grads.widen(g)
                     held.append(g)
                 t.add(
                     w,

@@ -9,12 +9,16 @@ on its own (``accumulation_steps=1``, the micro-step closed, no optimizer in bac
 be summed into its gradients, so each bf16 gradient moves as it is onto its stand-in -- which is
 made bf16 for the time (a parameter's gradient has its dtype): 2 bytes per parameter.
 
-At the boundary the engine says whether the step is **lean**: it only checks the gradients (no
-clipping, no unscaling of a real scale, no flush of a short window, no data-parallel averaging,
+At the boundary the engine says whether the step is **lean**: it only checks and clips the
+gradients (no unscaling of a real scale, no flush of a short window, no data-parallel averaging,
 ``zero_grad`` on). A lean step checks the bf16 gradients directly (finite exactly when their fp32
 upcasts are) and the ladder's step widens them call by call into the fp32 the optimizer reads --
 the exact upcast, so every rung and optimizer steps **bitwise** as with fp32 gradients
-(tests/step/test_ladder_grads.py). Any other step, and anything reading them for itself
+(tests/step/test_ladder_grads.py). Clipping (:meth:`KeptGrads.clip`) is ``clip_grad_norm_``'s
+arithmetic on those upcasts: each tensor's norm from its upcast (one tensor widened at a time, in
+the order and grouping torch uses), the total and the clamped coefficient as torch computes them;
+the coefficient multiplies each upcast when the step widens it (the same one rounding as torch's
+in-place multiply of an fp32 gradient). Any other step, and anything reading them for itself
 (``stepped_params``: the integrations' clipping and logging), first turns them into their fp32
 upcasts, today's gradients. After the boundary's ``zero_grad`` the stand-ins are fp32 again.
 """
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
+from torch.utils._foreach_utils import _has_foreach_support
 
 __all__ = ["HALF_GRADS", "KeptGrads", "fp32"]
 
@@ -47,6 +53,9 @@ class KeptGrads:
         self.held: set[int] = set()
         self._versions: list[tuple[torch.Tensor, int]] = []  # each kept gradient's version then
         self._warned = False
+        self.coef: Optional[torch.Tensor] = (
+            None  # a lean clip's clamped coefficient, not yet applied
+        )
 
     def between(self, i: int) -> torch.Tensor:
         """Stand-in ``i``'s data between calls: the shared scalar expanded to its shape, bf16 while
@@ -85,7 +94,48 @@ class KeptGrads:
             self.held.discard(i)
             m.data = self.between(i)
             if g is not None:
-                m.grad = g.float()  # as MasterWeights.absorb_grads makes it
+                m.grad = self.widen(
+                    g
+                )  # as MasterWeights.absorb_grads makes it (clipped: as clipped)
+        self.coef = None
+
+    def widen(self, g: torch.Tensor) -> torch.Tensor:
+        """A gradient as an fp32 stand-in takes it: a kept bf16 one widened (exact) and times a lean
+        clip's coefficient; an fp32 one as it is."""
+        if g.dtype == torch.float32:
+            return g
+        w = g.float()
+        return w if self.coef is None else w.mul_(self.coef.to(w.device))
+
+    def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (2-norm) with the kept gradients read
+        as their fp32 upcasts (module doc): returns the total norm; the other gradients are
+        multiplied in place, the kept ones when the step widens them."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:  # grouped as torch groups the fp32 upcasts
+            key = (g.device, torch.float32 if g.dtype == torch.bfloat16 else g.dtype)
+            groups.setdefault(key, []).append(g)
+        norms: list[torch.Tensor] = []
+        for (device, _), gs in groups.items():
+            if _has_foreach_support(gs, device):
+                norms += [torch._foreach_norm([fp32(g)], 2.0)[0] for g in gs]
+            else:
+                norms += [torch.linalg.vector_norm(fp32(g), 2.0) for g in gs]
+        first = grads[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+        clamped = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for (device, _), gs in groups.items():
+            plain = [g for g in gs if g.dtype != torch.bfloat16]
+            if plain and _has_foreach_support(plain, device):
+                torch._foreach_mul_(plain, clamped.to(device))
+            else:
+                for g in plain:
+                    g.mul_(clamped.to(device))
+        self.coef = clamped
+        return total
 
     def _check_unchanged(self) -> None:
         """Warn (once) where a kept bf16 gradient was changed in place between backward and the step:
@@ -97,7 +147,7 @@ class KeptGrads:
             warnings.warn(
                 "ampkit: a gradient of the memory ladder's stand-ins was changed in place between "
                 "backward() and step(); the ladder keeps them in bf16 there (2 bytes per parameter), "
-                "so that change was made in bf16. Clip with clip_grad_norm=... (in fp32), or read "
+                "so that change was made in bf16. Clip with clip_grad_norm=... (exact), or read "
                 "and change them through ampkit.integrations.common.stepped_params(amp, model), "
                 "which hands out their fp32 upcasts",
                 stacklevel=3,

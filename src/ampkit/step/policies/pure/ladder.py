@@ -60,7 +60,7 @@ from ...rung import Rung, split_spec
 from .. import native as _native_kernels
 from .cast import STALL_WARNING, CastOnly
 from .fused import FusedAdam
-from .grads import KeptGrads, fp32
+from .grads import KeptGrads
 from .masters import MasterWeights
 from .pieces import (
     ALIGN,
@@ -351,7 +351,7 @@ class LadderWeights(MasterWeights):
                         m, g = self.masters[seg.i], by_id[id(self.masters[seg.i])]
                         if g is not None and not seg.whole:
                             g = g.view(-1)[seg.start : seg.stop]
-                        m.data, m.grad = v, (None if g is None else fp32(g))
+                        m.data, m.grad = v, (None if g is None else self.grads.widen(g))
                         if seg.whole:
                             self._states_up(opt, m, kept)
                         else:

@@ -117,6 +117,7 @@ class PurePolicy(PrecisionPolicy):
         )  # unconditional: after a skipped step the masters did not move
         if isinstance(self._masters, LadderWeights):  # bf16 gradients kept for a lean step (.grads)
             self.before_step = self._masters.grads.settle
+            self.clip_grad_norm = self._masters.grads.clip
             self.end_step = functools.partial(self._masters.grads.settle, False)
 
     def release(self) -> None:
@@ -129,7 +130,7 @@ class PurePolicy(PrecisionPolicy):
         if self._masters is not None:
             self._masters.release()
             self._masters = self.after_backward = self.after_step = None
-            self.before_step = self.end_step = None
+            self.before_step = self.end_step = self.clip_grad_norm = None
 
     def master_storage(self) -> list[torch.Tensor]:
         """The ladder rung's own tensors (16-bit remainders, bf16 compensations), for memory accounting."""
@@ -181,9 +182,8 @@ class PurePolicy(PrecisionPolicy):
         out = {"masters": where if rung.masters == "fp32" else rung.what}
         return {
             **super().describe(),
-            "grads": "bfloat16, widened in the step (float32 with clipping, accumulation or "
-            "data parallel)"
-            if rung.masters in ("split", "kahan", "stochastic")
+            "grads": "bfloat16, widened in the step (float32 with accumulation or data parallel)"
+            if rung.half_grads
             else "float32 (half gradients summed into the masters')",
             **out,
             "optimizer_state": "bfloat16 (stochastic rounding)"
