@@ -140,6 +140,33 @@ def test_families_by_name_keyword_fields_or_a_config_file(tmp_path):
         hf_config(str(tmp_path / "missing.json"))
 
 
+def test_a_saved_config_with_per_layer_types_takes_another_depth(tmp_path):
+    """transformers writes ``layer_types`` (one entry per layer) into a Qwen2 config.json; a layer
+    count given on top (--model_config, and plan's 1- and 2-block copies) was refused: "num_hidden_layers
+    (1) must be equal to the number of layer_types (2)". The list follows the count, its pattern kept."""
+    from ampkit.models.hf_configs import hf_config
+    from ampkit.plan.depth import stack_for
+
+    cfg = transformers.Qwen2Config(**LLAMA_LIKE)
+    if not isinstance(getattr(cfg, "layer_types", None), list):
+        pytest.skip("this transformers writes no layer_types")
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string())
+    for n in (1, 2, 5):
+        got = hf_config(str(path), {"num_hidden_layers": n})
+        assert got.num_hidden_layers == n and got.layer_types == ["full_attention"] * n
+    raw = json.loads(path.read_text())
+    raw["layer_types"] = ["sliding_attention", "full_attention", "full_attention"]
+    raw["sliding_window"] = 16
+    path.write_text(json.dumps(raw))
+    assert hf_config(str(path), {"num_hidden_layers": 4}).layer_types == [
+        "sliding_attention", "full_attention", "full_attention", "sliding_attention"
+    ]
+    st = stack_for(str(path))
+    assert st is not None and st.depth == 3
+    assert st.factory(1)().hf.config.layer_types == ["sliding_attention"]
+
+
 @pytest.mark.slow
 def test_plan_a_config_file_for_a_named_gpu(tmp_path, capsys):
     from ampkit.cli import main

@@ -128,7 +128,7 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
                 f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})"
             )
     given = dict(overrides or {})
-    overrides = {**fields, **given}
+    overrides = {**fields, **_per_layer_follows_depth(fields, given)}
     config = _made(cls, fields, cls_name)
     unknown = [k for k in overrides if not hasattr(config, k)]
     if unknown:
@@ -153,6 +153,20 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
             f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256"
         )
     return config
+
+
+def _per_layer_follows_depth(fields: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given``, plus the file's ``layer_types`` (one entry per layer, which transformers writes
+    into a saved config) resized to a layer count ``given`` sets, its pattern repeated: the class
+    refuses a list of another length. A ``layer_types`` given too is the user's own."""
+    types = fields.get("layer_types")
+    if "layer_types" in given or not isinstance(types, list) or not types:
+        return given
+    counts = [given.get(k) for k in ("num_hidden_layers", "n_layer", "num_layers")]
+    n = next((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), None)
+    if n is None or n < 1 or n == len(types):
+        return given
+    return {**given, "layer_types": [types[i % len(types)] for i in range(n)]}
 
 
 #: config fields that are sizes or counts (layers, widths, heads, vocabulary, positions): >= 1
