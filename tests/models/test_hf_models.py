@@ -167,6 +167,26 @@ def test_a_saved_config_with_per_layer_types_takes_another_depth(tmp_path):
     assert st.factory(1)().hf.config.layer_types == ["sliding_attention"]
 
 
+def test_a_saved_model_directory_is_its_config_json(tmp_path):
+    """``save_pretrained(DIR)`` writes DIR/config.json; ``--model DIR`` was "neither a built-in (gpt,
+    mlp, cnn) nor 'module:factory'", an error that named none of the Hugging Face choices."""
+    from ampkit.models.builtin import load_factory
+    from ampkit.models.hf_configs import hf_config, is_hf
+    from ampkit.plan.depth import stack_for
+
+    transformers.MistralConfig(**LLAMA_LIKE).save_pretrained(tmp_path)
+    assert is_hf(str(tmp_path))
+    cfg = hf_config(str(tmp_path), {"num_hidden_layers": 2})
+    assert type(cfg).__name__ == "MistralConfig" and cfg.intermediate_size == 128
+    st = stack_for(str(tmp_path))
+    assert st is not None and st.depth == 3 and '"intermediate_size": 128' in st.spec
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert not is_hf(str(empty))
+    with pytest.raises(ValueError, match=r"llama.*config\.json.*module:factory"):
+        load_factory(str(empty))
+
+
 @pytest.mark.slow
 def test_plan_a_config_file_for_a_named_gpu(tmp_path, capsys):
     from ampkit.cli import main
