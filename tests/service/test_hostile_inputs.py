@@ -492,3 +492,15 @@ def test_wedge_bodies_then_another_owners_run_succeeds(tmp_path):
             time.sleep(0.2)
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("status", ["runing", "RUNNING", ""])
+def test_a_status_filter_that_is_no_status_is_422_with_the_choices(client, status):
+    """``GET /v1/runs?status=runing`` answered ``{"runs": []}``, as if nothing ran (the web UI's
+    listing refused it); each valid status still filters."""
+    r = client.get("/v1/runs", params={"status": status}, headers=ALICE)
+    _is_422(r, "status", repr(status), "queued, running, succeeded, failed, cancelled")
+    assert post(client, "/v1/runs", {"model": "mlp", "size": "tiny"}).status_code == 201
+    got = client.get("/v1/runs", params={"status": "queued"}, headers=ALICE)
+    assert got.status_code == 200 and len(got.json()["runs"]) == 1
+    assert client.get("/v1/runs", params={"status": "failed"}, headers=ALICE).json()["runs"] == []
