@@ -347,6 +347,25 @@ def test_cuda_on_a_server_without_cuda_is_422(client, monkeypatch):
     _is_422(post(client, "/v1/runs", {"device": "meta"}), "meta", "choose cpu")
 
 
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ({"precision": "fp8"}, ["fp8", "cannot run here", "fp8_emulate"]),
+        ({"precision": "fp32", "amp": {"state_dtype": "bf16"}}, ["memory-ladder rung", "fp32"]),
+        ({"precision": "bf16", "amp": {"masters": "split"}}, ["memory-ladder rung", "bf16-pure"]),
+    ],
+)
+def test_a_precision_the_run_would_refuse_at_start_is_422(client, extra, words):
+    """fp8 on a CPU (no emulation) and a ladder rung with a precision that has no ladder were 201,
+    queued, then failed at start: ``ampkit train`` refuses both before its first step."""
+    run = {"model": "mlp", "size": "tiny", "device": "cpu", **extra}
+    _is_422(post(client, "/v1/runs", run), *words)
+    body = {"precision": "bf16-pure", "amp": {"masters": "split"}, "device": "cpu"}
+    assert post(client, "/v1/runs", {"model": "mlp", "size": "tiny", **body}).status_code == 201
+    brief = {**BRIEF, "device": "cpu", "mixed_precision_config": {"dtype": "fp8"}}
+    _is_422(post(client, "/finetuning/mixed-precision", brief), "fp8", "cannot run here")
+
+
 def test_texts_for_a_model_that_is_not_a_text_model_are_422(client):
     for model in ("mlp", "cnn"):
         _is_422(post(client, "/v1/runs", {"model": model, "texts": TEXTS}), "texts", model)
