@@ -265,6 +265,8 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
             if methods == {"depth"}
             else f"per row: {', '.join(sorted(methods))}; {note}"
         )
+    if not methods:
+        return "no row was estimated: the device runs none of these precisions (each row says why)"
     if methods == {"measured"}:
         return "measured: the full model's training step on fake tensors (B fits, B + 1 does not)"
     if methods == {"depth"}:
@@ -350,8 +352,9 @@ def cmd_plan(inv: Invocation) -> int:
             cell(r["largest_batch_optimizer_in_backward_activation_checkpointing"]),
             saving,
         )
-        if r.get("why_not"):
-            notes.append(f"{r['precision']}: {r['why_not']}")
+        if r.get("why_not"):  # a row the device cannot run is not one whose batch is too big
+            cannot = "cannot run" if r["method"] == "refused" else "no batch fits"
+            notes.append(f"{cannot} {r['precision']}: {r['why_not']}")
     kernels = (
         "its allocator's blocks, cuBLAS workspaces and fused attention; the budget is its memory less "
         "the CUDA context and fragmentation"
@@ -366,7 +369,7 @@ def cmd_plan(inv: Invocation) -> int:
         [
             f"figures for {where}, {kernels}; {_method_line(rows)}",
             lever,
-            *(f"no batch fits {n}" for n in notes),
+            *notes,
         ]
     )
     wide_console().print(table)
