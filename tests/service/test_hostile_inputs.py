@@ -523,3 +523,29 @@ def test_a_status_filter_that_is_no_status_is_422_with_the_choices(client, statu
     got = client.get("/v1/runs", params={"status": "queued"}, headers=ALICE)
     assert got.status_code == 200 and len(got.json()["runs"]) == 1
     assert client.get("/v1/runs", params={"status": "failed"}, headers=ALICE).json()["runs"] == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"\xff\xfe not utf-8", b"{torn by a full disk", b"[1, 2]", b"\x00\x00\x00\x00"],
+    ids=["utf8", "torn", "not-an-object", "nul"],
+)
+def test_a_damaged_line_in_a_runs_log_is_left_out_not_a_500(client, tmp_path, damage):
+    """One damaged line in a run's log.jsonl (a write torn by a full disk, a bad block) made
+    ``GET /v1/runs/{id}`` and its ``/metrics`` answer 500 for as long as the run existed, and a stray
+    ``log-x`` directory did too. The whole records are served; the damaged line is left out."""
+    import os
+
+    run = post(client, "/v1/runs", {"model": "mlp", "size": "tiny", "device": "cpu"}).json()
+    logs = os.path.join(str(tmp_path / "svc"), "runs", run["id"], "log-0")
+    os.makedirs(logs)
+    step = [json.dumps({"type": "step", "step": i, "loss": 1.0}).encode() for i in (1, 2)]
+    event = json.dumps({"type": "event", "kind": "fallback", "step": 2}).encode()
+    with open(os.path.join(logs, "log.jsonl"), "wb") as f:
+        f.write(b"\n".join([step[0], damage, step[1], event]) + b"\n")
+    os.makedirs(os.path.join(os.path.dirname(logs), "log-x"))
+    got = client.get(f"/v1/runs/{run['id']}/metrics", headers=ALICE)
+    assert got.status_code == 200, got.text[:300]
+    assert [r.get("step") for r in got.json()["records"]] == [1, 2, 2]
+    view = client.get(f"/v1/runs/{run['id']}", headers=ALICE)
+    assert view.status_code == 200 and [e["kind"] for e in view.json()["events"]] == ["fallback"]
