@@ -191,6 +191,16 @@ class BatchSource:
         return int(n) if n is not None else None
 
     @property
+    def declared_batch_size(self) -> Optional[int]:
+        """Samples per batch as the data declares it (``samples_per_batch``, a ``DataLoader``'s
+        ``batch_size``), None when it does not: what a checkpoint records, so that a resume with
+        batches of another size is told apart (reads no batch)."""
+        n = self.samples_per_batch
+        if n is None and not self.indexed:
+            n = getattr(self.batches, "batch_size", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    @property
     def tokens_per_batch(self) -> Optional[int]:
         n = getattr(self.batches, "tokens_per_batch", None)
         return int(n) if n is not None else None
