@@ -141,9 +141,10 @@ def test_families_by_name_keyword_fields_or_a_config_file(tmp_path):
 
 
 def test_a_saved_config_with_per_layer_types_takes_another_depth(tmp_path):
-    """transformers writes ``layer_types`` (one entry per layer) into a Qwen2 config.json; a layer
-    count given on top (--model_config, and plan's 1- and 2-block copies) was refused: "num_hidden_layers
-    (1) must be equal to the number of layer_types (2)". The list follows the count, its pattern kept."""
+    """transformers writes ``layer_types`` (one entry per layer) into a Qwen2 config.json; a
+    layer count given on top (--model_config, and plan's 1- and 2-block copies) was refused:
+    "num_hidden_layers (1) must be equal to the number of layer_types (2)". The list follows
+    the count, its pattern kept."""
     from ampkit.models.hf_configs import hf_config
     from ampkit.plan.depth import stack_for
 
@@ -160,7 +161,10 @@ def test_a_saved_config_with_per_layer_types_takes_another_depth(tmp_path):
     raw["sliding_window"] = 16
     path.write_text(json.dumps(raw))
     assert hf_config(str(path), {"num_hidden_layers": 4}).layer_types == [
-        "sliding_attention", "full_attention", "full_attention", "sliding_attention"
+        "sliding_attention",
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
     ]
     st = stack_for(str(path))
     assert st is not None and st.depth == 3
@@ -168,8 +172,8 @@ def test_a_saved_config_with_per_layer_types_takes_another_depth(tmp_path):
 
 
 def test_a_saved_model_directory_is_its_config_json(tmp_path):
-    """``save_pretrained(DIR)`` writes DIR/config.json; ``--model DIR`` was "neither a built-in (gpt,
-    mlp, cnn) nor 'module:factory'", an error that named none of the Hugging Face choices."""
+    """``save_pretrained(DIR)`` writes DIR/config.json; ``--model DIR`` was "neither a built-in
+    (gpt, mlp, cnn) nor 'module:factory'", an error that named none of the Hugging Face choices."""
     from ampkit.models.builtin import load_factory
     from ampkit.models.hf_configs import hf_config, is_hf
     from ampkit.plan.depth import stack_for

@@ -15,7 +15,8 @@ def test_one_token_given_to_two_owners_is_refused():
     with pytest.raises(ValueError, match="alice and bob") as e:
         auth.load_tokens("/nonexistent", {"AMPKIT_TOKENS": "alice:s3cret,bob:s3cret"})
     assert "s3cret" not in str(e.value)
-    assert auth.load_tokens("/x", {"AMPKIT_TOKENS": "alice:a1,bob:b2"}) == {"a1": "alice", "b2": "bob"}
+    two = auth.load_tokens("/x", {"AMPKIT_TOKENS": "alice:a1,bob:b2"})
+    assert two == {"a1": "alice", "b2": "bob"}
 
 
 def test_a_tokens_file_without_a_token_is_refused(tmp_path):

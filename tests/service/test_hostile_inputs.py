@@ -532,8 +532,9 @@ def test_a_status_filter_that_is_no_status_is_422_with_the_choices(client, statu
 )
 def test_a_damaged_line_in_a_runs_log_is_left_out_not_a_500(client, tmp_path, damage):
     """One damaged line in a run's log.jsonl (a write torn by a full disk, a bad block) made
-    ``GET /v1/runs/{id}`` and its ``/metrics`` answer 500 for as long as the run existed, and a stray
-    ``log-x`` directory did too. The whole records are served; the damaged line is left out."""
+    ``GET /v1/runs/{id}`` and its ``/metrics`` answer 500 for as long as the run existed, and a
+    stray ``log-x`` directory did too. The whole records are served; the damaged line is left
+    out."""
     import os
 
     run = post(client, "/v1/runs", {"model": "mlp", "size": "tiny", "device": "cpu"}).json()

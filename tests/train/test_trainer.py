@@ -151,7 +151,8 @@ def test_trainer_counts_are_integers_not_booleans(tmp_path, setting, value, word
     opt = torch.optim.AdamW(model.parameters())
     amp = MixedPrecision("fp32")
     model, opt = amp.setup(model, opt)
-    extra = {"checkpoint_dir": str(tmp_path)} if "checkpoint" in setting or setting == "keep_last" else {}
+    checkpoints = "checkpoint" in setting or setting == "keep_last"
+    extra = {"checkpoint_dir": str(tmp_path)} if checkpoints else {}
     if setting.startswith("eval"):
         extra = {"eval_batches": batches, "eval_every": 2}
     with pytest.raises((TypeError, ValueError)) as e:

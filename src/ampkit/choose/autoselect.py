@@ -116,9 +116,7 @@ def _read_cache() -> dict[str, Any]:
     if not isinstance(data, dict):
         return {}
     return {
-        k: v
-        for k, v in data.items()
-        if isinstance(v, dict) and v.get("sha256") == _entry_digest(v)
+        k: v for k, v in data.items() if isinstance(v, dict) and v.get("sha256") == _entry_digest(v)
     }
 
 

@@ -1,9 +1,9 @@
 """Hugging Face models built from their config class -- never downloaded.
 
 ``--model gpt2`` (an alias: gpt2, llama, mistral, qwen2, bert), ``--model transformers.GPT2Config``
-(any config class path) or ``--model path/to/config.json`` (a model's ``config.json``, or the directory holding it: its
-``model_type`` names the family) builds ``AutoModelForCausalLM.from_config(Config(**overrides))``
-with fresh weights, wrapped so that
+(any config class path) or ``--model path/to/config.json`` (a model's ``config.json``, or the
+directory holding it: its ``model_type`` names the family) builds
+``AutoModelForCausalLM.from_config(Config(**overrides))`` with fresh weights, wrapped so that
 ``model(idx, targets)`` returns the next-token loss, like the built-in GPT. Tokens are bytes
 (0-255), so the config's ``vocab_size`` must be at least 256. ``overrides`` (``--model_config
 n_layer=2,n_embd=64``) change the config's fields.
