@@ -200,6 +200,21 @@ class BatchSource:
             n = getattr(self.batches, "batch_size", None)
         return n if isinstance(n, int) and not isinstance(n, bool) else None
 
+    def check_batch_size(self, saved: Any, source: str) -> None:
+        """Refuse data whose declared batch size differs from a checkpoint's (``saved``; both
+        known) with :class:`~ampkit.loop.checkpoint.CheckpointMismatch`: the data position, in
+        batches, would name other samples and the effective batch would change."""
+        from .checkpoint import CheckpointMismatch
+
+        now = self.declared_batch_size
+        if isinstance(saved, int) and now is not None and saved != now:
+            raise CheckpointMismatch(
+                f"{source}: its run read batches of {saved} samples, this data's are {now}: the "
+                "data position would name other samples and the effective batch would change; "
+                f"resume with batches of {saved} (ampkit train: --batch_size {saved}) or start a "
+                "new run"
+            )
+
     @property
     def tokens_per_batch(self) -> Optional[int]:
         n = getattr(self.batches, "tokens_per_batch", None)

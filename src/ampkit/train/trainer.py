@@ -26,7 +26,6 @@ from ..distributed.states import capture, restore
 from ..loop.batches import BatchSource, held_out
 from ..loop.checkpoint import (
     CheckpointManager,
-    CheckpointMismatch,
     ShardedCheckpointManager,
     capture_rng,
     check_state,
@@ -504,7 +503,7 @@ class Trainer:
         the model's keys and shapes, the optimizer's parameter groups and the engine state; on a
         mismatch nothing changes and :class:`~ampkit.loop.checkpoint.CheckpointError` says what."""
         check_state(state, capture(self.model, self.optimizer)[0], self.optimizer, source)
-        self._check_batch_size(state.get("data", {}).get("batch_size"), source)
+        self.source.check_batch_size(state.get("data", {}).get("batch_size"), source)
         restore(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -521,18 +520,6 @@ class Trainer:
             saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis
         )  # once per run
         SpikeGuard.load_trainer_state(self, state.get("spike_guard"))  # (spike_rollback)
-
-    def _check_batch_size(self, saved: Any, source: str) -> None:
-        """Refuse data whose declared batch size differs from the run's (both known): the data
-        position, in batches, would name other samples and the effective batch would change."""
-        now = self.source.declared_batch_size
-        if isinstance(saved, int) and now is not None and saved != now:
-            raise CheckpointMismatch(
-                f"{source}: its run read batches of {saved} samples, this data's are {now}: the "
-                "data position would name other samples and the effective batch would change; "
-                f"resume with batches of {saved} (ampkit train: --batch_size {saved}) or start a "
-                "new run"
-            )
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:
