@@ -76,6 +76,34 @@ def test_auto_keeps_its_pick_only_when_clearly_faster(
     )  # the cache keeps it
 
 
+def test_a_changed_byte_in_autos_cache_is_never_read(monkeypatch, tmp_path):
+    """One byte of ``auto-precision.json`` changed inside a cached speed-up (0.75 read as 1.75)
+    still parsed, and ``auto`` then trained in bf16 "by cached measurement" where it had measured
+    bf16 slower. Each verdict carries its digest; one that does not match is measured again."""
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def measure(*a, **k):
+        calls.append(1)
+        return 0.75, 0.01
+
+    monkeypatch.setattr(autoselect, "_measure", measure)
+    model, batches = builtin("mlp", "tiny", batch_size=8)
+
+    def choose():
+        return autoselect.measured_choice(model, batches, "bf16", torch.device("cpu"))
+
+    assert choose().precision == "fp32" and len(calls) == 1
+    assert choose().cached and len(calls) == 1
+    path = tmp_path / "auto-precision.json"
+    text = path.read_text()
+    assert text.count('"speedup": 0.75') == 1
+    path.write_text(text.replace('"speedup": 0.75', '"speedup": 1.75'))
+    again = choose()
+    assert again.precision == "fp32" and not again.cached and len(calls) == 2
+    assert choose().cached and len(calls) == 2  # the verdict measured again is kept, whole
+
+
 # ---------------------------------------------------------------------------- bench and tune
 def fake_report(bf16_ms, spread, gap=0.001):
     rows = [

@@ -292,3 +292,18 @@ def test_llama3_8b_for_an_h100_answers_every_row():
     state = sum(v for k, v in stochastic.items() if k not in ("activations", "temporaries"))
     assert 12 * params <= state <= 12 * params + (64 << 20)
     assert both["largest_batch"] >= 1
+
+
+def test_a_plan_whose_every_row_the_gpu_cannot_run_says_nothing_was_estimated(capsys):
+    """--device v100-32gb --precisions bf16,fp8: both rows refused, yet the caption read "per row
+    (see each row's method): ; depth: estimated by depth extrapolation ..." of nothing measured."""
+    argv = ["plan", "--model", "mlp", "--size", "tiny", "--device", "v100-32gb"]
+    assert main([*argv, "--precisions", "bf16,bf16-pure:split", "--workers", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in plan["rows"]] == ["refused", "refused"]
+    assert "extrapolation" not in plan["method"] and "no row was estimated" in plan["method"]
+    assert plan["device_name"] == "NVIDIA V100 32GB"
+    assert main([*argv, "--precisions", "fp32,bf16", "--workers", "1"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cannot run bf16: the NVIDIA V100 32GB (sm_70) has no bf16" in text
+    assert "no batch fits bf16" not in text

@@ -56,3 +56,35 @@ def test_readme_is_an_entry_page():
         )
     for ref in ("cli", "config", "jsonl-schema", "rest-api"):
         assert f"docs/reference/{ref}.md" in readme
+
+
+def test_every_ampkit_command_in_a_code_block_parses():
+    """Each ``ampkit ...`` line in the README's and the guides' code blocks is one a shell passes
+    to the CLI as written (backslash continuations joined as a shell joins them; ``...`` stands for
+    more flags): the guide's 8B plan broke ``--model_config`` across lines, so its second half
+    reached ``plan`` as an unexpected argument. Parsed only, nothing runs."""
+    import contextlib
+    import io
+    import shlex
+
+    from ampkit.cli import build_parser
+
+    bad = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]:
+        blocks = re.findall(r"^```[a-z]*\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+        for block in blocks:
+            for line in block.replace("\\\n", "").splitlines():
+                line = line.strip().removeprefix("$ ")
+                words = shlex.split(line, comments=True) if line.startswith("ampkit ") else []
+                if len(words) < 2 or words[1].endswith(":") or not words[1][0].isalpha():
+                    continue  # an output line ("ampkit train: error ...", "ampkit 0.1.0 · ...")
+                ends = [i for i, w in enumerate(words) if w in ("&&", "&", "|", ">", ";")]
+                words = [w for w in words[: min(ends, default=len(words))] if w != "..."]
+                err = io.StringIO()
+                try:
+                    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                        build_parser().parse_args(words[1:])
+                except SystemExit as e:
+                    if e.code:
+                        bad.append(f"{page.relative_to(ROOT)}: {line}\n  {err.getvalue().strip()}")
+    assert not bad, "\n".join(bad)

@@ -173,3 +173,44 @@ def test_resume_from_a_checkpoint_restores_the_engine(tmp_path):
     assert amp2.state_dict()["scaler"] == amp.state_dict()["scaler"]
     for (name, a), b in zip(resumed.named_parameters(), whole.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_the_engine_state_in_a_checkpoint_is_verified_before_it_is_loaded(tmp_path):
+    """``ampkit_amp.pt`` (the scale, the counters and, for the pure precisions, the fp32 master
+    weights) was a bare ``torch.save``: a flipped byte inside a master loaded silently on resume.
+    It is written as ampkit's checkpoints are (atomically, with its SHA-256 beside it) and checked
+    before it is loaded; a file of the old form (no digest, no marker) still loads."""
+    import types
+
+    from ampkit import CheckpointError
+    from ampkit.integrations.hf import AMP_STATE
+
+    def engine():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        amp = MixedPrecision("bf16-pure", device="cpu")
+        model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return types.SimpleNamespace(amp=amp), model, opt
+
+    saver, model, opt = engine()
+    amp = saver.amp
+    amp.backward(model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    amp.step(opt)
+    AmpkitTrainer._save_scaler(saver, str(tmp_path))
+    path = tmp_path / AMP_STATE
+    assert (tmp_path / (AMP_STATE + ".sha256")).exists()
+    loader = engine()[0]
+    AmpkitTrainer._load_scaler(loader, str(tmp_path))
+    assert loader.amp.optimizer_steps == 1
+    for a, b in zip(loader.amp.master_params(), amp.master_params()):
+        assert torch.equal(a, b)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="ampkit_amp.pt"):
+        AmpkitTrainer._load_scaler(engine()[0], str(tmp_path))
+    (tmp_path / (AMP_STATE + ".sha256")).unlink()
+    torch.save(amp.state_dict(), path)  # the old form
+    old = engine()[0]
+    AmpkitTrainer._load_scaler(old, str(tmp_path))
+    assert old.amp.optimizer_steps == 1

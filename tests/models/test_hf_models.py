@@ -140,6 +140,57 @@ def test_families_by_name_keyword_fields_or_a_config_file(tmp_path):
         hf_config(str(tmp_path / "missing.json"))
 
 
+def test_a_saved_config_with_per_layer_types_takes_another_depth(tmp_path):
+    """transformers writes ``layer_types`` (one entry per layer) into a Qwen2 config.json; a
+    layer count given on top (--model_config, and plan's 1- and 2-block copies) was refused:
+    "num_hidden_layers (1) must be equal to the number of layer_types (2)". The list follows
+    the count, its pattern kept."""
+    from ampkit.models.hf_configs import hf_config
+    from ampkit.plan.depth import stack_for
+
+    cfg = transformers.Qwen2Config(**LLAMA_LIKE)
+    if not isinstance(getattr(cfg, "layer_types", None), list):
+        pytest.skip("this transformers writes no layer_types")
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string())
+    for n in (1, 2, 5):
+        got = hf_config(str(path), {"num_hidden_layers": n})
+        assert got.num_hidden_layers == n and got.layer_types == ["full_attention"] * n
+    raw = json.loads(path.read_text())
+    raw["layer_types"] = ["sliding_attention", "full_attention", "full_attention"]
+    raw["sliding_window"] = 16
+    path.write_text(json.dumps(raw))
+    assert hf_config(str(path), {"num_hidden_layers": 4}).layer_types == [
+        "sliding_attention",
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
+    ]
+    st = stack_for(str(path))
+    assert st is not None and st.depth == 3
+    assert st.factory(1)().hf.config.layer_types == ["sliding_attention"]
+
+
+def test_a_saved_model_directory_is_its_config_json(tmp_path):
+    """``save_pretrained(DIR)`` writes DIR/config.json; ``--model DIR`` was "neither a built-in
+    (gpt, mlp, cnn) nor 'module:factory'", an error that named none of the Hugging Face choices."""
+    from ampkit.models.builtin import load_factory
+    from ampkit.models.hf_configs import hf_config, is_hf
+    from ampkit.plan.depth import stack_for
+
+    transformers.MistralConfig(**LLAMA_LIKE).save_pretrained(tmp_path)
+    assert is_hf(str(tmp_path))
+    cfg = hf_config(str(tmp_path), {"num_hidden_layers": 2})
+    assert type(cfg).__name__ == "MistralConfig" and cfg.intermediate_size == 128
+    st = stack_for(str(tmp_path))
+    assert st is not None and st.depth == 3 and '"intermediate_size": 128' in st.spec
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert not is_hf(str(empty))
+    with pytest.raises(ValueError, match=r"llama.*config\.json.*module:factory"):
+        load_factory(str(empty))
+
+
 @pytest.mark.slow
 def test_plan_a_config_file_for_a_named_gpu(tmp_path, capsys):
     from ampkit.cli import main

@@ -45,6 +45,14 @@ def test_workspaces_and_budget(monkeypatch):
     assert DEVICES["a100-80gb"].refuses("fp8") and not H100.refuses("fp8")
 
 
+def test_a_row_a_gpu_cannot_run_names_everything_it_lacks():
+    """fp8 on a V100 (no bf16, no fp8) said only "has no bf16", as if a bf16 GPU would run it."""
+    why = DEVICES["v100-32gb"].refuses("fp8-rowwise")
+    assert "no bf16" in why and "no fp8 matmuls" in why
+    assert DEVICES["v100-32gb"].refuses("bf16") == "the NVIDIA V100 32GB (sm_70) has no bf16"
+    assert "bf16" not in DEVICES["a100-40gb"].refuses("fp8")
+
+
 def test_bad_device_names_list_the_valid_ones():
     assert parse_device("cpu") is None and parse_device("H100_80GB") is H100
     with pytest.raises(ValueError) as e:

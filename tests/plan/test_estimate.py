@@ -313,3 +313,38 @@ def test_estimate_takes_a_dataloader_as_the_trainer_does():
     assert estimate(Net, iter([tuple(first)])).peak_bytes == by_batch.peak_bytes  # a generator
     with pytest.raises(ValueError, match="empty"):
         estimate(Net, DataLoader(TensorDataset(torch.randn(0, 16), torch.zeros(0).long())))
+
+
+def test_estimate_and_largest_batch_take_the_trainers_loss_fn():
+    """A model that returns outputs, trained with ``Trainer(..., loss_fn=...)``, could not be
+    estimated: ``estimate``/``largest_batch`` called ``model(x, y)`` (a TypeError inside the
+    forward) and took no ``loss_fn``. With it, the step measured is the one the Trainer runs:
+    the same bytes as a module that computes that loss itself."""
+    from ampkit.plan.estimate import largest_batch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class WithLoss(Net):
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    def batch_of(b):
+        return (torch.randn(b, 16), torch.randint(0, 4, (b,)))
+
+    got = estimate(Net, batch_of(8), loss_fn=loss_fn)
+    assert got.peak_bytes == estimate(WithLoss, batch_of(8)).peak_bytes > 0
+    budget = estimate(WithLoss, batch_of(40)).peak_bytes
+    b, at = largest_batch(Net, batch_of, budget, loss_fn=loss_fn)
+    assert (b, at.peak_bytes) == largest_batch(WithLoss, batch_of, budget)[:1] + (
+        largest_batch(WithLoss, batch_of, budget)[1].peak_bytes,
+    )
+    assert b >= 40

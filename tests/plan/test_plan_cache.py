@@ -98,3 +98,24 @@ def test_the_name_changes_with_what_the_measures_depend_on(monkeypatch, tmp_path
     monkeypatch.delenv("AMPKIT_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert plan_cache.cache_dir() == tmp_path / "home" / ".cache" / "ampkit" / "plan"
+
+
+def test_a_changed_byte_in_a_kept_measure_is_never_read(tmp_path):
+    """A byte of a kept file changed inside a number (a peak of 1,234,567 read as 1,934,567) still
+    parsed, and the next plan answered from it without a word. The file carries its digest; one
+    that does not match is not read (measured again and replaced, as a file that does not parse)."""
+    m = estimate_session.Measure(
+        "bf16", 1234567, {"parameters": 1000}, {"float32": 1000}, (5, 1234567), (1,), (0, 7), 7
+    )
+    with plan_cache.use(tmp_path):
+        plan_cache.save("k", {"bf16": m})
+        assert plan_cache.load("k") == {"bf16": m}
+        path = tmp_path / "k.json"
+        text = path.read_text()
+        assert text.count("1234567") == 2
+        path.write_text(text.replace("1234567", "1934567", 1))
+        assert plan_cache.load("k") is None
+        body = json.loads(text)
+        del body["sha256"]  # a file without its digest (written before digests) is not read either
+        path.write_text(json.dumps(body))
+        assert plan_cache.load("k") is None

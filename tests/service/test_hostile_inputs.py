@@ -347,6 +347,25 @@ def test_cuda_on_a_server_without_cuda_is_422(client, monkeypatch):
     _is_422(post(client, "/v1/runs", {"device": "meta"}), "meta", "choose cpu")
 
 
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ({"precision": "fp8"}, ["fp8", "cannot run here", "fp8_emulate"]),
+        ({"precision": "fp32", "amp": {"state_dtype": "bf16"}}, ["memory-ladder rung", "fp32"]),
+        ({"precision": "bf16", "amp": {"masters": "split"}}, ["memory-ladder rung", "bf16-pure"]),
+    ],
+)
+def test_a_precision_the_run_would_refuse_at_start_is_422(client, extra, words):
+    """fp8 on a CPU (no emulation) and a ladder rung with a precision that has no ladder were 201,
+    queued, then failed at start: ``ampkit train`` refuses both before its first step."""
+    run = {"model": "mlp", "size": "tiny", "device": "cpu", **extra}
+    _is_422(post(client, "/v1/runs", run), *words)
+    body = {"precision": "bf16-pure", "amp": {"masters": "split"}, "device": "cpu"}
+    assert post(client, "/v1/runs", {"model": "mlp", "size": "tiny", **body}).status_code == 201
+    brief = {**BRIEF, "device": "cpu", "mixed_precision_config": {"dtype": "fp8"}}
+    _is_422(post(client, "/finetuning/mixed-precision", brief), "fp8", "cannot run here")
+
+
 def test_texts_for_a_model_that_is_not_a_text_model_are_422(client):
     for model in ("mlp", "cnn"):
         _is_422(post(client, "/v1/runs", {"model": model, "texts": TEXTS}), "texts", model)
@@ -492,3 +511,42 @@ def test_wedge_bodies_then_another_owners_run_succeeds(tmp_path):
             time.sleep(0.2)
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("status", ["runing", "RUNNING", ""])
+def test_a_status_filter_that_is_no_status_is_422_with_the_choices(client, status):
+    """``GET /v1/runs?status=runing`` answered ``{"runs": []}``, as if nothing ran (the web UI's
+    listing refused it); each valid status still filters."""
+    r = client.get("/v1/runs", params={"status": status}, headers=ALICE)
+    _is_422(r, "status", repr(status), "queued, running, succeeded, failed, cancelled")
+    assert post(client, "/v1/runs", {"model": "mlp", "size": "tiny"}).status_code == 201
+    got = client.get("/v1/runs", params={"status": "queued"}, headers=ALICE)
+    assert got.status_code == 200 and len(got.json()["runs"]) == 1
+    assert client.get("/v1/runs", params={"status": "failed"}, headers=ALICE).json()["runs"] == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"\xff\xfe not utf-8", b"{torn by a full disk", b"[1, 2]", b"\x00\x00\x00\x00"],
+    ids=["utf8", "torn", "not-an-object", "nul"],
+)
+def test_a_damaged_line_in_a_runs_log_is_left_out_not_a_500(client, tmp_path, damage):
+    """One damaged line in a run's log.jsonl (a write torn by a full disk, a bad block) made
+    ``GET /v1/runs/{id}`` and its ``/metrics`` answer 500 for as long as the run existed, and a
+    stray ``log-x`` directory did too. The whole records are served; the damaged line is left
+    out."""
+    import os
+
+    run = post(client, "/v1/runs", {"model": "mlp", "size": "tiny", "device": "cpu"}).json()
+    logs = os.path.join(str(tmp_path / "svc"), "runs", run["id"], "log-0")
+    os.makedirs(logs)
+    step = [json.dumps({"type": "step", "step": i, "loss": 1.0}).encode() for i in (1, 2)]
+    event = json.dumps({"type": "event", "kind": "fallback", "step": 2}).encode()
+    with open(os.path.join(logs, "log.jsonl"), "wb") as f:
+        f.write(b"\n".join([step[0], damage, step[1], event]) + b"\n")
+    os.makedirs(os.path.join(os.path.dirname(logs), "log-x"))
+    got = client.get(f"/v1/runs/{run['id']}/metrics", headers=ALICE)
+    assert got.status_code == 200, got.text[:300]
+    assert [r.get("step") for r in got.json()["records"]] == [1, 2, 2]
+    view = client.get(f"/v1/runs/{run['id']}", headers=ALICE)
+    assert view.status_code == 200 and [e["kind"] for e in view.json()["events"]] == ["fallback"]

@@ -209,3 +209,34 @@ def test_step_records_of_indexed_data_carry_the_epoch_of_their_batches(tmp_path)
     Trainer(model, opt, amp, batches, log_dir=str(tmp_path), log_every=2).fit(6)
     steps = [r for r in read(tmp_path / "log.jsonl") if r["type"] == "step"]
     assert [r["epoch"] for r in steps] == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_resume_with_another_batch_size_is_refused(tmp_path):
+    """A run resumed with batches of another size trained on, without a word: the data position
+    (batches taken) then names other samples and the effective batch changes, which a changed
+    accumulation_steps is refused for. The checkpoint records the data's batch size; a resume
+    whose data declares another one is refused before anything is loaded."""
+    from ampkit import CheckpointMismatch
+
+    def trainer(data):
+        model, opt, amp = setup("fp32")
+        return Trainer(model, opt, amp, data, checkpoint_dir=str(tmp_path / "ck"), progress=False)
+
+    first = trainer(DataLoader(dataset(), batch_size=16))
+    first.fit(3)
+    first.save_checkpoint()
+    with pytest.raises(CheckpointMismatch, match="batches of 16 samples.*8"):
+        trainer(DataLoader(dataset(), batch_size=8)).resume()
+    assert trainer(DataLoader(dataset(), batch_size=16)).resume() is not None
+
+    class Indexed:  # a function of the index that declares its batch
+        def __init__(self, n):
+            self.samples_per_batch = n
+
+        def __call__(self, i):
+            return dataset()[i * self.samples_per_batch : (i + 1) * self.samples_per_batch]
+
+    with pytest.raises(CheckpointMismatch, match="batches of 16 samples.*4"):
+        trainer(Indexed(4)).resume()
+    assert trainer(Indexed(16)).resume() is not None
+    assert trainer([next(iter(DataLoader(dataset(), batch_size=8)))]).resume() is not None  # unsaid

@@ -130,6 +130,38 @@ def test_trainer_bad_arguments(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "setting,value,words",
+    [
+        ("eval_every", True, ["eval_every=True", "an integer"]),
+        ("eval_every", 2.5, ["eval_every=2.5", "an integer"]),
+        ("eval_steps", True, ["eval_steps=True", "an integer"]),
+        ("checkpoint_every", True, ["checkpoint_every=True", "an integer"]),
+        ("checkpoint_every", "5", ["checkpoint_every='5'", "an integer"]),
+        ("keep_last", True, ["keep_last=True", "an integer"]),
+        ("log_every", True, ["log_every=True", "an integer"]),
+        ("log_every", "5", ["log_every='5'", "an integer"]),
+        ("eval_every", 0, ["eval_every=0", ">= 1"]),
+    ],
+)
+def test_trainer_counts_are_integers_not_booleans(tmp_path, setting, value, words):
+    """``Trainer(eval_every=True)`` evaluated every step, ``eval_every=2.5`` was taken, and a string
+    was a bare ``TypeError: '<' not supported``: the Trainer's counts are integers >= 1, as the
+    engine's config refuses a bool for an int; the error names the setting, the value and why."""
+    model, batches = builtin("mlp", "tiny", batch_size=4)
+    opt = torch.optim.AdamW(model.parameters())
+    amp = MixedPrecision("fp32")
+    model, opt = amp.setup(model, opt)
+    checkpoints = "checkpoint" in setting or setting == "keep_last"
+    extra = {"checkpoint_dir": str(tmp_path)} if checkpoints else {}
+    if setting.startswith("eval"):
+        extra = {"eval_batches": batches, "eval_every": 2}
+    with pytest.raises((TypeError, ValueError)) as e:
+        Trainer(model, opt, amp, batches, **{**extra, setting: value})
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
     "argv,fragment",
     [
         (

@@ -98,8 +98,9 @@ def model_flags(p: argparse.ArgumentParser, *, size: str, device: bool = True) -
         g,
         "model",
         default="gpt",
-        help=f"built-in model ({', '.join(MODELS)}), a Hugging Face config (gpt2, llama, mistral, qwen2, "
-        "transformers.GPT2Config, a config.json) or package.module:factory (default: gpt)",
+        help=f"built-in model ({', '.join(MODELS)}), a Hugging Face config (gpt2, llama, mistral, "
+        "qwen2, transformers.GPT2Config, a config.json or its directory) or package.module:factory "
+        "(default: gpt)",
     )
     flag(g, "size", default=size, choices=SIZE_CHOICES, help=f"model size preset (default: {size})")
     if device:

@@ -266,6 +266,8 @@ def _method_line(rows: list[dict[str, Any]]) -> str:
             if methods == {"depth"}
             else f"per row: {', '.join(sorted(methods))}; {note}"
         )
+    if not methods:
+        return "no row was estimated: the device runs none of these precisions (each row says why)"
     if methods == {"measured"}:
         return "measured: the full model's training step on fake tensors (B fits, B + 1 does not)"
     if methods == {"depth"}:
@@ -351,8 +353,9 @@ def cmd_plan(inv: Invocation) -> int:
             cell(r["largest_batch_optimizer_in_backward_activation_checkpointing"]),
             saving,
         )
-        if r.get("why_not"):
-            notes.append(f"{r['precision']}: {r['why_not']}")
+        if r.get("why_not"):  # a row the device cannot run is not one whose batch is too big
+            cannot = "cannot run" if r["method"] == "refused" else "no batch fits"
+            notes.append(f"{cannot} {r['precision']}: {r['why_not']}")
     kernels = (
         "its allocator's blocks, cuBLAS workspaces and fused attention; the budget is its memory less "
         "the CUDA context and fragmentation"
@@ -363,7 +366,11 @@ def cmd_plan(inv: Invocation) -> int:
         "opt. in bwd: the optimizer stepped in backward, planned from the measured steps with the "
         "gradients held at each operation replaced by the largest parameter's"
     )
-    ladder = [r["precision"] for r in rows if (split_spec(r["precision"])[1] or PLAIN).half_grads]
+    ladder = [
+        r["precision"]
+        for r in rows
+        if r.get("method") != "refused" and (split_spec(r["precision"])[1] or PLAIN).half_grads
+    ]
     grads = (
         [
             f"{', '.join(ladder)}: gradients planned in bf16 (one micro-step a step, one "
@@ -377,7 +384,7 @@ def cmd_plan(inv: Invocation) -> int:
             f"figures for {where}, {kernels}; {_method_line(rows)}",
             lever,
             *grads,
-            *(f"no batch fits {n}" for n in notes),
+            *notes,
         ]
     )
     wide_console().print(table)

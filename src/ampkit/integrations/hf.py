@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..loop.checkpoint import CheckpointError, save_checkpoint
+from ..loop.digest import check_digest
 from ..observe.monitor import Monitor
 from ..step.engine import MixedPrecision
 from .common import SkipAwareScheduler, require, skipped, stepped_params
@@ -126,16 +128,23 @@ class AmpkitTrainer(_tf.Trainer):
 
     # Hugging Face saves and restores its GradScaler through these two hooks; the engine's state
     # (precision after fallbacks, scale, counters, events, the masters of a pure precision) takes
-    # its place, so that a resumed run goes on with the scale it had.
+    # its place, so that a resumed run goes on with the scale it had. It is written as ampkit's
+    # checkpoints are (atomically, its SHA-256 beside it) and checked before it is loaded: a
+    # damaged file is a CheckpointError naming it, never wrong masters. (A file of the old form,
+    # a bare torch.save without a digest, loads unverified.)
     def _save_scaler(self, output_dir: str) -> None:
-        torch.save(self.amp.state_dict(), os.path.join(output_dir, AMP_STATE))
+        save_checkpoint(self.amp.state_dict(), os.path.join(output_dir, AMP_STATE))
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         path = os.path.join(checkpoint, AMP_STATE) if checkpoint is not None else None
-        if path is not None and os.path.isfile(path):
-            self.amp.load_state_dict(
-                torch.load(path, map_location=self.amp.device, weights_only=True)
-            )
+        if path is None or not os.path.isfile(path):
+            return
+        damage = check_digest(path)
+        if damage is not None:
+            raise CheckpointError(f"checkpoint {path!r} {damage}; it was not loaded")
+        state = torch.load(path, map_location=self.amp.device, weights_only=True)
+        state.pop("ampkit_checkpoint", None)  # save_checkpoint's marker
+        self.amp.load_state_dict(state)
 
     def _unscale(self) -> None:
         if self.amp.precision.needs_scaler and not self.unscaled:

@@ -191,6 +191,31 @@ class BatchSource:
         return int(n) if n is not None else None
 
     @property
+    def declared_batch_size(self) -> Optional[int]:
+        """Samples per batch as the data declares it (``samples_per_batch``, a ``DataLoader``'s
+        ``batch_size``), None when it does not: what a checkpoint records, so that a resume with
+        batches of another size is told apart (reads no batch)."""
+        n = self.samples_per_batch
+        if n is None and not self.indexed:
+            n = getattr(self.batches, "batch_size", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    def check_batch_size(self, saved: Any, source: str) -> None:
+        """Refuse data whose declared batch size differs from a checkpoint's (``saved``; both
+        known) with :class:`~ampkit.loop.checkpoint.CheckpointMismatch`: the data position, in
+        batches, would name other samples and the effective batch would change."""
+        from .checkpoint import CheckpointMismatch
+
+        now = self.declared_batch_size
+        if isinstance(saved, int) and now is not None and saved != now:
+            raise CheckpointMismatch(
+                f"{source}: its run read batches of {saved} samples, this data's are {now}: the "
+                "data position would name other samples and the effective batch would change; "
+                f"resume with batches of {saved} (ampkit train: --batch_size {saved}) or start a "
+                "new run"
+            )
+
+    @property
     def tokens_per_batch(self) -> Optional[int]:
         n = getattr(self.batches, "tokens_per_batch", None)
         return int(n) if n is not None else None

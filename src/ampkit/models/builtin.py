@@ -250,9 +250,13 @@ def load_factory(spec: str) -> Any:
     import os
     import sys
 
+    from .hf_configs import ALIASES
+
     if ":" not in spec:
         raise ValueError(
-            f"model {spec!r} is neither a built-in ({', '.join(MODELS)}) nor 'module:factory'"
+            f"model {spec!r} is neither a built-in ({', '.join(MODELS)}), a Hugging Face config "
+            f"({', '.join(ALIASES)}, transformers.<Name>Config, a config.json or a model directory "
+            "holding one) nor 'module:factory'"
         )
     mod_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:

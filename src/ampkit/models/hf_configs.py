@@ -1,9 +1,9 @@
 """Hugging Face models built from their config class -- never downloaded.
 
 ``--model gpt2`` (an alias: gpt2, llama, mistral, qwen2, bert), ``--model transformers.GPT2Config``
-(any config class path) or ``--model path/to/config.json`` (a model's ``config.json``: its
-``model_type`` names the family) builds ``AutoModelForCausalLM.from_config(Config(**overrides))``
-with fresh weights, wrapped so that
+(any config class path) or ``--model path/to/config.json`` (a model's ``config.json``, or the
+directory holding it: its ``model_type`` names the family) builds
+``AutoModelForCausalLM.from_config(Config(**overrides))`` with fresh weights, wrapped so that
 ``model(idx, targets)`` returns the next-token loss, like the built-in GPT. Tokens are bytes
 (0-255), so the config's ``vocab_size`` must be at least 256. ``overrides`` (``--model_config
 n_layer=2,n_embd=64``) change the config's fields.
@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ALIASES", "CausalLM", "build_hf", "hf_config", "is_hf", "parse_overrides"]
+__all__ = [
+    "ALIASES",
+    "CausalLM",
+    "build_hf",
+    "config_file",
+    "hf_config",
+    "is_hf",
+    "parse_overrides",
+]
 
 ALIASES = {
     "gpt2": "transformers.GPT2Config",
@@ -30,9 +39,21 @@ ALIASES = {
 }
 
 
+def config_file(spec: str) -> Optional[str]:
+    """The ``config.json`` that ``spec`` names: ``spec`` itself when it ends in ``.json``, or
+    ``spec/config.json`` for a model directory (``save_pretrained``'s); else None."""
+    if ":" in spec:
+        return None
+    if spec.endswith(".json"):
+        return spec
+    inside = os.path.join(spec, "config.json")
+    return inside if os.path.isfile(inside) else None
+
+
 def is_hf(spec: str) -> bool:
-    """A config alias (``gpt2``), a dotted path to a class named ``...Config``, or a ``.json`` config file."""
-    if spec in ALIASES or (spec.endswith(".json") and ":" not in spec):
+    """A config alias (``gpt2``), a dotted path to a class named ``...Config``, a ``.json`` config
+    file or a model directory holding one."""
+    if spec in ALIASES or config_file(spec):
         return True
     return ":" not in spec and "." in spec and spec.rsplit(".", 1)[1].endswith("Config")
 
@@ -107,8 +128,9 @@ def parse_overrides(text: Optional[str]) -> dict[str, Any]:
 def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
     """The config object for ``spec`` with ``overrides`` applied (clear errors for each failure)."""
     fields: dict[str, Any] = {}
-    if spec.endswith(".json"):
-        cls, fields = _config_file(spec)
+    path = config_file(spec)
+    if path:
+        cls, fields = _config_file(path)
         cls_name = cls.__name__
     else:
         path = ALIASES.get(spec, spec)
@@ -128,7 +150,7 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
                 f"{mod_name!r} has no config class {cls_name!r} (from --model {spec!r})"
             )
     given = dict(overrides or {})
-    overrides = {**fields, **given}
+    overrides = {**fields, **_per_layer_follows_depth(fields, given)}
     config = _made(cls, fields, cls_name)
     unknown = [k for k in overrides if not hasattr(config, k)]
     if unknown:
@@ -153,6 +175,20 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
             f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256"
         )
     return config
+
+
+def _per_layer_follows_depth(fields: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given``, plus the file's ``layer_types`` (one entry per layer, which transformers writes
+    into a saved config) resized to a layer count ``given`` sets, its pattern repeated: the class
+    refuses a list of another length. A ``layer_types`` given too is the user's own."""
+    types = fields.get("layer_types")
+    if "layer_types" in given or not isinstance(types, list) or not types:
+        return given
+    counts = [given.get(k) for k in ("num_hidden_layers", "n_layer", "num_layers")]
+    n = next((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), None)
+    if n is None or n < 1 or n == len(types):
+        return given
+    return {**given, "layer_types": [types[i % len(types)] for i in range(n)]}
 
 
 #: config fields that are sizes or counts (layers, widths, heads, vocabulary, positions): >= 1

@@ -5,8 +5,10 @@ A file holds the measures of one :func:`ampkit.plan.depth.measure_both` call (or
 by a hash of everything they depend on: the model (the stack's configuration), the sample batch's
 shapes and dtypes, the precision, the optimizer, the depths, batches and checkpointing settings,
 the versions of torch, torchao and transformers, and the text of ampkit's own source -- any
-change there is another name, so nothing stale is read. A file that does not parse is measured
-again and replaced (written atomically: a temporary file, then renamed).
+change there is another name, so nothing stale is read. A file carries the SHA-256 of its
+measures; one that does not parse or does not match it (a changed byte inside a number still
+parses) is never read: measured again and replaced (written atomically: a temporary file,
+fsynced, then renamed).
 
 Where: ``plan/`` under ampkit's cache directory, ``$AMPKIT_CACHE_DIR`` (default ``~/.cache/ampkit``,
 where the measured ``auto`` choices and the compiled ladder kernels live too); ``AMPKIT_PLAN_CACHE=off``
@@ -118,6 +120,8 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
         return None
     try:
         raw = json.loads((directory / f"{name}.json").read_text())
+        if raw["sha256"] != _digest(raw["measures"]):
+            return None
         return {
             k: Measure(
                 m["precision"],
@@ -133,6 +137,10 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _digest(measures: Any) -> str:
+    return hashlib.sha256(json.dumps(measures, sort_keys=True).encode()).hexdigest()
 
 
 def save(name: Optional[str], measures: dict[str, Measure]) -> None:
@@ -155,12 +163,15 @@ def save(name: Optional[str], measures: dict[str, Measure]) -> None:
             for k, m in measures.items()
         }
     }
+    body["sha256"] = _digest(body["measures"])
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(body, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, directory / f"{name}.json")
         except BaseException:
             os.unlink(tmp)

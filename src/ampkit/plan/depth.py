@@ -91,7 +91,7 @@ def stack_for(
     (``num_hidden_layers``, ``n_layer`` for GPT-2), as a :class:`Stack`; None for any other model
     (an MLP, a CNN, a user's ``module:factory``): those are measured whole."""
     from ..models.builtin import SIZES
-    from ..models.hf_configs import hf_config, is_hf
+    from ..models.hf_configs import config_file, hf_config, is_hf
 
     if model == "gpt" and size in SIZES["gpt"]:
         cfg = dict(SIZES["gpt"][size])
@@ -110,7 +110,7 @@ def stack_for(
         return None
     rest = {k: v for k, v in (overrides or {}).items() if k not in (key, "num_hidden_layers")}
     spec = [model, rest, key] + (
-        [config.to_dict()] if model.endswith(".json") else []
+        [config.to_dict()] if config_file(model) else []
     )  # a file: its fields
     return Stack(
         model,

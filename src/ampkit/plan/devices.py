@@ -133,16 +133,15 @@ class GPU:
         from ..step.precision import REGISTRY
 
         row = REGISTRY.get(precision.partition(":")[0])
+        if row is None:
+            return None
         sm = f"sm_{self.capability[0]}{self.capability[1]}"
-        if (
-            row is not None
-            and torch.bfloat16 in (row.compute_dtype, row.param_dtype)
-            and not self.bf16
-        ):
-            return f"the {self.label} ({sm}) has no bf16"
-        if row is not None and row.hardware is not None and not getattr(self, row.hardware, False):
-            return f"the {self.label} ({sm}) has no {row.hardware} matmuls"  # the row's DeviceInfo flag
-        return None
+        lacks = []  # everything the row needs that the device lacks, not only the first
+        if torch.bfloat16 in (row.compute_dtype, row.param_dtype) and not self.bf16:
+            lacks.append("bf16")
+        if row.hardware is not None and not getattr(self, row.hardware, False):
+            lacks.append(f"{row.hardware} matmuls")  # the row's DeviceInfo flag
+        return f"the {self.label} ({sm}) has no {' and no '.join(lacks)}" if lacks else None
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -28,6 +28,7 @@ import torch
 # PLAN_PRECISIONS, the rows of a plan (``ampkit plan``, the service's planner): the registry rows
 # marked ``planned`` -- fp32, bf16, fp16 and their pure forms. Not tf32 (fp32's memory); fp8 only
 # where torchao is installed (the CLI adds it). Re-exported here, its historical home.
+from ..loop.steps import batch_loss
 from ..step.precision import PLAN_PRECISIONS
 from .session import PARTS, Measure, Session, fit  # noqa: F401  (PARTS: re-exported)
 
@@ -63,6 +64,8 @@ def estimate(
     precision: str = "fp32",
     device: Union[str, torch.device, None] = "cpu",
     activation_checkpointing: Union[bool, Sequence[str]] = False,
+    *,
+    loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` on ``batch`` in ``precision``.
 
@@ -72,13 +75,20 @@ def estimate(
     ``DataLoader`` (any iterable of batches that is not itself a tensor, tuple, list or dict) with
     its first batch; they are read only for their shapes. ``optimizer``: ``"adamw"`` (fused, as ``ampkit train``),
     ``"adam"``, ``"sgd"`` or a callable. ``activation_checkpointing``: True (every module of a
-    ``ModuleList``) or module name globs / types. Never syncs; allocates only fake tensors.
+    ``ModuleList``) or module name globs / types. ``loss_fn``: the Trainer's ``loss_fn(model,
+    batch) -> scalar loss`` (default ``model(*batch)`` is the loss), for a model that returns
+    outputs. Never syncs; allocates only fake tensors.
     Estimates run one at a time per process (a lock): the tracker installs global module hooks and
     the fake mode is per thread, so two at once in threads would see each other's modules.
     """
     real_batch = _one_batch(batch)
     with Session(
-        model_or_factory, optimizer, precision, device, activation_checkpointing
+        model_or_factory,
+        optimizer,
+        precision,
+        device,
+        activation_checkpointing,
+        loss_fn=loss_fn or batch_loss,
     ) as session:
         m = session.measure(real_batch)
     return _from_measure(m, session.dev, real_batch)
@@ -173,12 +183,21 @@ def largest_batch(
     optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw",
     limit: int = 1 << 16,
     device: Union[str, torch.device, None] = "cpu",
+    loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
 ) -> tuple[int, Any]:
     """The largest batch ``B`` whose estimated peak fits ``budget``: ``estimate(B) <= budget <
     estimate(B + 1)``. Returns ``(B, estimate at B)``; ``(0, estimate at 1)`` when not even one
     sample fits. The model is built and warmed up once; two measured batch sizes give the affine
     memory model (:class:`ampkit.plan.session.Curve`), whose answer ``B`` and ``B + 1``
-    are then measured (a bisection over measures only if the curve missed)."""
-    with Session(model_factory, optimizer, precision, device, activation_checkpointing) as session:
+    are then measured (a bisection over measures only if the curve missed). ``loss_fn``: as
+    :func:`estimate`'s."""
+    with Session(
+        model_factory,
+        optimizer,
+        precision,
+        device,
+        activation_checkpointing,
+        loss_fn=loss_fn or batch_loss,
+    ) as session:
         b, m, _ = fit(session, batch_of, budget, limit)
     return b, _from_measure(m, session.dev, batch_of(max(b, 1)))

@@ -164,8 +164,10 @@ class Session:
         precision: str = "fp32",
         device: Union[str, torch.device, None] = "cpu",
         activation_checkpointing: Union[bool, Sequence[str]] = False,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = batch_loss,
     ) -> None:
         self.dev = torch.device(device) if device is not None else torch.device("cpu")
+        self._loss_fn = loss_fn  # the Trainer's: loss_fn(model, batch) -> scalar loss
         if self.dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 "estimating for a CUDA device needs a CUDA build of torch with a GPU; use device='cpu' "
@@ -218,13 +220,13 @@ class Session:
 
     def _marked_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         if self._tracker is None:
-            return batch_loss(model, batch)
+            return self._loss_fn(model, batch)
         # saved_activations does not follow torchao's fp8 casts yet
         if not self.amp.precision.row.measures_activations:
-            loss = batch_loss(model, batch)
+            loss = self._loss_fn(model, batch)
         else:  # the activations: what this forward saves for backward (no second forward)
             with saved_activations(model) as self._saved:
-                loss = batch_loss(model, batch)
+                loss = self._loss_fn(model, batch)
         self._marks.append(len(self._tracker.timeline))  # the forward ends here: a phase boundary
         self._tracker.backward()
         return loss

@@ -4,9 +4,11 @@ first start with one generated token for ``default``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import tempfile
 from collections.abc import Mapping
 from typing import Optional
 
@@ -24,25 +26,55 @@ def load_tokens(data_dir: str, env: Optional[Mapping[str, str]] = None) -> dict[
                 raise ValueError(
                     f"AMPKIT_TOKENS item {item!r} is not OWNER:TOKEN (e.g. alice:s3cret,bob:t0ken)"
                 )
+            if token in out and out[token] != owner:
+                raise ValueError(
+                    f"AMPKIT_TOKENS gives the same token to {out[token]} and {owner}: each "
+                    "owner needs a token of its own (requests with it would act as one of them)"
+                )
             out[token] = owner
         return out
     if env.get("AMPKIT_TOKEN"):
         return {env["AMPKIT_TOKEN"]: "default"}
     path = os.path.join(data_dir, "tokens.json")
     if not os.path.exists(path):
-        os.makedirs(data_dir, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({secrets.token_urlsafe(24): "default"}, f, indent=2)
+        _first_tokens(data_dir, path)
     try:
         with open(path, encoding="utf-8") as f:
             tokens = json.load(f)
     except ValueError as e:
         raise ValueError(
-            f"{path} is not valid JSON ({e}); it maps each token to its owner"
+            f"{path} is not valid JSON ({e}); it maps each token to its owner: restore it, or "
+            "delete it and a new token is generated for 'default' at the next start"
         ) from None
     if not isinstance(tokens, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in tokens.items()
     ):
         raise ValueError(f"{path} must be a JSON object mapping each token to its owner")
+    if not tokens:
+        raise ValueError(
+            f"{path} holds no token, so every request would be refused; add "
+            '"TOKEN": "OWNER" entries, or delete it and one is generated for \'default\''
+        )
     return tokens
+
+
+def _first_tokens(data_dir: str, path: str) -> None:
+    """Write ``path`` with one generated token for ``default``: beside it (0600), fsynced, then
+    linked into place, so it is whole or absent (a crash mid-write left a file that refused every
+    later start), and a file another process wrote meanwhile is kept."""
+    os.makedirs(data_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=".tokens.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({secrets.token_urlsafe(24): "default"}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process's: kept
+            pass
+        except OSError:  # a file system without hard links
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

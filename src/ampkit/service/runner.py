@@ -113,24 +113,37 @@ def command_for(run: dict[str, Any]) -> list[str]:
 
 
 def read_log(run_dir: str) -> list[str]:
-    """Complete JSONL lines of every attempt's log, in order (a line still being written is left out)."""
+    """Complete JSONL lines of every attempt's log (``log-<n>/``), in order: a line still being
+    written is left out, and so is a damaged one -- not UTF-8, or not a JSON object (a write torn
+    by a full disk, a bad block) --, so that one bad line never makes the run's routes fail."""
     out: list[str] = []
     attempts = (
-        sorted((n for n in os.listdir(run_dir) if n.startswith("log-")), key=lambda n: int(n[4:]))
+        sorted(
+            (n for n in os.listdir(run_dir) if n.startswith("log-") and n[4:].isdigit()),
+            key=lambda n: int(n[4:]),
+        )
         if os.path.isdir(run_dir)
         else []
     )
     for name in attempts:
         try:
-            with open(os.path.join(run_dir, name, "log.jsonl"), encoding="utf-8") as f:
-                text = f.read()
+            with open(os.path.join(run_dir, name, "log.jsonl"), "rb") as f:
+                data = f.read()
         except OSError:
             continue
-        lines = text.split("\n")
-        out += [
-            ln for ln in lines[:-1] if ln.strip()
-        ]  # the last piece has no newline yet (or is empty)
+        for raw in data.split(b"\n")[:-1]:  # the last piece has no newline yet (or is empty)
+            if raw.strip() and (line := _record_line(raw)) is not None:
+                out.append(line)
     return out
+
+
+def _record_line(raw: bytes) -> Optional[str]:
+    """``raw`` as text when it is one JSON object, else None (a damaged line)."""
+    try:
+        line = raw.decode("utf-8")
+        return line if isinstance(json.loads(line), dict) else None
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
 
 
 def _alive(pid: Optional[int], run_dir: str) -> bool:

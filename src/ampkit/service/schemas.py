@@ -253,14 +253,22 @@ class RunSpec(BaseModel):
     def _engine_config(self) -> RunSpec:
         """The engine's whole config (``amp`` with the run's precision, accumulation and initial
         scale), checked once by MixedPrecisionConfig itself: unknown keys and bad values get its
-        message. ``amp`` keeps the keys given, in the config's canonical form."""
+        message. On a CPU the engine is made from it too, as ``ampkit train`` makes it before its
+        first step (fp8 without emulation, a ladder rung with a precision that has no ladder are
+        refused now, not at start); a GPU's is left to the run: the server never initializes
+        CUDA. ``amp`` keeps the keys given, in the config's canonical form."""
+        from ..step.engine import MixedPrecision
+
         fields = {"precision": self.precision, "accumulation_steps": self.accumulation_steps}
         if self.init_scale is not None:
             fields["init_scale"] = self.init_scale
         try:
-            config = MixedPrecisionConfig.from_dict({**self.amp, **fields}).to_dict()
+            made = MixedPrecisionConfig.from_dict({**self.amp, **fields})
+            if self.device.startswith("cpu"):
+                MixedPrecision(config=made, device=self.device)
         except (TypeError, KeyError, OverflowError, RuntimeError) as e:  # a 422 too, never a 500
             raise ValueError(f"amp: {e}") from None
+        config = made.to_dict()
         self.amp = {k: config[k] for k in self.amp}
         return self
 

@@ -490,6 +490,7 @@ class Trainer:
             },  # the data pass's too: ranks differ
             "data": {
                 **self.source.state_dict(),
+                "batch_size": self.source.declared_batch_size,
                 "split": self.split,
                 "epoch_log": self.epochs.state_dict(),
             },
@@ -502,6 +503,7 @@ class Trainer:
         the model's keys and shapes, the optimizer's parameter groups and the engine state; on a
         mismatch nothing changes and :class:`~ampkit.loop.checkpoint.CheckpointError` says what."""
         check_state(state, capture(self.model, self.optimizer)[0], self.optimizer, source)
+        self.source.check_batch_size(state.get("data", {}).get("batch_size"), source)
         restore(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -9,6 +9,7 @@ maps them onto the groups through one table, :data:`FLAT`, so both spellings tak
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -27,6 +28,20 @@ __all__ = [
 ]
 
 
+def _count(name: str, value: Any, none: bool = False) -> None:
+    """``value`` is an integer >= 1 (or None where ``none``); else ``TypeError``/``ValueError``
+    with the setting, the value and why (a bool is not a count: ``True`` meant 1)."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name}={value!r} must be an integer >= 1{' or None' if none else ''} (got "
+            f"{type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(f"{name}={value!r} must be >= 1")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Crash-safe checkpoints (:mod:`ampkit.loop.checkpoint`): written to ``dir`` every ``every``
@@ -38,8 +53,8 @@ class CheckpointConfig:
     keep_last: Optional[int] = 3
 
     def __post_init__(self) -> None:
-        if self.every is not None and self.every < 1:
-            raise ValueError(f"checkpoint_every={self.every} must be >= 1")
+        _count("checkpoint_every", self.every, none=True)
+        _count("keep_last", self.keep_last, none=True)
         if self.every and not self.dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
 
@@ -64,10 +79,10 @@ class EvalConfig:
             raise ValueError(
                 f"eval_precision={self.precision!r}; choose 'train' (the training precision) or 'fp32'"
             )
-        if self.every is not None and (self.every < 1 or self.batches is None):
-            raise ValueError("eval_every must be >= 1 and needs eval_batches")
-        if self.steps < 1:
-            raise ValueError(f"eval_steps={self.steps} must be >= 1")
+        _count("eval_every", self.every, none=True)
+        _count("eval_steps", self.steps)
+        if self.every is not None and self.batches is None:
+            raise ValueError(f"eval_every={self.every} needs eval_batches (none were given)")
 
 
 @dataclass(frozen=True)
@@ -90,8 +105,7 @@ class LogConfig:
     sinks: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"log_every={self.every} must be >= 1")
+        _count("log_every", self.every)
         if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Iterable):
             raise TypeError(
                 f"sinks={self.sinks!r} must be a list of sinks (objects with write(records) "

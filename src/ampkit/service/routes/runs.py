@@ -11,11 +11,13 @@ from typing import Any, Optional
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from ... import __version__
+from ..checks import shown
 from ..deps import OwnedRun, Owner, Svc, lookup, submit
 from ..gpu import gpu_status
 from ..limits import limit
 from ..runner import read_log
 from ..schemas import RecommendSpec, RunSpec, run_view
+from ..store import STATUSES
 
 __all__ = ["router"]
 
@@ -72,7 +74,9 @@ def list_runs(
     limit: int = Query(100, ge=1, le=1000, description="at most this many runs"),
 ) -> dict[str, Any]:
     """This owner's runs, newest first: `{"runs": [run, ...]}`. No run's training texts are in it
-    (`texts_count` and `texts_bytes` instead)."""
+    (`texts_count` and `texts_bytes` instead). A `status` that is none of the statuses is 422."""
+    if status is not None and status not in STATUSES:
+        raise HTTPException(422, f"status {shown(status)} is not one of: {', '.join(STATUSES)}")
     return {
         "runs": [
             run_view(svc.runner.shown(r))
