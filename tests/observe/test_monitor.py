@@ -359,3 +359,32 @@ def test_threaded_writer_errors_surface():
     with pytest.raises(RuntimeError, match="disk full"):
         train(model, opt, amp, 6)
         mon.flush()
+
+
+@pytest.mark.parametrize(
+    "spec, saved_per_param",
+    [
+        ("fp32", 0),
+        ("bf16", 0),  # autocast: its saving is in the activations
+        ("bf16-pure", -2),  # 2 + 4 (fp32 grads on the masters) + 4 (masters) + 8 = 18 vs 16
+        ("bf16-pure:split", 2),  # 2 + 2 (bf16 grads) + 2 (remainders) + 8 = 14
+        ("bf16-pure:stochastic", 4),  # 2 + 2 + 0 + 8 = 12
+        ("bf16-pure:stochastic+bf16", 8),  # 2 + 2 + 0 + 4 = 8
+    ],
+)
+def test_the_predicted_state_saving_counts_the_rung(spec, saved_per_param):
+    """The run summary's "state memory saved vs fp32 (predicted)" counts what each precision keeps
+    (it read 0 MiB for bf16-pure:stochastic+bf16, which keeps half of fp32's bytes)."""
+    from ampkit.observe.monitor.summary import state_memory_saved
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    n = sum(p.numel() for p in model.parameters())
+    amp = MixedPrecision(spec)
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), fused=True))
+    with amp.autocast():
+        amp.backward(model(torch.randn(4, 64)).float().pow(2).mean())
+    amp.step(opt)
+    saved = state_memory_saved(amp)
+    # the ladder's stand-ins share one scalar (4 bytes): within 16 bytes of the per-parameter count
+    assert abs(saved - saved_per_param * n) <= 16

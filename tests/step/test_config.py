@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from ampkit import ConfigError, MixedPrecisionConfig, PrecisionError
+from ampkit import ConfigError, MixedPrecision, MixedPrecisionConfig, PrecisionError
 from ampkit.step.determinism import apply_determinism
 
 
@@ -179,3 +179,12 @@ def test_apply_determinism_keeps_a_user_cublas_setting_and_rejects_bad_modes():
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
         with pytest.raises(ConfigError, match="'sometimes'"):
             apply_determinism("sometimes")
+
+
+def test_precision_as_lightnings_integers():
+    """``MixedPrecision(16)`` is fp16 and ``32`` fp32, as ``--precision 16`` and Lightning's
+    ``precision=16`` are; a bool is not a precision."""
+    assert MixedPrecision(16).precision.name == "fp16"
+    assert MixedPrecision(32).precision.name == "fp32"
+    with pytest.raises(ConfigError, match="precision=True"):
+        MixedPrecision(True)

@@ -365,6 +365,9 @@ class MixedPrecisionConfig:
                 continue
             if expected is str and info.name == "precision" and isinstance(v, torch.dtype):
                 continue
+            if info.name == "precision" and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, "precision", str(v))  # 16 / 32, as Lightning and the CLI
+                continue
             if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
                 raise ConfigError(
                     f"{info.name}={v!r} has type {type(v).__name__}; expected "

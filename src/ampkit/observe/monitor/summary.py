@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
+import torch
+
 __all__ = ["ERROR_EVENTS", "state_memory_saved", "summarize", "summary_table"]
 
 # Events that are numerical errors (the run could not go on as configured); skipped steps count too.
@@ -87,19 +89,39 @@ def _usage(
 
 def state_memory_saved(amp: Any) -> Optional[int]:
     """Bytes of training state this run saves against the same run in fp32, predicted from the
-    model's parameters: each parameter and its gradient stored in a half dtype saves 2 bytes per
-    element, and fp32 master weights cost 4 (so the pure precisions' state is about even, and
-    autocast's saving is not here: it is in the activations, which only a measurement can tell
-    -- ``ampkit plan`` / :func:`ampkit.observe.memory.activations`). None before ``setup()``."""
+    tensors it keeps: its parameters, their gradients as the step holds them (fp32 on fp32 masters,
+    bf16 where the memory ladder keeps them: one micro-step a step), masters (fp32 copies, the
+    ladder's remainders) and optimizer state, against 4 bytes per element of each in fp32. Negative
+    where the run keeps more (``bf16-pure`` with fp32 masters: 18 against 16 bytes per parameter
+    with AdamW). Autocast's saving is not here: it is in the activations, which only a measurement
+    can tell (``ampkit plan`` / :func:`ampkit.observe.memory.activations`). None before ``setup()``."""
     model = getattr(amp, "model", None)
     if model is None:
         return None
+    policy = getattr(amp, "policy", None)
+    half_grads = getattr(policy, "before_step", None) is not None and (
+        getattr(getattr(amp, "config", None), "accumulation_steps", 1) == 1
+    )
+    keeps_masters = bool(getattr(policy, "keeps_masters", False))
     saved = 0
     for p in model.parameters():
         if p.is_floating_point():
-            saved += 2 * p.numel() * (4 - p.element_size())  # the parameter and its gradient
-    masters = {id(p) for p in model.parameters()}
-    saved -= sum(4 * m.numel() for m in amp.master_params() if id(m) not in masters)
+            grad = 2 if half_grads else 4 if keeps_masters else p.element_size()
+            saved += p.numel() * (8 - p.element_size() - grad)
+    own = {id(p) for p in model.parameters()}
+    storages: dict[
+        int, int
+    ] = {}  # fp32 masters; the ladder's stand-ins (a shared scalar), remainders
+    for t in [*amp.master_params(), *getattr(policy, "master_storage", list)()]:
+        if id(t) not in own:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    saved -= sum(storages.values())
+    for opt in getattr(amp, "optimizers", None) or []:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    saved += v.numel() * (4 - v.element_size())
     return saved
 
 
