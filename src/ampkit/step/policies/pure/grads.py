@@ -53,9 +53,11 @@ class KeptGrads:
         self.held: set[int] = set()
         self._versions: list[tuple[torch.Tensor, int]] = []  # each kept gradient's version then
         self._warned = False
-        self.coef: Optional[torch.Tensor] = (
-            None  # a lean clip's clamped coefficient, not yet applied
-        )
+        # a lean clip's clamped coefficient, not yet applied, and the stand-ins it clipped (only
+        # those: torch clips the parameters it is given, another optimizer's gradients stay)
+        self.coef: Optional[torch.Tensor] = None
+        self.clipped: set[int] = set()
+        self._index = {id(m): i for i, m in enumerate(masters)}
 
     def between(self, i: int) -> torch.Tensor:
         """Stand-in ``i``'s data between calls: the shared scalar expanded to its shape, bf16 while
@@ -64,22 +66,20 @@ class KeptGrads:
         return self._dummy[dtype].expand(self.halves[i].shape)
 
     def keep(self) -> bool:
-        """Move every half gradient onto its stand-in as it is; False (nothing moved) where one is
-        sparse or a stand-in already has a gradient (kept past a step)."""
-        if HALF_GRADS and not self.held and all(m.grad is None for m in self.masters):
-            gs = [h.grad for h in self.halves]
-            if all(
-                g is None or g.layout == torch.strided
-                for g in gs  # (fake ones too: a plan)
-            ):
-                for i, (h, m, g) in enumerate(zip(self.halves, self.masters, gs)):
-                    if g is not None:
-                        self.held.add(i)
-                        m.data = self.between(i)
-                        m.grad, h.grad = g, None
-                        self._versions.append((g, g._version))
-                return True
-        return False
+        """Move each half gradient whose stand-in has none onto it as it is; False (nothing moved)
+        where one is sparse. A stand-in that still has a gradient (``zero_grad=False``, another
+        optimizer's, a parameter no optimizer holds) keeps it: the caller sums into it in fp32."""
+        gs = [h.grad for h in self.halves]
+        if not HALF_GRADS or any(g is not None and g.layout != torch.strided for g in gs):
+            return False  # (fake gradients too: a plan)
+        self.settle(False)  # (kept past a step that failed: their fp32 upcasts, as clipped)
+        for i, (h, m, g) in enumerate(zip(self.halves, self.masters, gs)):
+            if g is not None and m.grad is None:
+                self.held.add(i)
+                m.data = self.between(i)
+                m.grad, h.grad = g, None
+                self._versions.append((g, g._version))
+        return True
 
     def settle(self, lean: bool) -> None:
         """Kept gradients stay for a ``lean`` step; else each becomes its fp32 upcast (exact) on
@@ -93,19 +93,23 @@ class KeptGrads:
             g, m.grad = m.grad, None
             self.held.discard(i)
             m.data = self.between(i)
-            if g is not None:
-                m.grad = self.widen(
-                    g
-                )  # as MasterWeights.absorb_grads makes it (clipped: as clipped)
-        self.coef = None
+            if g is not None:  # as MasterWeights.absorb_grads makes it (clipped: as clipped)
+                m.grad = self.widen(g, i)
+        self.coef, self.clipped = None, set()
 
-    def widen(self, g: torch.Tensor) -> torch.Tensor:
-        """A gradient as an fp32 stand-in takes it: a kept bf16 one widened (exact) and times a lean
-        clip's coefficient; an fp32 one as it is."""
+    def before_load(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """An optimizer's ``load_state_dict`` pre-hook: torch casts the loaded states to their
+        parameters' dtype, so the stand-ins are made fp32 first (their kept gradients too)."""
+        self.settle(False)
+
+    def widen(self, g: torch.Tensor, i: int) -> torch.Tensor:
+        """Stand-in ``i``'s gradient (or a piece of it) as an fp32 stand-in takes it: a kept bf16
+        one widened (exact), times a lean clip's coefficient where that clip read it; an fp32 one
+        as it is."""
         if g.dtype == torch.float32:
             return g
         w = g.float()
-        return w if self.coef is None else w.mul_(self.coef.to(w.device))
+        return w if self.coef is None or i not in self.clipped else w.mul_(self.coef.to(w.device))
 
     def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (2-norm) with the kept gradients read
@@ -135,6 +139,7 @@ class KeptGrads:
                 for g in plain:
                     g.mul_(clamped.to(device))
         self.coef = clamped
+        self.clipped = {self._index[id(p)] for p in params if id(p) in self._index}
         return total
 
     def _check_unchanged(self) -> None:
