@@ -71,7 +71,11 @@ def _outside(monkeypatch: pytest.MonkeyPatch, half: bool) -> dict[str, list]:
         with amp.autocast():
             amp.backward(model(x, y))
         dtypes.append(
-            {p.grad.dtype for p in amp.policy.master_params() if id(p) in stepped and p.grad is not None}
+            {
+                p.grad.dtype
+                for p in amp.policy.master_params()
+                if id(p) in stepped and p.grad is not None
+            }
         )
         amp.step(o, clip_grad_norm=0.05)
     return {
@@ -103,9 +107,7 @@ def test_optimizer_state_loaded_between_backward_and_step(monkeypatch, states):
         torch.manual_seed(0)
         model = Net()
         o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        amp = MixedPrecision(
-            "bf16-pure", masters="split", state_dtype=states, ladder_scratch_mib=1
-        )
+        amp = MixedPrecision("bf16-pure", masters="split", state_dtype=states, ladder_scratch_mib=1)
         model, o = amp.setup(model, o)
         (x0, y0), (x1, y1), (x2, y2) = batches(3)
         with amp.autocast():
@@ -122,3 +124,21 @@ def test_optimizer_state_loaded_between_backward_and_step(monkeypatch, states):
         out[half] = [p.detach().clone() for p in model.parameters()], states_of(o)
     assert same(out[True][0], out[False][0])
     assert same(out[True][1], out[False][1])
+
+
+def test_a_kept_gradient_replaced_by_hand_is_warned_about(monkeypatch):
+    """``p.grad = p.grad / 3`` on the optimizer's parameters computes in bf16 there (in fp32 with
+    fp32 gradients), as an in-place change does: warned about the same way."""
+    monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
+    torch.manual_seed(0)
+    model = Net()
+    o = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp = MixedPrecision("bf16-pure", masters="split")
+    model, o = amp.setup(model, o)
+    ((x, y),) = batches(1)
+    with amp.autocast():
+        amp.backward(model(x, y))
+    for p in amp.policy.master_params():
+        p.grad = p.grad / 3
+    with pytest.warns(UserWarning, match="changed"):
+        amp.step(o)

@@ -51,7 +51,8 @@ class KeptGrads:
         self.halves, self.masters = halves, masters
         self._dummy = {torch.float32: dummy, torch.bfloat16: dummy.to(torch.bfloat16)}
         self.held: set[int] = set()
-        self._versions: list[tuple[torch.Tensor, int]] = []  # each kept gradient's version then
+        # each kept gradient (its stand-in's index, the tensor) and its version then
+        self._versions: list[tuple[int, torch.Tensor, int]] = []
         self._warned = False
         # a lean clip's clamped coefficient, not yet applied, and the stand-ins it clipped (only
         # those: torch clips the parameters it is given, another optimizer's gradients stay)
@@ -78,7 +79,7 @@ class KeptGrads:
                 self.held.add(i)
                 m.data = self.between(i)
                 m.grad, h.grad = g, None
-                self._versions.append((g, g._version))
+                self._versions.append((i, g, g._version))
         return True
 
     def settle(self, lean: bool) -> None:
@@ -143,15 +144,18 @@ class KeptGrads:
         return total
 
     def _check_unchanged(self) -> None:
-        """Warn (once) where a kept bf16 gradient was changed in place between backward and the step:
-        code that clips or scales the optimizer's gradients by hand did it in bf16 there."""
-        changed = any(g._version != v for g, v in self._versions)
+        """Warn (once) where a kept bf16 gradient was changed in place, or replaced by another bf16
+        one, between backward and the step: code that clips or scales the optimizer's gradients by
+        hand did it in bf16 there."""
+        now = [(self.masters[i].grad, g, v) for i, g, v in self._versions]
+        changed = any(g._version != v or (m is not None and m is not g) for m, g, v in now)
         self._versions = []
         if changed and not self._warned:
             self._warned = True
             warnings.warn(
-                "ampkit: a gradient of the memory ladder's stand-ins was changed in place between "
-                "backward() and step(); the ladder keeps them in bf16 there (2 bytes per parameter), "
+                "ampkit: a gradient of the memory ladder's stand-ins was changed in place (or "
+                "replaced) between backward() and step(); the ladder keeps them in bf16 there (2 "
+                "bytes per parameter), "
                 "so that change was made in bf16. Clip with clip_grad_norm=... (exact), or read "
                 "and change them through ampkit.integrations.common.stepped_params(amp, model), "
                 "which hands out their fp32 upcasts",
