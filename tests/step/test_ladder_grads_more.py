@@ -142,3 +142,25 @@ def test_a_kept_gradient_replaced_by_hand_is_warned_about(monkeypatch):
         p.grad = p.grad / 3
     with pytest.warns(UserWarning, match="changed"):
         amp.step(o)
+
+
+def test_fp32_gradients_of_bf16_parameters_are_summed_as_before(monkeypatch):
+    """``param.grad_dtype = torch.float32`` (torch accumulates a bf16 parameter's gradient in fp32)
+    gives fp32 half gradients: they go onto the fp32 stand-ins as before, not kept (a bf16
+    stand-in refuses an fp32 gradient)."""
+    out = {}
+    for half in (True, False):
+        monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
+        torch.manual_seed(0)
+        model = Net()
+        o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        amp = MixedPrecision("bf16-pure", masters="kahan", ladder_scratch_mib=1)
+        model, o = amp.setup(model, o)
+        model.a.weight.grad_dtype = torch.float32
+        for x, y in batches(2):
+            with amp.autocast():
+                amp.backward(model(x, y))
+            amp.step(o, clip_grad_norm=0.05)
+        out[half] = [p.detach().clone() for p in model.parameters()], states_of(o)
+    assert same(out[True][0], out[False][0])
+    assert same(out[True][1], out[False][1])

@@ -67,15 +67,16 @@ class KeptGrads:
         return self._dummy[dtype].expand(self.halves[i].shape)
 
     def keep(self) -> bool:
-        """Move each half gradient whose stand-in has none onto it as it is; False (nothing moved)
-        where one is sparse. A stand-in that still has a gradient (``zero_grad=False``, another
-        optimizer's, a parameter no optimizer holds) keeps it: the caller sums into it in fp32."""
+        """Move each bf16 half gradient whose stand-in has none onto it as it is; False (nothing
+        moved) where one is sparse. A stand-in that still has a gradient (``zero_grad=False``,
+        another optimizer's, a parameter no optimizer holds) keeps it, and an fp32 half gradient
+        (``param.grad_dtype``) stays: the caller sums them into fp32 ones."""
         gs = [h.grad for h in self.halves]
         if not HALF_GRADS or any(g is not None and g.layout != torch.strided for g in gs):
             return False  # (fake gradients too: a plan)
         self.settle(False)  # (kept past a step that failed: their fp32 upcasts, as clipped)
         for i, (h, m, g) in enumerate(zip(self.halves, self.masters, gs)):
-            if g is not None and m.grad is None:
+            if g is not None and m.grad is None and g.dtype == torch.bfloat16:
                 self.held.add(i)
                 m.data = self.between(i)
                 m.grad, h.grad = g, None
