@@ -7,7 +7,9 @@ that copy would be the largest thing a step adds: 14 instead of 12 bytes per par
 ``stochastic`` with AdamW, 10 instead of 8 with bf16 states. When a backward makes a whole window
 on its own (``accumulation_steps=1``, the micro-step closed, no optimizer in backward) nothing will
 be summed into its gradients, so each bf16 gradient moves as it is onto its stand-in -- which is
-made bf16 for the time (a parameter's gradient has its dtype): 2 bytes per parameter.
+made bf16 for the time (a parameter's gradient has its dtype): 2 bytes per parameter. A stand-in
+that still has a gradient then (``zero_grad=False``, another optimizer's step left it, a parameter
+no optimizer holds) has the new one summed into it in fp32, as ever; the others stay bf16.
 
 At the boundary the engine says whether the step is **lean**: it only checks and clips the
 gradients (no unscaling of a real scale, no flush of a short window, no data-parallel averaging,
@@ -17,10 +19,12 @@ the exact upcast, so every rung and optimizer steps **bitwise** as with fp32 gra
 (tests/step/test_ladder_grads.py). Clipping (:meth:`KeptGrads.clip`) is ``clip_grad_norm_``'s
 arithmetic on those upcasts: each tensor's norm from its upcast (one tensor widened at a time, in
 the order and grouping torch uses), the total and the clamped coefficient as torch computes them;
-the coefficient multiplies each upcast when the step widens it (the same one rounding as torch's
-in-place multiply of an fp32 gradient). Any other step, and anything reading them for itself
-(``stepped_params``: the integrations' clipping and logging), first turns them into their fp32
-upcasts, today's gradients. After the boundary's ``zero_grad`` the stand-ins are fp32 again.
+the coefficient multiplies each upcast of a clipped stand-in when the step widens it (the same one
+rounding as torch's in-place multiply of an fp32 gradient; another optimizer's gradients, which
+torch would not clip, are not multiplied). Any other step, and anything reading them for itself
+(``stepped_params``: the integrations' clipping and logging; an optimizer's ``load_state_dict``,
+which casts states to the stand-ins' dtype), first turns them into their fp32 upcasts, today's
+gradients. After the boundary's ``zero_grad`` the stand-ins are fp32 again.
 """
 
 from __future__ import annotations
