@@ -164,3 +164,16 @@ def test_fp32_gradients_of_bf16_parameters_are_summed_as_before(monkeypatch):
         out[half] = [p.detach().clone() for p in model.parameters()], states_of(o)
     assert same(out[True][0], out[False][0])
     assert same(out[True][1], out[False][1])
+
+
+@pytest.mark.parametrize("rung", [{"masters": "split"}, {"masters": "fp32", "state_dtype": "bf16"}])
+def test_a_channels_last_weight_on_a_ladder_rung_is_refused_before_anything_changes(rung):
+    """The ladder steps each weight as flat memory: a channels_last conv weight is refused at
+    setup with what to do (it failed inside, with the model half cast, or at the first step)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3)).to(memory_format=torch.channels_last)
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = MixedPrecision("bf16-pure", **rung)
+    with pytest.raises(ValueError, match=r"\['0.weight'\] are not contiguous.*contiguous_format"):
+        amp.setup(model, o)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert o.param_groups[0]["params"][0] is model[0].weight
