@@ -177,3 +177,26 @@ def test_a_channels_last_weight_on_a_ladder_rung_is_refused_before_anything_chan
         amp.setup(model, o)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert o.param_groups[0]["params"][0] is model[0].weight
+
+
+def test_a_clip_with_no_kept_gradient_leaves_no_coefficient_behind(monkeypatch):
+    """A clipped step whose gradients were all fp32 (summed into those ``zero_grad=False`` left)
+    then an unclipped one with kept bf16 gradients: the second is not clipped by the first's
+    coefficient."""
+    out = {}
+    for half in (True, False):
+        monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
+        torch.manual_seed(0)
+        model = Net()
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp = MixedPrecision("bf16-pure", masters="split")
+        model, o = amp.setup(model, o)
+        for (x, y), kw in zip(
+            batches(4), [{"zero_grad": False}, {"clip_grad_norm": 1e-3}, {}, {"zero_grad": False}]
+        ):
+            with amp.autocast():
+                amp.backward(model(x, y))
+            amp.step(o, **kw)
+        out[half] = [p.detach().clone() for p in model.parameters()], _grads(amp)
+    assert same(out[True][0], out[False][0])
+    assert same(out[True][1], out[False][1])

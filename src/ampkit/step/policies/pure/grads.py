@@ -89,12 +89,11 @@ class KeptGrads:
 
     def settle(self, lean: bool) -> None:
         """Kept gradients stay for a ``lean`` step; else each becomes its fp32 upcast (exact) on
-        an fp32 stand-in. No sync."""
+        an fp32 stand-in. Either way a clip's coefficient is spent (a lean step's comes later: a
+        clip that found no kept gradient leaves none for the next step to apply). No sync."""
         if self._versions:
             self._check_unchanged()
-        if lean or not self.held:
-            return
-        for i in sorted(self.held):
+        for i in [] if lean else sorted(self.held):
             m = self.masters[i]
             g, m.grad = m.grad, None
             self.held.discard(i)
