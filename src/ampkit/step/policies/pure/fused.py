@@ -198,7 +198,7 @@ class FusedAdam:
                 assert g is not None
                 g = g.view(-1)[a:b]
                 if g.dtype != torch.float32:  # a kept bf16 gradient, widened for the call (.grads)
-                    g = lw.grads.widen(g)
+                    g = lw.grads.widen(g, i)
                     held.append(g)
                 t.add(
                     w,

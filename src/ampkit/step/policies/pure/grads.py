@@ -7,7 +7,9 @@ that copy would be the largest thing a step adds: 14 instead of 12 bytes per par
 ``stochastic`` with AdamW, 10 instead of 8 with bf16 states. When a backward makes a whole window
 on its own (``accumulation_steps=1``, the micro-step closed, no optimizer in backward) nothing will
 be summed into its gradients, so each bf16 gradient moves as it is onto its stand-in -- which is
-made bf16 for the time (a parameter's gradient has its dtype): 2 bytes per parameter.
+made bf16 for the time (a parameter's gradient has its dtype): 2 bytes per parameter. A stand-in
+that still has a gradient then (``zero_grad=False``, another optimizer's step left it, a parameter
+no optimizer holds) has the new one summed into it in fp32, as ever; the others stay bf16.
 
 At the boundary the engine says whether the step is **lean**: it only checks and clips the
 gradients (no unscaling of a real scale, no flush of a short window, no data-parallel averaging,
@@ -17,10 +19,12 @@ the exact upcast, so every rung and optimizer steps **bitwise** as with fp32 gra
 (tests/step/test_ladder_grads.py). Clipping (:meth:`KeptGrads.clip`) is ``clip_grad_norm_``'s
 arithmetic on those upcasts: each tensor's norm from its upcast (one tensor widened at a time, in
 the order and grouping torch uses), the total and the clamped coefficient as torch computes them;
-the coefficient multiplies each upcast when the step widens it (the same one rounding as torch's
-in-place multiply of an fp32 gradient). Any other step, and anything reading them for itself
-(``stepped_params``: the integrations' clipping and logging), first turns them into their fp32
-upcasts, today's gradients. After the boundary's ``zero_grad`` the stand-ins are fp32 again.
+the coefficient multiplies each upcast of a clipped stand-in when the step widens it (the same one
+rounding as torch's in-place multiply of an fp32 gradient; another optimizer's gradients, which
+torch would not clip, are not multiplied). Any other step, and anything reading them for itself
+(``stepped_params``: the integrations' clipping and logging; an optimizer's ``load_state_dict``,
+which casts states to the stand-ins' dtype), first turns them into their fp32 upcasts, today's
+gradients. After the boundary's ``zero_grad`` the stand-ins are fp32 again.
 """
 
 from __future__ import annotations
@@ -51,11 +55,14 @@ class KeptGrads:
         self.halves, self.masters = halves, masters
         self._dummy = {torch.float32: dummy, torch.bfloat16: dummy.to(torch.bfloat16)}
         self.held: set[int] = set()
-        self._versions: list[tuple[torch.Tensor, int]] = []  # each kept gradient's version then
+        # each kept gradient (its stand-in's index, the tensor) and its version then
+        self._versions: list[tuple[int, torch.Tensor, int]] = []
         self._warned = False
-        self.coef: Optional[torch.Tensor] = (
-            None  # a lean clip's clamped coefficient, not yet applied
-        )
+        # a lean clip's clamped coefficient, not yet applied, and the stand-ins it clipped (only
+        # those: torch clips the parameters it is given, another optimizer's gradients stay)
+        self.coef: Optional[torch.Tensor] = None
+        self.clipped: set[int] = set()
+        self._index = {id(m): i for i, m in enumerate(masters)}
 
     def between(self, i: int) -> torch.Tensor:
         """Stand-in ``i``'s data between calls: the shared scalar expanded to its shape, bf16 while
@@ -64,48 +71,50 @@ class KeptGrads:
         return self._dummy[dtype].expand(self.halves[i].shape)
 
     def keep(self) -> bool:
-        """Move every half gradient onto its stand-in as it is; False (nothing moved) where one is
-        sparse or a stand-in already has a gradient (kept past a step)."""
-        if HALF_GRADS and not self.held and all(m.grad is None for m in self.masters):
-            gs = [h.grad for h in self.halves]
-            if all(
-                g is None or g.layout == torch.strided
-                for g in gs  # (fake ones too: a plan)
-            ):
-                for i, (h, m, g) in enumerate(zip(self.halves, self.masters, gs)):
-                    if g is not None:
-                        self.held.add(i)
-                        m.data = self.between(i)
-                        m.grad, h.grad = g, None
-                        self._versions.append((g, g._version))
-                return True
-        return False
+        """Move each bf16 half gradient whose stand-in has none onto it as it is; False (nothing
+        moved) where one is sparse. A stand-in that still has a gradient (``zero_grad=False``,
+        another optimizer's, a parameter no optimizer holds) keeps it, and an fp32 half gradient
+        (``param.grad_dtype``) stays: the caller sums them into fp32 ones."""
+        gs = [h.grad for h in self.halves]
+        if not HALF_GRADS or any(g is not None and g.layout != torch.strided for g in gs):
+            return False  # (fake gradients too: a plan)
+        self.settle(False)  # (kept past a step that failed: their fp32 upcasts, as clipped)
+        for i, (h, m, g) in enumerate(zip(self.halves, self.masters, gs)):
+            if g is not None and m.grad is None and g.dtype == torch.bfloat16:
+                self.held.add(i)
+                m.data = self.between(i)
+                m.grad, h.grad = g, None
+                self._versions.append((i, g, g._version))
+        return True
 
     def settle(self, lean: bool) -> None:
         """Kept gradients stay for a ``lean`` step; else each becomes its fp32 upcast (exact) on
-        an fp32 stand-in. No sync."""
+        an fp32 stand-in. Either way a clip's coefficient is spent (a lean step's comes later: a
+        clip that found no kept gradient leaves none for the next step to apply). No sync."""
         if self._versions:
             self._check_unchanged()
-        if lean or not self.held:
-            return
-        for i in sorted(self.held):
+        for i in [] if lean else sorted(self.held):
             m = self.masters[i]
             g, m.grad = m.grad, None
             self.held.discard(i)
             m.data = self.between(i)
-            if g is not None:
-                m.grad = self.widen(
-                    g
-                )  # as MasterWeights.absorb_grads makes it (clipped: as clipped)
-        self.coef = None
+            if g is not None:  # as MasterWeights.absorb_grads makes it (clipped: as clipped)
+                m.grad = self.widen(g, i)
+        self.coef, self.clipped = None, set()
 
-    def widen(self, g: torch.Tensor) -> torch.Tensor:
-        """A gradient as an fp32 stand-in takes it: a kept bf16 one widened (exact) and times a lean
-        clip's coefficient; an fp32 one as it is."""
+    def before_load(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """An optimizer's ``load_state_dict`` pre-hook: torch casts the loaded states to their
+        parameters' dtype, so the stand-ins are made fp32 first (their kept gradients too)."""
+        self.settle(False)
+
+    def widen(self, g: torch.Tensor, i: int) -> torch.Tensor:
+        """Stand-in ``i``'s gradient (or a piece of it) as an fp32 stand-in takes it: a kept bf16
+        one widened (exact), times a lean clip's coefficient where that clip read it; an fp32 one
+        as it is."""
         if g.dtype == torch.float32:
             return g
         w = g.float()
-        return w if self.coef is None else w.mul_(self.coef.to(w.device))
+        return w if self.coef is None or i not in self.clipped else w.mul_(self.coef.to(w.device))
 
     def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (2-norm) with the kept gradients read
@@ -135,18 +144,22 @@ class KeptGrads:
                 for g in plain:
                     g.mul_(clamped.to(device))
         self.coef = clamped
+        self.clipped = {self._index[id(p)] for p in params if id(p) in self._index}
         return total
 
     def _check_unchanged(self) -> None:
-        """Warn (once) where a kept bf16 gradient was changed in place between backward and the step:
-        code that clips or scales the optimizer's gradients by hand did it in bf16 there."""
-        changed = any(g._version != v for g, v in self._versions)
+        """Warn (once) where a kept bf16 gradient was changed in place, or replaced by another bf16
+        one, between backward and the step: code that clips or scales the optimizer's gradients by
+        hand did it in bf16 there."""
+        now = [(self.masters[i].grad, g, v) for i, g, v in self._versions]
+        changed = any(g._version != v or (m is not None and m is not g) for m, g, v in now)
         self._versions = []
         if changed and not self._warned:
             self._warned = True
             warnings.warn(
-                "ampkit: a gradient of the memory ladder's stand-ins was changed in place between "
-                "backward() and step(); the ladder keeps them in bf16 there (2 bytes per parameter), "
+                "ampkit: a gradient of the memory ladder's stand-ins was changed in place (or "
+                "replaced) between backward() and step(); the ladder keeps them in bf16 there (2 "
+                "bytes per parameter), "
                 "so that change was made in bf16. Clip with clip_grad_norm=... (exact), or read "
                 "and change them through ampkit.integrations.common.stepped_params(amp, model), "
                 "which hands out their fp32 upcasts",

@@ -188,6 +188,7 @@ class LadderWeights(MasterWeights):
         index = {id(m): i for i, m in enumerate(self.masters)}
         for opt in self.optimizers:
             self._steps.wrap(opt, lambda o, inner, a, k: self._step(o, inner, index, a, k))
+            self._hooks.append(opt.register_load_state_dict_pre_hook(self.grads.before_load))
             if state_dtype == "bf16":
                 self._hooks.append(opt.register_load_state_dict_post_hook(self._loaded))
 
@@ -351,7 +352,7 @@ class LadderWeights(MasterWeights):
                         m, g = self.masters[seg.i], by_id[id(self.masters[seg.i])]
                         if g is not None and not seg.whole:
                             g = g.view(-1)[seg.start : seg.stop]
-                        m.data, m.grad = v, (None if g is None else self.grads.widen(g))
+                        m.data, m.grad = v, (None if g is None else self.grads.widen(g, seg.i))
                         if seg.whole:
                             self._states_up(opt, m, kept)
                         else:
@@ -411,7 +412,7 @@ class LadderWeights(MasterWeights):
         (:mod:`.grads`), else summed into fp32 as :class:`MasterWeights` does. No sync."""
         if not (whole_window and self.rung != "fp32" and self.grads.keep()):
             self.grads.settle(False)
-            super().absorb_grads()
+        super().absorb_grads()  # (after keep: those whose stand-in still had a gradient)
 
     def _round_state(self, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         assert self.gen is not None

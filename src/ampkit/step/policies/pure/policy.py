@@ -41,7 +41,7 @@ import torch
 from ...rung import Rung
 from ..base import PrecisionPolicy
 from .ladder import CastOnly, LadderWeights
-from .masters import MasterWeights
+from .masters import MasterWeights, kept_tensors
 from .sharded import SHARDED_MASTERS, ShardedStates
 
 __all__ = ["PurePolicy"]
@@ -100,6 +100,7 @@ class PurePolicy(PrecisionPolicy):
         if rung.plain:
             self._masters = MasterWeights(model, optimizers, dtype, keep)
         else:
+            _refuse_strided(model, keep, rung)
             self._masters = LadderWeights(
                 model,
                 optimizers,
@@ -190,3 +191,21 @@ class PurePolicy(PrecisionPolicy):
             if rung.state_dtype == "bf16"
             else "float32",
         }
+
+
+def _refuse_strided(model: torch.nn.Module, keep: Sequence[str], rung: Rung) -> None:
+    """The ladder steps each weight as flat memory: a weight that is not contiguous (a
+    channels_last conv weight) is refused before anything changes."""
+    kept = kept_tensors(model, keep)
+    odd = [
+        n
+        for n, p in model.named_parameters()
+        if id(p) not in kept and p.is_floating_point() and not p.is_contiguous()
+    ]
+    if odd:
+        raise ValueError(
+            f"masters={rung.masters!r}, state_dtype={rung.state_dtype!r}: the memory ladder steps "
+            f"each weight as flat memory, and {odd[:5]} are not contiguous (channels_last?); "
+            "make them contiguous (model.to(memory_format=torch.contiguous_format)), keep their "
+            "modules in fp32 (keep_fp32), or use masters='fp32' with state_dtype='fp32'"
+        )
