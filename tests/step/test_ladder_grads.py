@@ -235,3 +235,15 @@ def test_a_gradient_changed_by_hand_in_bf16_is_warned_about(monkeypatch):
     torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 1e-3)
     with pytest.warns(UserWarning, match="changed in place"):
         amp.step(o)
+
+
+def test_the_manifest_between_backward_and_step_is_the_one_after(monkeypatch):
+    """The stand-ins are bf16 only while they hold kept gradients: the manifest still says fp32."""
+    monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
+    _, _, amp, model, o = train(monkeypatch, True, "stochastic", steps=1)
+    after = amp.manifest().to_dict()
+    ((x, y),) = batches(1, seed=3)
+    with amp.autocast():
+        amp.backward(model(x, y))
+    assert {p.grad.dtype for p in amp.policy.master_params()} == {torch.bfloat16}
+    assert amp.manifest().to_dict() == after

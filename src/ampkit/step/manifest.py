@@ -274,13 +274,15 @@ def _entry(
         compute = gathered
     stepped = policy.stepped(p)
     has_master = stepped is not p
+    # the ladder's stand-ins are fp32 (bf16 only while they hold a kept bf16 gradient: .pure.grads)
+    stepped_dtype = torch.float32 if has_master and policy.before_step else stepped.dtype
     if mp is not None:
         reduce = accumulation = mp.reduce_dtype or gathered
         master = _dt(storage) if precision.family == "pure" else None  # the shards are the masters
     else:
-        accumulation = stepped.dtype if has_master else storage
-        reduce = None if parallel == "none" else (stepped.dtype if has_master else storage)
-        master = _dt(stepped.dtype) if has_master else None
+        accumulation = stepped_dtype if has_master else storage
+        reduce = None if parallel == "none" else (stepped_dtype if has_master else storage)
+        master = _dt(stepped_dtype) if has_master else None
     opt = stepped_by.get(id(stepped))
     state: Optional[str] = None
     if opt is not None:
