@@ -241,6 +241,10 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
         ),
         (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
         (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
+        # a precision named twice (a plan printed the same row twice; bench kept one silently)
+        (["bench", "--precisions", "fp32,bf16,fp32"], "'fp32' and 'fp32' are one precision"),
+        (["plan", "--memory", "1GiB", "--precisions", "fp32,float32"], "'fp32' and 'float32'"),
+        (["tune", "--precisions", "bf16,bfloat16"], "'bf16' and 'bfloat16' are one precision"),
     ],
 )
 def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp_path, monkeypatch):

@@ -96,6 +96,14 @@ def test_bad_strings_on_the_brief_routes_are_422(client, bad):
     _is_422(post(client, "/v1/recommend", {"precisions": bad}), "precisions")
 
 
+@pytest.mark.parametrize(
+    "twice", ["fp32,fp32", "bf16,fp32,bfloat16", "bf16-pure:split,bf16-pure:split"]
+)
+def test_a_precision_named_twice_is_422(client, twice):
+    """``POST /v1/recommend`` with a precision listed twice (it measured it twice) is refused."""
+    _is_422(post(client, "/v1/recommend", {"precisions": twice}), "precisions", "one precision")
+
+
 def test_a_stored_surrogate_does_not_break_the_listing(client):
     """A row written by an older server (before these checks) still lists and shows: no 500."""
     store = client.app.state.store

@@ -20,7 +20,7 @@ from ..plan.devices import DEVICES, GPU, parse_device, plan_budget
 from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
-from ..step.rung import split_spec
+from ..step.rung import spec_list, split_spec
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
 from .runfile import SERVICE_DEFAULTS
 from .settings import MAX_SECONDS, SERVE_NUMBERS
@@ -288,8 +288,10 @@ class RecommendSpec(BaseModel):
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, v: str) -> str:
-        for p in v.split(","):
-            _precision(p.strip())
+        try:
+            spec_list(v)  # each a precision, none named twice
+        except Exception as e:
+            raise ValueError(str(e) or f"precisions {shown(v)} is not valid") from None
         return v
 
     _device = field_validator("device")(_device)
