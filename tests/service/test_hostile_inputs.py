@@ -558,3 +558,39 @@ def test_a_damaged_line_in_a_runs_log_is_left_out_not_a_500(client, tmp_path, da
     assert [r.get("step") for r in got.json()["records"]] == [1, 2, 2]
     view = client.get(f"/v1/runs/{run['id']}", headers=ALICE)
     assert view.status_code == 200 and [e["kind"] for e in view.json()["events"]] == ["fallback"]
+
+
+def _finished(store, rid: str, kind: str, spec: dict, summary: dict, status: str = "succeeded"):
+    store.create(rid, "alice", kind, spec, f"/nonexistent/{rid}")
+    store.update(rid, status=status, summary=summary)
+
+
+TRAINED = {
+    "precision": "bf16",
+    "final_loss": 2.0,
+    "ms_per_step": 1.0,
+    "samples_per_s": 10.0,
+    "peak_mem_bytes": 100,
+    "skipped_steps": 0,
+}
+
+
+def test_compare_refuses_what_it_cannot_compare_and_names_what_differs(client):
+    """``GET /v1/compare`` with a ``recommend`` run answered 500 (its
+    summary has no final loss); the same id twice compared a run with itself; runs of different
+    models, batch sizes or data compared their losses and speeds without a word."""
+    store = client.app.state.store
+    mlp = {"model": "mlp", "size": "tiny", "batch_size": 16, "steps": 30, "precision": "bf16"}
+    _finished(store, "a", "train", {**mlp, "precision": "fp32"}, {**TRAINED, "precision": "fp32"})
+    _finished(store, "b", "train", mlp, TRAINED)
+    _finished(store, "c", "train", {**mlp, "model": "gpt", "batch_size": 8}, TRAINED)
+    _finished(store, "d", "train", mlp, {**TRAINED, "failure": "diverged"}, status="failed")
+    _finished(store, "rec", "recommend", {"model": "mlp"}, {"recommendation": {}, "bench": []})
+    r = client.get("/v1/compare?ids=a,rec", headers=ALICE)
+    assert r.status_code == 422 and "rec" in r.text and "recommend" in r.text, r.text
+    r = client.get("/v1/compare?ids=a,b,a", headers=ALICE)
+    assert r.status_code == 422 and "'a'" in r.text and "twice" in r.text, r.text
+    r = client.get("/v1/compare?ids=a,d", headers=ALICE)
+    assert r.status_code == 409 and "d" in r.text and "failed" in r.text, r.text
+    rows = client.get("/v1/compare?ids=a,b,c", headers=ALICE).json()["runs"]
+    assert [row["differs"] for row in rows] == [[], [], ["batch_size", "model"]]

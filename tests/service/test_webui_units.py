@@ -302,3 +302,20 @@ def test_the_ui_is_inside_the_apis_rate_limit_and_body_cap(client):
     r = client.post("/ui/launch", data={"csrf": csrf, "name": "x" * (cap + 1)}, headers=origin)
     assert r.status_code == 413 and str(cap) in r.json()["detail"]
     assert client.app.state.store.list() == []
+
+
+def test_compare_page_with_a_recommend_run_says_why(client):
+    """The compare page with a ``recommend`` run among the ids was a 500 (the API's KeyError);
+    now the API's 422, shown on the page, and the runs' differences beside the table."""
+    _sign_in(client)
+    store = client.app.state.store
+    trained = {"final_loss": 2.0, "ms_per_step": 1.0, "samples_per_s": 10.0, "skipped_steps": 0}
+    for rid, model in (("a", "mlp"), ("b", "gpt")):
+        store.create(rid, "alice", "train", {"model": model}, f"/nonexistent/{rid}")
+        store.update(rid, status="succeeded", summary={**trained, "precision": "bf16"})
+    store.create("rec", "alice", "recommend", {"model": "mlp"}, "/nonexistent/rec")
+    store.update("rec", status="succeeded", summary={"recommendation": {}, "bench": []})
+    page = client.get("/ui/compare?ids=a,rec")
+    assert page.status_code == 200 and "is a recommend run" in page.text, page.text[-800:]
+    page = client.get("/ui/compare?ids=a,b")
+    assert page.status_code == 200 and "differs from the baseline in: model" in page.text
