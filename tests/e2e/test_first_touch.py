@@ -258,6 +258,17 @@ def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
 
 
+def test_steps_and_epochs_typed_together_are_refused_before_training(capsys, tmp_path, monkeypatch):
+    """``ampkit train --steps 3 --epochs 1`` trained 625 steps (--epochs won without a word)."""
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model", "mlp", "--size", "tiny", "--steps", "3", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ampkit train: error: --steps 3 and --epochs 1 both say how long to train" in err, err
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+
+
 # 3 ------------------------------------------------------------------------- names and headers say what runs
 MLP = [
     "train",

@@ -560,6 +560,14 @@ def test_a_damaged_line_in_a_runs_log_is_left_out_not_a_500(client, tmp_path, da
     assert view.status_code == 200 and [e["kind"] for e in view.json()["events"]] == ["fallback"]
 
 
+def test_steps_and_epochs_together_are_422(client):
+    """``{"steps": 3, "epochs": 2}`` trained 1250 steps (epochs win, as ``ampkit train`` let them);
+    each alone is taken."""
+    _is_422(post(client, "/v1/runs", {"model": "mlp", "steps": 3, "epochs": 2}), "steps", "epochs")
+    assert post(client, "/v1/runs", {"model": "mlp", "epochs": 2}).status_code == 201
+    assert post(client, "/v1/runs", {"model": "mlp", "steps": 3}).status_code == 201
+
+
 def _finished(store, rid: str, kind: str, spec: dict, summary: dict, status: str = "succeeded"):
     store.create(rid, "alice", kind, spec, f"/nonexistent/{rid}")
     store.update(rid, status=status, summary=summary)

@@ -188,7 +188,7 @@ class RunSpec(BaseModel):
         "(`--block_size`); null: the model's maximum, up to 1024",
     )
     epochs: Optional[Int] = Field(
-        None, ge=1, le=100_000, description="train this many epochs instead of `steps`"
+        None, ge=1, le=100_000, description="train this many epochs instead of `steps` (not both)"
     )
     target_effective_batch_size: Optional[Int] = Field(
         None,
@@ -248,6 +248,16 @@ class RunSpec(BaseModel):
     @classmethod
     def _device(cls, v: str) -> str:
         return _device(v)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> RunSpec:
+        """``steps`` and ``epochs`` both given: refused, as ``ampkit train --steps N --epochs M``."""
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError(
+                f"steps ({self.steps}) and epochs ({self.epochs}) both say how long to train "
+                "(epochs trains whole passes over the data instead of steps); give one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _engine_config(self) -> RunSpec:
