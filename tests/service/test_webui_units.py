@@ -319,3 +319,21 @@ def test_compare_page_with_a_recommend_run_says_why(client):
     assert page.status_code == 200 and "is a recommend run" in page.text, page.text[-800:]
     page = client.get("/ui/compare?ids=a,b")
     assert page.status_code == 200 and "differs from the baseline in: model" in page.text
+
+
+def test_launch_form_with_epochs_leaves_steps_at_its_default(client):
+    """The form shows each default in its input (steps: 100), so a browser posts it back: a run
+    of 2 epochs from the form is ``epochs`` with ``steps`` left at its default, not both given
+    (the API refuses both); a steps value typed with the epochs is refused as the API does."""
+    csrf = _sign_in(client)
+    form = client.get("/ui/launch").text
+    assert 'id="in-steps" name="steps" value="100"' in form
+    origin = {"Origin": "http://127.0.0.1"}
+    r = client.post(
+        "/ui/launch", data={"csrf": csrf, "steps": "100", "epochs": "2"}, headers=origin
+    )
+    assert r.status_code == 303, r.text[-600:]
+    (run,) = client.app.state.store.list()
+    assert run["spec"]["epochs"] == 2
+    r = client.post("/ui/launch", data={"csrf": csrf, "steps": "3", "epochs": "2"}, headers=origin)
+    assert r.status_code == 422 and "both say how long to train" in r.text
