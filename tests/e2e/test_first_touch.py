@@ -245,6 +245,7 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
         (["bench", "--precisions", "fp32,bf16,fp32"], "'fp32' and 'fp32' are one precision"),
         (["plan", "--memory", "1GiB", "--precisions", "fp32,float32"], "'fp32' and 'float32'"),
         (["tune", "--precisions", "bf16,bfloat16"], "'bf16' and 'bfloat16' are one precision"),
+        (["bench", "--precisions", "bf16-pure,bf16-pure:fp32"], "are one precision (bf16-pure)"),
     ],
 )
 def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp_path, monkeypatch):
