@@ -246,6 +246,12 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
         (["plan", "--memory", "1GiB", "--precisions", "fp32,float32"], "'fp32' and 'float32'"),
         (["tune", "--precisions", "bf16,bfloat16"], "'bf16' and 'bfloat16' are one precision"),
         (["bench", "--precisions", "bf16-pure,bf16-pure:fp32"], "are one precision (bf16-pure)"),
+        # an output in a directory that is not there: refused before measuring (it measured, then
+        # failed at the write, the results lost; tune's error named its temporary file)
+        (["bench", "--json", "nodir/b.json"], "argument --json: 'nodir/b.json': the directory"),
+        (["bench", "--plot", "nodir/b.png"], "argument --plot: 'nodir/b.png': the directory"),
+        (["tune", "--out", "nodir/t.toml"], "argument --out: 'nodir/t.toml': the directory"),
+        (["tune", "--out", "."], "argument --out: '.' is a directory"),
     ],
 )
 def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp_path, monkeypatch):
