@@ -246,6 +246,13 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
         (["plan", "--memory", "1GiB", "--precisions", "fp32,float32"], "'fp32' and 'float32'"),
         (["tune", "--precisions", "bf16,bfloat16"], "'bf16' and 'bfloat16' are one precision"),
         (["bench", "--precisions", "bf16-pure,bf16-pure:fp32"], "are one precision (bf16-pure)"),
+        # a value typed without its flag: the flag it belongs to
+        (
+            ["explain", "bf16-pure"],
+            "unexpected argument 'bf16-pure' (did you mean '--precision bf16-pure'?)",
+        ),
+        (["train", "mlp"], "unexpected argument 'mlp' (did you mean '--model mlp'?)"),
+        (["bench", "fp32,bf16"], "(did you mean '--precisions fp32,bf16'?)"),
         # an output in a directory that is not there: refused before measuring (it measured, then
         # failed at the write, the results lost; tune's error named its temporary file)
         (["bench", "--json", "nodir/b.json"], "argument --json: 'nodir/b.json': the directory"),
