@@ -602,3 +602,16 @@ def test_compare_refuses_what_it_cannot_compare_and_names_what_differs(client):
     assert r.status_code == 409 and "d" in r.text and "failed" in r.text, r.text
     rows = client.get("/v1/compare?ids=a,b,c", headers=ALICE).json()["runs"]
     assert [row["differs"] for row in rows] == [[], [], ["batch_size", "model"]]
+
+
+def test_a_query_parameter_given_twice_is_422(client):
+    """``GET /v1/runs?status=succeeded&status=failed`` answered the failed runs alone (a scalar
+    query parameter keeps its last value): a script that asked for both saw no succeeded run."""
+    store = client.app.state.store
+    _finished(store, "a", "train", {"model": "mlp"}, TRAINED)
+    r = client.get("/v1/runs?status=succeeded&status=failed", headers=ALICE)
+    assert r.status_code == 422 and "'status'" in r.text and "2 times" in r.text, r.text
+    r = client.get("/finetuning/mixed-precision-stats?run_id=a&run_id=b", headers=ALICE)
+    assert r.status_code == 422 and "'run_id'" in r.text, r.text
+    got = client.get("/v1/runs?status=succeeded", headers=ALICE).json()["runs"]
+    assert [x["id"] for x in got] == ["a"]

@@ -23,14 +23,23 @@ import threading
 from typing import Any, Optional
 
 import torch
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
 from ...models.hf_configs import is_hf
 from ...step.config import MixedPrecisionConfig
 from ...step.precision import REFERENCE, Precision, resolve_precision
 from ..checks import check_overrides
-from ..deps import OwnedRun, Owner, Svc, allowed_model, check_size, lookup, submit
+from ..deps import (
+    OwnedRun,
+    Owner,
+    Svc,
+    allowed_model,
+    check_size,
+    each_query_once,
+    lookup,
+    submit,
+)
 from ..jobs import jobs
 from ..limits import limit
 from ..planner import compute_plan, plan_key, savings_gb
@@ -47,7 +56,7 @@ from ..schemas import (
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/finetuning")
+router = APIRouter(prefix="/finetuning", dependencies=[Depends(each_query_once)])
 
 
 def _resolve(name: str, device: str) -> Precision:

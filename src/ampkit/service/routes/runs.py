@@ -8,11 +8,11 @@ import os
 import sqlite3
 from typing import Any, Optional
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 
 from ... import __version__
 from ..checks import shown
-from ..deps import OwnedRun, Owner, Svc, lookup, submit
+from ..deps import OwnedRun, Owner, Svc, each_query_once, lookup, submit
 from ..gpu import gpu_status
 from ..limits import limit
 from ..runner import read_log
@@ -21,7 +21,7 @@ from ..store import STATUSES
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(each_query_once)])  # a parameter twice: 422
 
 
 @router.get("/health")
