@@ -311,10 +311,12 @@ def test_compare_page_with_a_recommend_run_says_why(client):
     store = client.app.state.store
     trained = {"final_loss": 2.0, "ms_per_step": 1.0, "samples_per_s": 10.0, "skipped_steps": 0}
     for rid, model in (("a", "mlp"), ("b", "gpt")):
-        store.create(rid, "alice", "train", {"model": model}, f"/nonexistent/{rid}")
+        store.create(rid, "alice", "train", {"model": model, "size": "tiny"}, f"/nonexistent/{rid}")
         store.update(rid, status="succeeded", summary={**trained, "precision": "bf16"})
-    store.create("rec", "alice", "recommend", {"model": "mlp"}, "/nonexistent/rec")
+    store.create("rec", "alice", "recommend", {"model": "mlp", "size": "tiny"}, "/nonexistent/rec")
     store.update("rec", status="succeeded", summary={"recommendation": {}, "bench": []})
+    listing = client.get("/ui/runs").text  # a recommend run has no compare box to tick
+    assert 'aria-label="compare a"' in listing and 'aria-label="compare rec"' not in listing
     page = client.get("/ui/compare?ids=a,rec")
     assert page.status_code == 200 and "is a recommend run" in page.text, page.text[-800:]
     page = client.get("/ui/compare?ids=a,b")
