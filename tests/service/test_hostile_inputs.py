@@ -615,3 +615,11 @@ def test_a_query_parameter_given_twice_is_422(client):
     assert r.status_code == 422 and "'run_id'" in r.text, r.text
     got = client.get("/v1/runs?status=succeeded", headers=ALICE).json()["runs"]
     assert [x["id"] for x in got] == ["a"]
+
+
+def test_stats_of_a_recommend_run_is_422(client):
+    """``GET /finetuning/mixed-precision-stats?run_id=REC`` answered a recommendation as a
+    training run (``enabled: false``, ``precision: null``, zero counts) after it measured bf16."""
+    _finished(client.app.state.store, "rec", "recommend", {"model": "mlp"}, {"bench": []})
+    r = client.get("/finetuning/mixed-precision-stats?run_id=rec", headers=ALICE)
+    assert r.status_code == 422 and "recommend run" in r.text, r.text
