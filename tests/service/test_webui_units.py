@@ -339,3 +339,50 @@ def test_launch_form_with_epochs_leaves_steps_at_its_default(client):
     assert run["spec"]["epochs"] == 2
     r = client.post("/ui/launch", data={"csrf": csrf, "steps": "3", "epochs": "2"}, headers=origin)
     assert r.status_code == 422 and "both say how long to train" in r.text
+
+
+def test_a_finished_recommend_run_page_shows_its_recommendation_as_a_table(client):
+    """A recommend run's page drew five empty training plots and its summary as Python reprs
+    (``{'precision': 'fp32', 'step_ms': 0.698...}``); now the recommendation and a row per
+    precision measured, with why each other one was not chosen."""
+    _sign_in(client)
+    store = client.app.state.store
+    rec = {
+        "precision": "fp32",
+        "speedup_vs_fp32": 1.0,
+        "loss_gap": 0.0,
+        "tolerance": 0.01,
+        "why_not": {"bf16": "slower: 1.41 ms/step vs 0.70 ms/step for fp32"},
+        "timed": "whole training step, 1 thread, 2 repeats",
+    }
+    row = {"status": "ok", "reason": "", "skipped_steps": 0, "bytes_per_param": 12.0}
+    bench = {
+        "results": [
+            {
+                **row,
+                "precision": "fp32",
+                "step_ms": 0.7,
+                "speedup_vs_fp32": 1.0,
+                "final_loss": 2.3,
+                "loss_gap": 0.0,
+            },
+            {
+                **row,
+                "precision": "bf16",
+                "step_ms": 1.41,
+                "speedup_vs_fp32": 0.49,
+                "final_loss": 2.3,
+                "loss_gap": -8e-6,
+            },
+            {"precision": "fp8", "status": "skipped", "reason": "needs an NVIDIA GPU"},
+        ]
+    }
+    store.create("rec", "alice", "recommend", {"model": "mlp", "size": "tiny"}, "/nonexistent/rec")
+    store.update("rec", status="succeeded", summary={"recommendation": rec, "bench": bench})
+    page = client.get("/ui/runs/rec").text
+    assert 'id="plots"' not in page and "{&#39;precision&#39;" not in page, page[-1500:]
+    assert 'id="recommendation"' in page and "<strong>fp32</strong>" in page
+    table = page.split('id="bench"', 1)[1].split("</table>", 1)[0]
+    assert table.count("<tr") == 4  # the header and one row per precision measured
+    assert "slower: 1.41 ms/step vs 0.70 ms/step for fp32" in table
+    assert "needs an NVIDIA GPU" in table
