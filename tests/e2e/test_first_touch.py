@@ -548,3 +548,29 @@ def test_quick_start_is_two_lines_and_ci_runs_exactly_them():
         assert line in ci.splitlines() or any(
             ln.startswith(line + " ||") for ln in ci.splitlines()
         ), line
+
+
+def test_explain_fp8_on_a_cpu_takes_the_flag_its_error_names(capsys):
+    """``ampkit explain --precision fp8`` on a CPU said 'or fp8_emulate=True to emulate it', which
+    explain had no way to give; the error names ``--fp8_emulate`` and explain takes it."""
+    pytest.importorskip("torchao")
+    from ampkit.cli import main
+
+    base = ["explain", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--precision", "fp8"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "--fp8_emulate" in err and "fp8_emulate=True" not in err, err
+    assert main([*base, "--fp8_emulate", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"precision": "fp8"' in out, out[:500]
+
+
+def test_audit_fp8_on_a_cpu_names_no_setting_audit_lacks(capsys):
+    """``ampkit audit --precision fp8`` on a CPU pointed at 'fp8_emulate=True', which audit has no
+    way to take (it audits autocast's half dtypes)."""
+    from ampkit.cli import main
+
+    argv = ["audit", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--precision", "fp8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot run here" in err and "fp8_emulate" not in err, err
