@@ -152,9 +152,10 @@ def test_command_line_holds_only_the_fixed_flags():
     assert all(w in options for w in again[4:] if w.startswith("--"))
 
 
-def test_recommend_command_uses_tune_options():
+def test_recommend_command_uses_tune_options(tmp_path):
     spec = RecommendSpec(precisions="fp32,bf16").model_dump()
-    cmd = command_for({"kind": "recommend", "spec": spec, "run_dir": "/d", "resumes": 0})
+    # the run's directory exists when its command runs (tune checks where --out goes first)
+    cmd = command_for({"kind": "recommend", "spec": spec, "run_dir": str(tmp_path), "resumes": 0})
     assert cmd[3] == "tune"
     args = _subparser("tune").parse_args(cmd[4:])
     assert (args.model, args.size, args.precisions, args.batch_size) == (
