@@ -63,7 +63,7 @@ FLAGS = {
         --no_cache --precisions --size --verify --workers -h
     """,
     "explain": """
-        --accumulation_steps --all --batch_size --block_size --data --device --help --json --keep_fp32
+        --accumulation_steps --all --batch_size --block_size --data --device --fp8_emulate --help --json --keep_fp32
         --max_length --model --model_config --precision --seed --size -h
     """,
     "report": """

@@ -241,6 +241,24 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
         ),
         (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
         (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
+        # a precision named twice (a plan printed the same row twice; bench kept one silently)
+        (["bench", "--precisions", "fp32,bf16,fp32"], "'fp32' and 'fp32' are one precision"),
+        (["plan", "--memory", "1GiB", "--precisions", "fp32,float32"], "'fp32' and 'float32'"),
+        (["tune", "--precisions", "bf16,bfloat16"], "'bf16' and 'bfloat16' are one precision"),
+        (["bench", "--precisions", "bf16-pure,bf16-pure:fp32"], "are one precision (bf16-pure)"),
+        # a value typed without its flag: the flag it belongs to
+        (
+            ["explain", "bf16-pure"],
+            "unexpected argument 'bf16-pure' (did you mean '--precision bf16-pure'?)",
+        ),
+        (["train", "mlp"], "unexpected argument 'mlp' (did you mean '--model mlp'?)"),
+        (["bench", "fp32,bf16"], "(did you mean '--precisions fp32,bf16'?)"),
+        # an output in a directory that is not there: refused before measuring (it measured, then
+        # failed at the write, the results lost; tune's error named its temporary file)
+        (["bench", "--json", "nodir/b.json"], "argument --json: 'nodir/b.json': the directory"),
+        (["bench", "--plot", "nodir/b.png"], "argument --plot: 'nodir/b.png': the directory"),
+        (["tune", "--out", "nodir/t.toml"], "argument --out: 'nodir/t.toml': the directory"),
+        (["tune", "--out", "."], "argument --out: '.' is a directory"),
     ],
 )
 def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp_path, monkeypatch):
@@ -252,6 +270,17 @@ def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+
+
+def test_steps_and_epochs_typed_together_are_refused_before_training(capsys, tmp_path, monkeypatch):
+    """``ampkit train --steps 3 --epochs 1`` trained 625 steps (--epochs won without a word)."""
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model", "mlp", "--size", "tiny", "--steps", "3", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ampkit train: error: --steps 3 and --epochs 1 both say how long to train" in err, err
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
 
 
 # 3 ------------------------------------------------------------------------- names and headers say what runs
@@ -519,3 +548,29 @@ def test_quick_start_is_two_lines_and_ci_runs_exactly_them():
         assert line in ci.splitlines() or any(
             ln.startswith(line + " ||") for ln in ci.splitlines()
         ), line
+
+
+def test_explain_fp8_on_a_cpu_takes_the_flag_its_error_names(capsys):
+    """``ampkit explain --precision fp8`` on a CPU said 'or fp8_emulate=True to emulate it', which
+    explain had no way to give; the error names ``--fp8_emulate`` and explain takes it."""
+    pytest.importorskip("torchao")
+    from ampkit.cli import main
+
+    base = ["explain", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--precision", "fp8"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "--fp8_emulate" in err and "fp8_emulate=True" not in err, err
+    assert main([*base, "--fp8_emulate", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"precision": "fp8"' in out, out[:500]
+
+
+def test_audit_fp8_on_a_cpu_names_no_setting_audit_lacks(capsys):
+    """``ampkit audit --precision fp8`` on a CPU pointed at 'fp8_emulate=True', which audit has no
+    way to take (it audits autocast's half dtypes)."""
+    from ampkit.cli import main
+
+    argv = ["audit", "--model", "mlp", "--size", "tiny", "--device", "cpu", "--precision", "fp8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot run here" in err and "fp8_emulate" not in err, err

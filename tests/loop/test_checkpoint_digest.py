@@ -260,3 +260,47 @@ def test_sharded_checkpoint_damage_is_seen_by_every_rank_alike(tmp_path):
         assert out["path"] == str(tmp_path / "ckpt-00000001") and out["rng"] == {"r": r}
         assert torch.equal(out["weight"], torch.full((64, 64), 1.0))
         assert len(out["warnings"]) == 1 and "ckpt-00000002' is damaged" in out["warnings"][0]
+
+
+@pytest.mark.parametrize("given", ["file", "single_dir", "sharded_dir", "missing", "empty"])
+def test_export_names_what_it_was_given_and_what_to_pass(given, tmp_path):
+    """``ampkit export`` given what a user has at hand (a single-file checkpoint, a --checkpoint_dir
+    of them, a multi-process run's --checkpoint_dir, a typo) says what it is and what to pass
+    (it said 'not a directory' of a file that is a checkpoint, and 'no .metadata' of a folder of
+    them); only a sharded checkpoint directory is exported."""
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import (
+        CheckpointManager,
+        ShardedCheckpointManager,
+        export_single_file,
+    )
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": {}}
+    ck = tmp_path / "ck"
+    if given in ("file", "single_dir"):
+        mgr = CheckpointManager(str(ck))
+        for step in (2, 4):
+            mgr.save(step, state)
+    elif given == "sharded_dir":
+        mgr = ShardedCheckpointManager(str(ck), lambda: capture(model, opt))
+        for step in (2, 4):
+            mgr.save(step, state)
+    elif given == "empty":
+        ck.mkdir()
+    source = {"file": ck / "ckpt-00000004.pt"}.get(given, ck)
+    words = {
+        "file": ["is a single-file checkpoint already", "torch.load"],
+        "single_dir": ["holds single-file checkpoints", "ckpt-00000004.pt", "nothing to export"],
+        "sharded_dir": ["holds sharded checkpoints", str(ck / "ckpt-00000004")],
+        "missing": ["does not exist"],
+        "empty": ["holds no checkpoint", ".metadata"],
+    }[given]
+    with pytest.raises(CheckpointError) as e:
+        export_single_file(str(source), str(tmp_path / "one.pt"))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert not (tmp_path / "one.pt").exists()
+    if given == "sharded_dir":  # the newest one, passed as the error says, exports
+        assert export_single_file(str(ck / "ckpt-00000004"), str(tmp_path / "one.pt"))

@@ -96,6 +96,14 @@ def test_bad_strings_on_the_brief_routes_are_422(client, bad):
     _is_422(post(client, "/v1/recommend", {"precisions": bad}), "precisions")
 
 
+@pytest.mark.parametrize(
+    "twice", ["fp32,fp32", "bf16,fp32,bfloat16", "bf16-pure:split,bf16-pure:split"]
+)
+def test_a_precision_named_twice_is_422(client, twice):
+    """``POST /v1/recommend`` with a precision listed twice (it measured it twice) is refused."""
+    _is_422(post(client, "/v1/recommend", {"precisions": twice}), "precisions", "one precision")
+
+
 def test_a_stored_surrogate_does_not_break_the_listing(client):
     """A row written by an older server (before these checks) still lists and shows: no 500."""
     store = client.app.state.store
@@ -550,3 +558,68 @@ def test_a_damaged_line_in_a_runs_log_is_left_out_not_a_500(client, tmp_path, da
     assert [r.get("step") for r in got.json()["records"]] == [1, 2, 2]
     view = client.get(f"/v1/runs/{run['id']}", headers=ALICE)
     assert view.status_code == 200 and [e["kind"] for e in view.json()["events"]] == ["fallback"]
+
+
+def test_steps_and_epochs_together_are_422(client):
+    """``{"steps": 3, "epochs": 2}`` trained 1250 steps (epochs win, as ``ampkit train`` let them);
+    each alone is taken."""
+    _is_422(post(client, "/v1/runs", {"model": "mlp", "steps": 3, "epochs": 2}), "steps", "epochs")
+    assert post(client, "/v1/runs", {"model": "mlp", "epochs": 2}).status_code == 201
+    assert post(client, "/v1/runs", {"model": "mlp", "steps": 3}).status_code == 201
+
+
+def _finished(store, rid: str, kind: str, spec: dict, summary: dict, status: str = "succeeded"):
+    store.create(rid, "alice", kind, spec, f"/nonexistent/{rid}")
+    store.update(rid, status=status, summary=summary)
+
+
+TRAINED = {
+    "precision": "bf16",
+    "final_loss": 2.0,
+    "ms_per_step": 1.0,
+    "samples_per_s": 10.0,
+    "peak_mem_bytes": 100,
+    "skipped_steps": 0,
+}
+
+
+def test_compare_refuses_what_it_cannot_compare_and_names_what_differs(client):
+    """``GET /v1/compare`` with a ``recommend`` run answered 500 (its
+    summary has no final loss); the same id twice compared a run with itself; runs of different
+    models, batch sizes or data compared their losses and speeds without a word."""
+    store = client.app.state.store
+    mlp = {"model": "mlp", "size": "tiny", "batch_size": 16, "steps": 30, "precision": "bf16"}
+    _finished(store, "a", "train", {**mlp, "precision": "fp32"}, {**TRAINED, "precision": "fp32"})
+    _finished(store, "b", "train", mlp, TRAINED)
+    _finished(store, "c", "train", {**mlp, "model": "gpt", "batch_size": 8}, TRAINED)
+    _finished(store, "d", "train", mlp, {**TRAINED, "failure": "diverged"}, status="failed")
+    _finished(store, "rec", "recommend", {"model": "mlp"}, {"recommendation": {}, "bench": []})
+    r = client.get("/v1/compare?ids=a,rec", headers=ALICE)
+    assert r.status_code == 422 and "rec" in r.text and "recommend" in r.text, r.text
+    r = client.get("/v1/compare?ids=a,b,a", headers=ALICE)
+    assert r.status_code == 422 and "'a'" in r.text and "twice" in r.text, r.text
+    r = client.get("/v1/compare?ids=a,d", headers=ALICE)
+    assert r.status_code == 409 and "d" in r.text and "failed" in r.text, r.text
+    rows = client.get("/v1/compare?ids=a,b,c", headers=ALICE).json()["runs"]
+    assert [row["differs"] for row in rows] == [[], [], ["batch_size", "model"]]
+
+
+def test_a_query_parameter_given_twice_is_422(client):
+    """``GET /v1/runs?status=succeeded&status=failed`` answered the failed runs alone (a scalar
+    query parameter keeps its last value): a script that asked for both saw no succeeded run."""
+    store = client.app.state.store
+    _finished(store, "a", "train", {"model": "mlp"}, TRAINED)
+    r = client.get("/v1/runs?status=succeeded&status=failed", headers=ALICE)
+    assert r.status_code == 422 and "'status'" in r.text and "2 times" in r.text, r.text
+    r = client.get("/finetuning/mixed-precision-stats?run_id=a&run_id=b", headers=ALICE)
+    assert r.status_code == 422 and "'run_id'" in r.text, r.text
+    got = client.get("/v1/runs?status=succeeded", headers=ALICE).json()["runs"]
+    assert [x["id"] for x in got] == ["a"]
+
+
+def test_stats_of_a_recommend_run_is_422(client):
+    """``GET /finetuning/mixed-precision-stats?run_id=REC`` answered a recommendation as a
+    training run (``enabled: false``, ``precision: null``, zero counts) after it measured bf16."""
+    _finished(client.app.state.store, "rec", "recommend", {"model": "mlp"}, {"bench": []})
+    r = client.get("/finetuning/mixed-precision-stats?run_id=rec", headers=ALICE)
+    assert r.status_code == 422 and "recommend run" in r.text, r.text

@@ -36,7 +36,8 @@ from ampkit.service.schemas import RecommendSpec, RunSpec  # noqa: E402
 
 SERVICE = pathlib.Path(__file__).resolve().parents[2] / "src" / "ampkit" / "service"
 
-# Every field away from its default, so that every key is written.
+# Every field away from its default, so that every key is written (epochs added after the check:
+# a request may not give both steps and epochs; the run file carries both keys all the same).
 FULL = RunSpec(
     model="gpt2",
     size="small",
@@ -54,13 +55,12 @@ FULL = RunSpec(
     model_overrides={"n_layer": 2, "n_embd": 64, "tie_word_embeddings": False},
     texts=['say "hi"\n', "tab\there", "ünïcode ✓ 🙂"],
     max_length=32,
-    epochs=2,
     target_effective_batch_size=6,
     activation_checkpointing=True,
     save_model=True,
     user_id=123,
     amp={"growth_interval": 3, "hysteresis": 2, "keep_fp32": ["lm_head", "*.ln_*"], "min_scale": 1},
-)
+).model_copy(update={"epochs": 2})
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
@@ -152,9 +152,10 @@ def test_command_line_holds_only_the_fixed_flags():
     assert all(w in options for w in again[4:] if w.startswith("--"))
 
 
-def test_recommend_command_uses_tune_options():
+def test_recommend_command_uses_tune_options(tmp_path):
     spec = RecommendSpec(precisions="fp32,bf16").model_dump()
-    cmd = command_for({"kind": "recommend", "spec": spec, "run_dir": "/d", "resumes": 0})
+    # the run's directory exists when its command runs (tune checks where --out goes first)
+    cmd = command_for({"kind": "recommend", "spec": spec, "run_dir": str(tmp_path), "resumes": 0})
     assert cmd[3] == "tune"
     args = _subparser("tune").parse_args(cmd[4:])
     assert (args.model, args.size, args.precisions, args.batch_size) == (

@@ -302,3 +302,87 @@ def test_the_ui_is_inside_the_apis_rate_limit_and_body_cap(client):
     r = client.post("/ui/launch", data={"csrf": csrf, "name": "x" * (cap + 1)}, headers=origin)
     assert r.status_code == 413 and str(cap) in r.json()["detail"]
     assert client.app.state.store.list() == []
+
+
+def test_compare_page_with_a_recommend_run_says_why(client):
+    """The compare page with a ``recommend`` run among the ids was a 500 (the API's KeyError);
+    now the API's 422, shown on the page, and the runs' differences beside the table."""
+    _sign_in(client)
+    store = client.app.state.store
+    trained = {"final_loss": 2.0, "ms_per_step": 1.0, "samples_per_s": 10.0, "skipped_steps": 0}
+    for rid, model in (("a", "mlp"), ("b", "gpt")):
+        store.create(rid, "alice", "train", {"model": model, "size": "tiny"}, f"/nonexistent/{rid}")
+        store.update(rid, status="succeeded", summary={**trained, "precision": "bf16"})
+    store.create("rec", "alice", "recommend", {"model": "mlp", "size": "tiny"}, "/nonexistent/rec")
+    store.update("rec", status="succeeded", summary={"recommendation": {}, "bench": []})
+    listing = client.get("/ui/runs").text  # a recommend run has no compare box to tick
+    assert 'aria-label="compare a"' in listing and 'aria-label="compare rec"' not in listing
+    page = client.get("/ui/compare?ids=a,rec")
+    assert page.status_code == 200 and "is a recommend run" in page.text, page.text[-800:]
+    page = client.get("/ui/compare?ids=a,b")
+    assert page.status_code == 200 and "differs from the baseline in: model" in page.text
+
+
+def test_launch_form_with_epochs_leaves_steps_at_its_default(client):
+    """The form shows each default in its input (steps: 100), so a browser posts it back: a run
+    of 2 epochs from the form is ``epochs`` with ``steps`` left at its default, not both given
+    (the API refuses both); a steps value typed with the epochs is refused as the API does."""
+    csrf = _sign_in(client)
+    form = client.get("/ui/launch").text
+    assert 'id="in-steps" name="steps" value="100"' in form
+    origin = {"Origin": "http://127.0.0.1"}
+    r = client.post(
+        "/ui/launch", data={"csrf": csrf, "steps": "100", "epochs": "2"}, headers=origin
+    )
+    assert r.status_code == 303, r.text[-600:]
+    (run,) = client.app.state.store.list()
+    assert run["spec"]["epochs"] == 2
+    r = client.post("/ui/launch", data={"csrf": csrf, "steps": "3", "epochs": "2"}, headers=origin)
+    assert r.status_code == 422 and "both say how long to train" in r.text
+
+
+def test_a_finished_recommend_run_page_shows_its_recommendation_as_a_table(client):
+    """A recommend run's page drew five empty training plots and its summary as Python reprs
+    (``{'precision': 'fp32', 'step_ms': 0.698...}``); now the recommendation and a row per
+    precision measured, with why each other one was not chosen."""
+    _sign_in(client)
+    store = client.app.state.store
+    rec = {
+        "precision": "fp32",
+        "speedup_vs_fp32": 1.0,
+        "loss_gap": 0.0,
+        "tolerance": 0.01,
+        "why_not": {"bf16": "slower: 1.41 ms/step vs 0.70 ms/step for fp32"},
+        "timed": "whole training step, 1 thread, 2 repeats",
+    }
+    row = {"status": "ok", "reason": "", "skipped_steps": 0, "bytes_per_param": 12.0}
+    bench = {
+        "results": [
+            {
+                **row,
+                "precision": "fp32",
+                "step_ms": 0.7,
+                "speedup_vs_fp32": 1.0,
+                "final_loss": 2.3,
+                "loss_gap": 0.0,
+            },
+            {
+                **row,
+                "precision": "bf16",
+                "step_ms": 1.41,
+                "speedup_vs_fp32": 0.49,
+                "final_loss": 2.3,
+                "loss_gap": -8e-6,
+            },
+            {"precision": "fp8", "status": "skipped", "reason": "needs an NVIDIA GPU"},
+        ]
+    }
+    store.create("rec", "alice", "recommend", {"model": "mlp", "size": "tiny"}, "/nonexistent/rec")
+    store.update("rec", status="succeeded", summary={"recommendation": rec, "bench": bench})
+    page = client.get("/ui/runs/rec").text
+    assert 'id="plots"' not in page and "{&#39;precision&#39;" not in page, page[-1500:]
+    assert 'id="recommendation"' in page and "<strong>fp32</strong>" in page
+    table = page.split('id="bench"', 1)[1].split("</table>", 1)[0]
+    assert table.count("<tr") == 4  # the header and one row per precision measured
+    assert "slower: 1.41 ms/step vs 0.70 ms/step for fp32" in table
+    assert "needs an NVIDIA GPU" in table

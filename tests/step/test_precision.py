@@ -189,6 +189,23 @@ def test_cuda_requested_without_cuda():
         resolve_precision("bf16", "cuda")
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the error when MPS is absent")
+def test_mps_requested_without_mps(capsys):
+    """``ampkit info --device mps`` on a machine without MPS described it as runnable ('auto ->
+    fp16: Apple GPUs run fp16 natively'), and ``ampkit train --device mps`` ended in a traceback
+    ('PyTorch is not linked with support for mps devices')."""
+    from ampkit.cli import main
+
+    with pytest.raises(ValueError, match="MPS is not available here"):
+        resolve_precision("bf16", "mps")
+    assert main(["info", "--device", "mps", "--no_measure"]) == 2
+    assert "MPS is not available here" in capsys.readouterr().err
+    assert (
+        main(["train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--device", "mps"]) == 2
+    )
+    assert "MPS is not available here" in capsys.readouterr().err
+
+
 def test_one_list_of_names_each_with_a_family():
     from ampkit.step.precision import NAMES, precision_dtypes
 

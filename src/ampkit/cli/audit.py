@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
 from rich.markup import escape
 
 from ..step.hardware import normalize_device
+from ..step.precision import PrecisionError
 from .common import flag, model_and_data, positive_int, seed_int, wide_console
 from .flags import model_flags, precision_help
 from .invocation import Invocation
@@ -24,7 +26,10 @@ def cmd_audit(inv: Invocation) -> int:
     model.to(device)
     batch = batches(0)
     inputs = batch if isinstance(batch, (tuple, list, dict)) else (batch,)
-    report = audit(model, inputs, args.precision)
+    try:
+        report = audit(model, inputs, args.precision)
+    except PrecisionError as e:  # audit has no fp8 emulation: leave out the hint to one
+        raise PrecisionError(re.sub(r" \(or fp8_emulate=True[^)]*\)", "", str(e))) from None
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0

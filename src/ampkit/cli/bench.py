@@ -15,6 +15,7 @@ from .common import (
     flag,
     model_and_data,
     model_label,
+    output_file,
     positive_float,
     positive_int,
     seed_int,
@@ -60,8 +61,7 @@ def cmd_bench(inv: Invocation) -> int:
     args = inv.args
     report = _bench_report(args)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+        tomlio.write(args.json, json.dumps(report.to_dict(), indent=2))  # atomically
     if args.plot:
         report.plot(args.plot)
     console = wide_console()
@@ -160,10 +160,18 @@ def add_parser(sub: Any) -> None:
             help="let fp8 run without fp8 tensor cores (torchao emulation)",
         )
         if cmd == "bench":
-            flag(p, "json", default=None, metavar="FILE", help="also write the results as JSON")
+            flag(
+                p,
+                "json",
+                type=output_file,
+                default=None,
+                metavar="FILE",
+                help="also write the results as JSON",
+            )
             flag(
                 p,
                 "plot",
+                type=output_file,
                 default=None,
                 metavar="FILE.png",
                 help="speed-up and memory bars, loss curves",
@@ -177,7 +185,13 @@ def add_parser(sub: Any) -> None:
                 default=0.01,
                 help="allowed final-loss gap to fp32, as a fraction of the fp32 loss (default: 0.01)",
             )
-            flag(p, "out", default="ampkit-tune.toml", help="where to write the recommended config")
+            flag(
+                p,
+                "out",
+                type=output_file,
+                default="ampkit-tune.toml",
+                help="where to write the recommended config",
+            )
             flag(
                 p,
                 "json",

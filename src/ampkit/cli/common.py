@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -75,6 +76,25 @@ def bounded(
 
     parse.__name__ = name or kind.__name__  # messages name the type ("is not a valid positive_int")
     return parse
+
+
+def output_file(text: str) -> str:
+    """An argparse type for a file a command writes when it is done (``--json``, ``--plot``,
+    ``--out``): its directory must exist and the path must not be a directory, checked before any
+    work, so that a typo never costs a whole measurement."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a directory; give a file name in it, e.g. {os.path.join(text, 'out')}"
+        )
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the directory {os.path.dirname(text) or parent!r} does not exist "
+            "(create it first, or give another path)"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent!r} is not writable")
+    return text
 
 
 def _integral_exponent(text: str) -> Optional[int]:

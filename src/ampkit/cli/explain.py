@@ -10,6 +10,7 @@ import torch
 from ..loop.steps import Steps
 from ..step.engine import MixedPrecision
 from ..step.hardware import normalize_device
+from ..step.precision import PrecisionError
 from .common import flag, model_and_data, positive_int, seed_int
 from .flags import model_flags, precision_help
 from .invocation import Invocation
@@ -23,9 +24,16 @@ def explain(args: Any) -> tuple[MixedPrecision, list[dict[str, Any]]]:
     device = normalize_device(args.device)
     model, batches = model_and_data(args, device)
     keep = tuple(k for k in (args.keep_fp32 or "").split(",") if k.strip())
-    amp = MixedPrecision(
-        args.precision, device=device, accumulation_steps=args.accumulation_steps, keep_fp32=keep
-    )
+    try:
+        amp = MixedPrecision(
+            args.precision,
+            device=device,
+            accumulation_steps=args.accumulation_steps,
+            keep_fp32=keep,
+            **({"fp8_emulate": True} if args.fp8_emulate else {}),
+        )
+    except PrecisionError as e:  # the library's spelling of the way out, as the flag
+        raise PrecisionError(str(e).replace("fp8_emulate=True", "--fp8_emulate")) from None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type in ("cuda", "cpu"))
     model, optimizer = amp.setup(model, optimizer)
     run = Steps(model, optimizer, amp)
@@ -84,6 +92,12 @@ def add_parser(sub: Any) -> None:
         "all",
         action="store_true",
         help="one row per parameter (default: a module's agreeing rows merged)",
+    )
+    flag(
+        p,
+        "fp8_emulate",
+        action="store_true",
+        help="let fp8 run without fp8 tensor cores (torchao emulation): see its Linears converted",
     )
     flag(p, "json", action="store_true", help="print the manifest and the violations as JSON")
     p.set_defaults(func=cmd_explain)

@@ -11,13 +11,8 @@ def cmd_export(inv: Invocation) -> int:
     args = inv.args
     import os
 
-    from ..loop.checkpoint import CheckpointError, export_single_file
+    from ..loop.checkpoint import export_single_file
 
-    if not os.path.isdir(args.source):
-        raise CheckpointError(
-            f"{args.source!r} is not a directory: pass one sharded checkpoint directory, "
-            "e.g. runs/ckpt/ckpt-00000100"
-        )
     path = export_single_file(args.source, args.out)
     print(
         f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB): loads with torch.load(weights_only=True); "

@@ -24,7 +24,7 @@ from ..step.precision import (
     PrecisionError,
     opt_level_form,
 )
-from ..step.rung import join_spec, split_spec
+from ..step.rung import join_spec, spec_list, split_spec
 from .common import data_flags, flag, positive_float, positive_int
 
 __all__ = [
@@ -75,20 +75,13 @@ def precision_help(default: str) -> str:
 
 def precision_list(text: str) -> list[str]:
     """``--precisions fp32,bf16,bf16-pure:split`` (bench, tune, plan): the names as typed, each
-    checked as ``--precision`` checks one, so a typo is refused with its "did you mean" (argparse
-    reports the ``ArgumentTypeError`` as one line naming the flag)."""
-    names = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} names no precision; give a comma-separated list, e.g. fp32,bf16"
-        )
-    for name in names:
-        try:
-            base, _ = split_spec(name)  # "bf16-pure:split": a rung of bf16-pure's memory ladder
-            canonical_precision(base)
-        except (PrecisionError, ValueError) as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return names
+    checked as ``--precision`` checks one, so a typo is refused with its "did you mean", and none
+    named twice (:func:`ampkit.step.rung.spec_list`; argparse reports the ``ArgumentTypeError`` as
+    one line naming the flag)."""
+    try:
+        return spec_list(text)
+    except (PrecisionError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def model_flags(p: argparse.ArgumentParser, *, size: str, device: bool = True) -> None:

@@ -75,10 +75,31 @@ def unknown_argument_line(who: str, extras: Sequence[str], parser: argparse.Argu
     ``extras`` (what ``parser`` did not recognise) that looks like a flag, else the first."""
     flags = [x for x in extras if x.startswith("-") and len(x) > 1]
     if not flags:
-        return f"{who}: unexpected argument {extras[0]!r} ({who} {_HELP})"
+        owner = _flag_of_value(extras[0], parser)
+        hint = f"did you mean '{owner} {extras[0]}'?" if owner else f"{who} {_HELP}"
+        return f"{who}: unexpected argument {extras[0]!r} ({hint})"
     typed = flags[0].split("=", 1)[0]
     # every long spelling the parser knows (argparse has no public list of its actions)
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else f" ({who} {_HELP})"
     return f"{who}: unknown flag {typed!r}{hint}"
+
+
+def _flag_of_value(word: str, parser: argparse.ArgumentParser) -> Optional[str]:
+    """The flag of ``parser`` that ``word`` (typed without it) is a value of: a precision, a list
+    of them, or a built-in model; None when it is none of these or the parser has no such flag."""
+    from ..models.builtin import MODELS
+    from ..step.rung import spec_list
+
+    known = {s for a in parser._actions for s in a.option_strings}
+    if word in MODELS and "--model" in known:
+        return "--model"
+    try:
+        several = len(spec_list(word)) > 1
+    except ValueError:  # PrecisionError and RungError are ValueErrors: not precisions
+        return None
+    for name in ("--precisions", "--precision") if several else ("--precision", "--precisions"):
+        if name in known:
+            return name
+    return None

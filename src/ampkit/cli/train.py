@@ -101,6 +101,11 @@ def _cmd_train(inv: Invocation) -> int:
     from rich.console import Console
 
     args = inv.args
+    if {"steps", "epochs"} <= inv.explicit and args.epochs is not None:
+        raise ValueError(
+            f"--steps {args.steps} and --epochs {args.epochs} both say how long to train "
+            "(--epochs trains whole passes over the data instead of --steps); give one"
+        )
     several = init(args.device)  # a worker of several: join the process group
     if several and args.save_model:
         raise ValueError(

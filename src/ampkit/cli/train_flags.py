@@ -29,7 +29,7 @@ def _length_and_batch_flags(p: argparse.ArgumentParser) -> None:
         "epochs",
         type=positive_int,
         default=None,
-        help="train this many epochs instead of --steps",
+        help="train this many epochs instead of --steps (not both)",
     )
     flag(
         g,

@@ -361,12 +361,45 @@ def export_single_file(directory: str, path: str) -> str:
     ``ampkit train --resume``). Returns ``path``."""
     from ..distributed import dcp
 
+    if not dcp.is_complete(directory):
+        raise CheckpointError(_not_sharded(directory))
     state = _dcp_read(
         lambda: dcp.consolidate(directory),
         f"{directory!r} could not be read as a sharded checkpoint",
     )
     state.pop("ampkit_checkpoint", None)
     return save_checkpoint(state, path)
+
+
+def _not_sharded(source: str) -> str:
+    """Why ``source`` (not a complete sharded checkpoint) cannot be exported, and what to pass."""
+    want = "export takes one sharded checkpoint directory, a multi-process run's ckpt-NNNNNNNN/"
+    if os.path.isfile(source):
+        if source.endswith(".pt"):
+            return (
+                f"{source!r} is a single-file checkpoint already (a one-process run's): it loads with "
+                "torch.load(weights_only=True) and resumes from its --checkpoint_dir as it is; "
+                f"nothing to export; {want}"
+            )
+        return f"{source!r} is a file, not a directory; {want}"
+    if not os.path.isdir(source):
+        return f"{source!r} does not exist; {want}"
+    found = list_checkpoints(source)
+    sharded = [path for _, path in found if os.path.isdir(path)]
+    if sharded:
+        return (
+            f"{source!r} holds sharded checkpoints ({len(sharded)}); pass one of them, e.g. the "
+            f"newest: {sharded[-1]}"
+        )
+    if found:
+        return (
+            f"{source!r} holds single-file checkpoints (newest: {os.path.basename(found[-1][1])}): "
+            f"each is one file already, nothing to export; {want}"
+        )
+    return (
+        f"{source!r} holds no checkpoint (a sharded one holds a .metadata file, written last: an "
+        f"unfinished one has none); {want}"
+    )
 
 
 def check_state(

@@ -206,7 +206,7 @@ def _plot_memory(plt: Any, runs: list[Run], path: str) -> None:
 _PLOTS = {"loss": _plot_loss, "scale": _plot_scale, "speed": _plot_speed, "memory": _plot_memory}
 
 
-def _markdown(runs: list[Run], pngs: list[str]) -> str:
+def _markdown(runs: list[Run], pngs: list[str], extra: Sequence[str] = ()) -> str:
     cols = [
         ("precision", "precision", "{}"),
         ("steps", "steps", "{}"),
@@ -255,7 +255,7 @@ def _markdown(runs: list[Run], pngs: list[str]) -> str:
         lines += [
             f"| {label} | {step} | {loss:.4f} |" for label, pts in evals for step, loss in pts
         ]
-    notes = [n for run in runs for n in run.notes]
+    notes = [n for run in runs for n in run.notes] + list(extra)
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     events = [
@@ -275,9 +275,10 @@ def _markdown(runs: list[Run], pngs: list[str]) -> str:
             lines.append(
                 f"- {label}, step {e['step']}: **{e['kind']}** {json.dumps(details, default=str)}"
             )
-    lines += ["", "## Plots", ""] + [
-        f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs
-    ]
+    if pngs:
+        lines += ["", "## Plots", ""] + [
+            f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -289,7 +290,9 @@ def make_report(
 ) -> dict[str, Any]:
     """Write PNG plots and ``report.md`` for ``run_dir`` (overlaid with ``compare`` runs).
 
-    Returns ``{"out_dir", "pngs", "markdown", "summaries"}``. Default ``out_dir``: ``RUN_DIR/report``.
+    Returns ``{"out_dir", "pngs", "markdown", "summaries", "evals", "notes"}``. Default ``out_dir``:
+    ``RUN_DIR/report``. Without matplotlib, ``report.md`` and the summaries are written all the same
+    and a note says how to get the plots. ``report.md`` is written beside and renamed into place.
     """
     chosen = _parse_metrics(metrics)
     runs = [load_run(run_dir)] + [load_run(p) for p in compare]
@@ -297,23 +300,29 @@ def make_report(
     for i, r in enumerate(runs):  # disambiguate identical labels
         if labels.count(r.label) > 1:
             r.label = f"{r.label} #{i + 1}"
-    plt = pyplot()
+    extra: list[str] = []
+    try:
+        plt = pyplot()
+    except ImportError as e:  # the summary needs no plots: write it, say how to get them
+        plt, extra = None, [f"no plots: {e}"]
     base = run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir) or "."
     out = out_dir or os.path.join(base, "report")
     os.makedirs(out, exist_ok=True)
     pngs = []
-    for m in chosen:
+    for m in chosen if plt is not None else ():
         path = os.path.join(out, f"{m}.png")
         _PLOTS[m](plt, runs, path)
         pngs.append(path)
     md_path = os.path.join(out, "report.md")
-    with open(md_path, "w", encoding="utf-8") as f:
-        f.write(_markdown(runs, pngs))
+    tmp = f"{md_path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:  # beside it, then renamed: whole or the old one
+        f.write(_markdown(runs, pngs, extra))
+    os.replace(tmp, md_path)
     return {
         "out_dir": out,
         "pngs": pngs,
         "markdown": md_path,
         "summaries": {r.label: r.summary for r in runs},
         "evals": {r.label: _evals(r) for r in runs},
-        "notes": [n for r in runs for n in r.notes],
+        "notes": [n for r in runs for n in r.notes] + extra,
     }

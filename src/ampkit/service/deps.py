@@ -63,6 +63,20 @@ def owner(request: Request, svc: Annotated[Service, Depends(service)]) -> str:
     return who
 
 
+def each_query_once(request: Request) -> None:
+    """A query parameter given twice is a 422 naming it (the API routers' dependency): a scalar
+    parameter keeps its last value, so ``/v1/runs?status=succeeded&status=failed`` answered the
+    failed runs alone, as if none had succeeded."""
+    keys = [k for k, _ in request.query_params.multi_items()]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice is not None:
+        raise HTTPException(
+            422,
+            f"query parameter {shown(twice)} is given {keys.count(twice)} times; give it once "
+            "(each takes one value)",
+        )
+
+
 def lookup(svc: Service, run_id: str, who: str) -> dict[str, Any]:
     """``who``'s run ``run_id`` (404 when there is none, or it is another owner's)."""
     run = svc.store.get(run_id, owner=who)

@@ -20,7 +20,7 @@ from ..plan.devices import DEVICES, GPU, parse_device, plan_budget
 from ..step.config import SCALE_RANGE, MixedPrecisionConfig, canonical_config_keys
 from ..step.hardware import normalize_device
 from ..step.precision import parse_precision
-from ..step.rung import split_spec
+from ..step.rung import spec_list, split_spec
 from .checks import MAX_INT, MAX_KEYS, Bool, Float, Int, Key, Name, OverrideValue, Text, shown
 from .runfile import SERVICE_DEFAULTS
 from .settings import MAX_SECONDS, SERVE_NUMBERS
@@ -188,7 +188,7 @@ class RunSpec(BaseModel):
         "(`--block_size`); null: the model's maximum, up to 1024",
     )
     epochs: Optional[Int] = Field(
-        None, ge=1, le=100_000, description="train this many epochs instead of `steps`"
+        None, ge=1, le=100_000, description="train this many epochs instead of `steps` (not both)"
     )
     target_effective_batch_size: Optional[Int] = Field(
         None,
@@ -250,6 +250,16 @@ class RunSpec(BaseModel):
         return _device(v)
 
     @model_validator(mode="after")
+    def _one_length(self) -> RunSpec:
+        """``steps`` and ``epochs`` both given: refused, as ``ampkit train --steps N --epochs M``."""
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError(
+                f"steps ({self.steps}) and epochs ({self.epochs}) both say how long to train "
+                "(epochs trains whole passes over the data instead of steps); give one"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _engine_config(self) -> RunSpec:
         """The engine's whole config (``amp`` with the run's precision, accumulation and initial
         scale), checked once by MixedPrecisionConfig itself: unknown keys and bad values get its
@@ -288,8 +298,10 @@ class RecommendSpec(BaseModel):
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, v: str) -> str:
-        for p in v.split(","):
-            _precision(p.strip())
+        try:
+            spec_list(v)  # each a precision, none named twice
+        except Exception as e:
+            raise ValueError(str(e) or f"precisions {shown(v)} is not valid") from None
         return v
 
     _device = field_validator("device")(_device)

@@ -180,5 +180,11 @@ def device_info(device: Union[str, torch.device, None] = None) -> DeviceInfo:
             cpu=cpu_features(),
         )
     if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(
+                f"device {str(dev)!r} was asked for, but MPS is not available here (Apple silicon "
+                f"with a torch built for it; torch {torch.__version__}); use 'cpu'"
+            )
         return DeviceInfo(type="mps", name="Apple MPS", bf16=False, fp16=True, cpu=None)
     return DeviceInfo(type=dev.type, name=dev.type, index=dev.index, bf16=False, fp16=False)

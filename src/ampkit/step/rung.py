@@ -30,6 +30,7 @@ __all__ = [
     "join_spec",
     "ladder_names",
     "ladder_specs",
+    "spec_list",
     "split_spec",
 ]
 
@@ -188,6 +189,29 @@ def split_spec(spec: Any) -> tuple[Any, Optional[Rung]]:
             f"memory ladder (write {ladders.split(', ')[0]}:{rung})"
         )
     return ("O2" if name == "o2" else name), rung
+
+
+def spec_list(text: str) -> list[str]:
+    """``"fp32,bf16,bf16-pure:split"`` (``--precisions``, a recommendation's ``precisions``): the
+    names as typed, each checked as one precision (``PrecisionError``/``RungError``, with its "did you
+    mean"). A precision named twice, in any spelling (``bf16,bfloat16``; ``bf16-pure,bf16-pure:fp32``),
+    is a ``ValueError``: each
+    row is one precision, measured or planned once."""
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not names:
+        raise ValueError(
+            f"{text!r} names no precision; give a comma-separated list, e.g. fp32,bf16"
+        )
+    seen: dict[str, str] = {}
+    for name in names:
+        base, rung = split_spec(name)  # a ladder precision alone is its plain rung (fp32 masters)
+        key = join_spec(parse_precision(base), None if rung is None or rung.plain else rung)
+        if key in seen:
+            raise ValueError(
+                f"{seen[key]!r} and {name!r} are one precision ({key}); name each precision once"
+            )
+        seen[key] = name
+    return names
 
 
 def join_spec(precision: str, rung: Optional[Rung]) -> str:

@@ -23,14 +23,23 @@ import threading
 from typing import Any, Optional
 
 import torch
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
 from ...models.hf_configs import is_hf
 from ...step.config import MixedPrecisionConfig
 from ...step.precision import REFERENCE, Precision, resolve_precision
 from ..checks import check_overrides
-from ..deps import OwnedRun, Owner, Svc, allowed_model, check_size, lookup, submit
+from ..deps import (
+    OwnedRun,
+    Owner,
+    Svc,
+    allowed_model,
+    check_size,
+    each_query_once,
+    lookup,
+    submit,
+)
 from ..jobs import jobs
 from ..limits import limit
 from ..planner import compute_plan, plan_key, savings_gb
@@ -47,7 +56,7 @@ from ..schemas import (
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/finetuning")
+router = APIRouter(prefix="/finetuning", dependencies=[Depends(each_query_once)])
 
 
 def _resolve(name: str, device: str) -> Precision:
@@ -268,13 +277,19 @@ def stats(
     """`run_id`, `status`, `precision`, `enabled`, `scaler_scale`, `memory_savings_gb`,
     `overflow_count` (overflow events), `underflow_count` (logged steps whose gradient norm was
     exactly 0), `skipped_steps`, `logged_steps`. With no run yet: `run_id` null, the stored
-    setup's `enabled` and `scaler_scale`, zero counts."""
+    setup's `enabled` and `scaler_scale`, zero counts. A `recommend` run's id is a 422."""
     if run_id is None:
         run = next(
             (r for r in svc.store.list(owner=who, limit=1_000) if r["kind"] == "train"), None
         )
     else:
         run = lookup(svc, run_id, who)
+        if run["kind"] != "train":
+            raise HTTPException(
+                422,
+                f"run {run_id!r} is a {run['kind']} run: these stats are a training run's "
+                f"(its answer, GET /v1/runs/{run_id}, has the measurements)",
+            )
     if run is None:  # no run yet: the settings, nothing counted
         saved = (svc.store.get_setting(who, "mixed_precision") or {}).get("resolved")
         return {

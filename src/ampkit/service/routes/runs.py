@@ -8,11 +8,11 @@ import os
 import sqlite3
 from typing import Any, Optional
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 
 from ... import __version__
 from ..checks import shown
-from ..deps import OwnedRun, Owner, Svc, lookup, submit
+from ..deps import OwnedRun, Owner, Svc, each_query_once, lookup, submit
 from ..gpu import gpu_status
 from ..limits import limit
 from ..runner import read_log
@@ -21,7 +21,7 @@ from ..store import STATUSES
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(each_query_once)])  # a parameter twice: 422
 
 
 @router.get("/health")
@@ -171,18 +171,34 @@ def compare(
     who: Owner,
     svc: Svc,
 ) -> dict[str, Any]:
-    """Runs that succeeded, compared with the first: `{"baseline": "A", "runs": [{"id",
+    """Train runs that succeeded, compared with the first: `{"baseline": "A", "runs": [{"id",
     "precision", "final_loss", "loss_gap", "ms_per_step", "speedup", "samples_per_s",
-    "peak_mem_bytes", "memory_ratio", "skipped_steps"}, ...]}` (`loss_gap` = final loss - the
-    baseline's; `speedup` = the baseline's ms/step / this one's; `memory_ratio` = peak / the
-    baseline's peak). 422 with fewer than two ids, 409 if one has no summary."""
+    "peak_mem_bytes", "memory_ratio", "skipped_steps", "differs"}, ...]}` (`loss_gap` = final loss
+    - the baseline's; `speedup` = the baseline's ms/step / this one's; `memory_ratio` = peak / the
+    baseline's peak; `differs`: the settings other than the precision in which the run is not the
+    baseline's, e.g. `["batch_size", "model"]`, where the gaps are not the precision's alone). 422
+    with fewer than two ids, an id given twice or a `recommend` run; 409 if one has not succeeded."""
     wanted = [i for i in ids.split(",") if i]
     if len(wanted) < 2:
         raise HTTPException(422, "compare needs at least two run ids: ids=a,b[,c...]")
+    twice = sorted({i for i in wanted if wanted.count(i) > 1})
+    if twice:
+        raise HTTPException(
+            422, f"run {twice[0]!r} is named twice; compare takes each run once: ids=a,b[,c...]"
+        )
     runs = [lookup(svc, i, who) for i in wanted]
-    missing = [r["id"] for r in runs if not r.get("summary")]
+    other = [r["id"] for r in runs if r["kind"] != "train"]
+    if other:
+        raise HTTPException(
+            422,
+            f"run {other[0]!r} is a {runs[wanted.index(other[0])]['kind']} run: compare takes "
+            "train runs (a recommendation's own answer compares its precisions)",
+        )
+    missing = [f"{r['id']} ({r['status']})" for r in runs if r["status"] != "succeeded"]
     if missing:
-        raise HTTPException(409, f"run(s) {', '.join(missing)} have no summary yet (not succeeded)")
+        raise HTTPException(
+            409, f"run(s) {', '.join(missing)} have not succeeded: compare takes finished runs"
+        )
     base = runs[0]["summary"]
     rows = []
     for r in runs:
@@ -199,9 +215,29 @@ def compare(
                 "peak_mem_bytes": s.get("peak_mem_bytes"),
                 "memory_ratio": _div(s.get("peak_mem_bytes"), base.get("peak_mem_bytes")),
                 "skipped_steps": s["skipped_steps"],
+                "differs": _differs(r["spec"], runs[0]["spec"]),
             }
         )
     return {"baseline": runs[0]["id"], "runs": rows}
+
+
+# What a compared run may change without its gaps being more than the precision's: the precision and
+# its scaling, and what does not touch the training (a label, the time limit, the cadences).
+_PRECISION_ONLY = {
+    "precision",
+    "init_scale",
+    "amp",
+    "user_id",
+    "max_seconds",
+    "checkpoint_every",
+    "log_every",
+}
+
+
+def _differs(spec: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    """The settings of ``spec`` other than the precision's that are not ``base``'s, sorted."""
+    keys = (set(spec) | set(base)) - _PRECISION_ONLY
+    return sorted(k for k in keys if spec.get(k) != base.get(k))
 
 
 @router.post("/v1/recommend", status_code=201)

@@ -5,7 +5,8 @@ The body is then validated by the API's own model (``RunSpec``, ``OptimizeBody``
 checked exactly as a request is and shows the same messages: a number field sends the number it
 holds (``"12"`` -> ``12``; ``"twelve"`` stays a string, which the model refuses as the API would),
 a checkbox a boolean, a JSON field its parsed value, a list one item per line; an empty input is
-left out (the model's default).
+left out (the model's default), and so is one left at the default it showed (the same value:
+steps 100 beside a typed epochs is epochs alone, as a client that gave only epochs).
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def body(model: type[BaseModel], values: dict[str, str]) -> dict[str, Any]:
         if f.kind == "checkbox":
             out[f.name] = raw is not None
             continue
-        if raw is None or not raw.strip():
-            continue
+        if raw is None or not raw.strip() or raw.strip() == f.default:
+            continue  # empty, or the default the form showed: the model's default, not a choice
         if f.kind in ("number", "auto", "json"):
             try:
                 value = json.loads(raw)
