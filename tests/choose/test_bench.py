@@ -253,3 +253,12 @@ def test_fp8_where_it_runs_is_timed_with_no_activation_figure():
     assert fp8.status == bf16.status == "ok", fp8.reason
     assert fp8.activation_bytes is None and bf16.activation_bytes > 0
     assert fp8.step_ms > 0 and math.isfinite(fp8.final_loss)
+
+
+@pytest.mark.parametrize(
+    "names", [["fp32", "fp32"], ["bf16", "bfloat16"], ["bf16-pure", "bf16-pure:fp32"]]
+)
+def test_compare_refuses_a_precision_named_twice(names):
+    """As the CLI's --precisions: each row is one precision, not silently one row for two names."""
+    with pytest.raises(ValueError, match="one precision"):
+        compare(lambda: None, lambda i: None, precisions=names)

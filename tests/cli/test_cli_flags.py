@@ -426,3 +426,15 @@ def test_weight_decay_flag_reaches_train_and_is_checked(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--weight-decay", "-0.1"])
     assert "-0.1 must be >= 0 and at most 1" in capsys.readouterr().err
+
+
+def test_data_that_is_no_file_is_one_clear_line(capsys, tmp_path):
+    """``--data`` naming no file: the value, why, what to give -- not a raw ``[Errno 2]``."""
+    from ampkit.cli import main
+
+    missing = str(tmp_path / "nonexist.txt")
+    assert (
+        main(["train", "--model", "gpt", "--size", "tiny", "--steps", "1", "--data", missing]) != 0
+    )
+    err = capsys.readouterr().err
+    assert "no such file" in err and "nonexist.txt" in err and "Errno" not in err

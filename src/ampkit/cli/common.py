@@ -246,6 +246,11 @@ def text_data(
     """Byte-level text batches: the stdlib corpus, a ``.txt`` file, or ``.json``/``.jsonl`` texts."""
     from ..models.data import TextBatches, TextSamples, load_texts
 
+    if path is not None and not os.path.isfile(path):
+        raise ValueError(
+            f"--data {path!r}: no such file; give a .txt corpus, or texts as .json (a list of "
+            "strings) or .jsonl"
+        )
     if path is None or path.endswith(".txt"):
         return TextBatches(batch_size=batch, block_size=block, seed=seed, device=device, path=path)
     if path.endswith((".json", ".jsonl")):

@@ -116,8 +116,21 @@ def _plot_loss(plt: Any, runs: list[Run], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
+
+
+def _save(fig: Any, path: str) -> None:
+    """``fig`` as the image ``path`` names, written atomically (a temporary file, then renamed): a
+    report stopped halfway leaves the previous image or none, never a cut one."""
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.{os.getpid()}.tmp{ext}"  # (the extension tells matplotlib the format)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _evals(run: Run) -> list[tuple[int, float]]:
@@ -170,7 +183,7 @@ def _plot_scale(plt: Any, runs: list[Run], path: str) -> None:
     if any_scale:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -186,7 +199,7 @@ def _plot_speed(plt: Any, runs: list[Run], path: str) -> None:
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -199,7 +212,7 @@ def _plot_memory(plt: Any, runs: list[Run], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
 
 

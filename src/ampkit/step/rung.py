@@ -30,6 +30,7 @@ __all__ = [
     "join_spec",
     "ladder_names",
     "ladder_specs",
+    "spec_key",
     "spec_list",
     "split_spec",
 ]
@@ -204,14 +205,21 @@ def spec_list(text: str) -> list[str]:
         )
     seen: dict[str, str] = {}
     for name in names:
-        base, rung = split_spec(name)  # a ladder precision alone is its plain rung (fp32 masters)
-        key = join_spec(parse_precision(base), None if rung is None or rung.plain else rung)
+        key = spec_key(name)
         if key in seen:
             raise ValueError(
                 f"{seen[key]!r} and {name!r} are one precision ({key}); name each precision once"
             )
         seen[key] = name
     return names
+
+
+def spec_key(name: str) -> str:
+    """The one precision ``name`` is, whatever its spelling (``bfloat16`` -> ``bf16``; a ladder
+    precision alone is its plain rung: ``bf16-pure:fp32`` -> ``bf16-pure``). Raises as
+    :func:`split_spec` for a name that is no precision."""
+    base, rung = split_spec(name)
+    return join_spec(parse_precision(base), None if rung is None or rung.plain else rung)
 
 
 def join_spec(precision: str, rung: Optional[Rung]) -> str:
