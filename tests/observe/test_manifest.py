@@ -3,6 +3,7 @@ entries read from the live tensors, each injected downgrade reported, clean runs
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -177,6 +178,24 @@ def test_explain_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "storage" in out and "bfloat16" in out and "float32" in out
     assert "no silent downgrade" in out
+    assert "precision bf16-pure, parallel none" in out  # fp32 masters: the plain rung, no suffix
+
+
+def test_explain_names_the_rung_that_runs(capsys):
+    """The header names the memory-ladder rung, as train's header and the run directory do."""
+    argv = [
+        "explain",
+        "--precision",
+        "bf16-pure:stochastic+bf16",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+    ]
+    assert main(argv) == 0
+    assert "precision bf16-pure:stochastic+bf16, parallel none" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rung"] == "stochastic+bf16"
 
 
 def test_config_knob_is_validated():

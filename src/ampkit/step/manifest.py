@@ -91,6 +91,8 @@ class Manifest:
     accumulation_steps: int
     loss_scaling: dict[str, Any]
     params: tuple[ParamEntry, ...] = field(default_factory=tuple)
+    #: the memory-ladder rung when not the plain one (``"stochastic+bf16"``), for the header
+    rung: Optional[str] = None
 
     def modules(self) -> dict[str, list[ParamEntry]]:
         """The entries grouped by module (qualified name; ``""`` is the model itself), in model order."""
@@ -116,6 +118,7 @@ class Manifest:
             "accumulation_steps": self.accumulation_steps,
             "loss_scaling": dict(self.loss_scaling),
             "params": [asdict(e) for e in self.params],
+            "rung": self.rung,
         }
 
     @classmethod
@@ -126,6 +129,7 @@ class Manifest:
             int(d.get("accumulation_steps", 1)),
             dict(d.get("loss_scaling", {})),
             tuple(ParamEntry.from_dict(p) for p in d.get("params", [])),
+            d.get("rung"),
         )
 
     def table(self, *, collapse: bool = True) -> str:
@@ -160,7 +164,8 @@ class Manifest:
             + (" (non-finite steps skipped)" if ls.get("skips_nonfinite") else "")
         )
         out.append(
-            f"precision {self.precision}, parallel {self.parallel}, "
+            f"precision {self.precision}{':' + self.rung if self.rung else ''}, "
+            f"parallel {self.parallel}, "
             f"accumulation_steps {self.accumulation_steps}"
         )
         return "\n".join(out)
@@ -238,8 +243,14 @@ def build_manifest(amp: Any, *, read_scale: bool = False) -> Manifest:
         "skips_nonfinite": scaler.is_enabled(),
         "scale": scaler.get_scale() if read_scale and precision.needs_scaler else None,
     }
+    rung = amp.config.rung
     return Manifest(
-        precision.name, parallel, amp.config.accumulation_steps, scaling, tuple(entries)
+        precision.name,
+        parallel,
+        amp.config.accumulation_steps,
+        scaling,
+        tuple(entries),
+        None if rung.plain or not precision.row.has_ladder else str(rung),
     )
 
 
