@@ -35,7 +35,7 @@ from ..observe.memory import activations, breakdown
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.precision import REFERENCE, REGISTRY, Precision, PrecisionError, resolve_precision
-from ..step.rung import join_spec, ladder_specs, spec_key, split_spec
+from ..step.rung import join_spec, ladder_specs, named_twice, split_spec
 from .speed import paired_ratio, within_noise
 
 __all__ = ["BenchReport", "BenchResult", "RUNGS", "compare", "with_rungs"]
@@ -238,25 +238,6 @@ class _Run:
         self.losses += means
 
 
-def _named_once(precisions: Sequence[Any]) -> None:
-    """Refuse a precision named twice in any spelling (``fp32,fp32``; ``bf16,bfloat16``), as the
-    CLI's ``--precisions`` does (:func:`ampkit.step.rung.spec_list`); a name that is no precision is
-    left to its row, which says why."""
-    seen: dict[str, Any] = {}
-    for name in precisions:
-        try:
-            key = spec_key(name) if isinstance(name, str) else None
-        except ValueError:
-            continue
-        if key is None:
-            continue
-        if key in seen:
-            raise ValueError(
-                f"precisions: {seen[key]!r} and {name!r} are one precision ({key}); name each once"
-            )
-        seen[key] = name
-
-
 def compare(
     model_factory: Callable[[], torch.nn.Module],
     batch_factory: Any,
@@ -295,7 +276,9 @@ def compare(
     dev = normalize_device(device)
     info = device_info(dev)
     batch_factory = IndexedBatches.of(batch_factory)
-    _named_once(precisions or ())
+    twice = named_twice(precisions or (), skip_invalid=True)  # (a bad name: its row says why)
+    if twice is not None:
+        raise ValueError(f"precisions: {twice}")
     wanted = list(dict.fromkeys(["fp32", *(precisions or DEFAULT_PRECISIONS)]))
     results: dict[str, BenchResult] = {}
     runs: dict[str, _Run] = {}

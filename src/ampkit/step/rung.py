@@ -15,6 +15,7 @@ are the same value in two fields (:meth:`Rung.of`). What each rung does is in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, get_args
 
@@ -30,6 +31,7 @@ __all__ = [
     "join_spec",
     "ladder_names",
     "ladder_specs",
+    "named_twice",
     "spec_key",
     "spec_list",
     "split_spec",
@@ -203,15 +205,30 @@ def spec_list(text: str) -> list[str]:
         raise ValueError(
             f"{text!r} names no precision; give a comma-separated list, e.g. fp32,bf16"
         )
-    seen: dict[str, str] = {}
-    for name in names:
-        key = spec_key(name)
-        if key in seen:
-            raise ValueError(
-                f"{seen[key]!r} and {name!r} are one precision ({key}); name each precision once"
-            )
-        seen[key] = name
+    twice = named_twice(names)
+    if twice is not None:
+        raise ValueError(twice)
     return names
+
+
+def named_twice(names: Sequence[Any], skip_invalid: bool = False) -> Optional[str]:
+    """Why ``names`` name one precision twice in any spelling (``bf16,bfloat16``;
+    ``bf16-pure,bf16-pure:fp32``), or None. A name that is no precision raises as :func:`spec_key`
+    (``skip_invalid``: it is passed over, left to whoever reports it)."""
+    seen: dict[str, Any] = {}
+    for name in names:
+        try:
+            key = spec_key(name) if isinstance(name, str) else None
+        except ValueError:
+            if not skip_invalid:
+                raise
+            key = None
+        if key is None:
+            continue
+        if key in seen:
+            return f"{seen[key]!r} and {name!r} are one precision ({key}); name each precision once"
+        seen[key] = name
+    return None
 
 
 def spec_key(name: str) -> str:

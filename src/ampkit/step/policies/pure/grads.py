@@ -123,9 +123,10 @@ class KeptGrads:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
+        kept = {id(self.masters[i].grad) for i in self.held}  # multiplied later, when widened
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:  # grouped as torch groups the fp32 upcasts
-            key = (g.device, torch.float32 if g.dtype == torch.bfloat16 else g.dtype)
+            key = (g.device, torch.float32 if id(g) in kept else g.dtype)
             groups.setdefault(key, []).append(g)
         norms: list[torch.Tensor] = []
         for (device, _), gs in groups.items():
@@ -137,12 +138,13 @@ class KeptGrads:
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
         clamped = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for (device, _), gs in groups.items():
-            plain = [g for g in gs if g.dtype != torch.bfloat16]
+            plain = [g for g in gs if id(g) not in kept]
+            coef = clamped.to(device)
             if plain and _has_foreach_support(plain, device):
-                torch._foreach_mul_(plain, clamped.to(device))
+                torch._foreach_mul_(plain, coef)
             else:
                 for g in plain:
-                    g.mul_(clamped.to(device))
+                    g.mul_(coef)
         self.coef = clamped
         self.clipped = {self._index[id(p)] for p in params if id(p) in self._index}
         return total
