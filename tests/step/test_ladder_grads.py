@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -38,6 +39,17 @@ OPTIMIZERS = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
 }
+
+
+def engine(
+    make: Callable[[Any], torch.optim.Optimizer], **config: Any
+) -> tuple[MixedPrecision, torch.nn.Module, torch.optim.Optimizer]:
+    """``Net`` (seed 0) and the optimizer ``make`` builds, set up under ``bf16-pure`` with ``config``."""
+    torch.manual_seed(0)
+    model = Net()
+    amp = MixedPrecision("bf16-pure", **config)
+    model, o = amp.setup(model, make(model.parameters()))
+    return amp, model, o
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -127,11 +139,11 @@ def test_the_clipped_norm_is_the_one_clipping_fp32_gradients_reports(monkeypatch
     norms = {}
     for half in (True, False):
         monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
-        torch.manual_seed(0)
-        model = Net()
-        o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        amp = MixedPrecision("bf16-pure", masters="kahan", clip_grad_norm=0.1)
-        model, o = amp.setup(model, o)
+        amp, model, o = engine(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+            masters="kahan",
+            clip_grad_norm=0.1,
+        )
         norms[half] = []
         for x, y in batches(3):
             with amp.autocast():
@@ -151,11 +163,9 @@ def test_accumulation_sums_the_gradients_in_fp32(monkeypatch):
 
 def test_zero_grad_false_keeps_fp32_gradients_after_the_step(monkeypatch):
     monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
-    torch.manual_seed(0)
-    model, o = Net(), None
-    o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    amp = MixedPrecision("bf16-pure", masters="stochastic")
-    model, o = amp.setup(model, o)
+    amp, model, o = engine(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), masters="stochastic"
+    )
     ((x, y),) = batches(1)
     with amp.autocast():
         amp.backward(model(x, y))
@@ -180,11 +190,7 @@ def test_stand_ins_are_fp32_between_steps_and_after_a_discarded_window(monkeypat
 
 def test_integrations_read_fp32_gradients(monkeypatch):
     monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
-    torch.manual_seed(0)
-    model = Net()
-    o = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    amp = MixedPrecision("bf16-pure", masters="kahan")
-    model, o = amp.setup(model, o)
+    amp, model, o = engine(lambda ps: torch.optim.AdamW(ps, lr=1e-2), masters="kahan")
     ((x, y),) = batches(1)
     with amp.autocast():
         amp.backward(model(x, y))
@@ -200,11 +206,11 @@ def test_the_gradients_cost_two_bytes_per_parameter(monkeypatch):
     got = {}
     for half in (True, False):
         monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
-        torch.manual_seed(0)
-        model = Net()
-        o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        amp = MixedPrecision("bf16-pure", masters="stochastic", state_dtype="bf16")
-        model, o = amp.setup(model, o)
+        amp, model, o = engine(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+            masters="stochastic",
+            state_dtype="bf16",
+        )
         ((x, y),) = batches(1)
         with amp.autocast():
             amp.backward(model(x, y))
@@ -218,11 +224,7 @@ def test_a_gradient_changed_by_hand_in_bf16_is_warned_about(monkeypatch):
     """A ported loop that clips the optimizer's gradients itself would clip bf16 values here: the
     engine says so (once) instead of stepping a silently different run without a word."""
     monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
-    torch.manual_seed(0)
-    model = Net()
-    o = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    amp = MixedPrecision("bf16-pure", masters="stochastic")
-    model, o = amp.setup(model, o)
+    amp, model, o = engine(lambda ps: torch.optim.AdamW(ps, lr=1e-2), masters="stochastic")
     (x, y), (x2, y2) = batches(2)
     with amp.autocast():
         amp.backward(model(x, y))

@@ -11,7 +11,7 @@ import torch
 from ampkit import MixedPrecision
 from ampkit.step.policies.pure import grads as kept_grads
 
-from .test_ladder_grads import Net, batches, same, states_of
+from .test_ladder_grads import Net, batches, engine, same, states_of
 
 
 def _grads(amp: MixedPrecision) -> list[torch.Tensor]:
@@ -104,11 +104,12 @@ def test_optimizer_state_loaded_between_backward_and_step(monkeypatch, states):
     out = {}
     for half in (True, False):
         monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
-        torch.manual_seed(0)
-        model = Net()
-        o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        amp = MixedPrecision("bf16-pure", masters="split", state_dtype=states, ladder_scratch_mib=1)
-        model, o = amp.setup(model, o)
+        amp, model, o = engine(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+            masters="split",
+            state_dtype=states,
+            ladder_scratch_mib=1,
+        )
         (x0, y0), (x1, y1), (x2, y2) = batches(3)
         with amp.autocast():
             amp.backward(model(x0, y0))
@@ -130,11 +131,7 @@ def test_a_kept_gradient_replaced_by_hand_is_warned_about(monkeypatch):
     """``p.grad = p.grad / 3`` on the optimizer's parameters computes in bf16 there (in fp32 with
     fp32 gradients), as an in-place change does: warned about the same way."""
     monkeypatch.setattr(kept_grads, "HALF_GRADS", True)
-    torch.manual_seed(0)
-    model = Net()
-    o = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    amp = MixedPrecision("bf16-pure", masters="split")
-    model, o = amp.setup(model, o)
+    amp, model, o = engine(lambda ps: torch.optim.AdamW(ps, lr=1e-2), masters="split")
     ((x, y),) = batches(1)
     with amp.autocast():
         amp.backward(model(x, y))
@@ -151,11 +148,11 @@ def test_fp32_gradients_of_bf16_parameters_are_summed_as_before(monkeypatch):
     out = {}
     for half in (True, False):
         monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
-        torch.manual_seed(0)
-        model = Net()
-        o = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        amp = MixedPrecision("bf16-pure", masters="kahan", ladder_scratch_mib=1)
-        model, o = amp.setup(model, o)
+        amp, model, o = engine(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+            masters="kahan",
+            ladder_scratch_mib=1,
+        )
         model.a.weight.grad_dtype = torch.float32
         for x, y in batches(2):
             with amp.autocast():
@@ -186,11 +183,7 @@ def test_a_clip_with_no_kept_gradient_leaves_no_coefficient_behind(monkeypatch):
     out = {}
     for half in (True, False):
         monkeypatch.setattr(kept_grads, "HALF_GRADS", half)
-        torch.manual_seed(0)
-        model = Net()
-        o = torch.optim.SGD(model.parameters(), lr=0.1)
-        amp = MixedPrecision("bf16-pure", masters="split")
-        model, o = amp.setup(model, o)
+        amp, model, o = engine(lambda ps: torch.optim.SGD(ps, lr=0.1), masters="split")
         for (x, y), kw in zip(
             batches(4), [{"zero_grad": False}, {"clip_grad_norm": 1e-3}, {}, {"zero_grad": False}]
         ):
