@@ -249,10 +249,14 @@ static int nonfinite_part(const void *x, int32_t w, int64_t i, int64_t m) {
     }
 }
 
-/* k tensors: x[s] holds n[s] elements of width[s]. With nt > 1 threads (and at least GRAIN elements
-   in all) the n[0] + ... + n[k-1] elements are cut into one slice per thread, as the ladder kernels
-   are; each thread stops at its own slice's first non-finite block. */
-int ampkit_nonfinite(int64_t k, const int64_t *n, const void *const *x, const int32_t *width, int nt) {
+/* k tensors packed in one array a of 3k int64 (one ctypes array per call: the step's cheapest
+   call): a[s] elements at address a[k + s], of width a[2k + s]. With nt > 1 threads (and at least
+   GRAIN elements in all) the a[0] + ... + a[k-1] elements are cut into one slice per thread, as the
+   ladder kernels are; each thread stops at its own slice's first non-finite block. */
+#define NF_PTR(a, k, s) ((const void *)(uintptr_t)(a)[(k) + (s)])
+#define NF_WIDTH(a, k, s) ((int32_t)(a)[2 * (k) + (s)])
+int ampkit_nonfinite(int64_t k, const int64_t *a, int nt) {
+    const int64_t *n = a;
     int bad = 0;
 #ifdef _OPENMP
     if (nt > 1 && total(k, n) >= GRAIN) {
@@ -261,14 +265,14 @@ int ampkit_nonfinite(int64_t k, const int64_t *n, const void *const *x, const in
         {
             int64_t l_, h_;
             slice(N, &l_, &h_);
-            SEGMENTS(k, n, l_, h_, { (void)f; if (!bad) bad |= nonfinite_part(x[s], width[s], i, m); })
+            SEGMENTS(k, n, l_, h_, { (void)f; if (!bad) bad |= nonfinite_part(NF_PTR(a, k, s), NF_WIDTH(a, k, s), i, m); })
         }
         return bad;
     }
 #else
     (void)nt;
 #endif
-    for (int64_t s = 0; s < k && !bad; s++) bad = nonfinite_part(x[s], width[s], 0, n[s]);
+    for (int64_t s = 0; s < k && !bad; s++) bad = nonfinite_part(NF_PTR(a, k, s), NF_WIDTH(a, k, s), 0, n[s]);
     return bad;
 }
 

@@ -38,6 +38,7 @@ passes: ``AMPKIT_NO_NATIVE=1``, no compiler, a failed compile or probe (one ``DE
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import fcntl
@@ -177,13 +178,7 @@ def _load() -> ctypes.CDLL:
     ]
     lib.ampkit_stochastic.restype = None
     lib.ampkit_openmp.argtypes, lib.ampkit_openmp.restype = [], ctypes.c_int
-    lib.ampkit_nonfinite.argtypes = [
-        n,
-        ctypes.POINTER(n),
-        ctypes.POINTER(p),
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_int,
-    ]
+    lib.ampkit_nonfinite.argtypes = [n, p, ctypes.c_int]  # k, the packed array's address, threads
     lib.ampkit_nonfinite.restype = ctypes.c_int
     nan = (
         torch.tensor([float("nan")], dtype=torch.float32)
@@ -335,22 +330,19 @@ def any_nonfinite(
         lib = library()
         if lib is None:
             return None
-    k = len(tensors)
-    widths = []
-    for t in tensors:
-        w = WIDTH.get(t.dtype)
-        if w is None or type(t) not in _PLAIN or not t.is_cpu or not t.is_contiguous():
-            return None
-        widths.append(w)
-    return bool(
-        lib.ampkit_nonfinite(
-            k,
-            (ctypes.c_int64 * k)(*[t.numel() for t in tensors]),
-            (ctypes.c_void_p * k)(*[t.data_ptr() for t in tensors]),
-            (ctypes.c_int32 * k)(*widths),
-            threads or 1,
-        )
-    )
+    ns, ptrs, widths = [], [], []
+    try:
+        for t in tensors:  # (one loop, no comprehensions: this runs every step)
+            w = WIDTH.get(t.dtype)
+            if w is None or type(t) not in _PLAIN or not t.is_cpu or not t.is_contiguous():
+                return None
+            ns.append(t.numel())
+            ptrs.append(t.data_ptr())
+            widths.append(w)
+    except RuntimeError:  # a sparse tensor has no is_contiguous()
+        return None
+    packed = array.array("q", ns + ptrs + widths)  # the C call's one array: sizes, addresses, widths
+    return bool(lib.ampkit_nonfinite(len(ns), packed.buffer_info()[0], threads or 1))
 
 
 def _args(
