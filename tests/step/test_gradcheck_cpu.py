@@ -94,6 +94,26 @@ def test_a_nonfinite_value_in_any_gradient_skips_the_step(index, value):
     assert opt.state_dict()["state"][0]["step"] == state["state"][0]["step"]
 
 
+def test_host_verdicts_count_exactly_the_skipped_steps():
+    """A finite step decided on the host adds nothing to the overflow count (update() skips the
+    add of a known 0); each non-finite one adds one, and the result's found_inf says which."""
+    amp, model, opt = engine()
+    params = list(model.parameters())
+    bad_steps = {1, 2, 5}
+    seen = []
+    for i in range(7):
+        handle = poison(params[0], float("nan")) if i in bad_steps else None
+        with amp.autocast():
+            loss = loss_of(model, batch(i))
+        amp.backward(loss)
+        seen.append(amp.step(opt).found_inf.item())
+        if handle is not None:
+            handle.remove()
+    assert seen == [1.0 if i in bad_steps else 0.0 for i in range(7)]
+    assert amp.stats()["skipped_steps"] == len(bad_steps)
+    assert opt.state_dict()["state"][0]["step"] == 7 - len(bad_steps)
+
+
 @pytest.mark.parametrize("how", ["in place", "replaced"])
 def test_a_gradient_changed_after_backward_is_read_again(how):
     amp, model, opt = engine()

@@ -47,6 +47,9 @@ from .scaler_state import host_state, loaded_attributes, saved_state
 __all__ = ["SCALE_FLOOR", "LossScaler"]
 
 
+_CPU = torch.device("cpu")
+
+
 class _Stage(Enum):
     READY = 0
     UNSCALED = 1
@@ -314,10 +317,11 @@ class LossScaler:
             raise RuntimeError(
                 "step_decided() must come instead of unscale_() and step(), once per iteration"
             )
-        dev = self._ensure(torch.device("cpu")).device
+        dev = self._ensure(_CPU).device
         state["found_inf_per_device"] = {
             dev: torch.full((), 0.0 if finite else 1.0, dtype=torch.float32, device=dev)
         }
+        state["host_finite"] = finite  # (update() then skips adding a known 0 to the count)
         state["stage"] = _Stage.STEPPED
         return optimizer.step(*args, **kwargs) if finite else None
 
@@ -430,7 +434,8 @@ class LossScaler:
                     consecutive=self._consecutive_hysteresis,
                 )
             self._clamp()
-        self._overflows.add_(found_inf)
+        if not all(st.get("host_finite") for st in self._per_optimizer.values()):
+            self._overflows.add_(found_inf)
         self._last_found_inf = found_inf
         self._updates += 1
         self._per_optimizer = defaultdict(_fresh)
