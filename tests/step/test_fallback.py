@@ -64,6 +64,58 @@ def test_fallback_event_carries_diagnosis():
     assert [e["kind"] for e in amp.stats()["events"]][:2] == ["diagnosis", "fallback"]
 
 
+def test_a_diagnosis_pending_at_a_resume_is_the_fallback_events():
+    """A diagnosis made before a checkpoint and a fallback after the resume: the fallback event
+    carries it as in the uninterrupted run (it was lost with the process); a malformed saved
+    diagnosis is refused before anything changes."""
+
+    def engine():
+        torch.manual_seed(0)
+        model = Unstable()
+        amp = MixedPrecision(
+            "fp16", device="cpu", fallback=True, fallback_patience=2, fallback_check_every=1
+        )
+        return (amp, *amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+
+    def train(amp, model, opt, batches):
+        for x, y in batches:
+            with amp.autocast():
+                loss = model(x, y)
+            amp.backward(loss)
+            amp.step(opt)
+
+    batches = data(10)
+    x0, y0 = batches[0]
+    runs = []
+    for resume in (False, True):
+        amp, model, opt = engine()
+
+        def closure(amp=amp, model=model):
+            with amp.autocast():
+                return model(x0, y0)
+
+        amp.diagnose(closure)
+        if resume:  # a new process: a fresh engine, model and optimizer from the checkpoint
+            state = copy.deepcopy(
+                {"amp": amp.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}
+            )
+            amp, model, opt = engine()
+            amp.load_state_dict(state["amp"])
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        train(amp, model, opt, batches)
+        runs.append([e for e in amp.stats()["events"] if e["kind"] == "fallback"])
+    assert runs[0] and runs[0][0]["diagnosis"]["module"] == "big"
+    assert runs[1] == runs[0]
+
+    amp, *_ = engine()
+    state = amp.state_dict()
+    for bad in ({"module": "big"}, {"found": True, "modul": "big"}, "big"):
+        with pytest.raises(ValueError, match="diagnosis"):
+            amp.load_state_dict({**state, "diagnosis": bad})
+    assert amp.state_dict() == state  # nothing changed
+
+
 def test_precision_after_fallback_survives_state_dict():
     amp, model, opt, _ = run(30, fallback=True, fallback_patience=4, fallback_check_every=2)
     state = copy.deepcopy(amp.state_dict())

@@ -678,6 +678,7 @@ class MixedPrecision:
             "masters": self._policy.state_dict() or None,
             "fallback": self._fallback.state_dict(),
             "manifest": self._manifest.saved(self),
+            "diagnosis": self._last_diagnosis.to_dict() if self._last_diagnosis else None,  # pending
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -687,6 +688,7 @@ class MixedPrecision:
                 "not a MixedPrecision state dict: expected keys 'precision', 'config', 'scaler', ..."
             )
         cfg = MixedPrecisionConfig.from_dict(state["config"])
+        diagnosis = NonFiniteReport.from_dict(state.get("diagnosis"))
         new = resolve_precision(state["precision"], self.device_info, emulate_fp8=cfg.fp8_emulate)
         old_config, self.config = self.config, cfg
         try:
@@ -711,6 +713,7 @@ class MixedPrecision:
         if state.get("masters"):
             self._policy.load_state_dict(state["masters"])
         self._manifest.resumed(self, state.get("manifest"))  # diffs against the saved manifest
+        self._last_diagnosis = diagnosis
 
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:
@@ -724,3 +727,4 @@ class MixedPrecision:
             f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "
             f"accumulation_steps={self.config.accumulation_steps})"
         )
+

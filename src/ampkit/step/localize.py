@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Optional
 
 import torch
@@ -91,6 +91,20 @@ class NonFiniteReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: Any) -> Optional[NonFiniteReport]:
+        """A report back from :meth:`to_dict` (None stays None: nothing pending); anything else is
+        refused, naming the keys a report has."""
+        if saved is None:
+            return None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(saved, dict) or "found" not in saved or not set(saved) <= names:
+            raise ValueError(
+                f"not a diagnosis report: expected a dict with keys from {sorted(names)} "
+                f"('found' required), got {saved!r:.200}"
+            )
+        return cls(**saved)
 
     def __str__(self) -> str:
         return self.message
