@@ -125,7 +125,8 @@ def test_the_only_checkpoint_damaged_is_an_error_naming_it(tmp_path):
     with pytest.raises(
         CheckpointError,
         match=r"damaged or unreadable \(1 file\(s\)\), so none was loaded: .*"
-        r"ckpt-00000001\.pt' is damaged",
+        r"ckpt-00000001\.pt' is damaged.*; to go on, restore a checkpoint of this run from a "
+        r"backup, or start the run afresh in another directory",
     ):
         mgr.load_latest()  # never None: that would be a silent fresh start
 

@@ -275,7 +275,10 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(
                 f"every checkpoint in {self.directory!r} is damaged or "
-                f"unreadable ({len(problems)} file(s)), so none was loaded: " + "; ".join(problems)
+                f"unreadable ({len(problems)} file(s)), so none was loaded: "
+                + "; ".join(problems)
+                + "; to go on, restore a checkpoint of this run from a backup, or start the run "
+                "afresh in another directory (the damaged files are left as they are)"
             )
         return None
 
