@@ -117,18 +117,33 @@ def _read_cache() -> dict[str, Any]:
         return {}
     except (OSError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) else f"not JSON: {e}"
-        logger.warning(_DAMAGED, path, f"is damaged ({why})")
+        _report(path, f"is damaged ({why})")
         return {}
     if not isinstance(data, dict):
-        logger.warning(_DAMAGED, path, "is damaged (not a table of verdicts)")
+        _report(path, "is damaged (not a table of verdicts)")
         return {}
     good = {
         k: v for k, v in data.items() if isinstance(v, dict) and v.get("sha256") == _entry_digest(v)
     }
     if len(good) < len(data):
         n = len(data) - len(good)
-        logger.warning(_DAMAGED, path, f"holds {n} verdict(s) that do not match their digest")
+        _report(path, f"holds {n} verdict(s) that do not match their digest")
     return good
+
+
+_reported: set[tuple[str, int, int]] = set()
+
+
+def _report(path: str, what: str) -> None:
+    """Say once per state of the file (its size and time) that it is damaged."""
+    try:
+        st = os.stat(path)
+        state = (path, st.st_size, st.st_mtime_ns)
+    except OSError:
+        state = (path, -1, -1)
+    if state not in _reported:
+        _reported.add(state)
+        logger.warning(_DAMAGED, path, what)
 
 
 _DAMAGED = (
