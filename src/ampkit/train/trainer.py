@@ -39,7 +39,7 @@ from ..step.engine import MixedPrecision
 from .choices import choose_batch, confirm_auto_precision, rebatch
 from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
-from .rollback import SpikeGuard
+from .rollback import SpikeGuard, check_trainer_data
 from .runlog import run_sinks, write_summary
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
@@ -145,6 +145,7 @@ class Trainer:
             rank(),
         )  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
         self.source = BatchSource(batches, rank=self.rank, world_size=self.world_size)
+        check_trainer_data(spike_rollback, self.source)  # at once, not at fit()
         self.epochs = EpochLog()
         self._window_batches: list[
             Any
