@@ -391,12 +391,12 @@ class Trainer:
             self.diagnosis = self._recent.diagnose(*watch.first, self.amp, self.model, self.loss_fn)
 
     def _checkpoint(self, monitor: Monitor) -> str:
-        if self.diagnose and self.diagnosis is None:
-            # A skip since the monitor's last read is diagnosed before the checkpoint holds the
-            # run's events: a resume then has the diagnosis an uninterrupted run has (the read
-            # costs nothing more: writing the checkpoint syncs anyway).
-            monitor.flush()
-            self._diagnose_first_skip()
+        # The records up to this step are written before the checkpoint (a process killed after
+        # it leaves a log that covers it, no gap after the resume), and a skip they show is
+        # diagnosed first, so the checkpoint holds the diagnosis an uninterrupted run has. (The
+        # read costs nothing more: writing the checkpoint syncs anyway.)
+        monitor.flush()
+        self._diagnose_first_skip()
         t0 = time.perf_counter()
         path = self.save_checkpoint()
         monitor.log_event(
