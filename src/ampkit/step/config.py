@@ -554,9 +554,8 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
 
 # A run file (the service's run.toml) proves it is whole: its first line is RUN_FILE_HEAD and its
 # last line the sha256 of every byte before that line. TOML cut at a line boundary is still TOML
-# (a run of 4 steps instead of 40); a sealed file cut or changed anywhere is refused. A file without
-# the head (a user's own config) is read as it is -- unless it is empty or a piece of the head line:
-# a run file cut before its first setting (nothing, or a comment) is TOML too, of every default.
+# (a run of 4 steps instead of 40); a sealed file cut or changed anywhere (also to nothing, or inside
+# the head: every default) is refused. A file without the head (a user's own config) is read as is.
 RUN_FILE_HEAD = "# ampkit run file: written by ampkit serve; its last line is the sha256 of the lines above it\n"
 _SEAL = "# end sha256="
 
@@ -570,9 +569,8 @@ def seal_run_file(text: str) -> str:
 
 
 def check_run_file(data: bytes, path: str) -> None:
-    """A sealed run file whose digest line is missing or does not match, or one cut before its first
-    setting (empty, or ending inside the head line): ``ConfigError`` naming the file; anything else
-    (a user's own config, or a whole run file) passes."""
+    """A run file cut or changed (its digest line missing or wrong; empty; ending inside the head):
+    ``ConfigError`` naming the file; anything else (a user's own config, a whole run file) passes."""
     import hashlib
 
     head = RUN_FILE_HEAD.encode()

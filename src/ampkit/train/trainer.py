@@ -391,10 +391,8 @@ class Trainer:
             self.diagnosis = self._recent.diagnose(*watch.first, self.amp, self.model, self.loss_fn)
 
     def _checkpoint(self, monitor: Monitor) -> str:
-        # The records up to this step are written before the checkpoint (a process killed after
-        # it leaves a log that covers it, no gap after the resume), and a skip they show is
-        # diagnosed first, so the checkpoint holds the diagnosis an uninterrupted run has. (The
-        # read costs nothing more: writing the checkpoint syncs anyway.)
+        # The log covers the checkpoint (no gap after a kill and resume) and holds the diagnosis of
+        # a skip it shows, as an uninterrupted run's does; the checkpoint syncs anyway.
         monitor.flush()
         self._diagnose_first_skip()
         t0 = time.perf_counter()
