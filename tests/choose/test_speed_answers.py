@@ -76,7 +76,7 @@ def test_auto_keeps_its_pick_only_when_clearly_faster(
     )  # the cache keeps it
 
 
-def test_a_changed_byte_in_autos_cache_is_never_read(monkeypatch, tmp_path):
+def test_a_changed_byte_in_autos_cache_is_never_read(monkeypatch, tmp_path, caplog):
     """One byte of ``auto-precision.json`` changed inside a cached speed-up (0.75 read as 1.75)
     still parsed, and ``auto`` then trained in bf16 "by cached measurement" where it had measured
     bf16 slower. Each verdict carries its digest; one that does not match is measured again."""
@@ -99,9 +99,17 @@ def test_a_changed_byte_in_autos_cache_is_never_read(monkeypatch, tmp_path):
     text = path.read_text()
     assert text.count('"speedup": 0.75') == 1
     path.write_text(text.replace('"speedup": 0.75', '"speedup": 1.75'))
-    again = choose()
+    with caplog.at_level("WARNING", logger="ampkit"):
+        again = choose()
+    assert f"{path} holds 1 verdict(s) that do not match their digest" in caplog.text
+    assert "measured again" in caplog.text
     assert again.precision == "fp32" and not again.cached and len(calls) == 2
     assert choose().cached and len(calls) == 2  # the verdict measured again is kept, whole
+    path.write_text(text[: len(text) // 2])  # cut short: not JSON at all
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ampkit"):
+        assert not choose().cached and len(calls) == 3
+    assert f"{path} is damaged (not JSON" in caplog.text
 
 
 # ---------------------------------------------------------------------------- bench and tune

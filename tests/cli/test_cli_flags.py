@@ -438,3 +438,25 @@ def test_data_that_is_no_file_is_one_clear_line(capsys, tmp_path):
     )
     err = capsys.readouterr().err
     assert "no such file" in err and "nonexist.txt" in err and "Errno" not in err
+
+
+def test_a_warning_from_ampkit_is_one_line_naming_the_command(capsys):
+    """A damaged checkpoint skipped on resume is a warning from the library; the command prints it
+    as one line of its own (``ampkit train: warning: ...``), not Python's file:line and source."""
+    import warnings
+
+    from ampkit.cli import _status
+    from ampkit.loop import checkpoint
+
+    def run():
+        msg = "checkpoint 'ck/ckpt-00000002.pt' is damaged; falling back"
+        warnings.warn_explicit(msg, UserWarning, checkpoint.__file__, 250)
+        warnings.warn_explicit("not ours", UserWarning, "/elsewhere/x.py", 3)
+        return 0
+
+    assert _status("train", run) == (0, False)
+    err = capsys.readouterr().err
+    assert (
+        "ampkit train: warning: checkpoint 'ck/ckpt-00000002.pt' is damaged; falling back\n" in err
+    )
+    assert "UserWarning: checkpoint" not in err and "warning: not ours" not in err  # Python's own

@@ -318,8 +318,17 @@ def test_fsdp_half_precisions_match_one_process_in_the_same_precision(precision,
         max_diff(ranks[0]["params"], ref["params"]),
         max_diff(ranks[0]["params"], ref32["params"]),
     )
-    assert d < 1e-3, d
-    assert 0.0 < d32 < 1e-2, d32
+    # Within the one-process run in the same precision: its gradients summed in another order
+    # (sgd_bound), each computed from weights and activations that may round to neighbours in the
+    # half dtype (eps_dtype); the fp32 run is a real difference, within the half dtype's own error.
+    # A pure precision's weights are themselves half: masters that close may round one half ulp
+    # apart (eps * |w| at most).
+    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    eps = torch.finfo(half).eps
+    w = max(float(v.abs().max()) for v in ref["params"].values())
+    bound = sgd_bound(ref, 4 * MICRO, eps) + (eps * w if precision.endswith("-pure") else 0.0)
+    assert d <= bound, (d, bound)
+    assert 0.0 < d32 <= sgd_bound(ref32, 4 * MICRO, 4 * eps), d32
     # Pure precisions under FSDP2 keep no extra masters: the fp32 shards are the masters.
     assert all(v.dtype == torch.float32 for v in ranks[0]["params"].values())
 

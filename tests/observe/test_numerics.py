@@ -90,6 +90,24 @@ def test_grads_restored_and_hooks_removed_even_on_error():
         assert torch.equal(p.grad, before[n])
 
 
+def test_a_diagnosis_changes_neither_the_random_streams_nor_the_buffers():
+    """The first-skip diagnosis (on by default in the Trainer) re-runs a batch in training mode: its
+    dropout drew from the global generator and its BatchNorm moved the running statistics, so a
+    run's weights depended on whether -- and, across a stop and a resume, when -- it diagnosed.
+    It leaves both as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    report = localize_nonfinite(model, lambda: model(x).mean() * 1e39, scale=1.0)
+    assert report.found  # (it ran: the loss overflows fp32)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), k
+    assert model.training
+
+
 @pytest.mark.parametrize(
     "bad,msg",
     [

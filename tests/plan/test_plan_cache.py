@@ -100,7 +100,7 @@ def test_the_name_changes_with_what_the_measures_depend_on(monkeypatch, tmp_path
     assert plan_cache.cache_dir() == tmp_path / "home" / ".cache" / "ampkit" / "plan"
 
 
-def test_a_changed_byte_in_a_kept_measure_is_never_read(tmp_path):
+def test_a_changed_byte_in_a_kept_measure_is_never_read(tmp_path, caplog):
     """A byte of a kept file changed inside a number (a peak of 1,234,567 read as 1,934,567) still
     parsed, and the next plan answered from it without a word. The file carries its digest; one
     that does not match is not read (measured again and replaced, as a file that does not parse)."""
@@ -114,7 +114,15 @@ def test_a_changed_byte_in_a_kept_measure_is_never_read(tmp_path):
         text = path.read_text()
         assert text.count("1234567") == 2
         path.write_text(text.replace("1234567", "1934567", 1))
-        assert plan_cache.load("k") is None
+        with caplog.at_level("WARNING", logger="ampkit"):
+            assert plan_cache.load("k") is None
+        assert f"plan cache file {path} does not match its digest" in caplog.text  # said, named
+        assert "measured again" in caplog.text
+        path.write_text(text[:40])  # cut short
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ampkit"):
+            assert plan_cache.load("k") is None
+        assert f"plan cache file {path} is damaged" in caplog.text
         body = json.loads(text)
         del body["sha256"]  # a file without its digest (written before digests) is not read either
         path.write_text(json.dumps(body))

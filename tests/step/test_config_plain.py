@@ -186,6 +186,29 @@ def test_run_files_written_before_still_load_and_new_ones_seal_the_same_way(tmp_
     )
 
 
+@pytest.mark.parametrize("keep", ["nothing", "half of the head line", "the head line only"])
+def test_a_run_file_cut_before_its_first_setting_is_refused_not_read_as_an_empty_config(
+    tmp_path, keep
+):
+    """A run file cut to 0 bytes or inside its head line is still valid TOML (nothing in it, or a
+    comment): read as a config it would train every default (100 steps of gpt instead of the
+    run's 40 of mlp). It is refused as a damaged run file, as a cut further down is."""
+    from ampkit.step.config import RUN_FILE_HEAD, seal_run_file
+
+    whole = seal_run_file('model = "mlp"\nsteps = 40\n')
+    cut = {"nothing": "", "half of the head line": RUN_FILE_HEAD[:30]}.get(keep, RUN_FILE_HEAD)
+    assert whole.startswith(cut)
+    path = tmp_path / "run.toml"
+    path.write_text(cut)
+    with pytest.raises(ConfigError, match=r"run.toml.* is (damaged|empty)"):
+        read_toml(str(path))
+    path.write_text("\n  \n")  # only blank lines: nothing a run could be read from
+    with pytest.raises(ConfigError, match="empty"):
+        read_toml(str(path))
+    path.write_text(f"{RUN_FILE_HEAD[:30]}\nsteps = 4\n")  # a user's file that merely starts alike
+    assert read_toml(str(path)) == {"steps": 4}
+
+
 def test_tune_recommendation_with_quotes_reads_back():
     """The tune file's values are written by the TOML writer (a model spelling with quotes once broke it)."""
     from ampkit.choose.recommend import Recommendation

@@ -178,6 +178,45 @@ def test_trainer_spike_rollback(precision, tmp_path):
     assert summary is not None
 
 
+def test_trainer_spike_rollback_refuses_a_dataloader_at_once_and_its_recipe_runs_exactly():
+    """A DataLoader with ``spike_rollback`` is refused when the Trainer is made (not at ``fit``),
+    saying why (a resume could not re-read the batches a rollback returns to: an iterator's
+    consumed batches are gone) and what to do; the recipe it gives -- the loader's batches as a
+    function of the index -- rolls back exactly as the index function does."""
+    from torch.utils.data import DataLoader
+
+    batch = data(bad=True)
+    rows = [batch(i) for i in range(STEPS + 8)]
+    loader = DataLoader(rows, batch_size=None)
+    model, opt, amp = build("bf16")
+    with pytest.raises(ValueError) as e:
+        Trainer(model, opt, amp, loader, loss_fn=lambda m, b: m(*b), spike_rollback=True)
+    msg = str(e.value)
+    for words in (
+        "DataLoader",
+        "function of the batch index",
+        "resume",
+        "list(loader)",
+        "SpikeGuard",
+    ):
+        assert words in msg, msg
+    cached = list(loader)  # the message's recipe
+    trainer = Trainer(
+        model,
+        opt,
+        amp,
+        lambda i: cached[i % len(cached)],
+        loss_fn=lambda m, b: m(*b),
+        fallback=False,
+        diagnose=False,
+        spike_rollback={"every": 4},
+        progress=False,
+    )
+    trainer.fit(STEPS)
+    assert [e.data["batches"] for e in amp.events if e.kind == "spike"] == [[CORRUPT], [NAN]]
+    assert_bitwise(amp.full_precision_state_dict(), reference("bf16"))
+
+
 def test_rollback_restores_the_scheduler_and_goes_further_back_when_a_snapshot_is_suspect():
     """Two corrupted batches in one interval: the replay after the first rollback triggers again from
     the same snapshot, so the guard drops that snapshot and restores the one before it."""

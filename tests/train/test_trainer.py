@@ -334,3 +334,37 @@ def test_run_header_names_the_ladder_rung_that_runs(tmp_path, capsys, flags, run
     header = out.split(" run summary")[0]
     assert rc == 0 and f"in bf16-pure:{rung} (opt level O2)" in header, header
     assert what in header and "fp32 master weights" not in header, header
+
+
+def test_the_log_holds_every_step_a_checkpoint_holds(tmp_path):
+    """The monitor reads its records every ``log_every`` steps; a process killed after a checkpoint
+    lost the records since the last read, and the resumed run's log had a gap (steps 11-19 of a
+    SIGKILL after checkpoint 19, log_every=10). Each checkpoint is written after the records up to
+    its step are: the log on disk when a checkpoint exists covers it."""
+    torch.manual_seed(0)
+    model, data = builtin("mlp", "tiny", batch_size=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = MixedPrecision("bf16", device="cpu")
+    model, opt = amp.setup(model, opt)
+    logged = {}
+
+    class Look:
+        def on_checkpoint(self, trainer, path):
+            lines = (tmp_path / "log" / "log.jsonl").read_text().splitlines()
+            logged[trainer.amp.optimizer_steps] = [
+                r["step"] for r in map(json.loads, lines) if r.get("type") == "step"
+            ]
+
+    Trainer(
+        model,
+        opt,
+        amp,
+        data,
+        progress=False,
+        callbacks=[Look()],
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=3,
+        log_every=10,
+        log_dir=str(tmp_path / "log"),
+    ).fit(7)
+    assert logged == {3: [1, 2, 3], 6: [1, 2, 3, 4, 5, 6]}

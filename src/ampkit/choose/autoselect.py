@@ -34,6 +34,7 @@ from ..loop.checkpoint import capture_rng, restore_rng
 from ..loop.steps import LossFn, Steps, batch_loss
 from ..step.engine import MixedPrecision
 from ..step.hardware import cpu_features
+from ..step.logs import logger
 from ..step.precision import REFERENCE
 from .speed import Timing, paired_ratio, speed_words, within_noise
 
@@ -108,16 +109,47 @@ def _entry_digest(entry: dict[str, Any]) -> str:
 def _read_cache() -> dict[str, Any]:
     """The cached verdicts whose digest matches: a changed byte (a speed-up of 0.75 read as 1.75
     still parses) is never read, its verdict is measured again; so is one kept without a digest."""
+    path = cache_path()
     try:
-        with open(cache_path(), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
-        return {}  # no cache or an unreadable one: measure again
-    if not isinstance(data, dict):
+    except FileNotFoundError:
         return {}
-    return {
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"not JSON: {e}"
+        _report(path, f"is damaged ({why})")
+        return {}
+    if not isinstance(data, dict):
+        _report(path, "is damaged (not a table of verdicts)")
+        return {}
+    good = {
         k: v for k, v in data.items() if isinstance(v, dict) and v.get("sha256") == _entry_digest(v)
     }
+    if len(good) < len(data):
+        n = len(data) - len(good)
+        _report(path, f"holds {n} verdict(s) that do not match their digest")
+    return good
+
+
+_reported: set[tuple[str, int, int]] = set()
+
+
+def _report(path: str, what: str) -> None:
+    """Say once per state of the file (its size and time) that it is damaged."""
+    try:
+        st = os.stat(path)
+        state = (path, st.st_size, st.st_mtime_ns)
+    except OSError:
+        state = (path, -1, -1)
+    if state not in _reported:
+        _reported.add(state)
+        logger.warning(_DAMAGED, path, what)
+
+
+_DAMAGED = (
+    "ampkit: the auto-precision cache %s %s: not read; what it held is measured again "
+    "(and the file rewritten whole)"
+)
 
 
 def _write_cache(data: dict[str, Any]) -> None:

@@ -8,9 +8,12 @@ data, engine, trainer) and prints; no feature lives only here.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Optional
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 from .. import __version__
 from ..distributed.env import exit_worker, launched, leave, rank
@@ -83,7 +86,8 @@ def _run(
 def _status(command: str, run: Callable[[], Optional[int]]) -> tuple[int, bool]:
     who = f"ampkit {command}" + (f" (rank {rank()})" if launched() else "")
     try:
-        return int(run() or 0), False
+        with _own_warnings(who):
+            return int(run() or 0), False
     except PeerFailed as e:  # another rank failed and said why; only it prints
         return e.code, False
     except NumericsError as e:
@@ -115,6 +119,26 @@ def _status(command: str, run: Callable[[], Optional[int]]) -> tuple[int, bool]:
             file=sys.stderr,
         )
         return code, False
+
+
+@contextlib.contextmanager
+def _own_warnings(who: str) -> Iterator[None]:
+    """ampkit's own warnings (a damaged checkpoint skipped, an unverified one loaded) as one line
+    naming the command; other libraries' keep Python's form."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if os.path.abspath(filename).startswith(package):
+            print(f"{who}: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, *rest)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":  # pragma: no cover

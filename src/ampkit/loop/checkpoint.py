@@ -72,8 +72,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def save_checkpoint(state: dict[str, Any], path: str) -> str:
-    """Write ``state`` to ``path`` atomically (temp file + fsync + rename), then its digest sidecar
-    ``path + ".sha256"`` (atomically too). Returns ``path``."""
+    """Write ``state`` to ``path`` atomically (temp file + fsync + rename), its digest sidecar
+    ``path + ".sha256"`` (atomically too) in place before the rename. Returns ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
@@ -84,12 +84,11 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, sink)
             f.flush()
             os.fsync(f.fileno())
-        sidecar = digest_path(path)
-        if os.path.lexists(sidecar):  # never an old digest beside the new file, even for a moment
-            os.unlink(sidecar)
-            _fsync_dir(directory)
-        os.replace(tmp, path)
+        # The digest first: a kill between the two renames leaves the new digest beside the
+        # older file of this name (a mismatch, reported) or beside none -- never a checkpoint
+        # without its digest, which is how a lost one is told (ampkit.loop.digest).
         write_digest(path, sink.sha256.hexdigest())
+        os.replace(tmp, path)
         _fsync_dir(directory)
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
@@ -239,7 +238,7 @@ class CheckpointManager:
         path = save_checkpoint({**state, "step": step}, self.path(step))
         if self.keep_last is not None:
             for _, old in self.list()[: -self.keep_last]:
-                for name in (digest_path(old), old):  # killed between: old file loads unverified
+                for name in (old, digest_path(old)):  # killed between: a digest alone, unread
                     with contextlib.suppress(OSError):
                         os.unlink(name)
         self._clean_temp()
@@ -276,7 +275,10 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(
                 f"every checkpoint in {self.directory!r} is damaged or "
-                f"unreadable ({len(problems)} file(s)), so none was loaded: " + "; ".join(problems)
+                f"unreadable ({len(problems)} file(s)), so none was loaded: "
+                + "; ".join(problems)
+                + "; to go on, restore a checkpoint of this run from a backup, or start the run "
+                "afresh in another directory (the damaged files are left as they are)"
             )
         return None
 

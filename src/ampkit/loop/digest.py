@@ -4,10 +4,15 @@ torch's zip archive keeps CRC-32s that ``torch.load`` does not check, so a flipp
 tensor loads as a wrong weight. :func:`ampkit.loop.checkpoint.save_checkpoint` therefore writes a
 sidecar ``<file>.sha256`` (``<sha256>  <file name>``, which ``sha256sum -c`` reads): the SHA-256 of
 the file's bytes, hashed as they are written, the sidecar itself written atomically *after* the
-checkpoint's rename (a stale one is removed before it). :func:`check_digest` hashes the file
-(streaming) before it is loaded. A checkpoint without a sidecar -- written before ampkit recorded
-digests, copied without it, or a crash between the two renames (the file is complete then: it
-was fsynced before its rename) -- loads unverified, as before.
+checkpoint's rename* (a stale one is removed before it). :func:`check_digest` hashes the file
+(streaming) before it is loaded.
+
+*The sidecar is in place before the checkpoint takes its name, so ampkit never leaves a checkpoint
+without its digest (a kill between the renames leaves the new digest beside the older file of that
+name, or none: a mismatch, reported). In a directory whose other checkpoints carry digests, one
+without its own therefore lost it (deleted, copied alone) and cannot be verified: it is refused.
+A checkpoint without a sidecar among ones without any (written before ampkit recorded digests)
+loads unverified, with a warning that says so.
 """
 
 from __future__ import annotations
@@ -17,9 +22,8 @@ import hashlib
 import os
 import re
 import tempfile
+import warnings
 from typing import Any, Optional
-
-from ..step.logs import logger
 
 __all__ = [
     "DIGEST_SUFFIX",
@@ -95,7 +99,16 @@ def check_digest(path: str) -> Optional[str]:
         with open(sidecar, "rb") as f:
             recorded = f.read(4096).split()
     except FileNotFoundError:
-        logger.info("checkpoint %r has no digest file (%s): loaded unverified", path, name)
+        if _digests_beside(path):
+            return (
+                f"has no digest file ({name}) although the checkpoints beside it have theirs: "
+                "it lost it and its bytes cannot be verified"
+            )
+        warnings.warn(
+            f"checkpoint {path!r} has no digest file ({name}), nor do the files beside it "
+            "(written before ampkit recorded digests?): loaded unverified",
+            stacklevel=3,
+        )
         return None
     except OSError as e:
         return f"cannot be verified: its digest file {name} cannot be read ({e.strerror or e})"
@@ -112,3 +125,18 @@ def check_digest(path: str) -> Optional[str]:
             f"{name} ({want[:16]}...)"
         )
     return None
+
+
+def _digests_beside(path: str) -> bool:
+    """Whether another file in ``path``'s directory has its digest sidecar beside it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    own = os.path.basename(path)
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return False
+    return any(
+        n.endswith(DIGEST_SUFFIX) and n[: -len(DIGEST_SUFFIX)] in names - {own}
+        for n in names
+        if not n.startswith(".tmp-")
+    )

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..step.logs import logger
 from .session import Measure
 
 __all__ = ["cache_dir", "current", "key", "load", "save", "use"]
@@ -118,9 +119,15 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
     directory = current()
     if directory is None or name is None:
         return None
+    path = directory / f"{name}.json"
     try:
-        raw = json.loads((directory / f"{name}.json").read_text())
+        raw = json.loads(path.read_text())
         if raw["sha256"] != _digest(raw["measures"]):
+            logger.warning(
+                "ampkit: the plan cache file %s does not match its digest: not read; its steps "
+                "are measured again (and the file rewritten)",
+                path,
+            )
             return None
         return {
             k: Measure(
@@ -135,7 +142,16 @@ def load(name: Optional[str]) -> Optional[dict[str, Measure]]:
             )
             for k, m in raw["measures"].items()
         }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        logger.warning(
+            "ampkit: the plan cache file %s is damaged (%s: %s): not read; its steps are measured "
+            "again (and the file rewritten)",
+            path,
+            type(e).__name__,
+            e,
+        )
         return None
 
 

@@ -554,8 +554,8 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
 
 # A run file (the service's run.toml) proves it is whole: its first line is RUN_FILE_HEAD and its
 # last line the sha256 of every byte before that line. TOML cut at a line boundary is still TOML
-# (a run of 4 steps instead of 40); a sealed file cut or changed anywhere is refused. A file without
-# the head (a user's own config) is read as it is.
+# (a run of 4 steps instead of 40); a sealed file cut or changed anywhere (also to nothing, or inside
+# the head: every default) is refused. A file without the head (a user's own config) is read as is.
 RUN_FILE_HEAD = "# ampkit run file: written by ampkit serve; its last line is the sha256 of the lines above it\n"
 _SEAL = "# end sha256="
 
@@ -569,18 +569,26 @@ def seal_run_file(text: str) -> str:
 
 
 def check_run_file(data: bytes, path: str) -> None:
-    """A sealed run file whose digest line is missing or does not match: ``ConfigError`` naming the
-    file; anything else (not a run file, or a whole one) passes."""
+    """A run file cut or changed (its digest line missing or wrong; empty; ending inside the head):
+    ``ConfigError`` naming the file; anything else (a user's own config, a whole run file) passes."""
     import hashlib
 
-    if not data.startswith(RUN_FILE_HEAD.encode()):
-        return
+    head = RUN_FILE_HEAD.encode()
+    if not data.strip():
+        raise ConfigError(
+            f"config file {path!r} is empty: nothing can be read from it (a run file cut to "
+            "nothing reads as every default); write the settings into it, or, for a run of "
+            "the service, submit the run again"
+        )
     body, _, last = data.rstrip(b"\n").rpartition(b"\n")
-    body += b"\n"
     seal = last.decode("ascii", "replace")
-    if not seal.startswith(_SEAL):
+    if head.startswith(data.rstrip(b"\r\n")):
+        why = "nothing follows its first line or part of it (the file was cut short)"
+    elif not data.startswith(head):
+        return
+    elif not seal.startswith(_SEAL):
         why = "its last line is not the digest line (the file was cut short)"
-    elif seal[len(_SEAL) :] != hashlib.sha256(body).hexdigest():
+    elif seal[len(_SEAL) :] != hashlib.sha256(body + b"\n").hexdigest():
         why = "its digest does not match its content (the file was cut short or changed)"
     else:
         return

@@ -122,8 +122,25 @@ def localize_nonfinite(
     under the autocast you train with, e.g. ``with amp.autocast(): return model(x, y)``).
     ``scale`` multiplies the loss before backward, as the loss scaler does (an fp16 gradient
     overflow only reproduces at the scale that caused it). The model's existing ``.grad``s are
-    restored afterwards, and every hook is removed, also when the closure raises. Synchronizes.
+    restored afterwards, and every hook is removed, also when the closure raises. The random
+    generators (CPU, and the CUDA devices of the model) and the module buffers (BatchNorm's running
+    statistics) are left as they were: a diagnosis changes nothing training reads next, whether
+    and whenever it runs. Synchronizes.
     """
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            return _localize(model, closure, scale)
+    finally:
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
+
+
+def _localize(
+    model: torch.nn.Module, closure: Callable[[], torch.Tensor], scale: Optional[float]
+) -> NonFiniteReport:
     saved_grads = {p: p.grad for p in model.parameters()}
     for p in saved_grads:
         p.grad = None

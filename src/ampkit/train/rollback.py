@@ -62,7 +62,7 @@ from ..loop.batches import BatchSource
 from ..loop.checkpoint import capture_rng, restore_rng
 from ..step.engine import Event, MixedPrecision
 
-__all__ = ["CAUSES", "ReplayedBatches", "SkippingBatches", "SpikeGuard"]
+__all__ = ["CAUSES", "ReplayedBatches", "SkippingBatches", "SpikeGuard", "check_trainer_data"]
 
 #: the detector's causes, by bit of the per-step flag
 CAUSES = ("nonfinite_loss", "nonfinite_grads", "loss_zscore", "grad_norm_ratio")
@@ -129,6 +129,28 @@ class ReplayedBatches:
         while self.first + len(self._kept) <= i:
             self._kept.append(self.source.next())
         return self._kept[i - self.first]
+
+
+def check_trainer_data(option: Any, source: BatchSource) -> None:
+    """Refuse ``spike_rollback`` (``option``) in the Trainer over data that is not a function of the
+    batch index, with why and what to do. A rollback re-reads the batches after its snapshot; the
+    Trainer's checkpoints hold the guard's snapshots and interval, and a resume must re-read those
+    batches exactly -- an iterator's consumed batches are gone (re-opening a DataLoader draws a new
+    order, and per-sample augmentation draws again), so the resumed run would silently train on
+    others. A function of the index names every batch for ever."""
+    if not option or source.indexed:
+        return
+    kind = type(source.batches).__name__
+    raise ValueError(
+        f"spike_rollback in the Trainer needs the data as a function of the batch index "
+        f"(batches(i) -> batch); this is a {kind}. A rollback re-reads the batches after its "
+        "snapshot, and a resume from a checkpoint must re-read them exactly, which an iterator "
+        "cannot (its consumed batches are gone; a new pass draws a new order): the resumed run "
+        "would train on other batches. Pass the batches by index instead -- data that fits in "
+        "memory: `cached = list(loader); batches = lambda i: cached[i % len(cached)]`; a map-style "
+        "dataset: a function that collates batch i from it -- or use ampkit.SpikeGuard in your own "
+        "loop (guard.wrap(loader): in one process, a resume does not restore its batches)"
+    )
 
 
 class SpikeGuard:
@@ -459,11 +481,7 @@ class SpikeGuard:
                 f"spike_rollback={option!r} must be True/False or a dict of SpikeGuard keywords "
                 "(keep, every, z, grad_ratio, warmup, ema)"
             )
-        if not trainer.source.indexed:
-            raise ValueError(
-                "spike_rollback in the Trainer needs batches as a function of the index (an iterable "
-                "cannot be moved back in place); with a DataLoader, use SpikeGuard in your own loop"
-            )
+        check_trainer_data(option, trainer.source)
         guard = trainer.spike_guard
         if guard is None:
             kwargs = dict(option) if isinstance(option, dict) else {}

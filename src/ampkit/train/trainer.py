@@ -39,7 +39,7 @@ from ..step.engine import MixedPrecision
 from .choices import choose_batch, confirm_auto_precision, rebatch
 from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
-from .rollback import SpikeGuard
+from .rollback import SpikeGuard, check_trainer_data
 from .runlog import run_sinks, write_summary
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
@@ -145,6 +145,7 @@ class Trainer:
             rank(),
         )  # > 1: rank 0 alone logs; checkpoints are sharded (DCP)
         self.source = BatchSource(batches, rank=self.rank, world_size=self.world_size)
+        check_trainer_data(spike_rollback, self.source)  # at once, not at fit()
         self.epochs = EpochLog()
         self._window_batches: list[
             Any
@@ -180,6 +181,7 @@ class Trainer:
             2 * self.settings.log.every + 2
         )  # a skip's batch, for its diagnosis
         self._stop: Optional[GracefulStop] = None  # set while fit() runs
+        self._watch: Optional[SkipWatch] = None  # the first skip the monitor showed (fit())
         #: printed after a graceful stop's checkpoint (``ampkit train`` puts its exact command here)
         self.resume_hint = "Resume with Trainer.resume() on the same checkpoint_dir, then fit() the remaining steps"
 
@@ -227,6 +229,7 @@ class Trainer:
             SkipWatch(),
         )  # accum: in batches of the data
         monitor = self._open_monitor(steps, accum, [watch] if self.diagnose else [])
+        self._watch = watch
         self.model.train()
         self.epochs.start()
         stop = self._stop = GracefulStop(announce=is_main())
@@ -343,8 +346,7 @@ class Trainer:
             # Only after optimizer steps that really happened (reading `skipped` syncs once
             # per step; only when a scheduler is given), as Accelerate does.
             self.scheduler.step()
-        if watch.first is not None and self.diagnosis is None:
-            self.diagnosis = self._recent.diagnose(*watch.first, self.amp, self.model, self.loss_fn)
+        self._diagnose_first_skip()
         self._last_loss = outcome.mean_loss()
         self.epochs.add(self._last_loss, self._samples)
         for epoch in self.source.take_finished():
@@ -382,7 +384,17 @@ class Trainer:
         self._call("on_train_end", result)
         return result
 
+    def _diagnose_first_skip(self) -> None:
+        """Diagnose the run's first skipped step once the monitor has shown it (one per run)."""
+        watch = self._watch
+        if watch is not None and watch.first is not None and self.diagnosis is None:
+            self.diagnosis = self._recent.diagnose(*watch.first, self.amp, self.model, self.loss_fn)
+
     def _checkpoint(self, monitor: Monitor) -> str:
+        # The log covers the checkpoint (no gap after a kill and resume) and holds the diagnosis of
+        # a skip it shows, as an uninterrupted run's does; the checkpoint syncs anyway.
+        monitor.flush()
+        self._diagnose_first_skip()
         t0 = time.perf_counter()
         path = self.save_checkpoint()
         monitor.log_event(
