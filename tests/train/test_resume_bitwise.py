@@ -237,12 +237,6 @@ def test_a_stop_before_the_monitor_reads_a_skip_resumes_with_the_same_diagnosis(
         assert not differences(state["model"], end["model"]), step
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs main's 432038b (MixedPrecision's state keeps the diagnosis pending for the next "
-    "fallback event); on a branch without it the fallback event after such a resume has none. "
-    "Drop this marker once merged",
-)
 def test_the_fallback_after_a_resume_carries_the_runs_diagnosis(tmp_path):
     end, resumed = _diagnosed_and_resumed(tmp_path)
     for step, state in resumed:
