@@ -486,3 +486,32 @@ def test_a_worker_that_cannot_start_does_not_stop_the_next_job(monkeypatch):
         )
     finally:
         jobs.close()
+
+
+def test_a_run_failed_by_a_full_disk_says_its_own_error_first(tmp_path):
+    """A run that failed on a full disk was recorded with its supervisor's line ("cannot write
+    exit-0.json") instead of the run's own error; the run's line comes first, the supervisor's
+    trouble is not the cause."""
+    log = tmp_path / "stderr-0.log"
+    log.write_text(
+        "ampkit train: mlp/tiny on cpu in fp32\n"
+        "ampkit train: error: No space left on device\n"
+        "ampkit supervisor: cannot write /x/exit-0.json: OSError: [Errno 28] No space left\n"
+    )
+    assert runner_mod._tail(str(log)) == "ampkit train: error: No space left on device"
+    log.write_text("ampkit supervisor: cannot start the run: FileNotFoundError: python\n")
+    assert "cannot start the run" in runner_mod._tail(str(log))  # the only error there is
+
+
+def test_a_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """On a full disk the supervisor's exit record failed at its sync and left
+    ``exit-0.json.tmp-PID`` behind in the run directory."""
+    from ampkit.service import supervise
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(supervise.os, "fsync", full)
+    with pytest.raises(OSError):
+        supervise.write_private(str(tmp_path / "exit-0.json"), b"{}")
+    assert os.listdir(tmp_path) == []
