@@ -623,3 +623,21 @@ def test_stats_of_a_recommend_run_is_422(client):
     _finished(client.app.state.store, "rec", "recommend", {"model": "mlp"}, {"bench": []})
     r = client.get("/finetuning/mixed-precision-stats?run_id=rec", headers=ALICE)
     assert r.status_code == 422 and "recommend run" in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    "path, body, hint",
+    [
+        ("/v1/runs", {"stepz": 3}, "did you mean 'steps'?"),
+        ("/v1/runs", {"size": "tinny"}, "did you mean 'tiny'?"),
+        ("/v1/runs", {"model": "gtp"}, "did you mean 'gpt'?"),
+        ("/v1/runs", {"model": "lama"}, "did you mean 'llama'?"),
+        ("/v1/recommend", {"sise": "tiny"}, "did you mean 'size'?"),
+        ("/v1/runs", {"amp": {"enabled": False}}, "enabled=False"),
+        ("/v1/runs", {"amp": {"mixed_precision": False}}, "mixed_precision=False"),
+    ],
+)
+def test_a_mistyped_field_or_value_gets_the_closest_name(client, path, body, hint):
+    """A typo in a request got "Extra inputs are not permitted", the choices without the closest
+    one, or (amp's switches) an error naming ``precision``, a key the request did not hold."""
+    _is_422(post(client, path, body), hint)

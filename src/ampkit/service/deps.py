@@ -161,9 +161,13 @@ def allowed_model(model: str, factories: tuple[str, ...]) -> str:
         if factories
         else " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
     )
+    import difflib
+
+    close = difflib.get_close_matches(model, [*MODELS, *ALIASES, *factories], n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(
-        f"model {shown(model)} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
-        f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}"
+        f"model {shown(model)} is not available here{hint}; choose {', '.join(MODELS)}, a Hugging "
+        f"Face config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}"
     )
 
 

@@ -234,13 +234,16 @@ class RunSpec(BaseModel):
     @field_validator("amp")
     @classmethod
     def _amp(cls, v: dict[str, Any]) -> dict[str, Any]:
+        typed = dict(v)
         v = canonical_config_keys(
             v
         )  # aliases (min_loss_scale, dtype, ...) become fields: the one table
         clash = [k for k in ("precision", "accumulation_steps", "init_scale") if k in v]
         if clash:
+            said = ", ".join(f"{k}={x!r}" for k, x in typed.items() if k not in clash)
             raise ValueError(
-                f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp"
+                (f"amp: {said} set(s) {', '.join(clash)}; " if said else "amp: ")
+                + f"give {', '.join(clash)} as the run's own field(s), not inside amp"
             )
         return v
 
