@@ -515,3 +515,27 @@ def test_a_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monk
     with pytest.raises(OSError):
         supervise.write_private(str(tmp_path / "exit-0.json"), b"{}")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_port_in_use_is_one_clear_error_before_anything_starts(tmp_path):
+    """``ampkit serve --port P`` with P taken printed its banner, opened the database, then
+    uvicorn's ``ERROR: [Errno 98] error while attempting to bind`` and exit 3. Now: an OSError
+    naming the address and what to do, and the data directory's lock is released."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    from ampkit.service import lock
+    from ampkit.service.server import serve
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as e:
+            serve("127.0.0.1", port, data_dir=str(tmp_path / "svc"))
+    finally:
+        taken.close()
+    assert e.value.errno == errno.EADDRINUSE
+    assert f"127.0.0.1:{port}" in str(e.value) and "--port" in str(e.value), str(e.value)
+    lock.release(lock.hold(str(tmp_path / "svc")))  # free again

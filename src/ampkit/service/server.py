@@ -16,6 +16,7 @@ import asyncio
 import errno
 import logging
 import os
+import socket
 import sqlite3
 import sys
 from typing import Any, Optional
@@ -96,6 +97,28 @@ def preflight(data_dir: str) -> None:
         ) from None
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn; ``OSError`` naming the address and what to do
+    when it cannot be (a port in use: another server, or this one started twice)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = (
+            "the port is in use (another server?); stop it or choose another --port"
+            if e.errno == errno.EADDRINUSE
+            else f"{e.strerror or e}; choose another --host or --port"
+        )
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -125,6 +148,7 @@ def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: in
     from .app import create_app
     from .store import disk_full
 
+    sock = listening_socket(host, port)  # a port in use: said before the database is opened
     try:
         app = create_app(
             cfg
@@ -146,7 +170,10 @@ def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: in
             h11_max_incomplete_event_size=64 * 1024,
         )
     )
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if (
         getattr(server, "started", True) is False
     ):  # the lifespan failed (uvicorn logged why): not a clean exit
