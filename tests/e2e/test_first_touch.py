@@ -248,6 +248,11 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
             "'bf17' (did you mean 'bf16'?)",
         ),
         (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
+        (["bench", "--precisions", "bf16-pure:splt"], "(did you mean 'bf16-pure:split'?)"),
+        (
+            ["plan", "--memory", "1GiB", "--precisions", "bf16-pure:stochastic+fp16"],
+            "(did you mean 'bf16-pure:stochastic+bf16'?)",
+        ),
         (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
         # a precision named twice (a plan printed the same row twice; bench kept one silently)
         (["bench", "--precisions", "fp32,bf16,fp32"], "'fp32' and 'fp32' are one precision"),

@@ -88,7 +88,8 @@ class Rung:
         masters, plus, state_dtype = str(text).strip().lower().partition("+")
         if masters not in MASTERS or (plus and state_dtype != "bf16"):
             raise RungError(
-                f"unknown ladder rung {spec or text!r}: write {'|'.join(ladder_names())}:{_FORM} "
+                f"unknown ladder rung {spec or text!r}{_closest_rung(text, spec)}: write "
+                f"{'|'.join(ladder_names())}:{_FORM} "
                 f"with masters one of {', '.join(MASTERS)}, e.g. 'bf16-pure:split' or "
                 "'bf16-pure:stochastic+bf16'"
             )
@@ -163,6 +164,18 @@ LADDER: tuple[Rung, ...] = (
     Rung("stochastic"),
     Rung("stochastic", "bf16"),
 )
+
+
+def _closest_rung(text: str, spec: Optional[str]) -> str:
+    """`` (did you mean 'bf16-pure:split'?)`` for a mistyped rung (``splt``), or ``""``."""
+    import difflib
+
+    rungs = [str(Rung(m, d)) for m in MASTERS for d in STATE_DTYPES]  # type: ignore[arg-type]
+    close = difflib.get_close_matches(str(text).strip().lower(), rungs, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    head = spec.rpartition(":")[0] if spec and ":" in spec else "bf16-pure"
+    return f" (did you mean '{head}:{close[0]}'?)"
 
 
 def ladder_names() -> list[str]:
