@@ -29,10 +29,11 @@ def cmd_serve(inv: Invocation) -> int:
         )
     preflight(args.data_dir)  # a full disk or an unwritable directory: said before anything else
     factories = tuple(f for f in os.environ.get("AMPKIT_ALLOWED_FACTORIES", "").split(",") if f)
+    from ..service.auth import token_source
+
     print(
         f"ampkit serve: http://{args.host}:{args.port} · data in {os.path.abspath(args.data_dir)} · "
-        f"{args.max_concurrent} run(s) at a time · tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / "
-        f"{os.path.join(args.data_dir, 'tokens.json')}",
+        f"{args.max_concurrent} run(s) at a time · tokens: {token_source(args.data_dir)}",
         flush=True,
     )
     serve(
