@@ -174,7 +174,7 @@ def cmd_info(inv: Invocation) -> int:
     console.print(table)
     auto = report["auto"]["precision"]
     console.print(f"[bold]auto → {auto}[/]: {report['auto']['reason']}")
-    if report["device"] == "cpu" and auto != "fp32":
+    if report["device"] == "cpu" and auto != REFERENCE:
         console.print(
             f"(the hardware's pick: `ampkit train` confirms it by timing a few steps of the model "
             f"against fp32 and trains in fp32 where {auto} is slower; MixedPrecision('auto') "

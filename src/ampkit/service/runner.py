@@ -546,7 +546,5 @@ def _tail(path: str, n: int = 1500) -> str:
     except OSError:
         return ""
     errors = [ln for ln in lines if "error" in ln.lower()]
-    # the run's own error before its supervisor's (a record it could not write is not the cause)
-    own = [ln for ln in errors if not ln.startswith("ampkit supervisor:")]
-    errors = own or errors
+    errors = [e for e in errors if not e.startswith("ampkit supervisor:")] or errors  # run's 1st
     return (errors[-1] if errors else "\n".join(lines[-5:]))[-n:]
