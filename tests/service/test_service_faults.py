@@ -539,3 +539,33 @@ def test_a_port_in_use_is_one_clear_error_before_anything_starts(tmp_path):
     assert e.value.errno == errno.EADDRINUSE
     assert f"127.0.0.1:{port}" in str(e.value) and "--port" in str(e.value), str(e.value)
     lock.release(lock.hold(str(tmp_path / "svc")))  # free again
+
+
+@pytest.mark.parametrize("where", ["run file", "database"])
+def test_a_submit_refused_by_a_full_disk_leaves_no_run_directory(tmp_path, monkeypatch, where):
+    """A 507 ("nothing was stored") left ``runs/<id>/`` behind: empty when the run file could not
+    be written, holding an orphan run.toml when the database could not."""
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from ampkit.service import runfile
+    from ampkit.service.app import ServiceConfig, create_app
+
+    def full(*a, **kw):
+        if where == "database":
+            raise sqlite3.OperationalError("database or disk is full")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc")), tokens=TOKENS)
+    if where == "database":
+        monkeypatch.setattr(Store, "create", full)
+    else:
+        monkeypatch.setattr(runfile.tomlio, "write", full)
+    c = TestClient(app)  # no lifespan: nothing starts
+    r = c.post(
+        "/v1/runs",
+        json={"model": "gpt", "size": "tiny", "texts": ["some text"]},
+        headers={"Authorization": "Bearer tok-alice"},
+    )
+    assert r.status_code == 507, r.text
+    assert os.listdir(tmp_path / "svc" / "runs") == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Optional
@@ -135,12 +136,16 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
         }  # the server's default limit (ampkit serve)
     run_id = uuid.uuid4().hex[:12]
     run_dir = os.path.join(os.path.abspath(svc.config.data_dir), "runs", run_id)
-    if kind == "train":
-        try:
-            write_run_file(spec, run_dir)
-        except (TypeError, ValueError) as e:  # a value TOML cannot carry
-            raise HTTPException(422, f"this run cannot be written as run.toml: {e}") from None
-    return svc.store.create(run_id, who, kind, spec, run_dir)
+    try:
+        if kind == "train":
+            try:
+                write_run_file(spec, run_dir)
+            except (TypeError, ValueError) as e:  # a value TOML cannot carry
+                raise HTTPException(422, f"this run cannot be written as run.toml: {e}") from None
+        return svc.store.create(run_id, who, kind, spec, run_dir)
+    except BaseException:  # not stored (a full disk: 507): its new directory goes too
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def allowed_model(model: str, factories: tuple[str, ...]) -> str:
