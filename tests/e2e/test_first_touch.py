@@ -372,6 +372,19 @@ def test_resumed_run_header_and_name_say_the_checkpoints_precision(tmp_path, mon
     assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "runs").iterdir()] == ["fp32"]
 
 
+def test_a_resumed_ladder_run_says_its_rung(tmp_path, monkeypatch, capsys):
+    """The header named ``bf16-pure:split``, the resume line after it "in bf16-pure"."""
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ck = ["--checkpoint_dir", "ck", "--checkpoint_every", "1", "--precision", "bf16-pure:split"]
+    assert main([*MLP, "--steps", "1", *ck]) == 0
+    capsys.readouterr()
+    assert main([*MLP, "--steps", "2", *ck, "--resume"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at step 1 in bf16-pure:split" in out, out
+
+
 # 5 ------------------------------------------------------------------------- what a run says
 def test_epochs_print_a_line_per_epoch_and_the_total_time(tmp_path, capsys):
     from ampkit.cli import main
