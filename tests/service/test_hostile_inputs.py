@@ -641,3 +641,19 @@ def test_a_mistyped_field_or_value_gets_the_closest_name(client, path, body, hin
     """A typo in a request got "Extra inputs are not permitted", the choices without the closest
     one, or (amp's switches) an error naming ``precision``, a key the request did not hold."""
     _is_422(post(client, path, body), hint)
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("/v1/runs?staus=running", ["'staus'", "did you mean 'status'?"]),
+        ("/v1/runs?status=runing", ["did you mean 'running'?"]),
+        ("/v1/runs/abc/metrics?aftr=3", ["'aftr'", "did you mean 'after'?"]),
+        ("/v1/runs/abc?verbose=1", ["'verbose'", "takes none"]),
+    ],
+)
+def test_a_mistyped_query_parameter_is_refused_with_the_closest(client, url, words):
+    """``/v1/runs?staus=running`` answered every run, unfiltered, as if the filter had been
+    applied; an unknown query parameter of the API is a 422 naming the closest one."""
+    _is_422(client.get(url, headers=ALICE), *words)
+    assert client.get("/v1/runs?status=running&limit=5", headers=ALICE).status_code == 200

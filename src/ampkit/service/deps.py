@@ -5,6 +5,7 @@ owner's run is a 404, as if it did not exist). ``submit`` is the one way a run i
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import os
 import shutil
@@ -76,6 +77,26 @@ def each_query_once(request: Request) -> None:
             f"query parameter {shown(twice)} is given {keys.count(twice)} times; give it once "
             "(each takes one value)",
         )
+    route = request.scope.get("route")
+    if not getattr(route, "path", "").startswith("/v1/"):  # the brief's routes ignore extras
+        return
+    known = sorted(_query_names(route.dependant))
+    unknown = next((k for k in keys if k not in known), None)
+    if unknown is not None:  # ?staus=running answered every run, as if filtered
+        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        takes = f"takes {', '.join(known)}" if known else "takes none"
+        raise HTTPException(
+            422, f"unknown query parameter {shown(unknown)}{hint}; {route.path} {takes}"
+        )
+
+
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameters a route (its dependencies included) reads."""
+    names = {q.alias for q in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
 
 
 def lookup(svc: Service, run_id: str, who: str) -> dict[str, Any]:
