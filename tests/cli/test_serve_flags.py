@@ -135,7 +135,7 @@ def test_serve_says_where_its_tokens_come_from(env, said, tmp_path, monkeypatch,
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(server, "serve", lambda *a, **kw: None)
+    monkeypatch.setattr(server, "serve", lambda *a, announce, **kw: announce())
     assert main(["serve", "--data_dir", str(tmp_path / "svc")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert said in out, out

@@ -569,3 +569,23 @@ def test_a_submit_refused_by_a_full_disk_leaves_no_run_directory(tmp_path, monke
     )
     assert r.status_code == 507, r.text
     assert os.listdir(tmp_path / "svc" / "runs") == []
+
+
+def test_serve_announces_itself_only_once_it_listens(tmp_path, capsys):
+    """``ampkit serve`` printed ``ampkit serve: http://127.0.0.1:P ...`` and then failed (a port
+    in use, a data directory another server holds): the start line now comes once it listens."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    from ampkit.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--port", port, "--data_dir", str(tmp_path / "svc")]) == 2
+    finally:
+        taken.close()
+    out, err = capsys.readouterr()
+    assert "http://" not in out and "cannot listen on 127.0.0.1:" in err, (out, err)

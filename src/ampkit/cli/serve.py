@@ -31,14 +31,14 @@ def cmd_serve(inv: Invocation) -> int:
     factories = tuple(f for f in os.environ.get("AMPKIT_ALLOWED_FACTORIES", "").split(",") if f)
     from ..service.auth import token_source
 
-    print(
+    start_line = (
         f"ampkit serve: http://{args.host}:{args.port} · data in {os.path.abspath(args.data_dir)} · "
-        f"{args.max_concurrent} run(s) at a time · tokens: {token_source(args.data_dir)}",
-        flush=True,
+        f"{args.max_concurrent} run(s) at a time · tokens: {token_source(args.data_dir)}"
     )
     serve(
         args.host,
         args.port,
+        announce=lambda: print(start_line, flush=True),  # once it listens: not before an error
         data_dir=args.data_dir,
         max_concurrent=args.max_concurrent,
         queue_cap=args.queue_cap,

@@ -19,6 +19,7 @@ import os
 import socket
 import sqlite3
 import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 from . import lock
@@ -125,9 +126,11 @@ def serve(
     *,
     header_timeout: float = 10.0,
     keep_alive: int = 5,
+    announce: Optional[Callable[[], None]] = None,
     **config: Any,
 ) -> None:
-    """Run the service with uvicorn until interrupted (``config``: :class:`ServiceConfig` fields).
+    """Run the service with uvicorn until interrupted (``config``: :class:`ServiceConfig` fields);
+    ``announce()`` once it holds its data directory and listens (the CLI's start line).
     Raises ``OSError`` (the CLI prints it and exits 2) when the data directory cannot hold its state."""
     from .schemas import ServiceConfig
 
@@ -137,12 +140,19 @@ def serve(
         cfg.data_dir
     )  # a second server on this directory: DataDirBusy (the CLI says it, exits 2)
     try:
-        _serve(cfg, host, port, header_timeout, keep_alive)
+        _serve(cfg, host, port, header_timeout, keep_alive, announce)
     finally:
         lock.release(key)
 
 
-def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: int) -> None:
+def _serve(
+    cfg: Any,
+    host: str,
+    port: int,
+    header_timeout: float,
+    keep_alive: int,
+    announce: Optional[Callable[[], None]] = None,
+) -> None:
     import uvicorn
 
     from .app import create_app
@@ -159,6 +169,8 @@ def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: in
             code, f"cannot open the service's database in {os.path.abspath(cfg.data_dir)}: {e}"
         ) from None
     _log_to_stderr()
+    if announce is not None:
+        announce()
     server = uvicorn.Server(
         uvicorn.Config(
             app,
