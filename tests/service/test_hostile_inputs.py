@@ -635,6 +635,9 @@ def test_stats_of_a_recommend_run_is_422(client):
         ("/v1/recommend", {"sise": "tiny"}, "did you mean 'size'?"),
         ("/v1/runs", {"amp": {"enabled": False}}, "enabled=False"),
         ("/v1/runs", {"amp": {"mixed_precision": False}}, "mixed_precision=False"),
+        ("/v1/runs", {**GPT2, "model_overrides": {"n_layr": 2}}, "did you mean 'n_layer'?"),
+        ("/v1/runs", {"device": "cpuu"}, "did you mean 'cpu'?"),
+        ("/v1/runs", {"precision": "bf16-pure", "amp": {"masters": "splt"}}, "'split'?"),
     ],
 )
 def test_a_mistyped_field_or_value_gets_the_closest_name(client, path, body, hint):
