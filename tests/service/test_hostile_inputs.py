@@ -660,3 +660,25 @@ def test_a_mistyped_query_parameter_is_refused_with_the_closest(client, url, wor
     applied; an unknown query parameter of the API is a 422 naming the closest one."""
     _is_422(client.get(url, headers=ALICE), *words)
     assert client.get("/v1/runs?status=running&limit=5", headers=ALICE).status_code == 200
+
+
+def test_the_briefs_bodies_name_the_fields_they_ignored(client):
+    """The brief's routes ignore fields they do not have (as the brief asks), so
+    ``training_config: {"lerning_rate": ...}`` trained at the default rate without a word; the
+    answer now lists each ignored field with the closest one."""
+    r = post(
+        client,
+        "/finetuning/mixed-precision",
+        {
+            "model_name": "gpt2",
+            "dataset_config": {"texts": TEXTS},
+            "training_config": {"lerning_rate": 1e-4, "epochs": 1},
+            "colour": "blue",
+        },
+    )
+    assert r.status_code == 201, r.text
+    ignored = r.json()["ignored_fields"]
+    assert "training_config.lerning_rate (did you mean 'learning_rate'?)" in ignored, ignored
+    assert "colour" in ignored, ignored
+    ok = post(client, "/finetuning/setup-mixed-precision", {"model_name": "gpt2"})
+    assert ok.status_code == 200 and ok.json()["ignored_fields"] == []
