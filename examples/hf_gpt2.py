@@ -34,8 +34,14 @@ def factory(batch_size: int = 4, seed: int = 0, size: str = "tiny", device=None)
         "medium": (384, 6, 6),
         "large": (768, 12, 12),
     }[size]
-    cfg = GPT2Config(
-        vocab_size=256, n_positions=128, n_embd=dims[0], n_layer=dims[1], n_head=dims[2]
+    cfg = GPT2Config(  # the tokens are bytes: 256 of them, no special tokens
+        vocab_size=256,
+        n_positions=128,
+        n_embd=dims[0],
+        n_layer=dims[1],
+        n_head=dims[2],
+        bos_token_id=None,
+        eos_token_id=None,
     )
     torch.manual_seed(seed)
     model = CausalLM(GPT2LMHeadModel(cfg))

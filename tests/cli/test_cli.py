@@ -34,6 +34,17 @@ def test_info_table(capsys):
     assert "auto →" in out and "fp16" in out
 
 
+def test_info_says_that_train_confirms_autos_cpu_pick_by_timing(capsys):
+    """``ampkit info`` said "auto → bf16" and ``ampkit train`` then trained in fp32 (its timing of
+    the model found bf16 slower), with nothing in info saying that train times the pick."""
+    assert main(["info", "--json", "--no-measure", "--device", "cpu"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert main(["info", "--no-measure", "--device", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    said = "`ampkit train` confirms it by timing" in out
+    assert said == (auto["precision"] != "fp32"), out[-600:]
+
+
 @pytest.mark.parametrize("spelling", ["--batch_size", "--batch-size"])
 def test_hyphen_and_underscore_flags(spelling):
     args = build_parser().parse_args(

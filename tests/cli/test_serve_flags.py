@@ -113,3 +113,34 @@ def test_bounded_names_the_value_and_the_range():
         positive_int("0")
     with pytest.raises(argparse.ArgumentTypeError, match="0.0 must be > 0"):
         positive_float("0")
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({}, "a new token for 'default' is written to"),
+        ({"AMPKIT_TOKEN": "t"}, "tokens: AMPKIT_TOKEN (owner 'default')"),
+        ({"AMPKIT_TOKENS": "alice:a,bob:b"}, "tokens: AMPKIT_TOKENS (owners alice, bob)"),
+    ],
+)
+def test_serve_says_where_its_tokens_come_from(env, said, tmp_path, monkeypatch, capsys):
+    """The banner listed every source ("tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / tokens.json")
+    whichever was used, so a first start did not say that it had just written a token, or where."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from ampkit.cli import main
+    from ampkit.service import server
+
+    for k in ("AMPKIT_TOKEN", "AMPKIT_TOKENS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(server, "serve", lambda *a, announce, **kw: announce())
+    assert main(["serve", "--data_dir", str(tmp_path / "svc")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert said in out, out
+    (tmp_path / "svc" / "tokens.json").write_text('{"x": "carol"}')
+    monkeypatch.delenv("AMPKIT_TOKEN", raising=False)
+    monkeypatch.delenv("AMPKIT_TOKENS", raising=False)
+    assert main(["serve", "--data_dir", str(tmp_path / "svc")]) == 0
+    assert "tokens.json (owners carol)" in " ".join(capsys.readouterr().out.split())

@@ -55,6 +55,10 @@ def test_overflow_diagnosis():
 @pytest.mark.slow
 def test_hf_gpt2_with_mixed_precision_and_cli(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
+    model, _ = load("hf_gpt2").factory()
+    cfg = model.hf.config  # byte tokens: no special token outside them (transformers warned twice)
+    for tok in (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id):
+        assert tok is None or 0 <= tok < cfg.vocab_size, (tok, cfg.vocab_size)
     losses = load("hf_gpt2").main(steps=6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     from ampkit.cli import main

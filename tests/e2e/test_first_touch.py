@@ -144,6 +144,11 @@ def test_confirm_auto_takes_a_dataloader(tmp_path, monkeypatch):
         ({"use_mixed_precision": True}, "auto"),
         ({"enabled": False, "dtype": "float16"}, "fp32"),  # off: fp32, whatever dtype comes with it
         ({"use_mixed_precision": False}, "fp32"),
+        # Accelerate-style ``mixed_precision`` given as a switch: "precision=True has type bool"
+        # named a key the user had not typed
+        ({"mixed_precision": True}, "auto"),
+        ({"mixed_precision": True, "dtype": "float16"}, "fp16"),
+        ({"mixed_precision": False, "dtype": "float16"}, "fp32"),
     ],
 )
 def test_seed_switches_turn_mixed_precision_on_and_off(kwargs, precision):
@@ -234,12 +239,20 @@ def test_coming_from_guide_config_example_prints_what_its_comments_say():
             "ampkit: unknown command 'trian' (did you mean 'train'?); choose one of: info, train",
         ),
         (["train", "--steps", "x"], "ampkit train: error: argument --steps: 'x' is not an integer"),
+        # a mistyped choice: the closest one too (argparse listed the choices only)
+        (["train", "--size", "tinny"], "invalid choice: 'tinny' (did you mean 'tiny'?)"),
+        (["plan", "--size", "smal"], "invalid choice: 'smal' (did you mean 'small'?)"),
         (
             ["bench", "--precisions", "fp32,bf17"],
             "ampkit bench: error: argument --precisions: unknown precision "
             "'bf17' (did you mean 'bf16'?)",
         ),
         (["tune", "--precisions", "fp32,bf16-pure:splt"], "unknown ladder rung 'bf16-pure:splt'"),
+        (["bench", "--precisions", "bf16-pure:splt"], "(did you mean 'bf16-pure:split'?)"),
+        (
+            ["plan", "--memory", "1GiB", "--precisions", "bf16-pure:stochastic+fp16"],
+            "(did you mean 'bf16-pure:stochastic+bf16'?)",
+        ),
         (["plan", "--memory", "1GiB", "--precisions", "bf17"], "(did you mean 'bf16'?)"),
         # a precision named twice (a plan printed the same row twice; bench kept one silently)
         (["bench", "--precisions", "fp32,bf16,fp32"], "'fp32' and 'fp32' are one precision"),
@@ -270,6 +283,28 @@ def test_usage_errors_are_one_line_with_the_closest_name(argv, line, capsys, tmp
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and line in err, err
+
+
+@pytest.mark.parametrize(
+    "model, hint",
+    [
+        ("gtp", "(did you mean 'gpt'?)"),
+        ("gtp2", "(did you mean 'gpt2'?)"),
+        ("lama", "(did you mean 'llama'?)"),
+        ("cfg", "(did you mean 'cfg.json'?)"),  # the config file, typed without .json
+        ("emptydir", "emptydir holds no config.json"),
+    ],
+)
+def test_a_mistyped_model_gets_the_closest_name(model, hint, capsys, tmp_path, monkeypatch):
+    """``--model gtp`` listed the choices but named none as the closest."""
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "emptydir").mkdir()
+    assert main(["plan", "--model", model, "--memory", "1GiB", "--precisions", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and hint in err, err
 
 
 def test_steps_and_epochs_typed_together_are_refused_before_training(capsys, tmp_path, monkeypatch):
@@ -335,6 +370,19 @@ def test_resumed_run_header_and_name_say_the_checkpoints_precision(tmp_path, mon
     assert header.endswith("in fp32 (opt level O0)"), out
     assert "at step 1 in fp32" in out
     assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "runs").iterdir()] == ["fp32"]
+
+
+def test_a_resumed_ladder_run_says_its_rung(tmp_path, monkeypatch, capsys):
+    """The header named ``bf16-pure:split``, the resume line after it "in bf16-pure"."""
+    from ampkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ck = ["--checkpoint_dir", "ck", "--checkpoint_every", "1", "--precision", "bf16-pure:split"]
+    assert main([*MLP, "--steps", "1", *ck]) == 0
+    capsys.readouterr()
+    assert main([*MLP, "--steps", "2", *ck, "--resume"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at step 1 in bf16-pure:split" in out, out
 
 
 # 5 ------------------------------------------------------------------------- what a run says

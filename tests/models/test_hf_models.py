@@ -338,3 +338,31 @@ def test_bad_model_config_values_get_one_clear_error(fields, words):
         hf_config("gpt2", parse_overrides(fields))
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_a_config_file_with_a_mistyped_field_is_refused(tmp_path):
+    """A config.json with ``n_layr`` (for ``n_layer``) was planned and trained as the default 12
+    layers without a word (transformers keeps any key as an attribute). A key that is no field of
+    the family but is one letter or two from a field is refused, naming the file and the field;
+    the other extra keys a saved config carries (``n_ctx``, ``_name_or_path``, ...) still load."""
+    from ampkit.models.hf_configs import hf_config
+
+    path = tmp_path / "config.json"
+    base = {"model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_ctx": 1024, "_name_or_path": "x"}
+    path.write_text(json.dumps({**base, "n_layr": 3}))
+    with pytest.raises(ValueError) as e:
+        hf_config(str(path))
+    msg = str(e.value)
+    assert str(path) in msg and "'n_layr'" in msg and "did you mean 'n_layer'" in msg, msg
+    assert "--model_config" not in msg, msg  # the key came from the file
+    path.write_text(json.dumps({**base, "n_layer": 3}))
+    assert hf_config(str(path)).n_layer == 3
+
+
+def test_a_field_given_twice_in_model_config_is_refused():
+    """``--model_config n_layer=2,n_layer=3`` planned 3 layers while the title showed both."""
+    from ampkit.models.hf_configs import parse_overrides
+
+    with pytest.raises(ValueError, match="'n_layer' twice"):
+        parse_overrides("n_layer=2,n_layer=3")
+    assert parse_overrides("n_layer=2, n_embd=64") == {"n_layer": 2, "n_embd": 64}

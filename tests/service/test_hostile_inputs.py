@@ -623,3 +623,62 @@ def test_stats_of_a_recommend_run_is_422(client):
     _finished(client.app.state.store, "rec", "recommend", {"model": "mlp"}, {"bench": []})
     r = client.get("/finetuning/mixed-precision-stats?run_id=rec", headers=ALICE)
     assert r.status_code == 422 and "recommend run" in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    "path, body, hint",
+    [
+        ("/v1/runs", {"stepz": 3}, "did you mean 'steps'?"),
+        ("/v1/runs", {"size": "tinny"}, "did you mean 'tiny'?"),
+        ("/v1/runs", {"model": "gtp"}, "did you mean 'gpt'?"),
+        ("/v1/runs", {"model": "lama"}, "did you mean 'llama'?"),
+        ("/v1/recommend", {"sise": "tiny"}, "did you mean 'size'?"),
+        ("/v1/runs", {"amp": {"enabled": False}}, "enabled=False"),
+        ("/v1/runs", {"amp": {"mixed_precision": False}}, "mixed_precision=False"),
+        ("/v1/runs", {**GPT2, "model_overrides": {"n_layr": 2}}, "did you mean 'n_layer'?"),
+        ("/v1/runs", {"device": "cpuu"}, "did you mean 'cpu'?"),
+        ("/v1/runs", {"precision": "bf16-pure", "amp": {"masters": "splt"}}, "'split'?"),
+    ],
+)
+def test_a_mistyped_field_or_value_gets_the_closest_name(client, path, body, hint):
+    """A typo in a request got "Extra inputs are not permitted", the choices without the closest
+    one, or (amp's switches) an error naming ``precision``, a key the request did not hold."""
+    _is_422(post(client, path, body), hint)
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("/v1/runs?staus=running", ["'staus'", "did you mean 'status'?"]),
+        ("/v1/runs?status=runing", ["did you mean 'running'?"]),
+        ("/v1/runs/abc/metrics?aftr=3", ["'aftr'", "did you mean 'after'?"]),
+        ("/v1/runs/abc?verbose=1", ["'verbose'", "takes none"]),
+    ],
+)
+def test_a_mistyped_query_parameter_is_refused_with_the_closest(client, url, words):
+    """``/v1/runs?staus=running`` answered every run, unfiltered, as if the filter had been
+    applied; an unknown query parameter of the API is a 422 naming the closest one."""
+    _is_422(client.get(url, headers=ALICE), *words)
+    assert client.get("/v1/runs?status=running&limit=5", headers=ALICE).status_code == 200
+
+
+def test_the_briefs_bodies_name_the_fields_they_ignored(client):
+    """The brief's routes ignore fields they do not have (as the brief asks), so
+    ``training_config: {"lerning_rate": ...}`` trained at the default rate without a word; the
+    answer now lists each ignored field with the closest one."""
+    r = post(
+        client,
+        "/finetuning/mixed-precision",
+        {
+            "model_name": "gpt2",
+            "dataset_config": {"texts": TEXTS},
+            "training_config": {"lerning_rate": 1e-4, "epochs": 1},
+            "colour": "blue",
+        },
+    )
+    assert r.status_code == 201, r.text
+    ignored = r.json()["ignored_fields"]
+    assert "training_config.lerning_rate (did you mean 'learning_rate'?)" in ignored, ignored
+    assert "colour" in ignored, ignored
+    ok = post(client, "/finetuning/setup-mixed-precision", {"model_name": "gpt2"})
+    assert ok.status_code == 200 and ok.json()["ignored_fields"] == []

@@ -486,3 +486,106 @@ def test_a_worker_that_cannot_start_does_not_stop_the_next_job(monkeypatch):
         )
     finally:
         jobs.close()
+
+
+def test_a_run_failed_by_a_full_disk_says_its_own_error_first(tmp_path):
+    """A run that failed on a full disk was recorded with its supervisor's line ("cannot write
+    exit-0.json") instead of the run's own error; the run's line comes first, the supervisor's
+    trouble is not the cause."""
+    log = tmp_path / "stderr-0.log"
+    log.write_text(
+        "ampkit train: mlp/tiny on cpu in fp32\n"
+        "ampkit train: error: No space left on device\n"
+        "ampkit supervisor: cannot write /x/exit-0.json: OSError: [Errno 28] No space left\n"
+    )
+    assert runner_mod._tail(str(log)) == "ampkit train: error: No space left on device"
+    log.write_text("ampkit supervisor: cannot start the run: FileNotFoundError: python\n")
+    assert "cannot start the run" in runner_mod._tail(str(log))  # the only error there is
+
+
+def test_a_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """On a full disk the supervisor's exit record failed at its sync and left
+    ``exit-0.json.tmp-PID`` behind in the run directory."""
+    from ampkit.service import supervise
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(supervise.os, "fsync", full)
+    with pytest.raises(OSError):
+        supervise.write_private(str(tmp_path / "exit-0.json"), b"{}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_port_in_use_is_one_clear_error_before_anything_starts(tmp_path):
+    """``ampkit serve --port P`` with P taken printed its banner, opened the database, then
+    uvicorn's ``ERROR: [Errno 98] error while attempting to bind`` and exit 3. Now: an OSError
+    naming the address and what to do, and the data directory's lock is released."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    from ampkit.service import lock
+    from ampkit.service.server import serve
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as e:
+            serve("127.0.0.1", port, data_dir=str(tmp_path / "svc"))
+    finally:
+        taken.close()
+    assert e.value.errno == errno.EADDRINUSE
+    assert f"127.0.0.1:{port}" in str(e.value) and "--port" in str(e.value), str(e.value)
+    lock.release(lock.hold(str(tmp_path / "svc")))  # free again
+
+
+@pytest.mark.parametrize("where", ["run file", "database"])
+def test_a_submit_refused_by_a_full_disk_leaves_no_run_directory(tmp_path, monkeypatch, where):
+    """A 507 ("nothing was stored") left ``runs/<id>/`` behind: empty when the run file could not
+    be written, holding an orphan run.toml when the database could not."""
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from ampkit.service import runfile
+    from ampkit.service.app import ServiceConfig, create_app
+
+    def full(*a, **kw):
+        if where == "database":
+            raise sqlite3.OperationalError("database or disk is full")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    app = create_app(ServiceConfig(data_dir=str(tmp_path / "svc")), tokens=TOKENS)
+    if where == "database":
+        monkeypatch.setattr(Store, "create", full)
+    else:
+        monkeypatch.setattr(runfile.tomlio, "write", full)
+    c = TestClient(app)  # no lifespan: nothing starts
+    r = c.post(
+        "/v1/runs",
+        json={"model": "gpt", "size": "tiny", "texts": ["some text"]},
+        headers={"Authorization": "Bearer tok-alice"},
+    )
+    assert r.status_code == 507, r.text
+    assert os.listdir(tmp_path / "svc" / "runs") == []
+
+
+def test_serve_announces_itself_only_once_it_listens(tmp_path, capsys):
+    """``ampkit serve`` printed ``ampkit serve: http://127.0.0.1:P ...`` and then failed (a port
+    in use, a data directory another server holds): the start line now comes once it listens."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    from ampkit.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--port", port, "--data_dir", str(tmp_path / "svc")]) == 2
+    finally:
+        taken.close()
+    out, err = capsys.readouterr()
+    assert "http://" not in out and "cannot listen on 127.0.0.1:" in err, (out, err)

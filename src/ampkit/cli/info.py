@@ -172,7 +172,14 @@ def cmd_info(inv: Invocation) -> int:
         speed = row.get("matmul_speedup_words", "").replace(" fp32's speed", "")
         table.add_row(row["name"], runs, speed, row["what"], row["note"])
     console.print(table)
-    console.print(f"[bold]auto → {report['auto']['precision']}[/]: {report['auto']['reason']}")
+    auto = report["auto"]["precision"]
+    console.print(f"[bold]auto → {auto}[/]: {report['auto']['reason']}")
+    if report["device"] == "cpu" and auto != REFERENCE:
+        console.print(
+            f"(the hardware's pick: `ampkit train` confirms it by timing a few steps of the model "
+            f"against fp32 and trains in fp32 where {auto} is slower; MixedPrecision('auto') "
+            "keeps the hardware's pick)"
+        )
     return 0
 
 

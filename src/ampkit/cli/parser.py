@@ -28,7 +28,7 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {_closest_choice(message)}\n")
 
 
 class TopParser(argparse.ArgumentParser):
@@ -68,6 +68,20 @@ class TopParser(argparse.ArgumentParser):
                 f"ampkit: unknown command {word!r}{hint}; choose one of: {', '.join(self.commands)}\n",
             )
         self.exit(2, f"ampkit: error: {message}\n")
+
+
+def _closest_choice(message: str) -> str:
+    """argparse's ``invalid choice: 'tinny' (choose from ...)`` with the closest choice named."""
+    if "invalid choice: " not in message or " (choose from " not in message:
+        return message
+    head, _, rest = message.partition("invalid choice: ")
+    typed, _, choices = rest.partition(" (choose from ")
+    names = [c.strip().strip("'\"") for c in choices.rstrip(")").split(",")]
+    close = difflib.get_close_matches(typed.strip("'\""), names, n=1, cutoff=0.6)
+    if not close:
+        return message
+    listed = choices[:-1] if choices.endswith(")") else choices
+    return f"{head}invalid choice: {typed} (did you mean {close[0]!r}?); choose from {listed}"
 
 
 def unknown_argument_line(who: str, extras: Sequence[str], parser: argparse.ArgumentParser) -> str:

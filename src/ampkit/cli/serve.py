@@ -29,15 +29,16 @@ def cmd_serve(inv: Invocation) -> int:
         )
     preflight(args.data_dir)  # a full disk or an unwritable directory: said before anything else
     factories = tuple(f for f in os.environ.get("AMPKIT_ALLOWED_FACTORIES", "").split(",") if f)
-    print(
+    from ..service.auth import token_source
+
+    start_line = (
         f"ampkit serve: http://{args.host}:{args.port} · data in {os.path.abspath(args.data_dir)} · "
-        f"{args.max_concurrent} run(s) at a time · tokens: AMPKIT_TOKENS / AMPKIT_TOKEN / "
-        f"{os.path.join(args.data_dir, 'tokens.json')}",
-        flush=True,
+        f"{args.max_concurrent} run(s) at a time · tokens: {token_source(args.data_dir)}"
     )
     serve(
         args.host,
         args.port,
+        announce=lambda: print(start_line, flush=True),  # once it listens: not before an error
         data_dir=args.data_dir,
         max_concurrent=args.max_concurrent,
         queue_cap=args.queue_cap,

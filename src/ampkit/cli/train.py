@@ -281,12 +281,19 @@ def _header(
         if world_size() > 1
         else str(device)
     )
-    rung = Rung.of(amp.config)  # a rung of bf16-pure's ladder is what runs: named, and told
-    name = amp.precision.name if rung.plain else f"{amp.precision.name}:{rung}"
+    rung = Rung.of(amp.config)
     return (
         f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-        f"in [bold]{name}[/] (opt level {opt_level(amp.precision.name)}) — {rung.describe(why)}"
+        f"in [bold]{_running(amp)}[/] (opt level {opt_level(amp.precision.name)}) — "
+        f"{rung.describe(why)}"
     )
+
+
+def _running(amp: MixedPrecision) -> str:
+    """The precision that runs as the header and the resume line name it: a rung of bf16-pure's
+    ladder with its rung (``bf16-pure:split``)."""
+    rung = Rung.of(amp.config)
+    return amp.precision.name if rung.plain else f"{amp.precision.name}:{rung}"
 
 
 def _trainer(
@@ -372,9 +379,9 @@ def _resume(
             )
         return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
-    return [
-        f"resumed from {path} at step {amp.optimizer_steps} in [bold]{amp.precision.name}[/]"
-    ] + [f"[yellow]note:[/] {escape(note)}" for note in notes]
+    return [f"resumed from {path} at step {amp.optimizer_steps} in [bold]{_running(amp)}[/]"] + [
+        f"[yellow]note:[/] {escape(note)}" for note in notes
+    ]
 
 
 def _save_model(

@@ -244,6 +244,21 @@ def build(name: str, size: str = "small") -> nn.Module:
     return GPT(cfg) if name == "gpt" else CNN(cfg) if name == "cnn" else MLP(cfg)
 
 
+def _closest_model(spec: str, names: list[str]) -> str:
+    """What ``spec`` (no model ampkit knows) was probably meant to be, as ``" (did you mean
+    'gpt'?)"``: a model's name, or the config file it names without ``.json``; a directory
+    without a config.json says so; else ``""``."""
+    import difflib
+    import os
+
+    if os.path.isdir(spec):
+        return f" ({spec} holds no config.json)"
+    close = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
+    if not close and os.path.isfile(spec + ".json"):
+        close = [spec + ".json"]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def load_factory(spec: str) -> Any:
     """Import ``package.module:factory`` and return the callable. Clear errors when it does not resolve."""
     import importlib
@@ -256,7 +271,7 @@ def load_factory(spec: str) -> Any:
         raise ValueError(
             f"model {spec!r} is neither a built-in ({', '.join(MODELS)}), a Hugging Face config "
             f"({', '.join(ALIASES)}, transformers.<Name>Config, a config.json or a model directory "
-            "holding one) nor 'module:factory'"
+            f"holding one) nor 'module:factory'{_closest_model(spec, list(MODELS) + list(ALIASES))}"
         )
     mod_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:

@@ -121,7 +121,13 @@ def parse_overrides(text: Optional[str]) -> dict[str, Any]:
                     break
                 except ValueError:
                     pass
-        out[key.strip()] = value
+        key = key.strip()
+        if key in out:
+            raise ValueError(
+                f"--model_config gives {key!r} twice ({key}={out[key]!r} and {key}={value!r}); "
+                "give it once"
+            )
+        out[key] = value
     return out
 
 
@@ -132,6 +138,7 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
     if path:
         cls, fields = _config_file(path)
         cls_name = cls.__name__
+        _refuse_mistyped_fields(path, cls, cls_name, fields)
     else:
         path = ALIASES.get(spec, spec)
         mod_name, _, cls_name = path.rpartition(".")
@@ -175,6 +182,27 @@ def hf_config(spec: str, overrides: Optional[dict[str, Any]] = None) -> Any:
             f"{cls_name}.vocab_size={config.vocab_size}: ampkit's text data is bytes, it needs >= 256"
         )
     return config
+
+
+def _refuse_mistyped_fields(path: str, cls: Any, cls_name: str, fields: dict[str, Any]) -> None:
+    """Refuse a config file's key that is no field of ``cls`` but nearly spells one (``n_layr``):
+    transformers keeps any key as an attribute, so the model would silently get the field's
+    default. Other extra keys (a saved config's ``n_ctx``, ``_name_or_path``, ...) are kept."""
+    default = _made(cls, {}, cls_name)
+    known = set(dir(default)) | set(getattr(cls, "attribute_map", {}))
+    names = sorted(
+        {n for n in default.to_dict() if not n.startswith("_")}
+        | set(getattr(cls, "attribute_map", {}))
+    )
+    for key in fields:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(
+                f"--model {path!r}: {key!r} is not a {cls_name} field (did you mean {close[0]!r}?); "
+                f"the model would get {close[0]}'s default ({getattr(default, close[0], None)!r})"
+            )
 
 
 def _per_layer_follows_depth(fields: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:

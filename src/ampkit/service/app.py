@@ -159,13 +159,40 @@ async def invalid_request(request: Request, exc: RequestValidationError) -> Resp
             "loc": [
                 x if not isinstance(x, str) or len(x) <= 80 else shown(x) for x in e.get("loc", ())
             ],
-            "msg": e.get("msg", ""),
+            "msg": e.get("msg", "") + _closest(request, e),
             "type": e.get("type", ""),
             "input": shown(e.get("input"), 120),
         }
         for e in exc.errors()
     ]
     return SafeJSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+
+def _closest(request: Request, error: dict[str, Any]) -> str:
+    """`` (did you mean 'steps'?)`` for a field the body model does not have (``stepz``) or a
+    value that is not one of a field's choices (``size: "tinny"``); else ``""``."""
+    import difflib
+    import re
+    import typing
+
+    loc, kind = list(error.get("loc", ())), error.get("type")
+    typed = loc[-1] if kind == "extra_forbidden" and loc else error.get("input")
+    if not isinstance(typed, str):
+        return ""
+    if kind == "literal_error":
+        names = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+    elif kind == "extra_forbidden":
+        field = getattr(request.scope.get("route"), "body_field", None)
+        model = getattr(getattr(field, "field_info", None), "annotation", None)
+        for key in loc[1:-1]:  # down to the object that holds the key
+            info = getattr(model, "model_fields", {}).get(key)
+            kinds = [info.annotation, *typing.get_args(info.annotation)] if info else []
+            model = next((k for k in kinds if hasattr(k, "model_fields")), None)
+        names = list(getattr(model, "model_fields", {}))
+    else:
+        return ""
+    close = difflib.get_close_matches(typed, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -15,6 +15,27 @@ from typing import Optional
 __all__ = ["load_tokens"]
 
 
+def token_source(data_dir: str, env: Optional[Mapping[str, str]] = None) -> str:
+    """Where a server on ``data_dir`` takes its tokens from, for its start line: the variable or
+    file and its owners, or that a first start writes a new token (and where). Reads, never
+    writes; a malformed source is left to :func:`load_tokens` to refuse."""
+    env = os.environ if env is None else env
+    if env.get("AMPKIT_TOKENS"):
+        owners = {i.partition(":")[0].strip() for i in env["AMPKIT_TOKENS"].split(",")}
+        return f"AMPKIT_TOKENS (owners {', '.join(sorted(o for o in owners if o))})"
+    if env.get("AMPKIT_TOKEN"):
+        return "AMPKIT_TOKEN (owner 'default')"
+    path = os.path.join(data_dir, "tokens.json")
+    if not os.path.exists(path):
+        return f"a new token for 'default' is written to {path} (read it there)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            owners = sorted(set(json.load(f).values()))
+        return f"{path} (owners {', '.join(map(str, owners))})"
+    except (OSError, ValueError, AttributeError, TypeError):
+        return path
+
+
 def load_tokens(data_dir: str, env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """token -> owner. Raises ``ValueError`` for a malformed ``AMPKIT_TOKENS`` or tokens file."""
     env = os.environ if env is None else env

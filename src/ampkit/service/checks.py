@@ -7,6 +7,7 @@ value, why, and the valid choices (a 422)."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from typing import Annotated, Any, Union
@@ -209,8 +210,10 @@ def check_overrides(model: str, overrides: dict[str, Any]) -> None:
     for key, value in overrides.items():
         if key not in fields:
             choices = ", ".join(sorted(fields))
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"model_overrides: {shown(key)} is not a field you may set on {cls.__name__}; "
-                f"choose from {choices}"
+                f"model_overrides: {shown(key)} is not a field you may set on {cls.__name__}"
+                f"{hint}; choose from {choices}"
             )
         _check_value(cls.__name__, key, fields[key], value)

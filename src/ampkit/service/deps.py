@@ -5,8 +5,10 @@ owner's run is a 404, as if it did not exist). ``submit`` is the one way a run i
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Optional
@@ -75,6 +77,26 @@ def each_query_once(request: Request) -> None:
             f"query parameter {shown(twice)} is given {keys.count(twice)} times; give it once "
             "(each takes one value)",
         )
+    route = request.scope.get("route")
+    if not getattr(route, "path", "").startswith("/v1/"):  # the brief's routes ignore extras
+        return
+    known = sorted(_query_names(route.dependant))
+    unknown = next((k for k in keys if k not in known), None)
+    if unknown is not None:  # ?staus=running answered every run, as if filtered
+        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        takes = f"takes {', '.join(known)}" if known else "takes none"
+        raise HTTPException(
+            422, f"unknown query parameter {shown(unknown)}{hint}; {route.path} {takes}"
+        )
+
+
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameters a route (its dependencies included) reads."""
+    names = {q.alias for q in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
 
 
 def lookup(svc: Service, run_id: str, who: str) -> dict[str, Any]:
@@ -135,12 +157,16 @@ def submit(svc: Service, who: str, kind: str, spec: dict[str, Any]) -> dict[str,
         }  # the server's default limit (ampkit serve)
     run_id = uuid.uuid4().hex[:12]
     run_dir = os.path.join(os.path.abspath(svc.config.data_dir), "runs", run_id)
-    if kind == "train":
-        try:
-            write_run_file(spec, run_dir)
-        except (TypeError, ValueError) as e:  # a value TOML cannot carry
-            raise HTTPException(422, f"this run cannot be written as run.toml: {e}") from None
-    return svc.store.create(run_id, who, kind, spec, run_dir)
+    try:
+        if kind == "train":
+            try:
+                write_run_file(spec, run_dir)
+            except (TypeError, ValueError) as e:  # a value TOML cannot carry
+                raise HTTPException(422, f"this run cannot be written as run.toml: {e}") from None
+        return svc.store.create(run_id, who, kind, spec, run_dir)
+    except BaseException:  # not stored (a full disk: 507): its new directory goes too
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def allowed_model(model: str, factories: tuple[str, ...]) -> str:
@@ -161,9 +187,13 @@ def allowed_model(model: str, factories: tuple[str, ...]) -> str:
         if factories
         else " (module:factory models must be allowed by the operator: AMPKIT_ALLOWED_FACTORIES)"
     )
+    import difflib
+
+    close = difflib.get_close_matches(model, [*MODELS, *ALIASES, *factories], n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(
-        f"model {shown(model)} is not available here; choose {', '.join(MODELS)}, a Hugging Face "
-        f"config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}"
+        f"model {shown(model)} is not available here{hint}; choose {', '.join(MODELS)}, a Hugging "
+        f"Face config ({', '.join(ALIASES)}, transformers.<Name>Config){extra}"
     )
 
 

@@ -44,6 +44,10 @@ Errors are JSON: `{"detail": "..."}` with a sentence, or, for body validation, F
 Bad input is never a 500: `input` is the value as sent, as a Python repr cut to 120 characters (a
 200,000-character string is not echoed back), and every answer is ASCII-escaped JSON, so a lone
 surrogate a client sent (or an older server stored) is written `\ud800` instead of breaking the answer.
+A field the body does not have, or a value that is none of a field's choices, names the closest
+one: `"msg": "Extra inputs are not permitted (did you mean 'steps'?)"` for `stepz`. (The brief's
+`/finetuning/...` bodies ignore fields they do not have, as the brief asks, and their training
+and setup answers list them in `ignored_fields`, each with the closest field.)
 
 Checked at submit, so that a run accepted is a run that can start (each a 422 naming the field, the
 value, why, and the valid choices):

@@ -546,4 +546,5 @@ def _tail(path: str, n: int = 1500) -> str:
     except OSError:
         return ""
     errors = [ln for ln in lines if "error" in ln.lower()]
+    errors = [e for e in errors if not e.startswith("ampkit supervisor:")] or errors  # run's 1st
     return (errors[-1] if errors else "\n".join(lines[-5:]))[-n:]

@@ -10,9 +10,18 @@ A request is checked once, at the edge: each field here (strings, numbers and ov
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from ..loop.seed import SEED_RANGE
 from ..models.builtin import SIZES
@@ -234,13 +243,16 @@ class RunSpec(BaseModel):
     @field_validator("amp")
     @classmethod
     def _amp(cls, v: dict[str, Any]) -> dict[str, Any]:
+        typed = dict(v)
         v = canonical_config_keys(
             v
         )  # aliases (min_loss_scale, dtype, ...) become fields: the one table
         clash = [k for k in ("precision", "accumulation_steps", "init_scale") if k in v]
         if clash:
+            said = ", ".join(f"{k}={x!r}" for k, x in typed.items() if k not in clash)
             raise ValueError(
-                f"amp: give {', '.join(clash)} as the run's own field(s), not inside amp"
+                (f"amp: {said} set(s) {', '.join(clash)}; " if said else "amp: ")
+                + f"give {', '.join(clash)} as the run's own field(s), not inside amp"
             )
         return v
 
@@ -341,6 +353,31 @@ def run_view(run: dict[str, Any]) -> dict[str, Any]:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: Any) -> Any:
+        """Ignore unknown fields, as the brief asks, but remember them: each with the closest
+        field (``lerning_rate (did you mean 'learning_rate'?)``)."""
+        body = handler(data)
+        if isinstance(data, dict) and isinstance(body, _Body):
+            for key in data:
+                if key not in cls.model_fields:
+                    close = difflib.get_close_matches(str(key), list(cls.model_fields), n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    plain = isinstance(key, str) and key.isprintable() and len(key) <= 80
+                    body._ignored.append(f"{key if plain else shown(key, 80)}{hint}")
+        return body
+
+    def ignored_fields(self) -> list[str]:
+        """The fields this body (and the bodies inside it) ignored, by their path."""
+        out = list(self._ignored)
+        for name in type(self).model_fields:
+            inner = getattr(self, name)
+            if isinstance(inner, _Body):
+                out += [f"{name}.{x}" for x in inner.ignored_fields()]
+        return out
 
 
 class MixedPrecisionBody(_Body):

@@ -16,8 +16,10 @@ import asyncio
 import errno
 import logging
 import os
+import socket
 import sqlite3
 import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 from . import lock
@@ -96,15 +98,39 @@ def preflight(data_dir: str) -> None:
         ) from None
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn; ``OSError`` naming the address and what to do
+    when it cannot be (a port in use: another server, or this one started twice)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = (
+            "the port is in use (another server?); stop it or choose another --port"
+            if e.errno == errno.EADDRINUSE
+            else f"{e.strerror or e}; choose another --host or --port"
+        )
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
 def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
     header_timeout: float = 10.0,
     keep_alive: int = 5,
+    announce: Optional[Callable[[], None]] = None,
     **config: Any,
 ) -> None:
-    """Run the service with uvicorn until interrupted (``config``: :class:`ServiceConfig` fields).
+    """Run the service with uvicorn until interrupted (``config``: :class:`ServiceConfig` fields);
+    ``announce()`` once it holds its data directory and listens (the CLI's start line).
     Raises ``OSError`` (the CLI prints it and exits 2) when the data directory cannot hold its state."""
     from .schemas import ServiceConfig
 
@@ -114,17 +140,25 @@ def serve(
         cfg.data_dir
     )  # a second server on this directory: DataDirBusy (the CLI says it, exits 2)
     try:
-        _serve(cfg, host, port, header_timeout, keep_alive)
+        _serve(cfg, host, port, header_timeout, keep_alive, announce)
     finally:
         lock.release(key)
 
 
-def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: int) -> None:
+def _serve(
+    cfg: Any,
+    host: str,
+    port: int,
+    header_timeout: float,
+    keep_alive: int,
+    announce: Optional[Callable[[], None]] = None,
+) -> None:
     import uvicorn
 
     from .app import create_app
     from .store import disk_full
 
+    sock = listening_socket(host, port)  # a port in use: said before the database is opened
     try:
         app = create_app(
             cfg
@@ -135,6 +169,8 @@ def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: in
             code, f"cannot open the service's database in {os.path.abspath(cfg.data_dir)}: {e}"
         ) from None
     _log_to_stderr()
+    if announce is not None:
+        announce()
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -146,7 +182,10 @@ def _serve(cfg: Any, host: str, port: int, header_timeout: float, keep_alive: in
             h11_max_incomplete_event_size=64 * 1024,
         )
     )
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if (
         getattr(server, "started", True) is False
     ):  # the lifespan failed (uvicorn logged why): not a clean exit

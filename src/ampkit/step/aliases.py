@@ -31,6 +31,7 @@ __all__ = [
     "SCALING_STRATEGIES",
     "SHOWN_PRECISION_ALIASES",
     "SWITCH_KEYS",
+    "SWITCH_WHEN_BOOL",
     "UnknownKeyError",
     "canonical_keys",
     "unknown_key_message",
@@ -139,6 +140,10 @@ _STRATEGY_KEYS = ("scaling_strategy", "loss_scaling_strategy", "scaler_strategy"
 #: The seed guides' on/off switches of mixed precision (``enabled=True``, ``use_mixed_precision=False``):
 #: ``True`` keeps the precision (the one given, else ``auto``), ``False`` means fp32 whatever else is given.
 SWITCH_KEYS = ("enabled", "use_mixed_precision")
+#: Precision aliases that other tools also use as switches: given a bool (``mixed_precision=True``,
+#: a YAML's ``mixed_precision: false``) they are read as :data:`SWITCH_KEYS` are; given a name, as
+#: the precision.
+SWITCH_WHEN_BOOL = ("mixed_precision",)
 
 
 class UnknownKeyError(ValueError, TypeError):
@@ -180,7 +185,9 @@ def canonical_keys(data: Mapping[str, Any], valid: Iterable[str]) -> dict[str, A
     switches = {
         k: v
         for k, v in data.items()
-        if k in SWITCH_KEYS and k not in valid and "precision" in valid
+        if (k in SWITCH_KEYS or (k in SWITCH_WHEN_BOOL and isinstance(v, bool)))
+        and k not in valid
+        and "precision" in valid
     }
     for key, value in data.items():
         if key in switches:

@@ -8,6 +8,7 @@ machine does not have.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import platform
 from dataclasses import asdict, dataclass, field
@@ -139,8 +140,11 @@ def normalize_device(device: Union[str, torch.device, None]) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
+        kind = str(device).partition(":")[0]
+        close = difflib.get_close_matches(kind, ["cpu", "cuda", "mps", "xpu"], n=1, cutoff=0.6)
+        why = f" (did you mean {close[0]!r}?)" if close and close[0] != kind else f": {e}"
         raise ValueError(
-            f"invalid device {device!r}: {e}; use e.g. 'cpu', 'cuda', 'cuda:1', 'mps'"
+            f"invalid device {device!r}{why}; use e.g. 'cpu', 'cuda', 'cuda:1', 'mps'"
         ) from None
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -15,6 +15,7 @@ are the same value in two fields (:meth:`Rung.of`). What each rung does is in
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, get_args
@@ -72,14 +73,16 @@ class Rung:
     state_dtype: StateDtype = "fp32"
 
     def __post_init__(self) -> None:
-        if self.masters not in MASTERS:
-            raise RungError(
-                f"invalid masters={self.masters!r}: must be one of: {', '.join(MASTERS)}"
-            )
-        if self.state_dtype not in STATE_DTYPES:
-            raise RungError(
-                f"invalid state_dtype={self.state_dtype!r}: must be one of: {', '.join(STATE_DTYPES)}"
-            )
+        for name, value, valid in (
+            ("masters", self.masters, MASTERS),
+            ("state_dtype", self.state_dtype, STATE_DTYPES),
+        ):
+            if value not in valid:
+                close = difflib.get_close_matches(str(value), valid, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise RungError(
+                    f"invalid {name}={value!r}{hint}: must be one of: {', '.join(valid)}"
+                )
 
     @classmethod
     def parse(cls, text: str, spec: Optional[str] = None) -> Rung:
@@ -88,7 +91,8 @@ class Rung:
         masters, plus, state_dtype = str(text).strip().lower().partition("+")
         if masters not in MASTERS or (plus and state_dtype != "bf16"):
             raise RungError(
-                f"unknown ladder rung {spec or text!r}: write {'|'.join(ladder_names())}:{_FORM} "
+                f"unknown ladder rung {spec or text!r}{_closest_rung(text, spec)}: write "
+                f"{'|'.join(ladder_names())}:{_FORM} "
                 f"with masters one of {', '.join(MASTERS)}, e.g. 'bf16-pure:split' or "
                 "'bf16-pure:stochastic+bf16'"
             )
@@ -163,6 +167,16 @@ LADDER: tuple[Rung, ...] = (
     Rung("stochastic"),
     Rung("stochastic", "bf16"),
 )
+
+
+def _closest_rung(text: str, spec: Optional[str]) -> str:
+    """`` (did you mean 'bf16-pure:split'?)`` for a mistyped rung (``splt``), or ``""``."""
+    rungs = [str(Rung(m, d)) for m in MASTERS for d in STATE_DTYPES]  # type: ignore[arg-type]
+    close = difflib.get_close_matches(str(text).strip().lower(), rungs, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    head = spec.rpartition(":")[0] if spec and ":" in spec else "bf16-pure"
+    return f" (did you mean '{head}:{close[0]}'?)"
 
 
 def ladder_names() -> list[str]:

@@ -156,10 +156,11 @@ def setup(body: SetupBody, who: Owner, svc: Svc) -> dict[str, Any]:
     `mixed-precision` runs without their own `mixed_precision_config` use them). Answer:
     `model_name`, `enabled`, `precision`, `dtype`, `reason`, `memory_efficient`,
     `activation_checkpointing`, `scaler` (`enabled`, `init_scale`, `growth_factor`,
-    `backoff_factor`, `growth_interval`, `hysteresis`, `min_scale`, `max_scale`)."""
+    `backoff_factor`, `growth_interval`, `hysteresis`, `min_scale`, `max_scale`), `ignored_fields`
+    (the body's fields this route does not have, each with the closest one)."""
     out = {"model_name": body.model_name, **_settings(body)}
     svc.store.put_setting(who, "mixed_precision", {**body.model_dump(), "resolved": out})
-    return out
+    return {**out, "ignored_fields": body.ignored_fields()}
 
 
 @router.post("/mixed-precision", status_code=201)
@@ -167,7 +168,7 @@ def mixed_precision(body: TrainBody, who: Owner, svc: Svc) -> dict[str, Any]:
     """Starts a training run (`POST /v1/runs`) with `save_model` on; the batch is `batch_size`
     capped at the number of texts. Answer at once: the run object plus `run_id`,
     `mixed_precision` (the setup answer's fields), `memory_savings_gb` (null now), `scaler_scale`
-    (the initial scale), `result` (`/finetuning/runs/{id}`)."""
+    (the initial scale), `result` (`/finetuning/runs/{id}`), `ignored_fields` (as `setup`'s)."""
     mp = body.mixed_precision_config
     if mp is None:
         saved = svc.store.get_setting(who, "mixed_precision")
@@ -188,6 +189,7 @@ def mixed_precision(body: TrainBody, who: Owner, svc: Svc) -> dict[str, Any]:
         "memory_savings_gb": None,
         "scaler_scale": cfg["scaler"]["init_scale"],
         "result": f"/finetuning/runs/{run['id']}",
+        "ignored_fields": body.ignored_fields(),
     }
 
 
@@ -198,7 +200,8 @@ def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
     `epochs` times. Answer: the run object plus `run_id`, `precision`, `reason`,
     `mixed_precision_enabled`, `gradient_accumulation_enabled`, `batch_size`,
     `accumulation_steps`, `effective_batch_size`, `optimizer_steps`, `epochs`, `data_passes`,
-    `memory_savings_gb` (when the estimate is ready within a second, else null)."""
+    `memory_savings_gb` (when the estimate is ready within a second, else null), `ignored_fields`
+    (as `setup`'s)."""
     if body.use_mixed_precision:
         p = _mixed_for(body.device)
         precision, reason = p.name, p.reason
@@ -238,6 +241,7 @@ def optimized(body: OptimizedBody, who: Owner, svc: Svc) -> dict[str, Any]:
         "epochs": body.training_config.epochs,
         "data_passes": passes,
         "memory_savings_gb": savings_gb(spec, precision, wait_s=1.0),
+        "ignored_fields": body.ignored_fields(),
     }
 
 

@@ -3,6 +3,7 @@ recommendation (``ampkit tune`` as a job). ``/health`` is the only route without
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sqlite3
@@ -76,7 +77,11 @@ def list_runs(
     """This owner's runs, newest first: `{"runs": [run, ...]}`. No run's training texts are in it
     (`texts_count` and `texts_bytes` instead). A `status` that is none of the statuses is 422."""
     if status is not None and status not in STATUSES:
-        raise HTTPException(422, f"status {shown(status)} is not one of: {', '.join(STATUSES)}")
+        close = difflib.get_close_matches(status, STATUSES, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise HTTPException(
+            422, f"status {shown(status)} is no status{hint}; choose one of: {', '.join(STATUSES)}"
+        )
     return {
         "runs": [
             run_view(svc.runner.shown(r))
