@@ -21,7 +21,8 @@ def test_paired_ratio_and_spread_from_synthetic_times():
     ratio, spread = paired_ratio([10.0, 10.0, 10.0], [5.0, 5.0, 5.0])
     assert ratio == 2.0 and spread == 0.0
     ratio, spread = paired_ratio([10.0, 11.0, 9.0, 10.0], [10.0, 10.0, 10.0, 10.0])
-    assert ratio == pytest.approx(1.0) and spread == pytest.approx(0.1)  # (1.1 - 0.9) / 2 / 1.0
+    # the ratio's distance to the worst pair (1.0 - 0.9) plus half the pairs' range (1.1 - 0.9) / 2
+    assert ratio == pytest.approx(1.0) and spread == pytest.approx(0.2)
     assert paired_ratio([3.0], [2.0]) == (1.5, math.inf)  # one repeat: no spread to speak of
     with pytest.raises(ValueError, match="equally long"):
         paired_ratio([1.0, 2.0], [1.0])
@@ -204,3 +205,59 @@ def test_info_says_it_timed_one_matmul_with_threads_repeats_and_spread(capsys):
     assert main(["info", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # (rich wraps long lines)
     assert "timed: one 512x512 matmul" in out
+
+
+# ------------------------------------------------- tune on a loaded machine (injected timings)
+FP32_LOADED = [140.0, 140.0, 140.0, 12.5, 12.4]  # three of fp32's five blocks hit by a neighbour
+SAME = [12.3, 12.4, 12.2, 12.3, 12.4]  # a candidate no faster than fp32 really is
+
+
+def test_a_ratio_made_by_outliers_is_within_noise():
+    ratio, spread = paired_ratio(FP32_LOADED, SAME)
+    assert ratio > 10  # the medians alone say 11x: the noise, not the precision
+    assert within_noise(ratio, spread)
+    assert "within noise" in speed_words(ratio, spread)
+    ratio, spread = paired_ratio([13.0, 13.1, 12.9, 13.2, 13.0], [10.0, 10.1, 9.9, 10.0, 10.2])
+    assert ratio == pytest.approx(1.3, abs=0.01) and not within_noise(ratio, spread)
+
+
+@pytest.fixture(scope="module")
+def injected(request):
+    """``compare`` on a tiny MLP whose timed blocks report the given times instead of measuring."""
+    from ampkit.choose import bench
+
+    def run(times):
+        real = bench._timed_blocks
+
+        def fake(runs, *a, **k):
+            for name, r in runs.items():
+                r.times[:] = times[name]
+
+        bench._timed_blocks = fake
+        try:
+            factory = lambda: builtin("mlp", "tiny", batch_size=8)[0]  # noqa: E731
+            data = builtin("mlp", "tiny", batch_size=8)[1]
+            return bench.compare(
+                factory, data, ["fp32", "bf16"], steps=5, warmup=2, repeats=5, device="cpu"
+            )
+        finally:
+            bench._timed_blocks = real
+
+    return run
+
+
+def test_tune_writes_no_pick_from_an_outlier_in_fp32s_times(injected, tmp_path):
+    report = injected({"fp32": FP32_LOADED, "bf16": SAME})
+    bf16 = report.result("bf16")
+    assert bf16.speedup_vs_fp32 > 10  # what was picked before: "11.35x fp32"
+    rec = tune(report, tolerance=1.0)  # the loss gap is not what this is about
+    assert rec.precision == "fp32" and "within noise" in rec.why_not["bf16"]
+    assert "cannot tell it from fp32" in rec.note
+
+
+def test_tune_picks_a_consistent_speedup(injected):
+    fp32 = [13.0, 13.1, 12.9, 13.2, 13.0]
+    report = injected({"fp32": fp32, "bf16": [t / 1.3 for t in fp32]})
+    rec = tune(report, tolerance=1.0)
+    assert rec.precision == "bf16" and rec.note == ""
+    assert rec.speedup_vs_fp32 == pytest.approx(1.3)

@@ -437,6 +437,7 @@ def test_full_disk_for_logs_is_one_line(tmp_path):
     r = run(*MLP, "--steps", "4", "--log_every", "2", "--log_dir", str(log_dir))
     assert r.returncode == 2
     assert "No space left on device" in r.stderr and "Traceback" not in r.stderr
+    assert str(log_dir / "log.jsonl") in r.stderr and "free space" in r.stderr  # which file, what to do
 
 
 def _limit_file_size():  # runs in the child: writes past 64 KiB fail with EFBIG instead of a signal

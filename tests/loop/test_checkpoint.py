@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import random
@@ -287,3 +288,55 @@ def test_sigkill_during_checkpointing_never_leaves_a_partial_checkpoint(tmp_path
     lines = (tmp_path / "log" / "log.jsonl").read_text().splitlines()
     log = [json.loads(line) for line in lines if line.strip().endswith("}")]
     assert any(r.get("kind") == "checkpoint" for r in log)
+
+
+class _FullDisk:
+    """A file whose every write raises ENOSPC, as on a full disk."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "create"])
+def test_a_full_disk_names_the_checkpoint_and_replaces_nothing(tmp_path, monkeypatch, where):
+    """ENOSPC while writing a checkpoint: one error naming the file, saying the previous checkpoint
+    is intact and the partial file gone, and what to do; nothing left behind (issue 34 §3)."""
+    import ampkit.loop.checkpoint as ck
+
+    manager = CheckpointManager(str(tmp_path))
+    manager.save(1, {"x": torch.arange(3)})
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if where == "write":
+        real = os.fdopen
+        monkeypatch.setattr(ck.os, "fdopen", lambda *a, **k: _FullDisk(real(*a, **k)))
+    elif where == "fsync":
+        monkeypatch.setattr(ck.os, "fsync", lambda fd: (_ for _ in ()).throw(full))
+    else:
+        def mkstemp(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", k.get("dir", "?") + "/.tmp-x")
+
+        monkeypatch.setattr(ck.tempfile, "mkstemp", mkstemp)
+    with pytest.raises(CheckpointError) as e:
+        manager.save(2, {"x": torch.arange(4)})
+    monkeypatch.undo()
+    text = str(e.value)
+    assert manager.path(2) in text and "No space left on device" in text
+    assert "nothing was replaced" in text.lower() and "previous checkpoint" in text
+    assert "free space" in text.lower()
+    assert ".tmp-" not in text  # the file it was writing, not a temporary name
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    assert [s for s, _ in manager.list()] == [1]
+    step, state = manager.load_latest()[1]["step"], manager.load_latest()[1]
+    assert step == 1 and torch.equal(state["x"], torch.arange(3))

@@ -388,3 +388,24 @@ def test_the_predicted_state_saving_counts_the_rung(spec, saved_per_param):
     saved = state_memory_saved(amp)
     # the ladder's stand-ins share one scalar (4 bytes): within 16 bytes of the per-parameter count
     assert abs(saved - saved_per_param * n) <= 16
+
+
+def test_a_full_disk_names_the_log_file(tmp_path, monkeypatch):
+    """ENOSPC while appending to the log reaches the user with the file's name (the CLI prints
+    ``strerror: 'filename'``), not a bare "No space left on device" (issue 34 §4)."""
+    import errno
+
+    path = str(tmp_path / "log.jsonl")
+    sink = JSONLSink(path)
+    sink.write([{"step": 1}])
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink._fh, "flush", full)
+    with pytest.raises(OSError) as e:
+        sink.write([{"step": 2}])
+    assert e.value.errno == errno.ENOSPC and e.value.filename == path
+    assert "No space left on device" in e.value.strerror and "free space" in e.value.strerror
+    monkeypatch.undo()
+    sink.close()

@@ -454,6 +454,30 @@ def test_a_new_data_dir_is_private(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "svc").st_mode) == 0o700
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o750, 0o705])
+def test_an_open_data_dir_is_named_with_its_fix_and_left_as_it_is(tmp_path, mode):
+    """An existing data dir that others can read or write: one warning naming it, its mode and the
+    ``chmod 700`` fix; its mode is not changed behind the operator's back (issue 34 §4)."""
+    import warnings
+
+    from ampkit.service.server import preflight
+
+    svc = tmp_path / "svc"
+    svc.mkdir()
+    os.chmod(svc, mode)
+    with pytest.warns(UserWarning) as caught:
+        preflight(str(svc))
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert str(svc) in text and f"{mode:o}" in text and f"chmod 700 {svc}" in text
+    assert "\n" not in text
+    assert stat.S_IMODE(os.stat(svc).st_mode) == mode
+    os.chmod(svc, 0o700)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        preflight(str(svc))  # private: nothing to say
+
+
 # --- section 5: memory_savings_gb for every finished run ------------------------------------------
 
 

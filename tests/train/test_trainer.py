@@ -272,7 +272,9 @@ def test_trainer_turns_fallback_on_by_default():
     assert summary.precision == "bf16" and math.isfinite(summary.final_loss)
     assert t.diagnosis is not None and t.diagnosis.module == "big"
     amp2 = MixedPrecision("fp16", device="cpu")
-    Trainer(model, opt, amp2, lambda i: batches[i], progress=False, fallback=False)
+    model2 = Unstable()
+    model2, opt2 = amp2.setup(model2, torch.optim.AdamW(model2.parameters(), lr=3e-3))
+    Trainer(model2, opt2, amp2, lambda i: batches[i], progress=False, fallback=False)
     assert amp2.config.fallback is False
 
 
@@ -368,3 +370,33 @@ def test_the_log_holds_every_step_a_checkpoint_holds(tmp_path):
         log_dir=str(tmp_path / "log"),
     ).fit(7)
     assert logged == {3: [1, 2, 3], 6: [1, 2, 3, 4, 5, 6]}
+
+
+def _linear_and_batches():
+    model = torch.nn.Linear(4, 1)
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda i: batch
+
+
+def _mse(model, batch):
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def test_trainer_refuses_an_engine_not_set_up_with_its_model_and_optimizer(capsys):
+    """Refused when built (before any table or step), saying what to call (issue 34 §5)."""
+    model, opt, batches = _linear_and_batches()
+    amp = MixedPrecision("fp32", device="cpu")
+    with pytest.raises(ValueError, match=r"amp\.setup\(model, optimizer\)") as e:
+        Trainer(model, opt, amp, batches, loss_fn=_mse)
+    assert "was never set up" in str(e.value)
+    other, other_opt, _ = _linear_and_batches()
+    amp.setup(other, other_opt)
+    with pytest.raises(ValueError, match="set up with another model"):
+        Trainer(model, opt, amp, batches, loss_fn=_mse)
+    amp.setup(model)  # the model, but not this optimizer
+    with pytest.raises(ValueError, match="optimizer passed to the Trainer was not given"):
+        Trainer(model, opt, amp, batches, loss_fn=_mse)
+    assert amp.config.fallback is False  # refused before the Trainer changed the engine
+    assert capsys.readouterr().out == ""
+    model, opt = amp.setup(model, opt)
+    assert Trainer(model, opt, amp, batches, loss_fn=_mse).fit(1).optimizer_steps == 1

@@ -76,9 +76,9 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
     ``path + ".sha256"`` (atomically too) in place before the rename. Returns ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    sink = None
+    sink, tmp = None, None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
         with os.fdopen(fd, "wb") as f:
             sink = HashingWriter(f)
             torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, sink)
@@ -91,8 +91,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
         os.replace(tmp, path)
         _fsync_dir(directory)
     except (OSError, RuntimeError) as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _remove(tmp)
         # torch's zip writer reports a failed write as a RuntimeError about file positions; the
         # OSError underneath (disk full, file too large) is the reason worth showing.
         cause = sink.error if sink is not None and sink.error is not None else e
@@ -100,14 +99,20 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             raise
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
         raise CheckpointError(
-            f"could not write checkpoint {path!r}: {reason} (the previous checkpoint, "
-            "if any, is intact)"
+            f"could not write checkpoint {path!r}: {reason}. Nothing was replaced: the previous "
+            "checkpoint, if any, is intact and the partial file was removed. Free space on that "
+            "disk (or checkpoint elsewhere), then resume: it continues from the previous checkpoint"
         ) from e
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _remove(tmp)
         raise
     return path
+
+
+def _remove(tmp: Optional[str]) -> None:
+    if tmp is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def load_checkpoint(path: str, map_location: Any = "cpu") -> dict[str, Any]:

@@ -18,7 +18,9 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -83,6 +85,7 @@ def preflight(data_dir: str) -> None:
         ):  # a new data directory is private (0700) whatever the umask;
             os.makedirs(data_dir, mode=0o700)  # an existing one keeps the mode its operator gave it
             os.chmod(data_dir, 0o700)
+        _warn_if_open(data_dir)
         probe = os.path.join(data_dir, f".write-test-{os.getpid()}")
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -96,6 +99,20 @@ def preflight(data_dir: str) -> None:
             e.errno,
             f"cannot keep the service's state in {os.path.abspath(data_dir)}: {e.strerror or e}",
         ) from None
+
+
+def _warn_if_open(data_dir: str) -> None:
+    """One warning when others may read or write the data directory (its database holds tokens'
+    owners and every run's settings); the operator's mode is theirs to change, not ours."""
+    mode = stat.S_IMODE(os.stat(data_dir).st_mode)
+    if mode & 0o077:
+        path = os.path.abspath(data_dir)
+        who = "writable" if mode & 0o022 else "readable"
+        warnings.warn(
+            f"the data directory {path} is {who} by others (mode {mode:o}); make it private "
+            f"with: chmod 700 {path}",
+            stacklevel=2,
+        )
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

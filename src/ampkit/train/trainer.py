@@ -49,6 +49,7 @@ from .trainer_config import (
     EvalConfig,
     LogConfig,
     TrainerSettings,
+    check_engine,
     group_settings,
 )
 
@@ -70,7 +71,7 @@ class Trainer:
     ``Trainer(model, optimizer, amp, batches).fit(steps)`` is the whole call; the rest is optional.
 
     Args:
-        model, optimizer: already passed through ``amp.setup``.
+        model, optimizer: already passed through ``amp.setup`` (anything else is refused here).
         batches: an iterable of batches, walked in order, one pass per epoch (``set_epoch`` called
             on its sampler each epoch; see :class:`~ampkit.loop.batches.BatchSource`), or
             ``batches(i)`` returning micro-batch ``i``. Samples per second are counted from the
@@ -119,6 +120,7 @@ class Trainer:
         spike_rollback: Any = False,
         **settings: Any,
     ) -> None:
+        check_engine(model, optimizer, amp)  # before anything is printed or changed
         self.settings: TrainerSettings = group_settings(
             {"checkpoint": checkpoint, "evaluation": evaluation, "log": log, "batching": batching},
             settings,
@@ -130,9 +132,7 @@ class Trainer:
             spike_rollback,
             None,
         )
-        self.split = (
-            1  # micro-batches each batch is cut into (doubled after an out-of-memory error)
-        )
+        self.split = 1  # micro-batches each batch is cut into (doubled after an OOM error)
         self.run_id = broadcast_object(
             uuid.uuid4().hex[:12]
         )  # one id for all ranks; kept across resumes

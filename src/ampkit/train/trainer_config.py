@@ -24,8 +24,28 @@ __all__ = [
     "EvalConfig",
     "LogConfig",
     "TrainerSettings",
+    "check_engine",
     "group_settings",
 ]
+
+_SETUP = "call model, optimizer = amp.setup(model, optimizer) first and pass what it returns"
+
+
+def check_engine(model: Any, optimizer: Any, amp: Any) -> None:
+    """The Trainer's contract: ``model`` and ``optimizer`` went through ``amp.setup`` (refused
+    when the Trainer is built, not at the first backward after its header was printed)."""
+    if amp.model is None:
+        raise ValueError(f"Trainer: the MixedPrecision engine was never set up; {_SETUP}")
+    if amp.model is not model:
+        raise ValueError(
+            f"Trainer: the engine was set up with another model ({type(amp.model).__name__}) "
+            f"than the one passed ({type(model).__name__}); {_SETUP}"
+        )
+    if not any(o is optimizer for o in amp.optimizers):
+        raise ValueError(
+            "Trainer: the optimizer passed to the Trainer was not given to amp.setup "
+            f"({len(amp.optimizers)} optimizer(s) were); {_SETUP}"
+        )
 
 
 def _count(name: str, value: Any, none: bool = False) -> None:

@@ -38,10 +38,18 @@ class JSONLSink:
                     self._fh.write("\n")
 
     def write(self, records: list[dict[str, Any]]) -> None:
-        self._fh.write("".join(_line(r) + "\n" for r in records))
-        self._fh.flush()
-        if self._fsync:
-            os.fsync(self._fh.fileno())
+        try:
+            self._fh.write("".join(_line(r) + "\n" for r in records))
+            self._fh.flush()
+            if self._fsync:
+                os.fsync(self._fh.fileno())
+        except OSError as e:  # e.g. a full disk: say which file, and what to do
+            raise OSError(
+                e.errno,
+                f"{e.strerror or e} (appending to the run's log; free space on that disk, then "
+                "resume from the last checkpoint or run again)",
+                self.path,
+            ) from e
 
     def close(self) -> None:
         if not self._fh.closed:
