@@ -113,7 +113,9 @@ def test_autocast_loop_with_infs_and_nans_is_bitwise_gradscalers(opt_name, unsca
     ref_states, ref_opt = run_loop(
         ref, ref_model, data, OPTIMIZERS[opt_name], bad=bad, unscale_first=unscale_first
     )
-    states, opt = run_loop(ours, model, data, OPTIMIZERS[opt_name], bad=bad, unscale_first=unscale_first)
+    states, opt = run_loop(
+        ours, model, data, OPTIMIZERS[opt_name], bad=bad, unscale_first=unscale_first
+    )
     assert states == ref_states
     assert ref_states[2] == (ref_states[1][0] / 2, 0)  # the case holds: the inf step backed off
     assert_same(model.parameters(), ref_model.parameters())
@@ -205,9 +207,7 @@ def test_multiple_models_losses_optimizers_are_bitwise_gradscalers():
     unscaled separately; an inf in the second model's gradients skips both steps' scale update."""
     (m0, data), (m1, _) = model_and_data(4), model_and_data(5)
     results = []
-    for s, a, b in zip(
-        both(init_scale=128.0, growth_interval=1), (twin(m0), m0), (twin(m1), m1)
-    ):
+    for s, a, b in zip(both(init_scale=128.0, growth_interval=1), (twin(m0), m0), (twin(m1), m1)):
         o0 = torch.optim.SGD(a.parameters(), lr=0.1)
         o1 = torch.optim.Adam(b.parameters(), lr=0.01)
         for i, (x, y) in enumerate(data):
@@ -472,7 +472,9 @@ def test_hysteresis_is_ampkits_documented_extension():
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, {"clip_grad_norm": 0.2}, {"accumulation_steps": 2}], ids=["plain", "clip", "accum"]
+    "extra",
+    [{}, {"clip_grad_norm": 0.2}, {"accumulation_steps": 2}],
+    ids=["plain", "clip", "accum"],
 )
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
 def test_mixed_precision_fp16_loop_is_bitwise_gradscalers(opt_name, extra):

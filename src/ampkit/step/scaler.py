@@ -329,7 +329,8 @@ class LossScaler:
         """``unscale_`` (if not done yet), then ``optimizer.step()`` unless gradients were non-finite.
 
         Fused optimizers (``_step_supports_amp_scaling``) receive ``grad_scale``/``found_inf``
-        and skip on the device: no sync. Other optimizers need one device->host sync to decide.
+        and skip on the device: no sync (a ``grad_scale`` already set on the optimizer is
+        multiplied in, as ``GradScaler`` does). Other optimizers need one device->host sync to decide.
         Returns what ``optimizer.step`` returned (None when skipped). Closures are not supported.
         """
         if not self._enabled:
@@ -350,12 +351,18 @@ class LossScaler:
                 return self.step_decided(optimizer, finite, *args, **kwargs)
         if fused:
             scale = self._ensure(first_grad_device(optimizer))
+            # A grad_scale the caller set on the optimizer is kept, times the loss scale (as
+            # GradScaler.step); like GradScaler, both attributes are removed after the step.
+            preset = getattr(optimizer, "grad_scale", None)
             if state["stage"] is _Stage.READY:
                 # Only check here; the fused kernel unscales (torch's own protocol).
                 state["found_inf_per_device"] = self._check(optimizer, self._one, allow_fp16=True)
-                grad_scale = None if self.is_unit else scale
+                if self.is_unit or preset is None:
+                    grad_scale = preset if self.is_unit else scale
+                else:
+                    grad_scale = scale * preset
             else:
-                grad_scale = None  # already unscaled
+                grad_scale = preset  # already unscaled by the loss scale
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = self._combined(state)  # type: ignore[attr-defined]
             try:
@@ -377,8 +384,9 @@ class LossScaler:
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
         """End the iteration: fold every optimizer's ``found_inf`` into the scale (module doc). No sync.
 
-        Call once per iteration, after ``step`` for every optimizer. ``new_scale`` sets the
-        scale directly instead (bounds and the floor still apply).
+        Call once per iteration, after ``step`` for every optimizer. ``new_scale`` (a float or a
+        1-element tensor that does not require grad, copied; else ValueError) sets the scale
+        directly instead (bounds and the floor still apply).
         """
         if not self._enabled:
             return
@@ -387,9 +395,18 @@ class LossScaler:
                 "update() called before any scale()/unscale_()/step(); nothing to update"
             )
         if new_scale is not None:
-            self._scale.fill_(new_scale) if isinstance(
-                new_scale, (int, float)
-            ) else self._scale.copy_(new_scale)
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1 or new_scale.requires_grad:
+                    # (as GradScaler: a tensor that requires grad would pull the scale, and so
+                    # every scaled loss, into its autograd graph)
+                    raise ValueError(
+                        f"invalid new_scale: a tensor of shape {tuple(new_scale.shape)} with "
+                        f"requires_grad={new_scale.requires_grad}; must be a float or a "
+                        "1-element tensor that does not require grad"
+                    )
+                self._scale.copy_(new_scale.reshape(()))
+            else:
+                self._scale.fill_(new_scale)
             self._clamp()
             self._per_optimizer = defaultdict(_fresh)
             return
