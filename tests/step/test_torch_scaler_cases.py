@@ -520,3 +520,42 @@ def test_mixed_precision_fp16_loop_is_bitwise_gradscalers(opt_name, extra):
     for p, q in zip(model.parameters(), ref_model.parameters()):
         for k, v in ref_opt.state[q].items():
             assert_same([opt.state[p][k]], [v])
+
+
+class _AmpAwareOptimizer(torch.optim.Optimizer):
+    """A custom optimizer that does its own AMP bookkeeping (``_step_supports_amp_scaling``)."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self._step_supports_amp_scaling = True
+        self.seen = None
+
+
+class _TakesTheScaler(_AmpAwareOptimizer):
+    def step(self, closure=None, *, grad_scaler=None):
+        self.seen = (grad_scaler, hasattr(self, "grad_scale"), hasattr(self, "found_inf"))
+
+
+class _ReadsTheAttributes(_AmpAwareOptimizer):
+    def step(self, closure=None):
+        self.seen = (type(self.grad_scale), type(self.found_inf))
+
+
+@pytest.mark.parametrize("make", [gradscaler, LossScaler], ids=["GradScaler", "LossScaler"])
+def test_custom_optimizer_gets_the_scaler_or_the_attributes(make):
+    """``test_grad_scaler_pass_itself``: an amp-aware optimizer whose ``step`` takes a
+    ``grad_scaler`` keyword is handed the scaler itself (with GradScaler's FutureWarning) and no
+    attributes; one without it gets ``grad_scale``/``found_inf`` tensors."""
+    m = torch.nn.Linear(4, 1)
+    o1, o2 = _TakesTheScaler(m.parameters()), _ReadsTheAttributes(m.parameters())
+    scaler = make(init_scale=2.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = m(torch.randn(4, 4)).float().mean()
+    scaler.scale(loss).backward()
+    with pytest.warns(FutureWarning):
+        scaler.step(o1)
+    scaler.step(o2)
+    scaler.update()
+    assert o1.seen == (scaler, False, False)
+    assert o2.seen == (torch.Tensor, torch.Tensor)
+    assert scaler.get_scale() == 2.0

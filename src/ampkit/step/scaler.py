@@ -32,6 +32,9 @@ hysteresis budget and overflow count are device tensors, created lazily on the d
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from enum import Enum
@@ -58,6 +61,15 @@ class _Stage(Enum):
 
 def _fresh() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}}
+
+
+@functools.cache
+def _takes_grad_scaler(optimizer_type: type) -> bool:
+    """Whether ``optimizer_type.step`` takes a ``grad_scaler`` argument (asked once per type)."""
+    try:
+        return "grad_scaler" in inspect.signature(optimizer_type.step).parameters
+    except (TypeError, ValueError):  # no signature to read (a C function)
+        return False
 
 
 class LossScaler:
@@ -330,7 +342,9 @@ class LossScaler:
 
         Fused optimizers (``_step_supports_amp_scaling``) receive ``grad_scale``/``found_inf``
         and skip on the device: no sync (a ``grad_scale`` already set on the optimizer is
-        multiplied in, as ``GradScaler`` does). Other optimizers need one device->host sync to decide.
+        multiplied in, as ``GradScaler`` does). One whose ``step`` takes a ``grad_scaler`` argument
+        is handed this scaler instead, with a ``FutureWarning`` (GradScaler's older protocol).
+        Other optimizers need one device->host sync to decide.
         Returns what ``optimizer.step`` returned (None when skipped). Closures are not supported.
         """
         if not self._enabled:
@@ -349,6 +363,19 @@ class LossScaler:
             finite = cpu_all_finite(optimizer, allow_fp16=fused)
             if finite is not None:
                 return self.step_decided(optimizer, finite, *args, **kwargs)
+        if fused and _takes_grad_scaler(type(optimizer)):
+            # The older protocol GradScaler still honours (deprecated there): the optimizer is
+            # handed the scaler itself and does its own unscaling and checking.
+            warnings.warn(
+                f"{type(optimizer).__name__}.step takes a grad_scaler argument: the scaler is passed "
+                "as it (GradScaler's deprecated protocol); read the grad_scale and found_inf "
+                "attributes instead",
+                FutureWarning,
+                stacklevel=2,
+            )
+            ret = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            state["stage"] = _Stage.STEPPED
+            return ret
         if fused:
             scale = self._ensure(first_grad_device(optimizer))
             # A grad_scale the caller set on the optimizer is kept, times the loss scale (as
