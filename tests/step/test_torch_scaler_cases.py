@@ -137,7 +137,7 @@ def test_growth_backoff_interval_sequences(kw):
     steps (not when the result would be inf: ``test_grad_scale_will_not_overflow``), backoff and a
     tracker reset on every overflow, found_infs of several optimizers combined."""
     ref, ours = both(**kw)
-    pattern = [0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0]
+    pattern = [0, 0, 0, 1, 0, 0, 1, 2, 0, 0, 0, 0, 0, 1, 0]  # 2: both optimizers overflow
     for s in (ref, ours):
         s.scale(torch.ones(()))
     p = torch.nn.Parameter(torch.ones(2))
@@ -145,8 +145,8 @@ def test_growth_backoff_interval_sequences(kw):
     for step, overflow in enumerate(pattern):
         for s in (ref, ours):
             opts = [torch.optim.SGD([p], lr=0.0), torch.optim.SGD([q], lr=0.0)]
-            p.grad = torch.full((2,), INF if overflow and step % 2 else 1.0)
-            q.grad = torch.full((2,), NAN if overflow and not step % 2 else 1.0)
+            p.grad = torch.full((2,), INF if overflow and (step % 2 or overflow == 2) else 1.0)
+            q.grad = torch.full((2,), NAN if overflow and (not step % 2 or overflow == 2) else 1.0)
             for o in opts:
                 s.unscale_(o)
             s.update()
@@ -229,6 +229,7 @@ def test_multiple_models_losses_optimizers_are_bitwise_gradscalers():
     assert_same(results[0][1], results[1][1])
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_penalty_double_backward_is_bitwise_gradscalers():
     """``test_grad_scaling_penalty``: autograd.grad of the scaled loss with create_graph, unscaled
     by hand, its norm added to the loss; also ``backward(create_graph=True)`` then step (gradients
@@ -269,7 +270,9 @@ def test_sparse_gradients_unscale_like_gradscaler(dtype):
         grads = []
         for _ in range(2):
             p = torch.nn.Parameter(torch.zeros(2, 3, dtype=dtype))
-            p.grad = torch.sparse_coo_tensor(idx.get(name, i), v.to(dtype), (2, 3))
+            p.grad = torch.sparse_coo_tensor(
+                idx.get(name, i), v.to(dtype), (2, 3), check_invariants=True
+            )
             grads.append(p)
         ref, ours = both(init_scale=4.0)
         inv = torch.full((), 0.25)
@@ -559,3 +562,209 @@ def test_custom_optimizer_gets_the_scaler_or_the_attributes(make):
     assert o1.seen == (scaler, False, False)
     assert o2.seen == (torch.Tensor, torch.Tensor)
     assert scaler.get_scale() == 2.0
+
+
+def test_dense_unscale_of_mixed_dtypes_like_gradscaler():
+    """``test_grad_scaling_unscale``: gradients of several dtypes (fp32, bf16; fp16 where allowed,
+    as for a fused step) unscaled by one reciprocal, a NaN in one of them found; the unscaled
+    values and found_inf equal GradScaler's; LossScaler.unscale_ as GradScaler.unscale_."""
+    torch.manual_seed(11)
+    values = [
+        torch.randn(5) * 1024,
+        (torch.randn(3, 3) * 1024).bfloat16(),
+        (torch.randn(4) * 1024).half(),
+        torch.randn(2, 2) * 1024,
+    ]
+    for nan_at in (None, 1, 2):
+        made = []
+        for _ in range(2):
+            params = [torch.nn.Parameter(torch.zeros_like(v)) for v in values]
+            for j, (p, v) in enumerate(zip(params, values)):
+                p.grad = v.clone()
+                if j == nan_at:
+                    p.grad.view(-1)[0] = NAN
+            made.append(params)
+        inv = torch.full((), 1.0 / 3.0)
+        found_ref = gradscaler()._unscale_grads_(
+            torch.optim.SGD(made[0], lr=0.0), inv, torch.zeros(()), allow_fp16=True
+        )
+        found = check_and_unscale(torch.optim.SGD(made[1], lr=0.0), inv, allow_fp16=True)
+        assert [f.item() for f in found.values()] == [f.item() for f in found_ref.values()]
+        assert found[torch.device("cpu")].item() == float(nan_at is not None)
+        assert_same([p.grad for p in made[1]], [p.grad for p in made[0]])
+    results = []
+    for s in both(init_scale=3.0):
+        params = [torch.nn.Parameter(torch.zeros_like(v)) for v in values if v.dtype != torch.half]
+        for p, v in zip(params, [v for v in values if v.dtype != torch.half]):
+            p.grad = v.clone()
+        s.scale(torch.ones(()))
+        s.unscale_(torch.optim.SGD(params, lr=0.0))
+        results.append([p.grad for p in params])
+    assert_same(results[1], results[0])
+
+
+def test_param_groups_and_missing_grads_are_bitwise_gradscalers():
+    """Two parameter groups (own lr, weight decay), a frozen layer and a parameter whose grad is
+    None: only existing gradients are unscaled and checked, as GradScaler's unscale_ does."""
+    model, data = model_and_data(12)
+    model[0].bias.requires_grad_(False)
+    results = []
+    for s, m in zip(both(init_scale=256.0, growth_interval=2), (twin(model), model)):
+        extra = torch.nn.Parameter(torch.ones(3))  # never used: its grad stays None
+        opt = torch.optim.AdamW(
+            [
+                {"params": [m[0].weight, m[0].bias, extra], "lr": 0.01},
+                {"params": m[2].parameters(), "lr": 0.02, "weight_decay": 0.1},
+            ]
+        )
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(m(x).float(), y)
+            s.scale(loss).backward()
+            if i == 1:
+                m[0].weight.grad[0, 0] = INF
+            s.step(opt)
+            s.update()
+        assert extra.grad is None
+        results.append((scaler_state(s), list(m.parameters())))
+    assert results[0][0] == results[1][0]
+    assert_same(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_fused"])
+def test_fp16_parameters_with_a_fused_optimizer_are_bitwise_gradscalers(opt_name):
+    """A fused optimizer accepts fp16 gradients (GradScaler checks them with allow_fp16 and lets
+    the kernel unscale): a half model trained under both scalers, an overflow skipped."""
+    model, data = model_and_data(13, n=4)
+    model.half()
+    results = []
+    for s, m in zip(both(init_scale=64.0, growth_interval=1), (twin(model), model)):
+        opt = OPTIMIZERS[opt_name](m.parameters())
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            out = m(x.half() * (1e4 if i == 2 else 1.0))
+            s.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+            s.step(opt)
+            s.update()
+        results.append((scaler_state(s), list(m.parameters())))
+    assert results[0][0] == results[1][0]
+    assert results[0][0][0] < 64.0 * 2**4  # the overflow happened
+    assert_same(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scale_keeps_the_outputs_dtype_and_value(dtype):
+    """scale() multiplies by the fp32 0-d scale: a half loss stays half, values bitwise."""
+    t = (torch.randn(3) * 100).to(dtype)
+    ref, ours = both(init_scale=2.0**10)
+    a, b = ref.scale(t), ours.scale(t)
+    assert a.dtype == b.dtype == dtype
+    assert_same([b], [a])
+
+
+def test_pickled_every_step_is_bitwise_gradscalers():
+    """``_grad_scaling_autocast_test(try_pickle=True)``: the scaler pickled and restored after every
+    update continues the same sequence (scale and growth tracker travel as host values)."""
+    model, data = model_and_data(14)
+    results = []
+    for s, m in zip(both(init_scale=128.0, growth_interval=2), (twin(model), model)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(m(x).float(), y)
+            s.scale(loss).backward()
+            if i == 3:
+                m[2].weight.grad[0, 0] = INF
+            s.step(opt)
+            s.update()
+            s = pickle.loads(pickle.dumps(s))
+        results.append((scaler_state(s), list(m.parameters())))
+    assert results[0][0] == results[1][0]
+    assert_same(results[0][1], results[1][1])
+
+
+def _gradscaler_fp16_loss(model, x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def test_mixed_precision_penalty_is_bitwise_gradscalers():
+    """``test_grad_scaling_penalty`` through MixedPrecision: ``autograd.grad(amp.scale(loss))``
+    unscaled by ``1 / amp.get_scale()``, the penalty added, ``amp.backward``/``amp.step``."""
+    model, data = model_and_data(15, n=4)
+    data[2] = (data[2][0] * 1e6, data[2][1])
+    ref_model = twin(model)
+    kw = dict(init_scale=128.0, growth_interval=1)
+    ref = gradscaler(**kw)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    amp = MixedPrecision("fp16", device="cpu", **kw)
+    model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for x, y in data:
+        loss = _gradscaler_fp16_loss(ref_model, x, y)
+        grads = torch.autograd.grad(
+            ref.scale(loss), list(ref_model.parameters()), create_graph=True
+        )
+        inv = 1.0 / ref.get_scale()
+        ref.scale(loss + sum((g * inv).pow(2).sum() for g in grads).sqrt()).backward()
+        ref.step(ref_opt)
+        ref.update()
+        ref_opt.zero_grad(set_to_none=True)
+
+        with amp.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        grads = torch.autograd.grad(amp.scale(loss), list(model.parameters()), create_graph=True)
+        inv = 1.0 / amp.get_scale()
+        amp.backward(loss + sum((g * inv).pow(2).sum() for g in grads).sqrt())
+        amp.step()
+        assert amp.get_scale() == ref.get_scale()
+    assert ref.get_scale() == 128.0 * 2**3 / 2
+    assert_same(model.parameters(), ref_model.parameters())
+
+
+def test_mixed_precision_two_losses_two_optimizers_are_bitwise_gradscalers():
+    """``test_grad_scaling_multiple`` through MixedPrecision: two sub-models each with its own
+    optimizer, two losses backpropagated into the same gradients (``micro_step_done=False``)."""
+    (m0, data), (m1, _) = model_and_data(16), model_and_data(17)
+    data[3] = (data[3][0] * 1e6, data[3][1])
+    model = torch.nn.ModuleList([m0, m1])
+    ref_model = twin(model)
+    kw = dict(init_scale=128.0, growth_interval=1)
+
+    def losses(mods, x, y):
+        out0, out1 = mods[0](x).float(), mods[1](x).float()
+        return (
+            torch.nn.functional.mse_loss(0.3 * out0 + 0.7 * out1, y),
+            torch.nn.functional.mse_loss(0.6 * out0 - 0.4 * out1, y),
+        )
+
+    ref = gradscaler(**kw)
+    r0 = torch.optim.SGD(ref_model[0].parameters(), lr=0.1)
+    r1 = torch.optim.Adam(ref_model[1].parameters(), lr=0.01)
+    amp = MixedPrecision("fp16", device="cpu", **kw)
+    model, o0, o1 = amp.setup(
+        model,
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.Adam(model[1].parameters(), lr=0.01),
+    )
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss0, loss1 = losses(ref_model, x, y)
+        ref.scale(loss0).backward(retain_graph=True)
+        ref.scale(loss1).backward()
+        ref.unscale_(r0)
+        ref.step(r0)
+        ref.step(r1)
+        ref.update()
+        r0.zero_grad(set_to_none=True)
+        r1.zero_grad(set_to_none=True)
+
+        with amp.autocast():
+            loss0, loss1 = losses(model, x, y)
+        amp.backward(loss0, retain_graph=True, micro_step_done=False)
+        amp.backward(loss1)
+        amp.step()
+        assert amp.get_scale() == ref.get_scale()
+    assert ref.get_scale() == 128.0 * 2**5 / 2
+    assert_same(model.parameters(), ref_model.parameters())
