@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["SCALE_FLOOR", "hysteresis_update", "scaling_problem"]
+__all__ = ["SCALE_FLOOR", "hysteresis_update", "new_scale_problem", "scaling_problem"]
 
 #: The smallest loss scale: the smallest normal fp32, 2**-126. Repeated backoff would otherwise
 #: reach 0.0 (166 halvings from 65536; fp32 subnormals end at 2**-149), and a zero scale makes
@@ -135,3 +135,16 @@ def hysteresis_update(
     tracker.copy_(torch.where(overflow | grow, torch.zeros_like(tracker), successful))
     left.copy_(new_left)
     scale.copy_(new)
+
+
+def new_scale_problem(new_scale: torch.Tensor) -> Optional[str]:
+    """Why ``update(new_scale=...)`` refuses this tensor (GradScaler's rule), or None: it must hold
+    one element and not require grad (else the scale, and every scaled loss, would join its
+    autograd graph). Reads metadata only (no sync)."""
+    if new_scale.numel() == 1 and not new_scale.requires_grad:
+        return None
+    return (
+        f"invalid new_scale: a tensor of shape {tuple(new_scale.shape)} with "
+        f"requires_grad={new_scale.requires_grad}; must be a float or a 1-element tensor "
+        "that does not require grad"
+    )

@@ -32,9 +32,6 @@ hysteresis budget and overflow count are device tensors, created lazily on the d
 
 from __future__ import annotations
 
-import functools
-import inspect
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from enum import Enum
@@ -43,9 +40,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .config import ConfigError, MixedPrecisionConfig
+from .fused_protocol import grad_scale_for, takes_grad_scaler
 from .gradcheck import check_and_unscale, cpu_all_finite, first_grad_device
-from .scale_rules import SCALE_FLOOR, hysteresis_update, scaling_problem
-from .scaler_state import host_state, loaded_attributes, saved_state
+from .scale_rules import SCALE_FLOOR, hysteresis_update, new_scale_problem, scaling_problem
+from .scaler_state import host_state, load_into, saved_state
 
 __all__ = ["SCALE_FLOOR", "LossScaler"]
 
@@ -61,15 +59,6 @@ class _Stage(Enum):
 
 def _fresh() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}}
-
-
-@functools.cache
-def _takes_grad_scaler(optimizer_type: type) -> bool:
-    """Whether ``optimizer_type.step`` takes a ``grad_scaler`` argument (asked once per type)."""
-    try:
-        return "grad_scaler" in inspect.signature(optimizer_type.step).parameters
-    except (TypeError, ValueError):  # no signature to read (a C function)
-        return False
 
 
 class LossScaler:
@@ -126,14 +115,9 @@ class LossScaler:
         self._enabled = bool(enabled)
         self._device = torch.device(device) if device is not None else None
         # Device state, created lazily (cheap, device-agnostic construction).
-        self._scale = self._growth_tracker = self._hysteresis_left = self._overflows = (
-            None  # Optional[Tensor]
-        )
-        self._init_growth_tracker, self._init_hysteresis_left, self._init_overflows = (
-            0,
-            self._hysteresis,
-            0,
-        )
+        self._scale = self._growth_tracker = self._hysteresis_left = self._overflows = None
+        self._init_growth_tracker, self._init_overflows = 0, 0
+        self._init_hysteresis_left = self._hysteresis
         self._updates = 0
         self._last_found_inf: Optional[torch.Tensor] = None
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh)
@@ -363,33 +347,16 @@ class LossScaler:
             finite = cpu_all_finite(optimizer, allow_fp16=fused)
             if finite is not None:
                 return self.step_decided(optimizer, finite, *args, **kwargs)
-        if fused and _takes_grad_scaler(type(optimizer)):
-            # The older protocol GradScaler still honours (deprecated there): the optimizer is
-            # handed the scaler itself and does its own unscaling and checking.
-            warnings.warn(
-                f"{type(optimizer).__name__}.step takes a grad_scaler argument: the scaler is passed "
-                "as it (GradScaler's deprecated protocol); read the grad_scale and found_inf "
-                "attributes instead",
-                FutureWarning,
-                stacklevel=2,
-            )
+        if fused and takes_grad_scaler(optimizer):  # (fused_protocol: it unscales itself)
             ret = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             state["stage"] = _Stage.STEPPED
             return ret
         if fused:
             scale = self._ensure(first_grad_device(optimizer))
-            # A grad_scale the caller set on the optimizer is kept, times the loss scale (as
-            # GradScaler.step); like GradScaler, both attributes are removed after the step.
-            preset = getattr(optimizer, "grad_scale", None)
-            if state["stage"] is _Stage.READY:
-                # Only check here; the fused kernel unscales (torch's own protocol).
+            ready = state["stage"] is _Stage.READY
+            if ready:  # only check here; the fused kernel unscales (torch's own protocol)
                 state["found_inf_per_device"] = self._check(optimizer, self._one, allow_fp16=True)
-                if self.is_unit or preset is None:
-                    grad_scale = preset if self.is_unit else scale
-                else:
-                    grad_scale = scale * preset
-            else:
-                grad_scale = preset  # already unscaled by the loss scale
+            grad_scale = grad_scale_for(optimizer, scale, unit=self.is_unit, unscaled=not ready)
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = self._combined(state)  # type: ignore[attr-defined]
             try:
@@ -423,14 +390,8 @@ class LossScaler:
             )
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
-                if new_scale.numel() != 1 or new_scale.requires_grad:
-                    # (as GradScaler: a tensor that requires grad would pull the scale, and so
-                    # every scaled loss, into its autograd graph)
-                    raise ValueError(
-                        f"invalid new_scale: a tensor of shape {tuple(new_scale.shape)} with "
-                        f"requires_grad={new_scale.requires_grad}; must be a float or a "
-                        "1-element tensor that does not require grad"
-                    )
+                if (problem := new_scale_problem(new_scale)) is not None:
+                    raise ValueError(problem)
                 self._scale.copy_(new_scale.reshape(()))
             else:
                 self._scale.fill_(new_scale)
@@ -495,9 +456,8 @@ class LossScaler:
         return found
 
     def _clamp(self) -> None:
-        if (
-            self._scale is not None
-        ):  # always: the floor (module doc); clamp_ keeps a scale above it bit-exact
+        # always: the floor (module doc); clamp_ keeps a scale above it bit-exact
+        if self._scale is not None:
             self._scale.clamp_(min=self.floor, max=self._max_scale)
 
     def _combined(self, state: dict[str, Any]) -> torch.Tensor:
@@ -578,21 +538,7 @@ class LossScaler:
         """
         if not self._enabled:
             return
-        attributes = loaded_attributes(state_dict)
-        attributes.setdefault(
-            "_init_hysteresis_left", attributes.get("_hysteresis", self._hysteresis)
-        )
-        self.__dict__.update(attributes)
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            assert (
-                self._growth_tracker is not None
-                and self._hysteresis_left is not None
-                and self._overflows is not None
-            )
-            self._growth_tracker.fill_(self._init_growth_tracker)
-            self._hysteresis_left.fill_(self._init_hysteresis_left)
-            self._overflows.fill_(self._init_overflows)
+        load_into(self.__dict__, state_dict)
         self._per_optimizer = defaultdict(_fresh)
 
     def __repr__(self) -> str:

@@ -14,7 +14,14 @@ from typing import Any, Callable, Optional
 
 from .scale_rules import SCALE_FLOOR
 
-__all__ = ["FIELDS", "GRADSCALER_KEYS", "host_state", "loaded_attributes", "saved_state"]
+__all__ = [
+    "FIELDS",
+    "GRADSCALER_KEYS",
+    "host_state",
+    "load_into",
+    "loaded_attributes",
+    "saved_state",
+]
 
 #: state-dict key -> (LossScaler attribute, cast); the first five are ``GradScaler.state_dict()``'s.
 FIELDS: dict[str, tuple[str, Optional[Callable[[Any], Any]]]] = {
@@ -89,3 +96,16 @@ def loaded_attributes(state_dict: dict[str, Any]) -> dict[str, Any]:
     attributes.setdefault("_init_overflows", 0)
     attributes.setdefault("_updates", 0)
     return attributes
+
+
+def load_into(attributes: dict[str, Any], state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` into a scaler's ``attributes`` (its ``__dict__``): the settings and
+    host values (:func:`loaded_attributes`; without a saved hysteresis budget, a full one) and,
+    where the device state exists, its tensors filled in place. Raises before anything changes."""
+    loaded = loaded_attributes(state_dict)
+    loaded.setdefault("_init_hysteresis_left", loaded.get("_hysteresis", attributes["_hysteresis"]))
+    attributes.update(loaded)
+    for name, _ in _DEVICE_STATE:
+        tensor = attributes.get(name)
+        if tensor is not None:
+            tensor.fill_(attributes["_init" + name])
