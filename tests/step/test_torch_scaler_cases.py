@@ -768,3 +768,23 @@ def test_mixed_precision_two_losses_two_optimizers_are_bitwise_gradscalers():
         assert amp.get_scale() == ref.get_scale()
     assert ref.get_scale() == 128.0 * 2**5 / 2
     assert_same(model.parameters(), ref_model.parameters())
+
+
+def test_an_optimizer_without_gradients_is_a_difference_from_gradscaler():
+    """A difference (ampkit is lenient, GradScaler asserts): step() for an optimizer none of whose
+    parameters has a gradient this iteration (a frozen part) steps it as a no-op under LossScaler,
+    where GradScaler raises "No inf checks were recorded"; the scale follows the other optimizers.
+    update() before any scale/unscale_/step raises a RuntimeError (GradScaler: AssertionError)."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    oa, ob = torch.optim.SGD([a], lr=1.0), torch.optim.SGD([b], lr=1.0)
+    ref, ours = both(init_scale=4.0, growth_interval=1)
+    for s in (ref, ours):
+        s.scale(a.sum()).backward()
+        s.step(oa)
+    with pytest.raises(AssertionError, match="No inf checks"):
+        ref.step(ob)
+    ours.step(ob)
+    ours.update()
+    assert ours.get_scale() == 8.0 and torch.equal(b, torch.ones(2))
+    with pytest.raises(RuntimeError, match="update"):
+        LossScaler().update()
