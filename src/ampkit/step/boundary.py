@@ -71,9 +71,12 @@ def optimizer_step(
     clip: Optional[float],
     flush_factor: Optional[float],
     clip_fn: Optional[Callable[[list[torch.Tensor], float], torch.Tensor]] = None,
+    update: bool = True,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Unscale, clip, check, step (or skip) and update; returns ``(grad_norm, scale, found_inf)``.
     ``clip_fn``: the policy's clipping (kept bf16 gradients, a lean step), else :func:`clip_norm`.
+    ``update=False`` leaves the scale update (and ``found_inf``: None) to a later call, which
+    folds in every optimizer stepped since the last update -- ``GradScaler.update``'s rule.
 
     ``scale`` is the scale this step's gradients carried (None without a scaler), ``found_inf``
     None when non-finite checking is off. No host sync with fused optimizers.
@@ -104,8 +107,9 @@ def optimizer_step(
             with phase("ampkit.optimizer_step"):
                 for opt in opts:
                     scaler.step_decided(opt, finite)
-                scaler.update()
-            return grad_norm, scale, scaler.found_inf
+                if update:
+                    scaler.update()
+            return grad_norm, scale, scaler.found_inf if update else None
         found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
         # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
         torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
@@ -121,8 +125,9 @@ def optimizer_step(
     ):  # (without clipping, the unscale and check happen in scaler.step)
         for opt in opts:
             scaler.step(opt)
-        scaler.update()
-    return grad_norm, scale, scaler.found_inf
+        if update:
+            scaler.update()
+    return grad_norm, scale, scaler.found_inf if update else None
 
 
 def clip_norm(

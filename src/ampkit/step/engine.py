@@ -107,6 +107,7 @@ class MixedPrecision:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._window = Window(cfg.accumulation_steps)
         self._clip_order: Optional[ClipOrder] = None
+        self._not_updated: set[int] = set()  # optimizers stepped with update_scale=False (ids)
         self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
         self._stream, self._manifest = (
             EventStream(),
@@ -342,6 +343,7 @@ class MixedPrecision:
         clip_grad_norm: Optional[float] = None,
         zero_grad: bool = True,
         flush: bool = False,
+        update_scale: bool = True,
     ) -> StepResult:
         """Call after every :meth:`backward` (or once after a window's backward calls); steps the optimizer(s) at
         the accumulation boundary.
@@ -356,6 +358,14 @@ class MixedPrecision:
         micro-steps each divided by ``accumulation_steps``, are first multiplied by ``accumulation_steps / k`` --
         the mean over the ``k`` micro-batches. With an empty window it does nothing and returns a non-boundary
         result.
+
+        ``update_scale=False`` steps ``optimizers`` but leaves the loss-scale update to the next :meth:`step`, which
+        folds in every optimizer stepped since the last update: one update per iteration for optimizers stepped
+        at different times, as in a GAN loop (``scaler.step(optD)``; G's forward and backward;
+        ``scaler.step(optG)``; ``scaler.update()`` -> ``amp.step(optD, update_scale=False)``; ...;
+        ``amp.step(optG)``). Such a step's result has ``found_inf=None``; the updating step's ``found_inf`` covers
+        the whole iteration, which counts as one optimizer step in :meth:`stats`. Stepping an optimizer again
+        before the update raises.
 
         With ``optimizer_in_backward`` each parameter was stepped in backward (:mod:`ampkit.step.in_backward`): here
         only the step's finite check is recorded; ``clip_grad_norm`` raises.
@@ -392,6 +402,7 @@ class MixedPrecision:
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
+        self._check_pending_update(opts, update_scale)
         if (
             self._in_backward is not None
         ):  # each parameter was stepped in backward: the check's bookkeeping
@@ -408,14 +419,18 @@ class MixedPrecision:
                 clip_fn = self._policy.clip_grad_norm if lean else None
             self._parallel.before_step(params)
             grad_norm, scale, found_inf = optimizer_step(
-                self._scaler, opts, params, clip, flush_factor, clip_fn
+                self._scaler, opts, params, clip, flush_factor, clip_fn, update_scale
             )
+        if update_scale:
+            self._not_updated.clear()
+        elif self._scaler.is_enabled():
+            self._not_updated.update(id(o) for o in opts)
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
         micro = window.micro
         window.reset()
-        self._steps += 1
+        self._steps += int(update_scale)  # an iteration ends with its scale update
         try:  # before the gradients go, so that a trigger can name the non-finite ones
             trigger = self._fallback.watch(
                 found_inf,
@@ -444,6 +459,21 @@ class MixedPrecision:
                 )  # the mean over the short window, like the gradients
             self._emit("step", {"loss": loss, "result": result}, record=False)
         return result
+
+    def _check_pending_update(self, opts: list[torch.optim.Optimizer], update: bool) -> None:
+        """Raise, before anything changes, for a step ``update_scale=False`` cannot take."""
+        if not update and self._in_backward is not None:
+            raise ValueError(
+                "step(update_scale=False) with optimizer_in_backward: each parameter is stepped "
+                "in backward, so there is no separate optimizer step to leave the update after"
+            )
+        again = [i for i, o in enumerate(opts) if id(o) in self._not_updated]
+        if again:
+            raise RuntimeError(
+                f"step() of optimizer(s) {again} (of those passed) again before the loss scale was "
+                "updated: a step(..., update_scale=False) stepped them already this iteration; "
+                "end the iteration with a step() of the other optimizer(s) (update_scale=True)"
+            )
 
     # ------------------------------------------------------------------ diagnosis
     def diagnose(
