@@ -592,14 +592,15 @@ def gan_raw(precision, guard=True, fused=False):
     return torch.nn.ModuleList([netG, netD]), [optD, optG], scaler
 
 
-def gan_ampkit(precision, one_update=True, fused=False):
+def gan_ampkit(precision, one_update=True, fused=False, zero_d=True):
     netG, netD, optD, optG, data, inf = gan_setup(fused)
     criterion = torch.nn.BCEWithLogitsLoss()
     amp = MixedPrecision(precision, device="cpu", **SCALER)
     models, optD, optG = amp.setup(torch.nn.ModuleList([netG, netD]), optD, optG)
     for i, (real, noise) in enumerate(data):
         inf.armed = i == GAN_POISON
-        netD.zero_grad()  # keep: G's backward below also leaves gradients in D
+        if zero_d:
+            netD.zero_grad()  # keep: G's backward below also leaves gradients in D
         with amp.autocast():
             output = netD(real).view(-1)
             errD_real = criterion(output, torch.ones_like(output))
@@ -633,6 +634,14 @@ def test_gan_two_updates_per_iteration_is_another_scale_sequence():
     _, _, scaler = gan_raw("fp16")
     _, _, amp = gan_ampkit("fp16", one_update=False)
     assert amp.get_scale() != scaler.get_scale()
+
+
+def test_gan_port_must_keep_the_zero_grad_of_d():
+    """``amp.step(optG)`` clears optG's gradients only; G's backward also wrote into D's, which
+    the raw loop clears with ``netD.zero_grad()`` -- drop that line and D's next step differs."""
+    ref, _, _ = gan_raw("fp32")
+    got, _, _ = gan_ampkit("fp32", zero_d=False)
+    assert not all(torch.equal(a, b) for a, b in zip(ref[1].parameters(), got[1].parameters()))
 
 
 def test_update_scale_false_then_the_same_optimizer_again_raises():

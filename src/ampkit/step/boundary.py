@@ -19,7 +19,7 @@ from .gradcheck import cpu_norm_finite
 from .profiling import phase
 from .scaler import LossScaler
 
-__all__ = ["ClipOrder", "clip_norm", "lean_step", "optimizer_step"]
+__all__ = ["ClipOrder", "PendingUpdate", "clip_norm", "lean_step", "optimizer_step"]
 
 
 class ClipOrder:
@@ -54,6 +54,42 @@ class ClipOrder:
             cached += [p for i, p in stepped.items() if i not in seen]
             self._cache[tuple(key)] = cached
         return cached
+
+
+class PendingUpdate:
+    """Optimizers stepped with ``step(..., update_scale=False)`` since the last scale update.
+
+    A loop that steps its optimizers at different times but updates the scale once per
+    iteration -- a GAN: ``scaler.step(optD)``; G's forward through the updated D and its
+    backward; ``scaler.step(optG)``; ``scaler.update()`` -- ports as ``amp.step(optD,
+    update_scale=False)`` ... ``amp.step(optG)``: the second step's update folds in both
+    optimizers' ``found_inf`` (``GradScaler.update``'s rule). The first step's result has
+    ``found_inf=None``; the updating step's covers the iteration, which counts as one optimizer
+    step. Stepping an optimizer again before the update raises, before anything changes.
+    """
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+
+    def check(self, opts: list[torch.optim.Optimizer], update: bool, in_backward: bool) -> None:
+        if not update and in_backward:
+            raise ValueError(
+                "step(update_scale=False) with optimizer_in_backward: each parameter is stepped "
+                "in backward, so there is no separate optimizer step to leave the update after"
+            )
+        again = [i for i, o in enumerate(opts) if id(o) in self._ids]
+        if again:
+            raise RuntimeError(
+                f"step() of optimizer(s) {again} (of those passed) again before the loss scale "
+                "was updated: step(..., update_scale=False) stepped them this iteration; end "
+                "the iteration with a step() of the other optimizer(s) (update_scale=True)"
+            )
+
+    def done(self, opts: list[torch.optim.Optimizer], update: bool, scaling: bool) -> None:
+        if update:
+            self._ids.clear()
+        elif scaling:  # (a disabled scaler has no update to wait for)
+            self._ids.update(id(o) for o in opts)
 
 
 def lean_step(scaler: LossScaler, flush_factor: Optional[float], zero_grad: bool) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .accumulate import Window
-from .boundary import ClipOrder, lean_step, optimizer_step
+from .boundary import ClipOrder, PendingUpdate, lean_step, optimizer_step
 from .config import MixedPrecisionConfig
 from .contexts import MatmulPrecision
 from .determinism import apply_determinism
@@ -107,21 +107,14 @@ class MixedPrecision:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._window = Window(cfg.accumulation_steps)
         self._clip_order: Optional[ClipOrder] = None
-        self._not_updated: set[int] = set()  # optimizers stepped with update_scale=False (ids)
-        self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
-        self._stream, self._manifest = (
-            EventStream(),
-            ManifestWatch(),
-        )  # events; the manifest's checks
+        self._updates = PendingUpdate()  # optimizers stepped with update_scale=False
+        self._steps = 0  # scale updates (iterations) done: optimizer steps attempted
+        self._stream, self._manifest = EventStream(), ManifestWatch()  # events; manifest checks
         self._window_loss: Optional[torch.Tensor] = None
         self._open_micro = False  # backward(micro_step_done=False) left the micro-step open
-        self._normalized = (
-            False  # the window's losses are normalised over it (backward(normalized=True))
-        )
+        self._normalized = False  # the window's losses are normalised (backward(normalized=True))
         self._overrides: Optional[Fp32Overrides] = None
-        self._skipped_before: Optional[torch.Tensor] = (
-            None  # skips counted by scalers since replaced
-        )
+        self._skipped_before: Optional[torch.Tensor] = None  # skips by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
         self._in_backward = (
@@ -359,13 +352,8 @@ class MixedPrecision:
         the mean over the ``k`` micro-batches. With an empty window it does nothing and returns a non-boundary
         result.
 
-        ``update_scale=False`` steps ``optimizers`` but leaves the loss-scale update to the next :meth:`step`, which
-        folds in every optimizer stepped since the last update: one update per iteration for optimizers stepped
-        at different times, as in a GAN loop (``scaler.step(optD)``; G's forward and backward;
-        ``scaler.step(optG)``; ``scaler.update()`` -> ``amp.step(optD, update_scale=False)``; ...;
-        ``amp.step(optG)``). Such a step's result has ``found_inf=None``; the updating step's ``found_inf`` covers
-        the whole iteration, which counts as one optimizer step in :meth:`stats`. Stepping an optimizer again
-        before the update raises.
+        ``update_scale=False`` leaves the scale update to the next step, which folds in every optimizer stepped
+        since: one update per iteration for optimizers stepped apart (a GAN: :class:`.boundary.PendingUpdate`).
 
         With ``optimizer_in_backward`` each parameter was stepped in backward (:mod:`ampkit.step.in_backward`): here
         only the step's finite check is recorded; ``clip_grad_norm`` raises.
@@ -402,7 +390,7 @@ class MixedPrecision:
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
-        self._check_pending_update(opts, update_scale)
+        self._updates.check(opts, update_scale, self._in_backward is not None)
         if (
             self._in_backward is not None
         ):  # each parameter was stepped in backward: the check's bookkeeping
@@ -421,10 +409,7 @@ class MixedPrecision:
             grad_norm, scale, found_inf = optimizer_step(
                 self._scaler, opts, params, clip, flush_factor, clip_fn, update_scale
             )
-        if update_scale:
-            self._not_updated.clear()
-        elif self._scaler.is_enabled():
-            self._not_updated.update(id(o) for o in opts)
+        self._updates.done(opts, update_scale, self._scaler.is_enabled())
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
@@ -459,21 +444,6 @@ class MixedPrecision:
                 )  # the mean over the short window, like the gradients
             self._emit("step", {"loss": loss, "result": result}, record=False)
         return result
-
-    def _check_pending_update(self, opts: list[torch.optim.Optimizer], update: bool) -> None:
-        """Raise, before anything changes, for a step ``update_scale=False`` cannot take."""
-        if not update and self._in_backward is not None:
-            raise ValueError(
-                "step(update_scale=False) with optimizer_in_backward: each parameter is stepped "
-                "in backward, so there is no separate optimizer step to leave the update after"
-            )
-        again = [i for i, o in enumerate(opts) if id(o) in self._not_updated]
-        if again:
-            raise RuntimeError(
-                f"step() of optimizer(s) {again} (of those passed) again before the loss scale was "
-                "updated: a step(..., update_scale=False) stepped them already this iteration; "
-                "end the iteration with a step() of the other optimizer(s) (update_scale=True)"
-            )
 
     # ------------------------------------------------------------------ diagnosis
     def diagnose(
