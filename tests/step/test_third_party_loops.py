@@ -178,9 +178,9 @@ def get_lr(it, learning_rate=6e-3, min_lr=6e-4):
     return min_lr + coeff * (learning_rate - min_lr)
 
 
-def nanogpt_raw(precision, guard=True, fused=False):
+def nanogpt_raw(precision, guard=True, fused=False, grad_clip=1.0):
     model, optimizer, data, inf = nano_setup(fused=fused)
-    accum, grad_clip = NANO["accum"], 1.0
+    accum = NANO["accum"]
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16", **SCALER)
     ctx = torch_autocast(precision)
     X, Y = data[0]
@@ -204,11 +204,16 @@ def nanogpt_raw(precision, guard=True, fused=False):
     return model, optimizer, scaler
 
 
-def nanogpt_ampkit(precision, fused=False, **kw):
+def nanogpt_ampkit(precision, fused=False, grad_clip=1.0, step_each=False, **kw):
     model, optimizer, data, inf = nano_setup(fused=fused)
     accum = NANO["accum"]
     amp = MixedPrecision(
-        precision, device="cpu", accumulation_steps=accum, clip_grad_norm=1.0, **SCALER, **kw
+        precision,
+        device="cpu",
+        accumulation_steps=accum,
+        clip_grad_norm=grad_clip or None,  # nanoGPT's grad_clip=0.0: no clipping
+        **SCALER,
+        **kw,
     )
     model, optimizer = amp.setup(model, optimizer)
     X, Y = data[0]
@@ -222,18 +227,29 @@ def nanogpt_ampkit(precision, fused=False, **kw):
                 logits, loss = model(X, Y)
             X, Y = data[iter_num * accum + micro_step + 1]
             amp.backward(loss)
-        amp.step(optimizer)
+            if step_each:
+                amp.step(optimizer)  # returns at once off the boundary
+        if not step_each:
+            amp.step(optimizer)
     assert amp.stats()["skipped_steps"] == 1
     return model, optimizer, amp
 
 
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0], ids=["clip", "noclip"])
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_nanogpt_train_py_bitwise(precision, fused):
-    ref, ref_opt, scaler = nanogpt_raw(precision, fused=fused)
-    got, got_opt, amp = nanogpt_ampkit(precision, fused=fused)
+def test_nanogpt_train_py_bitwise(precision, fused, grad_clip):
+    ref, ref_opt, scaler = nanogpt_raw(precision, fused=fused, grad_clip=grad_clip)
+    got, got_opt, amp = nanogpt_ampkit(precision, fused=fused, grad_clip=grad_clip)
     assert_same_run(ref, [ref_opt], got, [got_opt], scaler, amp)
     assert all(torch.isfinite(p).all() for p in got.parameters())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_nanogpt_step_after_every_backward_is_the_same(precision):
+    ref, ref_opt, scaler = nanogpt_raw(precision)
+    got, got_opt, amp = nanogpt_ampkit(precision, step_each=True)
+    assert_same_run(ref, [ref_opt], got, [got_opt], scaler, amp)
 
 
 def test_nanogpt_skip_nonfinite_off_is_the_plain_bf16_loop():
@@ -682,8 +698,9 @@ def tv_setup():
         p for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()
     ]
     other = [p for p in model.parameters() if all(p is not q for q in norm)]
-    groups = [{"params": other, "weight_decay": 1e-4}, {"params": norm, "weight_decay": 0.0}]
-    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    # split_normalization_params: [norm, other] with [norm_weight_decay, weight_decay]
+    groups = [{"params": norm, "weight_decay": 0.0}, {"params": other, "weight_decay": 1e-4}]
+    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=1e-4)
     main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=TV["epochs"] - 1)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=1)
     lr_scheduler = torch.optim.lr_scheduler.SequentialLR(
