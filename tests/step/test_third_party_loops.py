@@ -362,7 +362,7 @@ def timm_setup():
     return model, optimizer, image_batches(TIMM["batches"]), InfGrad(model[0].weight)
 
 
-def timm_raw(precision, guard=True):
+def timm_raw(precision, guard=True, clip_grad=TIMM["clip"]):
     model, optimizer, loader, inf = timm_setup()
     accum_steps = TIMM["accum"]
     loss_scaler = NativeScalerLike(precision, guard) if precision == "fp16" else None
@@ -387,14 +387,15 @@ def timm_raw(precision, guard=True):
             loss_scaler(
                 loss,
                 optimizer,
-                clip_grad=TIMM["clip"],
+                clip_grad=clip_grad,
                 parameters=model.parameters(),
                 need_update=need_update,
             )
         else:
             loss.backward()
             if need_update:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), TIMM["clip"])
+                if clip_grad is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
                 finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
                 if finite or not guard:
                     optimizer.step()
@@ -408,14 +409,14 @@ def timm_raw(precision, guard=True):
     return model, optimizer, model_ema, scaler
 
 
-def timm_ampkit(precision):
+def timm_ampkit(precision, clip_grad=TIMM["clip"]):
     model, optimizer, loader, inf = timm_setup()
     accum_steps = TIMM["accum"]
     amp = MixedPrecision(
         precision,
         device="cpu",
         accumulation_steps=accum_steps,
-        clip_grad_norm=TIMM["clip"],
+        clip_grad_norm=clip_grad,
         **SCALER,
     )
     model, optimizer = amp.setup(model, optimizer)
@@ -441,9 +442,10 @@ def timm_ampkit(precision):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_timm_train_one_epoch_with_ema_bitwise(precision):
-    ref, ref_opt, ref_ema, scaler = timm_raw(precision)
-    got, got_opt, got_ema, amp = timm_ampkit(precision)
+@pytest.mark.parametrize("clip_grad", [TIMM["clip"], None], ids=["clip", "noclip"])
+def test_timm_train_one_epoch_with_ema_bitwise(precision, clip_grad):
+    ref, ref_opt, ref_ema, scaler = timm_raw(precision, clip_grad=clip_grad)
+    got, got_opt, got_ema, amp = timm_ampkit(precision, clip_grad=clip_grad)
     assert_same_run(ref, [ref_opt], got, [got_opt], scaler, amp)
     ema = [*ref_ema.module.state_dict().values()], [*got_ema.module.state_dict().values()]
     assert_same_tensors(*ema, "EMA")
