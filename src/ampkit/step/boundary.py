@@ -19,7 +19,7 @@ from .gradcheck import cpu_norm_finite
 from .profiling import phase
 from .scaler import LossScaler
 
-__all__ = ["ClipOrder", "clip_norm", "lean_step", "optimizer_step"]
+__all__ = ["ClipOrder", "PendingUpdate", "clip_norm", "lean_step", "optimizer_step"]
 
 
 class ClipOrder:
@@ -56,6 +56,42 @@ class ClipOrder:
         return cached
 
 
+class PendingUpdate:
+    """Optimizers stepped with ``step(..., update_scale=False)`` since the last scale update.
+
+    A loop that steps its optimizers at different times but updates the scale once per
+    iteration -- a GAN: ``scaler.step(optD)``; G's forward through the updated D and its
+    backward; ``scaler.step(optG)``; ``scaler.update()`` -- ports as ``amp.step(optD,
+    update_scale=False)`` ... ``amp.step(optG)``: the second step's update folds in both
+    optimizers' ``found_inf`` (``GradScaler.update``'s rule). The first step's result has
+    ``found_inf=None``; the updating step's covers the iteration, which counts as one optimizer
+    step. Stepping an optimizer again before the update raises, before anything changes.
+    """
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+
+    def check(self, opts: list[torch.optim.Optimizer], update: bool, in_backward: bool) -> None:
+        if not update and in_backward:
+            raise ValueError(
+                "step(update_scale=False) with optimizer_in_backward: each parameter is stepped "
+                "in backward, so there is no separate optimizer step to leave the update after"
+            )
+        again = [i for i, o in enumerate(opts) if id(o) in self._ids]
+        if again:
+            raise RuntimeError(
+                f"step() of optimizer(s) {again} (of those passed) again before the loss scale "
+                "was updated: step(..., update_scale=False) stepped them this iteration; end "
+                "the iteration with a step() of the other optimizer(s) (update_scale=True)"
+            )
+
+    def done(self, opts: list[torch.optim.Optimizer], update: bool, scaling: bool) -> None:
+        if update:
+            self._ids.clear()
+        elif scaling:  # (a disabled scaler has no update to wait for)
+            self._ids.update(id(o) for o in opts)
+
+
 def lean_step(scaler: LossScaler, flush_factor: Optional[float], zero_grad: bool) -> bool:
     """Whether this boundary only checks (and clips) the gradients before the optimizer reads them:
     no flush of a short window, no scale to unscale, and ``zero_grad`` after (gradients a policy
@@ -71,9 +107,12 @@ def optimizer_step(
     clip: Optional[float],
     flush_factor: Optional[float],
     clip_fn: Optional[Callable[[list[torch.Tensor], float], torch.Tensor]] = None,
+    update: bool = True,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Unscale, clip, check, step (or skip) and update; returns ``(grad_norm, scale, found_inf)``.
     ``clip_fn``: the policy's clipping (kept bf16 gradients, a lean step), else :func:`clip_norm`.
+    ``update=False`` leaves the scale update (and ``found_inf``: None) to a later call, which
+    folds in every optimizer stepped since the last update -- ``GradScaler.update``'s rule.
 
     ``scale`` is the scale this step's gradients carried (None without a scaler), ``found_inf``
     None when non-finite checking is off. No host sync with fused optimizers.
@@ -104,8 +143,9 @@ def optimizer_step(
             with phase("ampkit.optimizer_step"):
                 for opt in opts:
                     scaler.step_decided(opt, finite)
-                scaler.update()
-            return grad_norm, scale, scaler.found_inf
+                if update:
+                    scaler.update()
+            return grad_norm, scale, scaler.found_inf if update else None
         found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
         # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
         torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
@@ -121,8 +161,9 @@ def optimizer_step(
     ):  # (without clipping, the unscale and check happen in scaler.step)
         for opt in opts:
             scaler.step(opt)
-        scaler.update()
-    return grad_norm, scale, scaler.found_inf
+        if update:
+            scaler.update()
+    return grad_norm, scale, scaler.found_inf if update else None
 
 
 def clip_norm(

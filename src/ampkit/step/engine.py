@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .accumulate import Window
-from .boundary import ClipOrder, lean_step, optimizer_step
+from .boundary import ClipOrder, PendingUpdate, lean_step, optimizer_step
 from .config import MixedPrecisionConfig
 from .contexts import MatmulPrecision
 from .determinism import apply_determinism
@@ -107,20 +107,14 @@ class MixedPrecision:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._window = Window(cfg.accumulation_steps)
         self._clip_order: Optional[ClipOrder] = None
-        self._steps = 0  # accumulation boundaries reached (optimizer steps attempted)
-        self._stream, self._manifest = (
-            EventStream(),
-            ManifestWatch(),
-        )  # events; the manifest's checks
+        self._updates = PendingUpdate()  # optimizers stepped with update_scale=False
+        self._steps = 0  # scale updates (iterations) done: optimizer steps attempted
+        self._stream, self._manifest = EventStream(), ManifestWatch()  # events; manifest checks
         self._window_loss: Optional[torch.Tensor] = None
         self._open_micro = False  # backward(micro_step_done=False) left the micro-step open
-        self._normalized = (
-            False  # the window's losses are normalised over it (backward(normalized=True))
-        )
+        self._normalized = False  # the window's losses are normalised (backward(normalized=True))
         self._overrides: Optional[Fp32Overrides] = None
-        self._skipped_before: Optional[torch.Tensor] = (
-            None  # skips counted by scalers since replaced
-        )
+        self._skipped_before: Optional[torch.Tensor] = None  # skips by scalers since replaced
         self._last_diagnosis: Optional[NonFiniteReport] = None
         self._fallback = make_fallback(cfg, self.precision.name, self.device_info)
         self._in_backward = (
@@ -342,6 +336,7 @@ class MixedPrecision:
         clip_grad_norm: Optional[float] = None,
         zero_grad: bool = True,
         flush: bool = False,
+        update_scale: bool = True,
     ) -> StepResult:
         """Call after every :meth:`backward` (or once after a window's backward calls); steps the optimizer(s) at
         the accumulation boundary.
@@ -356,6 +351,9 @@ class MixedPrecision:
         micro-steps each divided by ``accumulation_steps``, are first multiplied by ``accumulation_steps / k`` --
         the mean over the ``k`` micro-batches. With an empty window it does nothing and returns a non-boundary
         result.
+
+        ``update_scale=False`` leaves the scale update to the next step, which folds in every optimizer stepped
+        since: one update per iteration for optimizers stepped apart (a GAN: :class:`.boundary.PendingUpdate`).
 
         With ``optimizer_in_backward`` each parameter was stepped in backward (:mod:`ampkit.step.in_backward`): here
         only the step's finite check is recorded; ``clip_grad_norm`` raises.
@@ -392,6 +390,7 @@ class MixedPrecision:
         clip = clip_grad_norm if clip_grad_norm is not None else self.config.clip_grad_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"clip_grad_norm={clip!r} must be > 0 (or None for no clipping)")
+        self._updates.check(opts, update_scale, self._in_backward is not None)
         if (
             self._in_backward is not None
         ):  # each parameter was stepped in backward: the check's bookkeeping
@@ -408,14 +407,15 @@ class MixedPrecision:
                 clip_fn = self._policy.clip_grad_norm if lean else None
             self._parallel.before_step(params)
             grad_norm, scale, found_inf = optimizer_step(
-                self._scaler, opts, params, clip, flush_factor, clip_fn
+                self._scaler, opts, params, clip, flush_factor, clip_fn, update_scale
             )
+        self._updates.done(opts, update_scale, self._scaler.is_enabled())
         hook = self._policy.after_step  # pure precisions: the masters rounded into the model
         if hook is not None:
             hook()
         micro = window.micro
         window.reset()
-        self._steps += 1
+        self._steps += int(update_scale)  # an iteration ends with its scale update
         try:  # before the gradients go, so that a trigger can name the non-finite ones
             trigger = self._fallback.watch(
                 found_inf,
