@@ -400,3 +400,28 @@ def test_trainer_refuses_an_engine_not_set_up_with_its_model_and_optimizer(capsy
     assert capsys.readouterr().out == ""
     model, opt = amp.setup(model, opt)
     assert Trainer(model, opt, amp, batches, loss_fn=_mse).fit(1).optimizer_steps == 1
+
+
+def test_summary_json_is_written_atomically_and_a_failed_write_names_it(tmp_path, monkeypatch):
+    """summary.json goes through a temporary file: a write that fails (a full disk) leaves the
+    previous summary whole, no temporary file behind, and the error names summary.json."""
+    import errno
+    import os
+
+    from ampkit.train import runlog
+
+    runlog.write_summary(str(tmp_path), {"steps": 1})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 1}
+
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="run's summary") as info:
+        runlog.write_summary(str(tmp_path), {"steps": 2, "pad": "x" * 10000})
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert info.value.filename == str(tmp_path / "summary.json")
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..distributed import is_main
 from ..observe.monitor import ConsoleSink, JSONLSink, TensorBoardSink
+from ..step import tomlio
 from .trainer_config import LogConfig
 
 __all__ = ["run_sinks", "write_summary"]
@@ -37,6 +38,15 @@ def run_sinks(log: LogConfig, total_steps: int, notes: list[str]) -> list[Any]:
 
 
 def write_summary(log_dir: str, summary: dict[str, Any]) -> None:
-    """``summary.json`` in ``log_dir``: the monitor's closing summary."""
-    with open(os.path.join(log_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+    """``summary.json`` in ``log_dir``: the monitor's closing summary, written atomically (a
+    failed write, e.g. a full disk, leaves the previous file as it was and names the file)."""
+    path = os.path.join(log_dir, "summary.json")
+    try:
+        tomlio.write(path, json.dumps(summary, indent=2))
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"{e.strerror or e} (writing the run's summary; nothing was replaced: free space on "
+            "that disk; the checkpoints and log.jsonl hold the run)",
+            path,
+        ) from e
