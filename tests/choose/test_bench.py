@@ -262,3 +262,41 @@ def test_compare_refuses_a_precision_named_twice(names):
     """As the CLI's --precisions: each row is one precision, not silently one row for two names."""
     with pytest.raises(ValueError, match="one precision"):
         compare(lambda: None, lambda i: None, precisions=names)
+
+
+def test_the_bench_plot_is_written_atomically(tmp_path, monkeypatch):
+    """A bench stopped while saving its PNG leaves the previous image whole (and no temporary
+    file), never a cut one (the report's images already were)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from ampkit.choose.bench import BenchReport, BenchResult
+
+    report = BenchReport(
+        results=[
+            BenchResult(precision=p, speedup_vs_fp32=s, static_bytes=1 << 20, losses=[2.0, 1.5])
+            for p, s in (("fp32", 1.0), ("bf16", 1.3))
+        ],
+        device="cpu",
+        device_name="cpu",
+        model="mlp/tiny",
+        steps=2,
+        batch_size=4,
+        accumulation_steps=1,
+    )
+    path = tmp_path / "bench.png"
+    report.plot(str(path))
+    before = path.read_bytes()
+    real = matplotlib.figure.Figure.savefig
+
+    def dies_halfway(self, fname, *a, **k):
+        real(self, fname, *a, **k)
+        with open(fname, "r+b") as f:
+            f.truncate(100)  # the write cut short ...
+        raise KeyboardInterrupt  # ... by a stop
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        report.plot(str(path))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.png"]

@@ -32,6 +32,7 @@ import torch
 from ..loop.batches import IndexedBatches
 from ..loop.steps import LossFn, Steps, batch_loss
 from ..observe.memory import activations, breakdown
+from ..observe.report import save_figure
 from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.precision import REFERENCE, REGISTRY, Precision, PrecisionError, resolve_precision
@@ -194,7 +195,7 @@ class BenchReport:
             a.grid(alpha=0.3)
         fig.suptitle(f"{self.model} on {self.device_name}")
         fig.tight_layout()
-        fig.savefig(path)
+        save_figure(fig, path)  # atomic: a stopped bench leaves the old image or none, never a cut one
         plt.close(fig)
         return path
 

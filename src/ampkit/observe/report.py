@@ -12,7 +12,7 @@ from .monitor.sinks import read_jsonl
 from .monitor.summary import summarize
 from .plots import pyplot
 
-__all__ = ["METRICS", "Run", "load_run", "make_report"]
+__all__ = ["METRICS", "Run", "load_run", "make_report", "save_figure"]
 
 METRICS = ("loss", "scale", "speed", "memory")
 LOG_NAME = "log.jsonl"
@@ -116,11 +116,11 @@ def _plot_loss(plt: Any, runs: list[Run], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
-def _save(fig: Any, path: str) -> None:
+def save_figure(fig: Any, path: str) -> None:
     """``fig`` as the image ``path`` names, written atomically (a temporary file, then renamed): a
     report stopped halfway leaves the previous image or none, never a cut one."""
     root, ext = os.path.splitext(path)
@@ -183,7 +183,7 @@ def _plot_scale(plt: Any, runs: list[Run], path: str) -> None:
     if any_scale:
         ax.legend()
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -199,7 +199,7 @@ def _plot_speed(plt: Any, runs: list[Run], path: str) -> None:
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -212,7 +212,7 @@ def _plot_memory(plt: Any, runs: list[Run], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
