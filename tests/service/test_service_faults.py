@@ -613,3 +613,22 @@ def test_serve_announces_itself_only_once_it_listens(tmp_path, capsys):
         taken.close()
     out, err = capsys.readouterr()
     assert "http://" not in out and "cannot listen on 127.0.0.1:" in err, (out, err)
+
+
+def test_a_runs_texts_file_is_written_atomically(tmp_path, monkeypatch):
+    """The training texts beside the run file go through a temporary file as the run file does: a
+    write that fails (a full disk at fsync) leaves no texts file, half or whole, and no temporary
+    file; the error says so."""
+    spec = RunSpec(model="gpt", steps=2, texts=["hello there", "general kenobi"]).model_dump()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_run_file(spec, str(tmp_path / "run"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+    path = write_run_file(spec, str(tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted([RUN_FILE, TEXTS_FILE])
+    assert os.path.basename(path) == RUN_FILE

@@ -152,9 +152,8 @@ def write_run_file(spec: dict[str, Any], run_dir: str) -> str:
     tables = run_tables(spec, run_dir)
     text = seal_run_file(dumps_toml(tables))
     private_dir(run_dir)
-    if spec.get("texts"):
-        with _private_text(os.path.join(run_dir, TEXTS_FILE)) as f:
-            json.dump(spec["texts"], f)
+    if spec.get("texts"):  # atomic too: never half a file
+        tomlio.write(os.path.join(run_dir, TEXTS_FILE), json.dumps(spec["texts"]), mode=0o600)
     return tomlio.write(
         os.path.join(run_dir, RUN_FILE), text, mode=0o600
     )  # atomic: never half a file
@@ -176,11 +175,3 @@ def private_dir(path: str) -> str:
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
     return path
-
-
-def _private_text(path: str) -> Any:
-    """``path`` opened for writing text (truncated), mode 0600 whatever the umask. A full disk
-    raises ``OSError`` (ENOSPC) from the write or the close."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "w", encoding="utf-8")
