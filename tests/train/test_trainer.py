@@ -399,6 +399,8 @@ def test_trainer_refuses_an_engine_not_set_up_with_its_model_and_optimizer(capsy
     assert amp.config.fallback is False  # refused before the Trainer changed the engine
     assert capsys.readouterr().out == ""
     model, opt = amp.setup(model, opt)
+    with pytest.raises(ValueError, match="torch.compile wrapper .*compile=True"):
+        Trainer(torch.compile(model), opt, amp, batches, loss_fn=_mse)  # (lazy: nothing compiled)
     assert Trainer(model, opt, amp, batches, loss_fn=_mse).fit(1).optimizer_steps == 1
 
 

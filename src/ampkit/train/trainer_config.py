@@ -36,6 +36,13 @@ def check_engine(model: Any, optimizer: Any, amp: Any) -> None:
     when the Trainer is built, not at the first backward after its header was printed)."""
     if amp.model is None:
         raise ValueError(f"Trainer: the MixedPrecision engine was never set up; {_SETUP}")
+    if amp.model is not model and getattr(model, "_orig_mod", None) is amp.model:
+        raise ValueError(
+            "Trainer: the model passed is a torch.compile wrapper of the set-up model (its "
+            "state_dict keys gain '_orig_mod.', so checkpoints would not load into the model); "
+            "compile in place instead: MixedPrecision(..., compile=True), or model.compile() "
+            "before amp.setup, and pass the model amp.setup returned"
+        )
     if amp.model is not model:
         raise ValueError(
             f"Trainer: the engine was set up with another model ({type(amp.model).__name__}) "
