@@ -780,3 +780,35 @@ def test_torchvision_train_one_epoch_with_ema_bitwise(precision, clip):
     ema = [*ref_ema.module.state_dict().values()], [*got_ema.module.state_dict().values()]
     assert_same_tensors(*ema, "EMA")
     assert_same_tensors([ref_ema.n_averaged], [got_ema.n_averaged], "n_averaged")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_step_whose_update_waits_still_says_it_was_skipped(precision):
+    """``amp.step(optD, update_scale=False)`` on non-finite gradients skips D's step and says so
+    (``found_inf`` > 0, ``skipped``); G's updating step then reports the iteration (both
+    optimizers' verdicts, as ``GradScaler.update`` folds them), and a clean D step says 0."""
+    netG, netD, optD, optG, data, _ = gan_setup()
+    # (a small fp16 scale: only the injected inf overflows, not this net's real gradients)
+    amp = MixedPrecision(precision, device="cpu", **({"init_scale": 256.0} if precision == "fp16" else {}))
+    _, optD, optG = amp.setup(torch.nn.ModuleList([netG, netD]), optD, optG)
+    real, noise = data[0]
+    first = next(netD.parameters())
+    handle = first.register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in netD.parameters()]
+    with amp.autocast():
+        loss = netD(real).float().mean()
+    amp.backward(loss)
+    handle.remove()
+    d = amp.step(optD, update_scale=False)
+    assert d.found_inf is not None and d.skipped
+    assert all(torch.equal(a, p) for a, p in zip(before, netD.parameters()))
+    with amp.autocast():
+        loss = netD(netG(noise)).float().mean()
+    amp.backward(loss)
+    g = amp.step(optG)
+    assert g.skipped  # the iteration's verdict: D's overflow counts, as in GradScaler.update
+    netD.zero_grad()  # (what G's backward left in D, as the loop clears it)
+    with amp.autocast():
+        loss = netD(real).float().mean()
+    amp.backward(loss)
+    assert not amp.step(optD, update_scale=False).skipped

@@ -63,9 +63,10 @@ class PendingUpdate:
     iteration -- a GAN: ``scaler.step(optD)``; G's forward through the updated D and its
     backward; ``scaler.step(optG)``; ``scaler.update()`` -- ports as ``amp.step(optD,
     update_scale=False)`` ... ``amp.step(optG)``: the second step's update folds in both
-    optimizers' ``found_inf`` (``GradScaler.update``'s rule). The first step's result has
-    ``found_inf=None``; the updating step's covers the iteration, which counts as one optimizer
-    step. Stepping an optimizer again before the update raises, before anything changes.
+    optimizers' ``found_inf`` (``GradScaler.update``'s rule). The first step's result has its own
+    optimizers' ``found_inf`` (``skipped`` when they were); the updating step's covers the
+    iteration, which counts as one optimizer step. Stepping an optimizer again before the update
+    raises, before anything changes.
     """
 
     def __init__(self) -> None:
@@ -111,8 +112,9 @@ def optimizer_step(
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Unscale, clip, check, step (or skip) and update; returns ``(grad_norm, scale, found_inf)``.
     ``clip_fn``: the policy's clipping (kept bf16 gradients, a lean step), else :func:`clip_norm`.
-    ``update=False`` leaves the scale update (and ``found_inf``: None) to a later call, which
-    folds in every optimizer stepped since the last update -- ``GradScaler.update``'s rule.
+    ``update=False`` leaves the scale update to a later call, which folds in every optimizer
+    stepped since the last update -- ``GradScaler.update``'s rule; ``found_inf`` is then these
+    optimizers' own verdict, the updating call's the iteration's.
 
     ``scale`` is the scale this step's gradients carried (None without a scaler), ``found_inf``
     None when non-finite checking is off. No host sync with fused optimizers.
@@ -145,7 +147,7 @@ def optimizer_step(
                     scaler.step_decided(opt, finite)
                 if update:
                     scaler.update()
-            return grad_norm, scale, scaler.found_inf if update else None
+            return grad_norm, scale, scaler.found_inf if update else scaler.found_inf_of(opts)
         found = torch.zeros((), dtype=torch.float32, device=grad_norm.device)
         # One fused op sets found=1.0 iff the norm is inf/NaN (and multiplies it by 1).
         torch._amp_foreach_non_finite_check_and_unscale_([grad_norm], found, scaler.one)
@@ -163,7 +165,7 @@ def optimizer_step(
             scaler.step(opt)
         if update:
             scaler.update()
-    return grad_norm, scale, scaler.found_inf if update else None
+    return grad_norm, scale, scaler.found_inf if update else scaler.found_inf_of(opts)
 
 
 def clip_norm(

@@ -171,6 +171,15 @@ class LossScaler:
         """0-d fp32 tensor: > 0 when the last ``update()``'d iteration overflowed. No sync."""
         return self._last_found_inf
 
+    def found_inf_of(self, optimizers: Iterable[torch.optim.Optimizer]) -> Optional[torch.Tensor]:
+        """0-d fp32, > 0 when a gradient of ``optimizers`` was non-finite this iteration (their
+        step skipped); None before they were stepped. For a step whose update waits. No sync."""
+        per = self._per_optimizer
+        found = [f for o in optimizers if id(o) in per for f in per[id(o)]["found_inf_per_device"].values()]
+        if not found or self._scale is None:
+            return None
+        return torch.stack([f.to(self._scale.device) for f in found]).amax()
+
     @property
     def overflow_count(self) -> Optional[torch.Tensor]:
         """0-d fp32 tensor: total overflowing (skipped) iterations, a loaded state's before first use. No sync."""
