@@ -10,6 +10,8 @@ from ampkit.choose.speed import within_noise
 from ampkit.cli import main
 from ampkit.models.builtin import builtin
 
+from ..support.helpers import savefig_dies_halfway
+
 
 def tiny(name="mlp", batch_size=8):
     model, data = builtin(name, "tiny", batch_size=batch_size)
@@ -268,8 +270,6 @@ def test_the_bench_plot_is_written_atomically(tmp_path, monkeypatch):
     """A bench stopped while saving its PNG leaves the previous image whole (and no temporary
     file), never a cut one (the report's images already were)."""
     pytest.importorskip("matplotlib")
-    import matplotlib.figure
-
     from ampkit.choose.bench import BenchReport, BenchResult
 
     report = BenchReport(
@@ -287,15 +287,7 @@ def test_the_bench_plot_is_written_atomically(tmp_path, monkeypatch):
     path = tmp_path / "bench.png"
     report.plot(str(path))
     before = path.read_bytes()
-    real = matplotlib.figure.Figure.savefig
-
-    def dies_halfway(self, fname, *a, **k):
-        real(self, fname, *a, **k)
-        with open(fname, "r+b") as f:
-            f.truncate(100)  # the write cut short ...
-        raise KeyboardInterrupt  # ... by a stop
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", dies_halfway)
+    savefig_dies_halfway(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         report.plot(str(path))
     assert path.read_bytes() == before

@@ -10,6 +10,8 @@ from ampkit import MixedPrecision
 from ampkit.observe.monitor import JSONLSink, Monitor
 from ampkit.observe.report import METRICS, load_run, make_report
 
+from ..support.helpers import savefig_dies_halfway
+
 pytest.importorskip("matplotlib")
 
 
@@ -91,20 +93,10 @@ def test_a_plot_is_written_atomically(tmp_path, monkeypatch):
     """A report stopped while saving an image leaves the previous image whole (and no temporary
     file), never a cut one."""
     pytest.importorskip("matplotlib")
-    import matplotlib.figure
-
     run = write_run(tmp_path / "a", "fp16")
     out = make_report(str(run))
     before = {p: Path(p).read_bytes() for p in out["pngs"]}
-    real = matplotlib.figure.Figure.savefig
-
-    def dies_halfway(self, fname, *a, **k):
-        real(self, fname, *a, **k)
-        with open(fname, "r+b") as f:
-            f.truncate(100)  # the write cut short ...
-        raise KeyboardInterrupt  # ... by a stop
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", dies_halfway)
+    savefig_dies_halfway(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         make_report(str(run))
     assert {p: Path(p).read_bytes() for p in out["pngs"]} == before

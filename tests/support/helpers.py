@@ -58,3 +58,19 @@ def train_tiny_gpt(precision, steps=8, **kw):
         amp.step(opt)
         losses.append(loss.item())
     return model, amp, losses
+
+
+def savefig_dies_halfway(monkeypatch) -> None:
+    """Make every matplotlib ``savefig`` write a cut file and then be stopped (KeyboardInterrupt):
+    what a run stopped while saving an image leaves, for the atomic-write tests."""
+    import matplotlib.figure
+
+    real = matplotlib.figure.Figure.savefig
+
+    def dies_halfway(self, fname, *a, **k):
+        real(self, fname, *a, **k)
+        with open(fname, "r+b") as f:
+            f.truncate(100)  # the write cut short ...
+        raise KeyboardInterrupt  # ... by a stop
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", dies_halfway)
