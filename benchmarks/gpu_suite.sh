@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go (run on a CUDA machine from the repository root):
-#   bash benchmarks/gpu_suite.sh [tests|fit|bench|train|ladder|all]   (results under $OUT, default ./gpu-out)
-# Uses the machine's own torch; torchao from .whl/ if it was carried there.
+#   bash benchmarks/gpu_suite.sh [env|tests|fit|bench|train|ladder|cpucheck|all]   (results under $OUT, default ./gpu-out)
+# Uses the machine's own torch; torchao (and tomli-w, which ampkit needs) from .whl/ if carried there.
+# cpucheck: issue 34 §6's CPU step cost on the GPU host's own CPU (an Intel Xeon with AMX on these
+# machines), pinned to two cores like the 2-core CI machine; it may run beside the ladder (other cores).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [[ ! -e /tmp/site/.ampkit-wheels ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    && touch /tmp/site/.ampkit-wheels
 fi
+[[ -e /tmp/site/.ampkit-wheels ]] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 what=${1:-all}
 if [[ $what == env || $what == all || $what == tests ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
   python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
+  python3 -c "import fastapi" 2>&1 | tail -1  # the CUDA tests must collect without the serve extra
+  lscpu | grep -E '^(Model name|CPU\(s\))'; grep -o -w -E 'amx_bf16|avx512_bf16|avx512_fp16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 fi
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m cuda -p no:cacheprovider --ignore=tests/test_service.py tests 2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
+  python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
 fi
 if [[ $what == fit || $what == all ]]; then
   python3 benchmarks/fit.py --sizes small,medium,large --precisions fp32,bf16,fp16,bf16-pure --batch_size 8 \
@@ -38,4 +43,8 @@ if [[ $what == ladder || $what == all ]]; then
   # the deepest GPT-2-block stack that really trains per rung on this GPU (docs/benchmarks.md)
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${LADDER_SECONDS:-420}" python3 benchmarks/gpu_ladder.py \
     --part all --batch 8 --seconds "${LARGEST_SECONDS:-230}" --json "$OUT/ladder.json" 2>&1 | tee "$OUT/ladder.txt"
+fi
+if [[ $what == cpucheck || $what == all ]]; then
+  taskset -c "${CPU_CORES:-14,15}" python3 benchmarks/overhead.py --cpu-check --blocks "${CPU_BLOCKS:-60}" --steps 5 \
+    --warmup 10 --json "$OUT/cpu_check.json" 2>&1 | tee "$OUT/cpu_check.txt" | tail -14
 fi
