@@ -41,6 +41,8 @@ RUNGS = [
     ("stochastic", "bf16-pure", "stochastic", "fp32"),
     ("stochastic + bf16 states", "bf16-pure", "stochastic", "bf16"),
 ]
+#: short names for --rungs, in RUNGS' order
+SHORT = ["autocast", "fp32", "split", "kahan", "stochastic", "stochastic-bf16"]
 BLOCK_PARAMS = 7_087_872  # one GPT-2 block at 768 wide (attention 2.36M + MLP 4.72M + 2 LayerNorms)
 
 
@@ -184,7 +186,6 @@ def part_largest(args: argparse.Namespace, device: torch.device, out: dict) -> N
     budget = (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 2**31
     )
-    per_rung = args.seconds / len(RUNGS)
     bpp = {
         label: row.get("bytes_per_param")
         for label, row in out.get("step", {}).get("rows", {}).items()
@@ -202,7 +203,9 @@ def part_largest(args: argparse.Namespace, device: torch.device, out: dict) -> N
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = {}
-    for rung in RUNGS:
+    chosen = [r for r, short in zip(RUNGS, SHORT) if short in args.rungs.split(",")]
+    per_rung = args.seconds / len(chosen)
+    for rung in chosen:
         label = rung[0]
         t0 = time.perf_counter()
         # + the gradients (bf16 or fp32) and, under autocast, the forward's bf16 copies of the weights
@@ -264,9 +267,15 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--rungs", default=",".join(SHORT), help=f"part 2's rungs, comma-separated from {SHORT}"
+    )
+    ap.add_argument(
         "--bytes_from", default=None, help="part 1's --json: its bytes per parameter seed part 2"
     )
     args = ap.parse_args()
+    unknown = set(args.rungs.split(",")) - set(SHORT)
+    if unknown:
+        ap.error(f"--rungs: unknown {sorted(unknown)}; choose from {SHORT}")
     args.tokens, args.layers, args.width = (1024, 12, 768) if not args.tiny else (32, 2, 64)
     device = torch.device(args.device)
     print(
