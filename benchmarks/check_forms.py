@@ -80,7 +80,9 @@ def stepper(base: torch.nn.Module, form: str, lib):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--blocks", type=int, default=80)
     ap.add_argument("--steps", type=int, default=5)
@@ -118,10 +120,10 @@ def main() -> None:
                     times[f].append((time.perf_counter() - t0) / args.steps)
             for f in forms:
                 r = sorted(a / b for a, b in zip(times[f], times["raw"]))
-                q = lambda x: r[min(len(r) - 1, int(x * len(r)))]  # noqa: E731
+                lo, hi = r[int(0.1 * len(r))], r[min(len(r) - 1, int(0.9 * len(r)))]
                 print(
                     f"| {label} | {nt} | {f} | {statistics.median(times[f]) * 1e3:.2f} "
-                    f"| {statistics.median(r):.3f} | {q(0.1):.3f}–{q(0.9):.3f} |",
+                    f"| {statistics.median(r):.3f} | {lo:.3f}–{hi:.3f} |",
                     flush=True,
                 )
 

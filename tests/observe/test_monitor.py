@@ -409,3 +409,39 @@ def test_a_full_disk_names_the_log_file(tmp_path, monkeypatch):
     assert "No space left on device" in e.value.strerror and "free space" in e.value.strerror
     monkeypatch.undo()
     sink.close()
+
+
+def _log_lines(steps, tail: bytes = b"") -> bytes:
+    out = b""
+    for s in steps:
+        out += json.dumps({"type": "step", "step": s, "loss": 1.0}).encode() + b"\n"
+    return out + tail
+
+
+def test_jsonl_sink_after_step_cuts_only_the_redone_tail(tmp_path):
+    """A resumed run's log (issue 34 §2): records after the checkpoint's step, at the log's end,
+    are cut; a crash's partial last line with them; a damaged line inside stops the cut (it is
+    not a redone record); nothing before it changes, byte for byte."""
+    from ampkit.observe.monitor.sinks import log_cut
+
+    p = tmp_path / "log.jsonl"
+    head = _log_lines([1, 2, 3])
+    p.write_bytes(head + _log_lines([4, 5], tail=b'{"type": "step", "st'))
+    sink = JSONLSink(str(p), after_step=3)
+    sink.close()
+    assert p.read_bytes() == head and (sink.dropped, sink.redone) == (2, [4, 5])
+    assert log_cut(str(p))[1] == len(head)
+    # nothing after the step: nothing cut, the file unchanged
+    sink = JSONLSink(str(p), after_step=3)
+    sink.close()
+    assert p.read_bytes() == head and (sink.dropped, sink.redone) == (0, None)
+    # a damaged line inside the log: the cut stops there
+    damaged = _log_lines([1]) + b"garbage\n" + _log_lines([2, 3])
+    p.write_bytes(damaged)
+    sink = JSONLSink(str(p), after_step=1)
+    sink.close()
+    assert p.read_bytes() == _log_lines([1]) + b"garbage\n" and sink.redone == [2, 3]
+    # after_step=None (a fresh run) never cuts
+    p.write_bytes(head)
+    JSONLSink(str(p)).close()
+    assert p.read_bytes() == head

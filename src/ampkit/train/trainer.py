@@ -15,12 +15,10 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
 
-from ..choose.autoselect import auto_decision
 from ..distributed import broadcast_object, is_main, rank, world_size
 from ..distributed.states import capture, restore
 from ..loop.batches import BatchSource, held_out
@@ -40,7 +38,7 @@ from .choices import choose_batch, confirm_auto_precision, rebatch
 from .epochs import EpochLog
 from .firstskip import RecentBatches, SkipWatch, saved_diagnosis
 from .rollback import SpikeGuard, check_trainer_data
-from .runlog import run_sinks, write_summary
+from .runlog import open_monitor, write_summary
 from .stop import GracefulStop, TrainingInterrupted, signal_name
 from .summary import TrainSummary
 from .trainer_config import (
@@ -170,6 +168,7 @@ class Trainer:
             None  # set when ampkit cuts batches (auto batch size, OOM)
         )
         self._monitor: Optional[Monitor] = None
+        self._resumed: Optional[str] = None  # what load_state_dict loaded, until a fit logs it
         if fallback and amp.config.fallback is False:
             if amp.config.skip_nonfinite:
                 amp.set_fallback(
@@ -292,32 +291,10 @@ class Trainer:
         return steps, None
 
     def _open_monitor(self, steps: int, accum: int, extra_sinks: list[Any]) -> Monitor:
-        """The run's monitor; at step 0 it also logs what was chosen before it (auto precision, batch)."""
-        amp = self.amp
-        samples, tokens = (
-            self.source.samples_per_batch,
-            self.source.tokens_per_batch,
-        )  # per rank; throughput: all ranks
-        per_step = accum * self.world_size
-        monitor = Monitor(
-            amp,
-            run_sinks(self.settings.log, steps + self.amp.optimizer_steps, self.notes)
-            + extra_sinks,
-            log_every=self.settings.log.every,
-            run_id=self.run_id,
-            samples_per_step=samples * per_step if samples else None,
-            tokens_per_step=tokens * per_step if tokens else None,
-            optimizer=self.optimizer,
-            context=lambda: {"epoch": self.source.batch_epoch},
-        )
-        if amp.optimizer_steps == 0:
-            decision = auto_decision(amp)
-            if decision is not None:
-                monitor.log_event("auto_precision", **decision)
-            if self.auto_batch is not None:
-                monitor.log_event("auto_batch", **asdict(self.auto_batch))
-        self._monitor = monitor
-        return monitor
+        """The run's monitor (:func:`.runlog.open_monitor`)."""
+        resumed, self._resumed = self._resumed, None
+        self._monitor = open_monitor(self, steps, accum, extra_sinks, resumed)
+        return self._monitor
 
     def _train_step(
         self, run: Steps, accum: int, monitor: Monitor, watch: SkipWatch, stop: GracefulStop
@@ -532,6 +509,7 @@ class Trainer:
             saved_diagnosis(state["amp"].get("events", [])) or self.diagnosis
         )  # once per run
         SpikeGuard.load_trainer_state(self, state.get("spike_guard"))  # (spike_rollback)
+        self._resumed = source  # the next fit's log goes on after this step (run_sinks)
 
     def save_checkpoint(self) -> str:
         if self.checkpoints is None:

@@ -12,7 +12,26 @@ import os
 import warnings
 from typing import Any, Optional
 
-__all__ = ["ConsoleSink", "JSONLSink", "TensorBoardSink", "finite_json", "read_jsonl"]
+__all__ = ["ConsoleSink", "JSONLSink", "TensorBoardSink", "finite_json", "log_cut", "read_jsonl"]
+
+#: the newest cut of each log this process made (``JSONLSink(after_step=)``): real path -> (a
+#: token, the byte length the log was cut to); a :class:`~.trackers.JSONLFollower` of that log
+#: goes on from there
+_CUTS: dict[str, tuple[object, int]] = {}
+
+
+def log_cut(path: str) -> Optional[tuple[object, int]]:
+    """The newest cut of the log at ``path`` made in this process: ``(token, length)``, or None."""
+    return _CUTS.get(os.path.realpath(path))
+
+
+def _record_of(line: bytes) -> Optional[dict[str, Any]]:
+    """A log line's record, or None where the line is not a whole record with a step."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) and isinstance(r.get("step"), int) else None
 
 
 class JSONLSink:
@@ -22,13 +41,22 @@ class JSONLSink:
     the machine, at about a millisecond per batch. Appending makes it safe across resumed runs:
     a resumed run continues the same file. A line cut short by a crash is skipped (with a
     warning) by :func:`read_jsonl`.
+
+    ``after_step``: the run goes on after that optimizer step (a resume from its checkpoint), so
+    the records of later steps at the log's end -- an earlier process's, which this one redoes --
+    are cut off first (one ``truncate``: the log is whole before and after), as TensorBoard's
+    ``purge_step`` does for its events; each step is then in the log once. ``dropped`` counts the
+    records cut and ``redone`` gives the first and last step record cut (None: none).
     """
 
-    def __init__(self, path: str, *, fsync: bool = False) -> None:
+    def __init__(self, path: str, *, fsync: bool = False, after_step: Optional[int] = None) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self.path = path
         self._fsync = fsync
+        self.dropped, self.redone = 0, None
+        if after_step is not None and os.path.exists(path):
+            self._cut_after(after_step)
         self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the sink
         # A crash mid-line leaves a partial last line; start ours on a fresh line.
         if self._fh.tell() > 0:
@@ -36,6 +64,35 @@ class JSONLSink:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     self._fh.write("\n")
+
+    def _cut_after(self, step: int) -> None:
+        """Cut the log's tail of records after ``step`` (and a line a crash cut short there)."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines, starts, pos = data.split(b"\n"), [], 0
+        for line in lines:
+            starts.append(pos)
+            pos += len(line) + 1
+        keep, steps, last = len(data), [], True
+        for i in range(len(lines) - 1, -1, -1):  # from the end: only the tail is redone
+            if not lines[i].strip():
+                continue
+            r = _record_of(lines[i])
+            if r is None and not last:  # a damaged line inside the log: not a redone record
+                break
+            last = False
+            if r is not None:
+                if r["step"] <= step:
+                    break
+                self.dropped += 1
+                if r.get("type") == "step":
+                    steps.append(r["step"])
+            keep = starts[i]
+        if keep < len(data):
+            os.truncate(self.path, keep)
+            _CUTS[os.path.realpath(self.path)] = (object(), keep)
+        if steps:
+            self.redone = [min(steps), max(steps)]
 
     def write(self, records: list[dict[str, Any]]) -> None:
         try:
@@ -152,7 +209,9 @@ class TensorBoardSink:
     events become text under ``events/<kind>``.
     """
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, *, purge_step: Optional[int] = None) -> None:
+        """``purge_step``: a resumed run goes on from that step; TensorBoard drops the events of
+        that step and later that an earlier process wrote (``SummaryWriter(purge_step=)``)."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # tensorboard is an optional extra
@@ -160,7 +219,7 @@ class TensorBoardSink:
                 'TensorBoard logging needs the tensorboard package: pip install "ampkit[tensorboard]"'
             ) from e
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def write(self, records: list[dict[str, Any]]) -> None:
         w = self._writer

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any, Optional
 
-from .sinks import finite_json
+from .sinks import finite_json, log_cut
 
 __all__ = ["JSONLFollower", "MLflowSink", "WandbSink", "metrics_of"]
 
@@ -191,16 +191,22 @@ class JSONLFollower:
     the last call (the log grows once per ``log_every`` steps, so most calls only compare a file
     size), ``on_train_end`` forwards the rest (the summary) and closes the sinks. The trackers
     thus receive exactly the log's records, in its batches, without the loop knowing them. Only
-    lines written after construction are sent (a resumed run appends to the same log).
+    lines written after construction are sent (a resumed run appends to the same log, after
+    cutting the records of the steps it redoes: the follower goes on from the cut).
     """
 
     def __init__(self, path: str, sinks: list[Any]) -> None:
         self.path, self.sinks = path, list(sinks)
         self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+        self._cut = log_cut(path)
         self._closed = False
 
     def poll(self) -> None:
         """Forward the complete lines written since the last call."""
+        cut = log_cut(self.path)
+        if cut is not self._cut:  # a resumed run in this process cut the log's redone tail
+            self._cut = cut
+            self._offset = min(self._offset, cut[1]) if cut else self._offset
         if (
             self._closed
             or not os.path.exists(self.path)

@@ -1,0 +1,113 @@
+"""A resumed run's log reads as the uninterrupted run's (issue 34 §2): the steps after the
+checkpoint that an earlier process logged and the resumed one redoes are in ``log.jsonl`` (and
+TensorBoard) once, not twice; a ``resumed`` event says where the run went on and what was redone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampkit import MixedPrecision
+from ampkit.models.builtin import builtin
+from ampkit.observe.monitor.trackers import JSONLFollower
+from ampkit.train.trainer import Trainer
+
+
+def _trainer(tmp_path: Path, ck: str = "ck", **extra) -> Trainer:
+    torch.manual_seed(0)
+    model, data = builtin("mlp", "tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = MixedPrecision("bf16", device="cpu")
+    model, opt = amp.setup(model, opt)
+    return Trainer(
+        model,
+        opt,
+        amp,
+        data,
+        progress=False,
+        checkpoint_dir=str(tmp_path / ck),
+        checkpoint_every=4,
+        log_every=1,
+        log_dir=str(tmp_path / "log"),
+        **extra,
+    )
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "log" / "log.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    first = _trainer(tmp_path)
+    first.fit(7)  # checkpoint at 4; steps 5-7 logged, then the process "dies"
+    assert [r["step"] for r in _records(tmp_path) if r["type"] == "step"] == list(range(1, 8))
+    del first
+    again = _trainer(tmp_path)
+    assert again.resume().endswith("ckpt-00000004.pt")
+    again.fit(6)  # 5..10: 5-7 redone
+    recs = _records(tmp_path)
+    assert [r["step"] for r in recs if r["type"] == "step"] == list(range(1, 11))
+    summaries = [r for r in recs if r.get("kind") == "summary"]
+    assert [r["step"] for r in summaries] == [10]  # the dead process's summary at 7 went with it
+    (resumed,) = [r for r in recs if r.get("kind") == "resumed"]
+    assert resumed["step"] == 4 and resumed["redone_steps"] == [5, 7]
+    assert resumed["dropped_records"] == 4  # steps 5, 6, 7 and the summary at 7
+    # the records are in step order, the event right where the run went on
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(steps) and recs.index(resumed) + 1 == steps.index(5)
+
+
+def test_a_resume_at_the_log_end_drops_nothing_and_a_fresh_run_never_cuts(tmp_path):
+    first = _trainer(tmp_path)
+    first.fit(4)  # checkpoint at 4, the log ends at 4
+    before = _records(tmp_path)
+    again = _trainer(tmp_path)
+    again.resume()
+    again.fit(2)
+    recs = _records(tmp_path)
+    assert recs[: len(before)] == before
+    (resumed,) = [r for r in recs if r.get("kind") == "resumed"]
+    assert resumed["dropped_records"] == 0 and resumed["redone_steps"] is None
+    # a fresh run (step 0) into the same log dir appends: it never cuts another run's records
+    n = len(recs)
+    _trainer(tmp_path, ck="other").fit(1)
+    assert _records(tmp_path)[:n] == recs
+
+
+def test_a_follower_made_before_the_resume_forwards_the_resumed_records(tmp_path):
+    _trainer(tmp_path).fit(7)
+
+    class Keep:
+        def __init__(self):
+            self.records = []
+
+        def write(self, records):
+            self.records += records
+
+        def close(self):
+            pass
+
+    keep = Keep()
+    follower = JSONLFollower(str(tmp_path / "log" / "log.jsonl"), [keep])
+    again = _trainer(tmp_path, callbacks=[follower])
+    again.resume()
+    again.fit(3)
+    assert [r["step"] for r in keep.records if r["type"] == "step"] == [5, 6, 7]
+    assert any(r.get("kind") == "resumed" for r in keep.records)
+
+
+def test_tensorboard_purges_the_redone_steps(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _trainer(tmp_path, tensorboard=True).fit(7)
+    again = _trainer(tmp_path, tensorboard=True)
+    again.resume()
+    again.fit(6)
+    acc = EventAccumulator(str(tmp_path / "log" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 11))
