@@ -445,3 +445,38 @@ def test_jsonl_sink_after_step_cuts_only_the_redone_tail(tmp_path):
     p.write_bytes(head)
     JSONLSink(str(p)).close()
     assert p.read_bytes() == head
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_an_iteration_of_two_optimizer_steps_is_one_record(tmp_path, precision):
+    """A GAN-style loop (``step(optD, update_scale=False)`` then ``step(optG)``) is one optimizer
+    step per iteration for the engine (``optimizer_steps``, ``stats()``); the monitor logs one step
+    record per iteration too, numbered as the engine counts, skipped when the iteration's scale
+    update saw an overflow (D's here, at iteration 2), its loss the iteration's last step's."""
+    torch.manual_seed(0)
+    d, g = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.01)
+    opt_g = torch.optim.SGD(g.parameters(), lr=0.01)
+    amp = MixedPrecision(precision, device="cpu", fallback=False)
+    _, opt_d, opt_g = amp.setup(torch.nn.ModuleList([d, g]), opt_d, opt_g)
+    path = tmp_path / "log.jsonl"
+    mon = Monitor(amp, [JSONLSink(str(path))], log_every=1)
+    g_losses = []
+    for it in range(1, 4):
+        x = torch.randn(8, 4)
+        opt_d.zero_grad()  # (G's backward through D left gradients there, as in DCGAN's loop)
+        with amp.autocast():
+            loss_d = d(x).float().square().mean() * (float("inf") if it == 2 else 1.0)
+        amp.backward(loss_d)
+        amp.step(opt_d, update_scale=False)
+        with amp.autocast():
+            loss_g = -d(g(x)).float().mean()
+        amp.backward(loss_g)
+        amp.step(opt_g)
+        g_losses.append(loss_g.item())
+    summary = mon.close()
+    steps = [r for r in read_jsonl(str(path)) if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3] == list(range(1, amp.optimizer_steps + 1))
+    assert [r["loss"] for r in steps] == pytest.approx(g_losses)
+    assert [r["skipped"] for r in steps] == [False, True, False]
+    assert summary["steps"] == 3 == amp.stats()["optimizer_steps"]

@@ -439,10 +439,9 @@ class MixedPrecision:
         if self._stream.subscribers:
             loss, self._window_loss = self._window_loss, None
             if loss is not None and micro != window.size and flush and not self._normalized:
-                loss = loss * (
-                    window.size / micro
-                )  # the mean over the short window, like the gradients
-            self._emit("step", {"loss": loss, "result": result}, record=False)
+                loss = loss * (window.size / micro)  # the short window's mean, as the gradients
+            if update_scale:  # an iteration of several steps (update_scale=False) is one record
+                self._emit("step", {"loss": loss, "result": result}, record=False)
         return result
 
     # ------------------------------------------------------------------ diagnosis
@@ -678,7 +677,7 @@ class MixedPrecision:
             "masters": self._policy.state_dict() or None,
             "fallback": self._fallback.state_dict(),
             "manifest": self._manifest.saved(self),
-            "diagnosis": self._last_diagnosis.to_dict() if self._last_diagnosis else None,  # pending
+            "diagnosis": d.to_dict() if (d := self._last_diagnosis) else None,  # pending
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -727,4 +726,3 @@ class MixedPrecision:
             f"MixedPrecision(precision={self.precision.name!r}, device={str(self.device)!r}, "
             f"accumulation_steps={self.config.accumulation_steps})"
         )
-
