@@ -5,6 +5,7 @@ import os
 import shutil
 import struct
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +196,40 @@ def test_the_digest_is_in_place_before_the_checkpoint_takes_its_name(tmp_path, m
     monkeypatch.setattr(ck.os, "replace", replace)
     save_checkpoint({"x": torch.arange(3)}, str(tmp_path / "ckpt-00000001.pt"))
     assert seen == [True]
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_failed_rename_leaves_the_digests_as_they_were(tmp_path, monkeypatch, older):
+    """ "Nothing was replaced" holds for the sidecar too: when the checkpoint's own rename fails
+    (a full disk, a read-only remount), the digest written just before it is taken back -- the
+    older file of that name keeps its own digest and loads; with none, no stray digest stays."""
+    import errno
+
+    import ampkit.loop.checkpoint as ck
+
+    path = str(tmp_path / "ckpt-00000003.pt")
+    if older:
+        save_checkpoint({"x": torch.arange(3)}, path)
+    before = Path(digest_path(path)).read_bytes() if older else None
+    real = os.replace
+
+    def replace(src, dst):
+        if str(dst) == path:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", replace)
+    with pytest.raises(CheckpointError, match="Nothing was replaced"):
+        save_checkpoint({"x": torch.arange(5)}, path)
+    monkeypatch.undo()
+    if older:
+        assert Path(digest_path(path)).read_bytes() == before
+        assert torch.equal(load_checkpoint(path)["x"], torch.arange(3))
+    else:
+        assert not os.path.exists(digest_path(path))
+    assert sorted(os.listdir(tmp_path)) == (
+        ["ckpt-00000003.pt", "ckpt-00000003.pt.sha256"] if older else []
+    )
 
 
 def test_digests_follow_their_checkpoints(tmp_path):

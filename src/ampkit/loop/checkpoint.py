@@ -76,7 +76,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
     ``path + ".sha256"`` (atomically too) in place before the rename. Returns ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    sink, tmp = None, None
+    sink, tmp, undo = None, None, None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
         with os.fdopen(fd, "wb") as f:
@@ -84,14 +84,14 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             torch.save({"ampkit_checkpoint": FORMAT_VERSION, **state}, sink)
             f.flush()
             os.fsync(f.fileno())
-        # The digest first: a kill between the two renames leaves the new digest beside the
-        # older file of this name (a mismatch, reported) or beside none -- never a checkpoint
-        # without its digest, which is how a lost one is told (ampkit.loop.digest).
-        write_digest(path, sink.sha256.hexdigest())
+        # The digest first: a kill between the renames leaves it beside an older file of this name
+        # (a mismatch, reported) or none -- never a checkpoint without its digest (loop.digest).
+        undo = write_digest(path, sink.sha256.hexdigest())  # (used if the rename fails)
         os.replace(tmp, path)
+        undo = None
         _fsync_dir(directory)
     except (OSError, RuntimeError) as e:
-        _remove(tmp)
+        _remove(tmp, undo)
         # torch's zip writer reports a failed write as a RuntimeError about file positions; the
         # OSError underneath (disk full, file too large) is the reason worth showing.
         cause = sink.error if sink is not None and sink.error is not None else e
@@ -104,12 +104,14 @@ def save_checkpoint(state: dict[str, Any], path: str) -> str:
             "disk (or checkpoint elsewhere), then resume: it continues from the previous checkpoint"
         ) from e
     except BaseException:
-        _remove(tmp)
+        _remove(tmp, undo)
         raise
     return path
 
 
-def _remove(tmp: Optional[str]) -> None:
+def _remove(tmp: Optional[str], undo: Any = None) -> None:  # undo: write_digest's
+    if undo is not None:
+        undo()
     if tmp is not None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

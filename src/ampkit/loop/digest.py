@@ -23,7 +23,7 @@ import os
 import re
 import tempfile
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
     "DIGEST_SUFFIX",
@@ -74,9 +74,11 @@ class HashingWriter:
         self._f.flush()
 
 
-def write_digest(path: str, sha256: str) -> None:
-    """The sidecar of ``path`` saying ``sha256``, through a temporary file (fsync, rename)."""
+def write_digest(path: str, sha256: str) -> Callable[[], None]:
+    """The sidecar of ``path`` saying ``sha256``, through a temporary file (fsync, rename).
+    Returns what puts the sidecar back as it was (a save whose file then cannot take its name)."""
     sidecar = digest_path(path)
+    undo = _undo_of(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=DIGEST_SUFFIX, dir=os.path.dirname(sidecar))
     try:
         with os.fdopen(fd, "wb") as f:
@@ -88,6 +90,37 @@ def write_digest(path: str, sha256: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return undo
+
+
+def _undo_of(path: str) -> Callable[[], None]:
+    """What puts ``path``'s sidecar back as it is now (its bytes, or no sidecar), for a save whose
+    file could not take its name after its new digest was written; best effort (it never raises:
+    the save's own error is the one to report)."""
+    sidecar = digest_path(path)
+    try:
+        with open(sidecar, "rb") as f:
+            old: Optional[bytes] = f.read()
+    except FileNotFoundError:
+        old = None
+
+    def undo() -> None:
+        with contextlib.suppress(OSError):
+            if old is None:
+                os.unlink(sidecar)
+                return
+            fd, tmp = tempfile.mkstemp(
+                prefix=".tmp-", suffix=DIGEST_SUFFIX, dir=os.path.dirname(sidecar)
+            )
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(old)
+                os.replace(tmp, sidecar)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    return undo
 
 
 def check_digest(path: str) -> Optional[str]:
