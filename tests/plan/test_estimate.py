@@ -224,7 +224,9 @@ def test_train_batch_size_auto_and_target_effective_batch(tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     assert (s["batch_size"], s["accumulation_steps"]) == (16, 4)
     with pytest.raises(SystemExit) as e:  # refused as the flag is read, before any model is built
-        main([*common, "--batch_size", "auto", "--memory_budget", "8XB", "--log_dir", str(tmp_path)])
+        main(
+            [*common, "--batch_size", "auto", "--memory_budget", "8XB", "--log_dir", str(tmp_path)]
+        )
     assert e.value.code == 2
     assert (
         "argument --memory_budget/--memory-budget: memory size '8XB' is not understood"

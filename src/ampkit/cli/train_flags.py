@@ -95,7 +95,7 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
         g,
         "log_dir",
         default=None,
-        help="run directory for logs (default: runs/<timestamp>-<precision>)",
+        help="run directory for logs (default: runs/<timestamp>-<precision>[+<rung>])",
     )
     flag(g, "no_progress", action="store_true", help="no progress bar")
     flag(g, "no_diagnose", action="store_true", help="do not localize the first skipped step")
