@@ -221,6 +221,40 @@ def test_a_ratio_made_by_outliers_is_within_noise():
     assert ratio == pytest.approx(1.3, abs=0.01) and not within_noise(ratio, spread)
 
 
+def test_a_spread_over_100_percent_is_said_in_words_not_as_a_figure():
+    """On a loaded machine the spread can be ±1559%: a figure that says nothing. Above ±100% every
+    answer says in words that the repeats disagree and gives no speed verdict."""
+    import re
+
+    from rich.console import Console
+
+    ratio, spread = paired_ratio(FP32_LOADED, SAME)
+    assert spread > 10 and within_noise(ratio, spread)  # ±1559%: no verdict, as before
+
+    def huge(text: str) -> bool:  # a figure over ±100% anywhere in the text
+        return any(int(n) > 100 for n in re.findall(r"±([0-9]+)%", text))
+
+    words = speed_words(ratio, spread)
+    assert "within noise" in words and "no speed verdict" in words and not huge(words)
+    assert "disagree by more than ±100%" in words
+    timed = Timing("whole training step", 2, 5, spread).describe()
+    assert "disagree by more than ±100%" in timed and not huge(timed)
+    console = Console(width=300, record=True)
+    console.print(fake_report(9.8, spread).table())
+    table = console.export_text()
+    assert "no speed verdict" in table and not huge(table)
+    assert not huge(tune(fake_report(9.8, spread)).why_not["bf16"])
+    assert speed_words(1.02, 1.0).endswith("within noise (±100%)")  # the rule's edge: a figure
+
+
+def test_a_consistent_speed_up_keeps_its_verdict_whatever_its_spread():
+    """Pairs from 5x to 7x: a spread of 2 (±200%), yet even the worst pair is 5x fp32's speed, so
+    the ratio is outside its spread and says so (the verdict rule is not the figure's)."""
+    ratio, spread = paired_ratio([50.0, 60.0, 70.0, 60.0, 60.0], [10.0] * 5)
+    assert ratio == pytest.approx(6.0) and spread == pytest.approx(2.0)
+    assert not within_noise(ratio, spread) and speed_words(ratio, spread) == "6.00x fp32's speed"
+
+
 @pytest.fixture(scope="module")
 def injected(request):
     """``compare`` on a tiny MLP whose timed blocks report the given times instead of measuring."""

@@ -335,3 +335,28 @@ def test_resume_honours_a_ladder_rung_given_and_a_requeue_keeps_the_runs_own(tmp
         in out
     ), out
     assert "in bf16-pure:split (opt level O2)" in out and rung() == ("split", "fp32")
+
+
+def test_the_run_directory_and_summary_name_the_ladder_rung(tmp_path, capsys, monkeypatch):
+    """Without --log_dir, ``runs/<stamp>-<precision>`` names the rung when it is not the plain one
+    (the colon written ``+``: a file name on every system), as the header does; ``--json`` says
+    ``precision_spec``. A plain run keeps its plain name."""
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "--model", "mlp", "--size", "tiny", "--batch_size", "8", "--device", "cpu"]
+    base += ["--steps", "1", "--no_progress"]
+    rung = ["--precision", "bf16-pure", "--masters", "stochastic", "--state_dtype", "bf16"]
+    assert main([*base, *rung]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    (made,) = os.listdir("runs")
+    assert made.endswith("-bf16-pure+stochastic+bf16"), made
+    assert "in bf16-pure:stochastic+bf16 (opt level O2)" in out and f"runs/{made}" in out
+    assert main([*base, "--precision", "bf16-pure", "--masters", "split", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision_spec"] == "bf16-pure:split"
+    assert any(n.endswith("-bf16-pure+split") for n in os.listdir("runs"))
+    assert main([*base, "--precision", "bf16-pure", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision_spec"] == "bf16-pure"
+    assert {n.rpartition("-pure")[2] for n in os.listdir("runs")} == {
+        "",
+        "+split",
+        "+stochastic+bf16",
+    }

@@ -288,6 +288,7 @@ def _sample(action: argparse.Action):
         "positive_float": ("0.5", 0.5),
         "unit_float": ("0.25", 0.25),
         "_patterns": ('"a,b"', ("a", "b")),
+        "memory size": ('"8GiB"', "8GiB"),
     }
     name = getattr(action.type, "__name__", None)
     return samples.get(name, ('"x"', "x"))
@@ -460,3 +461,38 @@ def test_a_warning_from_ampkit_is_one_line_naming_the_command(capsys):
         "ampkit train: warning: checkpoint 'ck/ckpt-00000002.pt' is damaged; falling back\n" in err
     )
     assert "UserWarning: checkpoint" not in err and "warning: not ours" not in err  # Python's own
+
+
+# A value that starts with '-' and a digit is a (bad) value, not a flag: argparse alone answers
+# "expected one argument". Each case: the words after the command, and what the one line says.
+NEGATIVE_VALUES = [
+    ("train", ["--memory_budget", "-1GiB"], "memory size '-1GiB' must be > 0"),
+    ("train", ["--memory_budget=-1GiB"], "memory size '-1GiB' must be > 0"),
+    ("train", ["--memory-budget", "-.5GiB"], "memory size '-.5GiB' must be > 0"),
+    ("train", ["--lr", "-1e-3"], "-0.001 must be > 0"),
+    ("train", ["--init_scale", "-1e4"], "-10000.0 must be > 0"),
+    ("train", ["--steps", "-5"], "-5 must be >= 1"),
+    ("bench", ["--repeats", "-1e1"], "-10 must be >= 1"),
+    ("bench", ["--warmup", "-1e0"], "invalid int value: '-1e0'"),
+    ("tune", ["--tolerance", "-1e-2"], "-0.01 must be >= 0"),
+    ("plan", ["--memory", "-1GiB"], "memory size '-1GiB' must be > 0"),
+    ("plan", ["--memory=-1GiB"], "memory size '-1GiB' must be > 0"),
+    ("serve", ["--max_body", "-1MiB"], "memory size '-1MiB' must be > 0"),
+    ("serve", ["--max_seconds", "-5m"], "'-5m' is not a number of seconds"),
+    ("serve", ["--max_seconds", "-1e3"], "-1000.0 must be > 0"),
+    ("slurm", ["--signal_seconds", "-1e2"], "invalid int value: '-1e2'"),
+]
+
+
+@pytest.mark.parametrize(
+    "command,words,says", NEGATIVE_VALUES, ids=[f"{c}{w}" for c, w, _ in NEGATIVE_VALUES]
+)
+def test_a_negative_value_is_one_line_naming_the_flag_and_why(command, words, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, *words])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ampkit {command}: error: "), err
+    assert "expected one argument" not in err and "not understood" not in err, err
+    assert f"argument {words[0].split('=')[0].replace('-', '_').replace('__', '--')}" in err, err
+    assert says in err, err

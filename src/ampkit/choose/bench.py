@@ -37,7 +37,7 @@ from ..step.engine import MixedPrecision
 from ..step.hardware import device_info, normalize_device
 from ..step.precision import REFERENCE, REGISTRY, Precision, PrecisionError, resolve_precision
 from ..step.rung import join_spec, ladder_specs, named_twice, split_spec
-from .speed import paired_ratio, within_noise
+from .speed import noise_words, paired_ratio, within_noise
 
 __all__ = ["BenchReport", "BenchResult", "RUNGS", "compare", "with_rungs"]
 
@@ -206,8 +206,7 @@ def _speedup_cell(r: BenchResult) -> str:
     spread = r.speedup_spread
     if r.precision == REFERENCE or spread is None or not within_noise(r.speedup_vs_fp32, spread):
         return f"{r.speedup_vs_fp32:.2f}x"
-    noise = f"±{100 * r.speedup_spread:.0f}%" if math.isfinite(r.speedup_spread) else "one repeat"
-    return f"{r.speedup_vs_fp32:.2f}x within noise ({noise})"
+    return f"{r.speedup_vs_fp32:.2f}x within noise ({noise_words(spread)})"
 
 
 def _f(v: Optional[float], fmt: str) -> str:

@@ -15,6 +15,11 @@ pairs' range (p10-p90, else the whole range): a ratio is outside it only when ev
 beats (or loses to) the reference by more than half the range the repeats showed. A consistent
 1.3x (pairs 1.28-1.32) is clear; pairs from 1.0x to 11x are "within noise". With one repeat
 there is no spread to measure: every ratio is then "within noise", since nothing says it is not.
+
+A spread is printed as a figure ("±4%") up to ±100% of the reference's speed (:data:`NOISY`);
+above that (±1559% on a loaded machine) the figure says nothing, and :func:`spread_words` says
+in words that the repeats disagree. Such a spread leaves almost every ratio within noise; one
+that escapes it (pairs from 5x to 7x: a spread of 2) is a real verdict and keeps it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,17 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Timing", "paired_ratio", "speed_words", "within_noise"]
+__all__ = [
+    "NOISY",
+    "Timing",
+    "noise_words",
+    "paired_ratio",
+    "speed_words",
+    "spread_words",
+    "within_noise",
+]
+
+NOISY = 1.0  # a spread above ±100% of the reference's speed is said in words, not as a figure
 
 
 @dataclass(frozen=True)
@@ -44,9 +59,7 @@ class Timing:
         repeats = f"{self.repeats} repeat{'s' if self.repeats != 1 else ''}"
         if self.per_repeat:
             repeats += f" of {self.per_repeat}"
-        finite = math.isfinite(self.spread)
-        noise = f"±{100 * self.spread:.0f}%" if finite else "no spread from one repeat"
-        return f"{self.what}, {threads}, {repeats}, {noise}"
+        return f"{self.what}, {threads}, {repeats}, {spread_words(self.spread)}"
 
 
 def paired_ratio(reference: Sequence[float], candidate: Sequence[float]) -> tuple[float, float]:
@@ -77,7 +90,20 @@ def speed_words(ratio: float, spread: float, reference: str = "fp32") -> str:
     """``ratio`` in words: "1.15x fp32's speed", "0.90x fp32's speed" or, inside the spread,
     "1.02x fp32's speed, within noise (±4%)"."""
     text = f"{ratio:.2f}x {reference}'s speed"
-    if within_noise(ratio, spread):
-        noise = "one repeat, no spread" if not math.isfinite(spread) else f"±{100 * spread:.0f}%"
-        text += f", within noise ({noise})"
-    return text
+    return text + (f", within noise ({noise_words(spread)})" if within_noise(ratio, spread) else "")
+
+
+def spread_words(spread: float) -> str:
+    """The spread as every speed answer prints it: "±4%" up to :data:`NOISY`, then "the repeats
+    disagree by more than ±100%"; "no spread from one repeat" for inf."""
+    if not math.isfinite(spread):
+        return "no spread from one repeat"
+    if spread > NOISY:
+        return f"the repeats disagree by more than ±{100 * NOISY:.0f}%"
+    return f"±{100 * spread:.0f}%"
+
+
+def noise_words(spread: float) -> str:
+    """What "within noise (...)" says: the spread (:func:`spread_words`), and above
+    :data:`NOISY` that there is no speed verdict."""
+    return spread_words(spread) + (": no speed verdict" if spread > NOISY else "")

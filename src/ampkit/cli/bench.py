@@ -12,6 +12,7 @@ from ..choose.bench import DEFAULT_PRECISIONS
 from ..step import tomlio
 from ..step.hardware import normalize_device
 from .common import (
+    bounded,
     flag,
     model_and_data,
     model_label,
@@ -181,7 +182,7 @@ def add_parser(sub: Any) -> None:
             flag(
                 p,
                 "tolerance",
-                type=float,
+                type=bounded(float, ge=0, name="tolerance"),
                 default=0.01,
                 help="allowed final-loss gap to fp32, as a fraction of the fp32 loss (default: 0.01)",
             )

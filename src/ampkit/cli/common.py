@@ -16,6 +16,7 @@ __all__ = [
     "data_flags",
     "estimate_inputs",
     "flag",
+    "memory_size",
     "model_label",
     "model_and_data",
     "positive_float",
@@ -108,6 +109,21 @@ def _integral_exponent(text: str) -> Optional[int]:
         return None
     return int(f) if math.isfinite(f) and f.is_integer() else None
 
+
+def memory_size(text: str) -> str:
+    """An argparse type for a memory size (``--memory_budget``, ``--memory``, ``--max_body``):
+    checked when the flag is read (``memory size '-1GiB' must be > 0``), kept as typed (a run's
+    settings and ``--print_config`` show ``8GiB``, not a byte count)."""
+    from ..plan.estimate import parse_bytes
+
+    try:
+        parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+memory_size.__name__ = "memory size"  # a --config [train] value: "is not a valid memory size"
 
 positive_int = bounded(int, ge=1, name="positive_int")
 positive_float = bounded(float, gt=0, name="positive_float")

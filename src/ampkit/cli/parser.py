@@ -5,18 +5,25 @@ with the sub-command's whole usage (dozens of lines). Here each is one line nami
 and a flag that does not exist gets the closest one that does::
 
     ampkit train: unknown flag '--precison' (did you mean '--precision'?)
+
+A value that starts with ``-`` and a digit (``--memory_budget -1GiB``, ``--lr -1e-3``) is taken
+as that flag's value, so that the flag's own check says what is wrong with it (argparse alone
+takes ``-1GiB`` for an option and answers ``expected one argument``).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import re
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, Optional
 
 __all__ = ["CommandParser", "TopParser", "unknown_argument_line"]
 
 _HELP = "--help lists the flags"
+_NEGATIVE = re.compile(r"-\.?[0-9]")  # -1GiB, -5m, -1e-3, -.5: a value, never one of our flags
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -50,13 +57,38 @@ class TopParser(argparse.ArgumentParser):
         args: Optional[Sequence[str]] = None,  # type: ignore[override]
         namespace: Optional[argparse.Namespace] = None,
     ) -> argparse.Namespace:
-        ns, extras = self.parse_known_args(args, namespace)
+        words = sys.argv[1:] if args is None else list(args)
+        ns, extras = self.parse_known_args(self._negatives_joined(words), namespace)
         if extras:
             command = getattr(ns, "command", None)
             parser = self.commands.get(command) if command else None
             who = f"ampkit {command}" if parser else "ampkit"
             self.exit(2, unknown_argument_line(who, extras, parser or self) + "\n")
         return ns
+
+    def _negatives_joined(self, words: Sequence[str]) -> list[str]:
+        """``words`` with ``--flag -1GiB`` written ``--flag=-1GiB`` where ``--flag`` (of any command)
+        takes a value; nothing after ``--`` is touched (``ampkit slurm ... -- TRAIN_FLAGS``)."""
+        takes_value = {
+            s
+            for parser in (self, *self.commands.values())
+            for a in parser._actions  # argparse has no public list of its actions
+            if a.nargs != 0
+            for s in a.option_strings
+        }
+        out: list[str] = []
+        i = 0
+        while i < len(words):
+            word = words[i]
+            if word == "--":
+                return out + list(words[i:])
+            if word in takes_value and i + 1 < len(words) and _NEGATIVE.match(words[i + 1]):
+                out.append(f"{word}={words[i + 1]}")
+                i += 2
+            else:
+                out.append(word)
+                i += 1
+        return out
 
     def error(self, message: str) -> NoReturn:
         if "invalid choice:" in message and "argument COMMAND" in message:

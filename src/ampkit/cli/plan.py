@@ -14,7 +14,7 @@ from ..plan.devices import DEVICES
 from ..plan.estimate import PLAN_PRECISIONS, parse_bytes, size_text
 from ..step.precision import REFERENCE, REGISTRY
 from ..step.rung import PLAIN, split_spec
-from .common import estimate_inputs, flag, model_label, positive_int, wide_console
+from .common import estimate_inputs, flag, memory_size, model_label, positive_int, wide_console
 from .flags import model_flags, precision_list
 from .invocation import Invocation
 
@@ -409,6 +409,7 @@ def add_parser(sub: Any) -> None:
     flag(
         p,
         "memory",
+        type=memory_size,
         default=None,
         help="the memory budget, e.g. 8GiB, 512MiB, 16GB (needed for cpu and cuda; a named GPU: its memory)",
     )

@@ -81,9 +81,13 @@ class RunDir:
     locks: list[Any]
 
     def settle(self, precision: str) -> str:
+        """The directory for ``precision`` as the header spells it, with a ladder rung
+        (``bf16-pure:stochastic+bf16``): its colon is written ``+`` in the name
+        (``runs/<stamp>-bf16-pure+stochastic+bf16``), a colon being no file name character on
+        Windows and ``host:path`` to scp and rsync; a plain rung is the precision alone."""
         if self.given is not None:
             return self.given
-        path = os.path.join(RUNS, f"{self.stamp}-{precision}")
+        path = os.path.join(RUNS, f"{self.stamp}-{precision.replace(':', '+')}")
         if is_main():
             self.locks.append(prepare_dir(path, "--log_dir"))
         return path

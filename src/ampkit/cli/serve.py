@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..service.settings import SERVE_NUMBERS
-from .common import bounded, flag
+from .common import bounded, flag, memory_size
 from .invocation import Invocation
 
 
@@ -84,6 +84,7 @@ def add_parser(sub: Any) -> None:
     flag(
         p,
         "max_body",
+        type=memory_size,
         default="1MiB",
         help="largest request body; larger ones get 413 (default: 1MiB)",
     )

@@ -37,7 +37,7 @@ from .interrupts import PeerFailed, sigterm_interrupts
 from .invocation import Invocation, TrainInvocation
 from .resume import apply_resume_flags, resume_hint
 from .rundirs import RUNS, RunDir, check_writable, claim_checkpoint_dir, prepare_dir
-from .train_summary import EpochLines, numerical_failure, print_summary
+from .train_summary import EpochLines, numerical_failure, print_summary, running
 
 
 def choose_batch(
@@ -192,7 +192,7 @@ def _train(
     resumed = _resume(run, trainer, amp, optimizer) if args.resume else []
     # Now the precision that runs is known (auto measured, a checkpoint's fallback restored): the
     # header and the run directory's name say it.
-    log_dir = where.settle(amp.precision.name)
+    log_dir = where.settle(running(amp))
     console.print(_header(args, device, model, amp, amp.precision.reason if args.resume else why))
     for line in setup_lines + resumed:
         console.print(line)
@@ -284,16 +284,9 @@ def _header(
     rung = Rung.of(amp.config)
     return (
         f"[bold]ampkit train[/]: {model_label(args)} ({n_params / 1e6:.2f}M params) on {where} "
-        f"in [bold]{_running(amp)}[/] (opt level {opt_level(amp.precision.name)}) — "
+        f"in [bold]{running(amp)}[/] (opt level {opt_level(amp.precision.name)}) — "
         f"{rung.describe(why)}"
     )
-
-
-def _running(amp: MixedPrecision) -> str:
-    """The precision that runs as the header and the resume line name it: a rung of bf16-pure's
-    ladder with its rung (``bf16-pure:split``)."""
-    rung = Rung.of(amp.config)
-    return amp.precision.name if rung.plain else f"{amp.precision.name}:{rung}"
 
 
 def _trainer(
@@ -379,7 +372,7 @@ def _resume(
             )
         return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
-    return [f"resumed from {path} at step {amp.optimizer_steps} in [bold]{_running(amp)}[/]"] + [
+    return [f"resumed from {path} at step {amp.optimizer_steps} in [bold]{running(amp)}[/]"] + [
         f"[yellow]note:[/] {escape(note)}" for note in notes
     ]
 

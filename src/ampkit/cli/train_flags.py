@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import flag, positive_float, positive_int, seed_int, unit_float
+from .common import flag, memory_size, positive_float, positive_int, seed_int, unit_float
 
 __all__ = ["GROUPS"]
 
@@ -41,6 +41,7 @@ def _length_and_batch_flags(p: argparse.ArgumentParser) -> None:
     flag(
         g,
         "memory_budget",
+        type=memory_size,
         default=None,
         help="with --batch_size auto: the memory to fit, e.g. 8GiB (default on CUDA: the device's free memory)",
     )
@@ -94,7 +95,7 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
         g,
         "log_dir",
         default=None,
-        help="run directory for logs (default: runs/<timestamp>-<precision>)",
+        help="run directory for logs (default: runs/<timestamp>-<precision>[+<rung>])",
     )
     flag(g, "no_progress", action="store_true", help="no progress bar")
     flag(g, "no_diagnose", action="store_true", help="do not localize the first skipped step")

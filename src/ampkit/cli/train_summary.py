@@ -9,9 +9,10 @@ from typing import Any, Optional
 
 from ..distributed import is_main
 from ..step.engine import MixedPrecision
+from ..step.rung import Rung, join_spec
 from .invocation import TrainInvocation
 
-__all__ = ["EpochLines", "duration", "json_safe", "numerical_failure", "print_summary"]
+__all__ = ["EpochLines", "duration", "json_safe", "numerical_failure", "print_summary", "running"]
 
 
 class EpochLines:
@@ -54,6 +55,7 @@ def print_summary(
                 batch_size=args.batch_size,
                 batch_reason=run.batch_reason,
                 accumulation_steps=amp.config.accumulation_steps,
+                precision_spec=running(amp),
                 precision_reason=why,
                 failure=failure,
                 model_path=model_path,
@@ -84,6 +86,14 @@ def print_summary(
             "eval loss: " + ", ".join(f"step {s}: {v:.4f}" for s, v in summary.eval_losses)
         )
     console.print(f"run written to [bold]{log_dir}[/]; plots: [bold]ampkit report {log_dir}[/]")
+
+
+def running(amp: MixedPrecision) -> str:
+    """The precision that runs as the header, the resume line, the run directory and ``--json``'s
+    ``precision_spec`` name it: with its rung of bf16-pure's ladder (``bf16-pure:split``) unless
+    the rung is the plain one."""
+    rung = Rung.of(amp.config)
+    return join_spec(amp.precision.name, None if rung.plain else rung)
 
 
 def duration(seconds: float) -> str:

@@ -148,13 +148,14 @@ _UNITS = {
 
 
 def parse_bytes(text: Union[str, int, float]) -> int:
-    """``"8GiB"``, ``"512 MiB"``, ``"16GB"``, ``"1.5g"`` or a byte count -> bytes."""
+    """``"8GiB"``, ``"512 MiB"``, ``"16GB"``, ``"1.5g"`` or a byte count -> bytes. ``ValueError``
+    for text that is no size, and for a size that is not > 0 (``"-1GiB"`` says so)."""
     import re
 
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(
                 f"memory size {text!r} is not understood; write a number with a unit, e.g. 8GiB, "
