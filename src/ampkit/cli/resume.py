@@ -12,6 +12,7 @@ import argparse
 import os
 import shlex
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -37,18 +38,50 @@ def resume_hint(args: argparse.Namespace, argv: Sequence[str]) -> str:
     return f"Resume with: {shlex.join(['ampkit', *words])}"
 
 
+#: engine settings the resume flags handle one by one (the rest: refused when they differ)
+_HANDLED = {
+    "precision",
+    "masters",
+    "state_dtype",
+    "clip_grad_norm",
+    "accumulation_steps",
+    "keep_fp32",
+}
+
+
 def apply_resume_flags(
     requested: MixedPrecisionConfig,
     given: set[str],
-    lr: float,
+    hyper: dict[str, float],
     amp: MixedPrecision,
     optimizer: torch.optim.Optimizer,
     path: str,
+    seed: Optional[int] = None,
 ) -> list[str]:
-    """Settings chosen for a resumed run (``given``; values in ``requested``) against the checkpoint's:
-    precision (via ``switch``), lr and clipping are honoured; accumulation and keep_fp32 refused."""
+    """Settings chosen for a resumed run (``given``; values in ``requested``, the optimizer's in
+    ``hyper``: ``lr``, ``weight_decay``; ``seed``: the one ``--seed`` gave before the checkpoint's
+    random state replaced it) against the checkpoint's. Honoured and said: precision (via
+    ``switch``), the rung, lr, weight decay, clipping. Said not to apply: the seed and the initial
+    scale (the run's random state and running scale continue). Refused naming both values:
+    accumulation, keep_fp32 and every other engine setting that differs (the checkpoint fixed
+    them; silently keeping its value would be another run than the one asked for)."""
     cfg, notes = amp.config, []
     where = os.path.basename(path)
+    differ = [
+        f
+        for f in MixedPrecisionConfig.__dataclass_fields__
+        if f in given
+        and f not in _HANDLED | {"init_scale"}
+        and getattr(requested, f) != getattr(cfg, f)
+    ]
+    if differ:
+        said = ", ".join(f"--{f} {_v(getattr(requested, f))}" for f in differ)
+        theirs = ", ".join(f"{_v(getattr(cfg, f))}" for f in differ)
+        raise ValueError(
+            f"{said} differs from the checkpoint's {theirs} ({where}): a resumed run keeps the "
+            "engine settings it was checkpointed with; resume without "
+            f"{'it' if len(differ) == 1 else 'them'} (the run goes on as it was) or start a new run"
+        )
     if "accumulation_steps" in given and requested.accumulation_steps != cfg.accumulation_steps:
         raise ValueError(
             f"--accumulation_steps {requested.accumulation_steps} differs from the checkpoint's "
@@ -65,11 +98,23 @@ def apply_resume_flags(
         notes.append(
             f"--clip_grad_norm {requested.clip_grad_norm} replaces the checkpoint's {cfg.clip_grad_norm}"
         )
-    old_lr = optimizer.param_groups[0]["lr"]
-    if "lr" in given and old_lr != lr:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        notes.append(f"--lr {lr:g} replaces the checkpoint's {old_lr:g}")
+    for name, value in hyper.items():  # the optimizer's: the checkpoint's param_groups hold them
+        old = optimizer.param_groups[0].get(name)
+        if name in given and old is not None and old != value:
+            for group in optimizer.param_groups:
+                group[name] = value
+            notes.append(f"--{name} {value:g} replaces the checkpoint's {old:g}")
+    if "seed" in given and seed is not None and seed != torch.initial_seed():
+        notes.append(
+            f"--seed {seed}: the run continues the checkpoint's random state (seed "
+            f"{torch.initial_seed()}): its data order and dropout go on as they were; --seed seeds "
+            "fresh runs"
+        )
+    if "init_scale" in given and requested.init_scale != cfg.init_scale and amp.scaler.is_enabled():
+        notes.append(
+            f"--init_scale {_v(requested.init_scale)}: the loss scale continues from the checkpoint "
+            f"({amp.scaler.get_scale():g} now); --init_scale sets a fresh run's first scale"
+        )
     requeued = False  # the run's own setting given again after a fallback: nothing to switch
     if "precision" in given and requested.precision != "auto":
         current, setting = amp.precision.name, run_setting(amp)
@@ -118,6 +163,15 @@ def _rung_given(requested: MixedPrecisionConfig, given: set[str], amp: MixedPrec
     said = " ".join(f"--{f} {getattr(requested, f)}" for f in flags) or f"--precision {name}"
     amp.switch(name, reason=f"{said} given on resume", **want.fields())
     return [f"{said} switches the checkpoint's {join_spec(name, now)} to {join_spec(name, want)}"]
+
+
+def _v(value: object) -> str:
+    """A setting as a flag spells it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) or "(none)"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def run_setting(amp: MixedPrecision) -> str:

@@ -363,6 +363,7 @@ def _resume(
     fresh); the lines saying what it did."""
     args = run.args
     requested = amp.config  # before the checkpoint's config replaces it
+    seed = torch.initial_seed()  # --seed's (the checkpoint's random state replaces it)
     path = trainer.resume()
     if path is None:
         if not args.allow_fresh:
@@ -371,7 +372,8 @@ def _resume(
                 "from scratch instead"
             )
         return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
-    notes = apply_resume_flags(requested, set(run.given), args.lr, amp, optimizer, path)
+    hyper = {"lr": args.lr, "weight_decay": args.weight_decay}
+    notes = apply_resume_flags(requested, set(run.given), hyper, amp, optimizer, path, seed)
     return [f"resumed from {path} at step {amp.optimizer_steps} in [bold]{running(amp)}[/]"] + [
         f"[yellow]note:[/] {escape(note)}" for note in notes
     ]
