@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,7 @@ from ..step.hardware import normalize_device
 from ..step.logs import enable_debug
 from ..step.precision import PrecisionError
 from ..step.rung import Rung
+from ..step.settings_diff import CheckpointSettingsWarning
 from ..train.summary import opt_level
 from . import parallel, train_flags
 from .common import (
@@ -364,7 +366,9 @@ def _resume(
     args = run.args
     requested = amp.config  # before the checkpoint's config replaces it
     seed = torch.initial_seed()  # --seed's (the checkpoint's random state replaces it)
-    path = trainer.resume()
+    with warnings.catch_warnings():  # each flag's fate is said below (apply_resume_flags)
+        warnings.simplefilter("ignore", CheckpointSettingsWarning)
+        path = trainer.resume()
     if path is None:
         if not args.allow_fresh:
             raise ValueError(

@@ -57,6 +57,7 @@ from .policies.base import PrecisionPolicy
 from .precision import Precision, resolve_precision
 from .profiling import ranged
 from .scaler import LossScaler
+from .settings_diff import warn_replaced
 from .validation import check_setup, stepped_optimizers
 
 __all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
@@ -689,7 +690,7 @@ class MixedPrecision:
         cfg = MixedPrecisionConfig.from_dict(state["config"])
         diagnosis = NonFiniteReport.from_dict(state.get("diagnosis"))
         new = resolve_precision(state["precision"], self.device_info, emulate_fp8=cfg.fp8_emulate)
-        old_config, self.config = self.config, cfg
+        (old_config, old_precision), self.config = (self.config, self.precision.name), cfg
         try:
             scaler = self._make_scaler(new)
             if state.get("scaler"):
@@ -713,6 +714,7 @@ class MixedPrecision:
             self._policy.load_state_dict(state["masters"])
         self._manifest.resumed(self, state.get("manifest"))  # diffs against the saved manifest
         self._last_diagnosis = diagnosis
+        warn_replaced(old_config, cfg, (old_precision, new.name), "load_state_dict")
 
     # ------------------------------------------------------------------ internals
     def _require_setup(self, verb: str) -> None:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -61,6 +62,7 @@ import torch
 from ..loop.batches import BatchSource
 from ..loop.checkpoint import capture_rng, restore_rng
 from ..step.engine import Event, MixedPrecision
+from ..step.settings_diff import CheckpointSettingsWarning
 
 __all__ = ["CAUSES", "ReplayedBatches", "SkippingBatches", "SpikeGuard", "check_trainer_data"]
 
@@ -364,7 +366,9 @@ class SpikeGuard:
         kept += [
             d for d in (e.to_dict() for e in self.amp.events if e.kind == "spike") if d not in kept
         ]
-        self.amp.load_state_dict(s["amp"])
+        with warnings.catch_warnings():  # its own snapshot (the spike event says the rollback)
+            warnings.simplefilter("ignore", CheckpointSettingsWarning)
+            self.amp.load_state_dict(s["amp"])
         if self.scheduler is not None and s["scheduler"] is not None:
             self.scheduler.load_state_dict(s["scheduler"])
         restore_rng(s["rng"])

@@ -1,0 +1,40 @@
+"""What a checkpoint's engine settings replace: :meth:`MixedPrecision.load_state_dict` restores the
+settings a run was checkpointed with (the checkpoint is the run), and says so when they differ
+from the ones the engine was made with -- a ``MixedPrecision("bf16", clip_grad_norm=0.5)`` that
+loads a checkpoint clipped at 1.0 goes on clipping at 1.0, and a silent change of settings is a
+silently different run. ``torch.amp.GradScaler.load_state_dict`` replaces its factors the same way,
+without a word."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import fields
+from typing import Any
+
+__all__ = ["CheckpointSettingsWarning", "warn_replaced"]
+
+
+class CheckpointSettingsWarning(UserWarning):
+    """A loaded state's engine settings replaced different ones (filter it where that is meant:
+    ``ampkit train --resume`` says each flag's fate itself, a spike rollback restores its own)."""
+
+
+def warn_replaced(mine: Any, theirs: Any, precision: tuple[str, str], source: str) -> None:
+    """Warn, naming each setting of config ``mine`` that ``theirs`` replaced and the precision
+    ``(mine, theirs)`` when it differs; nothing when all are equal."""
+    changed = [
+        f"{f.name} {getattr(mine, f.name)!r} -> {getattr(theirs, f.name)!r}"
+        for f in fields(mine)
+        if f.name != "precision" and getattr(mine, f.name) != getattr(theirs, f.name)
+    ]
+    if precision[0] != precision[1]:
+        changed.insert(0, f"precision {precision[0]} -> {precision[1]}")
+    if changed:
+        warnings.warn(
+            CheckpointSettingsWarning(
+                f"{source} replaced this engine's settings with the ones it was saved with: "
+                f"{'; '.join(changed)} (the run goes on as it was saved; amp.switch() changes its "
+                "precision or rung after loading)"
+            ),
+            stacklevel=3,
+        )
