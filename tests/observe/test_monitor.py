@@ -480,3 +480,24 @@ def test_an_iteration_of_two_optimizer_steps_is_one_record(tmp_path, precision):
     assert [r["loss"] for r in steps] == pytest.approx(g_losses)
     assert [r["skipped"] for r in steps] == [False, True, False]
     assert summary["steps"] == 3 == amp.stats()["optimizer_steps"]
+
+
+def test_the_scales_of_steps_before_a_fallback_survive_it():
+    """A fallback fp16 -> bf16 between two reads of the monitor (log_every 50) keeps the fp16
+    steps' loss scales in their records and overflow events (issue 34: the log said null for
+    every step since the last read, and the summary's scale figures fell short)."""
+    model, opt, amp = setup(
+        "fp16", init_scale=2.0**60, fallback=True, fallback_patience=3, fallback_check_every=1
+    )
+    mon = Monitor(amp, log_every=50)
+    train(model, opt, amp, 8)  # the scale overflows fp16's backward until the fallback
+    mon.flush()
+    steps = [r for r in mon.records if r["type"] == "step"]
+    assert any(r["precision"] == "bf16" for r in steps)  # it fell back inside the interval
+    fp16 = [r for r in steps if r["precision"] == "fp16"]
+    # every fp16 step was skipped: each carried half the scale of the one before
+    assert [r["scale"] for r in fp16] == [2.0 ** (60 - i) for i in range(len(fp16))]
+    overflows = [r for r in mon.events if r.get("kind") == "overflow"]
+    assert [o["scale_before"] for o in overflows] == [r["scale"] for r in fp16]
+    assert all(r["scale"] is None for r in steps if r["precision"] == "bf16")
+    assert mon.summary()["scale_min"] == fp16[-1]["scale"]

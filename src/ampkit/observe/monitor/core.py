@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...step.engine import Event, MixedPrecision
+from ...step.precision import precision_row
 from .summary import state_memory_saved, summarize
 
 __all__ = ["SCHEMA_VERSION", "Monitor", "peak_memory_bytes"]
@@ -239,10 +240,11 @@ class Monitor:
         scaled = self.amp.precision.needs_scaler
         live_scale = self.amp.scaler.scale_tensor if scaled else None
         flat: list[torch.Tensor] = []
-        for _, _, loss, scale, found, norm, *_ in pending:
+        for _, _, loss, scale, found, norm, _, ran_in, *_ in pending:
             flat += [
                 loss if loss is not None else nan,
-                scale if (scaled and scale is not None) else nan,
+                # the scale of the precision the step ran in (one since a fallback: still read)
+                scale if scale is not None and precision_row(ran_in).needs_scaler else nan,
                 found if found is not None else nan,
                 norm if norm is not None else nan,
             ]
