@@ -111,3 +111,60 @@ def test_tensorboard_purges_the_redone_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path / "log" / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 11))
+
+
+def test_a_resumed_runs_summary_covers_the_whole_run(tmp_path):
+    """summary.json (and the summary event) of a resumed run counts the run's steps, skips, scales
+    and precisions from its first step, as the uninterrupted run's does (it counted the last
+    process's steps alone)."""
+
+    def fp16(path, **extra):
+        torch.manual_seed(0)
+        model, data = builtin("mlp", "tiny")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        amp = MixedPrecision(
+            "fp16",
+            device="cpu",
+            init_scale=2.0**60,
+            fallback=True,
+            fallback_patience=3,
+            fallback_check_every=2,
+        )
+        model, opt = amp.setup(model, opt)
+        return Trainer(
+            model,
+            opt,
+            amp,
+            data,
+            progress=False,
+            checkpoint_dir=str(path / "ck"),
+            checkpoint_every=3,
+            log_every=4,
+            log_dir=str(path / "log"),
+            **extra,
+        )
+
+    whole = fp16(tmp_path / "a")
+    whole.fit(12)
+    ref = json.loads((tmp_path / "a" / "log" / "summary.json").read_text())
+    first = fp16(tmp_path / "b")
+    first.fit(7)  # killed after checkpoint 6 (step 7 is redone)
+    again = fp16(tmp_path / "b")
+    again.resume()
+    again.fit(6)
+    got = json.loads((tmp_path / "b" / "log" / "summary.json").read_text())
+    keys = (
+        "steps",
+        "first_step",
+        "last_step",
+        "skipped_steps",
+        "overflow_rate",
+        "scale_min",
+        "scale_max",
+        "scale_changes",
+        "steps_by_precision",
+        "fallbacks",
+        "final_loss",
+    )
+    assert ref["skipped_steps"] > 0 and ref["fallbacks"] == 1
+    assert {k: got[k] for k in keys} == {k: ref[k] for k in keys}

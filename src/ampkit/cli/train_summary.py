@@ -76,8 +76,14 @@ def print_summary(
             console.print(
                 f"[yellow]retried[/] {e.data.get('from')} → {e.data.get('to')} at step {e.step}"
             )
+    here = len(summary.losses)  # this process's steps (a resumed run did the others before)
+    took = (
+        f"in {duration(seconds)}"
+        if here >= summary.optimizer_steps
+        else f"({here} in this process, {duration(seconds)})"
+    )
     console.print(
-        f"{summary.optimizer_steps} steps in {duration(seconds)} · ms/step {summary.ms_per_step:.1f}"
+        f"{summary.optimizer_steps} steps {took} · ms/step {summary.ms_per_step:.1f}"
         + (f" · tokens/s {summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "")
         + f" · final loss {summary.final_loss:.4f} · skipped steps {summary.skipped_steps}"
     )

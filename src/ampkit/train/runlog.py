@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
 from ..choose.autoselect import auto_decision
 from ..distributed import is_main
-from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink
+from ..observe.monitor import ConsoleSink, JSONLSink, Monitor, TensorBoardSink, read_jsonl
 from ..step import tomlio
 from .trainer_config import LogConfig
 
@@ -30,6 +31,7 @@ def open_monitor(
     sinks = run_sinks(
         trainer.settings.log, steps + at, trainer.notes, resumed_at=at if resumed and at else None
     )
+    log = next((s for s in sinks if isinstance(s, JSONLSink)), None)
     monitor = Monitor(
         amp,
         sinks + extra_sinks,
@@ -39,6 +41,7 @@ def open_monitor(
         tokens_per_step=tokens * per_step if tokens else None,
         optimizer=trainer.optimizer,
         context=lambda: {"epoch": source.batch_epoch},
+        history=_history(log.path, trainer.run_id) if log is not None and at else (),
     )
     if at == 0:
         decision = auto_decision(amp)
@@ -47,7 +50,6 @@ def open_monitor(
         if trainer.auto_batch is not None:
             monitor.log_event("auto_batch", **asdict(trainer.auto_batch))
     elif resumed:  # where the run went on, and which steps of an earlier process it redoes
-        log = next((s for s in sinks if isinstance(s, JSONLSink)), None)
         monitor.log_event(
             "resumed",
             source=resumed,
@@ -55,6 +57,14 @@ def open_monitor(
             redone_steps=log.redone if log else None,
         )
     return monitor
+
+
+def _history(path: str, run_id: str) -> list[dict[str, Any]]:
+    """The run's records in its log so far (a reused log's other runs left out), for the summary."""
+    with warnings.catch_warnings():  # a line cut by a crash was cut from the log with the tail
+        warnings.simplefilter("ignore")
+        records = read_jsonl(path) if os.path.exists(path) else []
+    return [r for r in records if r.get("run_id") == run_id]
 
 
 def run_sinks(

@@ -52,6 +52,8 @@ class Monitor:
             where the training thread only launches kernels and should never wait).
         context: called at each step (host values only, no sync); its dict joins that step's
             record (the Trainer's gives ``epoch``).
+        history: a resumed run's records from before this monitor (its log's, e.g. from
+            :func:`read_jsonl`): :meth:`summary` covers the whole run, not this process's steps.
 
     Record schema (``type == "step"``): ``schema_version, type, step, time, loss, precision,
     scale, skipped, grad_norm, lr, step_time_ms, samples_per_s, tokens_per_s, peak_mem_bytes`` and
@@ -73,6 +75,7 @@ class Monitor:
         threaded: Optional[bool] = None,
         run_id: Optional[str] = None,
         context: Optional[Callable[[], dict[str, Any]]] = None,
+        history: Sequence[dict[str, Any]] = (),
     ) -> None:
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
@@ -91,6 +94,8 @@ class Monitor:
         )
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
+        # a resumed run's records before this monitor (its log's): the summary covers the run
+        self.history = [r for r in history if r.get("kind") != "summary"]
         # (step, wall time, loss, scale, found_inf, grad norm, lr, precision, context, timer): the timer last
         self._pending: list[
             tuple[int, float, Any, Any, Any, Any, Optional[float], str, Any, Any]
@@ -332,18 +337,20 @@ class Monitor:
         """Summary of everything recorded so far (flushes first): see :func:`ampkit.observe.monitor.summarize`;
         plus ``memory_saved_bytes_predicted`` (:func:`~ampkit.observe.monitor.summary.state_memory_saved`)."""
         self.flush()
+        return self._summarize()
+
+    def _summarize(self) -> dict[str, Any]:
+        steps = [r for r in self.history if r.get("type") == "step"] + self.records
+        events = [r for r in self.history if r.get("type") == "event"] + self.events
         return {
-            **summarize(self.records, self.events),
+            **summarize(steps, events),
             "memory_saved_bytes_predicted": state_memory_saved(self.amp),
         }
 
     def close(self) -> dict[str, Any]:
         """Flush, write a ``summary`` event, close the sinks and unsubscribe. Returns the summary."""
         if self._closed:
-            return {
-                **summarize(self.records, self.events),
-                "memory_saved_bytes_predicted": state_memory_saved(self.amp),
-            }
+            return self._summarize()
         summary = self.summary()
         if self._worker is not None:
             self._queue.put(None)
