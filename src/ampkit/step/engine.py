@@ -59,6 +59,7 @@ from .profiling import ranged
 from .scaler import LossScaler
 from .settings_diff import warn_replaced
 from .validation import check_setup, stepped_optimizers
+from .window_state import restore_window, window_state
 
 __all__ = ["Event", "MixedPrecision", "NumericsError", "StepResult"]
 
@@ -661,16 +662,15 @@ class MixedPrecision:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: precision (after switches), config, scaler, counters, events,
-        and the policy's state (the fp32 masters of a pure precision). **Syncs**.
-
-        Call between optimizer steps (not inside an accumulation window).
-        """
+        the policy's state (the fp32 masters of a pure precision), an open accumulation window's
+        gradients (:mod:`.window_state`). **Syncs**."""
         return {
             "precision": self.precision.name,
             "config": self.config.to_dict(),
             "scaler": self._scaler.state_dict(),
             "optimizer_steps": self._steps,
             "micro_steps": self._window.micro,
+            "window": window_state(self),  # None between windows
             "skipped_before": int(self._skipped_before.item())
             if self._skipped_before is not None
             else 0,
@@ -705,13 +705,12 @@ class MixedPrecision:
         before = int(state.get("skipped_before", 0))
         self._skipped_before = torch.tensor(float(before), device=self.device) if before else None
         self._steps = int(state.get("optimizer_steps", 0))
-        self._window, self._open_micro = Window(cfg.accumulation_steps), False
-        self._window.micro = int(state.get("micro_steps", 0))
         self._stream.kept = [Event.from_dict(e) for e in state.get("events", [])]
         self._fallback = fallback
         fallback.load_state_dict(state.get("fallback"))
         if state.get("masters"):
             self._policy.load_state_dict(state["masters"])
+        restore_window(self, state, cfg.accumulation_steps)  # (on the masters just loaded)
         self._manifest.resumed(self, state.get("manifest"))  # diffs against the saved manifest
         self._last_diagnosis = diagnosis
         warn_replaced(old_config, cfg, (old_precision, new.name), "load_state_dict")

@@ -13,6 +13,9 @@ from typing import Any
 
 __all__ = ["CheckpointSettingsWarning", "warn_replaced"]
 
+#: settings that change no number of the run (the ladder's scratch only sizes a buffer)
+QUIET = ("precision", "ladder_scratch_mib")
+
 
 class CheckpointSettingsWarning(UserWarning):
     """A loaded state's engine settings replaced different ones (filter it where that is meant:
@@ -25,7 +28,7 @@ def warn_replaced(mine: Any, theirs: Any, precision: tuple[str, str], source: st
     changed = [
         f"{f.name} {getattr(mine, f.name)!r} -> {getattr(theirs, f.name)!r}"
         for f in fields(mine)
-        if f.name != "precision" and getattr(mine, f.name) != getattr(theirs, f.name)
+        if f.name not in QUIET and getattr(mine, f.name) != getattr(theirs, f.name)
     ]
     if precision[0] != precision[1]:
         changed.insert(0, f"precision {precision[0]} -> {precision[1]}")
