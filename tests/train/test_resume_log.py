@@ -168,3 +168,16 @@ def test_a_resumed_runs_summary_covers_the_whole_run(tmp_path):
     )
     assert ref["skipped_steps"] > 0 and ref["fallbacks"] == 1
     assert {k: got[k] for k in keys} == {k: ref[k] for k in keys}
+
+
+def test_a_checkpoint_without_its_data_position_says_the_data_starts_over(tmp_path):
+    """A state without ``data`` (written by hand, or by another writer) restarts the data at its
+    first batch: said, not silent (recheck43)."""
+    first = _trainer(tmp_path)
+    first.fit(4)
+    state = first.state_dict()
+    del state["data"]
+    again = _trainer(tmp_path, ck="other")
+    with pytest.warns(UserWarning, match="no data position"):
+        again.load_state_dict(state, source="a hand-made state")
+    assert again.amp.optimizer_steps == 4

@@ -14,6 +14,7 @@ import contextlib
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -499,6 +500,12 @@ class Trainer:
         self.amp.load_state_dict(state["amp"])
         restore_rng(state.get("rng", {}))
         data = state.get("data", {})
+        if "data" not in state:  # (a checkpoint the Trainer wrote always has it)
+            warnings.warn(
+                f"{source} has no data position ('data'): the data starts again from its "
+                "first batch, so this run will not read what the saved one would have",
+                stacklevel=2,
+            )
         self.source.load_state_dict(data, state.get("rng"))
         self.epochs.load_state_dict(data.get("epoch_log", {}))
         self.split = int(data.get("split", 1))
