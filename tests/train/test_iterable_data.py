@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from ampkit import MixedPrecision
 from ampkit.train.trainer import Trainer, TrainingInterrupted
@@ -28,13 +28,16 @@ def dataset():
 
 
 def loader(kind):
-    """100 samples, batch 16 (the last batch 4), shuffled: by a seeded generator, by the global
-    generator, or by a DistributedSampler (set_epoch each epoch)."""
+    """100 samples, batch 16 (the last batch 4), shuffled: by a seeded generator (the loader's or
+    its RandomSampler's), by the global generator, or by a DistributedSampler (set_epoch each epoch)."""
     ds = dataset()
     if kind == "generator":
         return DataLoader(
             ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7)
         )
+    if kind == "sampler":
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+        return DataLoader(ds, batch_size=16, sampler=sampler)
     if kind == "global":
         return DataLoader(ds, batch_size=16, shuffle=True)
     return DataLoader(
@@ -170,6 +173,45 @@ def test_resume_inside_an_epoch_is_bitwise(tmp_path, kind):
     assert stop["epoch"] == checkpoint["epoch"] == 1 and stop["loss"] == pytest.approx(
         steps[9]["loss"]
     )
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("kind", ["generator", "sampler", "global"])
+def test_a_checkpoint_at_any_step_epoch_ends_included_resumes_bitwise(tmp_path, kind, accum):
+    """Every checkpoint of a 2-epoch run, resumed by a fresh Trainer (fresh model, loader and
+    generator, another global seed), ends with the uninterrupted run's parameters bitwise. A
+    checkpoint at an epoch's last step resumed epoch 1 in epoch 0's order for a loader that
+    shuffles with its own generator: the generator's state after the pass was in no checkpoint."""
+    from ampkit.loop.checkpoint import load_checkpoint
+
+    ref, _ = hand_loop(loader(kind), 2, accum=accum)
+    model, opt, amp = setup(accum=accum)
+    torch.manual_seed(123)
+    run = Trainer(
+        model,
+        opt,
+        amp,
+        loader(kind),
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=1,
+        keep_last=None,
+        progress=False,
+    )
+    run.fit(epochs=2)
+    assert_bitwise(model, ref)
+    per_epoch = -(-7 // accum)
+    paths = sorted(tmp_path.glob("*.pt"))
+    assert len(paths) == 2 * per_epoch
+    differ = []
+    for k, path in enumerate(paths[:-1], start=1):
+        model, opt, amp = setup(accum=accum)
+        torch.manual_seed(999)  # the resumed process's own RNG: replaced by the checkpoint's
+        resumed = Trainer(model, opt, amp, loader(kind), progress=False)
+        resumed.load_state_dict(load_checkpoint(str(path)), source=str(path))
+        resumed.fit(epochs=2)
+        if any(not torch.equal(a, b) for a, b in zip(params(model), params(ref))):
+            differ.append(f"step {k}" + (" (an epoch's end)" if k % per_epoch == 0 else ""))
+    assert not differ
 
 
 def test_list_and_factory_and_one_shot_generator():

@@ -16,7 +16,9 @@ Two kinds of data are accepted:
 generator); the checkpoint holds them with the epoch and the batches already taken. On resume the
 pass is re-created from those states and the taken batches are read and skipped (they are loaded,
 not trained on), then the global generator is put back to the checkpoint's: the resumed run sees
-the same batches in the same order as the uninterrupted one.
+the same batches in the same order as the uninterrupted one. A checkpoint between passes (at an
+epoch's last step) holds the loader's and sampler's generators as that pass left them: the next
+pass draws its order from them.
 """
 
 from __future__ import annotations
@@ -384,12 +386,18 @@ class BatchSource:
         return {"micro_index": self.micro_index, "epoch": self.epoch, "in_epoch": self.in_epoch}
 
     def rng_state(self) -> dict[str, Any]:
-        """``{"data_pass": ...}``: the random states the current pass started from (an iterable in
-        the middle of a pass; else ``{}``). Saved with each rank's own RNG, since ranks differ."""
-        rng = self._epoch_rng if not self.indexed and self._iter is not None else None
-        return (
-            {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}} if rng else {}
-        )
+        """The data's random states, saved with each rank's own RNG (ranks differ): in the middle
+        of an iterable's pass ``{"data_pass": ...}``, the states the pass started from; between
+        passes (an epoch's end) ``{"data_next": ...}``, the data's own generators as the next pass
+        will find them (the global generator's is the checkpoint's own); ``{}`` for a function of
+        the index, or an iterable with no generator of its own between passes."""
+        if self.indexed:
+            return {}
+        rng = self._epoch_rng if self._iter is not None else None
+        if rng:
+            return {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}}
+        gens = _generators(self.batches)
+        return {"data_next": {"generators": [g.get_state() for g in gens]}} if gens else {}
 
     def load_state_dict(self, state: dict[str, Any], rng: Optional[dict[str, Any]] = None) -> None:
         """Restore :meth:`state_dict` (and :meth:`rng_state`, from the checkpoint's ``rng``); the pass
@@ -405,6 +413,12 @@ class BatchSource:
         self._iter, self._exhausted, self._finished = None, False, []
         self._ahead.clear()
         self._resume_rng = (rng or {}).get("data_pass")
+        upcoming = (rng or {}).get("data_next")
+        if upcoming is not None and not self.in_epoch:
+            # Saved between passes: the generators' states after the last pass, which the next
+            # pass draws its order from (a fresh loader's generator would replay epoch 0's).
+            for g, state in zip(_generators(self.batches), upcoming.get("generators", [])):
+                g.set_state(state)
         if self.in_epoch and self._resume_rng is None:
             self._resume_rng = {
                 "cpu": torch.get_rng_state(),
