@@ -174,12 +174,12 @@ def _rung_given(requested: MixedPrecisionConfig, given: set[str], amp: MixedPrec
 def _data_note(saved: Optional[str], now: Optional[str], step: int) -> str:
     """The run read ``saved`` (None: the built-in corpus) until step ``step``; it goes on with
     ``now``: the model, optimizer and position carry over, the text does not."""
-    theirs = saved if saved is not None else "the built-in corpus"
     if now is None:
         return (
-            f"no --data: the run read {theirs} until step {step}; it goes on with the built-in "
+            f"no --data: the run read {saved} until step {step}; it goes on with the built-in "
             f"corpus (give --data {saved} to go on with its text)"
         )
+    theirs = saved if saved is not None else "built-in corpus"
     return (
         f"--data {now} replaces the run's {theirs}: training goes on from step {step} with other "
         "text (not the batches the run would have read)"
