@@ -121,7 +121,8 @@ def test_block_size_is_refused_and_data_is_said_on_resume(tmp_path, capsys):
     """``--block_size`` changes what batch i holds, the epoch's length and a step's tokens: another
     one is refused naming both (the default too), as ``--batch_size`` is. ``--data`` changes the
     text the run goes on with: said, either way (given, or dropped for the built-in corpus). The
-    same line again says nothing. A checkpoint from before ampkit recorded them resumes as before."""
+    same line again says nothing. A checkpoint from before ampkit recorded them resumes as
+    before."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world, this is a tiny corpus of text for testing. " * 200)
     other = tmp_path / "other.txt"

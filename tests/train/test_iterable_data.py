@@ -29,7 +29,8 @@ def dataset():
 
 def loader(kind):
     """100 samples, batch 16 (the last batch 4), shuffled: by a seeded generator (the loader's or
-    its RandomSampler's), by the global generator, or by a DistributedSampler (set_epoch each epoch)."""
+    its RandomSampler's), by the global generator, or by a DistributedSampler (set_epoch each
+    epoch)."""
     ds = dataset()
     if kind == "generator":
         return DataLoader(

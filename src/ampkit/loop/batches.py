@@ -166,7 +166,7 @@ class BatchSource:
             None  # set by load_state_dict until the pass reopens
         )
         self._one_shot_used = False
-        #: the data state the last :meth:`load_state_dict` restored (what the checkpoint's run recorded)
+        #: the data state the last :meth:`load_state_dict` restored (what the checkpoint recorded)
         self.checkpoint_state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ shape of an epoch
@@ -225,8 +225,12 @@ class BatchSource:
         tokens, mine = saved.get("tokens_per_batch"), self.tokens_per_batch
         if isinstance(tokens, int) and mine is not None and tokens != mine:
             if now:  # the same batch size: the samples' length changed
-                said = f"samples of {tokens // now} tokens, this data's are {mine // now} ({now} samples a batch)"
-                hint = f"samples of {tokens // now} tokens (ampkit train: --block_size {tokens // now})"
+                length = tokens // now
+                said = (
+                    f"samples of {length} tokens, this data's are {mine // now} ({now} samples "
+                    "a batch)"
+                )
+                hint = f"samples of {length} tokens (ampkit train: --block_size {length})"
             else:
                 said = f"batches of {tokens} tokens, this data's are {mine}"
                 hint = f"batches of {tokens} tokens"
@@ -258,9 +262,9 @@ class BatchSource:
         if not hasattr(self.batches, "path"):
             return False, None
         path = self.batches.path
-        return True, os.path.abspath(os.fspath(path)) if isinstance(
-            path, (str, os.PathLike)
-        ) else None
+        if not isinstance(path, (str, os.PathLike)):
+            return True, None
+        return True, os.path.abspath(os.fspath(path))
 
     def file_change(self) -> Optional[tuple[Optional[str], Optional[str]]]:
         """``(the checkpoint's, this data's)`` file when the last :meth:`load_state_dict` restored a
@@ -476,8 +480,8 @@ class BatchSource:
         if upcoming is not None and not self.in_epoch:
             # Saved between passes: the generators' states after the last pass, which the next
             # pass draws its order from (a fresh loader's generator would replay epoch 0's).
-            for g, state in zip(_generators(self.batches), upcoming.get("generators", [])):
-                g.set_state(state)
+            for g, after in zip(_generators(self.batches), upcoming.get("generators", [])):
+                g.set_state(after)
         if self.in_epoch and self._resume_rng is None:
             self._resume_rng = {
                 "cpu": torch.get_rng_state(),
