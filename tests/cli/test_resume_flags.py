@@ -112,3 +112,55 @@ def test_with_json_the_notes_go_to_stderr(checkpointed, tmp_path, capsys):
     assert _resume(ck, tmp_path, "--seed", "3", "--json") == 0
     out = capsys.readouterr()
     assert "--seed 3" in " ".join(out.err.split()) and "--seed" not in out.out
+
+
+GPT = ["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--no_progress"]
+
+
+def test_block_size_is_refused_and_data_is_said_on_resume(tmp_path, capsys):
+    """``--block_size`` changes what batch i holds, the epoch's length and a step's tokens: another
+    one is refused naming both (the default too), as ``--batch_size`` is. ``--data`` changes the
+    text the run goes on with: said, either way (given, or dropped for the built-in corpus). The
+    same line again says nothing. A checkpoint from before ampkit recorded them resumes as
+    before."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world, this is a tiny corpus of text for testing. " * 200)
+    other = tmp_path / "other.txt"
+    other.write_text("another text altogether, read on resume instead of the first. " * 200)
+    ck = str(tmp_path / "ck")
+    line = [*GPT, "--batch_size", "2", "--block_size", "32", "--data", str(corpus)]
+    line += ["--checkpoint_dir", ck, "--log_dir", str(tmp_path / "l")]
+    assert main([*line, "--steps", "2", "--checkpoint_every", "2"]) == 0
+    capsys.readouterr()
+
+    def resume(*flags, steps="3"):
+        i = line.index("--block_size")
+        words = [*line[:i], *flags, *line[i + 4 :]] if flags != ("same",) else list(line)
+        return main([*words, "--steps", steps, "--checkpoint_every", "1", "--resume"])
+
+    assert resume("--block_size", "16", "--data", str(corpus)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "its run read samples of 32 tokens, this data's are 16 (2 samples a batch)" in err
+    assert "--block_size 32" in err
+    assert resume("--data", str(corpus)) == 2  # the default, 64: refused too
+    assert "samples of 32 tokens, this data's are 64" in " ".join(capsys.readouterr().err.split())
+
+    assert resume("--block_size", "32", "--data", str(other)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"--data {other} replaces the run's {corpus}: training goes on from step 2" in out
+    assert resume("--block_size", "32", steps="4") == 0  # no --data: the built-in corpus
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"no --data: the run read {other} until step 3" in out
+    assert resume("--block_size", "32", "--data", str(corpus), steps="5") == 0
+    capsys.readouterr()
+    assert resume("same", steps="6") == 0  # the same line again: nothing to say
+    assert "note:" not in capsys.readouterr().out
+
+    # A checkpoint written before ampkit recorded the file and the tokens: resumed as before.
+    manager = CheckpointManager(ck)
+    path, state = manager.load_latest()
+    for key in ("data_file", "tokens_per_batch"):
+        del state["data"][key]
+    manager.save(state["amp"]["optimizer_steps"], state)
+    assert resume("--block_size", "16", "--data", str(other), steps="7") == 0
+    assert "note:" not in capsys.readouterr().out

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from ampkit import MixedPrecision
 from ampkit.train.trainer import Trainer, TrainingInterrupted
@@ -28,13 +28,17 @@ def dataset():
 
 
 def loader(kind):
-    """100 samples, batch 16 (the last batch 4), shuffled: by a seeded generator, by the global
-    generator, or by a DistributedSampler (set_epoch each epoch)."""
+    """100 samples, batch 16 (the last batch 4), shuffled: by a seeded generator (the loader's or
+    its RandomSampler's), by the global generator, or by a DistributedSampler (set_epoch each
+    epoch)."""
     ds = dataset()
     if kind == "generator":
         return DataLoader(
             ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7)
         )
+    if kind == "sampler":
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+        return DataLoader(ds, batch_size=16, sampler=sampler)
     if kind == "global":
         return DataLoader(ds, batch_size=16, shuffle=True)
     return DataLoader(
@@ -172,6 +176,45 @@ def test_resume_inside_an_epoch_is_bitwise(tmp_path, kind):
     )
 
 
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("kind", ["generator", "sampler", "global"])
+def test_a_checkpoint_at_any_step_epoch_ends_included_resumes_bitwise(tmp_path, kind, accum):
+    """Every checkpoint of a 2-epoch run, resumed by a fresh Trainer (fresh model, loader and
+    generator, another global seed), ends with the uninterrupted run's parameters bitwise. A
+    checkpoint at an epoch's last step resumed epoch 1 in epoch 0's order for a loader that
+    shuffles with its own generator: the generator's state after the pass was in no checkpoint."""
+    from ampkit.loop.checkpoint import load_checkpoint
+
+    ref, _ = hand_loop(loader(kind), 2, accum=accum)
+    model, opt, amp = setup(accum=accum)
+    torch.manual_seed(123)
+    run = Trainer(
+        model,
+        opt,
+        amp,
+        loader(kind),
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=1,
+        keep_last=None,
+        progress=False,
+    )
+    run.fit(epochs=2)
+    assert_bitwise(model, ref)
+    per_epoch = -(-7 // accum)
+    paths = sorted(tmp_path.glob("*.pt"))
+    assert len(paths) == 2 * per_epoch
+    differ = []
+    for k, path in enumerate(paths[:-1], start=1):
+        model, opt, amp = setup(accum=accum)
+        torch.manual_seed(999)  # the resumed process's own RNG: replaced by the checkpoint's
+        resumed = Trainer(model, opt, amp, loader(kind), progress=False)
+        resumed.load_state_dict(load_checkpoint(str(path)), source=str(path))
+        resumed.fit(epochs=2)
+        if any(not torch.equal(a, b) for a, b in zip(params(model), params(ref))):
+            differ.append(f"step {k}" + (" (an epoch's end)" if k % per_epoch == 0 else ""))
+    assert not differ
+
+
 def test_list_and_factory_and_one_shot_generator():
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)) for n in (5, 5, 3)]
@@ -240,3 +283,79 @@ def test_a_resume_with_another_batch_size_is_refused(tmp_path):
         trainer(Indexed(4)).resume()
     assert trainer(Indexed(16)).resume() is not None
     assert trainer([next(iter(DataLoader(dataset(), batch_size=8)))]).resume() is not None  # unsaid
+
+
+def _ckpt_trainer(data, ckdir):
+    model, opt, amp = setup("fp32")
+    return Trainer(model, opt, amp, data, checkpoint_dir=str(ckdir), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["indexed", "loader"])
+def test_a_resume_with_another_number_of_processes_is_refused(tmp_path, kind):
+    """A 2-process run resumed with 3 processes trained on without a word: rank r of W reads
+    batches i * W + r (a DistributedSampler its share), so some batches were never trained, the
+    effective batch changed and the new rank started from a fresh RNG. The checkpoint records the
+    number of processes; another one is refused before anything is loaded, naming both. (A
+    1-process checkpoint stands in for a 2-process one by its recorded world size.)"""
+    from ampkit import CheckpointMismatch
+    from ampkit.loop.checkpoint import load_checkpoint
+
+    def data():
+        if kind == "loader":
+            return DataLoader(dataset(), batch_size=16)
+        return lambda i: dataset()[16 * (i % 6) : 16 * (i % 6 + 1)]
+
+    first = _ckpt_trainer(data(), tmp_path)
+    first.fit(3)
+    state = load_checkpoint(first.save_checkpoint())
+    assert state["data"]["world_size"] == 1
+    state["data"]["world_size"] = 2  # as a 2-process run records it
+    second = _ckpt_trainer(data(), tmp_path)
+    before = params(second.model)
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"ck: its run had 2 processes, this one has 1: .*resume with 2 processes "
+        r"\(ampkit train: --nproc_per_node 2\) or start a new run",
+    ):
+        second.load_state_dict(state, source="ck")
+    assert all(torch.equal(a, b) for a, b in zip(params(second.model), before))
+    assert second.amp.optimizer_steps == 0 and second.micro_index == 0  # nothing was loaded
+    del state["data"]["world_size"]  # a checkpoint from before the field: resumes as before
+    second.load_state_dict(state, source="ck")
+    assert second.amp.optimizer_steps == 3 and second.micro_index == 3
+
+
+def test_a_resume_with_another_sequence_length_is_refused(tmp_path):
+    """Text batches of 16 tokens a sample resumed with 8 (``ampkit train --block_size``) trained on
+    without a word: batch i then holds other windows of text, an epoch another number of batches
+    and a step another number of tokens. The checkpoint records the data's tokens per batch; a
+    resume whose data declares another is refused before anything is loaded, naming both."""
+    from ampkit import CheckpointMismatch
+    from ampkit.models.data import TextBatches
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(256, 256)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.emb(x).flatten(0, 1), y.flatten())
+
+    def trainer(block):
+        torch.manual_seed(0)
+        model = Bigram()
+        amp = MixedPrecision("fp32")
+        model, opt = amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = TextBatches(batch_size=2, block_size=block)
+        return Trainer(model, opt, amp, data, checkpoint_dir=str(tmp_path), progress=False)
+
+    first = trainer(16)
+    first.fit(2)
+    first.save_checkpoint()
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"its run read samples of 16 tokens, this data's are 8 \(2 samples a batch\).*"
+        r"resume with samples of 16 tokens \(ampkit train: --block_size 16\) or start a new run",
+    ):
+        trainer(8).resume()
+    assert trainer(16).resume() is not None

@@ -271,7 +271,12 @@ def text_data(
         return TextBatches(batch_size=batch, block_size=block, seed=seed, device=device, path=path)
     if path.endswith((".json", ".jsonl")):
         return TextSamples(
-            load_texts(path), batch_size=batch, max_length=block, seed=seed, device=device
+            load_texts(path),
+            batch_size=batch,
+            max_length=block,
+            seed=seed,
+            device=device,
+            path=path,
         )
     raise ValueError(
         f"--data {path!r}: give a .txt corpus, or texts as .json (a list of strings) or .jsonl"

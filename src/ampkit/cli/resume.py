@@ -12,7 +12,7 @@ import argparse
 import os
 import shlex
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -57,6 +57,7 @@ def apply_resume_flags(
     optimizer: torch.optim.Optimizer,
     path: str,
     seed: Optional[int] = None,
+    data: Any = None,
 ) -> list[str]:
     """Settings chosen for a resumed run (``given``; values in ``requested``, the optimizer's in
     ``hyper``: ``lr``, ``weight_decay``; ``seed``: the one ``--seed`` gave before the checkpoint's
@@ -64,7 +65,9 @@ def apply_resume_flags(
     ``switch``), the rung, lr, weight decay, clipping. Said not to apply: the seed and the initial
     scale (the run's random state and running scale continue). Refused naming both values:
     accumulation, keep_fp32 and every other engine setting that differs (the checkpoint fixed
-    them; silently keeping its value would be another run than the one asked for)."""
+    them; silently keeping its value would be another run than the one asked for). ``data``: the
+    resumed Trainer's :class:`~ampkit.loop.batches.BatchSource`; text other than the run's
+    (``--data``) is said (another ``--block_size`` or ``--batch_size`` the Trainer refused)."""
     cfg, notes = amp.config, []
     where = os.path.basename(path)
     differ = [
@@ -115,6 +118,9 @@ def apply_resume_flags(
             f"--init_scale {_v(requested.init_scale)}: the loss scale continues from the checkpoint "
             f"({amp.scaler.get_scale():g} now); --init_scale sets a fresh run's first scale"
         )
+    change = data.file_change() if data is not None else None
+    if change is not None:
+        notes.append(_data_note(*change, amp.optimizer_steps))
     requeued = False  # the run's own setting given again after a fallback: nothing to switch
     if "precision" in given and requested.precision != "auto":
         current, setting = amp.precision.name, run_setting(amp)
@@ -163,6 +169,21 @@ def _rung_given(requested: MixedPrecisionConfig, given: set[str], amp: MixedPrec
     said = " ".join(f"--{f} {getattr(requested, f)}" for f in flags) or f"--precision {name}"
     amp.switch(name, reason=f"{said} given on resume", **want.fields())
     return [f"{said} switches the checkpoint's {join_spec(name, now)} to {join_spec(name, want)}"]
+
+
+def _data_note(saved: Optional[str], now: Optional[str], step: int) -> str:
+    """The run read ``saved`` (None: the built-in corpus) until step ``step``; it goes on with
+    ``now``: the model, optimizer and position carry over, the text does not."""
+    if now is None:
+        return (
+            f"no --data: the run read {saved} until step {step}; it goes on with the built-in "
+            f"corpus (give --data {saved} to go on with its text)"
+        )
+    theirs = saved if saved is not None else "built-in corpus"
+    return (
+        f"--data {now} replaces the run's {theirs}: training goes on from step {step} with other "
+        "text (not the batches the run would have read)"
+    )
 
 
 def _v(value: object) -> str:

@@ -377,7 +377,9 @@ def _resume(
             )
         return [f"no checkpoint in {args.checkpoint_dir}: starting fresh (--allow_fresh)"]
     hyper = {"lr": args.lr, "weight_decay": args.weight_decay}
-    notes = apply_resume_flags(requested, set(run.given), hyper, amp, optimizer, path, seed)
+    notes = apply_resume_flags(
+        requested, set(run.given), hyper, amp, optimizer, path, seed, data=trainer.source
+    )
     return [f"resumed from {path} at step {amp.optimizer_steps} in [bold]{running(amp)}[/]"] + [
         f"[yellow]note:[/] {escape(note)}" for note in notes
     ]

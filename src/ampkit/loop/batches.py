@@ -16,12 +16,15 @@ Two kinds of data are accepted:
 generator); the checkpoint holds them with the epoch and the batches already taken. On resume the
 pass is re-created from those states and the taken batches are read and skipped (they are loaded,
 not trained on), then the global generator is put back to the checkpoint's: the resumed run sees
-the same batches in the same order as the uninterrupted one.
+the same batches in the same order as the uninterrupted one. A checkpoint between passes (at an
+epoch's last step) holds the loader's and sampler's generators as that pass left them: the next
+pass draws its order from them.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -163,6 +166,8 @@ class BatchSource:
             None  # set by load_state_dict until the pass reopens
         )
         self._one_shot_used = False
+        #: the data state the last :meth:`load_state_dict` restored (what the checkpoint recorded)
+        self.checkpoint_state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ shape of an epoch
     @property
@@ -200,25 +205,75 @@ class BatchSource:
             n = getattr(self.batches, "batch_size", None)
         return n if isinstance(n, int) and not isinstance(n, bool) else None
 
-    def check_batch_size(self, saved: Any, source: str) -> None:
-        """Refuse data whose declared batch size differs from a checkpoint's (``saved``; both
-        known) with :class:`~ampkit.loop.checkpoint.CheckpointMismatch`: the data position, in
-        batches, would name other samples and the effective batch would change."""
+    def check_resume(self, saved: dict[str, Any], source: str) -> None:
+        """Refuse a checkpoint's data state (``saved``, from a run's ``state_dict``) that this data
+        cannot go on from as the same run, with :class:`~ampkit.loop.checkpoint.CheckpointMismatch`
+        naming both values: another declared batch size, another number of tokens a sample (both
+        change what batch ``i`` holds and the effective batch), another number of processes (each
+        reads its own share of the data). A value the checkpoint does not hold (written before
+        ampkit recorded it) or this data does not declare is not compared."""
         from .checkpoint import CheckpointMismatch
 
-        now = self.declared_batch_size
-        if isinstance(saved, int) and now is not None and saved != now:
+        size, now = saved.get("batch_size"), self.declared_batch_size
+        if isinstance(size, int) and now is not None and size != now:
             raise CheckpointMismatch(
-                f"{source}: its run read batches of {saved} samples, this data's are {now}: the "
+                f"{source}: its run read batches of {size} samples, this data's are {now}: the "
                 "data position would name other samples and the effective batch would change; "
-                f"resume with batches of {saved} (ampkit train: --batch_size {saved}) or start a "
+                f"resume with batches of {size} (ampkit train: --batch_size {size}) or start a "
                 "new run"
+            )
+        tokens, mine = saved.get("tokens_per_batch"), self.tokens_per_batch
+        if isinstance(tokens, int) and mine is not None and tokens != mine:
+            if now:  # the same batch size: the samples' length changed
+                length = tokens // now
+                said = (
+                    f"samples of {length} tokens, this data's are {mine // now} ({now} samples "
+                    "a batch)"
+                )
+                hint = f"samples of {length} tokens (ampkit train: --block_size {length})"
+            else:
+                said = f"batches of {tokens} tokens, this data's are {mine}"
+                hint = f"batches of {tokens} tokens"
+            raise CheckpointMismatch(
+                f"{source}: its run read {said}: batch i would hold other text, an epoch another "
+                f"number of batches and a step another number of tokens; resume with {hint} or "
+                "start a new run"
+            )
+        world = saved.get("world_size")
+        if isinstance(world, int) and world != self.world_size:
+            raise CheckpointMismatch(
+                f"{source}: its run had {world} processes, this one has {self.world_size}: each "
+                "process reads its own share of the data (rank r of W the batches i * W + r, or "
+                "its DistributedSampler's), so batches would be skipped or read twice, the "
+                "effective batch would change and a process without a saved random state would "
+                f"start a fresh one; resume with {world} processes (ampkit train: --nproc_per_node "
+                f"{world}) or start a new run"
             )
 
     @property
     def tokens_per_batch(self) -> Optional[int]:
         n = getattr(self.batches, "tokens_per_batch", None)
         return int(n) if n is not None else None
+
+    @property
+    def data_file(self) -> tuple[bool, Optional[str]]:
+        """``(declared, path)``: whether the data says which file it reads (a ``path`` attribute,
+        as ampkit's text data has) and that file, absolute (None: the built-in corpus)."""
+        if not hasattr(self.batches, "path"):
+            return False, None
+        path = self.batches.path
+        if not isinstance(path, (str, os.PathLike)):
+            return True, None
+        return True, os.path.abspath(os.fspath(path))
+
+    def file_change(self) -> Optional[tuple[Optional[str], Optional[str]]]:
+        """``(the checkpoint's, this data's)`` file when the last :meth:`load_state_dict` restored a
+        run that read another one (both declared; None is the built-in corpus), else None."""
+        declared, now = self.data_file
+        saved = self.checkpoint_state
+        if not declared or "data_file" not in saved or saved["data_file"] == now:
+            return None
+        return saved["data_file"], now
 
     def window(self, count: int) -> int:
         """Batches the next optimizer step takes: ``count``, or what is left of an iterable's epoch
@@ -380,20 +435,36 @@ class BatchSource:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The position: batches taken, the epoch and the batches taken in it."""
-        return {"micro_index": self.micro_index, "epoch": self.epoch, "in_epoch": self.in_epoch}
+        """The position (batches taken, the epoch and the batches taken in it) and what
+        :meth:`check_resume` compares: the processes reading and the data's tokens per batch; the
+        file the data reads when it says (``data_file``, see :meth:`file_change`)."""
+        return {
+            "micro_index": self.micro_index,
+            "epoch": self.epoch,
+            "in_epoch": self.in_epoch,
+            "world_size": self.world_size,
+            "tokens_per_batch": self.tokens_per_batch,
+            **({"data_file": self.data_file[1]} if self.data_file[0] else {}),
+        }
 
     def rng_state(self) -> dict[str, Any]:
-        """``{"data_pass": ...}``: the random states the current pass started from (an iterable in
-        the middle of a pass; else ``{}``). Saved with each rank's own RNG, since ranks differ."""
-        rng = self._epoch_rng if not self.indexed and self._iter is not None else None
-        return (
-            {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}} if rng else {}
-        )
+        """The data's random states, saved with each rank's own RNG (ranks differ): in the middle
+        of an iterable's pass ``{"data_pass": ...}``, the states the pass started from; between
+        passes (an epoch's end) ``{"data_next": ...}``, the data's own generators as the next pass
+        will find them (the global generator's is the checkpoint's own); ``{}`` for a function of
+        the index, or an iterable with no generator of its own between passes."""
+        if self.indexed:
+            return {}
+        rng = self._epoch_rng if self._iter is not None else None
+        if rng:
+            return {"data_pass": {"cpu": rng["cpu"], "generators": list(rng["generators"])}}
+        gens = _generators(self.batches)
+        return {"data_next": {"generators": [g.get_state() for g in gens]}} if gens else {}
 
     def load_state_dict(self, state: dict[str, Any], rng: Optional[dict[str, Any]] = None) -> None:
         """Restore :meth:`state_dict` (and :meth:`rng_state`, from the checkpoint's ``rng``); the pass
         is re-created lazily, at the next batch."""
+        self.checkpoint_state = dict(state)
         self.micro_index = int(state.get("micro_index", 0))
         per = self.per_epoch
         if self.indexed:
@@ -405,6 +476,12 @@ class BatchSource:
         self._iter, self._exhausted, self._finished = None, False, []
         self._ahead.clear()
         self._resume_rng = (rng or {}).get("data_pass")
+        upcoming = (rng or {}).get("data_next")
+        if upcoming is not None and not self.in_epoch:
+            # Saved between passes: the generators' states after the last pass, which the next
+            # pass draws its order from (a fresh loader's generator would replay epoch 0's).
+            for g, after in zip(_generators(self.batches), upcoming.get("generators", [])):
+                g.set_state(after)
         if self.in_epoch and self._resume_rng is None:
             self._resume_rng = {
                 "cpu": torch.get_rng_state(),
@@ -419,4 +496,6 @@ class BatchSource:
                 "only batches given as a function of the index can be moved back (spike_rollback "
                 "with an iterable: use SpikeGuard in your own loop, see docs/guides/when-training-goes-wrong.md)"
             )
+        kept = self.checkpoint_state
         self.load_state_dict({"micro_index": micro_index})
+        self.checkpoint_state = kept

@@ -180,6 +180,7 @@ class TextSamples:
     max_length: int = 512
     seed: int = 0
     device: Optional[torch.device] = None
+    path: Optional[str] = None  # the file the texts came from (recorded in checkpoints), if any
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_length < 1:

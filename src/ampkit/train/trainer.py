@@ -493,7 +493,7 @@ class Trainer:
         the model's keys and shapes, the optimizer's parameter groups and the engine state; on a
         mismatch nothing changes and :class:`~ampkit.loop.checkpoint.CheckpointError` says what."""
         check_state(state, capture(self.model, self.optimizer)[0], self.optimizer, source)
-        self.source.check_batch_size(state.get("data", {}).get("batch_size"), source)
+        self.source.check_resume(state.get("data", {}), source)
         restore(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
