@@ -117,7 +117,8 @@ def test_with_json_the_notes_go_to_stderr(checkpointed, tmp_path, capsys):
 GPT = ["train", "--model", "gpt", "--size", "tiny", "--device", "cpu", "--no_progress"]
 
 
-def test_block_size_is_refused_and_data_is_said_on_resume(tmp_path, capsys):
+def test_block_size_is_refused_and_data_is_said_on_resume(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # long paths: no wrapping inside them
     """``--block_size`` changes what batch i holds, the epoch's length and a step's tokens: another
     one is refused naming both (the default too), as ``--batch_size`` is. ``--data`` changes the
     text the run goes on with: said, either way (given, or dropped for the built-in corpus). The
