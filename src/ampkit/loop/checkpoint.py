@@ -26,7 +26,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .digest import DIGEST_SUFFIX, HashingWriter, check_digest, digest_path, write_digest
+from .digest import (
+    DIGEST_SUFFIX,
+    HashingWriter,
+    check_digest,
+    digest_path,
+    digests_beside,
+    write_digest,
+)
 
 __all__ = [
     "CheckpointError",
@@ -43,6 +50,7 @@ __all__ = [
     "restore_rng",
     "save_checkpoint",
     "torch_reason",
+    "verify_sharded",
 ]
 
 FORMAT_VERSION = 1
@@ -323,9 +331,7 @@ class ShardedCheckpointManager(CheckpointManager):
         from ..distributed import dcp
 
         template = self.template()
-        damage = dcp.verify(path)  # a collective: every rank gets the same answer, falls back alike
-        if damage is not None:
-            raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
+        verify_sharded(path)  # a collective: every rank gets the same answer, falls back alike
         try:
             shapes = dcp.model_shapes(path)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file
@@ -364,16 +370,44 @@ def _dcp_read(read: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
         raise CheckpointError(f"{what} ({type(e).__name__}: {torch_reason(e)})") from None
 
 
+def verify_sharded(path: str) -> None:
+    """Raise :class:`CheckpointError` unless every file of the sharded checkpoint ``path`` is listed
+    in its ``.sha256`` and matches. A directory without the list lost it when a checkpoint beside
+    it has its digests (refused); among ones without any (written before ampkit recorded digests)
+    it is used unverified, with a warning. A collective (every rank sees the same files)."""
+    from ..distributed import dcp
+
+    if not dcp.has_digests(path):
+        peer = digests_beside(path)
+        if peer is not None:
+            raise CheckpointError(
+                f"checkpoint {path!r} has no digest list ({dcp.DIGESTS} inside it) although the "
+                f"checkpoints beside it have theirs ({peer}): it lost it and its files cannot be "
+                "verified; it was not loaded"
+            )
+        warnings.warn(
+            f"checkpoint {path!r} has no digest list ({dcp.DIGESTS} inside it), nor do the "
+            "checkpoints beside it (written before ampkit recorded digests?): used unverified",
+            stacklevel=3,
+        )
+        return
+    damage = dcp.verify(path)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
+
+
 def export_single_file(directory: str, path: str) -> str:
     """Turn a sharded checkpoint directory into one checkpoint file (in this one process), written
     atomically; it loads with ``weights_only=True`` into a plain model (``Trainer.load_state_dict``,
-    ``ampkit train --resume``). Returns ``path``."""
+    ``ampkit train --resume``). Its files are verified first (:func:`verify_sharded`): a damaged
+    checkpoint is refused, never given a fresh digest. Returns ``path``."""
     from ..distributed import dcp
 
     if not dcp.is_complete(directory):
         raise CheckpointError(_not_sharded(directory))
+    verify_sharded(directory)
     state = _dcp_read(
-        lambda: dcp.consolidate(directory),
+        lambda: dcp.consolidate(directory, verified=True),
         f"{directory!r} could not be read as a sharded checkpoint",
     )
     state.pop("ampkit_checkpoint", None)
