@@ -54,6 +54,7 @@ __all__ = [
     "model_shapes",
     "save",
     "verify",
+    "writers",
 ]
 
 _TENSORS = ("model", "optimizer")
@@ -150,6 +151,16 @@ def _gather(mine: dict[str, str]) -> dict[str, str]:
 def has_digests(directory: str) -> bool:
     """Whether the checkpoint ``directory`` has its digest list (readable or not)."""
     return os.path.lexists(os.path.join(directory, DIGESTS))
+
+
+def writers(directory: str) -> int:
+    """How many processes wrote the checkpoint ``directory``: the ranks in its shard files' names
+    (DCP's ``__<rank>_<n>.distcp``; every rank writes at least its RNG); nothing is unpickled."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    return len({m.group(1) for n in names if (m := re.fullmatch(r"__(\d+)_\d+\.distcp", n))})
 
 
 def _files(directory: str) -> list[str]:

@@ -271,9 +271,15 @@ class CheckpointManager:
         """The newest checkpoint that loads and matches its digest; damaged ones are skipped, with
         one warning naming each and the checkpoint used instead. None when the directory holds no
         checkpoint file; :class:`CheckpointError` when it holds only damaged or unreadable ones
-        (each named with its reason): never a silent fresh start."""
+        (each named with its reason), and when the other layout's checkpoints (sharded ones for a
+        single-file manager, and the other way round) are there and newer: never a silent fresh
+        start, nor a silent step back."""
+        own = self.list()
+        refusal = _other_layout(self.directory, own, list_checkpoints(self.directory, self.prefix))
+        if refusal is not None:
+            raise CheckpointError(refusal)
         problems = []
-        for _, path in reversed(self.list()):
+        for _, path in reversed(own):
             try:
                 state = self._load(path, map_location)
             except CheckpointMismatch:
@@ -296,6 +302,44 @@ class CheckpointManager:
                 "afresh in another directory (the damaged files are left as they are)"
             )
         return None
+
+
+def _other_layout(
+    directory: str, own: list[tuple[int, str]], every: list[tuple[int, str]]
+) -> Optional[str]:
+    """Why a run cannot resume from ``directory`` when its newest checkpoint is of the other layout
+    (``every`` minus ``own``: a multi-process run's sharded directories to a one-process run, a
+    one-process run's files to a multi-process one), or None."""
+    from ..distributed import dcp
+
+    other = [c for c in every if c not in own]
+    if not other or (own and own[-1][0] >= other[-1][0]):
+        return None
+    step, newest = other[-1]
+    name = os.path.basename(newest)
+    if own:
+        what = (
+            f"the newest checkpoint in {directory!r}, {name} (step {step}), is newer than this "
+            f"run's kind's newest, {os.path.basename(own[-1][1])}: resuming from that one would "
+            "go back; it"
+        )
+    else:
+        what = f"the checkpoints in {directory!r} (newest: {name}, step {step})"
+    if os.path.isdir(newest):
+        n = dcp.writers(newest)
+        procs = str(n) if n > 1 else "several"
+        return (
+            f"{what} {'was' if own else 'were'} written by a sharded (multi-process) run of "
+            f"{procs} processes, which this one-process run does not read; nothing was loaded. "
+            f"Resume with {procs} processes (--nproc_per_node {n if n > 1 else 'N'}), or turn it "
+            f"into one file first: ampkit export {newest} {newest}.pt"
+        )
+    return (
+        f"{what} {'is a' if own else 'are'} single-file checkpoint{'' if own else 's'}, written by a "
+        "one-process run, which this run of several processes does not read (it reads sharded "
+        "ckpt-NNNNNNNN/ directories); nothing was loaded. Resume with one process, or start "
+        "this run afresh in another checkpoint directory"
+    )
 
 
 class ShardedCheckpointManager(CheckpointManager):
