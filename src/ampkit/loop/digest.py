@@ -139,7 +139,7 @@ def check_digest(path: str, peers: Optional[list[str]] = None) -> Optional[str]:
         if peers is None:
             peer = digests_beside(path)
         else:
-            peer = next((p for p in peers if os.path.isfile(digest_path(p))), None)
+            peer = next((digest_path(p) for p in peers if os.path.isfile(digest_path(p))), None)
         if peer is not None:
             return (
                 f"has no digest file ({name}) although the checkpoints beside it have theirs "
