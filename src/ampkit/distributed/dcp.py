@@ -21,7 +21,7 @@ included); :func:`verify` checks them (each rank a share again) before anything 
 of the directory must be listed and match. DCP keeps no checksums of its own, so without this a
 flipped byte in a shard loads as a wrong weight. Whether a directory without the list may load
 unverified (written before ampkit recorded digests) is its caller's decision
-(:func:`ampkit.loop.checkpoint.verify_sharded`: only when no checkpoint beside it has digests).
+(:func:`ampkit.loop.digest.check_sharded`: only when no checkpoint beside it has digests).
 """
 
 from __future__ import annotations

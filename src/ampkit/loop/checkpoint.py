@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import os
 import pickle
-import random
 import re
 import shutil
 import tempfile
@@ -30,10 +29,12 @@ from .digest import (
     DIGEST_SUFFIX,
     HashingWriter,
     check_digest,
+    check_sharded,
     digest_path,
-    digests_beside,
     write_digest,
 )
+from .layouts import other_layout
+from .rng import capture_rng, restore_rng
 
 __all__ = [
     "CheckpointError",
@@ -50,7 +51,6 @@ __all__ = [
     "restore_rng",
     "save_checkpoint",
     "torch_reason",
-    "verify_sharded",
 ]
 
 FORMAT_VERSION = 1
@@ -163,56 +163,6 @@ def torch_reason(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:300]
 
 
-def capture_rng() -> dict[str, Any]:
-    """RNG states of torch (CPU and CUDA), numpy (when installed) and Python, in weights_only-safe types."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        out["numpy"] = {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        }
-    except ImportError:
-        pass
-    version, internal, gauss = random.getstate()
-    out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
-    return out
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Restore what :func:`capture_rng` captured (missing parts are left alone)."""
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        try:
-            import numpy as np
-
-            n = state["numpy"]
-            np.random.set_state(
-                (
-                    n["name"],
-                    n["keys"].numpy().astype("uint32"),
-                    n["pos"],
-                    n["has_gauss"],
-                    n["gauss"],
-                )
-            )
-        except ImportError:
-            pass
-    if "python" in state:
-        p = state["python"]
-        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-
-
 class CheckpointManager:
     """Numbered checkpoints in one directory: ``save`` (atomic, keep the last ``keep_last``),
     ``load_latest`` (newest readable one; corrupt ones are reported and skipped)."""
@@ -275,7 +225,7 @@ class CheckpointManager:
         single-file manager, and the other way round) are there and newer: never a silent fresh
         start, nor a silent step back."""
         own = self.list()
-        refusal = _other_layout(self.directory, own, list_checkpoints(self.directory, self.prefix))
+        refusal = other_layout(self.directory, own, list_checkpoints(self.directory, self.prefix))
         if refusal is not None:
             raise CheckpointError(refusal)
         problems = []
@@ -302,44 +252,6 @@ class CheckpointManager:
                 "afresh in another directory (the damaged files are left as they are)"
             )
         return None
-
-
-def _other_layout(
-    directory: str, own: list[tuple[int, str]], every: list[tuple[int, str]]
-) -> Optional[str]:
-    """Why a run cannot resume from ``directory`` when its newest checkpoint is of the other layout
-    (``every`` minus ``own``: a multi-process run's sharded directories to a one-process run, a
-    one-process run's files to a multi-process one), or None."""
-    from ..distributed import dcp
-
-    other = [c for c in every if c not in own]
-    if not other or (own and own[-1][0] >= other[-1][0]):
-        return None
-    step, newest = other[-1]
-    name = os.path.basename(newest)
-    if own:
-        what = (
-            f"the newest checkpoint in {directory!r}, {name} (step {step}), is newer than this "
-            f"run's kind's newest, {os.path.basename(own[-1][1])}: resuming from that one would "
-            "go back; it"
-        )
-    else:
-        what = f"the checkpoints in {directory!r} (newest: {name}, step {step})"
-    if os.path.isdir(newest):
-        n = dcp.writers(newest)
-        procs = str(n) if n > 1 else "several"
-        return (
-            f"{what} {'was' if own else 'were'} written by a sharded (multi-process) run of "
-            f"{procs} processes, which this one-process run does not read; nothing was loaded. "
-            f"Resume with {procs} processes (--nproc_per_node {n if n > 1 else 'N'}), or turn it "
-            f"into one file first: ampkit export {newest} {newest}.pt"
-        )
-    return (
-        f"{what} {'is a' if own else 'are'} single-file checkpoint{'' if own else 's'}, written by a "
-        "one-process run, which this run of several processes does not read (it reads sharded "
-        "ckpt-NNNNNNNN/ directories); nothing was loaded. Resume with one process, or start "
-        "this run afresh in another checkpoint directory"
-    )
 
 
 class ShardedCheckpointManager(CheckpointManager):
@@ -375,7 +287,11 @@ class ShardedCheckpointManager(CheckpointManager):
         from ..distributed import dcp
 
         template = self.template()
-        verify_sharded(path)  # a collective: every rank gets the same answer, falls back alike
+        damage = check_sharded(
+            path
+        )  # a collective: every rank gets the same answer, falls back alike
+        if damage is not None:
+            raise CheckpointError(f"checkpoint {path!r} {damage}; it was not loaded")
         try:
             shapes = dcp.model_shapes(path)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file
@@ -414,42 +330,18 @@ def _dcp_read(read: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
         raise CheckpointError(f"{what} ({type(e).__name__}: {torch_reason(e)})") from None
 
 
-def verify_sharded(path: str) -> None:
-    """Raise :class:`CheckpointError` unless every file of the sharded checkpoint ``path`` is listed
-    in its ``.sha256`` and matches. A directory without the list lost it when a checkpoint beside
-    it has its digests (refused); among ones without any (written before ampkit recorded digests)
-    it is used unverified, with a warning. A collective (every rank sees the same files)."""
-    from ..distributed import dcp
-
-    if not dcp.has_digests(path):
-        peer = digests_beside(path)
-        if peer is not None:
-            raise CheckpointError(
-                f"checkpoint {path!r} has no digest list ({dcp.DIGESTS} inside it) although the "
-                f"checkpoints beside it have theirs ({peer}): it lost it and its files cannot be "
-                "verified; it was not loaded"
-            )
-        warnings.warn(
-            f"checkpoint {path!r} has no digest list ({dcp.DIGESTS} inside it), nor do the "
-            "checkpoints beside it (written before ampkit recorded digests?): used unverified",
-            stacklevel=3,
-        )
-        return
-    damage = dcp.verify(path)
-    if damage is not None:
-        raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
-
-
 def export_single_file(directory: str, path: str) -> str:
     """Turn a sharded checkpoint directory into one checkpoint file (in this one process), written
     atomically; it loads with ``weights_only=True`` into a plain model (``Trainer.load_state_dict``,
-    ``ampkit train --resume``). Its files are verified first (:func:`verify_sharded`): a damaged
-    checkpoint is refused, never given a fresh digest. Returns ``path``."""
+    ``ampkit train --resume``). Its files are verified first (:func:`~ampkit.loop.digest.check_sharded`):
+    a damaged checkpoint is refused, never given a fresh digest. Returns ``path``."""
     from ..distributed import dcp
 
     if not dcp.is_complete(directory):
         raise CheckpointError(_not_sharded(directory))
-    verify_sharded(directory)
+    damage = check_sharded(directory)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {directory!r} {damage}; it was not exported")
     state = _dcp_read(
         lambda: dcp.consolidate(directory, verified=True),
         f"{directory!r} could not be read as a sharded checkpoint",

@@ -31,6 +31,7 @@ __all__ = [
     "DIGEST_SUFFIX",
     "HashingWriter",
     "check_digest",
+    "check_sharded",
     "digest_path",
     "digests_beside",
     "file_sha256",
@@ -185,4 +186,28 @@ def digests_beside(path: str) -> Optional[str]:
             return n
         if os.path.isfile(os.path.join(directory, n, DIGEST_SUFFIX)):  # a sharded checkpoint's
             return os.path.join(n, DIGEST_SUFFIX)
+    return None
+
+
+def check_sharded(path: str) -> Optional[str]:
+    """None when every file of the sharded checkpoint directory ``path`` is listed in its
+    ``.sha256`` and matches, or when it has no list and no checkpoint beside it has digests (a
+    warning says it is used unverified); else what is wrong, as words that follow its name. A
+    collective (:func:`ampkit.distributed.dcp.verify`; every rank sees the same files)."""
+    from ..distributed import dcp
+
+    if dcp.has_digests(path):
+        damage = dcp.verify(path)
+        return None if damage is None else f"is damaged: {damage}"
+    peer = digests_beside(path)
+    if peer is not None:
+        return (
+            f"has no digest list ({dcp.DIGESTS} inside it) although the checkpoints beside it "
+            f"have theirs ({peer}): it lost it and its files cannot be verified"
+        )
+    warnings.warn(
+        f"checkpoint {path!r} has no digest list ({dcp.DIGESTS} inside it), nor do the "
+        "checkpoints beside it (written before ampkit recorded digests?): used unverified",
+        stacklevel=3,
+    )
     return None
