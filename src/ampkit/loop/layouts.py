@@ -30,9 +30,9 @@ def other_layout(
     name = os.path.basename(newest)
     if own:
         what = (
-            f"the newest checkpoint in {directory!r}, {name} (step {step}), is newer than this "
-            f"run's kind's newest, {os.path.basename(own[-1][1])}: resuming from that one would "
-            "go back; it"
+            f"the newest checkpoint in {directory!r}, {name} (step {step}), is newer than the "
+            f"newest this run can read, {os.path.basename(own[-1][1])} (resuming from that one "
+            "would go back); it"
         )
     else:
         what = f"the checkpoints in {directory!r} (newest: {name}, step {step})"
