@@ -214,3 +214,79 @@ def test_the_engine_state_in_a_checkpoint_is_verified_before_it_is_loaded(tmp_pa
     old = engine()[0]
     AmpkitTrainer._load_scaler(old, str(tmp_path))
     assert old.amp.optimizer_steps == 1
+
+
+def _hf_engine():
+    import types
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    amp = MixedPrecision("bf16-pure", device="cpu")
+    model, opt = amp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return types.SimpleNamespace(amp=amp), model, opt
+
+
+def _saved_engine(directory):
+    """A stepped bf16-pure engine's ``ampkit_amp.pt`` in ``directory`` (made), as the Trainer saves it."""
+    directory.mkdir(parents=True)
+    saver, model, opt = _hf_engine()
+    saver.amp.backward(model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    saver.amp.step(opt)
+    AmpkitTrainer._save_scaler(saver, str(directory))
+    return saver.amp
+
+
+def test_a_checkpoint_without_the_engine_state_is_refused_not_resumed_with_a_fresh_engine(tmp_path):
+    """A ``checkpoint-N`` that holds the optimizer's state but no ``ampkit_amp.pt`` resumed with a
+    fresh engine, silently (optimizer_steps restarted, a pure precision's fp32 masters rebuilt
+    from the half weights): it lost the file, or was written without ampkit, and a resumed run
+    would not be the run that was saved, so it is refused, naming the file and what it holds. A
+    model-only checkpoint (``save_only_model``: Hugging Face resumes it with a fresh optimizer)
+    resumes with a fresh engine too, with a warning that says so."""
+    from ampkit import CheckpointError
+    from ampkit.integrations.hf import AMP_STATE
+
+    full = tmp_path / "checkpoint-4"
+    full.mkdir()
+    (full / "optimizer.pt").write_bytes(b"(the optimizer's state)")
+    loader = _hf_engine()[0]
+    with pytest.raises(CheckpointError) as e:
+        AmpkitTrainer._load_scaler(loader, str(full))
+    for words in (AMP_STATE, "checkpoint-4", "fp32 master weights", "fresh engine"):
+        assert words in str(e.value), (words, str(e.value))
+    model_only = tmp_path / "checkpoint-6"
+    model_only.mkdir()
+    (model_only / "model.safetensors").write_bytes(b"(weights)")
+    with pytest.warns(UserWarning, match=rf"checkpoint-6' holds no training state.*{AMP_STATE}"):
+        AmpkitTrainer._load_scaler(loader, str(model_only))
+    assert loader.amp.optimizer_steps == 0
+
+
+def test_a_damaged_engine_state_without_a_digest_is_an_error_naming_it(tmp_path):
+    """Without its digest (and none beside it) a damaged ``ampkit_amp.pt`` loads unverified, and
+    a flipped byte in its pickle crashed with ``TypeError: ParamEntry.__init__() missing ...
+    'module_type'``: now an error naming the file. Beside ``checkpoint-N`` directories whose engine
+    states have their digests, one without its own lost it: refused (the warning said "nor do the
+    files beside it" there)."""
+    from ampkit import CheckpointError
+    from ampkit.integrations.hf import AMP_STATE
+
+    _saved_engine(tmp_path / "alone" / "checkpoint-4")
+    path = tmp_path / "alone" / "checkpoint-4" / AMP_STATE
+    (tmp_path / "alone" / "checkpoint-4" / (AMP_STATE + ".sha256")).unlink()
+    raw = path.read_bytes()
+    assert b"module_type" in raw
+    path.write_bytes(raw.replace(b"module_type", b"module_typf", 1))  # one flipped bit
+    with (
+        pytest.warns(UserWarning, match="unverified"),
+        pytest.raises(CheckpointError, match=rf"checkpoint-4/{AMP_STATE}' .*not loaded"),
+    ):
+        AmpkitTrainer._load_scaler(_hf_engine()[0], str(tmp_path / "alone" / "checkpoint-4"))
+
+    for n in (2, 4):
+        _saved_engine(tmp_path / "run" / f"checkpoint-{n}")
+    (tmp_path / "run" / "checkpoint-4" / (AMP_STATE + ".sha256")).unlink()
+    with pytest.raises(
+        CheckpointError, match=r"has no digest file .*beside it have theirs .*checkpoint-2"
+    ):
+        AmpkitTrainer._load_scaler(_hf_engine()[0], str(tmp_path / "run" / "checkpoint-4"))

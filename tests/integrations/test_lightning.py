@@ -312,3 +312,48 @@ def test_the_plugin_takes_the_precision_aliases():
     for alias in ("16-mixed", "bf16-mixed", "bf16-true", "32-true", "O0", "float32", "bfloat16"):
         name = canonical_precision(PRECISION_ALIASES[alias.lower()])
         assert AmpkitPrecision(alias).precision == REGISTRY[name].lightning_name, alias
+
+
+def test_a_checkpoint_without_the_plugins_state_is_refused_for_fitting(tmp_path):
+    """A Lightning checkpoint without the ``AmpkitPrecision`` entry (written with another precision
+    plugin, or the entry lost) resumed a fit with a fresh engine, silently: the step counters
+    restarted, a pure precision's fp32 masters rebuilt from the half weights. Resuming a fit from it
+    is refused, naming the entry and what it holds; validating from it (no engine state needed)
+    still works."""
+    from ampkit import CheckpointError
+
+    class Validated(Module):
+        def validation_step(self, batch, idx):
+            self.log("val", self.net(*batch))
+
+    torch.manual_seed(0)
+    data = batches(4)
+    trainer = fit(Validated(Net()), data, 2)  # Lightning's own fp32 precision: no ampkit entry
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    assert "AmpkitPrecision" not in torch.load(tmp_path / "plain.ckpt", weights_only=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    plugin = AmpkitPrecision("bf16-pure")
+    resumed = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[plugin],
+    )
+    with pytest.raises(CheckpointError) as e:
+        resumed.fit(Validated(Net()), loader, ckpt_path=tmp_path / "plain.ckpt")
+    for words in ("'AmpkitPrecision'", "fp32 master weights", "fresh engine"):
+        assert words in str(e.value), (words, str(e.value))
+    checker = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AmpkitPrecision("bf16")],
+    )
+    checker.validate(Validated(Net()), loader, ckpt_path=tmp_path / "plain.ckpt", verbose=False)

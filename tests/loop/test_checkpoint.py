@@ -324,6 +324,7 @@ def test_a_full_disk_names_the_checkpoint_and_replaces_nothing(tmp_path, monkeyp
     elif where == "fsync":
         monkeypatch.setattr(ck.os, "fsync", lambda fd: (_ for _ in ()).throw(full))
     else:
+
         def mkstemp(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device", k.get("dir", "?") + "/.tmp-x")
 
@@ -340,3 +341,76 @@ def test_a_full_disk_names_the_checkpoint_and_replaces_nothing(tmp_path, monkeyp
     assert [s for s, _ in manager.list()] == [1]
     step, state = manager.load_latest()[1]["step"], manager.load_latest()[1]
     assert step == 1 and torch.equal(state["x"], torch.arange(3))
+
+
+def _sharded_checkpoints(directory, steps=(2, 4), writers=2):
+    """Sharded checkpoints as a multi-process run leaves them (written here in one process; a
+    second rank's shard file added by name: the layout is told from the names alone)."""
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import ShardedCheckpointManager
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = ShardedCheckpointManager(str(directory), lambda: capture(model, opt))
+    for step in steps:
+        path = mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        for r in range(1, writers):
+            shutil.copy(os.path.join(path, "__0_0.distcp"), os.path.join(path, f"__{r}_0.distcp"))
+    return mgr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoints_of_the_other_layout_are_refused_not_a_fresh_start(tmp_path):
+    """A one-process run's manager used to see a multi-process run's sharded checkpoints as no
+    checkpoint at all (and the other way round): `--resume --allow_fresh` then trained from step 0
+    beside them. They are refused, naming what is there and how to go on; so are the other
+    layout's checkpoints when they are newer than this layout's newest (resuming would go back)."""
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import ShardedCheckpointManager
+
+    _sharded_checkpoints(tmp_path / "sharded")
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(str(tmp_path / "sharded")).load_latest()
+    for words in (
+        "written by a sharded (multi-process) run of 2 processes",
+        "ckpt-00000004",
+        "--nproc_per_node 2",
+        "ampkit export",
+    ):
+        assert words in str(e.value), (words, str(e.value))
+
+    single = CheckpointManager(str(tmp_path / "single"))
+    for step in (2, 4):
+        single.save(step, {"w": torch.ones(2)})
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded = ShardedCheckpointManager(str(tmp_path / "single"), lambda: capture(model, opt))
+    with pytest.raises(CheckpointError, match=r"ckpt-00000004\.pt.* single-file .*one-process run"):
+        sharded.load_latest()
+
+    _sharded_checkpoints(tmp_path / "mixed", steps=(6,))  # newer than the one-process run's 4
+    mixed = CheckpointManager(str(tmp_path / "mixed"))
+    mixed.save(4, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"ckpt-00000006.*newer than .*ckpt-00000004\.pt"):
+        mixed.load_latest()
+    mixed.save(6, {"w": torch.ones(2)})  # (e.g. `ampkit export`ed beside it): this layout's own
+    assert mixed.load_latest()[0] == mixed.path(6)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_resume_allow_fresh_refuses_a_multi_process_runs_checkpoints(tmp_path, capsys):
+    """`ampkit slurm`'s `--resume --allow_fresh`, rerun with one process beside a 2-process run's
+    checkpoints: refused (exit 2), nothing written, and without --allow_fresh the error does not
+    suggest it."""
+    from ampkit.cli import main
+
+    ck = tmp_path / "ck"
+    _sharded_checkpoints(ck)
+    before = sorted(os.listdir(ck))
+    args = ["train", *COMMON, "--steps", "6", "--checkpoint_dir", str(ck), "--resume"]
+    for extra in (["--allow_fresh"], []):
+        assert main([*args, *extra, "--log_dir", str(tmp_path / f"l{len(extra)}")]) == 2
+        err = capsys.readouterr().err
+        assert "sharded (multi-process) run of 2 processes" in err and "--nproc_per_node 2" in err
+        assert "--allow_fresh" not in err, err
+        assert sorted(set(os.listdir(ck)) - {".ampkit.lock"}) == before  # (the run's lock)

@@ -388,3 +388,72 @@ def test_export_names_what_it_was_given_and_what_to_pass(given, tmp_path):
     assert not (tmp_path / "one.pt").exists()
     if given == "sharded_dir":  # the newest one, passed as the error says, exports
         assert export_single_file(str(ck / "ckpt-00000004"), str(tmp_path / "one.pt"))
+
+
+def _two_sharded(directory):
+    """Sharded checkpoints of steps 1 and 2 (weights 1.0 and 2.0) in ``directory``, in one process."""
+    from ampkit.distributed.states import capture
+    from ampkit.loop.checkpoint import ShardedCheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    mgr = ShardedCheckpointManager(str(directory), lambda: capture(model, opt), keep_last=None)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": {}})
+    return mgr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("case", ["no_list", "missing_line"])
+def test_a_sharded_checkpoint_that_lost_its_list_or_a_line_of_it_is_never_used(tmp_path, case):
+    """As for single files: every file of a sharded checkpoint must be listed in its ``.sha256``
+    and match. A directory without the list beside checkpoints that have theirs lost it; a file
+    not in the list cannot be verified: either is refused (here a flipped byte hides behind it),
+    the previous checkpoint used, and ``ampkit export`` refuses it too (it wrote a fresh, valid
+    digest for the damaged bytes)."""
+    from ampkit.distributed import dcp
+    from ampkit.loop.checkpoint import export_single_file
+
+    mgr = _two_sharded(tmp_path / "ck")
+    newest = tmp_path / "ck" / "ckpt-00000002"
+    shard = flip_shard_byte(newest, "model.weight")
+    listing = newest / dcp.DIGESTS
+    if case == "no_list":
+        listing.unlink()
+        why = r"has no digest list \(\.sha256 inside it\) although .*have theirs"
+    else:
+        lines = [ln for ln in listing.read_text().splitlines() if not ln.endswith(shard.name)]
+        listing.write_text("".join(ln + "\n" for ln in lines))
+        why = rf"is damaged: {shard.name} is not in its digest list"
+    with pytest.warns(
+        UserWarning, match=why + r".*falling back to the previous checkpoint '.*ckpt-00000001'"
+    ):
+        path, state = mgr.load_latest()
+    assert path == mgr.path(1) and torch.equal(state["model"]["weight"], torch.full((64, 64), 1.0))
+    with pytest.raises(CheckpointError, match=why):
+        export_single_file(str(newest), str(tmp_path / "one.pt"))
+    assert not (tmp_path / "one.pt").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_checkpoints_without_any_list_load_unverified_with_a_warning(tmp_path):
+    """Written before ampkit recorded digests (no list in any of them): they load, and export, with
+    a warning that says they are unverified."""
+    from ampkit.distributed import dcp
+    from ampkit.loop.checkpoint import export_single_file, load_checkpoint
+
+    mgr = _two_sharded(tmp_path / "ck")
+    for step in (1, 2):
+        (tmp_path / "ck" / f"ckpt-0000000{step}" / dcp.DIGESTS).unlink()
+    unverified = r"ckpt-00000002' has no digest list .*nor do the checkpoints beside it.*unverified"
+    with pytest.warns(UserWarning, match=unverified):
+        path, state = mgr.load_latest()
+    assert path == mgr.path(2) and torch.equal(state["model"]["weight"], torch.full((64, 64), 2.0))
+    with pytest.warns(UserWarning, match=unverified):
+        export_single_file(mgr.path(2), str(tmp_path / "one.pt"))
+    assert torch.equal(
+        load_checkpoint(str(tmp_path / "one.pt"))["model"]["weight"], torch.full((64, 64), 2.0)
+    )

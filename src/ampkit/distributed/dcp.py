@@ -17,9 +17,11 @@ non-tensor item is unpickled with ``weights_only=True`` (DCP's own planners do n
 
 Digests: before the rename, the ranks hash the directory's files (each a share) and rank 0 writes
 ``.sha256`` inside it (``sha256sum`` format: one ``<sha256>  <file>`` line per file, ``.metadata``
-included); :func:`verify` checks them (each rank a share again) before anything is read. DCP keeps
-no checksums of its own, so without this a flipped byte in a shard loads as a wrong weight. A
-directory without the list (written before ampkit recorded digests) loads unverified.
+included); :func:`verify` checks them (each rank a share again) before anything is read: every file
+of the directory must be listed and match. DCP keeps no checksums of its own, so without this a
+flipped byte in a shard loads as a wrong weight. Whether a directory without the list may load
+unverified (written before ampkit recorded digests) is its caller's decision
+(:func:`ampkit.loop.digest.check_sharded`: only when no checkpoint beside it has digests).
 """
 
 from __future__ import annotations
@@ -43,7 +45,17 @@ from torch.utils._pytree import tree_map_only
 
 from .env import barrier, is_main, rank
 
-__all__ = ["DIGESTS", "consolidate", "is_complete", "load", "model_shapes", "save", "verify"]
+__all__ = [
+    "DIGESTS",
+    "consolidate",
+    "has_digests",
+    "is_complete",
+    "load",
+    "model_shapes",
+    "save",
+    "verify",
+    "writers",
+]
 
 _TENSORS = ("model", "optimizer")
 #: the digest list inside a checkpoint directory
@@ -99,7 +111,7 @@ def save(state: dict[str, Any], directory: str) -> str:
     payload[f"rng.rank{rank()}"] = _blob(state.get("rng", {}))
     dcp.save(payload, checkpoint_id=partial)
     barrier()  # every rank's shards (and rank 0's .metadata) are written: hash them, then rename
-    files = sorted(n for n in os.listdir(partial) if os.path.isfile(os.path.join(partial, n)))
+    files = _files(partial)
     digests = _gather({n: _sha256(os.path.join(partial, n)) for n in _share(files)})
     if is_main():
         with open(os.path.join(partial, DIGESTS), "w") as f:
@@ -136,10 +148,35 @@ def _gather(mine: dict[str, str]) -> dict[str, str]:
     return {k: v for part in parts for k, v in part.items()}
 
 
+def has_digests(directory: str) -> bool:
+    """Whether the checkpoint ``directory`` has its digest list (readable or not)."""
+    return os.path.lexists(os.path.join(directory, DIGESTS))
+
+
+def writers(directory: str) -> int:
+    """How many processes wrote the checkpoint ``directory``: the ranks in its shard files' names
+    (DCP's ``__<rank>_<n>.distcp``; every rank writes at least its RNG); nothing is unpickled."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    return len({m.group(1) for n in names if (m := re.fullmatch(r"__(\d+)_\d+\.distcp", n))})
+
+
+def _files(directory: str) -> list[str]:
+    """The names of the directory's files, as :func:`save` lists them (the list itself aside)."""
+    return sorted(
+        n
+        for n in os.listdir(directory)
+        if n != DIGESTS and os.path.isfile(os.path.join(directory, n))
+    )
+
+
 def verify(directory: str) -> Optional[str]:
     """What is wrong with the files of the checkpoint ``directory`` against its digest list (each
-    rank hashes a share; every rank gets the same answer), or None when every file matches or the
-    directory has no list (written before ampkit recorded digests). A collective."""
+    rank hashes a share; every rank gets the same answer), or None when every file of the
+    directory is listed and matches. A directory without the list is one too (see
+    :func:`has_digests`). A collective."""
     listed: dict[str, str] = {}
     problem = None
     try:
@@ -151,11 +188,22 @@ def verify(directory: str) -> Optional[str]:
                     break
                 listed[m.group(2)] = m.group(1)
     except FileNotFoundError:
-        return None
+        problem = f"it has no digest list ({DIGESTS})"
     except OSError as e:
         problem = f"its digest list {DIGESTS} cannot be read ({e.strerror or e})"
     if problem is None and ".metadata" not in listed:
         problem = f"its digest list {DIGESTS} is damaged (no .metadata in it)"
+    if problem is None:  # a file the list does not name cannot be verified (a line deleted)
+        try:
+            unlisted = [n for n in _files(directory) if n not in listed]
+        except OSError as e:
+            unlisted, problem = [], f"its files cannot be listed ({e.strerror or e})"
+        if unlisted:
+            problem = (
+                f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not in its "
+                f"digest list {DIGESTS}, so {'its' if len(unlisted) == 1 else 'their'} bytes "
+                "cannot be verified"
+            )
     mine: dict[str, str] = {}
     for name in _share(sorted(listed)) if problem is None else []:
         try:
@@ -209,17 +257,18 @@ def load(
     return out
 
 
-def consolidate(directory: str, rank_rng: int = 0) -> dict[str, Any]:
+def consolidate(directory: str, rank_rng: int = 0, *, verified: bool = False) -> dict[str, Any]:
     """The checkpoint as one plain state dict, in one process: full tensors, the optimizer state
     numbered like a plain ``optimizer.state_dict()``, rank ``rank_rng``'s RNG. Everything in it
-    loads with ``torch.load(weights_only=True)`` once saved."""
+    loads with ``torch.load(weights_only=True)`` once saved. Its files are checked against their
+    digest list first (:func:`verify`) unless ``verified`` says the caller did."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .states import id_keyed
 
     if not is_complete(directory):
         raise FileNotFoundError(f"{directory!r} is not a complete DCP checkpoint (no .metadata)")
-    damage = verify(directory)
+    damage = None if verified else verify(directory)
     if damage is not None:
         raise ValueError(f"it is damaged: {damage}")
     sd: dict[str, Any] = {}

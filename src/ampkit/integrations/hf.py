@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
-from ..loop.checkpoint import CheckpointError, save_checkpoint
+from ..loop.checkpoint import CheckpointError, save_checkpoint, torch_reason
 from ..loop.digest import check_digest
 from ..observe.monitor import Monitor
 from ..step.engine import MixedPrecision
@@ -131,20 +132,32 @@ class AmpkitTrainer(_tf.Trainer):
     # its place, so that a resumed run goes on with the scale it had. It is written as ampkit's
     # checkpoints are (atomically, its SHA-256 beside it) and checked before it is loaded: a
     # damaged file is a CheckpointError naming it, never wrong masters. (A file of the old form,
-    # a bare torch.save without a digest, loads unverified.)
+    # a bare torch.save without a digest, loads unverified, unless the engine states of the
+    # checkpoint-N directories beside it have their digests.) A checkpoint that holds the
+    # optimizer's state but no engine state is refused: resuming it would go on with a fresh
+    # engine (counters restarted, the masters rebuilt from the half weights), not the saved run.
     def _save_scaler(self, output_dir: str) -> None:
         save_checkpoint(self.amp.state_dict(), os.path.join(output_dir, AMP_STATE))
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
-        path = os.path.join(checkpoint, AMP_STATE) if checkpoint is not None else None
-        if path is None or not os.path.isfile(path):
+        if checkpoint is None:
             return
-        damage = check_digest(path)
+        path = os.path.join(checkpoint, AMP_STATE)
+        if not os.path.isfile(path):
+            _no_engine_state(checkpoint)
+            return
+        damage = check_digest(path, peers=_peers(checkpoint))
         if damage is not None:
             raise CheckpointError(f"checkpoint {path!r} {damage}; it was not loaded")
-        state = torch.load(path, map_location=self.amp.device, weights_only=True)
-        state.pop("ampkit_checkpoint", None)  # save_checkpoint's marker
-        self.amp.load_state_dict(state)
+        try:
+            state = torch.load(path, map_location=self.amp.device, weights_only=True)
+            state.pop("ampkit_checkpoint", None)  # save_checkpoint's marker
+            self.amp.load_state_dict(state)
+        except Exception as e:  # noqa: BLE001 - unverified bytes: whatever they break, name the file
+            raise CheckpointError(
+                f"checkpoint {path!r} is corrupt or not an ampkit engine state and was not loaded "
+                f"({type(e).__name__}: {torch_reason(e)})"
+            ) from None
 
     def _unscale(self) -> None:
         if self.amp.precision.needs_scaler and not self.unscaled:
@@ -164,6 +177,45 @@ class AmpkitTrainer(_tf.Trainer):
             grads = [p.grad for p in stepped_params(self.amp, self.model) if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+
+def _peers(checkpoint: str) -> list[str]:
+    """The engine states of the ``checkpoint-N`` directories beside ``checkpoint``."""
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    own = os.path.basename(os.path.abspath(checkpoint))
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    return [
+        os.path.join(parent, n, AMP_STATE)
+        for n in names
+        if n != own and os.path.isdir(os.path.join(parent, n))
+    ]
+
+
+def _no_engine_state(checkpoint: str) -> None:
+    """A checkpoint without ``ampkit_amp.pt``: refused when it holds the training state that
+    Hugging Face resumes (the optimizer's, the scheduler's, the RNG's: the engine's belongs with
+    them); a model-only checkpoint (``save_only_model``) goes on with a fresh engine, said."""
+    try:
+        names = os.listdir(checkpoint)
+    except OSError:
+        names = []
+    if any(n.startswith(("optimizer", "scheduler", "rng_state")) for n in names):
+        raise CheckpointError(
+            f"checkpoint {checkpoint!r} has no {AMP_STATE} (the ampkit engine's state: the "
+            "precision after fallbacks, the loss scale, the step counters and, for the pure "
+            "precisions, the fp32 master weights) although it holds the optimizer's: it lost the "
+            "file, or was written without ampkit. Resuming it would go on with a fresh engine, "
+            "not the run that was saved, so nothing was resumed; resume from a checkpoint-N that "
+            "has it, or load its weights (from_pretrained) and start a new run"
+        )
+    warnings.warn(
+        f"checkpoint {checkpoint!r} holds no training state (saved with save_only_model?): the "
+        f"optimizer and ampkit's engine ({AMP_STATE}) start fresh",
+        stacklevel=3,
+    )
 
 
 class AmpkitCallback(_tf.TrainerCallback):

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..loop.checkpoint import CheckpointError
 from ..step.engine import MixedPrecision
 from ..step.precision import Precision, precision_row
 from .common import SkipAwareScheduler, make_engine, require, skipped, stepped_params
@@ -148,6 +149,7 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
         self.diagnose = diagnose
         self.diagnosis: Any = None  # the NonFiniteReport of the first skipped step
         self._batch: Any = None
+        self._fitting: Any = None  # the Trainer that connected the plugin (connect: fit only)
 
     def convert_input(self, data: Any) -> Any:
         self._batch = data  # (Lightning passes every training batch here: kept for a diagnosis)
@@ -158,6 +160,7 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
     ) -> tuple[Any, list[Any], list[Any]]:
         amp = self._engine_for(model)
         trainer = getattr(model, "_trainer", None)
+        self._fitting = trainer
         accumulate = getattr(trainer, "accumulate_grad_batches", 1) or 1
         if accumulate != amp.config.accumulation_steps:
             amp.set_accumulation_steps(accumulate)
@@ -172,6 +175,22 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
                     config.scheduler, lambda: self.last_step_skipped
                 )
         return model, optimizers, lr_schedulers
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A fit resumed from a checkpoint without this plugin's entry would go on with a fresh
+        engine (counters restarted, a pure precision's masters rebuilt from the half weights), not
+        the run that was saved: refused. Validating or testing from it needs no engine state."""
+        key = type(self).__qualname__  # (the entry Lightning saves the plugin's state_dict under)
+        fitting = self._fitting is not None and self._fitting.state.fn == "fit"
+        if fitting and key not in checkpoint:
+            raise CheckpointError(
+                f"the checkpoint has no {key!r} entry (the ampkit engine's state: the precision "
+                "after fallbacks, the loss scale, the step counters and, for the pure precisions, "
+                "the fp32 master weights): it was written with another precision plugin, or lost "
+                "it. Resuming the fit would go on with a fresh engine, not the run that was saved, "
+                "so nothing was resumed; resume it with the precision that wrote it, or load its "
+                "weights (load_from_checkpoint) and start a new fit"
+            )
 
     def forward_context(self) -> Any:
         return self._forward()

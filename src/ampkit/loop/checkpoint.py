@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import os
 import pickle
-import random
 import re
 import shutil
 import tempfile
@@ -26,7 +25,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .digest import DIGEST_SUFFIX, HashingWriter, check_digest, digest_path, write_digest
+from .digest import (
+    DIGEST_SUFFIX,
+    HashingWriter,
+    check_digest,
+    check_sharded,
+    digest_path,
+    write_digest,
+)
+from .layouts import other_layout
+from .rng import capture_rng, restore_rng
 
 __all__ = [
     "CheckpointError",
@@ -155,56 +163,6 @@ def torch_reason(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:300]
 
 
-def capture_rng() -> dict[str, Any]:
-    """RNG states of torch (CPU and CUDA), numpy (when installed) and Python, in weights_only-safe types."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        out["numpy"] = {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        }
-    except ImportError:
-        pass
-    version, internal, gauss = random.getstate()
-    out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
-    return out
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Restore what :func:`capture_rng` captured (missing parts are left alone)."""
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        try:
-            import numpy as np
-
-            n = state["numpy"]
-            np.random.set_state(
-                (
-                    n["name"],
-                    n["keys"].numpy().astype("uint32"),
-                    n["pos"],
-                    n["has_gauss"],
-                    n["gauss"],
-                )
-            )
-        except ImportError:
-            pass
-    if "python" in state:
-        p = state["python"]
-        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-
-
 class CheckpointManager:
     """Numbered checkpoints in one directory: ``save`` (atomic, keep the last ``keep_last``),
     ``load_latest`` (newest readable one; corrupt ones are reported and skipped)."""
@@ -263,9 +221,15 @@ class CheckpointManager:
         """The newest checkpoint that loads and matches its digest; damaged ones are skipped, with
         one warning naming each and the checkpoint used instead. None when the directory holds no
         checkpoint file; :class:`CheckpointError` when it holds only damaged or unreadable ones
-        (each named with its reason): never a silent fresh start."""
+        (each named with its reason), and when the other layout's checkpoints (sharded ones for a
+        single-file manager, and the other way round) are there and newer: never a silent fresh
+        start, nor a silent step back."""
+        own = self.list()
+        refusal = other_layout(self.directory, own, list_checkpoints(self.directory, self.prefix))
+        if refusal is not None:
+            raise CheckpointError(refusal)
         problems = []
-        for _, path in reversed(self.list()):
+        for _, path in reversed(own):
             try:
                 state = self._load(path, map_location)
             except CheckpointMismatch:
@@ -323,9 +287,11 @@ class ShardedCheckpointManager(CheckpointManager):
         from ..distributed import dcp
 
         template = self.template()
-        damage = dcp.verify(path)  # a collective: every rank gets the same answer, falls back alike
+        damage = check_sharded(
+            path
+        )  # a collective: every rank gets the same answer, falls back alike
         if damage is not None:
-            raise CheckpointError(f"checkpoint {path!r} is damaged: {damage}; it was not loaded")
+            raise CheckpointError(f"checkpoint {path!r} {damage}; it was not loaded")
         try:
             shapes = dcp.model_shapes(path)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: reported (and skipped) like a corrupt file
@@ -367,13 +333,17 @@ def _dcp_read(read: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
 def export_single_file(directory: str, path: str) -> str:
     """Turn a sharded checkpoint directory into one checkpoint file (in this one process), written
     atomically; it loads with ``weights_only=True`` into a plain model (``Trainer.load_state_dict``,
-    ``ampkit train --resume``). Returns ``path``."""
+    ``ampkit train --resume``). Its files are verified first (:func:`~ampkit.loop.digest.check_sharded`):
+    a damaged checkpoint is refused, never given a fresh digest. Returns ``path``."""
     from ..distributed import dcp
 
     if not dcp.is_complete(directory):
         raise CheckpointError(_not_sharded(directory))
+    damage = check_sharded(directory)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {directory!r} {damage}; it was not exported")
     state = _dcp_read(
-        lambda: dcp.consolidate(directory),
+        lambda: dcp.consolidate(directory, verified=True),
         f"{directory!r} could not be read as a sharded checkpoint",
     )
     state.pop("ampkit_checkpoint", None)

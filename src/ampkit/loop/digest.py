@@ -12,7 +12,9 @@ without its digest (a kill between the renames leaves the new digest beside the 
 name, or none: a mismatch, reported). In a directory whose other checkpoints carry digests, one
 without its own therefore lost it (deleted, copied alone) and cannot be verified: it is refused.
 A checkpoint without a sidecar among ones without any (written before ampkit recorded digests)
-loads unverified, with a warning that says so.
+loads unverified, with a warning that says so. "Beside" counts sharded checkpoints too (a
+directory with its ``.sha256`` list inside), and the caller may name the peers itself (Hugging
+Face's ``ampkit_amp.pt`` has its peers in the sibling ``checkpoint-N`` directories).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ __all__ = [
     "DIGEST_SUFFIX",
     "HashingWriter",
     "check_digest",
+    "check_sharded",
     "digest_path",
+    "digests_beside",
     "file_sha256",
     "write_digest",
 ]
@@ -123,22 +127,27 @@ def _undo_of(path: str) -> Callable[[], None]:
     return undo
 
 
-def check_digest(path: str) -> Optional[str]:
-    """None when ``path``'s bytes match its sidecar, or when it has none (an ``INFO`` line says it
-    loads unverified); else what is wrong, as words that follow the file's name."""
+def check_digest(path: str, peers: Optional[list[str]] = None) -> Optional[str]:
+    """None when ``path``'s bytes match its sidecar, or when it has none and neither have its peers
+    (a warning says it loads unverified); else what is wrong, as words that follow the file's name.
+    ``peers``: the files whose sidecars say digests were recorded (default: :func:`digests_beside`)."""
     sidecar = digest_path(path)
     name = os.path.basename(sidecar)
     try:
         with open(sidecar, "rb") as f:
             recorded = f.read(4096).split()
     except FileNotFoundError:
-        if _digests_beside(path):
+        if peers is None:
+            peer = digests_beside(path)
+        else:
+            peer = next((digest_path(p) for p in peers if os.path.isfile(digest_path(p))), None)
+        if peer is not None:
             return (
-                f"has no digest file ({name}) although the checkpoints beside it have theirs: "
-                "it lost it and its bytes cannot be verified"
+                f"has no digest file ({name}) although the checkpoints beside it have theirs "
+                f"({peer}): it lost it and its bytes cannot be verified"
             )
         warnings.warn(
-            f"checkpoint {path!r} has no digest file ({name}), nor do the files beside it "
+            f"checkpoint {path!r} has no digest file ({name}), nor do the checkpoints beside it "
             "(written before ampkit recorded digests?): loaded unverified",
             stacklevel=3,
         )
@@ -160,16 +169,45 @@ def check_digest(path: str) -> Optional[str]:
     return None
 
 
-def _digests_beside(path: str) -> bool:
-    """Whether another file in ``path``'s directory has its digest sidecar beside it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    own = os.path.basename(path)
+def digests_beside(path: str) -> Optional[str]:
+    """The digest of another checkpoint in ``path``'s directory (a file's sidecar, or a sharded
+    checkpoint directory's ``.sha256`` list), as a path relative to that directory; None if none
+    has one. ``path`` may be a file or a sharded checkpoint directory."""
+    path = os.path.abspath(path)
+    directory, own = os.path.dirname(path), os.path.basename(path)
     try:
-        names = set(os.listdir(directory))
+        names = set(os.listdir(directory)) - {own}
     except OSError:
-        return False
-    return any(
-        n.endswith(DIGEST_SUFFIX) and n[: -len(DIGEST_SUFFIX)] in names - {own}
-        for n in names
-        if not n.startswith(".tmp-")
+        return None
+    for n in sorted(names):
+        if n.startswith(".tmp-"):
+            continue
+        if n.endswith(DIGEST_SUFFIX) and n[: -len(DIGEST_SUFFIX)] in names:
+            return n
+        if os.path.isfile(os.path.join(directory, n, DIGEST_SUFFIX)):  # a sharded checkpoint's
+            return os.path.join(n, DIGEST_SUFFIX)
+    return None
+
+
+def check_sharded(path: str) -> Optional[str]:
+    """None when every file of the sharded checkpoint directory ``path`` is listed in its
+    ``.sha256`` and matches, or when it has no list and no checkpoint beside it has digests (a
+    warning says it is used unverified); else what is wrong, as words that follow its name. A
+    collective (:func:`ampkit.distributed.dcp.verify`; every rank sees the same files)."""
+    from ..distributed import dcp
+
+    if dcp.has_digests(path):
+        damage = dcp.verify(path)
+        return None if damage is None else f"is damaged: {damage}"
+    peer = digests_beside(path)
+    if peer is not None:
+        return (
+            f"has no digest list ({dcp.DIGESTS} inside it) although the checkpoints beside it "
+            f"have theirs ({peer}): it lost it and its files cannot be verified"
+        )
+    warnings.warn(
+        f"checkpoint {path!r} has no digest list ({dcp.DIGESTS} inside it), nor do the "
+        "checkpoints beside it (written before ampkit recorded digests?): used unverified",
+        stacklevel=3,
     )
+    return None
