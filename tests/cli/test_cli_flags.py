@@ -496,3 +496,18 @@ def test_a_negative_value_is_one_line_naming_the_flag_and_why(command, words, sa
     assert "expected one argument" not in err and "not understood" not in err, err
     assert f"argument {words[0].split('=')[0].replace('-', '_').replace('__', '--')}" in err, err
     assert says in err, err
+
+
+def test_each_rank_labels_its_lines_with_its_own_rank(capsys, monkeypatch):
+    """Under torchrun each process names its own rank in its error lines (every rank said "(rank
+    0)": the label was made before the process group existed)."""
+    from ampkit.cli import _status
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+
+    def run():
+        raise ValueError("refused")
+
+    assert _status("train", run) == (2, False)
+    assert "ampkit train (rank 1): error: refused" in capsys.readouterr().err

@@ -84,7 +84,8 @@ def _run(
 
 
 def _status(command: str, run: Callable[[], Optional[int]]) -> tuple[int, bool]:
-    who = f"ampkit {command}" + (f" (rank {rank()})" if launched() else "")
+    # torchrun's RANK: the process group (rank()) does not exist yet when the label is made
+    who = f"ampkit {command}" + (f" (rank {os.environ.get('RANK', rank())})" if launched() else "")
     try:
         with _own_warnings(who):
             return int(run() or 0), False
