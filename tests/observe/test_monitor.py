@@ -501,3 +501,17 @@ def test_the_scales_of_steps_before_a_fallback_survive_it():
     assert [o["scale_before"] for o in overflows] == [r["scale"] for r in fp16]
     assert all(r["scale"] is None for r in steps if r["precision"] == "bf16")
     assert mon.summary()["scale_min"] == fp16[-1]["scale"]
+
+
+def test_the_summary_names_the_ladder_rung():
+    """``precision_spec`` says the rung of bf16-pure's ladder (summary.json, the summary event),
+    as the run directory and ``--json`` do; the precision alone otherwise."""
+    model, opt, amp = setup("bf16-pure", masters="stochastic", state_dtype="bf16")
+    mon = Monitor(amp, log_every=1)
+    train(model, opt, amp, 2)
+    s = mon.close()
+    assert s["precision"] == "bf16-pure" and s["precision_spec"] == "bf16-pure:stochastic+bf16"
+    model, opt, amp = setup("bf16")
+    mon = Monitor(amp, log_every=1)
+    train(model, opt, amp, 1)
+    assert mon.close()["precision_spec"] == "bf16"

@@ -23,6 +23,7 @@ import torch
 
 from ...step.engine import Event, MixedPrecision
 from ...step.precision import precision_row
+from ...step.rung import Rung, join_spec
 from .summary import state_memory_saved, summarize
 
 __all__ = ["SCHEMA_VERSION", "Monitor", "peak_memory_bytes"]
@@ -342,8 +343,13 @@ class Monitor:
     def _summarize(self) -> dict[str, Any]:
         steps = [r for r in self.history if r.get("type") == "step"] + self.records
         events = [r for r in self.history if r.get("type") == "event"] + self.events
+        rung = Rung.of(self.amp.config) if self.amp.precision.row.has_ladder else None
         return {
             **summarize(steps, events),
+            # the precision that runs now, with its ladder rung (as the run directory names it)
+            "precision_spec": join_spec(
+                self.amp.precision.name, None if not rung or rung.plain else rung
+            ),
             "memory_saved_bytes_predicted": state_memory_saved(self.amp),
         }
 
