@@ -165,3 +165,18 @@ def test_block_size_is_refused_and_data_is_said_on_resume(tmp_path, capsys, monk
     manager.save(state["amp"]["optimizer_steps"], state)
     assert resume("--block_size", "16", "--data", str(other), steps="7") == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_the_resume_hint_names_the_runs_log_dir():
+    """Following "Resume with: ..." continues the run's own log (and summary) even when the first
+    command let ampkit choose runs/<stamp>-<precision> (review43): the hint names that dir."""
+    import argparse
+
+    from ampkit.cli.resume import resume_hint
+
+    args = argparse.Namespace(checkpoint_dir="ck")
+    argv = ["train", "--model", "mlp", "--checkpoint_dir", "ck"]
+    hint = resume_hint(args, argv, "runs/20261128-bf16")
+    assert hint.endswith("--resume --log_dir runs/20261128-bf16")
+    given = resume_hint(args, [*argv, "--log_dir=mine"], "mine")
+    assert given.count("log_dir") == 1

@@ -51,3 +51,12 @@ def test_the_same_settings_load_without_a_word():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         amp.load_state_dict(saved)
+
+
+def test_an_engine_asked_for_auto_takes_the_runs_pick_without_a_word():
+    saved = _trained("fp32").state_dict()
+    amp = _trained("auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict(saved)
+    assert amp.precision.name == "fp32"

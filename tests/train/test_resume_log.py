@@ -181,3 +181,20 @@ def test_a_checkpoint_without_its_data_position_says_the_data_starts_over(tmp_pa
     with pytest.warns(UserWarning, match="no data position"):
         again.load_state_dict(state, source="a hand-made state")
     assert again.amp.optimizer_steps == 4
+
+
+def test_resuming_one_run_never_cuts_another_runs_records_from_a_shared_log(tmp_path):
+    """Two runs write one log dir (each record carries its run_id): resuming the first cuts only
+    its own redone records; the second run's records after it stay (review43)."""
+    _trainer(tmp_path, ck="ckA").fit(6)  # run A: checkpoint at 4
+    _trainer(tmp_path, ck="ckB").fit(5)  # run B, fresh, into the same log
+    before = _records(tmp_path)
+    b_id = before[-1]["run_id"]
+    b_records = [r for r in before if r.get("run_id") == b_id]
+    again = _trainer(tmp_path, ck="ckA")
+    again.resume()
+    again.fit(2)
+    after = _records(tmp_path)
+    assert [r for r in after if r.get("run_id") == b_id] == b_records
+    (resumed,) = [r for r in after if r.get("kind") == "resumed"]
+    assert resumed["dropped_records"] == 0 and resumed["redone_steps"] is None

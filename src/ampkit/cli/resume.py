@@ -24,9 +24,12 @@ from ..step.rung import Rung, join_spec
 __all__ = ["apply_resume_flags", "resume_hint", "run_setting"]
 
 
-def resume_hint(args: argparse.Namespace, argv: Sequence[str]) -> str:
+def resume_hint(
+    args: argparse.Namespace, argv: Sequence[str], log_dir: Optional[str] = None
+) -> str:
     """One sentence: the exact command that continues this run (``argv``, or the launcher's own
-    command line under ``--nproc_per_node``), or why there is none."""
+    command line under ``--nproc_per_node``), or why there is none. It names the run's ``log_dir``
+    where the command did not, so the resumed run writes (and summarizes) the same log."""
     from ..distributed.launch import COMMAND_ENV
 
     if not args.checkpoint_dir:
@@ -35,6 +38,10 @@ def resume_hint(args: argparse.Namespace, argv: Sequence[str]) -> str:
     words = [w for w in words if w not in ("--overwrite",)]
     if "--resume" not in words:
         words.append("--resume")
+    if log_dir and not any(
+        w in ("--log_dir", "--log-dir") or w.startswith(("--log_dir=", "--log-dir=")) for w in words
+    ):
+        words += ["--log_dir", log_dir]
     return f"Resume with: {shlex.join(['ampkit', *words])}"
 
 
@@ -81,7 +88,8 @@ def apply_resume_flags(
         said = ", ".join(f"--{f} {_v(getattr(requested, f))}" for f in differ)
         theirs = ", ".join(f"{_v(getattr(cfg, f))}" for f in differ)
         raise ValueError(
-            f"{said} differs from the checkpoint's {theirs} ({where}): a resumed run keeps the "
+            f"{said} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint's {theirs} "
+            f"({where}): a resumed run keeps the "
             "engine settings it was checkpointed with; resume without "
             f"{'it' if len(differ) == 1 else 'them'} (the run goes on as it was) or start a new run"
         )

@@ -190,11 +190,11 @@ def _train(
     model, batches, amp, why = _model_and_engine(args, console, device, amp)
     model, optimizer, setup_lines = _setup(args, device, model, amp)
     trainer = _trainer(args, console, model, optimizer, amp, batches)
-    trainer.resume_hint = resume_hint(args, run.argv)  # printed with a graceful stop's checkpoint
     resumed = _resume(run, trainer, amp, optimizer) if args.resume else []
     # Now the precision that runs is known (auto measured, a checkpoint's fallback restored): the
     # header and the run directory's name say it.
     log_dir = where.settle(running(amp))
+    trainer.resume_hint = resume_hint(args, run.argv, log_dir)  # with a graceful stop's checkpoint
     console.print(_header(args, device, model, amp, amp.precision.reason if args.resume else why))
     for line in setup_lines + resumed:
         console.print(line)

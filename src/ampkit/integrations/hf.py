@@ -153,6 +153,8 @@ class AmpkitTrainer(_tf.Trainer):
             state = torch.load(path, map_location=self.amp.device, weights_only=True)
             state.pop("ampkit_checkpoint", None)  # save_checkpoint's marker
             self.amp.load_state_dict(state)
+        except Warning:  # (warnings raised as errors: the state was read; not a corrupt file)
+            raise
         except Exception as e:  # noqa: BLE001 - unverified bytes: whatever they break, name the file
             raise CheckpointError(
                 f"checkpoint {path!r} is corrupt or not an ampkit engine state and was not loaded "

@@ -183,13 +183,19 @@ class AmpkitPrecision(_Engine, _pl.plugins.precision.Precision):
         key = type(self).__qualname__  # (the entry Lightning saves the plugin's state_dict under)
         fitting = self._fitting is not None and self._fitting.state.fn == "fit"
         if fitting and key not in checkpoint:
+            why = (
+                "it holds weights only (ModelCheckpoint(save_weights_only=True): no optimizer or "
+                "engine state)"
+                if "optimizer_states" not in checkpoint
+                else "it was written with another precision plugin, or lost it"
+            )
             raise CheckpointError(
                 f"the checkpoint has no {key!r} entry (the ampkit engine's state: the precision "
                 "after fallbacks, the loss scale, the step counters and, for the pure precisions, "
-                "the fp32 master weights): it was written with another precision plugin, or lost "
-                "it. Resuming the fit would go on with a fresh engine, not the run that was saved, "
-                "so nothing was resumed; resume it with the precision that wrote it, or load its "
-                "weights (load_from_checkpoint) and start a new fit"
+                f"the fp32 master weights): {why}. Resuming the fit would go on with a fresh "
+                "engine, not the run that was saved, so nothing was resumed; resume it with the "
+                "precision that wrote it, or load its weights (load_from_checkpoint) and start a "
+                "new fit"
             )
 
     def forward_context(self) -> Any:

@@ -30,14 +30,14 @@ def warn_replaced(mine: Any, theirs: Any, precision: tuple[str, str], source: st
         for f in fields(mine)
         if f.name not in QUIET and getattr(mine, f.name) != getattr(theirs, f.name)
     ]
-    if precision[0] != precision[1]:
+    if precision[0] != precision[1] and getattr(mine, "precision", None) != "auto":
+        # (an engine asked for "auto" takes the run's confirmed pick without a word)
         changed.insert(0, f"precision {precision[0]} -> {precision[1]}")
     if changed:
         warnings.warn(
             CheckpointSettingsWarning(
                 f"{source} replaced this engine's settings with the ones it was saved with: "
-                f"{'; '.join(changed)} (the run goes on as it was saved; amp.switch() changes its "
-                "precision or rung after loading)"
+                f"{'; '.join(changed)} (the run goes on as it was saved, a fallback included)"
             ),
             stacklevel=3,
         )

@@ -29,7 +29,11 @@ def open_monitor(
     per_step = accum * trainer.world_size  # throughput: all ranks
     at = amp.optimizer_steps
     sinks = run_sinks(
-        trainer.settings.log, steps + at, trainer.notes, resumed_at=at if resumed and at else None
+        trainer.settings.log,
+        steps + at,
+        trainer.notes,
+        resumed_at=at if resumed and at else None,
+        run_id=trainer.run_id,
     )
     log = next((s for s in sinks if isinstance(s, JSONLSink)), None)
     monitor = Monitor(
@@ -68,7 +72,11 @@ def _history(path: str, run_id: str) -> list[dict[str, Any]]:
 
 
 def run_sinks(
-    log: LogConfig, total_steps: int, notes: list[str], resumed_at: Optional[int] = None
+    log: LogConfig,
+    total_steps: int,
+    notes: list[str],
+    resumed_at: Optional[int] = None,
+    run_id: Optional[str] = None,
 ) -> list[Any]:
     """The sinks ``log`` asks for, then its own ``sinks`` (none off rank 0, where those are closed
     unused); a missing optional one is a line in ``notes``. ``total_steps`` sizes the progress bar
@@ -81,9 +89,10 @@ def run_sinks(
         return sinks
     if log.dir:
         os.makedirs(log.dir, exist_ok=True)
-        sinks.append(JSONLSink(os.path.join(log.dir, "log.jsonl"), after_step=resumed_at))
-        if log.tensorboard:
-            purge = None if resumed_at is None else resumed_at + 1
+        jsonl = JSONLSink(os.path.join(log.dir, "log.jsonl"), after_step=resumed_at, run_id=run_id)
+        sinks.append(jsonl)
+        if log.tensorboard:  # (a tb/ another run also wrote is not purged: its steps would go)
+            purge = None if resumed_at is None or jsonl.shared else resumed_at + 1
             try:
                 sinks.append(TensorBoardSink(os.path.join(log.dir, "tb"), purge_step=purge))
             except ImportError as e:

@@ -46,17 +46,25 @@ class JSONLSink:
     the records of later steps at the log's end -- an earlier process's, which this one redoes --
     are cut off first (one ``truncate``: the log is whole before and after), as TensorBoard's
     ``purge_step`` does for its events; each step is then in the log once. ``dropped`` counts the
-    records cut and ``redone`` gives the first and last step record cut (None: none).
+    records cut and ``redone`` gives the first and last step record cut (None: none). ``run_id``:
+    only that run's records are cut (a log dir another run also wrote keeps its records).
     """
 
-    def __init__(self, path: str, *, fsync: bool = False, after_step: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        fsync: bool = False,
+        after_step: Optional[int] = None,
+        run_id: Optional[str] = None,
+    ) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self.path = path
         self._fsync = fsync
-        self.dropped, self.redone = 0, None
+        self.dropped, self.redone, self.shared = 0, None, False
         if after_step is not None and os.path.exists(path):
-            self._cut_after(after_step)
+            self._cut_after(after_step, run_id)
         self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the sink
         # A crash mid-line leaves a partial last line; start ours on a fresh line.
         if self._fh.tell() > 0:
@@ -65,8 +73,10 @@ class JSONLSink:
                 if f.read(1) != b"\n":
                     self._fh.write("\n")
 
-    def _cut_after(self, step: int) -> None:
-        """Cut the log's tail of records after ``step`` (and a line a crash cut short there)."""
+    def _cut_after(self, step: int, run_id: Optional[str]) -> None:
+        """Cut the log's tail of records after ``step`` (and a line a crash cut short there); with
+        ``run_id``, only that run's: another run's record (a log dir two runs share) ends the cut
+        and sets ``shared``."""
         with open(self.path, "rb") as f:
             data = f.read()
         lines, starts, pos = data.split(b"\n"), [], 0
@@ -82,6 +92,9 @@ class JSONLSink:
                 break
             last = False
             if r is not None:
+                if run_id is not None and r.get("run_id", run_id) != run_id:
+                    self.shared = True  # another run's: never ours to cut
+                    break
                 if r["step"] <= step:
                     break
                 self.dropped += 1
