@@ -16,12 +16,15 @@ from ampkit.observe.monitor.trackers import JSONLFollower
 from ampkit.train.trainer import Trainer
 
 
-def _trainer(tmp_path: Path, ck: str = "ck", **extra) -> Trainer:
+def _trainer(tmp_path: Path, ck: str = "ck", amp=None, **extra) -> Trainer:
+    """A Trainer of the tiny MLP (bf16 unless ``amp`` is given); ``extra`` adds or overrides its
+    settings (checkpoints every 4 steps, a log record every step)."""
     torch.manual_seed(0)
     model, data = builtin("mlp", "tiny")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    amp = MixedPrecision("bf16", device="cpu")
+    amp = amp or MixedPrecision("bf16", device="cpu")
     model, opt = amp.setup(model, opt)
+    settings = {"checkpoint_every": 4, "log_every": 1, **extra}
     return Trainer(
         model,
         opt,
@@ -29,10 +32,8 @@ def _trainer(tmp_path: Path, ck: str = "ck", **extra) -> Trainer:
         data,
         progress=False,
         checkpoint_dir=str(tmp_path / ck),
-        checkpoint_every=4,
-        log_every=1,
         log_dir=str(tmp_path / "log"),
-        **extra,
+        **settings,
     )
 
 
@@ -118,10 +119,7 @@ def test_a_resumed_runs_summary_covers_the_whole_run(tmp_path):
     and precisions from its first step, as the uninterrupted run's does (it counted the last
     process's steps alone)."""
 
-    def fp16(path, **extra):
-        torch.manual_seed(0)
-        model, data = builtin("mlp", "tiny")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    def fp16(path):
         amp = MixedPrecision(
             "fp16",
             device="cpu",
@@ -130,19 +128,7 @@ def test_a_resumed_runs_summary_covers_the_whole_run(tmp_path):
             fallback_patience=3,
             fallback_check_every=2,
         )
-        model, opt = amp.setup(model, opt)
-        return Trainer(
-            model,
-            opt,
-            amp,
-            data,
-            progress=False,
-            checkpoint_dir=str(path / "ck"),
-            checkpoint_every=3,
-            log_every=4,
-            log_dir=str(path / "log"),
-            **extra,
-        )
+        return _trainer(path, amp=amp, checkpoint_every=3, log_every=4)
 
     whole = fp16(tmp_path / "a")
     whole.fit(12)

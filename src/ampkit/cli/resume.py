@@ -20,6 +20,7 @@ from ..step.config import MixedPrecisionConfig
 from ..step.engine import MixedPrecision
 from ..step.precision import PrecisionError, resolve_precision
 from ..step.rung import Rung, join_spec
+from ..step.settings_diff import differing
 
 __all__ = ["apply_resume_flags", "resume_hint", "run_setting"]
 
@@ -77,13 +78,8 @@ def apply_resume_flags(
     (``--data``) is said (another ``--block_size`` or ``--batch_size`` the Trainer refused)."""
     cfg, notes = amp.config, []
     where = os.path.basename(path)
-    differ = [
-        f
-        for f in MixedPrecisionConfig.__dataclass_fields__
-        if f in given
-        and f not in _HANDLED | {"init_scale"}
-        and getattr(requested, f) != getattr(cfg, f)
-    ]
+    skip = _HANDLED | {"init_scale"}
+    differ = [f for f in differing(requested, cfg) if f in given and f not in skip]
     if differ:
         said = ", ".join(f"--{f} {_v(getattr(requested, f))}" for f in differ)
         theirs = ", ".join(f"{_v(getattr(cfg, f))}" for f in differ)

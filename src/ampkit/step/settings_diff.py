@@ -11,7 +11,7 @@ import warnings
 from dataclasses import fields
 from typing import Any
 
-__all__ = ["CheckpointSettingsWarning", "warn_replaced"]
+__all__ = ["CheckpointSettingsWarning", "differing", "warn_replaced"]
 
 #: settings that change no number of the run (the ladder's scratch only sizes a buffer)
 QUIET = ("precision", "ladder_scratch_mib")
@@ -22,13 +22,18 @@ class CheckpointSettingsWarning(UserWarning):
     ``ampkit train --resume`` says each flag's fate itself, a spike rollback restores its own)."""
 
 
+def differing(mine: Any, theirs: Any) -> list[str]:
+    """The names of the settings (config fields) whose values differ, in the config's order."""
+    return [f.name for f in fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)]
+
+
 def warn_replaced(mine: Any, theirs: Any, precision: tuple[str, str], source: str) -> None:
     """Warn, naming each setting of config ``mine`` that ``theirs`` replaced and the precision
     ``(mine, theirs)`` when it differs; nothing when all are equal."""
     changed = [
-        f"{f.name} {getattr(mine, f.name)!r} -> {getattr(theirs, f.name)!r}"
-        for f in fields(mine)
-        if f.name not in QUIET and getattr(mine, f.name) != getattr(theirs, f.name)
+        f"{name} {getattr(mine, name)!r} -> {getattr(theirs, name)!r}"
+        for name in differing(mine, theirs)
+        if name not in QUIET
     ]
     if precision[0] != precision[1] and getattr(mine, "precision", None) != "auto":
         # (an engine asked for "auto" takes the run's confirmed pick without a word)

@@ -246,11 +246,12 @@ class Monitor:
         scaled = self.amp.precision.needs_scaler
         live_scale = self.amp.scaler.scale_tensor if scaled else None
         flat: list[torch.Tensor] = []
+        # the scale of the precision each step ran in (one since a fallback: still read)
+        scaling = {name: precision_row(name).needs_scaler for name in {p[7] for p in pending}}
         for _, _, loss, scale, found, norm, _, ran_in, *_ in pending:
             flat += [
                 loss if loss is not None else nan,
-                # the scale of the precision the step ran in (one since a fallback: still read)
-                scale if scale is not None and precision_row(ran_in).needs_scaler else nan,
+                scale if scale is not None and scaling[ran_in] else nan,
                 found if found is not None else nan,
                 norm if norm is not None else nan,
             ]
